@@ -1,0 +1,51 @@
+"""ckptcache: tiered in-memory checkpoint storage for PyTorch training.
+
+Replace ``torch.save``/``torch.load`` with :func:`save`/:func:`load`; see README.md.
+"""
+
+__version__ = "0.1.0"
+
+from ckptcache.api import delete, exists, load, save, status  # noqa: E402
+from ckptcache.client import Client  # noqa: E402
+from ckptcache.errors import (  # noqa: E402
+    BudgetExceeded,
+    CheckpointNotFound,
+    CkptCacheError,
+    CkptCacheWarning,
+    ConfigError,
+    CorruptCheckpoint,
+    DaemonUnavailable,
+    InvalidPath,
+    ObjectTooLarge,
+    PathNotAllowed,
+    PersistError,
+    ProtocolMismatch,
+    SerializationError,
+    UnsafeUnpickle,
+)
+from ckptcache.wire.messages import ObjectInfo as ObjectStatus  # noqa: E402
+
+__all__ = [
+    "BudgetExceeded",
+    "CheckpointNotFound",
+    "CkptCacheError",
+    "CkptCacheWarning",
+    "Client",
+    "ConfigError",
+    "CorruptCheckpoint",
+    "DaemonUnavailable",
+    "InvalidPath",
+    "ObjectStatus",
+    "ObjectTooLarge",
+    "PathNotAllowed",
+    "PersistError",
+    "ProtocolMismatch",
+    "SerializationError",
+    "UnsafeUnpickle",
+    "__version__",
+    "delete",
+    "exists",
+    "load",
+    "save",
+    "status",
+]

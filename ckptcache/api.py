@@ -1,0 +1,80 @@
+"""Module-level drop-ins for ``torch.save``/``torch.load`` on a per-process default client."""
+
+from __future__ import annotations
+
+import os
+import threading
+from typing import Any
+
+from ckptcache.client import Client
+from ckptcache.flatten import MapLocation
+from ckptcache.wire.messages import ObjectInfo
+
+__all__ = ["default_client", "delete", "exists", "load", "save", "set_default_client", "status"]
+
+_lock = threading.Lock()
+_default: Client | None = None
+
+
+def default_client() -> Client:
+    """The process's default :class:`Client` (created on first use, recreated after fork)."""
+    global _default
+    with _lock:
+        if _default is None:
+            _default = Client()
+        return _default
+
+
+def set_default_client(client: Client | None) -> None:
+    """Replace the default client (``None``: create a fresh one from the environment on next use)."""
+    global _default
+    with _lock:
+        old, _default = _default, client
+    if old is not None and old is not client:
+        old.close()
+
+
+def save(obj: Any, path: str | os.PathLike[str], *, durability: str = "local") -> None:
+    """Drop-in for ``torch.save(obj, path)``: returns once the bytes are in node memory.
+
+    Same object model as ``torch.save``. ``durability="local"`` returns after phase 1 on this
+    node. Without a reachable daemon (or with a full budget) the object is written to ``path``
+    with ``torch.save`` and a :class:`~ckptcache.errors.CkptCacheWarning` is issued once.
+    """
+    default_client().save(obj, path, durability=durability)
+
+
+def load(
+    path: str | os.PathLike[str],
+    map_location: MapLocation = None,
+    *,
+    weights_only: bool = True,
+    mmap: bool | None = None,
+    verify: bool = False,
+) -> Any:
+    """Drop-in for ``torch.load(path, map_location, weights_only=..., mmap=...)``.
+
+    From the cache, CPU tensors are zero-copy copy-on-write views of the daemon's segment
+    (``mmap=None`` or ``True``): writing to them never changes the cached copy. ``mmap=False``
+    returns private heap copies instead. ``verify=True`` checks every tensor's xxh3 digest and
+    raises :class:`~ckptcache.errors.CorruptCheckpoint` naming the bad tensor (after trying the
+    file at ``path``). Paths the cache does not hold are read from the file with ``torch.load``.
+    """
+    return default_client().load(
+        path, map_location, weights_only=weights_only, mmap=mmap, verify=verify
+    )
+
+
+def exists(path: str | os.PathLike[str]) -> bool:
+    """Whether ``path`` can be loaded (from the cache or from storage)."""
+    return default_client().exists(path)
+
+
+def status(path: str | os.PathLike[str]) -> ObjectInfo:
+    """Generation, size and stages reached (``local``, ``persisted``, ``storage``) of ``path``."""
+    return default_client().status(path)
+
+
+def delete(path: str | os.PathLike[str]) -> int:
+    """Drop every cached generation of ``path`` from memory; storage is untouched."""
+    return default_client().delete(path)

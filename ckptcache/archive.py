@@ -1,0 +1,168 @@
+"""Plan the byte layout of a ``torch.save``-compatible zip archive before any tensor is copied.
+
+A segment's payload *is* the archive ``torch.save`` would have written (stored entries, storages
+64-byte aligned, data descriptors and zip64 records placed the way PyTorch's miniz writer places
+them), so persisting a checkpoint is a plain byte copy of the payload and ``torch.load`` reads
+the persisted file with no ckptcache installed.
+
+Because every size is known up front, the layout is computed once as a list of metadata pieces
+``(offset, bytes)``; the storage bytes are then copied by the caller straight to their offsets.
+"""
+
+from __future__ import annotations
+
+import struct
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+__all__ = ["ARCHIVE_ALIGNMENT", "ArchivePlan", "plan_archive"]
+
+#: Alignment of every record's data, as ``torch.utils.serialization.config.save.storage_alignment``.
+ARCHIVE_ALIGNMENT = 64
+
+_U32_MAX = 0xFFFFFFFF
+_LOCAL_HEADER = struct.Struct("<IHHHHHIIIHH")
+_CENTRAL_HEADER = struct.Struct("<IHHHHHHIIIHHHHHII")
+_FLAGS = 0x0808  # bit 3: sizes in a data descriptor; bit 11: UTF-8 names (as miniz writes them)
+
+
+@dataclass(frozen=True)
+class ArchivePlan:
+    """Where everything of one archive goes.
+
+    ``pieces`` are the metadata bytes (headers, small records, descriptors, central directory)
+    with their offsets from the start of the archive; ``storage_offsets[i]`` is where the bytes
+    of storage ``i`` (record ``data/i``) start. ``size`` is the archive's total length.
+    """
+
+    size: int
+    pieces: tuple[tuple[int, bytes], ...]
+    storage_offsets: tuple[int, ...]
+    pickle_offset: int
+    pickle_size: int
+
+    def write_metadata(self, buf: memoryview) -> None:
+        """Write every metadata piece into ``buf`` (a writable view of the archive's bytes)."""
+        for offset, data in self.pieces:
+            buf[offset : offset + len(data)] = data
+
+
+@dataclass(frozen=True)
+class _Entry:
+    name: bytes
+    header_offset: int
+    data_offset: int
+    size: int
+
+
+def _padding_extra(header_offset: int, name_len: int, alignment: int) -> bytes:
+    """The ``FB`` extra field miniz adds so that the record's data starts aligned."""
+    start = header_offset + _LOCAL_HEADER.size + name_len
+    pad = (-start) % alignment
+    if pad == 0:
+        return b""
+    # The extra field needs 4 bytes of its own header; if they do not fit, pad one more block.
+    if pad < 4:
+        pad += alignment
+    return b"FB" + struct.pack("<H", pad - 4) + b"Z" * (pad - 4)
+
+
+def _descriptor(entry: _Entry) -> bytes:
+    if entry.header_offset >= _U32_MAX or entry.size >= _U32_MAX:
+        return struct.pack("<IIQQ", 0x08074B50, 0, entry.size, entry.size)
+    return struct.pack("<IIII", 0x08074B50, 0, entry.size, entry.size)
+
+
+def _central_record(entry: _Entry) -> bytes:
+    zip64: list[int] = []
+    size32 = entry.size
+    offset32 = entry.header_offset
+    if entry.size >= _U32_MAX:
+        size32 = _U32_MAX
+        zip64 += [entry.size, entry.size]
+    if entry.header_offset >= _U32_MAX:
+        offset32 = _U32_MAX
+        zip64.append(entry.header_offset)
+    extra = b""
+    if zip64:
+        extra = struct.pack(f"<HH{len(zip64)}Q", 0x0001, 8 * len(zip64), *zip64)
+    header = _CENTRAL_HEADER.pack(
+        0x02014B50, 0, 0, _FLAGS, 0, 0, 0, 0, size32, size32, len(entry.name), len(extra),
+        0, 0, 0, 0, offset32,
+    )  # fmt: skip
+    return header + entry.name + extra
+
+
+def _end_records(n_entries: int, cd_offset: int, cd_size: int) -> bytes:
+    eocd64_offset = cd_offset + cd_size
+    eocd64 = struct.pack(
+        "<IQHHIIQQQQ", 0x06064B50, 44, 0x031E, 0x2D, 0, 0, n_entries, n_entries, cd_size, cd_offset
+    )
+    locator = struct.pack("<IIQI", 0x07064B50, 0, eocd64_offset, 1)
+    n16 = min(n_entries, 0xFFFF)
+    eocd = struct.pack(
+        "<IHHHHIIH", 0x06054B50, 0, 0, n16, n16, min(cd_size, _U32_MAX),
+        min(cd_offset, _U32_MAX), 0,
+    )  # fmt: skip
+    return eocd64 + locator + eocd
+
+
+def plan_archive(
+    pickle_bytes: bytes,
+    storage_sizes: Sequence[int],
+    *,
+    archive_name: str = "archive",
+    serialization_id: str = "0" * 40,
+    alignment: int = ARCHIVE_ALIGNMENT,
+) -> ArchivePlan:
+    """Lay out an archive holding ``pickle_bytes`` as ``data.pkl`` and storages ``data/0..n-1``.
+
+    The record order is ``torch.save``'s: ``data.pkl``, ``.format_version``,
+    ``.storage_alignment``, ``byteorder``, the storages in key order, ``version``, and
+    ``.data/serialization_id``.
+    """
+    small_before = [
+        ("data.pkl", pickle_bytes),
+        (".format_version", b"1"),
+        (".storage_alignment", str(alignment).encode()),
+        ("byteorder", sys.byteorder.encode()),
+    ]
+    small_after = [("version", b"3\n"), (".data/serialization_id", serialization_id.encode())]
+    records: list[tuple[str, bytes | int]] = [*small_before]
+    records += [(f"data/{i}", size) for i, size in enumerate(storage_sizes)]
+    records += small_after
+
+    pieces: list[tuple[int, bytes]] = []
+    entries: list[_Entry] = []
+    offset = 0
+    for name, content in records:
+        full_name = f"{archive_name}/{name}".encode()
+        extra = _padding_extra(offset, len(full_name), alignment)
+        size = content if isinstance(content, int) else len(content)
+        local = _LOCAL_HEADER.pack(0x04034B50, 0, _FLAGS, 0, 0, 0, 0, 0, 0, len(full_name), len(extra))
+        data_offset = offset + len(local) + len(full_name) + len(extra)
+        pieces.append((offset, local + full_name + extra))
+        entry = _Entry(full_name, offset, data_offset, size)
+        entries.append(entry)
+        if not isinstance(content, int):
+            pieces.append((data_offset, content))
+        # miniz writes a data descriptor only after non-empty records.
+        descriptor = _descriptor(entry) if size > 0 else b""
+        if descriptor:
+            pieces.append((data_offset + size, descriptor))
+        offset = data_offset + size + len(descriptor)
+
+    cd_offset = offset
+    central = b"".join(_central_record(e) for e in entries)
+    pieces.append((cd_offset, central + _end_records(len(entries), cd_offset, len(central))))
+    size = cd_offset + len(central) + 56 + 20 + 22
+    n_small = len(small_before)
+    storage_offsets = tuple(e.data_offset for e in entries[n_small : n_small + len(storage_sizes)])
+    return ArchivePlan(
+        size=size,
+        pieces=tuple(pieces),
+        storage_offsets=storage_offsets,
+        pickle_offset=entries[0].data_offset,
+        pickle_size=len(pickle_bytes),
+    )

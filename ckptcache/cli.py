@@ -1,0 +1,201 @@
+"""The ``ckptcache`` command: run the daemon, inspect and manage what it holds, run the demo.
+
+Exit codes: 0 success, 1 operation failed (not found, corrupt, daemon gone), 2 bad usage or
+configuration.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from ckptcache._units import format_bytes
+from ckptcache.errors import CkptCacheError, ConfigError
+
+__all__ = ["main"]
+
+
+def _table(rows: Sequence[Sequence[str]], headers: Sequence[str]) -> str:
+    widths = [max(len(str(x)) for x in col) for col in zip(headers, *rows, strict=False)]
+    lines = ["  ".join(str(h).ljust(w) for h, w in zip(headers, widths, strict=True))]
+    lines += ["  ".join(str(c).ljust(w) for c, w in zip(r, widths, strict=True)) for r in rows]
+    return "\n".join(line.rstrip() for line in lines)
+
+
+def _when(ts: float) -> str:
+    return datetime.datetime.fromtimestamp(ts).strftime("%Y-%m-%d %H:%M:%S") if ts else "-"
+
+
+def _emit(args: argparse.Namespace, data: Any, text: str) -> None:
+    if args.json:
+        if dataclasses.is_dataclass(data) and not isinstance(data, type):
+            data = dataclasses.asdict(data)
+        elif isinstance(data, list):
+            data = [dataclasses.asdict(d) for d in data]
+        print(json.dumps(data, indent=2, default=str))
+    else:
+        print(text)
+
+
+def _client(args: argparse.Namespace) -> Any:
+    from ckptcache.client import Client
+
+    return Client(args.socket, namespace=args.namespace, fallback="raise")
+
+
+def _cmd_daemon(args: argparse.Namespace) -> int:
+    from ckptcache.server.config import load_config
+    from ckptcache.server.daemon import run_daemon
+
+    overrides = {
+        "memory_limit": args.memory_limit,
+        "shm_dir": args.shm_dir,
+        "socket": args.socket,
+        "node_id": args.node_id,
+        "metrics_port": args.metrics_port,
+        "keep": args.keep,
+        "reserve_timeout": args.reserve_timeout,
+        "log_level": args.log_level,
+    }
+    config = load_config(args.config, {k: v for k, v in overrides.items() if v is not None})
+    return run_daemon(config)
+
+
+def _cmd_ls(args: argparse.Namespace) -> int:
+    with _client(args) as client:
+        objects = client.list(args.prefix, all_namespaces=args.all_namespaces)
+    rows = [
+        (o.path, o.namespace, str(o.generation), str(o.generations), format_bytes(o.size),
+         ",".join(o.stages), _when(o.committed))
+        for o in objects
+    ]  # fmt: skip
+    headers = ("PATH", "NAMESPACE", "GEN", "KEPT", "SIZE", "STAGES", "COMMITTED")
+    _emit(args, objects, _table(rows, headers) if rows else "(no cached checkpoints)")
+    return 0
+
+
+def _cmd_status(args: argparse.Namespace) -> int:
+    with _client(args) as client:
+        st = client.daemon_status()
+        objects = client.list("", all_namespaces=True)
+    pairs = [
+        ("node", st.node_id), ("pid", str(st.pid)), ("version", st.version),
+        ("uptime", f"{st.uptime:.0f} s"), ("socket", st.socket), ("shm dir", st.shm_dir),
+        ("memory", f"{format_bytes(st.memory_used)} of {format_bytes(st.memory_limit)} "
+                   f"({format_bytes(st.memory_free_pool)} in the free pool)"),
+        ("segments", f"{st.segments} ({st.free_segments} free)"),
+        ("objects", f"{st.objects} paths, {st.generations} generations, {st.pinned} pinned"),
+    ]  # fmt: skip
+    text = _table(pairs, ("DAEMON", ""))
+    if objects:
+        rows = [
+            (o.path, str(o.generation), format_bytes(o.size), ",".join(o.stages),
+             o.persist_state, o.persist_error[:60] or "-")
+            for o in objects
+        ]  # fmt: skip
+        text += "\n\n" + _table(rows, ("PATH", "GEN", "SIZE", "STAGES", "PERSIST", "LAST ERROR"))
+    _emit(args, {"daemon": dataclasses.asdict(st), "objects": [dataclasses.asdict(o) for o in objects]}, text)
+    return 0
+
+
+def _cmd_inspect(args: argparse.Namespace) -> int:
+    with _client(args) as client:
+        info = client.status(args.path)
+        verify = client.verify(args.path) if args.verify else None
+    pairs = [
+        ("path", info.path), ("namespace", info.namespace), ("generation", str(info.generation)),
+        ("generations kept", str(info.generations)), ("size", format_bytes(info.size)),
+        ("stages", ",".join(info.stages)), ("committed", _when(info.committed)),
+        ("segment", info.segment or "-"), ("pins", str(info.pins)),
+        ("digests", "recorded" if info.digests_valid else "pending"),
+    ]  # fmt: skip
+    if verify is not None:
+        pairs.append(("verify", "ok" if verify.ok else f"CORRUPT: {verify.error}"))
+    data = {"object": dataclasses.asdict(info)}
+    if verify is not None:
+        data["verify"] = dataclasses.asdict(verify)
+    _emit(args, data, _table(pairs, ("OBJECT", "")))
+    return 0 if verify is None or verify.ok else 1
+
+
+def _cmd_rm(args: argparse.Namespace) -> int:
+    with _client(args) as client:
+        dropped = client.delete(args.path)
+    _emit(args, {"dropped": dropped}, f"dropped {dropped} generation(s) of {args.path}")
+    return 0
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    from ckptcache.demo import run_demo
+
+    return run_demo(size_mib=args.size_mib)
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="ckptcache", description=__doc__.splitlines()[0])
+    sub = p.add_subparsers(dest="command", required=True)
+
+    def client_opts(sp: argparse.ArgumentParser) -> None:
+        sp.add_argument("--socket", help="daemon socket (default: $CKPTCACHE_SOCKET)")
+        sp.add_argument("--namespace", help="job namespace (default: $CKPTCACHE_NAMESPACE)")
+        sp.add_argument("--json", action="store_true", help="machine-readable output")
+
+    d = sub.add_parser("daemon", help="run the cache daemon in the foreground")
+    d.add_argument("--config", help="YAML config file")
+    d.add_argument("--memory-limit", help="memory budget, e.g. 8GiB")
+    d.add_argument("--shm-dir", help="directory for segment files (on tmpfs)")
+    d.add_argument("--socket", help="Unix socket to listen on")
+    d.add_argument("--node-id", help="name of this node")
+    d.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port")
+    d.add_argument("--keep", type=int, help="generations kept per path (default 2)")
+    d.add_argument("--reserve-timeout", type=float, help="seconds a save may wait for memory")
+    d.add_argument("--log-level", help="DEBUG, INFO, WARNING or ERROR")
+    d.set_defaults(fn=_cmd_daemon)
+
+    ls = sub.add_parser("ls", help="list cached checkpoints")
+    ls.add_argument("prefix", nargs="?", default="")
+    ls.add_argument("--all-namespaces", action="store_true")
+    client_opts(ls)
+    ls.set_defaults(fn=_cmd_ls)
+
+    st = sub.add_parser("status", help="daemon status and every cached object")
+    client_opts(st)
+    st.set_defaults(fn=_cmd_status)
+
+    ins = sub.add_parser("inspect", help="details of one checkpoint")
+    ins.add_argument("path")
+    ins.add_argument("--verify", action="store_true", help="recompute and check digests")
+    client_opts(ins)
+    ins.set_defaults(fn=_cmd_inspect)
+
+    rm = sub.add_parser("rm", help="drop a checkpoint from memory (storage is untouched)")
+    rm.add_argument("path")
+    client_opts(rm)
+    rm.set_defaults(fn=_cmd_rm)
+
+    demo = sub.add_parser("demo", help="start a daemon, save, kill the saver, reload, benchmark")
+    demo.add_argument("--size-mib", type=int, default=512, help="state dict size (default 512)")
+    demo.set_defaults(fn=_cmd_demo)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``ckptcache`` console script."""
+    args = _parser().parse_args(argv)
+    try:
+        return int(args.fn(args))
+    except ConfigError as e:
+        print(f"ckptcache: {e}", file=sys.stderr)
+        return 2
+    except CkptCacheError as e:
+        print(f"ckptcache: {e}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,414 @@
+"""The client of the local daemon: drop-in ``save``/``load`` through shared memory.
+
+A save flattens the object, reserves a segment, copies every storage straight into it (the
+only stall) and commits. A load pins the newest generation and maps it copy-on-write, so the
+returned CPU tensors are zero-copy views that the trainer may still modify freely.
+
+When the daemon cannot be reached (or has no room), ``save`` writes through to the path with
+``torch.save`` and warns once, and ``load`` reads the file at the path: a checkpoint error never
+stops training unless ``fallback="raise"`` asks for it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+import warnings
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import rpyc
+import torch
+
+from ckptcache import errors
+from ckptcache._defaults import default_namespace, default_socket
+from ckptcache.errors import (
+    BudgetExceeded,
+    CheckpointNotFound,
+    CkptCacheWarning,
+    CorruptCheckpoint,
+    DaemonUnavailable,
+    InvalidPath,
+)
+from ckptcache.flatten import MapLocation, flatten, unflatten
+from ckptcache.layout import HEADER_SIZE
+from ckptcache.manifest import Manifest, plan_object, unpack_digests, verify_digests
+from ckptcache.shm import Mapping, copy_storage_into, map_private, map_shared, storage_copy
+from ckptcache.shm import storage_view
+from ckptcache.wire import messages as m
+
+__all__ = ["DURABILITY_LEVELS", "Client", "normalize_path"]
+
+#: What ``save`` may wait for before it returns.
+DURABILITY_LEVELS = ("local",)
+
+R = TypeVar("R")
+
+_warned: set[str] = set()
+
+
+def _warn_once(key: str, message: str) -> None:
+    if key not in _warned:
+        _warned.add(key)
+        warnings.warn(message, CkptCacheWarning, stacklevel=4)
+
+
+def normalize_path(path: Any) -> str:
+    """The name of a checkpoint: an absolute local path, or a URL (``s3://...``) unchanged."""
+    if isinstance(path, os.PathLike):
+        path = os.fspath(path)
+    if not isinstance(path, str):
+        raise InvalidPath(
+            f"checkpoint path must be a str or os.PathLike, not {type(path).__name__}; "
+            "ckptcache names objects by the path torch.save would write"
+        )
+    if not path or "\x00" in path:
+        raise InvalidPath(f"invalid checkpoint path {path!r}")
+    if "://" in path:
+        return path
+    return os.path.abspath(path)
+
+
+def _is_url(path: str) -> bool:
+    return "://" in path
+
+
+class Client:
+    """A connection to the local daemon, with its own namespace, timeouts and fallback policy.
+
+    ``socket_path`` defaults to ``$CKPTCACHE_SOCKET`` or ``/tmp/ckptcache-<uid>/daemon.sock``;
+    ``namespace`` to ``$CKPTCACHE_NAMESPACE`` or ``default``. ``fallback`` is
+    ``"write-through"`` (save to the path with torch.save when the daemon is gone or full) or
+    ``"raise"``. A client may be shared by threads; after ``fork`` the child reconnects.
+    """
+
+    def __init__(
+        self,
+        socket_path: str | None = None,
+        *,
+        namespace: str | None = None,
+        timeout: float = 60.0,
+        fallback: str = "write-through",
+    ):
+        if fallback not in ("write-through", "raise"):
+            raise ValueError(f"fallback must be 'write-through' or 'raise', not {fallback!r}")
+        self.socket_path = socket_path or default_socket()
+        self.namespace = namespace or default_namespace()
+        self.timeout = timeout
+        self.fallback = fallback
+        self._lock = threading.RLock()
+        self._conn: Any = None
+        self._epoch = 0
+        self._pid = os.getpid()
+        self._segments_dir = ""
+        self.node_id = ""
+        self._write_maps: dict[str, Mapping] = {}
+        self._pending_release: list[tuple[int, int]] = []
+
+    # ----------------------------------------------------------------- connection
+
+    def _connect(self) -> Any:
+        if self._pid != os.getpid():
+            # Forked: the parent's socket and mappings are not ours to use or close.
+            self._conn, self._write_maps, self._pending_release = None, {}, []
+            self._pid = os.getpid()
+        if self._conn is not None and not self._conn.closed:
+            return self._conn
+        try:
+            conn = rpyc.utils.factory.unix_connect(
+                self.socket_path, config={"sync_request_timeout": self.timeout}
+            )
+        except OSError as e:
+            raise DaemonUnavailable(
+                f"no ckptcache daemon at {self.socket_path} ({e.strerror or e}); start one with "
+                "`ckptcache daemon` or set CKPTCACHE_SOCKET"
+            ) from e
+        self._conn = conn
+        self._epoch += 1
+        self._pending_release = []
+        hello = self._request(
+            "hello", m.HelloRequest(m.PROTOCOL_VERSION, os.getpid(), self.namespace), m.HelloReply
+        )
+        self._segments_dir = hello.shm_dir
+        self.node_id = hello.node_id
+        return conn
+
+    def _request(self, kind: str, message: Any, reply_type: type[R] | None = None) -> Any:
+        try:
+            text = self._conn.root.request(kind, m.encode(message))
+        except (EOFError, OSError, TimeoutError) as e:
+            self._drop_connection()
+            raise DaemonUnavailable(
+                f"the ckptcache daemon at {self.socket_path} went away during {kind!r} "
+                f"({type(e).__name__}: {e}); restart it, committed checkpoints are kept"
+            ) from e
+        envelope = json.loads(text)
+        if not envelope.get("ok"):
+            err = envelope.get("error", {})
+            cls = getattr(errors, str(err.get("type")), errors.CkptCacheError)
+            if not (isinstance(cls, type) and issubclass(cls, errors.CkptCacheError)):
+                cls = errors.CkptCacheError
+            raise cls(err.get("message", "unknown daemon error"))
+        result = envelope.get("result")
+        return m.decode(reply_type, json.dumps(result)) if reply_type is not None else result
+
+    def _call(self, kind: str, message: Any, reply_type: type[R] | None = None) -> Any:
+        with self._lock:
+            self._connect()
+            self._flush_releases()
+            return self._request(kind, message, reply_type)
+
+    def _drop_connection(self) -> None:
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            try:
+                conn.close()
+            except Exception:
+                pass
+
+    def _flush_releases(self) -> None:
+        pending, self._pending_release = self._pending_release, []
+        leases = tuple(lease for epoch, lease in pending if epoch == self._epoch)
+        if leases:
+            self._request("release", m.ReleaseRequest(leases))
+
+    def _release_later(self, epoch: int, lease: int) -> Callable[[], None]:
+        # Runs from a GC finalizer: it must not touch the connection, only queue the lease.
+        return lambda: self._pending_release.append((epoch, lease))
+
+    def close(self) -> None:
+        """Release pins, close the connection and the cached write mappings."""
+        with self._lock:
+            if self._conn is not None and self._pid == os.getpid():
+                try:
+                    self._flush_releases()
+                except errors.CkptCacheError:
+                    pass
+            self._drop_connection()
+            for mapping in self._write_maps.values():
+                try:
+                    mapping.close()
+                except BufferError:
+                    pass
+            self._write_maps = {}
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ----------------------------------------------------------------- save
+
+    def _write_mapping(self, segment: str, capacity: int) -> Mapping:
+        """The cached shared mapping of a segment (made once, reused by every later save)."""
+        for name in [n for n in self._write_maps if not os.path.exists(self._seg_path(n))]:
+            self._write_maps.pop(name).close()  # the daemon dropped it: free our pages too
+        mapping = self._write_maps.get(segment)
+        if mapping is None or len(mapping) != capacity:
+            mapping = map_shared(self._seg_path(segment), capacity)
+            self._write_maps[segment] = mapping
+        return mapping
+
+    def _seg_path(self, name: str) -> str:
+        return os.path.join(self._segments_dir, name)
+
+    def save(self, obj: Any, path: Any, *, durability: str = "local") -> None:
+        """Save ``obj`` under ``path``; returns once the bytes are in the daemon's memory."""
+        t0 = time.perf_counter()
+        path = normalize_path(path)
+        if durability not in DURABILITY_LEVELS:
+            raise ValueError(
+                f"durability must be one of {', '.join(DURABILITY_LEVELS)}, not {durability!r}"
+            )
+        flat = flatten(obj)
+        plan = plan_object(flat, path, self.namespace)
+        with self._lock:
+            try:
+                reply = self._call(
+                    "reserve",
+                    m.ReserveRequest(self.namespace, path, plan.layout.nbytes, durability),
+                    m.ReserveReply,
+                )
+            except (DaemonUnavailable, BudgetExceeded) as e:
+                self._write_through(obj, path, e)
+                return
+            try:
+                mapping = self._write_mapping(reply.segment, reply.capacity)
+                view = memoryview(mapping)
+                try:
+                    plan.archive.write_metadata(view[HEADER_SIZE : HEADER_SIZE + plan.archive.size])
+                    offset = plan.layout.manifest_offset
+                    view[offset : offset + len(plan.manifest_bytes)] = plan.manifest_bytes
+                finally:
+                    view.release()
+                for record, storage in zip(plan.manifest.storages, flat.storages, strict=True):
+                    copy_storage_into(mapping, record.offset, storage)
+                commit = m.CommitRequest(
+                    reply.reservation,
+                    plan.layout.manifest_offset,
+                    len(plan.manifest_bytes),
+                    time.perf_counter() - t0,
+                )
+                self._call("commit", commit, m.CommitReply)
+            except DaemonUnavailable as e:
+                self._write_through(obj, path, e)
+            except BaseException:
+                if self._conn is not None:
+                    try:
+                        self._request("abort", m.AbortRequest(reply.reservation))
+                    except errors.CkptCacheError:
+                        pass
+                raise
+
+    def _write_through(self, obj: Any, path: str, reason: errors.CkptCacheError) -> None:
+        if self.fallback == "raise":
+            raise reason
+        if _is_url(path):
+            raise reason  # remote write-through arrives with the storage backends
+        _warn_once(
+            type(reason).__name__,
+            f"ckptcache: writing {path!r} straight to storage with torch.save ({reason})",
+        )
+        torch.save(obj, path)
+
+    # ----------------------------------------------------------------- load
+
+    def load(
+        self,
+        path: Any,
+        map_location: MapLocation = None,
+        *,
+        weights_only: bool = True,
+        mmap: bool | None = None,
+        verify: bool = False,
+    ) -> Any:
+        """Load the newest generation of ``path`` (see :func:`ckptcache.load`)."""
+        path = normalize_path(path)
+        try:
+            reply = self._call(
+                "open", m.OpenRequest(self.namespace, path, need_digests=verify), m.OpenReply
+            )
+        except (CheckpointNotFound, DaemonUnavailable) as e:
+            return self._load_file(path, map_location, weights_only, mmap, e)
+        try:
+            return self._load_segment(reply, map_location, weights_only, mmap, verify)
+        except CorruptCheckpoint as e:
+            try:
+                self._call(
+                    "report_corrupt",
+                    m.ReportCorruptRequest(self.namespace, path, reply.generation, str(e)),
+                )
+            except errors.CkptCacheError:
+                pass
+            if os.path.exists(path):
+                return self._load_file(path, map_location, weights_only, mmap, e)
+            raise
+
+    def _load_segment(
+        self,
+        reply: m.OpenReply,
+        map_location: MapLocation,
+        weights_only: bool,
+        mmap: bool | None,
+        verify: bool,
+    ) -> Any:
+        mapping = map_private(
+            self._seg_path(reply.segment), reply.size, self._release_later(self._epoch, reply.lease)
+        )
+        view = memoryview(mapping)
+        try:
+            mo, ms = reply.manifest_offset, reply.manifest_size
+            manifest = Manifest.from_json(view[mo : mo + ms], segment_size=reply.size)
+            if verify:
+                if not reply.digests_valid:
+                    raise CorruptCheckpoint("daemon returned no digests to verify against")
+                table = view[reply.digest_offset : reply.digest_offset + 8 * reply.n_storages]
+                verify_digests(view, manifest, unpack_digests(table, reply.n_storages), tier="local")
+            records = {r.key: r for r in manifest.storages}
+            zero_copy = mmap is not False
+
+            def load_storage(key: str, nbytes: int) -> torch.UntypedStorage:
+                record = records.get(key)
+                if record is None or record.nbytes != nbytes:
+                    raise CorruptCheckpoint(
+                        f"skeleton of {manifest.path!r} refers to storage {key} that the "
+                        "manifest does not hold", tier="local",
+                    )  # fmt: skip
+                if zero_copy:
+                    return storage_view(mapping, record.offset, nbytes)
+                return storage_copy(mapping, record.offset, nbytes)
+
+            po = manifest.pickle_offset
+            skeleton = bytes(view[po : po + manifest.pickle_size])
+        finally:
+            view.release()
+        return unflatten(
+            skeleton, load_storage, weights_only=weights_only, map_location=map_location
+        )
+
+    def _load_file(
+        self,
+        path: str,
+        map_location: MapLocation,
+        weights_only: bool,
+        mmap: bool | None,
+        reason: errors.CkptCacheError,
+    ) -> Any:
+        if _is_url(path) or not os.path.exists(path):
+            if isinstance(reason, CheckpointNotFound):
+                raise CheckpointNotFound(
+                    f"{path!r} is neither in the cache nor in storage; check the path "
+                    "(and the namespace, if the job sets one)"
+                ) from reason
+            raise reason
+        if isinstance(reason, DaemonUnavailable) and self.fallback == "raise":
+            raise reason
+        return torch.load(path, map_location=map_location, weights_only=weights_only, mmap=mmap)
+
+    # ----------------------------------------------------------------- queries
+
+    def status(self, path: Any) -> m.ObjectInfo:
+        """What the cache (or storage) holds for ``path``."""
+        path = normalize_path(path)
+        try:
+            return self._call("stat", m.StatRequest(self.namespace, path), m.ObjectInfo)
+        except (CheckpointNotFound, DaemonUnavailable) as e:
+            if not _is_url(path) and os.path.exists(path):
+                st = os.stat(path)
+                return m.ObjectInfo(
+                    self.namespace, path, 0, st.st_size, ("storage",), st.st_mtime, "", 0, False
+                )
+            if isinstance(e, CheckpointNotFound):
+                raise
+            raise
+
+    def exists(self, path: Any) -> bool:
+        """Whether ``path`` can be loaded from the cache or from storage."""
+        try:
+            self.status(path)
+        except (CheckpointNotFound, DaemonUnavailable):
+            return False
+        return True
+
+    def delete(self, path: Any) -> int:
+        """Drop every cached generation of ``path`` (storage is untouched); returns the count."""
+        path = normalize_path(path)
+        return int(self._call("delete", m.DeleteRequest(self.namespace, path), m.DeleteReply).dropped)
+
+    def list(self, prefix: str = "", *, all_namespaces: bool = False) -> list[m.ObjectInfo]:
+        """Newest generation of every cached path starting with ``prefix``."""
+        ns = None if all_namespaces else self.namespace
+        reply = self._call("list", m.ListRequest(ns, prefix), m.ListReply)
+        return list(reply.objects)
+
+    def verify(self, path: Any) -> m.VerifyReply:
+        """Have the daemon recompute and compare the digests of ``path``'s newest generation."""
+        path = normalize_path(path)
+        return self._call("verify", m.VerifyRequest(self.namespace, path), m.VerifyReply)
+
+    def daemon_status(self) -> m.DaemonStatus:
+        """Daemon-wide counters."""
+        return self._call("status", m.StatusRequest(), m.DaemonStatus)

@@ -1,0 +1,88 @@
+"""The exception hierarchy: one root, and each error also subclasses the built-in a caller catches.
+
+Every message says what happened and what to do about it.
+"""
+
+from __future__ import annotations
+
+import pickle
+
+__all__ = [
+    "BudgetExceeded",
+    "CheckpointNotFound",
+    "CkptCacheError",
+    "CkptCacheWarning",
+    "ConfigError",
+    "CorruptCheckpoint",
+    "DaemonUnavailable",
+    "InvalidPath",
+    "ObjectTooLarge",
+    "PathNotAllowed",
+    "PersistError",
+    "ProtocolMismatch",
+    "SerializationError",
+    "UnsafeUnpickle",
+]
+
+
+class CkptCacheError(Exception):
+    """Root of every error ckptcache raises."""
+
+
+class CkptCacheWarning(UserWarning):
+    """Warnings ckptcache emits (write-through fallbacks, degraded modes)."""
+
+
+class CheckpointNotFound(CkptCacheError, FileNotFoundError):
+    """No tier (memory, peers, storage) holds the requested path."""
+
+
+class DaemonUnavailable(CkptCacheError, ConnectionError):
+    """The local cache daemon cannot be reached or went away mid-call."""
+
+
+class ProtocolMismatch(CkptCacheError, RuntimeError):
+    """Client and daemon speak different protocol versions, or a segment has an unknown layout."""
+
+
+class BudgetExceeded(CkptCacheError, MemoryError):
+    """The daemon's memory budget cannot fit the request within the wait timeout."""
+
+
+class ObjectTooLarge(BudgetExceeded):
+    """The object is larger than the whole memory budget: it can never be cached."""
+
+
+class CorruptCheckpoint(CkptCacheError, ValueError):
+    """Stored bytes do not match their recorded digest, or a segment/file is truncated."""
+
+    def __init__(self, message: str, *, tensor: str | None = None, tier: str | None = None):
+        super().__init__(message)
+        #: Name of the first tensor (state-dict key path) whose digest did not match, if known.
+        self.tensor = tensor
+        #: The tier where the bad copy was found ("local", "peer", "storage").
+        self.tier = tier
+
+
+class SerializationError(CkptCacheError, TypeError):
+    """The object cannot be flattened (an unpicklable non-tensor value, mixed-dtype storage)."""
+
+
+class UnsafeUnpickle(CkptCacheError, pickle.UnpicklingError):
+    """``weights_only=True`` refused a global that is not on the allowlist."""
+
+
+class InvalidPath(CkptCacheError, ValueError, TypeError):
+    """The checkpoint path is of the wrong type or malformed."""
+
+
+class PathNotAllowed(CkptCacheError, PermissionError):
+    """The path lies outside every configured storage root."""
+
+
+class ConfigError(CkptCacheError, ValueError):
+    """A configuration file, flag or environment variable is invalid."""
+
+
+class PersistError(CkptCacheError, OSError):
+    """Persisting to storage failed after all retries; the in-memory copy is kept."""

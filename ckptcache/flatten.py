@@ -1,0 +1,264 @@
+"""Object <-> (skeleton, storages): the ``torch.save`` object model without the copies.
+
+``flatten`` pickles an object the way ``torch.save`` does (same ``persistent_id`` records, so
+shared storages stay shared, views and non-contiguous tensors keep their strides, every dtype
+round-trips), but instead of writing storage bytes it returns the storages so the caller can
+copy each one once, straight into its final place. ``unflatten`` is the inverse: it unpickles
+a skeleton, asking a callback for each storage's bytes, with ``weights_only`` semantics of
+``torch.load``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import io
+import pickle
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ckptcache.errors import SerializationError, UnsafeUnpickle
+
+__all__ = [
+    "Flattened",
+    "MapLocation",
+    "StorageInfo",
+    "extra_safe_globals",
+    "flatten",
+    "restore_location",
+    "unflatten",
+]
+
+MapLocation = (
+    str | torch.device | Mapping[str, str] | Callable[[torch.UntypedStorage, str], Any] | None
+)
+
+#: ``torch.save``'s default pickle protocol; matching it keeps skeletons interchangeable.
+PICKLE_PROTOCOL = 2
+
+
+@dataclass(frozen=True)
+class StorageInfo:
+    """One storage of a flattened object: record ``data/<key>`` of the archive."""
+
+    key: str
+    nbytes: int
+    dtype: str
+    location: str
+    #: The state-dict path of the first tensor that uses this storage (for error messages).
+    name: str
+
+
+@dataclass(frozen=True)
+class Flattened:
+    """A flattened object: the pickle skeleton plus its storages in key order."""
+
+    skeleton: bytes
+    infos: tuple[StorageInfo, ...]
+    storages: tuple[torch.UntypedStorage, ...]
+
+    @property
+    def nbytes(self) -> int:
+        """Total bytes of tensor data."""
+        return sum(i.nbytes for i in self.infos)
+
+
+def _tensor_names(obj: Any) -> dict[int, str]:
+    """Map each storage (by ``_cdata``) to the path of the first tensor that uses it."""
+    names: dict[int, str] = {}
+    seen: set[int] = set()
+    stack: list[tuple[str, Any]] = [("", obj)]
+    while stack:
+        prefix, value = stack.pop()
+        if isinstance(value, torch.Tensor):
+            try:
+                names.setdefault(value.untyped_storage()._cdata, prefix or "<root>")
+            except (RuntimeError, NotImplementedError):
+                pass  # sparse/quantized/subclass tensors: unnamed, still saved
+            continue
+        if id(value) in seen:
+            continue
+        seen.add(id(value))
+        if isinstance(value, Mapping):
+            children = [(str(k), v) for k, v in value.items()]
+        elif isinstance(value, (list, tuple)):
+            children = [(str(i), v) for i, v in enumerate(value)]
+        elif isinstance(value, argparse.Namespace):
+            children = list(vars(value).items())
+        else:
+            continue
+        for key, child in reversed(children):
+            stack.append((f"{prefix}.{key}" if prefix else key, child))
+    return names
+
+
+def flatten(obj: Any) -> Flattened:
+    """Pickle ``obj``'s skeleton and collect its storages (no tensor bytes are copied).
+
+    Raises :class:`SerializationError` for values ``torch.save`` could not save either.
+    """
+    names = _tensor_names(obj)
+    keys: dict[int, str] = {}
+    storages: list[torch.UntypedStorage] = []
+    infos: list[StorageInfo] = []
+    dtypes_by_ptr: dict[int, torch.dtype] = {}
+
+    def persistent_id(value: Any) -> tuple[Any, ...] | None:
+        if not (isinstance(value, torch.storage.TypedStorage) or torch.is_storage(value)):
+            return None
+        if isinstance(value, torch.storage.TypedStorage):
+            storage = value._untyped_storage
+            dtype = value.dtype
+            storage_type = getattr(torch, value._pickle_storage_type())
+            numel = value._size()
+        else:
+            storage = value
+            dtype = torch.uint8
+            storage_type = torch.UntypedStorage
+            numel = storage.nbytes()
+        ptr = storage.data_ptr()
+        if storage.device.type != "meta" and ptr != 0:
+            # As torch.save: one storage cannot be read back as two dtypes.
+            if dtypes_by_ptr.setdefault(ptr, dtype) != dtype:
+                raise SerializationError(
+                    "cannot save tensors that view the same data as different dtypes "
+                    f"({dtypes_by_ptr[ptr]} and {dtype}); clone one of them before saving"
+                )
+        key = keys.get(storage._cdata)
+        if key is None:
+            key = keys[storage._cdata] = str(len(keys))
+            storages.append(storage)
+            infos.append(
+                StorageInfo(
+                    key=key,
+                    nbytes=storage.nbytes(),
+                    dtype=str(dtype).removeprefix("torch."),
+                    location=torch.serialization.location_tag(storage),
+                    name=names.get(storage._cdata, f"<storage {key}>"),
+                )
+            )
+        return ("storage", storage_type, key, infos[int(key)].location, numel)
+
+    class _Pickler(pickle.Pickler):
+        def persistent_id(self, obj: Any) -> Any:
+            return persistent_id(obj)
+
+    buf = io.BytesIO()
+    try:
+        _Pickler(buf, protocol=PICKLE_PROTOCOL).dump(obj)
+    except SerializationError:
+        raise
+    except (pickle.PicklingError, TypeError, AttributeError, RuntimeError) as e:
+        raise SerializationError(
+            f"cannot save this object: {e}. ckptcache.save accepts what torch.save accepts "
+            "(tensors, containers, and picklable Python values); convert or drop the "
+            "offending value"
+        ) from e
+    return Flattened(buf.getvalue(), tuple(infos), tuple(storages))
+
+
+def extra_safe_globals() -> list[Any]:
+    """Globals allowed under ``weights_only=True`` beyond torch's own allowlist.
+
+    Checkpoints of Megatron-LM and friends carry an ``argparse.Namespace`` and NumPy values;
+    those are data, not code, so they are allowed here (torch.load would need
+    ``add_safe_globals`` for them).
+    """
+    import numpy as np
+
+    allowed: list[Any] = [argparse.Namespace, collections.OrderedDict, np.ndarray, np.dtype]
+    try:
+        from numpy._core import multiarray
+    except ImportError:  # numpy < 2
+        from numpy.core import multiarray  # type: ignore[no-redef]
+    allowed += [multiarray._reconstruct, multiarray.scalar]
+    allowed += [getattr(np.dtypes, n) for n in dir(np.dtypes) if n.endswith("DType")]
+    return allowed
+
+
+def restore_location(
+    storage: torch.UntypedStorage, location: str, map_location: MapLocation
+) -> torch.UntypedStorage:
+    """Move a loaded CPU storage where ``map_location`` says, with ``torch.load``'s rules."""
+    if map_location is None:
+        result = torch.serialization.default_restore_location(storage, location)
+    elif isinstance(map_location, Mapping):
+        target = map_location.get(location, location)
+        result = torch.serialization.default_restore_location(storage, target)
+    elif isinstance(map_location, (str, torch.device)):
+        result = torch.serialization.default_restore_location(storage, str(map_location))
+    elif callable(map_location):
+        result = map_location(storage, location)
+        if result is None:
+            result = torch.serialization.default_restore_location(storage, location)
+    else:
+        raise TypeError(
+            "map_location must be None, a str, a torch.device, a dict or a callable, "
+            f"not {type(map_location).__name__}"
+        )
+    return result
+
+
+StorageLoader = Callable[[str, int], torch.UntypedStorage]
+
+
+def unflatten(
+    skeleton: bytes | memoryview,
+    load_storage: StorageLoader,
+    *,
+    weights_only: bool = True,
+    map_location: MapLocation = None,
+) -> Any:
+    """Rebuild an object from its skeleton; ``load_storage(key, nbytes)`` returns CPU storages.
+
+    With ``weights_only=True`` only torch's allowlist plus :func:`extra_safe_globals` may be
+    unpickled; anything else raises :class:`UnsafeUnpickle`.
+    """
+    loaded: dict[str, torch.storage.TypedStorage] = {}
+
+    def persistent_load(saved_id: Any) -> torch.storage.TypedStorage:
+        if not isinstance(saved_id, tuple) or len(saved_id) != 5 or saved_id[0] != "storage":
+            raise UnsafeUnpickle(f"unexpected persistent id in skeleton: {saved_id!r:.80}")
+        _, storage_type, key, location, numel = saved_id
+        dtype = torch.uint8 if storage_type is torch.UntypedStorage else storage_type.dtype
+        if key not in loaded:
+            nbytes = numel * torch._utils._element_size(dtype)
+            storage = restore_location(load_storage(key, nbytes), location, map_location)
+            loaded[key] = torch.storage.TypedStorage(
+                wrap_storage=storage, dtype=dtype, _internal=True
+            )
+        return loaded[key]
+
+    if weights_only:
+        from torch import _weights_only_unpickler
+
+        base: type[pickle.Unpickler] = _weights_only_unpickler.Unpickler  # type: ignore[assignment]
+    else:
+        base = pickle.Unpickler
+
+    class _Unpickler(base):  # type: ignore[valid-type,misc]
+        def find_class(self, module: str, name: str) -> Any:
+            # Storage classes are rebuilt as StorageType, exactly as torch.load does.
+            if "Storage" in name:
+                try:
+                    return torch.serialization.StorageType(name)
+                except KeyError:
+                    pass
+            return super().find_class(module, name)
+
+    unpickler = _Unpickler(io.BytesIO(skeleton), encoding="utf-8")
+    unpickler.persistent_load = persistent_load  # type: ignore[method-assign]
+    if not weights_only:
+        return unpickler.load()
+    try:
+        with torch.serialization.safe_globals(extra_safe_globals()):
+            return unpickler.load()
+    except pickle.UnpicklingError as e:
+        raise UnsafeUnpickle(
+            f"refused to unpickle the checkpoint skeleton with weights_only=True: {e}. "
+            "Load with weights_only=False only if you trust where the checkpoint came from, "
+            "or allow the type with torch.serialization.add_safe_globals"
+        ) from e

@@ -1,0 +1,128 @@
+"""Segment layout: a fixed header page, the archive payload, the manifest and the digest table.
+
+```
+offset 0       header (HEADER_SIZE bytes): magic, version, state, generation, offsets
+offset 4096    payload: a torch.save-compatible zip archive (see ckptcache.archive)
+manifest_off   manifest: UTF-8 JSON (see ckptcache.manifest), 64-byte aligned
+digest_off     digest table: one little-endian u64 xxh3 per storage, filled by the daemon
+```
+
+States of a segment (one byte of truth for crash recovery):
+
+``FREE`` (reusable, content meaningless) -> ``WRITING`` (reserved by a client) ->
+``COMMITTED`` (visible; the daemon set it after validating the manifest) -> ``FREE``.
+A daemon restarted after a crash keeps ``COMMITTED`` segments and reclaims the others.
+"""
+
+from __future__ import annotations
+
+import enum
+import struct
+from dataclasses import dataclass
+
+__all__ = [
+    "HEADER_SIZE",
+    "MAGIC",
+    "SEGMENT_GRANULE",
+    "SegmentHeader",
+    "SegmentLayout",
+    "SegmentState",
+    "align",
+    "plan_segment",
+]
+
+MAGIC = b"CKPTSEG\x00"
+LAYOUT_VERSION = 1
+HEADER_SIZE = 4096
+#: Segment capacities are rounded up to this, so slightly different sizes reuse one segment.
+SEGMENT_GRANULE = 1 << 20
+
+_HEADER = struct.Struct("<8sIIQQQQQQIIQQ")
+
+
+class SegmentState(enum.IntEnum):
+    """Lifecycle of a segment file, stored in its header."""
+
+    FREE = 0
+    WRITING = 1
+    COMMITTED = 2
+
+
+class DigestState(enum.IntEnum):
+    """Whether the header's digest table holds valid digests yet."""
+
+    PENDING = 0
+    VALID = 1
+
+
+def align(value: int, alignment: int) -> int:
+    """Round ``value`` up to a multiple of ``alignment``."""
+    return (value + alignment - 1) // alignment * alignment
+
+
+@dataclass(frozen=True)
+class SegmentHeader:
+    """The decoded fixed header of a segment."""
+
+    state: SegmentState
+    generation: int
+    payload_offset: int
+    payload_size: int
+    manifest_offset: int
+    manifest_size: int
+    digest_offset: int
+    n_storages: int
+    digest_state: DigestState
+    created_ns: int
+    committed_ns: int
+
+    def pack(self) -> bytes:
+        """Encode the header (without padding to ``HEADER_SIZE``)."""
+        return _HEADER.pack(
+            MAGIC, LAYOUT_VERSION, int(self.state), self.generation, self.payload_offset,
+            self.payload_size, self.manifest_offset, self.manifest_size, self.digest_offset,
+            self.n_storages, int(self.digest_state), self.created_ns, self.committed_ns,
+        )  # fmt: skip
+
+    @classmethod
+    def unpack(cls, data: bytes | memoryview) -> SegmentHeader:
+        """Decode a header; raises ``ValueError`` on a wrong magic or version."""
+        if len(data) < _HEADER.size:
+            raise ValueError("segment shorter than its header")
+        fields = _HEADER.unpack_from(data)
+        if fields[0] != MAGIC:
+            raise ValueError("bad segment magic")
+        if fields[1] != LAYOUT_VERSION:
+            raise ValueError(f"unknown segment layout version {fields[1]}")
+        return cls(
+            SegmentState(fields[2]), fields[3], fields[4], fields[5], fields[6], fields[7],
+            fields[8], fields[9], DigestState(fields[10]), fields[11], fields[12],
+        )  # fmt: skip
+
+
+@dataclass(frozen=True)
+class SegmentLayout:
+    """Where the parts of one object go inside a segment, and the capacity it needs."""
+
+    payload_size: int
+    manifest_offset: int
+    manifest_capacity: int
+    digest_offset: int
+    n_storages: int
+
+    @property
+    def payload_offset(self) -> int:
+        """The archive always starts right after the header page."""
+        return HEADER_SIZE
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the segment must hold."""
+        return self.digest_offset + 8 * self.n_storages
+
+
+def plan_segment(payload_size: int, manifest_capacity: int, n_storages: int) -> SegmentLayout:
+    """Lay out a segment for an archive of ``payload_size`` bytes."""
+    manifest_offset = align(HEADER_SIZE + payload_size, 64)
+    digest_offset = align(manifest_offset + manifest_capacity, 64)
+    return SegmentLayout(payload_size, manifest_offset, manifest_capacity, digest_offset, n_storages)

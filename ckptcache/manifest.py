@@ -1,0 +1,179 @@
+"""The manifest: what a segment (or a persisted archive) holds, as validated JSON.
+
+The manifest is written by the client next to the payload and validated by the daemon before
+it commits a segment, so every offset in it is checked against the segment's size: a buggy or
+hostile writer cannot make the daemon read outside the segment.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from ckptcache._digest import DIGEST_ALGORITHM, digest_bytes, digest_hex
+from ckptcache.archive import ArchivePlan, plan_archive
+from ckptcache.errors import CorruptCheckpoint
+from ckptcache.flatten import Flattened
+from ckptcache.layout import HEADER_SIZE, SegmentLayout, plan_segment
+
+__all__ = [
+    "MANIFEST_FORMAT",
+    "Manifest",
+    "ObjectPlan",
+    "StorageRecord",
+    "compute_digests",
+    "pack_digests",
+    "plan_object",
+    "unpack_digests",
+    "verify_digests",
+]
+
+MANIFEST_FORMAT = 1
+
+
+@dataclass(frozen=True)
+class StorageRecord:
+    """One storage: its bytes lie at ``offset`` (from the segment start) for ``nbytes``."""
+
+    key: str
+    offset: int
+    nbytes: int
+    dtype: str
+    location: str
+    name: str
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """Everything needed to rebuild the object from its segment without parsing the zip."""
+
+    path: str
+    namespace: str
+    payload_offset: int
+    payload_size: int
+    pickle_offset: int
+    pickle_size: int
+    storages: tuple[StorageRecord, ...]
+    created: float
+    digest_algorithm: str = DIGEST_ALGORITHM
+    format: int = MANIFEST_FORMAT
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of tensor data."""
+        return sum(s.nbytes for s in self.storages)
+
+    def to_json(self) -> bytes:
+        """Encode as compact UTF-8 JSON."""
+        return json.dumps(asdict(self), separators=(",", ":")).encode()
+
+    @classmethod
+    def from_json(cls, data: bytes | memoryview, *, segment_size: int | None = None) -> Manifest:
+        """Decode and validate; raises :class:`CorruptCheckpoint` on anything malformed."""
+        try:
+            raw: dict[str, Any] = json.loads(bytes(data))
+            if raw.get("format") != MANIFEST_FORMAT:
+                raise ValueError(f"unknown manifest format {raw.get('format')!r}")
+            storages = tuple(StorageRecord(**s) for s in raw.pop("storages"))
+            manifest = cls(storages=storages, **raw)
+            manifest._check(segment_size)
+        except (ValueError, TypeError, KeyError, AttributeError) as e:
+            raise CorruptCheckpoint(f"invalid segment manifest: {e}", tier="local") from e
+        return manifest
+
+    def _check(self, segment_size: int | None) -> None:
+        ints = [self.payload_offset, self.payload_size, self.pickle_offset, self.pickle_size]
+        for s in self.storages:
+            ints += [s.offset, s.nbytes]
+        if any(not isinstance(v, int) or v < 0 for v in ints):
+            raise ValueError("negative or non-integer offset")
+        end = self.payload_offset + self.payload_size
+        if not (self.payload_offset <= self.pickle_offset <= end - self.pickle_size):
+            raise ValueError("pickle outside the payload")
+        for s in self.storages:
+            if not (self.payload_offset <= s.offset and s.offset + s.nbytes <= end):
+                raise ValueError(f"storage {s.key} outside the payload")
+        if segment_size is not None and end > segment_size:
+            raise ValueError("payload larger than the segment")
+        if self.digest_algorithm != DIGEST_ALGORITHM:
+            raise ValueError(f"unknown digest algorithm {self.digest_algorithm!r}")
+
+
+@dataclass(frozen=True)
+class ObjectPlan:
+    """The complete plan for writing one flattened object into a segment."""
+
+    layout: SegmentLayout
+    archive: ArchivePlan
+    manifest: Manifest
+    manifest_bytes: bytes
+
+
+def plan_object(flat: Flattened, path: str, namespace: str) -> ObjectPlan:
+    """Compute the archive, the manifest and the segment layout for ``flat``."""
+    created = time.time()
+    archive = plan_archive(
+        flat.skeleton,
+        [i.nbytes for i in flat.infos],
+        serialization_id=f"{int(created * 1e9):040d}",
+    )
+    records = tuple(
+        StorageRecord(
+            key=info.key,
+            offset=HEADER_SIZE + off,
+            nbytes=info.nbytes,
+            dtype=info.dtype,
+            location=info.location,
+            name=info.name,
+        )
+        for info, off in zip(flat.infos, archive.storage_offsets, strict=True)
+    )
+    manifest = Manifest(
+        path=path,
+        namespace=namespace,
+        payload_offset=HEADER_SIZE,
+        payload_size=archive.size,
+        pickle_offset=HEADER_SIZE + archive.pickle_offset,
+        pickle_size=archive.pickle_size,
+        storages=records,
+        created=created,
+    )
+    encoded = manifest.to_json()
+    layout = plan_segment(archive.size, len(encoded), len(records))
+    return ObjectPlan(layout, archive, manifest, encoded)
+
+
+def compute_digests(buf: memoryview, manifest: Manifest) -> list[int]:
+    """xxh3 of every storage's bytes, in key order (zero-copy over ``buf``)."""
+    return [digest_bytes(buf[s.offset : s.offset + s.nbytes]) for s in manifest.storages]
+
+
+def pack_digests(digests: Sequence[int]) -> bytes:
+    """Encode a digest table."""
+    return struct.pack(f"<{len(digests)}Q", *digests)
+
+
+def unpack_digests(data: bytes | memoryview, n: int) -> list[int]:
+    """Decode a digest table of ``n`` entries."""
+    return list(struct.unpack_from(f"<{n}Q", data))
+
+
+def verify_digests(
+    buf: memoryview, manifest: Manifest, expected: Sequence[int], *, tier: str
+) -> None:
+    """Raise :class:`CorruptCheckpoint` naming the first storage whose bytes changed."""
+    for record, want in zip(manifest.storages, expected, strict=True):
+        got = digest_bytes(buf[record.offset : record.offset + record.nbytes])
+        if got != want:
+            raise CorruptCheckpoint(
+                f"checkpoint {manifest.path!r} is corrupt in the {tier} tier: tensor "
+                f"{record.name!r} (storage {record.key}) has digest {digest_hex(got)}, "
+                f"expected {digest_hex(want)}. Delete this copy (ckptcache rm) and load from "
+                "another tier",
+                tensor=record.name,
+                tier=tier,
+            )

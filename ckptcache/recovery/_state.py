@@ -1,0 +1,207 @@
+"""Training state <-> (skeleton, flat tensor list), and applying a received state in place.
+
+The *skeleton* is the state with every tensor replaced by a :class:`Slot` naming its index in the
+flat list; it holds everything that is not a tensor (hyperparameters, scheduler counters, user
+values) and is small enough to send as one pickled object. Tensors travel separately, in buckets.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = [
+    "STATE_KEYS",
+    "FlatState",
+    "Slot",
+    "TensorSpec",
+    "apply_training_state",
+    "flatten",
+    "frozen_model_keys",
+    "model_fingerprint",
+    "rebuild",
+    "training_state",
+    "unwrap_model",
+]
+
+#: Top-level keys of a training state; a fallback returning a mapping with these keys is applied.
+STATE_KEYS = ("model", "optimizer", "scheduler", "extra_state", "step", "rng")
+
+Path = tuple[Any, ...]
+
+
+@dataclass(frozen=True)
+class Slot:
+    """Placeholder for the tensor at ``index`` of the flat list."""
+
+    index: int
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """What a receiver needs to allocate or match one tensor: no data, only its description."""
+
+    path: Path
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    #: "cpu" or the accelerator type; a newly allocated copy goes to the same kind of device
+    #: (Adam keeps its ``step`` counters on the CPU even when the parameters are on a GPU).
+    device_type: str
+    #: A model parameter with requires_grad=False (PEFT base weights), skippable on request.
+    frozen: bool = False
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * torch.empty((), dtype=self.dtype).element_size()
+
+
+@dataclass(frozen=True)
+class FlatState:
+    """A flattened state: skeleton plus tensors in a fixed order, with one spec per tensor."""
+
+    skeleton: Any
+    specs: tuple[TensorSpec, ...]
+    tensors: tuple[torch.Tensor, ...]
+
+    def by_path(self) -> dict[Path, torch.Tensor]:
+        return {s.path: t for s, t in zip(self.specs, self.tensors, strict=True)}
+
+
+def unwrap_model(model: nn.Module) -> nn.Module:
+    """The module that owns the parameters: strips DDP/DataParallel and torch.compile wrappers.
+
+    Unwrapping on every rank makes state keys match whether or not each rank wraps its model.
+    """
+    while True:
+        if isinstance(model, (nn.parallel.DistributedDataParallel, nn.DataParallel)):
+            model = model.module
+        elif isinstance(getattr(model, "_orig_mod", None), nn.Module):
+            model = model._orig_mod
+        else:
+            return model
+
+
+def frozen_model_keys(model: nn.Module) -> frozenset[str]:
+    """State-dict keys of parameters that do not train (requires_grad=False)."""
+    return frozenset(n for n, p in unwrap_model(model).named_parameters() if not p.requires_grad)
+
+
+def training_state(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    *,
+    scheduler: Any = None,
+    extra_state: Any = None,
+) -> dict[str, Any]:
+    """The live state as a dict keyed like :data:`STATE_KEYS` (tensors are shared, not copied)."""
+    return {
+        "model": unwrap_model(model).state_dict(),
+        "optimizer": None if optimizer is None else optimizer.state_dict(),
+        "scheduler": None if scheduler is None else scheduler.state_dict(),
+        "extra_state": extra_state,
+    }
+
+
+def flatten(state: Any, *, frozen: frozenset[str] = frozenset()) -> FlatState:
+    """Split ``state`` into a skeleton and its tensors (depth-first, container order).
+
+    ``frozen`` names model keys whose specs are marked frozen.
+    """
+    tensors: list[torch.Tensor] = []
+    specs: list[TensorSpec] = []
+
+    def visit(obj: Any, path: Path) -> Any:
+        if isinstance(obj, torch.Tensor):
+            is_frozen = len(path) == 2 and path[0] == "model" and path[1] in frozen
+            specs.append(TensorSpec(path, obj.dtype, tuple(obj.shape), obj.device.type, is_frozen))
+            tensors.append(obj.detach())
+            return Slot(len(tensors) - 1)
+        if isinstance(obj, Mapping):
+            items = [(k, visit(v, (*path, k))) for k, v in obj.items()]
+            # OrderedDict survives (state_dict returns one); other mappings become dicts.
+            return OrderedDict(items) if isinstance(obj, OrderedDict) else dict(items)
+        if isinstance(obj, list):
+            return [visit(v, (*path, i)) for i, v in enumerate(obj)]
+        if isinstance(obj, tuple):
+            return _same_tuple(obj, [visit(v, (*path, i)) for i, v in enumerate(obj)])
+        return obj
+
+    skeleton = visit(state, ())
+    return FlatState(skeleton, tuple(specs), tuple(tensors))
+
+
+def rebuild(skeleton: Any, tensors: list[torch.Tensor] | tuple[torch.Tensor, ...]) -> Any:
+    """Inverse of :func:`flatten`: put ``tensors[i]`` back where ``Slot(i)`` stands."""
+
+    def visit(obj: Any) -> Any:
+        if isinstance(obj, Slot):
+            return tensors[obj.index]
+        if isinstance(obj, OrderedDict):
+            return OrderedDict((k, visit(v)) for k, v in obj.items())
+        if isinstance(obj, dict):
+            return {k: visit(v) for k, v in obj.items()}
+        if isinstance(obj, list):
+            return [visit(v) for v in obj]
+        if isinstance(obj, tuple):
+            return _same_tuple(obj, [visit(v) for v in obj])
+        return obj
+
+    return visit(skeleton)
+
+
+def _same_tuple(like: tuple[Any, ...], items: list[Any]) -> tuple[Any, ...]:
+    # Named tuples take their fields positionally; plain tuples take one iterable.
+    if hasattr(like, "_fields"):
+        return type(like)(*items)
+    return tuple(items)
+
+
+def model_fingerprint(model: nn.Module) -> Iterator[bytes]:
+    """Byte strings naming every state key, shape, dtype and trainability, in order."""
+    module = unwrap_model(model)
+    frozen = frozen_model_keys(module)
+    for key, t in module.state_dict().items():
+        yield f"{key}|{tuple(t.shape)}|{t.dtype}|{key in frozen}\n".encode()
+
+
+def apply_training_state(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    state: Mapping[str, Any],
+    *,
+    scheduler: Any = None,
+    model_in_place: bool = False,
+    strict: bool = True,
+) -> Any:
+    """Load a :func:`training_state`-shaped mapping into the live objects; return extra_state.
+
+    ``model_in_place`` says the model tensors were already written into the live parameters
+    (peer transfer), so the model's load_state_dict copy is skipped; ``strict`` is passed to
+    the model's load_state_dict otherwise.
+    """
+    module = unwrap_model(model)
+    model_state = state.get("model")
+    if model_state is not None and not model_in_place:
+        with torch.no_grad():
+            module.load_state_dict(model_state, strict=strict)
+    optim_state = state.get("optimizer")
+    if optimizer is not None and optim_state is not None:
+        # Tensors that arrived in place are the live state tensors already; load_state_dict's
+        # .to(param.device, param.dtype) returns them unchanged, so this copies nothing big.
+        optimizer.load_state_dict(optim_state)
+    sched_state = state.get("scheduler")
+    if scheduler is not None and sched_state is not None:
+        scheduler.load_state_dict(sched_state)
+    return state.get("extra_state")

@@ -1,0 +1,165 @@
+"""Daemon configuration in layers: defaults < YAML file < environment < command-line flags.
+
+Every layer is validated into one frozen :class:`DaemonConfig`; anything wrong raises
+:class:`ckptcache.errors.ConfigError` naming the key and the layer it came from.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import socket
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import yaml
+
+from ckptcache._defaults import ENV_SOCKET, default_shm_dir, default_socket
+from ckptcache._units import parse_bytes
+from ckptcache.errors import ConfigError
+
+__all__ = ["DaemonConfig", "RetentionRule", "load_config"]
+
+#: Environment variables that override config keys (handy for tests and containers).
+ENV_OVERRIDES = {
+    "CKPTCACHE_MEMORY_LIMIT": "memory_limit",
+    "CKPTCACHE_SHM_DIR": "shm_dir",
+    ENV_SOCKET: "socket",
+    "CKPTCACHE_NODE_ID": "node_id",
+    "CKPTCACHE_METRICS_PORT": "metrics_port",
+}
+
+
+@dataclass(frozen=True)
+class RetentionRule:
+    """Keep the ``keep`` newest generations of paths starting with ``prefix``."""
+
+    prefix: str
+    keep: int
+
+
+def _default_memory_limit() -> int:
+    """Half the machine's memory, and never more than 90% of the shared-memory file system."""
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    try:
+        st = os.statvfs("/dev/shm")
+        shm = st.f_frsize * st.f_blocks
+    except OSError:
+        shm = total
+    return int(min(total * 0.5, shm * 0.9))
+
+
+@dataclass(frozen=True)
+class DaemonConfig:
+    """Everything the daemon needs; see README "Daemon configuration" for each key."""
+
+    node_id: str = field(default_factory=socket.gethostname)
+    shm_dir: str = field(default_factory=default_shm_dir)
+    socket: str = field(default_factory=default_socket)
+    memory_limit: int = field(default_factory=_default_memory_limit)
+    #: How long a save may wait for memory before it fails (and the client writes through).
+    reserve_timeout: float = 10.0
+    #: Generations kept per path unless a retention rule says otherwise.
+    keep: int = 2
+    retention: tuple[RetentionRule, ...] = ()
+    #: Prometheus endpoint port; None disables it, 0 picks a free port.
+    metrics_port: int | None = None
+    metrics_addr: str = "127.0.0.1"
+    #: Users (besides the daemon's own and root) whose processes may use the socket.
+    allowed_uids: tuple[int, ...] = ()
+    log_level: str = "INFO"
+
+    def keep_for(self, path: str) -> int:
+        """Generations to keep for ``path``: the longest matching rule wins."""
+        best: RetentionRule | None = None
+        for rule in self.retention:
+            if path.startswith(rule.prefix) and (best is None or len(rule.prefix) > len(best.prefix)):
+                best = rule
+        return best.keep if best else self.keep
+
+    @property
+    def segments_dir(self) -> str:
+        """Directory of the segment files."""
+        return os.path.join(self.shm_dir, "segments")
+
+
+_FIELDS = {f.name: f for f in dataclasses.fields(DaemonConfig)}
+
+
+def _coerce(key: str, value: Any, source: str) -> Any:
+    try:
+        if key == "memory_limit":
+            size = parse_bytes(value)
+            if size <= 0:
+                raise ValueError("must be positive")
+            return size
+        if key in ("reserve_timeout",):
+            number = float(value)
+            if number < 0:
+                raise ValueError("must not be negative")
+            return number
+        if key == "keep":
+            keep = int(value)
+            if keep < 1:
+                raise ValueError("must be at least 1")
+            return keep
+        if key == "metrics_port":
+            return None if value in (None, "", "none", "off") else int(value)
+        if key == "retention":
+            if not isinstance(value, list):
+                raise ValueError("must be a list of {prefix, keep}")
+            rules = []
+            for item in value:
+                if not isinstance(item, Mapping) or set(item) != {"prefix", "keep"}:
+                    raise ValueError("each rule needs exactly 'prefix' and 'keep'")
+                if int(item["keep"]) < 1:
+                    raise ValueError("keep must be at least 1")
+                rules.append(RetentionRule(str(item["prefix"]), int(item["keep"])))
+            return tuple(rules)
+        if key == "allowed_uids":
+            return tuple(int(u) for u in value)
+        if key == "log_level":
+            level = str(value).upper()
+            if level not in ("DEBUG", "INFO", "WARNING", "ERROR"):
+                raise ValueError("must be DEBUG, INFO, WARNING or ERROR")
+            return level
+        if not isinstance(value, str) or not value:
+            raise ValueError("must be a non-empty string")
+        return value
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"invalid {key!r} from {source}: {e} (got {value!r})") from e
+
+
+def _apply(values: dict[str, Any], layer: Mapping[str, Any], source: str) -> None:
+    for key, value in layer.items():
+        if key not in _FIELDS:
+            raise ConfigError(
+                f"unknown config key {key!r} in {source}; known keys: {', '.join(sorted(_FIELDS))}"
+            )
+        if value is not None:
+            values[key] = _coerce(key, value, source)
+
+
+def load_config(
+    path: str | None = None,
+    overrides: Mapping[str, Any] | None = None,
+    environ: Mapping[str, str] | None = None,
+) -> DaemonConfig:
+    """Build the config from a YAML file, the environment and explicit overrides (flags)."""
+    values: dict[str, Any] = {}
+    if path is not None:
+        try:
+            with open(path, encoding="utf-8") as f:
+                data = yaml.safe_load(f) or {}
+        except OSError as e:
+            raise ConfigError(f"cannot read config file {path!r}: {e.strerror}") from e
+        except yaml.YAMLError as e:
+            raise ConfigError(f"config file {path!r} is not valid YAML: {e}") from e
+        if not isinstance(data, Mapping):
+            raise ConfigError(f"config file {path!r} must hold a mapping of keys to values")
+        _apply(values, data, f"config file {path!r}")
+    env = os.environ if environ is None else environ
+    _apply(values, {k: env[v] for v, k in ENV_OVERRIDES.items() if v in env}, "the environment")
+    _apply(values, overrides or {}, "the command line")
+    return DaemonConfig(**values)

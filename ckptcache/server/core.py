@@ -1,0 +1,511 @@
+"""The daemon's service logic, independent of the transport.
+
+Call order (per client connection, see :mod:`ckptcache.wire.messages`)::
+
+    session = core.open_session(pid, uid)
+    core.reserve(session, ReserveRequest)  -> segment to copy into
+    core.commit(session, CommitRequest)    -> generation published (or core.abort)
+    core.open(session, OpenRequest)        -> generation pinned for a load
+    core.release(session, ReleaseRequest)  -> pin dropped
+    core.close_session(session)            -> everything the connection held is let go
+
+Pipeline of one generation: ``reserved -> committed -> digested -> (persisted) -> retired ->
+free``. All state lives under one condition variable; bulk work (digests, persistence) runs
+outside it on pinned generations, so a generation can never be freed while a worker reads it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+
+from ckptcache import __version__
+from ckptcache._units import format_bytes
+from ckptcache.errors import (
+    BudgetExceeded,
+    CheckpointNotFound,
+    CkptCacheError,
+    CorruptCheckpoint,
+    InvalidPath,
+    ObjectTooLarge,
+)
+from ckptcache.layout import HEADER_SIZE, DigestState, SegmentHeader, SegmentState, align
+from ckptcache.manifest import (
+    Manifest,
+    compute_digests,
+    pack_digests,
+    unpack_digests,
+    verify_digests,
+)
+from ckptcache.server.arena import Arena, Segment
+from ckptcache.server.config import DaemonConfig
+from ckptcache.server.index import Generation, Index, Key
+from ckptcache.server.metrics import Metrics
+from ckptcache.wire import messages as m
+
+__all__ = ["CacheCore", "Session"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(eq=False)
+class Reservation:
+    """A segment handed to one connection for one save."""
+
+    id: int
+    namespace: str
+    path: str
+    segment: Segment
+    nbytes: int
+    durability: str
+
+
+@dataclass(eq=False)
+class Session:
+    """What one client connection holds; all of it is let go when the connection closes."""
+
+    id: int
+    pid: int
+    uid: int
+    reservations: dict[int, Reservation] = field(default_factory=dict)
+    leases: dict[int, Generation] = field(default_factory=dict)
+
+
+def _check_key(namespace: str, path: str) -> None:
+    if not isinstance(path, str) or not path or "\x00" in path or len(path) > 4096:
+        raise InvalidPath(f"invalid checkpoint path {path!r}: give a non-empty path string")
+    if not isinstance(namespace, str) or not namespace or len(namespace) > 256:
+        raise InvalidPath(f"invalid namespace {namespace!r}: give a non-empty string")
+
+
+class CacheCore:
+    """Arena + index + the rules that tie them together (budget, retention, pins, digests)."""
+
+    def __init__(self, config: DaemonConfig, metrics: Metrics | None = None):
+        self.config = config
+        self.metrics = metrics or Metrics()
+        self.arena = Arena(config.segments_dir, config.memory_limit)
+        self.index = Index()
+        self.cond = threading.Condition()
+        self.started = time.time()
+        self._ids = itertools.count(1)
+        self._digest_queue: queue.Queue[Generation | None] = queue.Queue()
+        #: Called (outside the lock) with each newly committed generation: persistence hooks in.
+        self.on_commit: list[Callable[[Generation], None]] = []
+        self._recover()
+        self._digester = threading.Thread(target=self._digest_loop, name="digester", daemon=True)
+        self._digester.start()
+        self.metrics.memory_limit.set(config.memory_limit)
+        self._update_gauges()
+
+    # ----------------------------------------------------------------- lifecycle
+
+    def _recover(self) -> None:
+        """Rebuild the index from committed segments; reclaim everything else."""
+        for segment, header in self.arena.scan():
+            if header is None or header.state != SegmentState.COMMITTED:
+                log.info("reclaiming uncommitted segment %s", segment.name)
+                self.arena.destroy(segment)
+                continue
+            view = segment.view()
+            try:
+                manifest = Manifest.from_json(
+                    view[header.manifest_offset : header.manifest_offset + header.manifest_size],
+                    segment_size=segment.capacity,
+                )
+            except CorruptCheckpoint as e:
+                log.error("dropping segment %s: %s", segment.name, e)
+                del view
+                self.arena.destroy(segment)
+                continue
+            gen = Generation(
+                manifest.namespace, manifest.path, header.generation, segment, manifest,
+                size=header.payload_size, committed=header.committed_ns / 1e9,
+            )  # fmt: skip
+            if header.digest_state == DigestState.VALID:
+                table = view[header.digest_offset : header.digest_offset + 8 * header.n_storages]
+                gen.digests = unpack_digests(table, header.n_storages)
+            del view
+            self.index.add(gen)
+            log.info("recovered %s generation %d (%s)", gen.path, gen.number, format_bytes(gen.size))
+        for key in self.index.keys():
+            self._apply_retention(key)
+        for gen in self.index:
+            if gen.digests is None:
+                self._digest_queue.put(gen)
+
+    def shutdown(self) -> None:
+        """Stop background workers (segments stay on disk for the next incarnation)."""
+        self._digest_queue.put(None)
+        self._digester.join(timeout=5)
+
+    def open_session(self, pid: int, uid: int) -> Session:
+        """Register a new client connection."""
+        return Session(next(self._ids), pid, uid)
+
+    def close_session(self, session: Session) -> None:
+        """Abort the connection's reservations and drop its pins (a dead trainer holds nothing)."""
+        with self.cond:
+            for res in session.reservations.values():
+                log.info("aborting reservation %d of %s (client gone)", res.id, res.path)
+                self.arena.release(res.segment)
+            session.reservations.clear()
+            for gen in session.leases.values():
+                self._unpin(gen)
+            session.leases.clear()
+            self.cond.notify_all()
+            self._update_gauges()
+
+    # ----------------------------------------------------------------- save
+
+    def reserve(self, session: Session, req: m.ReserveRequest) -> m.ReserveReply:
+        """Find room for ``req.nbytes``: reuse, create, evict, then wait up to the timeout."""
+        _check_key(req.namespace, req.path)
+        if not isinstance(req.nbytes, int) or req.nbytes <= 0:
+            raise InvalidPath(f"reserve needs a positive byte count, got {req.nbytes!r}")
+        limit = self.config.memory_limit
+        if Arena.capacity_for(req.nbytes) > limit:
+            raise ObjectTooLarge(
+                f"{req.path!r} needs {format_bytes(req.nbytes)}, more than the daemon's whole "
+                f"memory budget of {format_bytes(limit)}; raise --memory-limit or save this "
+                "object without the cache"
+            )
+        deadline = time.monotonic() + self.config.reserve_timeout
+        with self.cond:
+            while True:
+                segment = self._try_allocate(req.nbytes)
+                if segment is not None:
+                    break
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    self.metrics.budget_failures.inc()
+                    raise BudgetExceeded(
+                        f"no room for {format_bytes(req.nbytes)} of {req.path!r} within "
+                        f"{self.config.reserve_timeout:g}s: {format_bytes(self.arena.used)} of "
+                        f"{format_bytes(limit)} hold checkpoints that are pinned or not yet "
+                        "safe to drop. Raise --memory-limit, keep fewer generations, or wait "
+                        "for persistence"
+                    )
+                self.cond.wait(min(remaining, 0.5))
+            res = Reservation(
+                next(self._ids), req.namespace, req.path, segment, req.nbytes, req.durability
+            )
+            session.reservations[res.id] = res
+            self._update_gauges()
+        return m.ReserveReply(res.id, segment.name, segment.capacity)
+
+    def _try_allocate(self, nbytes: int) -> Segment | None:
+        arena = self.arena
+        capacity = Arena.capacity_for(nbytes)
+        segment = arena.take_free(nbytes, tight=arena.used + capacity > arena.limit)
+        if segment is not None:
+            return segment
+        arena.shrink_free(capacity)
+        while arena.used + capacity > arena.limit:
+            victims = self.index.eviction_candidates()
+            if not victims:
+                return None
+            log.info("evicting %s generation %d", victims[0].path, victims[0].number)
+            self.metrics.evictions.inc()
+            self._retire(victims[0])
+            segment = arena.take_free(nbytes, tight=True)
+            if segment is not None:
+                return segment
+            arena.shrink_free(capacity)
+        try:
+            return arena.create(nbytes)
+        except OSError as e:
+            raise BudgetExceeded(
+                f"cannot allocate {format_bytes(capacity)} in {arena.directory}: {e.strerror}. "
+                "The shared-memory file system is fuller than the budget assumes; lower "
+                "--memory-limit or enlarge /dev/shm"
+            ) from e
+
+    def commit(self, session: Session, req: m.CommitRequest) -> m.CommitReply:
+        """Validate the manifest the client wrote and publish the next generation."""
+        with self.cond:
+            res = session.reservations.pop(req.reservation, None)
+        if res is None:
+            raise CkptCacheError(
+                f"unknown reservation {req.reservation}: it was already committed or aborted"
+            )
+        segment = res.segment
+        try:
+            manifest, header = self._validate(segment, res, req)
+        except CorruptCheckpoint:
+            with self.cond:
+                self.arena.release(segment)
+                self.cond.notify_all()
+            raise
+        with self.cond:
+            number = self.index.next_number((res.namespace, res.path))
+            header = SegmentHeader(
+                SegmentState.COMMITTED, number, header.payload_offset, header.payload_size,
+                header.manifest_offset, header.manifest_size, header.digest_offset,
+                header.n_storages, DigestState.PENDING, header.created_ns, time.time_ns(),
+            )  # fmt: skip
+            segment.write_header(header)
+            gen = Generation(
+                res.namespace, res.path, number, segment, manifest, size=manifest.payload_size
+            )
+            self.index.add(gen)
+            self._apply_retention(gen.key)
+            self.metrics.saves.inc()
+            self.metrics.bytes_saved.inc(manifest.payload_size)
+            if req.stall_seconds > 0:
+                self.metrics.save_latency.observe(req.stall_seconds)
+            self._update_gauges()
+            self.cond.notify_all()
+        log.debug("committed %s generation %d", res.path, number)
+        self._digest_queue.put(gen)
+        for hook in self.on_commit:
+            hook(gen)
+        return m.CommitReply(number)
+
+    def _validate(
+        self, segment: Segment, res: Reservation, req: m.CommitRequest
+    ) -> tuple[Manifest, SegmentHeader]:
+        cap = segment.capacity
+        if not (HEADER_SIZE <= req.manifest_offset <= cap - req.manifest_size):
+            raise CorruptCheckpoint(f"commit of {res.path!r}: manifest outside the segment")
+        view = segment.view()
+        try:
+            manifest = Manifest.from_json(
+                view[req.manifest_offset : req.manifest_offset + req.manifest_size],
+                segment_size=cap,
+            )
+        finally:
+            del view
+        if (manifest.namespace, manifest.path) != (res.namespace, res.path):
+            raise CorruptCheckpoint(
+                f"commit of {res.path!r}: manifest names {manifest.path!r} instead"
+            )
+        if manifest.payload_offset + manifest.payload_size > req.manifest_offset:
+            raise CorruptCheckpoint(f"commit of {res.path!r}: manifest overlaps the payload")
+        digest_offset = align(req.manifest_offset + req.manifest_size, 64)
+        n = len(manifest.storages)
+        if digest_offset + 8 * n > cap:
+            raise CorruptCheckpoint(f"commit of {res.path!r}: digest table outside the segment")
+        header = SegmentHeader(
+            SegmentState.WRITING, 0, manifest.payload_offset, manifest.payload_size,
+            req.manifest_offset, req.manifest_size, digest_offset, n, DigestState.PENDING,
+            time.time_ns(), 0,
+        )  # fmt: skip
+        return manifest, header
+
+    def abort(self, session: Session, req: m.AbortRequest) -> None:
+        """Give a reservation back."""
+        with self.cond:
+            res = session.reservations.pop(req.reservation, None)
+            if res is not None:
+                self.arena.release(res.segment)
+                self.cond.notify_all()
+
+    # ----------------------------------------------------------------- retention and pins
+
+    def _apply_retention(self, key: Key) -> None:
+        for old in self.index.superseded(key, self.config.keep_for(key[1])):
+            if old.needs_persist and not old.persisted:
+                continue  # never drop a generation storage has not received yet
+            self._retire(old)
+
+    def _retire(self, gen: Generation) -> None:
+        self.index.remove(gen)
+        if gen.pins:
+            gen.retired = True
+        else:
+            self.arena.release(gen.segment)
+        self.cond.notify_all()
+
+    def pin(self, gen: Generation) -> None:
+        """Keep ``gen``'s segment alive (call under the lock)."""
+        gen.pins += 1
+
+    def _unpin(self, gen: Generation) -> None:
+        gen.pins -= 1
+        if gen.pins == 0 and gen.retired:
+            gen.retired = False
+            self.arena.release(gen.segment)
+            self.cond.notify_all()
+
+    def unpin(self, gen: Generation) -> None:
+        """Drop a pin taken with :meth:`pin`."""
+        with self.cond:
+            self._unpin(gen)
+
+    # ----------------------------------------------------------------- load
+
+    def _lookup(self, namespace: str, path: str, number: int | None = None) -> Generation:
+        _check_key(namespace, path)
+        key = (namespace, path)
+        gen = self.index.newest(key) if number is None else self.index.get(key, number)
+        if gen is None:
+            what = "is" if number is None else f"generation {number} is"
+            raise CheckpointNotFound(
+                f"{path!r} {what} not in the memory of node {self.config.node_id!r} "
+                f"(namespace {namespace!r}); load it from storage or check the path"
+            )
+        return gen
+
+    def open(self, session: Session, req: m.OpenRequest) -> m.OpenReply:
+        """Pin a generation for a load and say where it lies."""
+        t0 = time.perf_counter()
+        with self.cond:
+            gen = self._lookup(req.namespace, req.path, req.generation)
+            self.pin(gen)
+        try:
+            if req.need_digests and gen.digests is None:
+                self._compute_digests(gen)
+        except BaseException:
+            self.unpin(gen)
+            raise
+        with self.cond:
+            lease = next(self._ids)
+            session.leases[lease] = gen
+            header = gen.segment.read_header()
+            self.metrics.loads.labels(tier="local").inc()
+            self.metrics.bytes_loaded.labels(tier="local").inc(gen.size)
+        self.metrics.load_latency.observe(time.perf_counter() - t0)
+        return m.OpenReply(
+            lease, gen.segment.name, gen.segment.capacity, gen.number, header.manifest_offset,
+            header.manifest_size, header.digest_offset, header.n_storages, gen.digests is not None,
+        )  # fmt: skip
+
+    def release(self, session: Session, req: m.ReleaseRequest) -> None:
+        """Drop leases (unknown ones are ignored: a release may race a reconnect)."""
+        with self.cond:
+            for lease in req.leases:
+                gen = session.leases.pop(lease, None)
+                if gen is not None:
+                    self._unpin(gen)
+
+    def report_corrupt(self, session: Session, req: m.ReportCorruptRequest) -> None:
+        """A client found bad bytes: drop that generation so nobody loads it again."""
+        self.metrics.corrupt.labels(tier="local").inc()
+        log.error("corrupt copy of %s generation %d: %s", req.path, req.generation, req.detail)
+        with self.cond:
+            gen = self.index.get((req.namespace, req.path), req.generation)
+            if gen is not None:
+                self._retire(gen)
+                self._update_gauges()
+
+    # ----------------------------------------------------------------- digests
+
+    def _compute_digests(self, gen: Generation) -> list[int]:
+        """Compute and record ``gen``'s digests; the caller holds a pin."""
+        view = gen.segment.view()
+        try:
+            digests = compute_digests(view, gen.manifest)
+        finally:
+            del view
+        with self.cond:
+            if gen.digests is None:
+                gen.digests = digests
+                header = gen.segment.read_header()
+                table = pack_digests(digests)
+                mapping = gen.segment.mapping
+                mapping[header.digest_offset : header.digest_offset + len(table)] = table
+                gen.segment.write_header(replace(header, digest_state=DigestState.VALID))
+            return gen.digests
+
+    def _digest_loop(self) -> None:
+        while True:
+            gen = self._digest_queue.get()
+            if gen is None:
+                return
+            with self.cond:
+                if gen.digests is not None or (gen.retired or gen.pins < 0):
+                    continue
+                if self.index.get(gen.key, gen.number) is not gen:
+                    continue  # retired before we got to it
+                self.pin(gen)
+            try:
+                self._compute_digests(gen)
+            except Exception:
+                log.exception("digest of %s generation %d failed", gen.path, gen.number)
+            finally:
+                self.unpin(gen)
+
+    def verify(self, session: Session, req: m.VerifyRequest) -> m.VerifyReply:
+        """Recompute digests of the newest generation and compare with the recorded ones."""
+        with self.cond:
+            gen = self._lookup(req.namespace, req.path)
+            self.pin(gen)
+        try:
+            recorded = gen.digests if gen.digests is not None else self._compute_digests(gen)
+            view = gen.segment.view()
+            try:
+                verify_digests(view, gen.manifest, recorded, tier="local")
+            finally:
+                del view
+        except CorruptCheckpoint as e:
+            self.metrics.corrupt.labels(tier="local").inc()
+            return m.VerifyReply(False, gen.number, len(gen.manifest.storages), str(e))
+        finally:
+            self.unpin(gen)
+        return m.VerifyReply(True, gen.number, len(gen.manifest.storages))
+
+    # ----------------------------------------------------------------- inspection
+
+    def info(self, gen: Generation) -> m.ObjectInfo:
+        """Describe one generation (call under the lock)."""
+        stages = ["local"]
+        if gen.persisted:
+            stages.append("persisted")
+        return m.ObjectInfo(
+            namespace=gen.namespace, path=gen.path, generation=gen.number, size=gen.size,
+            stages=tuple(stages), committed=gen.committed, segment=gen.segment.name,
+            pins=gen.pins, digests_valid=gen.digests is not None,
+            generations=len(self.index.generations(gen.key)),
+        )  # fmt: skip
+
+    def stat(self, session: Session, req: m.StatRequest) -> m.ObjectInfo:
+        """Status of a path's newest generation."""
+        with self.cond:
+            return self.info(self._lookup(req.namespace, req.path))
+
+    def list(self, session: Session, req: m.ListRequest) -> m.ListReply:
+        """Newest generation of every path under a prefix."""
+        with self.cond:
+            out = []
+            for ns, path in self.index.keys():
+                if (req.namespace is None or ns == req.namespace) and path.startswith(req.prefix):
+                    gen = self.index.newest((ns, path))
+                    assert gen is not None
+                    out.append(self.info(gen))
+        return m.ListReply(tuple(out))
+
+    def delete(self, session: Session, req: m.DeleteRequest) -> m.DeleteReply:
+        """Drop every generation of a path from memory (storage is untouched)."""
+        with self.cond:
+            gens = self.index.generations((req.namespace, req.path))
+            if not gens:
+                self._lookup(req.namespace, req.path)  # raises CheckpointNotFound
+            for gen in gens:
+                self._retire(gen)
+            self._update_gauges()
+        return m.DeleteReply(len(gens))
+
+    def status(self, session: Session, req: m.StatusRequest) -> m.DaemonStatus:
+        """Daemon-wide counters."""
+        with self.cond:
+            gens = list(self.index)
+            return m.DaemonStatus(
+                node_id=self.config.node_id, pid=os.getpid(), version=__version__,
+                uptime=time.time() - self.started, memory_limit=self.config.memory_limit,
+                memory_used=self.arena.used, memory_free_pool=self.arena.free_bytes,
+                segments=len(self.arena.segments), free_segments=len(self.arena.free),
+                objects=len(self.index.keys()), generations=len(gens),
+                pinned=sum(1 for g in gens if g.pins), reservations=0,
+                shm_dir=self.config.shm_dir, socket=self.config.socket,
+            )  # fmt: skip
+
+    def _update_gauges(self) -> None:
+        self.metrics.segments.set(len(self.arena.segments))
+        self.metrics.memory_used.set(self.arena.used)

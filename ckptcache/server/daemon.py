@@ -1,0 +1,145 @@
+"""The daemon process: lock the shm directory, recover, serve, and shut down cleanly.
+
+Shutdown on SIGTERM/SIGINT stops accepting connections, stops workers and leaves every
+committed segment in place for the next start (a restart loses nothing).
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import logging
+import os
+import signal
+import socket
+import sys
+import threading
+from typing import IO
+
+from rpyc.utils.helpers import classpartial
+from rpyc.utils.server import ThreadedServer
+
+from ckptcache._units import format_bytes
+from ckptcache.errors import ConfigError
+from ckptcache.server.config import DaemonConfig
+from ckptcache.server.core import CacheCore
+from ckptcache.server.metrics import Metrics
+from ckptcache.server.service import RPC_CONFIG, CacheService, peer_credentials_authenticator
+
+__all__ = ["Daemon", "run_daemon"]
+
+log = logging.getLogger("ckptcache.daemon")
+
+
+def _lock_shm_dir(shm_dir: str) -> IO[str]:
+    """One daemon per shm directory: a second one would corrupt the first one's segments."""
+    os.makedirs(shm_dir, mode=0o700, exist_ok=True)
+    lock = open(os.path.join(shm_dir, "daemon.lock"), "a+")  # noqa: SIM115 - held for life
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as e:
+        lock.close()
+        if e.errno in (errno.EWOULDBLOCK, errno.EACCES):
+            raise ConfigError(
+                f"another daemon already uses {shm_dir}; stop it or pick another --shm-dir"
+            ) from e
+        raise
+    return lock
+
+
+def _clear_stale_socket(path: str) -> None:
+    if not os.path.exists(path):
+        return
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.connect(path)
+    except OSError:
+        os.unlink(path)  # left behind by a daemon that was killed
+        return
+    finally:
+        probe.close()
+    raise ConfigError(f"a daemon is already listening on {path}; stop it or pick another --socket")
+
+
+class Daemon:
+    """A running daemon: core + rpyc server + metrics + process title."""
+
+    def __init__(self, config: DaemonConfig):
+        self.config = config
+        self._lock = _lock_shm_dir(config.shm_dir)
+        self.metrics = Metrics()
+        self.core = CacheCore(config, self.metrics)
+        self.metrics_port: int | None = None
+        if config.metrics_port is not None:
+            self.metrics_port = self.metrics.serve(config.metrics_port, config.metrics_addr)
+        os.makedirs(os.path.dirname(config.socket) or ".", mode=0o755, exist_ok=True)
+        _clear_stale_socket(config.socket)
+        self.server = ThreadedServer(
+            classpartial(CacheService, self.core),
+            socket_path=config.socket,
+            authenticator=peer_credentials_authenticator(config.allowed_uids),
+            protocol_config=RPC_CONFIG,
+            logger=logging.getLogger("ckptcache.rpc"),
+        )
+        # Access is decided by peer credentials, not file modes, so other allowed users can
+        # connect; the credentials check refuses everyone else.
+        os.chmod(config.socket, 0o666)
+        self._stop = threading.Event()
+
+    def _title(self) -> None:
+        try:
+            from setproctitle import setproctitle
+        except ImportError:  # pragma: no cover - dependency missing
+            return
+        while not self._stop.is_set():
+            with self.core.cond:
+                used = self.core.arena.used
+                objects = len(self.core.index.keys())
+            setproctitle(
+                f"ckptcache-daemon node={self.config.node_id} objects={objects} "
+                f"mem={format_bytes(used)}/{format_bytes(self.config.memory_limit)}"
+            )
+            self._stop.wait(2.0)
+
+    def serve_forever(self) -> None:
+        """Serve until :meth:`stop` (or SIGTERM/SIGINT when run by :func:`run_daemon`)."""
+        threading.Thread(target=self._title, name="title", daemon=True).start()
+        server_thread = threading.Thread(target=self.server.start, name="rpc", daemon=True)
+        server_thread.start()
+        log.info(
+            "ckptcache daemon ready: node=%s socket=%s shm=%s budget=%s%s",
+            self.config.node_id, self.config.socket, self.config.shm_dir,
+            format_bytes(self.config.memory_limit),
+            f" metrics=:{self.metrics_port}" if self.metrics_port is not None else "",
+        )  # fmt: skip
+        self._stop.wait()
+        log.info("shutting down")
+        self.server.close()
+        self.core.shutdown()
+        try:
+            os.unlink(self.config.socket)
+        except FileNotFoundError:
+            pass
+        self._lock.close()
+
+    def stop(self) -> None:
+        """Ask :meth:`serve_forever` to return."""
+        self._stop.set()
+
+
+def run_daemon(config: DaemonConfig) -> int:
+    """Run a daemon in this process until SIGTERM/SIGINT; returns the exit code."""
+    logging.basicConfig(
+        level=config.log_level,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    try:
+        daemon = Daemon(config)
+    except ConfigError as e:
+        log.error("%s", e)
+        return 2
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: daemon.stop())
+    daemon.serve_forever()
+    return 0

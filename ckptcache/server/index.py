@@ -1,0 +1,112 @@
+"""The index: which generations of which paths are committed, pinned, and safe to drop.
+
+Not thread-safe on its own; the daemon core calls it under its lock.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+from ckptcache.manifest import Manifest
+from ckptcache.server.arena import Segment
+
+__all__ = ["Generation", "Index", "Key"]
+
+Key = tuple[str, str]  # (namespace, path)
+
+
+@dataclass(eq=False)
+class Generation:
+    """One committed generation of a path, living in one segment."""
+
+    namespace: str
+    path: str
+    number: int
+    segment: Segment
+    manifest: Manifest
+    size: int
+    committed: float = field(default_factory=time.time)
+    pins: int = 0
+    digests: list[int] | None = None
+    #: Removed from the index while pinned: the segment is freed when the last pin goes.
+    retired: bool = False
+    #: Set by persistence; an unpersisted newest generation is never evicted.
+    persisted: bool = False
+    #: Whether this object must reach storage at all (False for memory-only objects).
+    needs_persist: bool = False
+
+    @property
+    def key(self) -> Key:
+        """The (namespace, path) this generation belongs to."""
+        return (self.namespace, self.path)
+
+
+class Index:
+    """Committed generations by (namespace, path), oldest first."""
+
+    def __init__(self) -> None:
+        self._objects: dict[Key, list[Generation]] = {}
+        self._high_water: dict[Key, int] = {}
+
+    def next_number(self, key: Key) -> int:
+        """The generation number the next commit of ``key`` gets (never reused)."""
+        return self._high_water.get(key, 0) + 1
+
+    def add(self, generation: Generation) -> None:
+        """Publish a committed generation."""
+        gens = self._objects.setdefault(generation.key, [])
+        gens.append(generation)
+        gens.sort(key=lambda g: g.number)
+        self._high_water[generation.key] = max(
+            self._high_water.get(generation.key, 0), generation.number
+        )
+
+    def remove(self, generation: Generation) -> None:
+        """Unpublish a generation (it stays alive while pinned)."""
+        gens = self._objects.get(generation.key, [])
+        if generation in gens:
+            gens.remove(generation)
+        if not gens:
+            self._objects.pop(generation.key, None)
+
+    def newest(self, key: Key) -> Generation | None:
+        """The newest committed generation of ``key``."""
+        gens = self._objects.get(key)
+        return gens[-1] if gens else None
+
+    def get(self, key: Key, number: int) -> Generation | None:
+        """A specific generation of ``key``."""
+        return next((g for g in self._objects.get(key, []) if g.number == number), None)
+
+    def generations(self, key: Key) -> list[Generation]:
+        """All generations of ``key``, oldest first."""
+        return list(self._objects.get(key, []))
+
+    def superseded(self, key: Key, keep: int) -> list[Generation]:
+        """Generations beyond the ``keep`` newest of ``key``."""
+        gens = self._objects.get(key, [])
+        return list(gens[: max(0, len(gens) - keep)])
+
+    def keys(self) -> list[Key]:
+        """Every (namespace, path) with at least one generation."""
+        return sorted(self._objects)
+
+    def __iter__(self) -> Iterator[Generation]:
+        for gens in self._objects.values():
+            yield from gens
+
+    def eviction_candidates(self) -> list[Generation]:
+        """Generations that are safe to drop under memory pressure, oldest commit first.
+
+        Safe means unpinned and either superseded by a newer generation of the same path or
+        already persisted; the newest unpersisted generation of a path is never a candidate.
+        """
+        out = []
+        for gens in self._objects.values():
+            for g in gens:
+                newest = g is gens[-1]
+                if g.pins == 0 and (not newest or g.persisted):
+                    out.append(g)
+        return sorted(out, key=lambda g: g.committed)

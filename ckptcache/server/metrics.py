@@ -1,0 +1,53 @@
+"""Prometheus metrics of one daemon (served on ``--metrics-port`` when set)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+__all__ = ["Metrics"]
+
+_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300)
+
+
+class Metrics:
+    """All metric families, on a private registry (so several daemons in one test never clash)."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.bytes_saved = Counter("ckptcache_saved_bytes", "Bytes committed by saves", registry=r)
+        self.bytes_loaded = Counter(
+            "ckptcache_loaded_bytes", "Bytes served to loads", ["tier"], registry=r
+        )
+        self.saves = Counter("ckptcache_saves", "Committed saves", registry=r)
+        self.loads = Counter("ckptcache_loads", "Loads served", ["tier"], registry=r)
+        self.save_latency = Histogram(
+            "ckptcache_save_stall_seconds", "Trainer stall of a save (client-measured)",
+            buckets=_LATENCY_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.load_latency = Histogram(
+            "ckptcache_load_open_seconds", "Daemon time to serve a load's open request",
+            buckets=_LATENCY_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.segments = Gauge("ckptcache_segments", "Segment files", registry=r)
+        self.memory_used = Gauge("ckptcache_memory_used_bytes", "Bytes of segment files", registry=r)
+        self.memory_limit = Gauge("ckptcache_memory_limit_bytes", "Memory budget", registry=r)
+        self.evictions = Counter("ckptcache_evictions", "Generations evicted", registry=r)
+        self.budget_failures = Counter(
+            "ckptcache_budget_failures", "Reserves that ran out of memory", registry=r
+        )
+        self.corrupt = Counter("ckptcache_corrupt", "Corrupt copies detected", ["tier"], registry=r)
+        self.persist_bytes = Counter("ckptcache_persist_bytes", "Bytes persisted", registry=r)
+        self.persist_errors = Counter(
+            "ckptcache_persist_errors", "Persist attempts that failed", registry=r
+        )
+        self.persist_latency = Histogram(
+            "ckptcache_persist_seconds", "Time to persist one object",
+            buckets=_LATENCY_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.persist_queue = Gauge("ckptcache_persist_queue", "Objects waiting to persist", registry=r)
+
+    def serve(self, port: int, addr: str) -> int:
+        """Start the HTTP endpoint; returns the bound port (useful with port 0)."""
+        server, _thread = start_http_server(port, addr=addr, registry=self.registry)
+        return int(server.server_port)

@@ -1,0 +1,123 @@
+"""The rpyc face of the daemon: one restricted ``request(kind, body)`` call per message.
+
+rpyc is configured so a client can reach nothing but :meth:`CacheService.exposed_request`:
+no public attributes, no pickle, no setattr. Peer credentials of the Unix socket are checked
+before the first byte of rpyc is read.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import struct
+from collections.abc import Callable
+from typing import Any
+
+import rpyc
+from rpyc.utils.authenticators import AuthenticationError
+
+from ckptcache import errors
+from ckptcache.server.core import CacheCore, Session
+from ckptcache.wire import messages as m
+
+__all__ = ["RPC_CONFIG", "CacheService", "peer_credentials_authenticator"]
+
+log = logging.getLogger(__name__)
+
+#: rpyc settings shared by both ends: nothing but the exposed request method is reachable.
+RPC_CONFIG: dict[str, Any] = {
+    "allow_public_attrs": False,
+    "allow_all_attrs": False,
+    "allow_pickle": False,
+    "allow_getattr": True,  # needed to reach exposed_* names only
+    "allow_setattr": False,
+    "allow_delattr": False,
+    "import_custom_exceptions": False,
+    "instantiate_custom_exceptions": False,
+    "sync_request_timeout": 120,
+}
+
+_PEERCRED = struct.Struct("3i")
+
+
+def peer_credentials_authenticator(allowed_uids: tuple[int, ...]) -> Callable[..., Any]:
+    """An rpyc authenticator admitting root, the daemon's own user and ``allowed_uids``."""
+    admitted = {0, os.getuid(), *allowed_uids}
+
+    def authenticate(sock: socket.socket) -> tuple[socket.socket, tuple[int, int, int]]:
+        raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size)
+        pid, uid, gid = _PEERCRED.unpack(raw)
+        if uid not in admitted:
+            log.warning("refused connection from pid %d uid %d: not an allowed user", pid, uid)
+            raise AuthenticationError(f"uid {uid} is not allowed")
+        return sock, (pid, uid, gid)
+
+    return authenticate
+
+
+class CacheService(rpyc.Service):  # type: ignore[misc]
+    """One instance per client connection."""
+
+    def __init__(self, core: CacheCore):
+        self._core = core
+        self._session: Session | None = None
+        self._handlers: dict[str, tuple[type[Any], Callable[[Session, Any], Any]]] = {
+            "reserve": (m.ReserveRequest, core.reserve),
+            "commit": (m.CommitRequest, core.commit),
+            "abort": (m.AbortRequest, core.abort),
+            "open": (m.OpenRequest, core.open),
+            "release": (m.ReleaseRequest, core.release),
+            "report_corrupt": (m.ReportCorruptRequest, core.report_corrupt),
+            "stat": (m.StatRequest, core.stat),
+            "list": (m.ListRequest, core.list),
+            "delete": (m.DeleteRequest, core.delete),
+            "verify": (m.VerifyRequest, core.verify),
+            "status": (m.StatusRequest, core.status),
+        }
+
+    def on_connect(self, conn: rpyc.Connection) -> None:
+        pid, uid, _gid = conn._config.get("credentials") or (0, os.getuid(), 0)
+        self._session = self._core.open_session(pid, uid)
+
+    def on_disconnect(self, conn: rpyc.Connection) -> None:
+        if self._session is not None:
+            self._core.close_session(self._session)
+            self._session = None
+
+    def _hello(self, body: str) -> str:
+        req = m.decode(m.HelloRequest, body)
+        if req.protocol != m.PROTOCOL_VERSION:
+            return m.error_envelope(
+                "ProtocolMismatch",
+                f"client speaks protocol {req.protocol}, daemon {m.PROTOCOL_VERSION}: "
+                "install the same ckptcache version on both sides",
+            )
+        cfg = self._core.config
+        from ckptcache import __version__
+
+        return m.ok_envelope(
+            m.HelloReply(m.PROTOCOL_VERSION, cfg.node_id, cfg.segments_dir, __version__)
+        )
+
+    def exposed_request(self, kind: str, body: str) -> str:
+        """Dispatch one message; errors come back as typed envelopes, never as exceptions."""
+        try:
+            if not isinstance(kind, str) or not isinstance(body, str):
+                raise ValueError("request kind and body must be strings")
+            if kind == "hello":
+                return self._hello(body)
+            handler = self._handlers.get(kind)
+            if handler is None:
+                return m.error_envelope("ProtocolMismatch", f"unknown request kind {kind!r}")
+            request_type, fn = handler
+            assert self._session is not None
+            result = fn(self._session, m.decode(request_type, body))
+            return m.ok_envelope(result if result is not None else {})
+        except errors.CkptCacheError as e:
+            return m.error_envelope(type(e).__name__, str(e))
+        except ValueError as e:
+            return m.error_envelope("ProtocolMismatch", f"malformed {kind!r} request: {e}")
+        except Exception as e:  # a bug: keep the daemon up, tell the client what happened
+            log.exception("internal error handling %r", kind)
+            return m.error_envelope("CkptCacheError", f"internal daemon error: {e!r}")

@@ -1,0 +1,323 @@
+"""Control-plane messages between clients and the daemon: frozen dataclasses carried as JSON.
+
+No pickle crosses the socket: rpyc carries one ``request(kind, body)`` call whose body and
+reply are JSON text. Each message kind has exactly one request type and one handler in the
+daemon. Replies are wrapped in an envelope: ``{"ok": true, "result": {...}}`` or
+``{"ok": false, "error": {"type": "BudgetExceeded", "message": "..."}}``, and the client
+re-raises the named :mod:`ckptcache.errors` type.
+
+Call order of a save: ``hello`` once per connection, then ``reserve`` -> (client copies bytes
+into the segment) -> ``commit`` (or ``abort``). A load: ``open`` -> (client maps the segment)
+-> ``release`` when the mapping is gone. Everything else is a single request.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+__all__ = [
+    "PROTOCOL_VERSION",
+    "AbortRequest",
+    "CommitReply",
+    "CommitRequest",
+    "DaemonStatus",
+    "DeleteReply",
+    "DeleteRequest",
+    "HelloReply",
+    "HelloRequest",
+    "ListReply",
+    "ListRequest",
+    "ObjectInfo",
+    "OpenReply",
+    "OpenRequest",
+    "ReleaseRequest",
+    "ReportCorruptRequest",
+    "ReserveReply",
+    "ReserveRequest",
+    "StatRequest",
+    "StatusRequest",
+    "VerifyReply",
+    "VerifyRequest",
+    "WaitReply",
+    "WaitRequest",
+    "decode",
+    "encode",
+    "error_envelope",
+    "ok_envelope",
+]
+
+#: Bumped on any incompatible change; hello refuses a mismatch with ProtocolMismatch.
+PROTOCOL_VERSION = 1
+
+M = TypeVar("M")
+
+
+def encode(message: Any) -> str:
+    """Encode a message dataclass as JSON."""
+    return json.dumps(dataclasses.asdict(message), separators=(",", ":"))
+
+
+def _build(cls: type[M], raw: Any) -> M:
+    if not isinstance(raw, dict):
+        raise ValueError(f"{cls.__name__}: expected an object")
+    hints = {f.name: f for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+    unknown = set(raw) - set(hints)
+    if unknown:
+        raise ValueError(f"{cls.__name__}: unknown fields {sorted(unknown)}")
+    values = dict(raw)
+    for name, f in hints.items():
+        # Nested message lists are the only composite fields; rebuild them by name.
+        item_type = f.metadata.get("items")
+        if item_type is not None and name in values:
+            values[name] = tuple(_build(item_type, v) for v in values[name])
+        elif isinstance(values.get(name), list):
+            values[name] = tuple(values[name])
+    return cls(**values)
+
+
+def decode(cls: type[M], text: str) -> M:
+    """Decode JSON text into message ``cls``; raises ``ValueError`` when malformed."""
+    try:
+        return _build(cls, json.loads(text))
+    except (TypeError, json.JSONDecodeError) as e:
+        raise ValueError(f"malformed {cls.__name__}: {e}") from e
+
+
+def ok_envelope(result: Any) -> str:
+    """Wrap a successful reply."""
+    body = dataclasses.asdict(result) if dataclasses.is_dataclass(result) else result
+    return json.dumps({"ok": True, "result": body}, separators=(",", ":"))
+
+
+def error_envelope(error_type: str, message: str) -> str:
+    """Wrap an error reply naming a :mod:`ckptcache.errors` type."""
+    return json.dumps({"ok": False, "error": {"type": error_type, "message": message}})
+
+
+@dataclass(frozen=True)
+class HelloRequest:
+    """First message on a connection."""
+
+    protocol: int
+    pid: int
+    namespace: str
+
+
+@dataclass(frozen=True)
+class HelloReply:
+    """The daemon's identity and where its segments live."""
+
+    protocol: int
+    node_id: str
+    shm_dir: str
+    version: str
+
+
+@dataclass(frozen=True)
+class ReserveRequest:
+    """Phase 1, step 1: ask for a segment of at least ``nbytes``."""
+
+    namespace: str
+    path: str
+    nbytes: int
+    durability: str = "local"
+
+
+@dataclass(frozen=True)
+class ReserveReply:
+    """A segment reserved for this connection until commit or abort."""
+
+    reservation: int
+    segment: str
+    capacity: int
+
+
+@dataclass(frozen=True)
+class CommitRequest:
+    """Phase 1, step 2: the bytes are in place; validate and publish them."""
+
+    reservation: int
+    manifest_offset: int
+    manifest_size: int
+    stall_seconds: float = 0.0
+
+
+@dataclass(frozen=True)
+class CommitReply:
+    """The generation the commit created."""
+
+    generation: int
+
+
+@dataclass(frozen=True)
+class AbortRequest:
+    """Give a reservation back without publishing it."""
+
+    reservation: int
+
+
+@dataclass(frozen=True)
+class OpenRequest:
+    """Pin the newest (or a given) generation of a path for loading."""
+
+    namespace: str
+    path: str
+    generation: int | None = None
+    need_digests: bool = False
+
+
+@dataclass(frozen=True)
+class OpenReply:
+    """Where a pinned generation lies; valid until ``release(lease)``."""
+
+    lease: int
+    segment: str
+    size: int
+    generation: int
+    manifest_offset: int
+    manifest_size: int
+    digest_offset: int
+    n_storages: int
+    digests_valid: bool
+
+
+@dataclass(frozen=True)
+class ReleaseRequest:
+    """Drop leases whose mappings are gone."""
+
+    leases: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class ReportCorruptRequest:
+    """A client found a generation's bytes do not match their digests: drop it."""
+
+    namespace: str
+    path: str
+    generation: int
+    detail: str
+
+
+@dataclass(frozen=True)
+class StatRequest:
+    """Status of one path."""
+
+    namespace: str
+    path: str
+
+
+@dataclass(frozen=True)
+class ObjectInfo:
+    """What the daemon knows of one generation of a path."""
+
+    namespace: str
+    path: str
+    generation: int
+    size: int
+    stages: tuple[str, ...]
+    committed: float
+    segment: str
+    pins: int
+    digests_valid: bool
+    generations: int = 1
+    persist_state: str = "none"
+    persist_error: str = ""
+    persist_seconds: float = 0.0
+
+
+@dataclass(frozen=True)
+class ListRequest:
+    """List newest generations under a prefix (empty prefix: everything)."""
+
+    namespace: str | None
+    prefix: str = ""
+
+
+@dataclass(frozen=True)
+class ListReply:
+    """Objects, sorted by path."""
+
+    objects: tuple[ObjectInfo, ...] = field(default=(), metadata={"items": ObjectInfo})
+
+
+@dataclass(frozen=True)
+class DeleteRequest:
+    """Drop every generation of a path from memory."""
+
+    namespace: str
+    path: str
+
+
+@dataclass(frozen=True)
+class DeleteReply:
+    """How many generations were dropped."""
+
+    dropped: int
+
+
+@dataclass(frozen=True)
+class VerifyRequest:
+    """Recompute digests of the newest generation and compare."""
+
+    namespace: str
+    path: str
+
+
+@dataclass(frozen=True)
+class VerifyReply:
+    """Result of a verification; ``error`` names the bad tensor."""
+
+    ok: bool
+    generation: int
+    storages: int
+    error: str = ""
+
+
+@dataclass(frozen=True)
+class WaitRequest:
+    """Block until a path's newest generation reaches ``stage`` (or a timeout)."""
+
+    namespace: str
+    path: str
+    stage: str = "persisted"
+    timeout: float = 60.0
+
+
+@dataclass(frozen=True)
+class WaitReply:
+    """Stage reached (or the last state seen)."""
+
+    generation: int
+    state: str
+    error: str = ""
+
+
+@dataclass(frozen=True)
+class StatusRequest:
+    """Daemon-wide status."""
+
+
+@dataclass(frozen=True)
+class DaemonStatus:
+    """Daemon-wide counters for ``ckptcache status``."""
+
+    node_id: str
+    pid: int
+    version: str
+    uptime: float
+    memory_limit: int
+    memory_used: int
+    memory_free_pool: int
+    segments: int
+    free_segments: int
+    objects: int
+    generations: int
+    pinned: int
+    reservations: int
+    shm_dir: str
+    socket: str
+    persist_queue: int = 0
+    persist_roots: tuple[str, ...] = ()
