@@ -5,9 +5,9 @@ Replace ``torch.save``/``torch.load`` with :func:`save`/:func:`load`; see README
 
 __version__ = "0.1.0"
 
-from ckptcache.api import delete, exists, load, save, status  # noqa: E402
-from ckptcache.client import Client  # noqa: E402
-from ckptcache.errors import (  # noqa: E402
+from ckptcache.api import delete, exists, load, save, status
+from ckptcache.client import Client
+from ckptcache.errors import (
     BudgetExceeded,
     CheckpointNotFound,
     CkptCacheError,
@@ -23,7 +23,7 @@ from ckptcache.errors import (  # noqa: E402
     SerializationError,
     UnsafeUnpickle,
 )
-from ckptcache.wire.messages import ObjectInfo as ObjectStatus  # noqa: E402
+from ckptcache.wire.messages import ObjectInfo as ObjectStatus
 
 __all__ = [
     "BudgetExceeded",

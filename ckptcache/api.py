@@ -26,7 +26,7 @@ def default_client() -> Client:
 
 
 def set_default_client(client: Client | None) -> None:
-    """Replace the default client (``None``: create a fresh one from the environment on next use)."""
+    """Replace the default client (``None``: a fresh one from the environment on next use)."""
     global _default
     with _lock:
         old, _default = _default, client

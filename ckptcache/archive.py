@@ -140,7 +140,9 @@ def plan_archive(
         full_name = f"{archive_name}/{name}".encode()
         extra = _padding_extra(offset, len(full_name), alignment)
         size = content if isinstance(content, int) else len(content)
-        local = _LOCAL_HEADER.pack(0x04034B50, 0, _FLAGS, 0, 0, 0, 0, 0, 0, len(full_name), len(extra))
+        local = _LOCAL_HEADER.pack(
+            0x04034B50, 0, _FLAGS, 0, 0, 0, 0, 0, 0, len(full_name), len(extra)
+        )
         data_offset = offset + len(local) + len(full_name) + len(extra)
         pieces.append((offset, local + full_name + extra))
         entry = _Entry(full_name, offset, data_offset, size)

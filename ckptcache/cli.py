@@ -99,7 +99,11 @@ def _cmd_status(args: argparse.Namespace) -> int:
             for o in objects
         ]  # fmt: skip
         text += "\n\n" + _table(rows, ("PATH", "GEN", "SIZE", "STAGES", "PERSIST", "LAST ERROR"))
-    _emit(args, {"daemon": dataclasses.asdict(st), "objects": [dataclasses.asdict(o) for o in objects]}, text)
+    _emit(
+        args,
+        {"daemon": dataclasses.asdict(st), "objects": [dataclasses.asdict(o) for o in objects]},
+        text,
+    )
     return 0
 
 

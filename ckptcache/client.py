@@ -32,11 +32,10 @@ from ckptcache.errors import (
     DaemonUnavailable,
     InvalidPath,
 )
-from ckptcache.flatten import MapLocation, flatten, unflatten
-from ckptcache.layout import HEADER_SIZE
-from ckptcache.manifest import Manifest, plan_object, unpack_digests, verify_digests
-from ckptcache.shm import Mapping, copy_storage_into, map_private, map_shared, storage_copy
-from ckptcache.shm import storage_view
+from ckptcache.flatten import MapLocation, flatten
+from ckptcache.manifest import plan_object, unpack_digests
+from ckptcache.objectio import read_object, write_object
+from ckptcache.shm import Mapping, map_private, map_shared
 from ckptcache.wire import messages as m
 
 __all__ = ["DURABILITY_LEVELS", "Client", "normalize_path"]
@@ -45,15 +44,6 @@ __all__ = ["DURABILITY_LEVELS", "Client", "normalize_path"]
 DURABILITY_LEVELS = ("local",)
 
 R = TypeVar("R")
-
-_warned: set[str] = set()
-
-
-def _warn_once(key: str, message: str) -> None:
-    if key not in _warned:
-        _warned.add(key)
-        warnings.warn(message, CkptCacheWarning, stacklevel=4)
-
 
 def normalize_path(path: Any) -> str:
     """The name of a checkpoint: an absolute local path, or a URL (``s3://...``) unchanged."""
@@ -106,6 +96,7 @@ class Client:
         self.node_id = ""
         self._write_maps: dict[str, Mapping] = {}
         self._pending_release: list[tuple[int, int]] = []
+        self._warned: set[str] = set()
 
     # ----------------------------------------------------------------- connection
 
@@ -236,16 +227,7 @@ class Client:
                 self._write_through(obj, path, e)
                 return
             try:
-                mapping = self._write_mapping(reply.segment, reply.capacity)
-                view = memoryview(mapping)
-                try:
-                    plan.archive.write_metadata(view[HEADER_SIZE : HEADER_SIZE + plan.archive.size])
-                    offset = plan.layout.manifest_offset
-                    view[offset : offset + len(plan.manifest_bytes)] = plan.manifest_bytes
-                finally:
-                    view.release()
-                for record, storage in zip(plan.manifest.storages, flat.storages, strict=True):
-                    copy_storage_into(mapping, record.offset, storage)
+                write_object(self._write_mapping(reply.segment, reply.capacity), plan, flat)
                 commit = m.CommitRequest(
                     reply.reservation,
                     plan.layout.manifest_offset,
@@ -268,10 +250,13 @@ class Client:
             raise reason
         if _is_url(path):
             raise reason  # remote write-through arrives with the storage backends
-        _warn_once(
-            type(reason).__name__,
-            f"ckptcache: writing {path!r} straight to storage with torch.save ({reason})",
-        )
+        if type(reason).__name__ not in self._warned:  # once per client and cause
+            self._warned.add(type(reason).__name__)
+            warnings.warn(
+                f"ckptcache: writing {path!r} straight to storage with torch.save ({reason})",
+                CkptCacheWarning,
+                stacklevel=4,
+            )
         torch.save(obj, path)
 
     # ----------------------------------------------------------------- load
@@ -318,36 +303,19 @@ class Client:
         mapping = map_private(
             self._seg_path(reply.segment), reply.size, self._release_later(self._epoch, reply.lease)
         )
-        view = memoryview(mapping)
-        try:
-            mo, ms = reply.manifest_offset, reply.manifest_size
-            manifest = Manifest.from_json(view[mo : mo + ms], segment_size=reply.size)
-            if verify:
-                if not reply.digests_valid:
-                    raise CorruptCheckpoint("daemon returned no digests to verify against")
-                table = view[reply.digest_offset : reply.digest_offset + 8 * reply.n_storages]
-                verify_digests(view, manifest, unpack_digests(table, reply.n_storages), tier="local")
-            records = {r.key: r for r in manifest.storages}
-            zero_copy = mmap is not False
-
-            def load_storage(key: str, nbytes: int) -> torch.UntypedStorage:
-                record = records.get(key)
-                if record is None or record.nbytes != nbytes:
-                    raise CorruptCheckpoint(
-                        f"skeleton of {manifest.path!r} refers to storage {key} that the "
-                        "manifest does not hold", tier="local",
-                    )  # fmt: skip
-                if zero_copy:
-                    return storage_view(mapping, record.offset, nbytes)
-                return storage_copy(mapping, record.offset, nbytes)
-
-            po = manifest.pickle_offset
-            skeleton = bytes(view[po : po + manifest.pickle_size])
-        finally:
-            view.release()
-        return unflatten(
-            skeleton, load_storage, weights_only=weights_only, map_location=map_location
-        )
+        digests = None
+        if verify:
+            if not reply.digests_valid:
+                raise CorruptCheckpoint("the daemon returned no digests to verify against")
+            table = memoryview(mapping)[
+                reply.digest_offset : reply.digest_offset + 8 * reply.n_storages
+            ]
+            digests = unpack_digests(table, reply.n_storages)
+            table.release()
+        return read_object(
+            mapping, reply.manifest_offset, reply.manifest_size, zero_copy=mmap is not False,
+            weights_only=weights_only, map_location=map_location, digests=digests,
+        )  # fmt: skip
 
     def _load_file(
         self,
@@ -357,16 +325,16 @@ class Client:
         mmap: bool | None,
         reason: errors.CkptCacheError,
     ) -> Any:
-        if _is_url(path) or not os.path.exists(path):
-            if isinstance(reason, CheckpointNotFound):
-                raise CheckpointNotFound(
-                    f"{path!r} is neither in the cache nor in storage; check the path "
-                    "(and the namespace, if the job sets one)"
-                ) from reason
-            raise reason
         if isinstance(reason, DaemonUnavailable) and self.fallback == "raise":
             raise reason
-        return torch.load(path, map_location=map_location, weights_only=weights_only, mmap=mmap)
+        if _is_url(path) or not os.path.exists(path):
+            where = "the cache" if isinstance(reason, CheckpointNotFound) else "a reachable cache"
+            raise CheckpointNotFound(
+                f"{path!r} is neither in {where} nor in storage; check the path "
+                "(and the namespace, if the job sets one)"
+            ) from reason
+        location: Any = map_location
+        return torch.load(path, map_location=location, weights_only=weights_only, mmap=mmap)
 
     # ----------------------------------------------------------------- queries
 
@@ -396,7 +364,9 @@ class Client:
     def delete(self, path: Any) -> int:
         """Drop every cached generation of ``path`` (storage is untouched); returns the count."""
         path = normalize_path(path)
-        return int(self._call("delete", m.DeleteRequest(self.namespace, path), m.DeleteReply).dropped)
+        return int(
+            self._call("delete", m.DeleteRequest(self.namespace, path), m.DeleteReply).dropped
+        )
 
     def list(self, prefix: str = "", *, all_namespaces: bool = False) -> list[m.ObjectInfo]:
         """Newest generation of every cached path starting with ``prefix``."""

@@ -120,13 +120,13 @@ def flatten(obj: Any) -> Flattened:
             storage_type = torch.UntypedStorage
             numel = storage.nbytes()
         ptr = storage.data_ptr()
-        if storage.device.type != "meta" and ptr != 0:
-            # As torch.save: one storage cannot be read back as two dtypes.
-            if dtypes_by_ptr.setdefault(ptr, dtype) != dtype:
-                raise SerializationError(
-                    "cannot save tensors that view the same data as different dtypes "
-                    f"({dtypes_by_ptr[ptr]} and {dtype}); clone one of them before saving"
-                )
+        # As torch.save: one storage cannot be read back as two dtypes.
+        allocated = storage.device.type != "meta" and ptr != 0
+        if allocated and dtypes_by_ptr.setdefault(ptr, dtype) != dtype:
+            raise SerializationError(
+                "cannot save tensors that view the same data as different dtypes "
+                f"({dtypes_by_ptr[ptr]} and {dtype}); clone one of them before saving"
+            )
         key = keys.get(storage._cdata)
         if key is None:
             key = keys[storage._cdata] = str(len(keys))

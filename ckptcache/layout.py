@@ -125,4 +125,6 @@ def plan_segment(payload_size: int, manifest_capacity: int, n_storages: int) -> 
     """Lay out a segment for an archive of ``payload_size`` bytes."""
     manifest_offset = align(HEADER_SIZE + payload_size, 64)
     digest_offset = align(manifest_offset + manifest_capacity, 64)
-    return SegmentLayout(payload_size, manifest_offset, manifest_capacity, digest_offset, n_storages)
+    return SegmentLayout(
+        payload_size, manifest_offset, manifest_capacity, digest_offset, n_storages
+    )

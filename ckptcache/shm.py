@@ -77,7 +77,9 @@ def storage_view(mapping: mmap.mmap, offset: int, nbytes: int) -> torch.UntypedS
     """A storage backed by ``mapping`` itself (zero copy); it keeps the mapping alive."""
     if nbytes == 0:
         return torch.UntypedStorage(0)
-    return torch.frombuffer(mapping, dtype=torch.uint8, count=nbytes, offset=offset).untyped_storage()
+    return torch.frombuffer(
+        mapping, dtype=torch.uint8, count=nbytes, offset=offset
+    ).untyped_storage()
 
 
 def storage_copy(mapping: mmap.mmap, offset: int, nbytes: int) -> torch.UntypedStorage:

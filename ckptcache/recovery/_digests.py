@@ -51,7 +51,8 @@ def _word_sum(t: torch.Tensor) -> torch.Tensor:
 
 def _xxh3(t: torch.Tensor) -> int:
     host = t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
-    return digest_bytes(memoryview(host.numpy()))
+    # The numpy view shares the tensor's memory: hashing reads it in place.
+    return digest_bytes(host.numpy().data)
 
 
 def tensor_words(tensors: Sequence[torch.Tensor], mode: DigestMode) -> list[int]:
@@ -74,10 +75,15 @@ def tensor_words(tensors: Sequence[torch.Tensor], mode: DigestMode) -> list[int]
 
 def combine(specs: Sequence[TensorSpec], words: Sequence[int]) -> int:
     """Fold per-tensor words and tensor descriptions into one unsigned 64-bit digest."""
+    entries = sorted(
+        (repr((spec.path, str(spec.dtype), spec.shape)).encode(), word)
+        for spec, word in zip(specs, words, strict=True)
+    )
+    # Sorted by path: a replica whose optimizer state dict lists parameters in another order
+    # (it was rebuilt by load_state_dict) still digests the same.
     buf = bytearray()
-    for spec, word in zip(specs, words, strict=True):
-        buf += repr((spec.path, str(spec.dtype), spec.shape)).encode()
-        buf += struct.pack("<Q", word)
+    for name, word in entries:
+        buf += name + struct.pack("<Q", word)
     return digest_bytes(buf)
 
 

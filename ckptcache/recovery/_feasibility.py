@@ -7,7 +7,7 @@ which keeps every rule unit-testable and guarantees all ranks take the same bran
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import astuple, dataclass, fields
 from typing import Literal
 
@@ -97,7 +97,7 @@ class Feasibility:
         return tuple(r for r in self.recovering_ranks if r != self.source_rank)
 
 
-def _listing(values: dict[int, object]) -> str:
+def _listing(values: Mapping[int, object]) -> str:
     return ", ".join(f"rank {r}: {v}" for r, v in values.items())
 
 

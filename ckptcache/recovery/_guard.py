@@ -3,8 +3,10 @@
 A failure can strike in two places, and recovery treats them differently:
 
 * during forward/backward: parameters and optimizer state are untouched, so every healthy
-  replica still holds the state *before* the step; the step is simply run again (the guard
-  also rewinds the random generators to where they were when that step began);
+  replica still holds the state *before* the step; the step is simply run again. The forward
+  pass did have side effects, though: random generators advanced (dropout) and BatchNorm
+  running statistics were updated. The guard records both when a step commits and
+  :meth:`StepGuard.rewind` puts them back, so the re-run step is bitwise the original;
 * during ``optimizer.step()``: some tensors may already be updated and others not. A replica
   whose step was interrupted is marked *in flight* and counts as recovering; healthy replicas
   finish the step (a fault handler waits for it with :meth:`StepGuard.paused`) and send the
@@ -17,7 +19,10 @@ import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from ckptcache.recovery._rng import RngState, capture_rng
+import torch
+from torch import nn
+
+from ckptcache.recovery._rng import RngState, capture_rng, restore_rng
 
 __all__ = ["StepGuard"]
 
@@ -27,7 +32,7 @@ class StepGuard:
 
     Call order (training thread)::
 
-        guard = StepGuard()                 # before the first step (or StepGuard(step=resume_step))
+        guard = StepGuard(model)            # before the first step (or step=resume_step)
         for step in range(guard.committed_step, num_steps):
             loss = model(batch).sum(); loss.backward()
             with guard.optimizer_step(step):
@@ -40,12 +45,22 @@ class StepGuard:
     ``rng_state`` and resets the guard after a recovery.
     """
 
-    def __init__(self, step: int = 0, *, capture_rng_state: bool = True) -> None:
+    def __init__(
+        self,
+        model: nn.Module | None = None,
+        *,
+        step: int = 0,
+        capture_rng_state: bool = True,
+    ) -> None:
+        """``model``: whose buffers (BatchNorm statistics) to record at each commit."""
         self._lock = threading.Lock()
+        self._model = model
         self._committed = step
         self._in_flight: int | None = None
         self._capture = capture_rng_state
-        self._rng: RngState | None = capture_rng() if capture_rng_state else None
+        self._rng: RngState | None = None
+        self._buffers: dict[str, torch.Tensor] = {}
+        self._record()
 
     @property
     def committed_step(self) -> int:
@@ -76,8 +91,7 @@ class StepGuard:
             # Reached only when the body returned normally (an exception skips the commit).
             self._committed = current + 1
             self._in_flight = None
-            if self._capture:
-                self._rng = capture_rng()
+            self._record()
 
     @contextmanager
     def paused(self) -> Iterator[int]:
@@ -94,5 +108,38 @@ class StepGuard:
         with self._lock:
             self._committed = step
             self._in_flight = None
-            if self._capture:
-                self._rng = capture_rng()
+            self._record()
+
+    def rewind(self) -> None:
+        """Undo the side effects of an aborted forward/backward (not of an optimizer step).
+
+        Restores the model's buffers and the random generators recorded at the last commit.
+        """
+        with self._lock:
+            if self._in_flight is not None:
+                raise RuntimeError(
+                    f"optimizer step {self._in_flight} was interrupted: this replica's state is "
+                    "mixed and cannot be rewound; recover it from a peer instead"
+                )
+            if self._model is not None:
+                with torch.no_grad():
+                    for name, buf in self._model.named_buffers():
+                        saved = self._buffers.get(name)
+                        if saved is not None and saved.shape == buf.shape:
+                            buf.copy_(saved)
+            if self._rng is not None:
+                restore_rng(self._rng)
+
+    def _record(self) -> None:
+        if self._capture:
+            self._rng = capture_rng()
+        if self._model is None:
+            return
+        # Looked up by name each time: module.to() replaces buffer tensors with new ones.
+        with torch.no_grad():
+            for name, buf in self._model.named_buffers():
+                saved = self._buffers.get(name)
+                if saved is None or saved.shape != buf.shape or saved.dtype != buf.dtype:
+                    self._buffers[name] = buf.detach().clone()
+                else:
+                    saved.copy_(buf)

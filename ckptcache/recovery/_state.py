@@ -8,7 +8,7 @@ values) and is small enough to send as one pickled object. Tensors travel separa
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,9 +23,9 @@ __all__ = [
     "apply_training_state",
     "flatten",
     "frozen_model_keys",
-    "model_fingerprint",
     "rebuild",
     "training_state",
+    "training_state_dict",
     "unwrap_model",
 ]
 
@@ -85,12 +85,14 @@ def unwrap_model(model: nn.Module) -> nn.Module:
     Unwrapping on every rank makes state keys match whether or not each rank wraps its model.
     """
     while True:
+        inner = None
         if isinstance(model, (nn.parallel.DistributedDataParallel, nn.DataParallel)):
-            model = model.module
-        elif isinstance(getattr(model, "_orig_mod", None), nn.Module):
-            model = model._orig_mod
+            inner = model.module
         else:
+            inner = getattr(model, "_orig_mod", None)
+        if not isinstance(inner, nn.Module):
             return model
+        model = inner
 
 
 def frozen_model_keys(model: nn.Module) -> frozenset[str]:
@@ -168,12 +170,24 @@ def _same_tuple(like: tuple[Any, ...], items: list[Any]) -> tuple[Any, ...]:
     return tuple(items)
 
 
-def model_fingerprint(model: nn.Module) -> Iterator[bytes]:
-    """Byte strings naming every state key, shape, dtype and trainability, in order."""
-    module = unwrap_model(model)
-    frozen = frozen_model_keys(module)
-    for key, t in module.state_dict().items():
-        yield f"{key}|{tuple(t.shape)}|{t.dtype}|{key in frozen}\n".encode()
+def training_state_dict(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    *,
+    step: int,
+    scheduler: Any = None,
+    extra_state: Any = None,
+) -> dict[str, Any]:
+    """The checkpoint layout a recovery fallback understands: save this, load it in ``fallback``.
+
+    ``ckptcache.save(training_state_dict(model, opt, step=step), path)`` during training and
+    ``fallback=lambda: ckptcache.load(path)`` at recovery time is all a user adds: a fallback
+    returning this mapping is loaded into the model, optimizer and scheduler, and its ``step``
+    becomes the step to resume from. Tensors are the live ones (not copies).
+    """
+    state = training_state(model, optimizer, scheduler=scheduler, extra_state=extra_state)
+    state["step"] = step
+    return state
 
 
 def apply_training_state(

@@ -62,7 +62,9 @@ class Segment:
 
 
 def _empty_header(state: SegmentState) -> SegmentHeader:
-    return SegmentHeader(state, 0, HEADER_SIZE, 0, 0, 0, 0, 0, DigestState.PENDING, time.time_ns(), 0)
+    return SegmentHeader(
+        state, 0, HEADER_SIZE, 0, 0, 0, 0, 0, DigestState.PENDING, time.time_ns(), 0
+    )
 
 
 class Arena:

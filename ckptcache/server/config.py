@@ -74,7 +74,9 @@ class DaemonConfig:
         """Generations to keep for ``path``: the longest matching rule wins."""
         best: RetentionRule | None = None
         for rule in self.retention:
-            if path.startswith(rule.prefix) and (best is None or len(rule.prefix) > len(best.prefix)):
+            if path.startswith(rule.prefix) and (
+                best is None or len(rule.prefix) > len(best.prefix)
+            ):
                 best = rule
         return best.keep if best else self.keep
 

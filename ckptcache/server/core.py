@@ -133,8 +133,10 @@ class CacheCore:
                 gen.digests = unpack_digests(table, header.n_storages)
             del view
             self.index.add(gen)
-            log.info("recovered %s generation %d (%s)", gen.path, gen.number, format_bytes(gen.size))
-        for key in self.index.keys():
+            log.info(
+                "recovered %s generation %d (%s)", gen.path, gen.number, format_bytes(gen.size)
+            )
+        for key in self.index.paths():
             self._apply_retention(key)
         for gen in self.index:
             if gen.digests is None:
@@ -474,7 +476,7 @@ class CacheCore:
         """Newest generation of every path under a prefix."""
         with self.cond:
             out = []
-            for ns, path in self.index.keys():
+            for ns, path in self.index.paths():
                 if (req.namespace is None or ns == req.namespace) and path.startswith(req.prefix):
                     gen = self.index.newest((ns, path))
                     assert gen is not None
@@ -501,7 +503,7 @@ class CacheCore:
                 uptime=time.time() - self.started, memory_limit=self.config.memory_limit,
                 memory_used=self.arena.used, memory_free_pool=self.arena.free_bytes,
                 segments=len(self.arena.segments), free_segments=len(self.arena.free),
-                objects=len(self.index.keys()), generations=len(gens),
+                objects=len(self.index.paths()), generations=len(gens),
                 pinned=sum(1 for g in gens if g.pins), reservations=0,
                 shm_dir=self.config.shm_dir, socket=self.config.socket,
             )  # fmt: skip

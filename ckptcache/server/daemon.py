@@ -94,7 +94,7 @@ class Daemon:
         while not self._stop.is_set():
             with self.core.cond:
                 used = self.core.arena.used
-                objects = len(self.core.index.keys())
+                objects = len(self.core.index.paths())
             setproctitle(
                 f"ckptcache-daemon node={self.config.node_id} objects={objects} "
                 f"mem={format_bytes(used)}/{format_bytes(self.config.memory_limit)}"

@@ -89,7 +89,7 @@ class Index:
         gens = self._objects.get(key, [])
         return list(gens[: max(0, len(gens) - keep)])
 
-    def keys(self) -> list[Key]:
+    def paths(self) -> list[Key]:
         """Every (namespace, path) with at least one generation."""
         return sorted(self._objects)
 

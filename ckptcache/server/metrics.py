@@ -30,7 +30,9 @@ class Metrics:
             buckets=_LATENCY_BUCKETS, registry=r,
         )  # fmt: skip
         self.segments = Gauge("ckptcache_segments", "Segment files", registry=r)
-        self.memory_used = Gauge("ckptcache_memory_used_bytes", "Bytes of segment files", registry=r)
+        self.memory_used = Gauge(
+            "ckptcache_memory_used_bytes", "Bytes of segment files", registry=r
+        )
         self.memory_limit = Gauge("ckptcache_memory_limit_bytes", "Memory budget", registry=r)
         self.evictions = Counter("ckptcache_evictions", "Generations evicted", registry=r)
         self.budget_failures = Counter(
@@ -45,7 +47,9 @@ class Metrics:
             "ckptcache_persist_seconds", "Time to persist one object",
             buckets=_LATENCY_BUCKETS, registry=r,
         )  # fmt: skip
-        self.persist_queue = Gauge("ckptcache_persist_queue", "Objects waiting to persist", registry=r)
+        self.persist_queue = Gauge(
+            "ckptcache_persist_queue", "Objects waiting to persist", registry=r
+        )
 
     def serve(self, port: int, addr: str) -> int:
         """Start the HTTP endpoint; returns the bound port (useful with port 0)."""

@@ -88,7 +88,8 @@ def decode(cls: type[M], text: str) -> M:
 
 def ok_envelope(result: Any) -> str:
     """Wrap a successful reply."""
-    body = dataclasses.asdict(result) if dataclasses.is_dataclass(result) else result
+    is_message = dataclasses.is_dataclass(result) and not isinstance(result, type)
+    body = dataclasses.asdict(result) if is_message else result
     return json.dumps({"ok": True, "result": body}, separators=(",", ":"))
 
 

@@ -1,0 +1,81 @@
+"""Write a flattened object into a mapped segment, and rebuild it from one.
+
+Shared by the daemon client and by the data-loader batch cache, so every shared-memory object
+in ckptcache has one layout (header, torch.save-compatible archive, manifest, digests).
+"""
+
+from __future__ import annotations
+
+import mmap
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from ckptcache.errors import CorruptCheckpoint
+from ckptcache.flatten import Flattened, MapLocation, unflatten
+from ckptcache.layout import HEADER_SIZE
+from ckptcache.manifest import Manifest, ObjectPlan, verify_digests
+from ckptcache.shm import copy_storage_into, storage_copy, storage_view
+
+__all__ = ["read_object", "write_object"]
+
+
+def write_object(mapping: mmap.mmap, plan: ObjectPlan, flat: Flattened) -> None:
+    """Copy archive metadata, every storage and the manifest to their places in ``mapping``.
+
+    The header is left alone: whoever owns the segment's state publishes it.
+    """
+    view = memoryview(mapping)
+    try:
+        plan.archive.write_metadata(view[HEADER_SIZE : HEADER_SIZE + plan.archive.size])
+        offset = plan.layout.manifest_offset
+        view[offset : offset + len(plan.manifest_bytes)] = plan.manifest_bytes
+    finally:
+        view.release()
+    for record, storage in zip(plan.manifest.storages, flat.storages, strict=True):
+        copy_storage_into(mapping, record.offset, storage)
+
+
+def read_object(
+    mapping: mmap.mmap,
+    manifest_offset: int,
+    manifest_size: int,
+    *,
+    zero_copy: bool = True,
+    weights_only: bool = True,
+    map_location: MapLocation = None,
+    digests: Sequence[int] | None = None,
+    tier: str = "local",
+) -> Any:
+    """Rebuild the object stored in ``mapping``.
+
+    With ``zero_copy`` the CPU storages are views of ``mapping`` (which they keep alive);
+    otherwise private copies. ``digests``, when given, are checked first and a mismatch raises
+    :class:`CorruptCheckpoint` naming the tensor.
+    """
+    view = memoryview(mapping)
+    try:
+        manifest = Manifest.from_json(
+            view[manifest_offset : manifest_offset + manifest_size], segment_size=len(mapping)
+        )
+        if digests is not None:
+            verify_digests(view, manifest, digests, tier=tier)
+        po = manifest.pickle_offset
+        skeleton = bytes(view[po : po + manifest.pickle_size])
+    finally:
+        view.release()
+    records = {r.key: r for r in manifest.storages}
+
+    def load_storage(key: str, nbytes: int) -> torch.UntypedStorage:
+        record = records.get(key)
+        if record is None or record.nbytes != nbytes:
+            raise CorruptCheckpoint(
+                f"skeleton of {manifest.path!r} refers to storage {key} that the manifest "
+                "does not hold", tier=tier,
+            )  # fmt: skip
+        if zero_copy:
+            return storage_view(mapping, record.offset, nbytes)
+        return storage_copy(mapping, record.offset, nbytes)
+
+    return unflatten(skeleton, load_storage, weights_only=weights_only, map_location=map_location)

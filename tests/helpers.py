@@ -1,0 +1,129 @@
+"""Test helpers: real daemon processes with their own sockets and shared-memory roots."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import ckptcache
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def wait_for_socket(path: str, proc: subprocess.Popen[Any] | None = None, timeout: float = 30) -> None:
+    """Block until something accepts connections on ``path``."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"daemon exited early with {proc.returncode}")
+        s = socket.socket(socket.AF_UNIX)
+        try:
+            s.connect(path)
+            return
+        except OSError:
+            time.sleep(0.05)
+        finally:
+            s.close()
+    raise TimeoutError(f"nothing listening on {path}")
+
+
+@dataclass
+class DaemonProc:
+    """A daemon subprocess standing in for one node."""
+
+    workdir: Path
+    shm_dir: str
+    args: list[str] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)
+    proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def socket(self) -> str:
+        return str(self.workdir / "daemon.sock")
+
+    @property
+    def segments_dir(self) -> str:
+        return os.path.join(self.shm_dir, "segments")
+
+    @property
+    def log_path(self) -> Path:
+        return self.workdir / "daemon.log"
+
+    def start(self) -> DaemonProc:
+        cmd = [sys.executable, "-m", "ckptcache.cli", "daemon", "--socket", self.socket,
+               "--shm-dir", self.shm_dir, *self.args]  # fmt: skip
+        log = open(self.log_path, "ab")  # noqa: SIM115 - owned by the child
+        self.proc = subprocess.Popen(cmd, stdout=log, stderr=log, env={**os.environ, **self.env})
+        log.close()
+        wait_for_socket(self.socket, self.proc)
+        return self
+
+    def kill(self, sig: int = signal.SIGKILL) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            self.proc.wait(timeout=30)
+
+    def restart(self) -> DaemonProc:
+        self.kill()
+        return self.start()
+
+    def client(self, **kwargs: Any) -> ckptcache.Client:
+        return ckptcache.Client(self.socket, **kwargs)
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def segment_bytes(self) -> int:
+        d = self.segments_dir
+        return sum(os.path.getsize(os.path.join(d, f)) for f in os.listdir(d)) if os.path.isdir(d) else 0
+
+    def cleanup(self) -> None:
+        self.kill(signal.SIGTERM)
+        shutil.rmtree(self.shm_dir, ignore_errors=True)
+
+
+def new_daemon(tmp_path: Path, *args: str, env: dict[str, str] | None = None) -> DaemonProc:
+    """A daemon (not started) with a unique shm root under /dev/shm."""
+    workdir = tmp_path / f"node-{uuid.uuid4().hex[:6]}"
+    workdir.mkdir()
+    shm = f"/dev/shm/ckptcache-test-{uuid.uuid4().hex[:10]}"
+    return DaemonProc(workdir, shm, list(args), env or {})
+
+
+def assert_same(a: Any, b: Any) -> None:
+    """Deep equality with tensor dtype, shape, stride-insensitive values and type checks."""
+    assert type(a) is type(b), (type(a), type(b))
+    if isinstance(a, torch.Tensor):
+        assert a.dtype == b.dtype and a.shape == b.shape and a.device == b.device
+        if a.dtype.is_floating_point and a.element_size() == 1:  # fp8: compare bits
+            assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+        else:
+            assert torch.equal(a, b)
+    elif isinstance(a, dict):
+        assert list(a.keys()) == list(b.keys())
+        for k in a:
+            assert_same(a[k], b[k])
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b)
+        for x, y in zip(a, b):
+            assert_same(x, y)
+    elif hasattr(a, "__dict__") and not isinstance(a, type):
+        assert_same(vars(a), vars(b))
+    else:
+        import numpy as np
+
+        if isinstance(a, np.ndarray):
+            assert np.array_equal(a, b) and a.dtype == b.dtype
+        else:
+            assert a == b

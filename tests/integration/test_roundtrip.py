@@ -1,0 +1,120 @@
+"""save/load through a real daemon: the object model, zero-copy CoW, map_location, status."""
+
+from __future__ import annotations
+
+import argparse
+
+import numpy as np
+import pytest
+import torch
+
+import ckptcache
+from ckptcache.errors import CheckpointNotFound, InvalidPath, SerializationError, UnsafeUnpickle
+from tests.helpers import assert_same
+from tests.unit.test_flatten import DTYPES, Evil, sample
+
+
+def state(seed: int = 0) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(64, 32, generator=g)
+    return {
+        "model": {"w": w, "wt": w.t(), "rows": w[8:16], "b": torch.randn(32, generator=g)},
+        "dtypes": {str(d): sample(d) for d in DTYPES},
+        "args": argparse.Namespace(lr=1e-3, iters=[1, 2]),
+        "np": np.linspace(0, 1, 5),
+        "iteration": 1000,
+    }
+
+
+def test_round_trip_whole_object_model(client, tmp_path):
+    path = tmp_path / "iter_0001000" / "model_optim_rng.pt"
+    obj = state()
+    ckptcache.save(obj, path)
+    out = ckptcache.load(path)
+    assert_same(obj, out)
+    assert out["model"]["wt"].stride() == (1, 32)
+    shared = out["model"]["w"].untyped_storage().data_ptr()
+    assert out["model"]["rows"].untyped_storage().data_ptr() == shared
+    assert not path.exists()  # phase 1 only: nothing written to storage
+
+
+def test_loaded_tensors_are_copy_on_write(client, tmp_path):
+    path = tmp_path / "a.pt"
+    ckptcache.save({"w": torch.zeros(1000)}, path)
+    first = ckptcache.load(path)
+    first["w"].add_(5)  # an optimizer step on loaded state
+    again = ckptcache.load(path, verify=True)
+    assert torch.equal(again["w"], torch.zeros(1000))
+    assert torch.equal(first["w"], torch.full((1000,), 5.0))
+
+
+def test_private_copy_and_map_locations(client, tmp_path):
+    path = tmp_path / "b.pt"
+    obj = {"w": torch.arange(10.0)}
+    ckptcache.save(obj, path)
+    for kwargs in ({"mmap": False}, {"map_location": "cpu"}, {"map_location": {"cpu": "cpu"}},
+                   {"map_location": torch.device("cpu")},
+                   {"map_location": lambda storage, loc: storage}):  # fmt: skip
+        assert_same(obj, ckptcache.load(path, **kwargs))
+
+
+def test_generations_and_newest_wins(client, tmp_path):
+    path = str(tmp_path / "c.pt")
+    for i in range(4):
+        ckptcache.save({"i": torch.tensor(i)}, path)
+    assert ckptcache.load(path)["i"].item() == 3
+    st = ckptcache.status(path)
+    assert (st.generation, st.generations, st.stages) == (4, 2, ("local",))
+    assert ckptcache.exists(path)
+    assert ckptcache.delete(path) == 2
+    assert not ckptcache.exists(path)
+    with pytest.raises(CheckpointNotFound) as err:
+        ckptcache.load(path)
+    assert isinstance(err.value, FileNotFoundError)
+
+
+def test_relative_paths_name_the_absolute_file(client, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    ckptcache.save({"x": torch.ones(1)}, "rel.pt")
+    assert ckptcache.status(tmp_path / "rel.pt").path == str(tmp_path / "rel.pt")
+
+
+def test_bad_input_gets_typed_errors(client, tmp_path):
+    with pytest.raises(InvalidPath, match="str or os.PathLike"):
+        ckptcache.save({}, 42)
+    with pytest.raises(InvalidPath):
+        ckptcache.load(None)
+    with pytest.raises(SerializationError):
+        ckptcache.save({"f": lambda: 1}, tmp_path / "x.pt")
+    with pytest.raises(ValueError, match="durability"):
+        ckptcache.save({}, tmp_path / "x.pt", durability="eventually")
+    with pytest.raises(CheckpointNotFound, match="neither in the cache nor in storage"):
+        ckptcache.load(tmp_path / "never-saved.pt")
+    assert not (tmp_path / "x.pt").exists()
+
+
+def test_weights_only_refuses_malicious_skeleton(client, tmp_path):
+    path = tmp_path / "evil.pt"
+    ckptcache.save({"payload": Evil()}, path)
+    with pytest.raises(UnsafeUnpickle, match="weights_only=False"):
+        ckptcache.load(path)
+
+
+def test_namespaces_do_not_collide(daemon, tmp_path):
+    path = str(tmp_path / "shared-name.pt")
+    with daemon.client(namespace="job-a") as a, daemon.client(namespace="job-b") as b:
+        a.save({"who": torch.tensor(1)}, path)
+        b.save({"who": torch.tensor(2)}, path)
+        assert a.load(path)["who"].item() == 1
+        assert b.load(path)["who"].item() == 2
+        assert [o.namespace for o in a.list(all_namespaces=True)] == ["job-a", "job-b"]
+
+
+def test_repeated_saves_reuse_segments(daemon, tmp_path):
+    path = str(tmp_path / "d.pt")
+    with daemon.client() as c:
+        for i in range(6):
+            c.save({"w": torch.full((1 << 18,), float(i))}, path)
+        st = c.daemon_status()
+    assert st.segments == 3  # keep=2 plus the one being written: reused, never grown
+    assert st.generations == 2
