@@ -45,6 +45,7 @@ DURABILITY_LEVELS = ("local",)
 
 R = TypeVar("R")
 
+
 def normalize_path(path: Any) -> str:
     """The name of a checkpoint: an absolute local path, or a URL (``s3://...``) unchanged."""
     if isinstance(path, os.PathLike):

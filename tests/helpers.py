@@ -21,7 +21,9 @@ import ckptcache
 REPO = Path(__file__).resolve().parent.parent
 
 
-def wait_for_socket(path: str, proc: subprocess.Popen[Any] | None = None, timeout: float = 30) -> None:
+def wait_for_socket(
+    path: str, proc: subprocess.Popen[Any] | None = None, timeout: float = 30
+) -> None:
     """Block until something accepts connections on ``path``."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -86,7 +88,11 @@ class DaemonProc:
 
     def segment_bytes(self) -> int:
         d = self.segments_dir
-        return sum(os.path.getsize(os.path.join(d, f)) for f in os.listdir(d)) if os.path.isdir(d) else 0
+        return (
+            sum(os.path.getsize(os.path.join(d, f)) for f in os.listdir(d))
+            if os.path.isdir(d)
+            else 0
+        )
 
     def cleanup(self) -> None:
         self.kill(signal.SIGTERM)
@@ -116,7 +122,7 @@ def assert_same(a: Any, b: Any) -> None:
             assert_same(a[k], b[k])
     elif isinstance(a, (list, tuple)):
         assert len(a) == len(b)
-        for x, y in zip(a, b):
+        for x, y in zip(a, b, strict=False):
             assert_same(x, y)
     elif hasattr(a, "__dict__") and not isinstance(a, type):
         assert_same(vars(a), vars(b))

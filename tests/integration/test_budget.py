@@ -9,7 +9,6 @@ import warnings
 import pytest
 import torch
 
-import ckptcache
 from ckptcache.errors import BudgetExceeded, CkptCacheWarning, ObjectTooLarge
 
 MIB = 1 << 20
@@ -76,7 +75,10 @@ def test_waiting_save_proceeds_when_a_pin_is_released(daemon_factory, tmp_path):
 
 def test_object_larger_than_budget(daemon_factory, tmp_path):
     d = daemon_factory("--memory-limit", "4MiB")
-    with d.client(fallback="raise") as c, pytest.raises(ObjectTooLarge, match="whole memory budget"):
+    with (
+        d.client(fallback="raise") as c,
+        pytest.raises(ObjectTooLarge, match="whole memory budget"),
+    ):
         c.save(blob(8), str(tmp_path / "big.pt"))
     with d.client() as c, pytest.warns(CkptCacheWarning):
         c.save(blob(8), str(tmp_path / "big.pt"))

@@ -24,7 +24,9 @@ WRITER = textwrap.dedent(
 def test_concurrent_writers_never_mix(daemon, tmp_path):
     path = str(tmp_path / "same.pt")
     env = {**os.environ, "CKPTCACHE_SOCKET": daemon.socket}
-    procs = [subprocess.Popen([sys.executable, "-c", WRITER, path, str(v)], env=env) for v in (1, 2)]
+    procs = [
+        subprocess.Popen([sys.executable, "-c", WRITER, path, str(v)], env=env) for v in (1, 2)
+    ]
     seen = set()
     with daemon.client() as c:
         while any(p.poll() is None for p in procs):
@@ -37,6 +39,8 @@ def test_concurrent_writers_never_mix(daemon, tmp_path):
         final = c.load(path, verify=True)
         fill = final["a"][0].item()
         expected = torch.full((1 << 20,), fill)
-        assert digest_bytes(final["a"].numpy().tobytes()) == digest_bytes(expected.numpy().tobytes())
+        assert digest_bytes(final["a"].numpy().tobytes()) == digest_bytes(
+            expected.numpy().tobytes()
+        )
         assert c.status(path).generation == 30
     assert seen <= {1.0, 2.0}

@@ -10,9 +10,8 @@ import textwrap
 
 import torch
 
-import ckptcache
-from ckptcache.manifest import plan_object
 from ckptcache.flatten import flatten
+from ckptcache.manifest import plan_object
 from ckptcache.wire import messages as m
 from tests.helpers import assert_same
 
@@ -42,7 +41,9 @@ def test_trainer_killed_after_save_then_new_process_loads(daemon, tmp_path):
         "print('OK')"
     )
     env = {**os.environ, "CKPTCACHE_SOCKET": daemon.socket}
-    out = subprocess.run([sys.executable, "-c", loader, path], env=env, capture_output=True, text=True)
+    out = subprocess.run(
+        [sys.executable, "-c", loader, path], env=env, capture_output=True, text=True
+    )
     assert out.stdout.strip() == "OK", out.stderr
 
 

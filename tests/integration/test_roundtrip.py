@@ -80,7 +80,7 @@ def test_relative_paths_name_the_absolute_file(client, tmp_path, monkeypatch):
 
 
 def test_bad_input_gets_typed_errors(client, tmp_path):
-    with pytest.raises(InvalidPath, match="str or os.PathLike"):
+    with pytest.raises(InvalidPath, match=r"str or os\.PathLike"):
         ckptcache.save({}, 42)
     with pytest.raises(InvalidPath):
         ckptcache.load(None)

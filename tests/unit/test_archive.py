@@ -15,7 +15,7 @@ def write_archive(obj, path):
     plan = plan_archive(flat.skeleton, [i.nbytes for i in flat.infos])
     buf = bytearray(plan.size)
     plan.write_metadata(memoryview(buf))
-    for off, storage in zip(plan.storage_offsets, flat.storages):
+    for off, storage in zip(plan.storage_offsets, flat.storages, strict=False):
         n = storage.nbytes()
         buf[off : off + n] = bytes(torch.empty(0, dtype=torch.uint8).set_(storage).numpy())
     path.write_bytes(buf)

@@ -22,7 +22,9 @@ def test_sizes():
 
 def test_layers_file_env_flags(tmp_path):
     cfg = tmp_path / "c.yaml"
-    cfg.write_text("memory_limit: 2GiB\nkeep: 3\nnode_id: a\nretention:\n  - {prefix: /x/, keep: 1}\n")
+    cfg.write_text(
+        "memory_limit: 2GiB\nkeep: 3\nnode_id: a\nretention:\n  - {prefix: /x/, keep: 1}\n"
+    )
     c = load_config(str(cfg), environ={})
     assert (c.memory_limit, c.keep, c.node_id) == (2 << 30, 3, "a")
     assert c.keep_for("/x/y.pt") == 1 and c.keep_for("/z.pt") == 3

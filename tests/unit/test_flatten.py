@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import argparse
 import collections
-import threading
 import os
 import pickle
+import threading
 
 import numpy as np
 import pytest
@@ -27,7 +27,7 @@ DTYPES = [
 
 def roundtrip(obj, **kw):
     flat = flatten(obj)
-    data = {i.key: s for i, s in zip(flat.infos, flat.storages)}
+    data = {i.key: s for i, s in zip(flat.infos, flat.storages, strict=False)}
 
     def load(key, nbytes):
         out = torch.empty(nbytes, dtype=torch.uint8)
@@ -130,7 +130,9 @@ tensors = st.builds(
 )
 values = st.recursive(
     tensors | st.integers() | st.text(max_size=5) | st.none() | st.floats(allow_nan=False),
-    lambda kids: st.lists(kids, max_size=3) | st.dictionaries(st.text(max_size=4), kids, max_size=3),
+    lambda kids: (
+        st.lists(kids, max_size=3) | st.dictionaries(st.text(max_size=4), kids, max_size=3)
+    ),
     max_leaves=12,
 )
 

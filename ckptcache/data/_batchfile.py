@@ -1,0 +1,191 @@
+"""One cached batch = one file in ckptcache's segment format, published by rename.
+
+Plain files are exactly a checkpoint segment (header page, torch.save-compatible archive,
+manifest, digest table), so the tools and invariants of the checkpoint cache apply to them.
+Encrypted files wrap such a segment image in an envelope::
+
+    offset 0   b"CKPTENC1"
+    offset 8   u64 little-endian: size of the segment image
+    offset 16  nonce (12 bytes) || AES-GCM ciphertext of the image || tag (16 bytes)
+
+Write protocol (a reader never sees a partial batch): create ``.tmp-<pid>-<n>`` with
+``O_EXCL``, ``posix_fallocate``, map it shared, copy archive + tensors + manifest, write the
+digest table, write the header (state COMMITTED, digests VALID) last, then ``rename`` to the
+final name. Readers map the final file ``MAP_PRIVATE``: tensors are zero-copy views of the
+one shared copy in tmpfs, and a trainer that writes into a batch only dirties its own pages.
+"""
+
+from __future__ import annotations
+
+import itertools
+import mmap
+import os
+import struct
+import time
+from typing import Any
+
+from ckptcache.data._crypto import NONCE_SIZE, TAG_SIZE, BatchCipher
+from ckptcache.errors import ConfigError, CorruptCheckpoint
+from ckptcache.flatten import Flattened, flatten
+from ckptcache.layout import HEADER_SIZE, DigestState, SegmentHeader, SegmentState
+from ckptcache.manifest import (
+    Manifest,
+    ObjectPlan,
+    compute_digests,
+    pack_digests,
+    plan_object,
+    unpack_digests,
+)
+from ckptcache.objectio import read_object, write_object
+from ckptcache.shm import map_private, map_shared
+
+__all__ = ["NAMESPACE", "TMP_PREFIX", "read_batch", "write_batch"]
+
+#: Manifest namespace of cached batches (checkpoints use the job namespace).
+NAMESPACE = "ckptcache-data"
+#: Temporary files are ``.tmp-<pid>-<n>``: the pid lets a later start reclaim a dead writer's.
+TMP_PREFIX = ".tmp-"
+
+_ENVELOPE = struct.Struct("<8sQ")
+_ENVELOPE_MAGIC = b"CKPTENC1"
+_counter = itertools.count()
+
+
+def _fill(mapping: mmap.mmap, plan: ObjectPlan, flat: Flattened) -> None:
+    """Lay the object out in ``mapping`` and publish its header last."""
+    write_object(mapping, plan, flat)
+    view = memoryview(mapping)
+    try:
+        digests = compute_digests(view, plan.manifest)
+        off = plan.layout.digest_offset
+        table = pack_digests(digests)
+        view[off : off + len(table)] = table
+        now = time.time_ns()
+        header = SegmentHeader(
+            SegmentState.COMMITTED, 0, HEADER_SIZE, plan.archive.size,
+            plan.layout.manifest_offset, len(plan.manifest_bytes), off,
+            len(plan.manifest.storages), DigestState.VALID, now, now,
+        ).pack()  # fmt: skip
+        view[: len(header)] = header
+    finally:
+        view.release()
+
+
+def _create_tmp(directory: str, nbytes: int) -> str:
+    tmp = os.path.join(directory, f"{TMP_PREFIX}{os.getpid()}-{next(_counter)}")
+    fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+    try:
+        # Reserve the pages now: running out of tmpfs fails here, not as SIGBUS in a memcpy.
+        os.posix_fallocate(fd, 0, max(nbytes, 1))
+    except BaseException:
+        os.close(fd)
+        os.unlink(tmp)
+        raise
+    os.close(fd)
+    return tmp
+
+
+def write_batch(directory: str, name: str, key: str, obj: Any, cipher: BatchCipher | None) -> int:
+    """Write ``obj`` as ``directory/name`` atomically; returns the file's size in bytes."""
+    flat = flatten(obj)
+    plan = plan_object(flat, key, NAMESPACE)
+    nbytes = plan.layout.nbytes
+    if cipher is None:
+        tmp = _create_tmp(directory, nbytes)
+        try:
+            mapping = map_shared(tmp, nbytes)
+            try:
+                _fill(mapping, plan, flat)
+            finally:
+                mapping.close()
+        except BaseException:
+            os.unlink(tmp)
+            raise
+        size = nbytes
+    else:
+        # Build the plaintext image in private memory: only ciphertext ever reaches tmpfs.
+        image = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        try:
+            _fill(image, plan, flat)
+            with memoryview(image) as view:
+                sealed = cipher.seal(view, key.encode())
+        finally:
+            image.close()
+        blob = _ENVELOPE.pack(_ENVELOPE_MAGIC, nbytes) + sealed
+        tmp = _create_tmp(directory, len(blob))
+        try:
+            with open(tmp, "r+b") as f:
+                f.write(blob)
+        except BaseException:
+            os.unlink(tmp)
+            raise
+        size = len(blob)
+    os.rename(tmp, os.path.join(directory, name))
+    return size
+
+
+def _open_sealed(path: str, size: int, key: str, cipher: BatchCipher) -> mmap.mmap:
+    """Decrypt an envelope into a private anonymous mapping."""
+    sealed = map_private(path, size)
+    try:
+        with memoryview(sealed) as view:
+            magic, nbytes = _ENVELOPE.unpack_from(view)
+            if magic != _ENVELOPE_MAGIC or size != _ENVELOPE.size + NONCE_SIZE + nbytes + TAG_SIZE:
+                raise ConfigError(
+                    f"cached batch {path} is not encrypted but encrypt=True: refusing to serve "
+                    "it; delete the cache directory or turn encryption off on every rank"
+                )
+            image = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+            with memoryview(image) as out:
+                cipher.open_into(view[_ENVELOPE.size :], key.encode(), out)
+    finally:
+        sealed.close()
+    return image
+
+
+def read_batch(
+    path: str,
+    key: str,
+    cipher: BatchCipher | None,
+    *,
+    weights_only: bool = True,
+    verify: bool = True,
+) -> Any:
+    """Rebuild the batch in ``path``; raises ``FileNotFoundError`` if it is not there (yet).
+
+    Without encryption the tensors are zero-copy copy-on-write views of the shared file.
+    """
+    size = os.stat(path).st_size
+    if cipher is not None:
+        mapping: mmap.mmap = _open_sealed(path, size, key, cipher)
+    else:
+        mapping = map_private(path, size)
+    with memoryview(mapping) as view:
+        if cipher is None and bytes(view[:8]) == _ENVELOPE_MAGIC:
+            raise ConfigError(
+                f"cached batch {path} is encrypted: pass encrypt=True and set "
+                "$CKPTCACHE_DATA_KEY on this rank too"
+            )
+        try:
+            header = SegmentHeader.unpack(view[:HEADER_SIZE])
+        except ValueError as e:
+            raise CorruptCheckpoint(f"cached batch {path}: {e}", tier="data-cache") from e
+        if header.state != SegmentState.COMMITTED or header.digest_state != DigestState.VALID:
+            raise CorruptCheckpoint(f"cached batch {path} was never committed", tier="data-cache")
+        mo, ms = header.manifest_offset, header.manifest_size
+        manifest = Manifest.from_json(view[mo : mo + ms], segment_size=len(mapping))
+        if (manifest.namespace, manifest.path) != (NAMESPACE, key):
+            # A file renamed or left over from another run/step: never serve it.
+            raise CorruptCheckpoint(
+                f"cached batch {path} holds {manifest.path!r}, not {key!r}", tier="data-cache"
+            )
+        digests = None
+        if verify:
+            do = header.digest_offset
+            if do + 8 * header.n_storages > len(mapping):
+                raise CorruptCheckpoint(f"cached batch {path} is truncated", tier="data-cache")
+            digests = unpack_digests(view[do : do + 8 * header.n_storages], header.n_storages)
+    return read_object(
+        mapping, mo, ms, zero_copy=True, weights_only=weights_only, digests=digests,
+        tier="data-cache",
+    )  # fmt: skip

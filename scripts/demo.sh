@@ -1,0 +1,7 @@
+#!/usr/bin/env bash
+# The main job: install, start a daemon on the embedded single-node default, save from a trainer
+# that is then killed, reload in a new process, print a benchmark table.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh
+exec .venv/bin/ckptcache demo "$@"

@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# Idempotent environment set-up shared by demo.sh and test.sh: a virtualenv in .venv with the
+# CPU build of torch installed FIRST (any other torch spec would pull a multi-GB CUDA build),
+# then the project and, with "test", its test extras and system packages.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+    "$PY" -m venv .venv
+fi
+# shellcheck disable=SC1091
+. .venv/bin/activate
+pip_install() { python -m pip install -q --disable-pip-version-check "$@"; }
+python -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '2.13.0')" 2>/dev/null \
+    || pip_install torch==2.13.0
+if [ "${1:-}" = "test" ]; then
+    pip_install -e ".[test]"
+else
+    pip_install -e .
+fi

@@ -1,0 +1,97 @@
+"""Corrupt and truncated segments: detected, named, dropped; nothing else lost."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from ckptcache.errors import CorruptCheckpoint
+
+
+def wait_digested(client, path, timeout=30.0):
+    deadline = time.monotonic() + timeout
+    while not client.status(path).digests_valid:
+        assert time.monotonic() < deadline, "digests never recorded"
+        time.sleep(0.05)
+
+
+def flip_bytes_of(daemon, client, path, tensor_index=1):
+    """Overwrite a few bytes of one tensor inside the daemon's segment file."""
+    st = client.status(path)
+    from ckptcache.layout import SegmentHeader
+    from ckptcache.manifest import Manifest
+
+    seg = os.path.join(daemon.segments_dir, st.segment)
+    with open(seg, "r+b") as f:
+        header = SegmentHeader.unpack(f.read(4096))
+        f.seek(header.manifest_offset)
+        manifest = Manifest.from_json(f.read(header.manifest_size))
+        record = manifest.storages[tensor_index]
+        f.seek(record.offset + 8)
+        f.write(b"\xde\xad\xbe\xef")
+    return record.name
+
+
+def test_corrupt_tensor_is_named_and_dropped(daemon, tmp_path):
+    path = str(tmp_path / "m.pt")
+    with daemon.client() as c:
+        c.save({"model": {"embed": torch.zeros(1000), "head": torch.ones(1000)}}, path)
+        wait_digested(c, path)
+        bad = flip_bytes_of(daemon, c, path)
+        assert bad == "model.head"
+        report = c.verify(path)
+        assert not report.ok and "model.head" in report.error
+        with pytest.raises(CorruptCheckpoint, match=r"model\.head") as err:
+            c.load(path, verify=True)
+        assert err.value.tensor == "model.head" and err.value.tier == "local"
+        assert not c.exists(path)  # the bad copy was dropped
+
+
+def test_corrupt_copy_falls_back_to_the_file(daemon, tmp_path):
+    path = tmp_path / "m.pt"
+    good = {"w": torch.arange(1000.0), "v": torch.ones(10)}
+    torch.save(good, path)  # an earlier persisted copy of the same object
+    with daemon.client() as c:
+        c.save(good, path)
+        wait_digested(c, str(path))
+        flip_bytes_of(daemon, c, str(path), 0)
+        out = c.load(path, verify=True)
+        assert torch.equal(out["w"], good["w"])
+
+
+def test_inspect_verify_reports_corruption(daemon, tmp_path):
+    path = str(tmp_path / "m.pt")
+    with daemon.client() as c:
+        c.save({"a": torch.zeros(100), "b": torch.zeros(100)}, path)
+        wait_digested(c, path)
+        flip_bytes_of(daemon, c, path, 0)
+    env = {**os.environ, "CKPTCACHE_SOCKET": daemon.socket}
+    out = subprocess.run([sys.executable, "-m", "ckptcache.cli", "inspect", path, "--verify",
+                          "--json"], env=env, capture_output=True, text=True)  # fmt: skip
+    assert out.returncode == 1
+    report = json.loads(out.stdout)["verify"]
+    assert report["ok"] is False and "'a'" in report["error"]
+
+
+def test_garbage_and_truncated_segments_are_dropped_at_restart(daemon, tmp_path):
+    path = str(tmp_path / "ok.pt")
+    with daemon.client() as c:
+        c.save({"w": torch.ones(10)}, path)
+    garbage = os.path.join(daemon.segments_dir, "seg-garbage-000001")
+    with open(garbage, "wb") as f:
+        f.write(os.urandom(8192))
+    truncated = os.path.join(daemon.segments_dir, "seg-short-000001")
+    with open(truncated, "wb") as f:
+        f.write(b"CKPTSEG\x00")
+    daemon.restart()
+    assert not os.path.exists(garbage) and not os.path.exists(truncated)
+    with daemon.client() as c:
+        assert torch.equal(c.load(path, verify=True)["w"], torch.ones(10))
+    log = daemon.log()
+    assert "unreadable header" in log and "truncated" in log
