@@ -4,6 +4,7 @@ checkpoint in a new process, and print a small benchmark table against memcpy an
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import signal
@@ -91,9 +92,9 @@ def run_demo(size_mib: int = 512) -> int:
         for where, directory in (("/dev/shm", "/dev/shm"), ("local file", tmp)):
             target = os.path.join(directory, f"ckptcache-demo-{os.getpid()}.pt")
             try:
-                save = best_of(2, lambda t=target: torch_save_fast(expected, t))
+                save = best_of(2, functools.partial(torch_save_fast, expected, target))
                 rows.append(Row(f"torch.save to {where}", nbytes, save))
-                load = best_of(2, lambda t=target: torch.load(t))
+                load = best_of(2, functools.partial(torch.load, target))
                 rows.append(Row(f"torch.load from {where}", nbytes, load))
             finally:
                 if os.path.exists(target):

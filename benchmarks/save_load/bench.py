@@ -8,6 +8,7 @@ For each size a fresh daemon (keep=1) is started; every figure is measured in th
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import os
 import tempfile
@@ -52,9 +53,9 @@ def measure(nbytes: int, file_dir: str) -> list[Row]:
     for where, directory in (("/dev/shm", "/dev/shm"), ("local file", file_dir)):
         target = os.path.join(directory, f"bench-{os.getpid()}.pt")
         try:
-            save = best_of(2, lambda t=target: torch_save_fast(state, t))
+            save = best_of(2, functools.partial(torch_save_fast, state, target))
             rows.append(Row(f"torch.save to {where}", nbytes, save))
-            load = best_of(2, lambda t=target: torch.load(t))
+            load = best_of(2, functools.partial(torch.load, target))
             rows.append(Row(f"torch.load from {where}", nbytes, load))
         finally:
             if os.path.exists(target):

@@ -1,0 +1,137 @@
+"""The loading rank's lease: who loads a batch directory, and whether that process still lives.
+
+The lease file holds the owner's pid, its start time (so a recycled pid is not mistaken for
+the owner) and its pid namespace (so a reader in another container does not probe an unrelated
+process with the same number). A heartbeat thread touches the file; its mtime is the heartbeat.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import threading
+import time
+from dataclasses import dataclass
+
+__all__ = ["HEARTBEAT_S", "STALE_AFTER_S", "Heartbeat", "Lease", "pid_alive", "read_lease"]
+
+#: How often the loading rank touches its lease.
+HEARTBEAT_S = 1.0
+#: A lease not touched for this long belongs to a frozen (or unreachable) process.
+STALE_AFTER_S = 15.0
+
+
+def _start_time(pid: int) -> int | None:
+    """Field 22 of ``/proc/<pid>/stat`` (clock ticks since boot); ``None`` if no such process."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    # The command name (field 2) may contain spaces and parentheses: split after the last ')'.
+    return int(stat.rsplit(b")", 1)[1].split()[19])
+
+
+def _pid_namespace() -> int:
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return 0
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether a process with this pid exists in our pid namespace."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+@dataclass(frozen=True)
+class Lease:
+    """A decoded lease file."""
+
+    pid: int
+    start_time: int
+    pid_namespace: int
+    host: str
+    #: mtime of the lease file: the last heartbeat.
+    heartbeat: float
+
+    @classmethod
+    def mine(cls) -> Lease:
+        """The lease this process would write."""
+        pid = os.getpid()
+        return cls(pid, _start_time(pid) or 0, _pid_namespace(), socket.gethostname(), 0.0)
+
+    @property
+    def ident(self) -> tuple[int, int]:
+        """(pid, start time): unique for a process over the life of the node."""
+        return (self.pid, self.start_time)
+
+    def checkable(self) -> bool:
+        """Whether this process can probe the owner's pid (same node and pid namespace)."""
+        return self.host == socket.gethostname() and self.pid_namespace == _pid_namespace()
+
+    def owner_alive(self) -> bool:
+        """False only when the owner is known to be dead (or its heartbeat is stale)."""
+        if time.time() - self.heartbeat > STALE_AFTER_S:
+            return False
+        if not self.checkable():
+            return True  # only the heartbeat can tell
+        return _start_time(self.pid) == self.start_time
+
+    def describe(self) -> str:
+        """``pid 1234 on host`` for messages."""
+        return f"pid {self.pid} on {self.host}"
+
+    def write(self, path: str) -> None:
+        """Publish atomically (temp file + rename)."""
+        tmp = f"{path}.{self.pid}.tmp"
+        record = {
+            "pid": self.pid, "start_time": self.start_time,
+            "pid_namespace": self.pid_namespace, "host": self.host,
+        }  # fmt: skip
+        with open(tmp, "w") as f:
+            json.dump(record, f)
+        os.replace(tmp, path)
+
+
+def read_lease(path: str) -> Lease | None:
+    """The lease at ``path``, or ``None`` if there is none (or it is half-written garbage)."""
+    try:
+        with open(path) as f:
+            raw = json.load(f)
+            mtime = os.fstat(f.fileno()).st_mtime
+        return Lease(
+            int(raw["pid"]), int(raw["start_time"]), int(raw["pid_namespace"]),
+            str(raw["host"]), mtime,
+        )  # fmt: skip
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+class Heartbeat:
+    """A daemon thread that touches ``path`` every :data:`HEARTBEAT_S` seconds until stopped."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="ckptcache-data-lease", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(HEARTBEAT_S):
+            try:
+                os.utime(self.path)
+            except FileNotFoundError:
+                return  # the directory was removed (close or reclaim): nothing to keep alive
+
+    def stop(self) -> None:
+        """Stop touching the lease (it then goes stale)."""
+        self._stop.set()
+        self._thread.join(timeout=2 * HEARTBEAT_S)
