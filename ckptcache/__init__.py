@@ -5,7 +5,7 @@ Replace ``torch.save``/``torch.load`` with :func:`save`/:func:`load`; see README
 
 __version__ = "0.1.0"
 
-from ckptcache.api import delete, exists, load, save, status
+from ckptcache.api import delete, exists, load, save, status, wait
 from ckptcache.client import Client
 from ckptcache.errors import (
     BudgetExceeded,
@@ -19,6 +19,7 @@ from ckptcache.errors import (
     ObjectTooLarge,
     PathNotAllowed,
     PersistError,
+    PersistTimeout,
     ProtocolMismatch,
     SerializationError,
     UnsafeUnpickle,
@@ -39,6 +40,7 @@ __all__ = [
     "ObjectTooLarge",
     "PathNotAllowed",
     "PersistError",
+    "PersistTimeout",
     "ProtocolMismatch",
     "SerializationError",
     "UnsafeUnpickle",
@@ -48,4 +50,5 @@ __all__ = [
     "load",
     "save",
     "status",
+    "wait",
 ]

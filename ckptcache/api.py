@@ -10,7 +10,16 @@ from ckptcache.client import Client
 from ckptcache.flatten import MapLocation
 from ckptcache.wire.messages import ObjectInfo
 
-__all__ = ["default_client", "delete", "exists", "load", "save", "set_default_client", "status"]
+__all__ = [
+    "default_client",
+    "delete",
+    "exists",
+    "load",
+    "save",
+    "set_default_client",
+    "status",
+    "wait",
+]
 
 _lock = threading.Lock()
 _default: Client | None = None
@@ -38,8 +47,9 @@ def save(obj: Any, path: str | os.PathLike[str], *, durability: str = "local") -
     """Drop-in for ``torch.save(obj, path)``: returns once the bytes are in node memory.
 
     Same object model as ``torch.save``. ``durability="local"`` returns after phase 1 on this
-    node. Without a reachable daemon (or with a full budget) the object is written to ``path``
-    with ``torch.save`` and a :class:`~ckptcache.errors.CkptCacheWarning` is issued once.
+    node; ``durability="persisted"`` also waits for phase 2 (see :func:`wait`). Without a
+    reachable daemon (or with a full budget) the object is written to ``path`` with
+    ``torch.save`` and a :class:`~ckptcache.errors.CkptCacheWarning` is issued once.
     """
     default_client().save(obj, path, durability=durability)
 
@@ -63,6 +73,23 @@ def load(
     return default_client().load(
         path, map_location, weights_only=weights_only, mmap=mmap, verify=verify
     )
+
+
+def wait(
+    path: str | os.PathLike[str] | None = None,
+    *,
+    prefix: str | os.PathLike[str] | None = None,
+    timeout: float | None = None,
+) -> None:
+    """Block until ``path`` is persisted to storage; raise the persist error if it failed.
+
+    With ``prefix``, wait for every cached object under that directory or URL prefix; with
+    neither, for everything this process saved. Raises
+    :class:`~ckptcache.errors.PersistError` once the daemon's retries ran out,
+    :class:`~ckptcache.errors.PersistTimeout` after ``timeout`` seconds, and
+    :class:`~ckptcache.errors.PathNotAllowed` for a path under no persist root.
+    """
+    default_client().wait(path, prefix=prefix, timeout=timeout)
 
 
 def exists(path: str | os.PathLike[str]) -> bool:

@@ -61,6 +61,10 @@ def _cmd_daemon(args: argparse.Namespace) -> int:
         "keep": args.keep,
         "reserve_timeout": args.reserve_timeout,
         "log_level": args.log_level,
+        "persist_roots": tuple(args.persist_root) if args.persist_root else None,
+        "memory_only": args.memory_only,
+        "persist_workers": args.persist_workers,
+        "s3_endpoint_url": args.s3_endpoint_url,
     }
     config = load_config(args.config, {k: v for k, v in overrides.items() if v is not None})
     return run_daemon(config)
@@ -90,21 +94,28 @@ def _cmd_status(args: argparse.Namespace) -> int:
                    f"({format_bytes(st.memory_free_pool)} in the free pool)"),
         ("segments", f"{st.segments} ({st.free_segments} free)"),
         ("objects", f"{st.objects} paths, {st.generations} generations, {st.pinned} pinned"),
+        ("persist", f"roots: {', '.join(st.persist_roots) or 'none (memory only)'}; "
+                    f"{st.persist_queue} queued"),
     ]  # fmt: skip
     text = _table(pairs, ("DAEMON", ""))
     if objects:
         rows = [
             (o.path, str(o.generation), format_bytes(o.size), ",".join(o.stages),
-             o.persist_state, o.persist_error[:60] or "-")
+             o.persist_state, _throughput(o), o.persist_error[:60] or "-")
             for o in objects
         ]  # fmt: skip
-        text += "\n\n" + _table(rows, ("PATH", "GEN", "SIZE", "STAGES", "PERSIST", "LAST ERROR"))
+        headers = ("PATH", "GEN", "SIZE", "STAGES", "PERSIST", "THROUGHPUT", "LAST ERROR")
+        text += "\n\n" + _table(rows, headers)
     _emit(
         args,
         {"daemon": dataclasses.asdict(st), "objects": [dataclasses.asdict(o) for o in objects]},
         text,
     )
     return 0
+
+
+def _throughput(o: Any) -> str:
+    return f"{o.size / o.persist_seconds / 1e6:.0f} MB/s" if o.persist_seconds > 0 else "-"
 
 
 def _cmd_inspect(args: argparse.Namespace) -> int:
@@ -117,6 +128,8 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
         ("stages", ",".join(info.stages)), ("committed", _when(info.committed)),
         ("segment", info.segment or "-"), ("pins", str(info.pins)),
         ("digests", "recorded" if info.digests_valid else "pending"),
+        ("persist", f"{info.persist_state} {_throughput(info)}"),
+        ("last error", info.persist_error or "-"),
     ]  # fmt: skip
     if verify is not None:
         pairs.append(("verify", "ok" if verify.ok else f"CORRUPT: {verify.error}"))
@@ -159,6 +172,12 @@ def _parser() -> argparse.ArgumentParser:
     d.add_argument("--keep", type=int, help="generations kept per path (default 2)")
     d.add_argument("--reserve-timeout", type=float, help="seconds a save may wait for memory")
     d.add_argument("--log-level", help="DEBUG, INFO, WARNING or ERROR")
+    d.add_argument("--persist-root", action="append", metavar="DIR_OR_URL",
+                   help="persist objects saved under this root (repeatable)")  # fmt: skip
+    d.add_argument("--memory-only", choices=("allow", "refuse"),
+                   help="paths under no root: cache in memory only (allow) or refuse")  # fmt: skip
+    d.add_argument("--persist-workers", type=int, help="concurrent persists (default 2)")
+    d.add_argument("--s3-endpoint-url", help="S3 endpoint (default: the boto3 environment)")
     d.set_defaults(fn=_cmd_daemon)
 
     ls = sub.add_parser("ls", help="list cached checkpoints")

@@ -11,6 +11,7 @@ stops training unless ``fallback="raise"`` asks for it.
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import threading
@@ -31,17 +32,21 @@ from ckptcache.errors import (
     CorruptCheckpoint,
     DaemonUnavailable,
     InvalidPath,
+    PathNotAllowed,
+    PersistError,
+    PersistTimeout,
 )
 from ckptcache.flatten import MapLocation, flatten
 from ckptcache.manifest import plan_object, unpack_digests
 from ckptcache.objectio import read_object, write_object
 from ckptcache.shm import Mapping, map_private, map_shared
+from ckptcache.storage import backend_for
 from ckptcache.wire import messages as m
 
 __all__ = ["DURABILITY_LEVELS", "Client", "normalize_path"]
 
 #: What ``save`` may wait for before it returns.
-DURABILITY_LEVELS = ("local",)
+DURABILITY_LEVELS = ("local", "persisted")
 
 R = TypeVar("R")
 
@@ -57,7 +62,9 @@ def normalize_path(path: Any) -> str:
         )
     if not path or "\x00" in path:
         raise InvalidPath(f"invalid checkpoint path {path!r}")
-    if "://" in path:
+    if path.startswith("file://"):
+        path = path[len("file://") :]
+    elif "://" in path:
         return path
     return os.path.abspath(path)
 
@@ -98,6 +105,8 @@ class Client:
         self._write_maps: dict[str, Mapping] = {}
         self._pending_release: list[tuple[int, int]] = []
         self._warned: set[str] = set()
+        #: Paths this client saved through the daemon (what ``wait()`` waits for).
+        self._saved: set[str] = set()
 
     # ----------------------------------------------------------------- connection
 
@@ -236,8 +245,10 @@ class Client:
                     time.perf_counter() - t0,
                 )
                 self._call("commit", commit, m.CommitReply)
+                self._saved.add(path)
             except DaemonUnavailable as e:
                 self._write_through(obj, path, e)
+                return
             except BaseException:
                 if self._conn is not None:
                     try:
@@ -246,11 +257,12 @@ class Client:
                         pass
                 raise
 
+        if durability == "persisted":
+            self.wait(path)
+
     def _write_through(self, obj: Any, path: str, reason: errors.CkptCacheError) -> None:
         if self.fallback == "raise":
             raise reason
-        if _is_url(path):
-            raise reason  # remote write-through arrives with the storage backends
         if type(reason).__name__ not in self._warned:  # once per client and cause
             self._warned.add(type(reason).__name__)
             warnings.warn(
@@ -258,7 +270,12 @@ class Client:
                 CkptCacheWarning,
                 stacklevel=4,
             )
-        torch.save(obj, path)
+        if _is_url(path):
+            buf = io.BytesIO()
+            torch.save(obj, buf)
+            backend_for(path).write_bytes(path, buf.getbuffer())
+        else:
+            torch.save(obj, path)
 
     # ----------------------------------------------------------------- load
 
@@ -328,14 +345,24 @@ class Client:
     ) -> Any:
         if isinstance(reason, DaemonUnavailable) and self.fallback == "raise":
             raise reason
-        if _is_url(path) or not os.path.exists(path):
+        if not self._in_storage(path):
             where = "the cache" if isinstance(reason, CheckpointNotFound) else "a reachable cache"
             raise CheckpointNotFound(
                 f"{path!r} is neither in {where} nor in storage; check the path "
                 "(and the namespace, if the job sets one)"
             ) from reason
         location: Any = map_location
-        return torch.load(path, map_location=location, weights_only=weights_only, mmap=mmap)
+        if not _is_url(path):
+            return torch.load(path, map_location=location, weights_only=weights_only, mmap=mmap)
+        with backend_for(path).open_read(path) as f:
+            return torch.load(f, map_location=location, weights_only=weights_only)
+
+    @staticmethod
+    def _in_storage(path: str) -> bool:
+        try:
+            return backend_for(path).exists(path)
+        except (OSError, ValueError, ImportError):
+            return False
 
     # ----------------------------------------------------------------- queries
 
@@ -344,15 +371,16 @@ class Client:
         path = normalize_path(path)
         try:
             return self._call("stat", m.StatRequest(self.namespace, path), m.ObjectInfo)
-        except (CheckpointNotFound, DaemonUnavailable) as e:
-            if not _is_url(path) and os.path.exists(path):
-                st = os.stat(path)
-                return m.ObjectInfo(
-                    self.namespace, path, 0, st.st_size, ("storage",), st.st_mtime, "", 0, False
-                )
-            if isinstance(e, CheckpointNotFound):
+        except (CheckpointNotFound, DaemonUnavailable):
+            if not self._in_storage(path):
                 raise
-            raise
+            size, mtime = (
+                (os.path.getsize(path), os.path.getmtime(path)) if not _is_url(path) else (0, 0.0)
+            )
+            return m.ObjectInfo(
+                self.namespace, path, 0, size, ("storage",), mtime, "", 0, False,
+                persist_state="persisted",
+            )  # fmt: skip
 
     def exists(self, path: Any) -> bool:
         """Whether ``path`` can be loaded from the cache or from storage."""
@@ -379,6 +407,46 @@ class Client:
         """Have the daemon recompute and compare the digests of ``path``'s newest generation."""
         path = normalize_path(path)
         return self._call("verify", m.VerifyRequest(self.namespace, path), m.VerifyReply)
+
+    def wait(self, path: Any = None, *, prefix: Any = None, timeout: float | None = None) -> None:
+        """Block until ``path`` is persisted (or every object under ``prefix``, or with
+        neither, everything this client saved); see :func:`ckptcache.wait`."""
+        if path is not None and prefix is not None:
+            raise ValueError("give path or prefix, not both")
+        deadline = None if timeout is None else time.monotonic() + timeout
+        if prefix is not None:
+            self._wait_one(normalize_path(prefix), True, deadline)
+            return
+        paths = [normalize_path(path)] if path is not None else sorted(self._saved)
+        for p in paths:
+            self._wait_one(p, False, deadline, strict=path is not None)
+
+    def _wait_one(
+        self, path: str, prefix: bool, deadline: float | None, strict: bool = True
+    ) -> None:
+        while True:
+            # Wait in slices so no single request outlives the connection's timeout.
+            left = 30.0 if deadline is None else deadline - time.monotonic()
+            req = m.WaitRequest(self.namespace, path, prefix, max(0.0, min(left, 30.0)))
+            try:
+                reply = self._call("wait", req, m.WaitReply)
+            except CheckpointNotFound:
+                if self._in_storage(path) or not strict:
+                    return  # written through, or evicted after it was persisted
+                raise
+            if reply.state == "persisted":
+                return
+            if reply.state == "failed":
+                raise PersistError(f"persisting {path!r} failed: {reply.error}")
+            if reply.state == "memory-only":
+                if not strict:
+                    return
+                raise PathNotAllowed(
+                    f"{path!r} is cached in memory only: it is under no --persist-root of the "
+                    "daemon, so it will never be persisted"
+                )
+            if deadline is not None and time.monotonic() >= deadline:
+                raise PersistTimeout(f"{path!r} was not persisted within the timeout")
 
     def daemon_status(self) -> m.DaemonStatus:
         """Daemon-wide counters."""

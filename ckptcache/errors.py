@@ -19,6 +19,7 @@ __all__ = [
     "ObjectTooLarge",
     "PathNotAllowed",
     "PersistError",
+    "PersistTimeout",
     "ProtocolMismatch",
     "SerializationError",
     "UnsafeUnpickle",
@@ -86,3 +87,7 @@ class ConfigError(CkptCacheError, ValueError):
 
 class PersistError(CkptCacheError, OSError):
     """Persisting to storage failed after all retries; the in-memory copy is kept."""
+
+
+class PersistTimeout(CkptCacheError, TimeoutError):
+    """``wait`` gave up before the object was persisted (it may still be persisted later)."""

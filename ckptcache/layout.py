@@ -37,7 +37,7 @@ HEADER_SIZE = 4096
 #: Segment capacities are rounded up to this, so slightly different sizes reuse one segment.
 SEGMENT_GRANULE = 1 << 20
 
-_HEADER = struct.Struct("<8sIIQQQQQQIIQQ")
+_HEADER = struct.Struct("<8sIIQQQQQQIIQQI")
 
 
 class SegmentState(enum.IntEnum):
@@ -75,6 +75,8 @@ class SegmentHeader:
     digest_state: DigestState
     created_ns: int
     committed_ns: int
+    #: 1 once phase 2 wrote this generation to storage (survives daemon restarts).
+    persisted: int = 0
 
     def pack(self) -> bytes:
         """Encode the header (without padding to ``HEADER_SIZE``)."""
@@ -82,6 +84,7 @@ class SegmentHeader:
             MAGIC, LAYOUT_VERSION, int(self.state), self.generation, self.payload_offset,
             self.payload_size, self.manifest_offset, self.manifest_size, self.digest_offset,
             self.n_storages, int(self.digest_state), self.created_ns, self.committed_ns,
+            self.persisted,
         )  # fmt: skip
 
     @classmethod
@@ -96,7 +99,7 @@ class SegmentHeader:
             raise ValueError(f"unknown segment layout version {fields[1]}")
         return cls(
             SegmentState(fields[2]), fields[3], fields[4], fields[5], fields[6], fields[7],
-            fields[8], fields[9], DigestState(fields[10]), fields[11], fields[12],
+            fields[8], fields[9], DigestState(fields[10]), fields[11], fields[12], fields[13],
         )  # fmt: skip
 
 

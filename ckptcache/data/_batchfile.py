@@ -22,6 +22,7 @@ import mmap
 import os
 import struct
 import time
+from dataclasses import dataclass
 from typing import Any
 
 from ckptcache.data._crypto import NONCE_SIZE, TAG_SIZE, BatchCipher
@@ -39,7 +40,15 @@ from ckptcache.manifest import (
 from ckptcache.objectio import read_object, write_object
 from ckptcache.shm import map_private, map_shared
 
-__all__ = ["NAMESPACE", "TMP_PREFIX", "read_batch", "write_batch"]
+__all__ = [
+    "NAMESPACE",
+    "TMP_PREFIX",
+    "PreparedBatch",
+    "check_batch",
+    "prepare_batch",
+    "read_batch",
+    "write_batch",
+]
 
 #: Manifest namespace of cached batches (checkpoints use the job namespace).
 NAMESPACE = "ckptcache-data"
@@ -85,11 +94,29 @@ def _create_tmp(directory: str, nbytes: int) -> str:
     return tmp
 
 
-def write_batch(directory: str, name: str, key: str, obj: Any, cipher: BatchCipher | None) -> int:
-    """Write ``obj`` as ``directory/name`` atomically; returns the file's size in bytes."""
+@dataclass(frozen=True)
+class PreparedBatch:
+    """A batch flattened and laid out, not yet written (its size is known before writing)."""
+
+    key: str
+    flat: Flattened
+    plan: ObjectPlan
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the segment image (an encrypted file adds 36 bytes of envelope)."""
+        return self.plan.layout.nbytes
+
+
+def prepare_batch(key: str, obj: Any) -> PreparedBatch:
+    """Flatten ``obj`` (no tensor bytes copied) and plan its segment under ``key``."""
     flat = flatten(obj)
-    plan = plan_object(flat, key, NAMESPACE)
-    nbytes = plan.layout.nbytes
+    return PreparedBatch(key, flat, plan_object(flat, key, NAMESPACE))
+
+
+def write_batch(directory: str, name: str, batch: PreparedBatch, cipher: BatchCipher | None) -> int:
+    """Write ``batch`` as ``directory/name`` atomically; returns the file's size in bytes."""
+    key, flat, plan, nbytes = batch.key, batch.flat, batch.plan, batch.nbytes
     if cipher is None:
         tmp = _create_tmp(directory, nbytes)
         try:
@@ -124,6 +151,34 @@ def write_batch(directory: str, name: str, key: str, obj: Any, cipher: BatchCiph
     return size
 
 
+def check_batch(path: str, key: str, encrypted: bool) -> bool:
+    """Cheaply check that ``path`` is a committed batch for ``key`` (no digests, no unpickling).
+
+    Used on files a previous incarnation left behind; an encrypted file is authenticated only
+    when read (its key is bound into the AES-GCM tag).
+    """
+    try:
+        with open(path, "rb") as f:
+            head = f.read(HEADER_SIZE)
+            size = os.fstat(f.fileno()).st_size
+            if encrypted:
+                magic, nbytes = _ENVELOPE.unpack_from(head)
+                return bool(
+                    magic == _ENVELOPE_MAGIC
+                    and size == _ENVELOPE.size + NONCE_SIZE + nbytes + TAG_SIZE
+                )
+            header = SegmentHeader.unpack(head)
+            if header.state != SegmentState.COMMITTED or header.digest_state != DigestState.VALID:
+                return False
+            manifest = Manifest.from_json(
+                os.pread(f.fileno(), header.manifest_size, header.manifest_offset),
+                segment_size=size,
+            )
+    except (OSError, ValueError, struct.error, CorruptCheckpoint):
+        return False
+    return (manifest.namespace, manifest.path) == (NAMESPACE, key)
+
+
 def _open_sealed(path: str, size: int, key: str, cipher: BatchCipher) -> mmap.mmap:
     """Decrypt an envelope into a private anonymous mapping."""
     sealed = map_private(path, size)
@@ -136,8 +191,9 @@ def _open_sealed(path: str, size: int, key: str, cipher: BatchCipher) -> mmap.mm
                     "it; delete the cache directory or turn encryption off on every rank"
                 )
             image = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-            with memoryview(image) as out:
-                cipher.open_into(view[_ENVELOPE.size :], key.encode(), out)
+            # Slices are views too: release them before the mapping is closed.
+            with view[_ENVELOPE.size :] as body, memoryview(image) as out:
+                cipher.open_into(body, key.encode(), out)
     finally:
         sealed.close()
     return image

@@ -66,12 +66,13 @@ class BatchCipher:
         """Decrypt ``sealed`` into ``out`` (``len(sealed) - NONCE_SIZE - TAG_SIZE`` bytes)."""
         from cryptography.exceptions import InvalidTag
 
-        nonce, body = bytes(sealed[:NONCE_SIZE]), sealed[NONCE_SIZE:]
+        nonce = bytes(sealed[:NONCE_SIZE])
         try:
-            if hasattr(self._aead, "decrypt_into"):  # cryptography >= 46: no extra copy
-                self._aead.decrypt_into(nonce, body, aad, out)
-            else:
-                out[:] = self._aead.decrypt(nonce, body, aad)
+            with sealed[NONCE_SIZE:] as body:
+                if hasattr(self._aead, "decrypt_into"):  # cryptography >= 46: no extra copy
+                    self._aead.decrypt_into(nonce, body, aad, out)
+                else:
+                    out[:] = self._aead.decrypt(nonce, body, aad)
         except InvalidTag as e:
             raise CorruptCheckpoint(
                 "an encrypted cached batch failed authentication (wrong $CKPTCACHE_DATA_KEY, "

@@ -28,6 +28,7 @@ ENV_OVERRIDES = {
     ENV_SOCKET: "socket",
     "CKPTCACHE_NODE_ID": "node_id",
     "CKPTCACHE_METRICS_PORT": "metrics_port",
+    "CKPTCACHE_S3_ENDPOINT_URL": "s3_endpoint_url",
 }
 
 
@@ -69,6 +70,19 @@ class DaemonConfig:
     #: Users (besides the daemon's own and root) whose processes may use the socket.
     allowed_uids: tuple[int, ...] = ()
     log_level: str = "INFO"
+    #: Storage roots (directories or URL prefixes) the daemon persists under.
+    persist_roots: tuple[str, ...] = ()
+    #: "allow": paths under no root are cached in memory only; "refuse": such saves fail.
+    memory_only: str = "allow"
+    persist_workers: int = 2
+    #: Retries after the first failed attempt, with exponential backoff between them.
+    persist_retries: int = 5
+    persist_backoff: float = 0.5
+    persist_backoff_max: float = 30.0
+    s3_endpoint_url: str | None = None
+    s3_region: str | None = None
+    s3_part_size: int = 64 << 20
+    s3_max_concurrency: int = 4
 
     def keep_for(self, path: str) -> int:
         """Generations to keep for ``path``: the longest matching rule wins."""
@@ -96,7 +110,28 @@ def _coerce(key: str, value: Any, source: str) -> Any:
             if size <= 0:
                 raise ValueError("must be positive")
             return size
-        if key in ("reserve_timeout",):
+        if key in ("s3_endpoint_url", "s3_region"):
+            return None if value in (None, "") else str(value)
+        if key in ("s3_part_size",):
+            size = parse_bytes(value)
+            if size < 5 << 20:
+                raise ValueError("must be at least 5MiB (the S3 minimum part size)")
+            return size
+        if key in ("persist_workers", "s3_max_concurrency", "persist_retries"):
+            count = int(value)
+            if count < (0 if key == "persist_retries" else 1):
+                raise ValueError("is too small")
+            return count
+        if key == "persist_roots":
+            roots = [value] if isinstance(value, str) else list(value)
+            if not all(isinstance(r, str) and r for r in roots):
+                raise ValueError("must be a list of directories or URL prefixes")
+            return tuple(roots)
+        if key == "memory_only":
+            if value not in ("allow", "refuse"):
+                raise ValueError("must be 'allow' or 'refuse'")
+            return value
+        if key in ("reserve_timeout", "persist_backoff", "persist_backoff_max"):
             number = float(value)
             if number < 0:
                 raise ValueError("must not be negative")

@@ -34,6 +34,7 @@ from ckptcache.errors import (
     CorruptCheckpoint,
     InvalidPath,
     ObjectTooLarge,
+    PathNotAllowed,
 )
 from ckptcache.layout import HEADER_SIZE, DigestState, SegmentHeader, SegmentState, align
 from ckptcache.manifest import (
@@ -47,6 +48,8 @@ from ckptcache.server.arena import Arena, Segment
 from ckptcache.server.config import DaemonConfig
 from ckptcache.server.index import Generation, Index, Key
 from ckptcache.server.metrics import Metrics
+from ckptcache.server.persist import Persister
+from ckptcache.server.roots import PersistRoots
 from ckptcache.wire import messages as m
 
 __all__ = ["CacheCore", "Session"]
@@ -64,6 +67,7 @@ class Reservation:
     segment: Segment
     nbytes: int
     durability: str
+    persist: bool = False
 
 
 @dataclass(eq=False)
@@ -98,7 +102,10 @@ class CacheCore:
         self._digest_queue: queue.Queue[Generation | None] = queue.Queue()
         #: Called (outside the lock) with each newly committed generation: persistence hooks in.
         self.on_commit: list[Callable[[Generation], None]] = []
+        self.roots = PersistRoots(config.persist_roots)
+        self.persister = Persister(self)
         self._recover()
+        self.persister.start()
         self._digester = threading.Thread(target=self._digest_loop, name="digester", daemon=True)
         self._digester.start()
         self.metrics.memory_limit.set(config.memory_limit)
@@ -128,6 +135,10 @@ class CacheCore:
                 manifest.namespace, manifest.path, header.generation, segment, manifest,
                 size=header.payload_size, committed=header.committed_ns / 1e9,
             )  # fmt: skip
+            if header.persisted:
+                gen.persisted, gen.persist_state = True, "persisted"
+            else:
+                gen.needs_persist = self._persistable(gen.path)
             if header.digest_state == DigestState.VALID:
                 table = view[header.digest_offset : header.digest_offset + 8 * header.n_storages]
                 gen.digests = unpack_digests(table, header.n_storages)
@@ -137,13 +148,35 @@ class CacheCore:
                 "recovered %s generation %d (%s)", gen.path, gen.number, format_bytes(gen.size)
             )
         for key in self.index.paths():
-            self._apply_retention(key)
+            self._supersede_older(key)
+            self.apply_retention(key)
         for gen in self.index:
             if gen.digests is None:
                 self._digest_queue.put(gen)
+            if gen.needs_persist and not gen.persisted:
+                log.info("re-queueing unpersisted %s generation %d", gen.path, gen.number)
+                self.persister.submit(gen)
+
+    def _persistable(self, path: str) -> bool:
+        try:
+            return self.roots.root_for(path) is not None
+        except PathNotAllowed as e:
+            log.error("keeping %s in memory only: %s", path, e)
+            return False
+
+    def _classify(self, path: str) -> bool:
+        """Whether a save of ``path`` will be persisted; refuses paths escaping a root."""
+        root = self.roots.root_for(path)
+        if root is None and self.roots and self.config.memory_only == "refuse":
+            raise PathNotAllowed(
+                f"{path!r} is outside every storage root ({', '.join(self.roots)}) and this "
+                "daemon refuses memory-only objects; save under a root or add --persist-root"
+            )
+        return root is not None
 
     def shutdown(self) -> None:
         """Stop background workers (segments stay on disk for the next incarnation)."""
+        self.persister.stop()
         self._digest_queue.put(None)
         self._digester.join(timeout=5)
 
@@ -171,6 +204,7 @@ class CacheCore:
         _check_key(req.namespace, req.path)
         if not isinstance(req.nbytes, int) or req.nbytes <= 0:
             raise InvalidPath(f"reserve needs a positive byte count, got {req.nbytes!r}")
+        persist = self._classify(req.path)
         limit = self.config.memory_limit
         if Arena.capacity_for(req.nbytes) > limit:
             raise ObjectTooLarge(
@@ -196,8 +230,9 @@ class CacheCore:
                     )
                 self.cond.wait(min(remaining, 0.5))
             res = Reservation(
-                next(self._ids), req.namespace, req.path, segment, req.nbytes, req.durability
-            )
+                next(self._ids), req.namespace, req.path, segment, req.nbytes, req.durability,
+                persist,
+            )  # fmt: skip
             session.reservations[res.id] = res
             self._update_gauges()
         return m.ReserveReply(res.id, segment.name, segment.capacity)
@@ -254,10 +289,14 @@ class CacheCore:
             )  # fmt: skip
             segment.write_header(header)
             gen = Generation(
-                res.namespace, res.path, number, segment, manifest, size=manifest.payload_size
-            )
+                res.namespace, res.path, number, segment, manifest, size=manifest.payload_size,
+                needs_persist=res.persist,
+            )  # fmt: skip
             self.index.add(gen)
-            self._apply_retention(gen.key)
+            if gen.needs_persist:
+                self._supersede_older(gen.key)
+                self.persister.submit(gen)
+            self.apply_retention(gen.key)
             self.metrics.saves.inc()
             self.metrics.bytes_saved.inc(manifest.payload_size)
             if req.stall_seconds > 0:
@@ -311,7 +350,17 @@ class CacheCore:
 
     # ----------------------------------------------------------------- retention and pins
 
-    def _apply_retention(self, key: Key) -> None:
+    def _supersede_older(self, key: Key) -> None:
+        """Older unpersisted generations need not reach storage: the newest will."""
+        gens = self.index.generations(key)
+        for old in gens[:-1]:
+            if old.needs_persist and not old.persisted:
+                old.needs_persist = False
+                if old.persist_state in ("queued", "failed"):
+                    old.persist_state = "superseded"
+
+    def apply_retention(self, key: Key) -> None:
+        """Retire generations beyond the configured ``keep`` (never an unpersisted one)."""
         for old in self.index.superseded(key, self.config.keep_for(key[1])):
             if old.needs_persist and not old.persisted:
                 continue  # never drop a generation storage has not received yet
@@ -460,11 +509,13 @@ class CacheCore:
         stages = ["local"]
         if gen.persisted:
             stages.append("persisted")
+
         return m.ObjectInfo(
             namespace=gen.namespace, path=gen.path, generation=gen.number, size=gen.size,
             stages=tuple(stages), committed=gen.committed, segment=gen.segment.name,
             pins=gen.pins, digests_valid=gen.digests is not None,
-            generations=len(self.index.generations(gen.key)),
+            generations=len(self.index.generations(gen.key)), persist_state=gen.persist_state,
+            persist_error=gen.persist_error, persist_seconds=gen.persist_seconds,
         )  # fmt: skip
 
     def stat(self, session: Session, req: m.StatRequest) -> m.ObjectInfo:
@@ -506,7 +557,35 @@ class CacheCore:
                 objects=len(self.index.paths()), generations=len(gens),
                 pinned=sum(1 for g in gens if g.pins), reservations=0,
                 shm_dir=self.config.shm_dir, socket=self.config.socket,
+                persist_queue=len(self.persister.queue), persist_roots=tuple(self.roots),
             )  # fmt: skip
+
+    def wait(self, session: Session, req: m.WaitRequest) -> m.WaitReply:
+        """Block until ``path`` (or everything under a prefix) is persisted, failed, or timed out.
+
+        The reply's state is ``persisted``, ``memory-only``, ``failed`` (with the error) or
+        ``timeout``; a prefix wait ignores memory-only objects.
+        """
+        deadline = time.monotonic() + max(0.0, req.timeout)
+        with self.cond:
+            while True:
+                if req.prefix:
+                    gens = [self.index.newest(k) for k in self.index.paths()
+                            if k[0] == req.namespace and k[1].startswith(req.path)]  # fmt: skip
+                    pending = [g for g in gens if g is not None and g.needs_persist]
+                else:
+                    pending = [self._lookup(req.namespace, req.path)]
+                failed = [g for g in pending if g.persist_state == "failed"]
+                if failed:
+                    return m.WaitReply(failed[0].number, "failed", failed[0].persist_error)
+                if all(g.persisted or not g.needs_persist for g in pending):
+                    if len(pending) == 1 and not pending[0].needs_persist:
+                        return m.WaitReply(pending[0].number, "memory-only")
+                    return m.WaitReply(max((g.number for g in pending), default=0), "persisted")
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return m.WaitReply(pending[0].number, "timeout")
+                self.cond.wait(min(remaining, 1.0))
 
     def _update_gauges(self) -> None:
         self.metrics.segments.set(len(self.arena.segments))

@@ -36,6 +36,10 @@ class Generation:
     persisted: bool = False
     #: Whether this object must reach storage at all (False for memory-only objects).
     needs_persist: bool = False
+    #: memory-only | queued | persisting | persisted | failed | superseded
+    persist_state: str = "memory-only"
+    persist_error: str = ""
+    persist_seconds: float = 0.0
 
     @property
     def key(self) -> Key:

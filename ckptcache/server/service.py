@@ -74,6 +74,7 @@ class CacheService(rpyc.Service):  # type: ignore[misc]
             "delete": (m.DeleteRequest, core.delete),
             "verify": (m.VerifyRequest, core.verify),
             "status": (m.StatusRequest, core.status),
+            "wait": (m.WaitRequest, core.wait),
         }
 
     def on_connect(self, conn: rpyc.Connection) -> None:

@@ -283,7 +283,7 @@ class WaitRequest:
 
     namespace: str
     path: str
-    stage: str = "persisted"
+    prefix: bool = False
     timeout: float = 60.0
 
 

@@ -47,6 +47,9 @@ def _entry(
     try:
         result = fn(rank, world_size, *args)
         torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
+        # Tear down together: a rank closing its gloo connections while a peer's background
+        # threads still use them can abort that peer at exit.
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 

@@ -34,9 +34,9 @@ def test_torch_load_reads_planned_archive(tmp_path, monkeypatch):
     # torch's own offset arithmetic (which assumes miniz's exact layout) agrees with ours
     from torch.utils.serialization import config
 
-    monkeypatch.setattr(config.load, "calculate_storage_offsets", True)
     monkeypatch.setenv("TORCH_SERIALIZATION_DEBUG", "1")
-    assert torch.equal(torch.load(tmp_path / "a.pt", mmap=True)["x"], x)
+    with config.patch({"load.calculate_storage_offsets": True}):
+        assert torch.equal(torch.load(tmp_path / "a.pt", mmap=True)["x"], x)
     names = zipfile.ZipFile(tmp_path / "a.pt").namelist()
     assert names[:4] == ["archive/data.pkl", "archive/.format_version",
                          "archive/.storage_alignment", "archive/byteorder"]  # fmt: skip

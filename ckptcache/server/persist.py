@@ -1,0 +1,188 @@
+"""Phase 2: persist committed generations to storage, in the daemon, at low priority.
+
+States of a generation (``Generation.persist_state``)::
+
+    memory-only                       (not under any root: never persisted)
+    queued -> persisting -> persisted (the in-memory copy becomes evictable)
+                         -> failed    (retries ran out; kept in memory, reported)
+    queued -> superseded              (a newer generation of the same path will persist)
+
+One persist per path at a time, oldest first, so an older generation can never overwrite a
+newer one under the same name. The queue is bounded only by memory: a queued generation is
+pinned in the arena until it is persisted, which is what applies backpressure to saves.
+"""
+
+from __future__ import annotations
+
+import collections
+import ctypes
+import logging
+import os
+import platform
+import threading
+import time
+from typing import TYPE_CHECKING
+
+from ckptcache._units import format_bytes
+from ckptcache.storage import StorageOptions, backend_for
+
+if TYPE_CHECKING:
+    from ckptcache.server.core import CacheCore
+    from ckptcache.server.index import Generation
+
+__all__ = ["Persister", "lower_thread_priority"]
+
+log = logging.getLogger(__name__)
+
+_IOPRIO_SET = {"x86_64": 251, "aarch64": 30}.get(platform.machine())
+
+
+def lower_thread_priority(nice: int = 10) -> None:
+    """Make the calling thread compete little with training: CPU nice and best-effort I/O 7.
+
+    Linux applies both per thread (``setpriority`` and ``ioprio_set`` on the thread id).
+    """
+    tid = threading.get_native_id()
+    try:
+        os.setpriority(os.PRIO_PROCESS, tid, nice)
+    except OSError:
+        pass
+    if _IOPRIO_SET is not None:
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            ioprio = (2 << 13) | 7  # IOPRIO_CLASS_BE, lowest level
+            libc.syscall(_IOPRIO_SET, 1, tid, ioprio)  # IOPRIO_WHO_PROCESS
+        except OSError:
+            pass
+
+
+class Persister:
+    """Worker threads that move committed generations from the arena to storage."""
+
+    def __init__(self, core: CacheCore):
+        self.core = core
+        cfg = core.config
+        self.options = StorageOptions(
+            s3_endpoint_url=cfg.s3_endpoint_url,
+            s3_region=cfg.s3_region,
+            s3_part_size=cfg.s3_part_size,
+            s3_max_concurrency=cfg.s3_max_concurrency,
+        )
+        self.queue: collections.deque[Generation] = collections.deque()
+        self._path_locks: dict[tuple[str, str], threading.Lock] = {}
+        self._stop = False
+        self._threads = [
+            threading.Thread(target=self._run, name=f"persist-{i}", daemon=True)
+            for i in range(cfg.persist_workers)
+        ]
+
+    def start(self) -> None:
+        """Start the workers (after the index has been recovered)."""
+        for t in self._threads:
+            t.start()
+
+    def stop(self) -> None:
+        """Stop taking new work; a persist in flight finishes or is redone after restart."""
+        with self.core.cond:
+            self._stop = True
+            self.core.cond.notify_all()
+
+    def submit(self, gen: Generation) -> None:
+        """Queue a generation that needs persisting (call under the core lock)."""
+        gen.persist_state = "queued"
+        self.queue.append(gen)
+        self.core.metrics.persist_queue.set(len(self.queue))
+        self.core.cond.notify_all()
+
+    def _next(self) -> Generation | None:
+        cond = self.core.cond
+        with cond:
+            while not self._stop:
+                while self.queue:
+                    gen = self.queue.popleft()
+                    self.core.metrics.persist_queue.set(len(self.queue))
+                    if gen.persist_state == "queued":
+                        self.core.pin(gen)
+                        gen.persist_state = "persisting"
+                        return gen
+                cond.wait(1.0)
+        return None
+
+    def _run(self) -> None:
+        lower_thread_priority()
+        while True:
+            gen = self._next()
+            if gen is None:
+                return
+            try:
+                lock = self._path_locks.setdefault(gen.key, threading.Lock())
+                with lock:
+                    self._persist(gen)
+            except Exception:  # a bug: never kill the worker
+                log.exception("persist worker failed on %s", gen.path)
+                with self.core.cond:
+                    gen.persist_state, gen.persist_error = "failed", "internal error"
+            finally:
+                self.core.unpin(gen)
+
+    def _persist(self, gen: Generation) -> None:
+        cfg = self.core.config
+        backend = backend_for(gen.path, self.options)
+        t0 = time.perf_counter()
+        error = ""
+        for attempt in range(cfg.persist_retries + 1):
+            with self.core.cond:
+                newest = self.core.index.newest(gen.key)
+                if newest is not None and newest.number > gen.number and newest.needs_persist:
+                    gen.persist_state = "superseded"
+                    self.core.cond.notify_all()
+                    return
+            try:
+                backend.cleanup(gen.path)
+                fd = os.open(gen.segment.path, os.O_RDONLY | os.O_CLOEXEC)
+                try:
+                    backend.write(gen.path, fd, gen.manifest.payload_offset, gen.size)
+                finally:
+                    os.close(fd)
+            except OSError as e:
+                error = f"{type(e).__name__}: {e}"
+                self.core.metrics.persist_errors.inc()
+                log.warning(
+                    "persist of %s generation %d failed (attempt %d of %d): %s",
+                    gen.path, gen.number, attempt + 1, cfg.persist_retries + 1, error,
+                )  # fmt: skip
+                with self.core.cond:
+                    gen.persist_error = error
+                if attempt < cfg.persist_retries:
+                    time.sleep(min(cfg.persist_backoff * 2**attempt, cfg.persist_backoff_max))
+                continue
+            self._done(gen, time.perf_counter() - t0)
+            return
+        with self.core.cond:
+            gen.persist_state = "failed"
+            gen.persist_error = (
+                f"gave up after {cfg.persist_retries + 1} attempts: {error}. The checkpoint "
+                "stays in memory; fix the storage and save again"
+            )
+            self.core.cond.notify_all()
+        log.error("persist of %s generation %d failed for good: %s", gen.path, gen.number, error)
+
+    def _done(self, gen: Generation, seconds: float) -> None:
+        metrics = self.core.metrics
+        metrics.persist_bytes.inc(gen.size)
+        metrics.persist_latency.observe(seconds)
+        with self.core.cond:
+            gen.persisted = True
+            gen.persist_state = "persisted"
+            gen.persist_error = ""
+            gen.persist_seconds = seconds
+            header = gen.segment.read_header()
+            from dataclasses import replace
+
+            gen.segment.write_header(replace(header, persisted=1))
+            self.core.apply_retention(gen.key)
+            self.core.cond.notify_all()
+        log.info(
+            "persisted %s generation %d: %s in %.2fs (%.0f MB/s)",
+            gen.path, gen.number, format_bytes(gen.size), seconds, gen.size / seconds / 1e6,
+        )  # fmt: skip

@@ -1,0 +1,77 @@
+"""Allowed storage roots: the daemon writes only under configured roots, never outside them.
+
+A path is judged after normalisation *and* after resolving the symlinks of the part of it
+that exists, so neither ``..`` nor a symlinked directory can carry a write out of a root.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Iterator
+
+from ckptcache.errors import PathNotAllowed
+
+__all__ = ["PersistRoots"]
+
+
+def _is_url(path: str) -> bool:
+    return "://" in path
+
+
+def _resolve_existing(path: str) -> str:
+    """realpath of the deepest existing ancestor, with the rest of ``path`` appended."""
+    head, tail = path, ""
+    while head and not os.path.exists(head):
+        head, part = os.path.split(head)
+        tail = os.path.join(part, tail) if tail else part
+        if head == os.path.dirname(head):
+            break
+    real = os.path.realpath(head or "/")
+    return os.path.join(real, tail) if tail else real
+
+
+def _under(path: str, root: str) -> bool:
+    return path == root or path.startswith(root.rstrip("/") + "/")
+
+
+class PersistRoots:
+    """The configured roots: local directories (symlinks resolved) and URL prefixes."""
+
+    def __init__(self, roots: Iterable[str]):
+        self.local: list[str] = []
+        self.urls: list[str] = []
+        for root in roots:
+            if _is_url(root):
+                self.urls.append(root.rstrip("/") + "/")
+            else:
+                self.local.append(os.path.realpath(os.path.abspath(root)))
+
+    def __bool__(self) -> bool:
+        return bool(self.local or self.urls)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter([*self.local, *self.urls])
+
+    def root_for(self, path: str) -> str | None:
+        """The root ``path`` persists under, or ``None`` if it is under no root.
+
+        Raises :class:`PathNotAllowed` when ``path`` names a root but escapes it (``..``,
+        ``.`` segments, or a symlink pointing elsewhere).
+        """
+        if _is_url(path):
+            rest = path.partition("://")[2]
+            if any(seg in ("..", ".") for seg in rest.split("/")):
+                raise PathNotAllowed(f"{path!r}: '..' and '.' segments are not allowed in URLs")
+            return next((r for r in self.urls if path.startswith(r)), None)
+        lexical = os.path.normpath(path)
+        if lexical != path.rstrip("/") or "/../" in f"{path}/":
+            raise PathNotAllowed(f"{path!r} is not a normalised absolute path ('..' refused)")
+        claimed = next((r for r in self.local if _under(lexical, r)), None)
+        resolved = _resolve_existing(lexical)
+        actual = next((r for r in self.local if _under(resolved, r)), None)
+        if claimed is not None and actual is None:
+            raise PathNotAllowed(
+                f"{path!r} escapes the storage root {claimed!r} through a symlink "
+                f"(it resolves to {resolved!r}); save it under a real directory of the root"
+            )
+        return actual

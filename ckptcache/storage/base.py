@@ -1,0 +1,65 @@
+"""The storage backend contract.
+
+Call order for a persist (daemon side)::
+
+    backend.cleanup(path)                      # drop debris of an earlier, interrupted attempt
+    backend.write(path, source, offset, size)  # atomic: complete object or nothing
+
+and for a load without a daemon (client side)::
+
+    backend.exists(path)
+    backend.open_read(path)                    # a readable, seekable binary file object
+
+``write`` must never leave a partial object visible under ``path``: file systems write a
+temporary name, fsync and rename; S3 completes a multipart upload only after every part.
+Failures raise ``OSError`` subclasses (``PermissionError``, ``FileNotFoundError``, or a plain
+``OSError`` carrying the cause) so the persister can classify and retry them.
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass
+from typing import BinaryIO
+
+__all__ = ["StorageBackend", "StorageOptions"]
+
+
+@dataclass(frozen=True)
+class StorageOptions:
+    """Backend settings from the daemon config (S3 endpoint and tuning)."""
+
+    s3_endpoint_url: str | None = None
+    s3_region: str | None = None
+    s3_part_size: int = 64 << 20
+    s3_max_concurrency: int = 4
+    #: Attempts made inside one backend call for transient S3 errors (botocore's own retries).
+    s3_attempts: int = 3
+
+
+class StorageBackend(abc.ABC):
+    """One family of destinations (a URL scheme)."""
+
+    @abc.abstractmethod
+    def write(self, path: str, source: int, offset: int, size: int) -> None:
+        """Atomically make ``size`` bytes at ``offset`` of file descriptor ``source`` the
+        content of ``path`` (creating parent directories as needed)."""
+
+    @abc.abstractmethod
+    def write_bytes(self, path: str, data: bytes | memoryview) -> None:
+        """Atomically store ``data`` at ``path``."""
+
+    @abc.abstractmethod
+    def exists(self, path: str) -> bool:
+        """Whether a complete object is visible at ``path``."""
+
+    @abc.abstractmethod
+    def open_read(self, path: str) -> BinaryIO:
+        """Open ``path`` for reading; raises ``FileNotFoundError`` if absent."""
+
+    @abc.abstractmethod
+    def delete(self, path: str) -> None:
+        """Remove ``path`` (missing is fine)."""
+
+    def cleanup(self, path: str) -> None:  # noqa: B027 - optional hook
+        """Remove leftovers of interrupted writes to ``path`` (temp files, open uploads)."""

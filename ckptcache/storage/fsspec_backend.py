@@ -1,0 +1,70 @@
+"""Any other fsspec file system: write to a temporary name, then move it into place."""
+
+from __future__ import annotations
+
+import os
+import secrets
+from typing import Any, BinaryIO
+
+from ckptcache.storage.base import StorageBackend
+
+__all__ = ["FsspecBackend"]
+
+_CHUNK = 64 << 20
+
+
+class FsspecBackend(StorageBackend):
+    """A file system resolved by ``fsspec.core.url_to_fs`` (gcs://, abfs://, memory://, ...)."""
+
+    def _fs(self, path: str) -> tuple[Any, str]:
+        import fsspec
+
+        return fsspec.core.url_to_fs(path)
+
+    def _atomic(self, path: str, chunks: Any) -> None:
+        fs, real = self._fs(path)
+        head, tail = real.rsplit("/", 1) if "/" in real else ("", real)
+        tmp = f"{head}/.{tail}.ckptcache-tmp-{secrets.token_hex(4)}" if head else f".{tail}.tmp"
+        try:
+            if head:
+                fs.makedirs(head, exist_ok=True)
+            with fs.open(tmp, "wb") as f:
+                for chunk in chunks:
+                    f.write(chunk)
+            fs.mv(tmp, real)
+        except BaseException:
+            try:
+                fs.rm(tmp)
+            except Exception:
+                pass
+            raise
+
+    def write(self, path: str, source: int, offset: int, size: int) -> None:
+        def chunks() -> Any:
+            done = 0
+            while done < size:
+                chunk = os.pread(source, min(_CHUNK, size - done), offset + done)
+                if not chunk:
+                    raise OSError(f"source ended after {done} of {size} bytes")
+                done += len(chunk)
+                yield chunk
+
+        self._atomic(path, chunks())
+
+    def write_bytes(self, path: str, data: bytes | memoryview) -> None:
+        self._atomic(path, [bytes(data)])
+
+    def exists(self, path: str) -> bool:
+        fs, real = self._fs(path)
+        return bool(fs.isfile(real))
+
+    def open_read(self, path: str) -> BinaryIO:
+        fs, real = self._fs(path)
+        if not fs.isfile(real):
+            raise FileNotFoundError(path)
+        return fs.open(real, "rb")  # type: ignore[no-any-return]
+
+    def delete(self, path: str) -> None:
+        fs, real = self._fs(path)
+        if fs.exists(real):
+            fs.rm(real)

@@ -1,0 +1,145 @@
+"""S3 through boto3: single PUT for small objects, parallel multipart upload for large ones.
+
+An object becomes visible only when ``CompleteMultipartUpload`` succeeds, so a failed or
+killed persist never leaves a partial object; its uploaded parts are aborted (now, or by
+``cleanup`` before the next attempt after a daemon crash).
+"""
+
+from __future__ import annotations
+
+import io
+import os
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, BinaryIO
+
+from ckptcache.storage.base import StorageBackend, StorageOptions
+
+__all__ = ["S3Backend", "split_s3_url"]
+
+_MIN_PART = 5 << 20  # S3's minimum part size (all parts but the last)
+
+
+def split_s3_url(path: str) -> tuple[str, str]:
+    """``s3://bucket/key`` -> (bucket, key); raises ``ValueError`` when malformed."""
+    if not path.startswith("s3://"):
+        raise ValueError(f"not an s3:// URL: {path!r}")
+    bucket, _, key = path[5:].partition("/")
+    if not bucket or not key:
+        raise ValueError(f"s3 URL needs a bucket and a key: {path!r}")
+    return bucket, key
+
+
+def _as_oserror(e: Exception, what: str) -> OSError:
+    """botocore errors are not OSErrors; the persister classifies OSErrors."""
+    code = getattr(e, "response", {}).get("Error", {}).get("Code", "")
+    if code in ("AccessDenied", "403"):
+        return PermissionError(f"{what}: {e}")
+    if code in ("NoSuchKey", "404", "NoSuchBucket"):
+        return FileNotFoundError(f"{what}: {e}")
+    return OSError(f"{what}: {type(e).__name__}: {e}")
+
+
+class S3Backend(StorageBackend):
+    """``s3://bucket/key`` objects; endpoint and credentials from the boto3 environment or
+    :class:`StorageOptions` (``s3_endpoint_url``, ``s3_region``)."""
+
+    def __init__(self, options: StorageOptions | None = None):
+        self.options = options or StorageOptions()
+        self._client: Any = None
+
+    @property
+    def client(self) -> Any:
+        """The boto3 client (created lazily: importing this module needs no boto3)."""
+        if self._client is None:
+            import boto3
+            from botocore.config import Config
+
+            opts = self.options
+            self._client = boto3.client(
+                "s3",
+                endpoint_url=opts.s3_endpoint_url or os.environ.get("AWS_ENDPOINT_URL_S3"),
+                region_name=opts.s3_region,
+                config=Config(
+                    retries={"max_attempts": opts.s3_attempts, "mode": "standard"},
+                    max_pool_connections=max(10, opts.s3_max_concurrency * 2),
+                    connect_timeout=5,
+                    read_timeout=60,
+                ),
+            )
+        return self._client
+
+    def _call(self, what: str, fn: Any, **kwargs: Any) -> Any:
+        from botocore.exceptions import BotoCoreError, ClientError
+
+        try:
+            return fn(**kwargs)
+        except (ClientError, BotoCoreError) as e:
+            raise _as_oserror(e, what) from e
+
+    def write(self, path: str, source: int, offset: int, size: int) -> None:
+        part = max(self.options.s3_part_size, _MIN_PART)
+        if size <= part:
+            self.write_bytes(path, os.pread(source, size, offset))
+            return
+        bucket, key = split_s3_url(path)
+        upload = self._call("create multipart upload", self.client.create_multipart_upload,
+                            Bucket=bucket, Key=key)["UploadId"]  # fmt: skip
+        ranges = [(i + 1, start, min(part, size - start)) for i, start in
+                  enumerate(range(0, size, part))]  # fmt: skip
+
+        def put(number: int, start: int, length: int) -> dict[str, Any]:
+            body = os.pread(source, length, offset + start)
+            if len(body) != length:
+                raise OSError(f"source ended early at part {number}")
+            reply = self._call(f"upload part {number}", self.client.upload_part, Bucket=bucket,
+                               Key=key, UploadId=upload, PartNumber=number, Body=body)  # fmt: skip
+            return {"PartNumber": number, "ETag": reply["ETag"]}
+
+        try:
+            with ThreadPoolExecutor(self.options.s3_max_concurrency) as pool:
+                parts = list(pool.map(lambda r: put(*r), ranges))
+            self._call("complete multipart upload", self.client.complete_multipart_upload,
+                       Bucket=bucket, Key=key, UploadId=upload,
+                       MultipartUpload={"Parts": parts})  # fmt: skip
+        except BaseException:
+            try:
+                self.client.abort_multipart_upload(Bucket=bucket, Key=key, UploadId=upload)
+            except Exception:
+                pass  # cleanup() aborts it before the next attempt
+            raise
+
+    def write_bytes(self, path: str, data: bytes | memoryview) -> None:
+        bucket, key = split_s3_url(path)
+        self._call("put object", self.client.put_object, Bucket=bucket, Key=key, Body=bytes(data))
+
+    def exists(self, path: str) -> bool:
+        bucket, key = split_s3_url(path)
+        try:
+            self._call("head object", self.client.head_object, Bucket=bucket, Key=key)
+        except FileNotFoundError:
+            return False
+        return True
+
+    def open_read(self, path: str) -> BinaryIO:
+        bucket, key = split_s3_url(path)
+        reply = self._call("get object", self.client.get_object, Bucket=bucket, Key=key)
+        return io.BytesIO(reply["Body"].read())
+
+    def delete(self, path: str) -> None:
+        bucket, key = split_s3_url(path)
+        self._call("delete object", self.client.delete_object, Bucket=bucket, Key=key)
+
+    def cleanup(self, path: str) -> None:
+        bucket, key = split_s3_url(path)
+        try:
+            reply = self.client.list_multipart_uploads(Bucket=bucket, Prefix=key)
+        except Exception:
+            return
+        for upload in reply.get("Uploads", []):
+            if upload["Key"] == key:
+                try:
+                    self.client.abort_multipart_upload(
+                        Bucket=bucket, Key=key, UploadId=upload["UploadId"]
+                    )
+                except Exception:
+                    pass
