@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -10,6 +11,7 @@ import subprocess
 import sys
 import time
 import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -133,3 +135,20 @@ def assert_same(a: Any, b: Any) -> None:
             assert np.array_equal(a, b) and a.dtype == b.dtype
         else:
             assert a == b
+
+
+@contextlib.contextmanager
+def read_only_dir(path: Path) -> Iterator[None]:
+    """Make ``path`` refuse new files, for root too (immutable attribute; chmod otherwise)."""
+    if os.geteuid() == 0:
+        subprocess.run(["chattr", "+i", str(path)], check=True)
+        try:
+            yield
+        finally:
+            subprocess.run(["chattr", "-i", str(path)], check=True)
+    else:
+        path.chmod(0o500)
+        try:
+            yield
+        finally:
+            path.chmod(0o700)

@@ -113,6 +113,7 @@ class CachedDataModule(LightningDataModule):  # type: ignore[misc]
         if self.is_loading_rank or stage not in (None, "fit"):
             self.data_module.teardown(stage)
         if stage in (None, "fit") and self.train_loader is not None:
+            self._pending_state = self.train_loader.state_dict()  # saved after fit, too
             self.train_loader.close(keep_cache=True)
             self.train_loader = None
 

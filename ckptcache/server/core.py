@@ -155,7 +155,8 @@ class CacheCore:
                 self._digest_queue.put(gen)
             if gen.needs_persist and not gen.persisted:
                 log.info("re-queueing unpersisted %s generation %d", gen.path, gen.number)
-                self.persister.submit(gen)
+                with self.cond:
+                    self.persister.submit(gen)
 
     def _persistable(self, path: str) -> bool:
         try:

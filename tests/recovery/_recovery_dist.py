@@ -6,6 +6,7 @@ assertions in the parent get pytest's rewriting and a clean report.
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import socket
 import tempfile
@@ -62,13 +63,16 @@ def run_workers(
     timeout: float = 90.0,
 ) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on every rank; return the per-rank results."""
+    # A forkserver that has imported torch once forks each rank in milliseconds; spawning
+    # would re-import torch in every rank of every test (seconds each on two cores).
+    multiprocessing.set_forkserver_preload(["torch", "torch.distributed", "_recovery_workers"])
     with tempfile.TemporaryDirectory() as out_dir:
         ctx = mp.start_processes(
             _entry,
             args=(fn, world_size, free_port(), out_dir, backend, args),
             nprocs=world_size,
             join=False,
-            start_method="spawn",
+            start_method="forkserver",
         )
         deadline = time.monotonic() + timeout
         while not ctx.join(timeout=1.0):

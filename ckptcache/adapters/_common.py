@@ -1,0 +1,138 @@
+"""What every framework adapter needs from the public client API, in one place.
+
+Adapters name checkpoints exactly as the framework would (the path *is* the name), so the only
+shared logic is: which client to talk to, how to wait for phase 2, and how to make a cached
+object visible to a framework that insists on ``os.path`` checks before it loads.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from typing import Any
+
+import torch
+
+import ckptcache
+import ckptcache.api
+from ckptcache import CheckpointNotFound, DaemonUnavailable
+
+__all__ = [
+    "COMMIT_WAITS",
+    "cached_status",
+    "cached_under",
+    "check_commit_waits",
+    "client_of",
+    "ensure_on_disk",
+    "in_memory",
+    "is_memory_only",
+    "is_persisted",
+    "load_any",
+    "wait_persisted",
+]
+
+#: What an adapter's commit point may wait for before the framework writes its marker file
+#: (DeepSpeed ``latest``, Megatron ``latest_checkpointed_iteration.txt``, DCP ``.metadata``).
+COMMIT_WAITS = ("local", "persisted")
+
+# persist_state values that mean "no storage root covers this path: it stays in memory".
+_MEMORY_ONLY_STATES = frozenset({"", "none", "memory", "memory-only", "disabled", "unrooted"})
+
+
+def check_commit_waits(value: str) -> str:
+    """Validate a ``commit_waits`` argument (``"local"`` or ``"persisted"``)."""
+    if value not in COMMIT_WAITS:
+        raise ValueError(f"commit_waits must be one of {', '.join(COMMIT_WAITS)}, not {value!r}")
+    return value
+
+
+def client_of(client: ckptcache.Client | None) -> ckptcache.Client:
+    """``client``, or the process's default client (the one ``ckptcache.save`` uses)."""
+    return client if client is not None else ckptcache.api.default_client()
+
+
+def is_persisted(info: ckptcache.ObjectStatus) -> bool:
+    """Whether the newest generation is safe in storage."""
+    return "persisted" in info.stages or "storage" in info.stages
+
+
+def is_memory_only(info: ckptcache.ObjectStatus) -> bool:
+    """Whether the daemon will never persist this object (no ``--persist-root`` covers it)."""
+    return not is_persisted(info) and info.persist_state in _MEMORY_ONLY_STATES
+
+
+def wait_persisted(
+    client: ckptcache.Client | None, path: str, *, timeout: float | None = None
+) -> None:
+    """Block until ``path`` is persisted (phase 2), via the client API's ``wait``.
+
+    Raises :class:`ckptcache.PersistError` when the daemon gave up, and ``NotImplementedError``
+    on a ckptcache without persistence, rather than pretending the object is durable.
+    """
+    waiter = getattr(client, "wait", None) if client is not None else None
+    if waiter is None:
+        waiter = getattr(ckptcache, "wait", None)
+        if waiter is None:
+            raise NotImplementedError(
+                "this ckptcache has no wait(): commit_waits='persisted' needs the "
+                "persistence tier (daemon --persist-root)"
+            )
+        if client is not None and client is not ckptcache.api.default_client():
+            # Module-level wait() talks to the default client: it cannot see this one's saves.
+            raise NotImplementedError("Client.wait is missing; pass client=None to use the default")
+    waiter(path, timeout=timeout)
+
+
+def ensure_on_disk(client: ckptcache.Client, info: ckptcache.ObjectStatus) -> None:
+    """Make the newest generation of ``info.path`` exist as a file, for frameworks whose load
+    path checks ``os.path`` before it calls the (cache-backed) engine.
+
+    Pending persistence is awaited (the daemon writes the file: exactly one persisted copy);
+    a memory-only object is written here with temp + fsync + rename, as ``torch.save`` would
+    have written it, because no daemon ever will. Either way the framework's later load is
+    still served from memory by the adapter.
+    """
+    if os.path.exists(info.path):
+        return
+    if not is_memory_only(info):
+        wait_persisted(client, info.path)
+        if os.path.exists(info.path):
+            return
+    obj = client.load(info.path, weights_only=False)
+    tmp = f"{info.path}.ckptcache-{uuid.uuid4().hex[:8]}.tmp"
+    try:
+        with open(tmp, "wb") as f:
+            torch.save(obj, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, info.path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def cached_under(client: ckptcache.Client, directory: str) -> list[ckptcache.ObjectStatus]:
+    """Newest cached generation of every object below ``directory`` (none without a daemon)."""
+    prefix = os.path.join(os.path.abspath(directory), "")
+    try:
+        return client.list(prefix)
+    except DaemonUnavailable:
+        return []
+
+
+def cached_status(client: ckptcache.Client, path: str) -> ckptcache.ObjectStatus | None:
+    """The cache's (or storage's) view of ``path``; ``None`` when neither has it."""
+    try:
+        return client.status(path)
+    except (CheckpointNotFound, DaemonUnavailable):
+        return None
+
+
+def in_memory(info: ckptcache.ObjectStatus | None) -> bool:
+    """Whether ``info`` describes an object a daemon holds (not just a file in storage)."""
+    return info is not None and info.stages != ("storage",)
+
+
+def load_any(client: ckptcache.Client, path: str, map_location: Any = None) -> Any:
+    """Load ``path`` with full unpickling, as the frameworks' own ``torch.load`` calls do."""
+    return client.load(path, map_location, weights_only=False)

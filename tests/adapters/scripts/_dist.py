@@ -1,0 +1,45 @@
+"""Launch ``fn(rank, world, *args)`` on ``world`` CPU ranks with gloo, torchrun-style env."""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.multiprocessing as mp
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _entry(rank: int, fn: Callable[..., Any], world: int, port: int, args: tuple[Any, ...]) -> None:
+    os.environ.update(
+        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+    )  # fmt: skip
+    torch.set_num_threads(1)
+    fn(rank, world, *args)
+
+
+def launch(fn: Callable[..., Any], world: int, *args: Any) -> None:
+    """Run ``fn`` on ``world`` spawned processes and wait (raises if any rank fails)."""
+    mp.spawn(_entry, args=(fn, world, _port(), args), nprocs=world, join=True)
+
+
+def tensors_of(obj: Any, prefix: str = "") -> dict[str, torch.Tensor]:
+    """Every tensor in a nested state, keyed by its path (for exact comparisons)."""
+    out: dict[str, torch.Tensor] = {}
+    if isinstance(obj, torch.Tensor):
+        out[prefix] = obj.detach().clone().cpu()
+    elif isinstance(obj, dict):
+        for k, v in obj.items():
+            out.update(tensors_of(v, f"{prefix}/{k}"))
+    elif isinstance(obj, (list, tuple)):
+        for i, v in enumerate(obj):
+            out.update(tensors_of(v, f"{prefix}/{i}"))
+    return out

@@ -1,0 +1,221 @@
+"""CachedDataLoader in one process: exact sequences, resume, bounds, hygiene, hooks."""
+
+from __future__ import annotations
+
+import itertools
+import os
+import time
+from typing import Any
+
+import pytest
+import torch
+
+from ckptcache.data import BatchLoadError, BatchTimeout, CachedDataLoader
+from ckptcache.data._lease import Lease
+from ckptcache.data._positions import Pos, distance
+from ckptcache.data._store import RECLAIM_AFTER_S
+from ckptcache.errors import ConfigError
+from tests.data._dataset import SeqLoader, batch_digest, make_batch
+
+
+def _digests(batches: list[Any]) -> list[str]:
+    return [batch_digest(b) for b in batches]
+
+
+def _reference(epochs: int, n: int) -> list[str]:
+    return [batch_digest(make_batch(e, i)) for e in range(epochs) for i in range(n)]
+
+
+def _batch_files(cache_dir: str, run_id: str = "r") -> list[str]:
+    path = os.path.join(cache_dir, run_id, "train")
+    return sorted(f for f in os.listdir(path) if f.endswith(".batch"))
+
+
+def test_epochs_are_exact(cache_dir: str) -> None:
+    with CachedDataLoader(lambda: SeqLoader(5), cache_dir=cache_dir, run_id="r", prefetch=3) as dl:
+        got = [b for _ in range(3) for b in dl]
+        assert len(dl) == 5
+        assert dl.state_dict() == {
+            "run_id": "r", "name": "train", "epoch": 3, "step": 0, "length": 5,
+        }  # fmt: skip
+    assert _digests(got) == _reference(3, 5)
+    assert not os.path.exists(os.path.join(cache_dir, "r"))  # close() removed the cache
+
+
+def test_resume_serves_cached_batches_then_catches_up(cache_dir: str) -> None:
+    first = CachedDataLoader(lambda: SeqLoader(12), cache_dir=cache_dir, run_id="r", prefetch=4)
+    it = iter(first)
+    consumed = [next(it) for _ in range(5)]
+    state = first.state_dict()
+    # Let the prefetcher fill its window, then "crash": the files stay in shared memory.
+    want = [f"e000000-s{i:012d}.batch" for i in range(3, 9)]
+    deadline = time.monotonic() + 10
+    while _batch_files(cache_dir) != want and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert _batch_files(cache_dir) == want  # lookback 2 (3, 4) + prefetch 4 (5..8)
+    first.close(keep_cache=True)
+
+    loaders: list[SeqLoader] = []
+
+    def make() -> SeqLoader:
+        loaders.append(SeqLoader(12))
+        return loaders[-1]
+
+    with CachedDataLoader(make, cache_dir=cache_dir, run_id="r", prefetch=4) as second:
+        second.load_state_dict(state)
+        rest = list(second)
+    assert _digests(consumed + rest) == _reference(1, 12)
+    # The new real loader never wrote what was cached: it skipped 5..8 and produced 9..11.
+    assert [p for p in loaders[0].produced if p[1] >= 5] == [(0, i) for i in range(5, 12)]
+
+
+def test_skip_hook_avoids_reading_skipped_batches(cache_dir: str) -> None:
+    loaders: list[SeqLoader] = []
+
+    def make() -> SeqLoader:
+        loaders.append(SeqLoader(10, with_skip=True))
+        return loaders[-1]
+
+    with CachedDataLoader(make, cache_dir=cache_dir, run_id="r", start_step=6) as dl:
+        got = list(dl)
+    assert _digests(got) == _reference(1, 10)[6:]
+    assert loaders[0].produced[0] == (0, 6)
+
+
+def test_set_epoch_reaches_the_sampler_and_positions(cache_dir: str) -> None:
+    with CachedDataLoader(
+        lambda: SeqLoader(4), cache_dir=cache_dir, run_id="r", start_epoch=2, start_step=1
+    ) as dl:
+        got = list(dl)
+        dl.set_epoch(3)  # no-op: already there
+        more = list(itertools.islice(dl, 2))
+        dl.set_epoch(7)
+        last = list(dl)
+    assert _digests(got) == [batch_digest(make_batch(2, i)) for i in (1, 2, 3)]
+    assert _digests(more) == [batch_digest(make_batch(3, i)) for i in (0, 1)]
+    assert _digests(last) == [batch_digest(make_batch(7, i)) for i in range(4)]
+
+
+def test_torch_dataloader_with_workers(cache_dir: str) -> None:
+    data = torch.arange(40, dtype=torch.float32).reshape(20, 2)
+
+    def make() -> torch.utils.data.DataLoader[Any]:
+        return torch.utils.data.DataLoader(
+            torch.utils.data.TensorDataset(data), batch_size=4, num_workers=1
+        )
+
+    with CachedDataLoader(make, cache_dir=cache_dir, run_id="r", prefetch=2) as dl:
+        got = list(dl)
+    assert len(got) == 5
+    assert torch.equal(torch.cat([b[0] for b in got]), data)
+
+
+def test_cache_stays_within_prefetch_lookback_and_max_bytes(cache_dir: str) -> None:
+    one = 4096 + 64 * 1024  # a batch file: header page + 64 KiB of tensor + metadata
+    with CachedDataLoader(
+        lambda: SeqLoader(30, numel=16 * 1024), cache_dir=cache_dir, run_id="r",
+        prefetch=8, lookback=2, max_bytes=5 * one + 5 * 1024,
+    ) as dl:  # fmt: skip
+        largest = 0
+        for _ in dl:
+            files = _batch_files(cache_dir)
+            sizes = [os.path.getsize(os.path.join(cache_dir, "r", "train", f)) for f in files]
+            largest = max(largest, sum(sizes))
+            assert len(files) <= 2 + 1 + 8
+        assert largest <= 5 * one + 5 * 1024
+
+
+def test_stale_runs_are_ignored_and_reclaimed(cache_dir: str) -> None:
+    # A dead run's batches, with the same step names as ours but other content.
+    old = CachedDataLoader(
+        lambda: SeqLoader(6, numel=8), cache_dir=cache_dir, run_id="old", prefetch=6
+    )
+    next(iter(old))
+    old.close(keep_cache=True)
+    old_dir = os.path.join(cache_dir, "old", "train")
+    lease = os.path.join(old_dir, "owner")
+    dead = Lease(pid=2**22 + 17, start_time=1, pid_namespace=0, host="gone", heartbeat=0)
+    dead.write(lease)
+    past = time.time() - RECLAIM_AFTER_S - 5
+    os.utime(lease, (past, past))
+    # A foreign file planted under our run's name is refused, not served.
+    os.makedirs(os.path.join(cache_dir, "new", "train"))
+    os.link(
+        os.path.join(old_dir, "e000000-s000000000001.batch"),
+        os.path.join(cache_dir, "new", "train", "e000000-s000000000001.batch"),
+    )
+    with CachedDataLoader(lambda: SeqLoader(6), cache_dir=cache_dir, run_id="new") as dl:
+        got = list(dl)
+        assert not os.path.exists(os.path.join(cache_dir, "old"))  # reclaimed at start
+    assert _digests(got) == _reference(1, 6)
+
+
+def test_a_live_run_is_not_reclaimed(cache_dir: str) -> None:
+    with CachedDataLoader(lambda: SeqLoader(3), cache_dir=cache_dir, run_id="a") as a:
+        with CachedDataLoader(lambda: SeqLoader(3), cache_dir=cache_dir, run_id="b") as b:
+            assert len(list(b)) == 3
+        assert _digests(list(a)) == _reference(1, 3)
+
+
+def test_loader_errors_reach_the_consumer(cache_dir: str) -> None:
+    def broken() -> SeqLoader:
+        raise OSError("remote store unreachable")
+
+    with CachedDataLoader(broken, cache_dir=cache_dir, run_id="r") as dl:
+        with pytest.raises(BatchLoadError, match="remote store unreachable") as info:
+            next(iter(dl))
+        assert isinstance(info.value.__cause__, OSError)
+
+
+def test_reader_without_loader_times_out(cache_dir: str) -> None:
+    with CachedDataLoader(
+        None, cache_dir=cache_dir, run_id="r", is_loading_rank=False, timeout=0.3
+    ) as dl:
+        with pytest.raises(BatchTimeout, match="no loading rank has started"):
+            next(iter(dl))
+
+
+def test_second_loading_rank_is_refused(cache_dir: str) -> None:
+    with CachedDataLoader(lambda: SeqLoader(3), cache_dir=cache_dir, run_id="r") as dl:
+        # Another process would be refused; this one owns the lease, so only a fake owner can
+        # show it: pretend pid 1 (alive) holds it.
+        mine = Lease.mine()
+        Lease(1, _start_time_of_init(), mine.pid_namespace, mine.host, 0).write(
+            os.path.join(cache_dir, "r", "train", "owner")
+        )
+        with pytest.raises(ConfigError, match="already has a live loading rank"):
+            CachedDataLoader(lambda: SeqLoader(3), cache_dir=cache_dir, run_id="r")
+        dl.close()
+
+
+def _start_time_of_init() -> int:
+    from ckptcache.data._lease import _start_time
+
+    return _start_time(1) or 0
+
+
+def test_unsafe_names_and_foreign_directories_are_refused(cache_dir: str) -> None:
+    for bad in ("../x", ".hidden", "a/b", ""):
+        with pytest.raises(ConfigError):
+            CachedDataLoader(lambda: [], cache_dir=cache_dir, run_id=bad)
+    with pytest.raises(ConfigError, match="belongs to uid"):
+        CachedDataLoader(lambda: [], cache_dir="/", run_id="r") if os.getuid() else _skip()
+
+
+def _skip() -> None:
+    pytest.skip("running as root: every directory is ours")
+
+
+def test_cache_false_is_a_plain_pass_through(cache_dir: str) -> None:
+    dl = CachedDataLoader(lambda: SeqLoader(3), cache_dir=cache_dir, run_id="r", cache=False)
+    assert _digests(list(dl)) == _reference(1, 3)
+    assert len(dl) == 3
+    assert not os.path.exists(cache_dir)
+
+
+def test_distance_across_epochs() -> None:
+    ends = {0: 5}
+    assert distance(Pos(0, 3), Pos(1, 2), ends) == 4
+    assert distance(Pos(1, 2), Pos(0, 3), ends) == -4
+    assert distance(Pos(1, 0), Pos(2, 0), ends) > 10**12  # epoch 1's length is unknown
+    assert Pos(0, 5).normalized(ends) == Pos(1, 0)

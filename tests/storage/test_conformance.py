@@ -1,0 +1,146 @@
+"""One conformance suite every storage backend passes (a new backend's test is a subclass)."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import uuid
+
+import pytest
+
+from ckptcache.storage import StorageBackend, StorageOptions, backend_for
+from ckptcache.storage.fs import TEMP_MARK
+from tests.helpers import read_only_dir
+
+
+def source_file(data: bytes, prefix: bytes = b"H" * 100) -> tuple[int, str]:
+    fd, name = tempfile.mkstemp(dir="/dev/shm")
+    os.write(fd, prefix + data)
+    return fd, name
+
+
+class Conformance:
+    """Subclasses provide ``backend`` and ``url(name)``."""
+
+    backend: StorageBackend
+
+    def url(self, name: str) -> str:
+        raise NotImplementedError
+
+    def test_write_from_fd_round_trips(self):
+        data = os.urandom(3 << 20) + b"tail"
+        fd, name = source_file(data)
+        try:
+            path = self.url("dir/sub/obj.pt")
+            self.backend.write(path, fd, 100, len(data))
+        finally:
+            os.close(fd)
+            os.unlink(name)
+        assert self.backend.exists(path)
+        with self.backend.open_read(path) as f:
+            assert f.read() == data
+
+    def test_write_bytes_replaces_atomically(self):
+        path = self.url("obj.bin")
+        self.backend.write_bytes(path, b"first")
+        self.backend.write_bytes(path, memoryview(b"second"))
+        with self.backend.open_read(path) as f:
+            assert f.read() == b"second"
+
+    def test_missing_objects(self):
+        path = self.url("never-written.pt")
+        assert not self.backend.exists(path)
+        with pytest.raises(FileNotFoundError):
+            self.backend.open_read(path)
+        self.backend.delete(path)  # missing is fine
+
+    def test_delete(self):
+        path = self.url("gone.pt")
+        self.backend.write_bytes(path, b"x")
+        self.backend.delete(path)
+        assert not self.backend.exists(path)
+
+    def test_short_source_fails_and_leaves_nothing(self):
+        fd, name = source_file(b"only-a-few-bytes", prefix=b"")
+        path = self.url("short.pt")
+        try:
+            with pytest.raises(OSError):
+                self.backend.write(path, fd, 0, 10 << 20)
+        finally:
+            os.close(fd)
+            os.unlink(name)
+        self.backend.cleanup(path)
+        assert not self.backend.exists(path)
+
+
+class TestFileBackend(Conformance):
+    @pytest.fixture(autouse=True)
+    def _setup(self, tmp_path):
+        self.root = tmp_path
+        self.backend = backend_for(str(tmp_path))
+
+    def url(self, name):
+        return str(self.root / name)
+
+    def test_no_temp_debris_after_failure(self):
+        self.test_short_source_fails_and_leaves_nothing()
+        assert not [p for p in self.root.rglob("*") if TEMP_MARK in p.name]
+
+    def test_permission_denied_is_a_permission_error(self):
+        ro = self.root / "ro"
+        ro.mkdir()
+        with read_only_dir(ro), pytest.raises(PermissionError):
+            self.backend.write_bytes(str(ro / "x.pt"), b"x")
+        assert list(ro.iterdir()) == []
+
+
+class TestFsspecMemory(Conformance):
+    @pytest.fixture(autouse=True)
+    def _setup(self):
+        pytest.importorskip("fsspec")
+        self.prefix = f"memory://conformance-{uuid.uuid4().hex[:8]}"
+        self.backend = backend_for(self.prefix)
+
+    def url(self, name):
+        return f"{self.prefix}/{name}"
+
+
+class TestS3(Conformance):
+    @pytest.fixture(autouse=True)
+    def _setup(self, s3_server, s3_bucket):
+        self.bucket = s3_bucket
+        # small parts so a 3 MiB object exercises the parallel multipart path
+        self.backend = backend_for(
+            f"s3://{s3_bucket}/x",
+            StorageOptions(s3_endpoint_url=s3_server.endpoint, s3_part_size=5 << 20),
+        )
+        self.client = s3_server.client()
+
+    def url(self, name):
+        return f"s3://{self.bucket}/{name}"
+
+    def test_multipart_upload_of_large_object(self):
+        data = os.urandom(11 << 20)
+        fd, name = source_file(data)
+        try:
+            self.backend.write(self.url("big.pt"), fd, 100, len(data))
+        finally:
+            os.close(fd)
+            os.unlink(name)
+        with self.backend.open_read(self.url("big.pt")) as f:
+            assert f.read() == data
+        uploads = self.client.list_multipart_uploads(Bucket=self.bucket).get("Uploads", [])
+        assert uploads == []
+
+    def test_failed_multipart_leaves_no_object_and_no_upload(self):
+        fd, name = source_file(b"x" * (6 << 20), prefix=b"")
+        try:
+            with pytest.raises(OSError):
+                self.backend.write(self.url("partial.pt"), fd, 0, 20 << 20)
+        finally:
+            os.close(fd)
+            os.unlink(name)
+        self.backend.cleanup(self.url("partial.pt"))
+        assert not self.backend.exists(self.url("partial.pt"))
+        uploads = self.client.list_multipart_uploads(Bucket=self.bucket).get("Uploads", [])
+        assert uploads == []
