@@ -84,9 +84,9 @@ def torch_save_fast(obj: object, path: str) -> None:
         config.save.compute_crc32 = old
 
 
-def format_table(rows: list[Row], *, limit: Row | None = None) -> str:
+def format_table(rows: list[Row], *, limit: Row | None = None, limit_name: str = "limit") -> str:
     """A markdown table with GB/s and, when ``limit`` is given, the ratio to it."""
-    head = "| operation | size | time (s) | GB/s |" + (" vs memcpy |" if limit else "")
+    head = "| operation | size | time (s) | GB/s |" + (f" vs {limit_name} |" if limit else "")
     sep = "|---|---:|---:|---:|" + ("---:|" if limit else "")
     lines = [head, sep]
     for r in rows:

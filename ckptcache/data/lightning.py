@@ -61,6 +61,7 @@ class CachedDataModule(LightningDataModule):  # type: ignore[misc]
         )
         self.loader_kwargs = loader_kwargs
         self.train_loader: CachedDataLoader | None = None
+        self._trained = 0
         self._pending_state: dict[str, Any] | None = None
 
     def prepare_data(self) -> None:
@@ -82,7 +83,33 @@ class CachedDataModule(LightningDataModule):  # type: ignore[misc]
             )  # fmt: skip
             if self._pending_state is not None:
                 self.train_loader.load_state_dict(self._pending_state)
+            self.train_loader.held_back = self._held_back
+            self._trained = 0
         return self.train_loader
+
+    def _held_back(self) -> int:
+        """Batches Lightning took from the loader but has not trained on yet.
+
+        Lightning's data fetcher looks one batch ahead when a loader has no known length
+        (ours, until the real loader reports one); the saved position must not count it.
+        """
+        assert self.train_loader is not None
+        return max(0, self.train_loader.handed_out - self._trained)
+
+    def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
+        """Count the training batches actually used, then delegate."""
+        trainer = getattr(self, "_trainer", None)
+        if trainer is not None and trainer.training:
+            self._trained += 1
+        return self.data_module.on_before_batch_transfer(batch, dataloader_idx)
+
+    def transfer_batch_to_device(self, batch: Any, device: Any, dataloader_idx: int) -> Any:
+        """Delegate."""
+        return self.data_module.transfer_batch_to_device(batch, device, dataloader_idx)
+
+    def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
+        """Delegate."""
+        return self.data_module.on_after_batch_transfer(batch, dataloader_idx)
 
     def val_dataloader(self) -> Any:
         """The wrapped module's validation loader, uncached."""
@@ -105,6 +132,7 @@ class CachedDataModule(LightningDataModule):  # type: ignore[misc]
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore the position; applied when (or if already) the training loader exists."""
         self._pending_state = state_dict.get("train")
+        self._trained = 0
         if self.train_loader is not None and self._pending_state is not None:
             self.train_loader.load_state_dict(self._pending_state)
 

@@ -153,6 +153,12 @@ class CachedDataLoader:
         self._seen_alive: set[tuple[int, int]] = set()
         self._lease_checked = 0.0
         self._lock = threading.Lock()
+        #: Batches handed out but not yet used by the trainer (a framework's own look-ahead,
+        #: e.g. Lightning's one prefetched batch): ``state_dict`` reports the position before
+        #: them, so a restart does not skip them.
+        self.held_back: Callable[[], int] = lambda: 0
+        #: Batches yielded since construction (or the last ``load_state_dict``/``set_epoch``).
+        self.handed_out = 0
         if not cache:
             return
         self._cipher = BatchCipher.from_env() if encrypt else None
@@ -202,6 +208,7 @@ class CachedDataLoader:
                     self._pos = Pos(pos.epoch + 1, 0)
                 else:
                     self._pos = Pos(pos.epoch, pos.step + 1)
+                    self.handed_out += 1
                 self._publish()
             if batch is _END:
                 return
@@ -305,18 +312,27 @@ class CachedDataLoader:
         with self._lock:
             if epoch != self._pos.epoch:
                 self._pos = Pos(epoch, 0)
+                self.handed_out = 0
                 if self.cached:
                     self._publish()
 
     def state_dict(self) -> dict[str, Any]:
         """The data position, to be saved with the model checkpoint."""
         with self._lock:
-            state: dict[str, Any] = {
-                "run_id": self.run_id,
-                "name": self.name,
-                "epoch": self._pos.epoch,
-                "step": self._pos.step,
-            }
+            pos = self._pos
+        held = self.held_back()
+        if held:
+            # Held-back batches belong to the epoch being iterated, even if it ended meanwhile.
+            if pos.step == 0 and pos.epoch > 0:
+                end = self._known_end(pos.epoch - 1)
+                pos = Pos(pos.epoch - 1, end) if end is not None else pos
+            pos = Pos(pos.epoch, max(0, pos.step - held))
+        state: dict[str, Any] = {
+            "run_id": self.run_id,
+            "name": self.name,
+            "epoch": pos.epoch,
+            "step": pos.step,
+        }
         length = self._known_length()
         if length is not None:
             state["length"] = length
@@ -330,10 +346,14 @@ class CachedDataLoader:
         """
         with self._lock:
             self._pos = Pos(int(state["epoch"]), int(state["step"]))
+            self.handed_out = 0
             if state.get("length") is not None:
                 self._length = int(state["length"])
             if self.cached:
                 self._publish()
+
+    def _known_end(self, epoch: int) -> int | None:
+        return self._bdir.end_of(epoch) if self.cached else None
 
     def _known_length(self) -> int | None:
         if not self.cached:

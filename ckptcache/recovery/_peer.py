@@ -406,7 +406,7 @@ class PeerRecovery:
                 model, optimizer, state, scheduler=scheduler, model_in_place=True
             )
             self._holds_frozen = True
-            pass  # MUTANT
+            self._restore_rng(plan.rng)
         elif role == "source" and feas.source_kind == "snapshot":
             assert self.snapshot is not None
             self._restore_rng(self.snapshot.rng_state)

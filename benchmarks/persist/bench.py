@@ -1,0 +1,140 @@
+"""Persist throughput vs a raw write of the same bytes, and vs torch.save to the destination.
+
+    python benchmarks/persist/bench.py --size 1GiB
+
+Destinations: a local file (with fsync) and S3 on loopback (moto's server; needs moto[server]).
+Every figure is measured in this run. The persist time is the daemon's own measurement
+(``status(path).persist_seconds``: from the first attempt to the rename/complete).
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import os
+import shutil
+import tempfile
+import time
+
+import torch
+
+from ckptcache._units import parse_bytes
+from ckptcache.benchmarking import Row, best_of, format_table, make_state, running_daemon
+from ckptcache.client import Client
+
+
+def raw_file_write(data: memoryview, path: str) -> None:
+    """The physical limit: one sequential write of the bytes plus fsync."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        view = data
+        while view:
+            view = view[os.write(fd, view) :]
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def torch_save_synced(obj: object, path: str) -> None:
+    """What a user would otherwise do: torch.save straight to the destination (+ fsync)."""
+    torch.save(obj, path)
+    fd = os.open(path, os.O_RDONLY)
+    os.fsync(fd)
+    os.close(fd)
+
+
+def persist_seconds(client: Client, obj: object, path: str) -> float:
+    client.save(obj, path)
+    client.wait(path, timeout=600)
+    return client.status(path).persist_seconds
+
+
+def bench_file(nbytes: int, directory: str) -> list[Row]:
+    state = make_state(nbytes)
+    blob = io.BytesIO()
+    torch.save(state, blob)
+    data = blob.getbuffer()
+    size = len(data)
+    raw = best_of(3, lambda: raw_file_write(data, os.path.join(directory, "raw.bin")))
+    rows = [Row("raw write + fsync (limit)", size, raw)]
+    saved = best_of(2, lambda: torch_save_synced(state, os.path.join(directory, "t.pt")))
+    rows.append(Row("torch.save to the file (+ fsync)", size, saved))
+    daemon_args = ("--persist-root", directory, "--memory-limit", str(4 * size))
+    with running_daemon(*daemon_args) as d, Client(d.socket, fallback="raise") as c:
+        secs = min(persist_seconds(c, state, os.path.join(directory, f"p{i}.pt")) for i in range(3))
+    rows.append(Row("ckptcache persist (daemon, sendfile)", size, secs))
+    return rows
+
+
+def bench_s3(nbytes: int) -> list[Row]:
+    import boto3
+    from moto.server import ThreadedMotoServer
+
+    os.environ.update(
+        AWS_ACCESS_KEY_ID="x", AWS_SECRET_ACCESS_KEY="x", AWS_DEFAULT_REGION="us-east-1"
+    )
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    endpoint = f"http://{host}:{port}"
+    try:
+        s3 = boto3.client("s3", endpoint_url=endpoint)
+        s3.create_bucket(Bucket="bench")
+        state = make_state(nbytes)
+        blob = io.BytesIO()
+        torch.save(state, blob)
+        size = blob.getbuffer().nbytes
+        from boto3.s3.transfer import TransferConfig
+
+        cfg = TransferConfig(multipart_chunksize=64 << 20, max_concurrency=4)
+
+        def raw_upload() -> None:
+            s3.upload_fileobj(io.BytesIO(blob.getbuffer()), "bench", "raw.bin", Config=cfg)
+
+        rows = [Row("raw boto3 upload (limit)", size, best_of(2, raw_upload))]
+
+        def torch_save_upload() -> None:
+            buf = io.BytesIO()
+            torch.save(state, buf)
+            buf.seek(0)
+            s3.upload_fileobj(buf, "bench", "t.pt", Config=cfg)
+
+        rows.append(Row("torch.save + upload", size, best_of(2, torch_save_upload)))
+        daemon_args = ("--persist-root", "s3://bench/", "--s3-endpoint-url", endpoint,
+                       "--memory-limit", str(4 * size))  # fmt: skip
+        with running_daemon(*daemon_args) as d, Client(d.socket, fallback="raise") as c:
+            secs = min(persist_seconds(c, state, f"s3://bench/p{i}.pt") for i in range(2))
+        rows.append(Row("ckptcache persist (daemon, multipart)", size, secs))
+        return rows
+    finally:
+        server.stop()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--size", default="1GiB")
+    p.add_argument("--s3-size", default="256MiB", help="moto is slow: keep S3 runs small")
+    p.add_argument(
+        "--dir", default=None, help="destination directory (default: a temp dir on disk)"
+    )
+    args = p.parse_args()
+    directory = args.dir or tempfile.mkdtemp(prefix="ckptcache-persist-", dir="/var/tmp")
+    try:
+        rows = bench_file(parse_bytes(args.size), directory)
+        print(f"\n### local file ({args.size}, {directory})\n")
+        print(format_table(rows, limit=rows[0]))
+        try:
+            rows = bench_s3(parse_bytes(args.s3_size))
+        except ImportError as e:
+            print(f"\n(S3 skipped: {e})")
+        else:
+            print(f"\n### S3 on loopback ({args.s3_size}, moto server)\n")
+            print(format_table(rows, limit=rows[0]))
+    finally:
+        if args.dir is None:
+            shutil.rmtree(directory, ignore_errors=True)
+    time.sleep(0)
+
+
+if __name__ == "__main__":
+    main()
