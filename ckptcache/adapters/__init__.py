@@ -1,0 +1,17 @@
+"""Framework adapters: turn the cache on in an existing training script with one line.
+
+Each submodule imports its framework, so import only the one you use:
+
+* ``ckptcache.adapters.deepspeed``: ``enable(engine)`` after ``deepspeed.initialize``.
+* ``ckptcache.adapters.megatron``: ``CacheSaveShardedStrategy`` / ``CacheLoadShardedStrategy``
+  for ``dist_checkpointing``; ``enable()`` for Megatron-LM's legacy ``torch.save`` path.
+* ``ckptcache.adapters.dcp``: ``CacheWriter`` / ``CacheReader`` for
+  ``torch.distributed.checkpoint`` (also the stager of ``dcp.async_save``).
+* ``ckptcache.adapters.lightning``: the ``CkptCacheIO`` plugin.
+
+The files written are the framework's own (names, layout, marker files), so switching the
+cache off, or reading the checkpoint with the framework's tools, keeps working. Adapters use
+only the public client API.
+"""
+
+__all__: list[str] = []

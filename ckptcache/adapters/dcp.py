@@ -40,7 +40,7 @@ import pickle
 import tempfile
 import uuid
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch.distributed._shard._utils import narrow_tensor_by_index
@@ -185,7 +185,7 @@ class CacheWriter(StorageWriter):
             data.seek(0)
             obj: Any = torch.load(data, weights_only=False)
         else:
-            obj = _item_tensor(data)
+            obj = _item_tensor(cast(torch.Tensor, data))
         self.client.save(obj, path)
         saved.append(path)
         size = self.client.status(path).size
@@ -374,4 +374,3 @@ class CacheReader(FileSystemReader):  # type: ignore[misc]
                 torch.save(obj, buf)  # load_bytes expects torch.save bytes, as in the file
                 buf.seek(0)
                 planner.load_bytes(item, buf)
-

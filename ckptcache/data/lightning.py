@@ -6,6 +6,7 @@ Importing this module needs ``lightning`` (or the older ``pytorch_lightning``); 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 try:
@@ -83,22 +84,22 @@ class CachedDataModule(LightningDataModule):  # type: ignore[misc]
             )  # fmt: skip
             if self._pending_state is not None:
                 self.train_loader.load_state_dict(self._pending_state)
-            self.train_loader.held_back = self._held_back
+            self.train_loader.held_back = self._held_back(self.train_loader)
             self._trained = 0
         return self.train_loader
 
-    def _held_back(self) -> int:
-        """Batches Lightning took from the loader but has not trained on yet.
+    def _held_back(self, loader: CachedDataLoader) -> Callable[[], int]:
+        """Batches Lightning took from ``loader`` but has not trained on yet.
 
         Lightning's data fetcher looks one batch ahead when a loader has no known length
         (ours, until the real loader reports one); the saved position must not count it.
+        (Lightning may ask for the state after ``teardown``: bind the loader, not the field.)
         """
-        assert self.train_loader is not None
-        return max(0, self.train_loader.handed_out - self._trained)
+        return lambda: max(0, loader.handed_out - self._trained)
 
     def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
         """Count the training batches actually used, then delegate."""
-        trainer = getattr(self, "_trainer", None)
+        trainer = getattr(self, "trainer", None)
         if trainer is not None and trainer.training:
             self._trained += 1
         return self.data_module.on_before_batch_transfer(batch, dataloader_idx)

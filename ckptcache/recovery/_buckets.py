@@ -114,20 +114,18 @@ def unpack(bucket: Bucket, buf: torch.Tensor, tensors: Sequence[torch.Tensor]) -
 class BufferPool:
     """Reuses flat bucket buffers: fresh host allocations page-fault on first touch (~10x)."""
 
-    def __init__(self, device: torch.device, capacity_bytes: int) -> None:
+    def __init__(self, device: torch.device) -> None:
         self._device = device
-        self._capacity = capacity_bytes
         self._free: dict[torch.dtype, list[torch.Tensor]] = {}
 
     def take(self, dtype: torch.dtype, numel: int) -> torch.Tensor:
-        """A buffer of at least ``numel`` elements (the first ``numel`` are returned)."""
-        free = self._free.get(dtype)
-        if free:
-            buf = free.pop()
+        """A flat buffer of ``numel`` elements, reusing a returned one when one is big enough."""
+        free = self._free.setdefault(dtype, [])
+        for i, buf in enumerate(free):
             if buf.numel() >= numel:
-                return buf[:numel]
-        size = max(numel, self._capacity // torch.empty((), dtype=dtype).element_size())
-        return torch.empty(size, dtype=dtype, device=self._device)[:numel]
+                return free.pop(i)[:numel]
+        # Exact size: a dtype with only a few small tensors must not cost a whole bucket.
+        return torch.empty(numel, dtype=dtype, device=self._device)
 
     def give(self, buf: torch.Tensor) -> None:
         """Return a buffer from :meth:`take` for reuse."""

@@ -18,6 +18,7 @@ different steps.
 
 from __future__ import annotations
 
+import pickle
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -370,19 +371,23 @@ class PeerRecovery:
             else "bystander"
         )
         assert feas.source_rank is not None and feas.step is not None
-        if role == "source" and feas.source_kind == "snapshot":
-            assert self.snapshot is not None
-            extra_state = self.snapshot.restore(model, optimizer, scheduler=scheduler)
-            local.flat = flatten(
-                training_state(model, optimizer, scheduler=scheduler, extra_state=extra_state),
-                frozen=frozen_model_keys(model),
-            )
         plan: TransferPlan | None = None
         dests: list[torch.Tensor] | None = None
         nbytes = 0
         error: str | None = None
+        if role == "source" and feas.source_kind == "snapshot":
+            assert self.snapshot is not None
+            try:
+                extra_state = self.snapshot.restore(model, optimizer, scheduler=scheduler)
+                local.flat = flatten(
+                    training_state(model, optimizer, scheduler=scheduler, extra_state=extra_state),
+                    frozen=frozen_model_keys(model),
+                )
+            except Exception as e:
+                error = f"rank {me} cannot restore its host snapshot: {e!r}"
         if feas.receivers:
-            plan = self._exchange_plan(local, feas, role)
+            plan, error = self._exchange_plan(local, feas, role, error)
+        if plan is not None:
             if role == "receiver":
                 try:
                     _check_optimizer(plan.skeleton.get("optimizer"), optimizer)
@@ -432,9 +437,12 @@ class PeerRecovery:
             seconds=time.perf_counter() - start,
         )
 
-    def _exchange_plan(self, local: _Local, feas: Feasibility, role: Role) -> TransferPlan:
+    def _exchange_plan(
+        self, local: _Local, feas: Feasibility, role: Role, error: str | None
+    ) -> tuple[TransferPlan | None, str | None]:
+        """Broadcast the source's plan; (None, reason) for everyone if it cannot be sent."""
         box: list[Any] = [None]
-        if role == "source":
+        if role == "source" and error is None:
             assert feas.step is not None
             specs = local.flat.specs
             rng = None
@@ -452,6 +460,14 @@ class PeerRecovery:
                 skeleton=local.flat.skeleton,
                 rng=rng,
             )
+            try:
+                pickle.dumps(box[0])
+            except Exception as e:
+                error = f"the source (rank {dist.get_rank()}) cannot serialise its state: {e!r}"
+        # Checked before the broadcast: receivers would otherwise wait for a plan never sent.
+        error = self._agree_error(error, self.replica_group)
+        if error is not None:
+            return None, error
         # Pickled: only ranks of one training job exchange plans (same trust as the job's PG).
         dist.broadcast_object_list(
             box,
@@ -462,7 +478,7 @@ class PeerRecovery:
         plan = box[0]
         if not isinstance(plan, TransferPlan):
             raise RecoveryError(f"the source sent {type(plan).__name__}, not a transfer plan")
-        return plan
+        return plan, None
 
     def _send(
         self,
@@ -483,7 +499,7 @@ class PeerRecovery:
                 src=src,
                 group=self.replica_group,
                 device=device,
-                pool=BufferPool(device, self.bucket_bytes),
+                pool=BufferPool(device),
                 depth=self.pipeline_depth,
             )
 

@@ -31,7 +31,10 @@ def daemon_env(daemon: DaemonProc | None) -> dict[str, str]:
 
 
 def run_script(
-    name: str, *args: str, daemon: DaemonProc | None = None, expect_kill: bool = False,
+    name: str,
+    *args: str,
+    daemon: DaemonProc | None = None,
+    expect_kill: bool = False,
     timeout: float = 240,
 ) -> subprocess.CompletedProcess[str]:
     """Run ``scripts/<name>`` with ``args``; a trainer that should die by SIGKILL may."""

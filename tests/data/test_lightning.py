@@ -43,29 +43,46 @@ class _Model(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
 
-def _fit(dm: Any, max_steps: int, root: Path, ckpt: str | None = None) -> _Model:
+class _Fault(Exception):
+    pass
+
+
+class _CrashAfter(pl.Callback):
+    """Checkpoint after ``steps`` training steps, then fail (the fault to recover from)."""
+
+    def __init__(self, steps: int, path: Path):
+        self.steps, self.path = steps, path
+
+    def on_train_batch_end(self, trainer: Any, *args: Any) -> None:
+        if trainer.global_step == self.steps:
+            trainer.save_checkpoint(self.path)
+            raise _Fault
+
+
+def _fit(dm: Any, root: Path, *, crash_after: int = 0, ckpt: Path | None = None) -> _Model:
     model = _Model()
     trainer = pl.Trainer(
-        max_steps=max_steps, max_epochs=1, accelerator="cpu", logger=False,
-        enable_progress_bar=False, enable_model_summary=False, default_root_dir=root,
-        enable_checkpointing=False, num_sanity_val_steps=0, limit_val_batches=0,
+        max_epochs=1, accelerator="cpu", logger=False, enable_progress_bar=False,
+        enable_model_summary=False, default_root_dir=root, enable_checkpointing=False,
+        limit_val_batches=0, callbacks=[_CrashAfter(crash_after, root / "mid.ckpt")],
     )  # fmt: skip
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        trainer.fit(model, datamodule=dm, ckpt_path=ckpt)
-        if ckpt is None:
-            trainer.save_checkpoint(root / "mid.ckpt")
+        try:
+            trainer.fit(model, datamodule=dm, ckpt_path=ckpt)
+        except _Fault:
+            pass
     return model
 
 
 def test_fit_resume_mid_epoch_is_exact(cache_dir: str, tmp_path: Path) -> None:
-    plain = _fit(_Data(), N, tmp_path / "plain").seen
+    plain = _fit(_Data(), tmp_path / "plain").seen
+    assert len(plain) == N
     dm = CachedDataModule(_Data(), run_id="lit", cache_dir=cache_dir, prefetch=4)
-    first = _fit(dm, 3, tmp_path).seen
+    first = _fit(dm, tmp_path, crash_after=3).seen
     assert dm.state_dict()["train"]["step"] == 3
+    assert os.path.isdir(os.path.join(cache_dir, "lit"))  # the fault kept the cache
     restarted = CachedDataModule(_Data(), run_id="lit", cache_dir=cache_dir, prefetch=4)
-    second = _fit(restarted, N, tmp_path, ckpt=str(tmp_path / "mid.ckpt")).seen
+    second = _fit(restarted, tmp_path, ckpt=tmp_path / "mid.ckpt").seen
     assert first + second == plain
     assert restarted.val_dataloader() == [1, 2]  # validation is the wrapped module's, uncached
-    restarted.train_loader = None
-    assert os.path.isdir(os.path.join(cache_dir, "lit"))  # teardown keeps the cache

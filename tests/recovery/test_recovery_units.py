@@ -57,7 +57,7 @@ def test_pack_unpack_round_trip(sizes: list[int], bucket_bytes: int, double: lis
     src = [torch.randn(n, dtype=d) for n, d in zip(sizes, dtypes, strict=True)]
     dst = [torch.zeros_like(t) for t in src]
     specs = [TensorSpec(("t", i), t.dtype, tuple(t.shape), "cpu") for i, t in enumerate(src)]
-    pool = BufferPool(torch.device("cpu"), bucket_bytes)
+    pool = BufferPool(torch.device("cpu"))
     for bucket in plan_buckets(specs, bucket_bytes):
         assert bucket.numel * src[bucket.segments[0].tensor].element_size() <= max(bucket_bytes, 8)
         buf = pool.take(bucket.dtype, bucket.numel)

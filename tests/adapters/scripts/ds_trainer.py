@@ -1,6 +1,9 @@
 """A tiny DeepSpeed trainer on 2 CPU ranks: reference run, crash after a save, or resume.
 
-usage: ds_trainer.py MODE STAGE CKPT_DIR OUT_DIR   (MODE: reference | crash | resume | plain)
+usage: ds_trainer.py MODE STAGE CKPT_DIR OUT_DIR
+
+MODE: reference (no checkpoint) | crash (save at step 3, then SIGKILL) | resume (cache on) |
+plainresume (resume with DeepSpeed's default engine, cache off)
 """
 
 from __future__ import annotations
@@ -11,7 +14,6 @@ import sys
 
 import deepspeed
 import torch
-
 from _dist import launch, tensors_of
 
 CRASH_AT, TOTAL = 3, 6
@@ -32,13 +34,15 @@ def train(rank: int, world: int, mode: str, stage: int, ckpt_dir: str, out_dir: 
         "zero_optimization": {"stage": stage},
         "steps_per_print": 10_000,
     }
-    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
-    if mode != "plain":
+    engine, _, _, _ = deepspeed.initialize(
+        model=model, model_parameters=model.parameters(), config=cfg
+    )
+    if mode in ("crash", "resume"):
         import ckptcache.adapters.deepspeed as ds_cache
 
         ds_cache.enable(engine)
     start = 0
-    if mode == "resume":
+    if mode in ("resume", "plainresume"):
         path, client_state = engine.load_checkpoint(ckpt_dir)
         assert path is not None, "no checkpoint found"
         start = client_state["step"]
@@ -47,12 +51,11 @@ def train(rank: int, world: int, mode: str, stage: int, ckpt_dir: str, out_dir: 
         loss = engine(batch(step, rank)).pow(2).mean()
         engine.backward(loss)
         engine.step()
-        if mode in ("crash", "plain") and step + 1 == CRASH_AT:
+        if mode == "crash" and step + 1 == CRASH_AT:
             engine.save_checkpoint(ckpt_dir, client_state={"step": CRASH_AT})
-            if mode == "crash":
-                torch.distributed.barrier()
-                print("CHECKPOINT-SAVED", flush=True)
-                os.kill(os.getpid(), signal.SIGKILL)  # the crash: no cleanup, no persist wait
+            torch.distributed.barrier()
+            print("CHECKPOINT-SAVED", flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)  # the crash: no cleanup, no persist wait
     state = {"module": engine.module.state_dict(), "optimizer": engine.optimizer.state_dict()}
     torch.save(tensors_of(state), os.path.join(out_dir, f"{mode}-rank{rank}.pt"))
 

@@ -1,0 +1,100 @@
+"""Lightning: a ``CheckpointIO`` plugin that saves through the cache.
+
+::
+
+    from ckptcache.adapters.lightning import CkptCacheIO
+    trainer = lightning.Trainer(..., plugins=[CkptCacheIO()])     # the one added argument
+    trainer.fit(model, ckpt_path=path_of_the_last_checkpoint)    # resumes from memory
+
+Checkpoint files keep Lightning's names and format (``epoch=0-step=8.ckpt``, ``last.ckpt``):
+``ModelCheckpoint`` decides paths, this plugin only replaces the write (phase 1 into the cache,
+persisted by the daemon) and the read (memory first, then the file). ``CkptCacheIO`` subclasses
+``lightning.fabric``'s ``CheckpointIO``; for the standalone ``pytorch_lightning`` package use
+``PLCkptCacheIO`` (``lightning_fabric``'s base class), the same plugin.
+
+``ckpt_path="last"`` makes Lightning list the checkpoint directory, which only shows persisted
+files: pass the path explicitly to resume before persistence has finished.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from typing import Any
+
+import ckptcache
+from ckptcache.adapters import _common
+
+__all__ = ["CkptCacheIO", "PLCkptCacheIO"]  # noqa: F822 - built lazily by __getattr__
+
+
+class _CacheIOMixin:
+    """The plugin's behaviour, shared by the ``lightning`` and ``pytorch_lightning`` classes."""
+
+    def __init__(self, *, durability: str = "local", client: ckptcache.Client | None = None):
+        super().__init__()
+        self.durability = durability
+        self._client = client
+
+    @property
+    def client(self) -> ckptcache.Client:
+        """The client this plugin talks to."""
+        return _common.client_of(self._client)
+
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None
+    ) -> None:
+        """Hand ``checkpoint`` to the cache under ``path`` (returns after the memcpy)."""
+        if storage_options is not None:
+            raise TypeError(f"{type(self).__name__} takes no storage_options")
+        path = os.fspath(path)
+        # The daemon persists into this directory; Lightning expects it to exist afterwards.
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        self.client.save(checkpoint, path, durability=self.durability)
+
+    def load_checkpoint(
+        self, path: Any, map_location: Any | None = None, weights_only: bool | None = None
+    ) -> dict[str, Any]:
+        """Load ``path`` from memory, else from the file; ``weights_only=None`` is torch's
+        default (``True``), as for Lightning's own local loads."""
+        if not self.client.exists(os.fspath(path)):
+            raise FileNotFoundError(f"Checkpoint file not found: {path}")
+        return self.client.load(  # type: ignore[no-any-return]
+            os.fspath(path),
+            map_location,
+            weights_only=True if weights_only is None else weights_only,
+        )
+
+    def remove_checkpoint(self, path: Any) -> None:
+        """Drop ``path`` from the cache and from storage (``ModelCheckpoint``'s top-k pruning).
+
+        An object whose persist is still running is waited for first: deleting the file
+        while the daemon writes it would let the daemon's rename bring it back.
+        """
+        path = os.path.abspath(os.fspath(path))
+        info = _common.cached_status(self.client, path)
+        pending = info is not None and not _common.is_persisted(info)
+        if _common.in_memory(info) and pending and not _common.is_memory_only(info):  # type: ignore[arg-type]
+            _common.wait_persisted(self._client, path)
+        if _common.in_memory(info):
+            self.client.delete(path)
+        if os.path.exists(path):
+            os.unlink(path)
+
+
+def _plugin(base_module: str, name: str) -> type:
+    base = importlib.import_module(base_module).CheckpointIO
+    doc = f"{_CacheIOMixin.__doc__}\n\nA ``{base_module}.CheckpointIO``."
+    return type(name, (_CacheIOMixin, base), {"__doc__": doc, "__module__": __name__})
+
+
+def __getattr__(name: str) -> Any:
+    # Built on first use so that importing this module needs only the flavour you use.
+    if name == "CkptCacheIO":
+        cls = _plugin("lightning.fabric.plugins", name)
+    elif name == "PLCkptCacheIO":
+        cls = _plugin("lightning_fabric.plugins", name)
+    else:
+        raise AttributeError(name)
+    globals()[name] = cls
+    return cls
