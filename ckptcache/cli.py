@@ -65,6 +65,13 @@ def _cmd_daemon(args: argparse.Namespace) -> int:
         "memory_only": args.memory_only,
         "persist_workers": args.persist_workers,
         "s3_endpoint_url": args.s3_endpoint_url,
+        "coordinator": args.coordinator,
+        "listen": args.listen,
+        "backup": args.backup,
+        "replicas": args.replicas,
+        "host": args.host,
+        "secret_file": args.secret_file,
+        "cluster": args.cluster,
     }
     config = load_config(args.config, {k: v for k, v in overrides.items() if v is not None})
     return run_daemon(config)
@@ -96,6 +103,7 @@ def _cmd_status(args: argparse.Namespace) -> int:
         ("objects", f"{st.objects} paths, {st.generations} generations, {st.pinned} pinned"),
         ("persist", f"roots: {', '.join(st.persist_roots) or 'none (memory only)'}; "
                     f"{st.persist_queue} queued"),
+        ("cluster", f"{st.coordinator} nodes: {', '.join(st.cluster_nodes) or '-'}"),
     ]  # fmt: skip
     text = _table(pairs, ("DAEMON", ""))
     if objects:
@@ -129,6 +137,9 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
         ("segment", info.segment or "-"), ("pins", str(info.pins)),
         ("digests", "recorded" if info.digests_valid else "pending"),
         ("persist", f"{info.persist_state} {_throughput(info)}"),
+        ("replicas", ", ".join(info.replicas) or "-"),
+        ("origin", info.origin or "saved here"),
+        ("conflict", info.conflict or "-"),
         ("last error", info.persist_error or "-"),
     ]  # fmt: skip
     if verify is not None:
@@ -178,6 +189,13 @@ def _parser() -> argparse.ArgumentParser:
                    help="paths under no root: cache in memory only (allow) or refuse")  # fmt: skip
     d.add_argument("--persist-workers", type=int, help="concurrent persists (default 2)")
     d.add_argument("--s3-endpoint-url", help="S3 endpoint (default: the boto3 environment)")
+    d.add_argument("--coordinator", help="embedded:// (default) or etcd://host:port")
+    d.add_argument("--cluster", help="cluster name (namespaces coordinator keys)")
+    d.add_argument("--listen", help="data-plane address ip:port for peers (port 0: any)")
+    d.add_argument("--backup", help="backup placement: none, auto, or node ids (a,b)")
+    d.add_argument("--replicas", type=int, help="backup copies per object (default 1)")
+    d.add_argument("--host", help="host name used for placement (default: hostname)")
+    d.add_argument("--secret-file", help="file with the cluster's shared secret")
     d.set_defaults(fn=_cmd_daemon)
 
     ls = sub.add_parser("ls", help="list cached checkpoints")

@@ -46,7 +46,7 @@ from ckptcache.wire import messages as m
 __all__ = ["DURABILITY_LEVELS", "Client", "normalize_path"]
 
 #: What ``save`` may wait for before it returns.
-DURABILITY_LEVELS = ("local", "persisted")
+DURABILITY_LEVELS = ("local", "backup", "persisted")
 
 R = TypeVar("R")
 

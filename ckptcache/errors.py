@@ -21,6 +21,7 @@ __all__ = [
     "PersistError",
     "PersistTimeout",
     "ProtocolMismatch",
+    "ReplicationError",
     "SerializationError",
     "UnsafeUnpickle",
 ]
@@ -87,6 +88,10 @@ class ConfigError(CkptCacheError, ValueError):
 
 class PersistError(CkptCacheError, OSError):
     """Persisting to storage failed after all retries; the in-memory copy is kept."""
+
+
+class ReplicationError(CkptCacheError, ConnectionError):
+    """A backup copy could not be made (``durability="backup"``); the local copy is kept."""
 
 
 class PersistTimeout(CkptCacheError, TimeoutError):

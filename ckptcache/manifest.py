@@ -26,6 +26,7 @@ __all__ = [
     "ObjectPlan",
     "StorageRecord",
     "compute_digests",
+    "object_digest",
     "pack_digests",
     "plan_object",
     "unpack_digests",
@@ -150,6 +151,11 @@ def plan_object(flat: Flattened, path: str, namespace: str) -> ObjectPlan:
 def compute_digests(buf: memoryview, manifest: Manifest) -> list[int]:
     """xxh3 of every storage's bytes, in key order (zero-copy over ``buf``)."""
     return [digest_bytes(buf[s.offset : s.offset + s.nbytes]) for s in manifest.storages]
+
+
+def object_digest(digests: Sequence[int]) -> str:
+    """One digest for a whole object (identifies its redundancy group across nodes)."""
+    return digest_hex(digest_bytes(pack_digests(digests)))
 
 
 def pack_digests(digests: Sequence[int]) -> bytes:

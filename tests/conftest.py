@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 import ckptcache.api
-from tests.helpers import DaemonProc, new_daemon
+from tests.helpers import DaemonProc, EtcdServer, new_daemon, wait_until
 
 
 @pytest.fixture
@@ -99,3 +99,39 @@ def s3_bucket(s3_server: S3Server) -> str:
     name = f"ckpt-{uuid.uuid4().hex[:12]}"
     s3_server.client().create_bucket(Bucket=name)  # type: ignore[attr-defined]
     return name
+
+
+@pytest.fixture(scope="session")
+def etcd_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EtcdServer]:
+    """One real etcd for the session (skipped where etcd is not installed)."""
+    import shutil
+
+    if shutil.which("etcd") is None:
+        pytest.skip("etcd not installed (apt-get install etcd-server)")
+    server = EtcdServer(tmp_path_factory.mktemp("etcd") / "data").start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def cluster_factory(
+    daemon_factory: Callable[..., DaemonProc], etcd_server: EtcdServer, tmp_path: Path
+) -> Callable[..., list[DaemonProc]]:
+    """Start ``n`` daemons as nodes of one fresh cluster on the session's etcd."""
+    name = f"c{uuid.uuid4().hex[:8]}"
+
+    def factory(n: int, *extra: str, ttl: float = 2.0, secret: str = "s3cret") -> list[DaemonProc]:
+        cfg = tmp_path / f"cluster-{name}.yaml"
+        cfg.write_text(f"lease_ttl: {ttl}\npersist_retries: 1000\npersist_backoff: 0.2\n"
+                       f"persist_backoff_max: 0.5\nsecret: {secret}\n")  # fmt: skip
+        nodes = []
+        for i in range(n):
+            nodes.append(daemon_factory(
+                "--config", str(cfg), "--coordinator", etcd_server.url, "--cluster", name,
+                "--listen", "127.0.0.1:0", "--node-id", f"node{i}", "--host", f"host{i}",
+                "--backup", "auto", "--memory-limit", "512MiB", *extra,
+            ))  # fmt: skip
+        wait_until(lambda: all(len(d.status().cluster_nodes) == n for d in nodes))
+        return nodes
+
+    return factory

@@ -10,7 +10,8 @@ the time until the recovering rank holds the state, measured in the same run:
 * raw broadcast: one ``dist.broadcast`` of a contiguous tensor of the same size: the limit;
 * ``PeerRecovery.recover``: feasibility exchange, plan, bucketed transfer into the receiver's
   tensors (materialising its optimizer state), digest check, optimizer load_state_dict;
-* one broadcast per tensor: what recovery would cost without buckets (bytes moved only);
+* one broadcast per tensor: what recovery would cost without buckets (bytes moved only, into
+  tensors that already exist, so it pays no first-touch page faults);
 * ``torch.load`` of a file written by ``torch.save`` (in the page cache: a best case) plus
   ``load_state_dict`` into the fresh model and optimizer;
 * ``ckptcache.load`` from the local daemon (private copy) plus ``load_state_dict``, when the
@@ -108,13 +109,19 @@ def measure(rank: int, size: int, repeats: int, bucket_mib: int, tmp: str) -> di
         flat.fill_(1)  # fault pages in: the limit should not pay first-touch costs
         add("raw", timed_collective(lambda flat=flat: dist.broadcast(flat, src=0)))
         del flat
+        # What a restarted process really has: memory that is allocated but never touched.
+        add("raw-fresh", timed_collective(lambda: dist.broadcast(_fresh(size, healthy), src=0)))
         for digest in ("checksum", None):
             if not healthy:
                 # A restarted process: fresh weights, empty optimizer state, every time.
                 model, optimizer = build(size // 3, trained=False)
             recovery = PeerRecovery(bucket_bytes=bucket_mib * MiB, digest=digest)  # type: ignore[arg-type]
 
-            def recover(recovery: PeerRecovery = recovery) -> None:
+            def recover(
+                recovery: PeerRecovery = recovery,
+                model: nn.Module = model,
+                optimizer: torch.optim.Optimizer = optimizer,
+            ) -> None:
                 result = recovery.recover(
                     model, optimizer, step=0 if healthy else None, recovering=not healthy
                 )
@@ -124,7 +131,7 @@ def measure(rank: int, size: int, repeats: int, bucket_mib: int, tmp: str) -> di
         tensors = _tensors(training_state_dict(model, optimizer, step=0))
         add(
             "per-tensor",
-            timed_collective(lambda: [dist.broadcast(t, src=0) for t in tensors]),
+            timed_collective(lambda tensors=tensors: [dist.broadcast(t, src=0) for t in tensors]),
         )
     gc.collect()
     if healthy:
@@ -139,6 +146,13 @@ def measure(rank: int, size: int, repeats: int, bucket_mib: int, tmp: str) -> di
     if nbytes:
         out["nbytes"] = nbytes
     return out
+
+
+def _fresh(size: int, healthy: bool) -> torch.Tensor:
+    buf = torch.empty(size, dtype=torch.uint8)
+    if healthy:
+        buf.fill_(1)  # the sender's state exists already; only the receiver's memory is new
+    return buf
 
 
 def _load_and_apply(size: int, load: Callable[[], Any]) -> float:
@@ -194,9 +208,10 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str)
 
 ROWS = [
     ("raw", "raw `dist.broadcast`, one contiguous tensor (limit)"),
+    ("raw-fresh", "raw `dist.broadcast` into never-touched memory"),
     ("p2p digest=checksum", "`PeerRecovery.recover` (checksum digest)"),
     ("p2p digest=None", "`PeerRecovery.recover` (digest off)"),
-    ("per-tensor", "one `dist.broadcast` per tensor, no buckets"),
+    ("per-tensor", "one `dist.broadcast` per tensor, no buckets (tensors already touched)"),
     ("torch.load", "`torch.load` (page-cached file) + `load_state_dict`"),
     ("cache", "`ckptcache.load` from local daemon (private copy) + `load_state_dict`"),
 ]

@@ -147,6 +147,9 @@ class Prefetcher:
             except OSError:
                 pass
         finally:
+            # Shut the real loader's iterator down here, in its own thread (worker processes
+            # of a torch DataLoader are joined by its iterator's destructor).
+            self._it = None
             with self.cond:
                 self.cond.notify_all()
 

@@ -93,7 +93,9 @@ class CachedDataLoader:
         run_id: names the run; batches of other run ids are never served and are reclaimed.
         prefetch: batches kept ready ahead of the slowest consumer.
         lookback: consumed batches kept (a checkpoint slightly behind still finds its batch).
-        start_step, start_epoch: the position to resume from.
+        start_step, start_epoch: the position to resume from. Prefetching starts once the
+            position is known: at construction when one of these is given, else at
+            ``load_state_dict``, ``set_epoch`` or the first ``next``.
         is_loading_rank: whether this process runs the real loader; default: rank 0 of
             ``group``, or ``True`` without a process group.
         group: a ``torch.distributed`` process group of ranks reading the same batches, or a
@@ -116,8 +118,8 @@ class CachedDataLoader:
         cache_dir: str | None = None,
         prefetch: int = 10,
         lookback: int = 2,
-        start_step: int = 0,
-        start_epoch: int = 0,
+        start_step: int | None = None,
+        start_epoch: int | None = None,
         is_loading_rank: bool | None = None,
         group: Any = None,
         name: str = "train",
@@ -128,6 +130,8 @@ class CachedDataLoader:
         verify: bool = True,
         cache: bool = True,
     ):
+        known = start_step is not None or start_epoch is not None
+        start_step, start_epoch = start_step or 0, start_epoch or 0
         if prefetch < 1 or lookback < 0 or start_step < 0 or start_epoch < 0:
             raise ConfigError("prefetch must be >= 1; lookback, start_step, start_epoch >= 0")
         if max_bytes is not None and max_bytes <= 0:
@@ -163,15 +167,18 @@ class CachedDataLoader:
             return
         self._cipher = BatchCipher.from_env() if encrypt else None
         self._bdir = BatchDir(self.cache_dir, self.run_id, self.name)
-        self._bdir.publish_position(self._pos)
+        self._published = False
         if self.is_loading_rank:
-            self._start_loading(prefetch, lookback, max_bytes)
+            self._take_lease()
+            self._prefetch_args = (prefetch, lookback, max_bytes)
         else:
             self._check_loader()  # remember a loader seen alive: its death is then definite
+        if known:
+            self._publish()
         # Interpreter exit keeps the batches (a crash-restart wants them) but stops threads.
         atexit.register(_release_at_exit, weakref.ref(self))
 
-    def _start_loading(self, prefetch: int, lookback: int, max_bytes: int | None) -> None:
+    def _take_lease(self) -> None:
         lease = self._bdir.read_lease()
         mine = Lease.mine()
         if lease is not None and lease.ident != mine.ident and lease.owner_alive():
@@ -184,11 +191,6 @@ class CachedDataLoader:
         self._bdir.clear_failure()
         mine.write(self._bdir.lease_path)
         self._heartbeat = Heartbeat(self._bdir.lease_path)
-        assert self._make_loader is not None
-        self._prefetcher = Prefetcher(
-            self._make_loader, self._bdir, run_id=self.run_id, name=self.name,
-            cipher=self._cipher, prefetch=prefetch, lookback=lookback, max_bytes=max_bytes,
-        )  # fmt: skip
 
     # ------------------------------------------------------------------ iteration
 
@@ -201,6 +203,8 @@ class CachedDataLoader:
             with self._lock:
                 if self._closed:
                     raise CkptCacheError("CachedDataLoader is closed")
+                if not self._published:
+                    self._publish()
                 pos = self._pos
             batch = self._get(pos)
             with self._lock:
@@ -215,9 +219,23 @@ class CachedDataLoader:
             yield batch
 
     def _publish(self) -> None:
+        """Announce the position; the first time, start prefetching from it.
+
+        Nothing is announced before the position is known (an explicit start, a
+        ``load_state_dict``, ``set_epoch`` or the first ``next``): a provisional step 0
+        would make the loading rank evict the batches a restart is about to need.
+        """
         self._bdir.publish_position(self._pos)
+        self._published = True
         if self._prefetcher is not None:
             self._prefetcher.wake()
+        elif self.is_loading_rank:
+            assert self._make_loader is not None
+            prefetch, lookback, max_bytes = self._prefetch_args
+            self._prefetcher = Prefetcher(
+                self._make_loader, self._bdir, run_id=self.run_id, name=self.name,
+                cipher=self._cipher, prefetch=prefetch, lookback=lookback, max_bytes=max_bytes,
+            )  # fmt: skip
 
     def _get(self, pos: Pos) -> Any:
         """The batch at ``pos``, ``_END`` past the end of its epoch; waits at most ``timeout``."""
@@ -251,7 +269,9 @@ class CachedDataLoader:
 
     def _check_loader(self) -> None:
         """Raise as soon as waiting cannot help: the loader failed or its process died."""
-        if self._prefetcher is not None:
+        if self.is_loading_rank:
+            if self._prefetcher is None:
+                return
             error = self._prefetcher.error
             if error is not None:
                 raise BatchLoadError(
@@ -310,8 +330,8 @@ class CachedDataLoader:
     def set_epoch(self, epoch: int) -> None:
         """Start ``epoch`` from its first batch (no-op if it is the current epoch)."""
         with self._lock:
-            if epoch != self._pos.epoch:
-                self._pos = Pos(epoch, 0)
+            if epoch != self._pos.epoch or not self._published:
+                self._pos = Pos(epoch, 0) if epoch != self._pos.epoch else self._pos
                 self.handed_out = 0
                 if self.cached:
                     self._publish()

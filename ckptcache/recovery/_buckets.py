@@ -91,24 +91,35 @@ def direct_view(bucket: Bucket, t: torch.Tensor, device: torch.device) -> torch.
 
 def pack(bucket: Bucket, tensors: Sequence[torch.Tensor], out: torch.Tensor) -> None:
     """Copy the bucket's segments of ``tensors`` into the flat buffer ``out``."""
-    for seg in bucket.segments:
-        src = tensors[seg.tensor].reshape(-1)[seg.start : seg.start + seg.numel]
-        out[seg.offset : seg.offset + seg.numel].copy_(src, non_blocking=True)
+    parts = [
+        tensors[seg.tensor].reshape(-1)[seg.start : seg.start + seg.numel]
+        for seg in bucket.segments
+    ]
+    if all(p.device == out.device for p in parts):
+        # One kernel call for the whole bucket: per-tensor copy_ calls cost more than the
+        # copying itself for the many small tensors (biases, norms) a bucket gathers.
+        torch.cat(parts, out=out)
+        return
+    for seg, part in zip(bucket.segments, parts, strict=True):
+        out[seg.offset : seg.offset + seg.numel].copy_(part, non_blocking=True)
 
 
 def unpack(bucket: Bucket, buf: torch.Tensor, tensors: Sequence[torch.Tensor]) -> None:
     """Copy the flat buffer ``buf`` into the bucket's segments of ``tensors`` (in place)."""
-    for seg in bucket.segments:
-        part = buf[seg.offset : seg.offset + seg.numel]
-        dest = segment_view(tensors[seg.tensor], seg)
+    parts = buf.split([seg.numel for seg in bucket.segments])
+    views = [segment_view(tensors[seg.tensor], seg) for seg in bucket.segments]
+    if all(v is not None and v.device == buf.device for v in views):
+        torch._foreach_copy_([v for v in views if v is not None], list(parts))
+        return
+    for seg, part, dest in zip(bucket.segments, parts, views, strict=True):
         if dest is not None:
             dest.copy_(part, non_blocking=True)
-        else:
-            # Non-contiguous destination: write through a shaped view of the whole tensor.
-            whole = tensors[seg.tensor]
-            flat = whole.reshape(-1).clone()
-            flat[seg.start : seg.start + seg.numel] = part.to(flat.device)
-            whole.copy_(flat.view(whole.shape))
+            continue
+        # Non-contiguous destination: write through a flat copy of the whole tensor.
+        whole = tensors[seg.tensor]
+        flat = whole.reshape(-1).clone()
+        flat[seg.start : seg.start + seg.numel] = part.to(flat.device)
+        whole.copy_(flat.view(whole.shape))
 
 
 class BufferPool:

@@ -40,6 +40,9 @@ class RetentionRule:
     keep: int
 
 
+_HOSTNAME = socket.gethostname
+
+
 def _default_memory_limit() -> int:
     """Half the machine's memory, and never more than 90% of the shared-memory file system."""
     total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
@@ -83,6 +86,36 @@ class DaemonConfig:
     s3_region: str | None = None
     s3_part_size: int = 64 << 20
     s3_max_concurrency: int = 4
+    #: embedded:// (single node, the default) or etcd://host:port
+    coordinator: str = "embedded://"
+    cluster: str = "default"
+    job: str = "default"
+    #: Data-plane address "ip:port" (port 0 picks one); empty: no data plane.
+    listen: str = ""
+    #: Host name used for placement (backups never go to the same host).
+    host: str = field(default_factory=lambda: _HOSTNAME())
+    #: "none", "auto" (ring over live nodes) or a comma-separated list of node ids.
+    backup: str = "none"
+    replicas: int = 1
+    #: Shared secret of the cluster (or a file holding it); required with a data plane.
+    secret: str | None = None
+    secret_file: str | None = None
+    lease_ttl: float = 5.0
+    #: Saves of one path with different contents within this many seconds are a conflict.
+    conflict_window: float = 60.0
+
+    def cluster_secret(self) -> bytes | None:
+        """The shared secret, from ``secret``, ``secret_file`` or $CKPTCACHE_CLUSTER_SECRET."""
+        if self.secret:
+            return self.secret.encode()
+        if self.secret_file:
+            try:
+                with open(self.secret_file, "rb") as f:
+                    return f.read().strip()
+            except OSError as e:
+                raise ConfigError(f"cannot read secret_file {self.secret_file!r}: {e}") from e
+        env = os.environ.get("CKPTCACHE_CLUSTER_SECRET")
+        return env.encode() if env else None
 
     def keep_for(self, path: str) -> int:
         """Generations to keep for ``path``: the longest matching rule wins."""
@@ -110,6 +143,22 @@ def _coerce(key: str, value: Any, source: str) -> Any:
             if size <= 0:
                 raise ValueError("must be positive")
             return size
+        if key in ("secret", "secret_file"):
+            return None if value in (None, "") else str(value)
+        if key == "replicas":
+            count = int(value)
+            if count < 1:
+                raise ValueError("must be at least 1")
+            return count
+        if key in ("lease_ttl", "conflict_window"):
+            number = float(value)
+            if number <= 0:
+                raise ValueError("must be positive")
+            return number
+        if key == "listen" and value in ("", None):
+            return ""
+        if key == "coordinator" and not str(value).startswith(("embedded", "etcd://")):
+            raise ValueError("must be embedded:// or etcd://host:port")
         if key in ("s3_endpoint_url", "s3_region"):
             return None if value in (None, "") else str(value)
         if key in ("s3_part_size",):

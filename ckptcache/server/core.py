@@ -24,6 +24,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 from ckptcache import __version__
 from ckptcache._units import format_bytes
@@ -35,6 +36,7 @@ from ckptcache.errors import (
     InvalidPath,
     ObjectTooLarge,
     PathNotAllowed,
+    ReplicationError,
 )
 from ckptcache.layout import HEADER_SIZE, DigestState, SegmentHeader, SegmentState, align
 from ckptcache.manifest import (
@@ -100,11 +102,20 @@ class CacheCore:
         self.started = time.time()
         self._ids = itertools.count(1)
         self._digest_queue: queue.Queue[Generation | None] = queue.Queue()
-        #: Called (outside the lock) with each newly committed generation: persistence hooks in.
-        self.on_commit: list[Callable[[Generation], None]] = []
+        #: Called (outside the lock) with each newly committed generation and the durability
+        #: the client asked for; the cluster hooks replication in (and may raise).
+        self.on_commit: list[Callable[[Generation, str], None]] = []
+        #: Called (under the lock) with each generation leaving the index.
+        self.on_retire: list[Callable[[Generation], None]] = []
+        self.internal = Session(0, os.getpid(), os.getuid())
+        self.cluster: Any = None
         self.roots = PersistRoots(config.persist_roots)
         self.persister = Persister(self)
         self._recover()
+        if config.listen or not config.coordinator.startswith("embedded"):
+            from ckptcache.server.cluster import Cluster
+
+            Cluster(self).start()  # sets self.cluster; before persisting: elections apply
         self.persister.start()
         self._digester = threading.Thread(target=self._digest_loop, name="digester", daemon=True)
         self._digester.start()
@@ -178,6 +189,8 @@ class CacheCore:
     def shutdown(self) -> None:
         """Stop background workers (segments stay on disk for the next incarnation)."""
         self.persister.stop()
+        if self.cluster is not None:
+            self.cluster.stop()
         self._digest_queue.put(None)
         self._digester.join(timeout=5)
 
@@ -206,6 +219,11 @@ class CacheCore:
         if not isinstance(req.nbytes, int) or req.nbytes <= 0:
             raise InvalidPath(f"reserve needs a positive byte count, got {req.nbytes!r}")
         persist = self._classify(req.path)
+        if req.durability == "backup" and (self.cluster is None or self.config.backup == "none"):
+            raise ReplicationError(
+                "durability='backup' needs backup nodes: start the daemons with --backup auto "
+                "(or a list of node ids), --listen and a shared --coordinator"
+            )
         limit = self.config.memory_limit
         if Arena.capacity_for(req.nbytes) > limit:
             raise ObjectTooLarge(
@@ -307,8 +325,68 @@ class CacheCore:
         log.debug("committed %s generation %d", res.path, number)
         self._digest_queue.put(gen)
         for hook in self.on_commit:
-            hook(gen)
+            hook(gen, res.durability)
         return m.CommitReply(number)
+
+    def receive(
+        self,
+        namespace: str,
+        path: str,
+        nbytes: int,
+        manifest_offset: int,
+        manifest_size: int,
+        fill: Callable[[memoryview], None],
+        origin: str,
+    ) -> Generation:
+        """Take a copy pushed by a peer: reserve, ``fill`` the bytes after the header, verify
+        every digest against the sender's table, and commit it as this node's generation."""
+        reply = self.reserve(self.internal, m.ReserveRequest(namespace, path, nbytes))
+        with self.cond:
+            segment = self.internal.reservations[reply.reservation].segment
+        try:
+            view = segment.view()
+            try:
+                fill(view[HEADER_SIZE:nbytes])
+            finally:
+                del view
+            manifest, header = self._validate(
+                segment, self.internal.reservations[reply.reservation],
+                m.CommitRequest(reply.reservation, manifest_offset, manifest_size),
+            )  # fmt: skip
+            view = segment.view()
+            try:
+                start = header.digest_offset
+                table = unpack_digests(
+                    view[start : start + 8 * header.n_storages], header.n_storages
+                )
+                verify_digests(view, manifest, table, tier="peer")
+            finally:
+                del view
+        except BaseException:
+            self.abort(self.internal, m.AbortRequest(reply.reservation))
+            raise
+        self.commit(
+            self.internal, m.CommitRequest(reply.reservation, manifest_offset, manifest_size)
+        )
+        with self.cond:
+            gen = self.index.newest((namespace, path))
+            assert gen is not None
+            gen.origin = origin
+            gen.digests = table
+            header = gen.segment.read_header()
+            gen.segment.write_header(replace(header, digest_state=DigestState.VALID))
+        return gen
+
+    def ensure_digests(self, gen: Generation) -> list[int]:
+        """Digests of ``gen``, computed now if the background worker has not yet."""
+        if gen.digests is not None:
+            return gen.digests
+        with self.cond:
+            self.pin(gen)
+        try:
+            return self._compute_digests(gen)
+        finally:
+            self.unpin(gen)
 
     def _validate(
         self, segment: Segment, res: Reservation, req: m.CommitRequest
@@ -369,6 +447,8 @@ class CacheCore:
 
     def _retire(self, gen: Generation) -> None:
         self.index.remove(gen)
+        for hook in self.on_retire:
+            hook(gen)
         if gen.pins:
             gen.retired = True
         else:
@@ -517,6 +597,7 @@ class CacheCore:
             pins=gen.pins, digests_valid=gen.digests is not None,
             generations=len(self.index.generations(gen.key)), persist_state=gen.persist_state,
             persist_error=gen.persist_error, persist_seconds=gen.persist_seconds,
+            replicas=tuple(sorted(gen.replicas)), origin=gen.origin, conflict=gen.conflict,
         )  # fmt: skip
 
     def stat(self, session: Session, req: m.StatRequest) -> m.ObjectInfo:
@@ -559,6 +640,8 @@ class CacheCore:
                 pinned=sum(1 for g in gens if g.pins), reservations=0,
                 shm_dir=self.config.shm_dir, socket=self.config.socket,
                 persist_queue=len(self.persister.queue), persist_roots=tuple(self.roots),
+                cluster_nodes=self.cluster.node_ids() if self.cluster else (),
+                coordinator=self.config.coordinator,
             )  # fmt: skip
 
     def wait(self, session: Session, req: m.WaitRequest) -> m.WaitReply:

@@ -40,6 +40,12 @@ class Generation:
     persist_state: str = "memory-only"
     persist_error: str = ""
     persist_seconds: float = 0.0
+    #: For a backup copy: the node it came from ("" for a copy saved on this node).
+    origin: str = ""
+    #: Nodes holding a backup copy of this generation.
+    replicas: set[str] = field(default_factory=set)
+    #: Set when nodes of the redundancy group disagree on the content of this path.
+    conflict: str = ""
 
     @property
     def key(self) -> Key:

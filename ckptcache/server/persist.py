@@ -24,6 +24,7 @@ import time
 from typing import TYPE_CHECKING
 
 from ckptcache._units import format_bytes
+from ckptcache.errors import CkptCacheError
 from ckptcache.storage import StorageOptions, backend_for
 
 if TYPE_CHECKING:
@@ -127,7 +128,26 @@ class Persister:
 
     def _persist(self, gen: Generation) -> None:
         cfg = self.core.config
-        backend = backend_for(gen.path, self.options)
+        cluster = self.core.cluster
+        target = gen.path
+        if cluster is not None:
+            try:
+                role, target = cluster.claim(gen)
+            except CkptCacheError as e:  # coordinator down: try again later
+                log.warning("cannot claim %s: %s", gen.path, e)
+                role = "retry"
+            if role == "done":
+                self.mark_persisted(gen)
+                return
+            if role == "standby":
+                with self.core.cond:
+                    gen.persist_state = "standby"
+                cluster.watch(gen)
+                return
+            if role == "retry":
+                threading.Timer(1.0, self._resubmit, args=(gen,)).start()
+                return
+        backend = backend_for(target, self.options)
         t0 = time.perf_counter()
         error = ""
         for attempt in range(cfg.persist_retries + 1):
@@ -138,10 +158,10 @@ class Persister:
                     self.core.cond.notify_all()
                     return
             try:
-                backend.cleanup(gen.path)
+                backend.cleanup(target)
                 fd = os.open(gen.segment.path, os.O_RDONLY | os.O_CLOEXEC)
                 try:
-                    backend.write(gen.path, fd, gen.manifest.payload_offset, gen.size)
+                    backend.write(target, fd, gen.manifest.payload_offset, gen.size)
                 finally:
                     os.close(fd)
             except OSError as e:
@@ -156,6 +176,8 @@ class Persister:
                 if attempt < cfg.persist_retries:
                     time.sleep(min(cfg.persist_backoff * 2**attempt, cfg.persist_backoff_max))
                 continue
+            if cluster is not None:
+                cluster.persisted(gen, target)
             self._done(gen, time.perf_counter() - t0)
             return
         with self.core.cond:
@@ -166,11 +188,24 @@ class Persister:
             )
             self.core.cond.notify_all()
         log.error("persist of %s generation %d failed for good: %s", gen.path, gen.number, error)
+        if cluster is not None:
+            cluster.failed(gen)
 
-    def _done(self, gen: Generation, seconds: float) -> None:
+    def _resubmit(self, gen: Generation) -> None:
+        with self.core.cond:
+            if gen.persist_state == "persisting":
+                self.submit(gen)
+
+    def mark_persisted(self, gen: Generation) -> None:
+        """Another member of the redundancy group persisted identical content."""
+        log.info("%s generation %d was persisted by its group", gen.path, gen.number)
+        self._done(gen, 0.0, wrote=False)
+
+    def _done(self, gen: Generation, seconds: float, *, wrote: bool = True) -> None:
         metrics = self.core.metrics
-        metrics.persist_bytes.inc(gen.size)
-        metrics.persist_latency.observe(seconds)
+        if wrote:
+            metrics.persist_bytes.inc(gen.size)
+            metrics.persist_latency.observe(seconds)
         with self.core.cond:
             gen.persisted = True
             gen.persist_state = "persisted"
@@ -182,7 +217,8 @@ class Persister:
             gen.segment.write_header(replace(header, persisted=1))
             self.core.apply_retention(gen.key)
             self.core.cond.notify_all()
-        log.info(
-            "persisted %s generation %d: %s in %.2fs (%.0f MB/s)",
-            gen.path, gen.number, format_bytes(gen.size), seconds, gen.size / seconds / 1e6,
-        )  # fmt: skip
+        if wrote:
+            log.info(
+                "persisted %s generation %d: %s in %.2fs (%.0f MB/s)",
+                gen.path, gen.number, format_bytes(gen.size), seconds, gen.size / seconds / 1e6,
+            )  # fmt: skip

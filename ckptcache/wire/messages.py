@@ -227,6 +227,9 @@ class ObjectInfo:
     persist_state: str = "none"
     persist_error: str = ""
     persist_seconds: float = 0.0
+    replicas: tuple[str, ...] = ()
+    origin: str = ""
+    conflict: str = ""
 
 
 @dataclass(frozen=True)
@@ -322,3 +325,5 @@ class DaemonStatus:
     socket: str
     persist_queue: int = 0
     persist_roots: tuple[str, ...] = ()
+    cluster_nodes: tuple[str, ...] = ()
+    coordinator: str = "embedded://"

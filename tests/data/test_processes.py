@@ -52,21 +52,19 @@ def test_sigkill_mid_epoch_then_restart_is_exact(
     before = [row for row in _log(tmp_path / "first.log") if row[:2] < resume]
     after = _log(tmp_path / "second.log")
     assert after[0][:2] == resume
-    reference = [
-        (e, i, batch_digest(make_batch(e, i))) for e in range(epochs) for i in range(n)
-    ]
+    reference = [(e, i, batch_digest(make_batch(e, i))) for e in range(epochs) for i in range(n)]
     assert before + after == reference
     assert not os.path.exists(os.path.join(cache_dir, "job"))  # clean exit removed it
 
 
-def _mapped(pid: int, directory: str) -> dict[str, int]:
-    """Rss, Pss and private bytes of ``pid``'s mappings of files under ``directory``."""
+def _mapped(pid: int, paths: list[str]) -> dict[str, int]:
+    """Rss, Pss and private bytes of ``pid``'s mappings of the files ``paths``."""
     totals = {"Rss": 0, "Pss": 0, "Private_Clean": 0, "Private_Dirty": 0}
     inside = False
     with open(f"/proc/{pid}/smaps") as f:
         for line in f:
             if re.match(r"^[0-9a-f]+-[0-9a-f]+ ", line):
-                inside = directory in line
+                inside = any(path in line for path in paths)
             elif inside:
                 key, _, value = line.partition(":")
                 if key in totals:
@@ -93,12 +91,11 @@ def test_readers_share_one_copy(cache_dir: str, tmp_path: Path, spawn: Spawn) ->
     ]
     try:
         assert len({r["sum"] for r in reports}) == 1  # all five saw the same data
-        usage = [_mapped(r["pid"], cache_dir) for r in reports]
         run_dir = os.path.join(cache_dir, "shared", "train")
-        held_files = sum(
-            os.path.getsize(os.path.join(run_dir, f"e000000-s{i:012d}.batch"))
-            for i in range(hold)
-        )
+        # Only the held batches: the loading rank may be writing a later one right now.
+        held = [os.path.join(run_dir, f"e000000-s{i:012d}.batch") for i in range(hold)]
+        usage = [_mapped(r["pid"], held) for r in reports]
+        held_files = sum(os.path.getsize(path) for path in held)
     finally:
         open(stop, "w").close()
     for proc in procs:
@@ -111,9 +108,7 @@ def test_readers_share_one_copy(cache_dir: str, tmp_path: Path, spawn: Spawn) ->
     assert 0.9 * data < sum(u["Pss"] for u in usage) < 1.1 * data
 
 
-def test_dead_loading_rank_fails_readers_fast(
-    cache_dir: str, tmp_path: Path, spawn: Spawn
-) -> None:
+def test_dead_loading_rank_fails_readers_fast(cache_dir: str, tmp_path: Path, spawn: Spawn) -> None:
     cfg = {
         "cache_dir": cache_dir, "run_id": "dies", "n": 1000, "epochs": 1, "prefetch": 2,
         "item_delay": 0.1, "timeout": 45.0,

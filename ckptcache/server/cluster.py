@@ -1,0 +1,451 @@
+"""Many nodes: backup copies over the data plane, redundancy groups, representative election.
+
+Lifecycle of a committed generation on a cluster node::
+
+    committed -> digested -> holding announced (holders/<path>/<digest>/<node>)
+              -> pushed to backup nodes (sync for durability="backup", else in background)
+              -> persister claims: persisted record exists  -> done, nothing written
+                                   won the group election   -> representative: persist, record
+                                   lost                      -> standby: watch the group
+    standby   -> record appears     -> persisted (nothing written)
+              -> representative gone (lease expired / failed) -> claim again (takeover)
+
+A redundancy group is (path, object digest): the nodes holding identical content of a path.
+Representatives are preferred by rendezvous hash (so groups spread over nodes) and made
+unique by etcd's create-if-absent under the node lease. A node cut off from etcd stops
+claiming (its lease is unhealthy); its old group may be taken over, and since every member of
+a group holds identical bytes, a late write by the old representative cannot conflict.
+Different contents of one path saved within ``conflict_window`` are a digest disagreement:
+reported loudly; the first persisted content takes the path and every other content is
+persisted beside it as ``<path>.conflict-<digest>`` so nothing is silently dropped.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import threading
+import time
+from typing import TYPE_CHECKING, Any
+
+from ckptcache._digest import digest_bytes, digest_hex
+from ckptcache.errors import CkptCacheError, ConfigError, ReplicationError
+from ckptcache.layout import HEADER_SIZE
+from ckptcache.manifest import object_digest
+from ckptcache.server.coord import CoordinatorUnavailable, NodeInfo, make_coordinator
+from ckptcache.server.dataplane import (
+    DataPlaneClient,
+    DataPlaneServer,
+    recv_exact_into,
+    recv_msg,
+    send_msg,
+    send_region,
+)
+
+if TYPE_CHECKING:
+    import socket
+
+    from ckptcache.server.core import CacheCore
+    from ckptcache.server.index import Generation
+
+__all__ = ["Cluster"]
+
+log = logging.getLogger(__name__)
+
+
+def path_hash(namespace: str, path: str) -> str:
+    """Key-safe name of a path in the coordinator."""
+    return digest_hex(digest_bytes(f"{namespace}\0{path}".encode()))
+
+
+class Cluster:
+    """This node's view of the cluster: coordinator, data plane, replication, elections."""
+
+    def __init__(self, core: CacheCore):
+        cfg = core.config
+        self.core = core
+        self.config = cfg
+        self.secret = cfg.cluster_secret()
+        if cfg.listen and not self.secret:
+            raise ConfigError(
+                "a data plane (--listen) needs a shared secret: set secret, secret_file or "
+                "CKPTCACHE_CLUSTER_SECRET on every node"
+            )
+        self.coord = make_coordinator(
+            cfg.coordinator, cluster=cfg.cluster, job=cfg.job, ttl=cfg.lease_ttl
+        )
+        self.server: DataPlaneServer | None = None
+        if cfg.listen:
+            assert self.secret is not None
+            self.server = DataPlaneServer(
+                cfg.listen, self.secret, {"push": self._on_push, "fetch": self._on_fetch}
+            )
+        self.node = NodeInfo(cfg.node_id, cfg.host, self.server.address if self.server else "")
+        self._work: queue.Queue[Generation | None] = queue.Queue()
+        self._standby: dict[Generation, tuple[str, str]] = {}
+        self._stop = threading.Event()
+        core.cluster = self
+        core.on_commit.append(self._on_commit)
+        core.on_retire.append(self._on_retire)
+
+    # ----------------------------------------------------------------- lifecycle
+
+    def start(self) -> None:
+        """Join the cluster and start the background workers."""
+        if self.server is not None:
+            self.server.start()
+        self.coord.join(self.node)
+        for target, name in ((self._worker, "replicate"), (self._monitor, "cluster-monitor")):
+            threading.Thread(target=target, name=name, daemon=True).start()
+        with self.core.cond:
+            gens = [g for g in self.core.index]
+        for gen in gens:  # recovered after a restart: announce and re-protect them
+            self._work.put(gen)
+        log.info("joined cluster %s as %s (data plane %s)", self.config.cluster,
+                 self.node.node_id, self.node.data_addr or "off")  # fmt: skip
+
+    def stop(self) -> None:
+        """Leave the cluster (announcements end with the lease)."""
+        self._stop.set()
+        self._work.put(None)
+        if self.server is not None:
+            self.server.close()
+        try:
+            self.coord.close()
+        except CkptCacheError:
+            pass
+
+    def node_ids(self) -> tuple[str, ...]:
+        """Live node ids (empty when the coordinator is unreachable)."""
+        try:
+            return tuple(n.node_id for n in self.coord.live_nodes())
+        except CoordinatorUnavailable:
+            return ()
+
+    # ----------------------------------------------------------------- placement
+
+    def backup_targets(self, exclude: set[str]) -> list[NodeInfo]:
+        """Where backup copies go: the ring of live nodes after this one, never this host."""
+        mode = self.config.backup
+        if mode == "none":
+            return []
+        live = self.coord.live_nodes()
+        me = self.node.node_id
+        if mode == "auto":
+            ids = sorted({n.node_id for n in live} | {me})
+            after = ids[ids.index(me) + 1 :] + ids[: ids.index(me)]
+            by_id = {n.node_id: n for n in live}
+            ordered = [by_id[i] for i in after if i in by_id]
+            candidates = [n for n in ordered if n.host != self.node.host]
+        else:
+            wanted = [x.strip() for x in mode.split(",") if x.strip()]
+            by_id = {n.node_id: n for n in live}
+            candidates = [by_id[i] for i in wanted if i in by_id and i != me]
+        return [n for n in candidates if n.data_addr and n.node_id not in exclude]
+
+    # ----------------------------------------------------------------- replication
+
+    def _on_commit(self, gen: Generation, durability: str) -> None:
+        if durability == "backup" and not gen.origin:
+            if self.config.backup == "none":
+                raise ReplicationError(
+                    "durability='backup' needs backup nodes: start the daemons with --backup "
+                    "auto (or a list) and a shared --coordinator"
+                )
+            self.replicate(gen)
+        self._work.put(gen)
+
+    def _on_retire(self, gen: Generation) -> None:
+        digests = gen.digests
+        if digests is None:
+            return
+        key = f"holders/{path_hash(gen.namespace, gen.path)}/{object_digest(digests)}/"
+        threading.Thread(
+            target=self._withdraw, args=(key + self.node.node_id,), daemon=True
+        ).start()
+
+    def _withdraw(self, key: str) -> None:
+        try:
+            self.coord.withdraw(key)
+        except CoordinatorUnavailable:
+            pass
+
+    def replicate(self, gen: Generation) -> None:
+        """Bring ``gen`` up to the configured number of backup copies (raises when none can be
+        made)."""
+        live = set(self.node_ids())
+        with self.core.cond:
+            gen.replicas &= live
+            need = self.config.replicas - len(gen.replicas)
+        if need <= 0:
+            return
+        targets = self.backup_targets(exclude=set(gen.replicas))
+        if not targets:
+            raise ReplicationError(
+                f"no live backup node for {gen.path!r} (live: {sorted(live)}); the local copy "
+                "is kept"
+            )
+        self.core.ensure_digests(gen)
+        errors = []
+        for target in targets:
+            if need <= 0:
+                break
+            try:
+                self._push(gen, target)
+            except (OSError, CkptCacheError) as e:
+                errors.append(f"{target.node_id}: {e}")
+                continue
+            with self.core.cond:
+                gen.replicas.add(target.node_id)
+            need -= 1
+        if need > 0:
+            raise ReplicationError(f"backup copy of {gen.path!r} failed: {'; '.join(errors)}")
+
+    def _push(self, gen: Generation, target: NodeInfo) -> None:
+        with self.core.cond:
+            if self.core.index.get(gen.key, gen.number) is not gen:
+                return  # retired meanwhile: nothing to protect
+            self.core.pin(gen)
+        try:
+            header = gen.segment.read_header()
+            nbytes = header.digest_offset + 8 * header.n_storages
+            assert self.secret is not None
+            with DataPlaneClient(target.data_addr, self.secret) as peer:
+                send_msg(peer.sock, {
+                    "op": "push", "namespace": gen.namespace, "path": gen.path,
+                    "nbytes": nbytes, "manifest_offset": header.manifest_offset,
+                    "manifest_size": header.manifest_size, "origin": self.node.node_id,
+                })  # fmt: skip
+                ready = recv_msg(peer.sock)
+                if not ready.get("ok"):
+                    raise ReplicationError(f"{target.node_id} refused: {ready.get('message')}")
+                fd = os.open(gen.segment.path, os.O_RDONLY | os.O_CLOEXEC)
+                try:
+                    send_region(peer.sock, fd, HEADER_SIZE, nbytes - HEADER_SIZE)
+                finally:
+                    os.close(fd)
+                done = recv_msg(peer.sock)
+                if not done.get("ok"):
+                    raise ReplicationError(f"{target.node_id} rejected: {done.get('message')}")
+            log.info("backup copy of %s generation %d on %s", gen.path, gen.number, target.node_id)
+        finally:
+            self.core.unpin(gen)
+
+    def _on_push(self, conn: socket.socket, req: dict[str, Any]) -> None:
+        def fill(view: memoryview) -> None:
+            send_msg(conn, {"ok": True})  # reserved: send the bytes
+            recv_exact_into(conn, view)
+
+        try:
+            gen = self.core.receive(
+                str(req["namespace"]), str(req["path"]), int(req["nbytes"]),
+                int(req["manifest_offset"]), int(req["manifest_size"]), fill,
+                origin=str(req.get("origin", "?")),
+            )  # fmt: skip
+        except (CkptCacheError, KeyError, ValueError) as e:
+            send_msg(conn, {"ok": False, "error": type(e).__name__, "message": str(e)})
+            raise ConnectionError(f"push refused: {e}") from e
+        send_msg(conn, {"ok": True, "generation": gen.number})
+        self._work.put(gen)
+
+    def _on_fetch(self, conn: socket.socket, req: dict[str, Any]) -> None:
+        try:
+            with self.core.cond:
+                gen = self.core._lookup(str(req["namespace"]), str(req["path"]))
+                self.core.pin(gen)
+        except (CkptCacheError, KeyError) as e:
+            send_msg(conn, {"ok": False, "error": type(e).__name__, "message": str(e)})
+            return
+        try:
+            self.core.ensure_digests(gen)
+            header = gen.segment.read_header()
+            nbytes = header.digest_offset + 8 * header.n_storages
+            send_msg(conn, {
+                "ok": True, "nbytes": nbytes, "manifest_offset": header.manifest_offset,
+                "manifest_size": header.manifest_size, "generation": gen.number,
+            })  # fmt: skip
+            fd = os.open(gen.segment.path, os.O_RDONLY | os.O_CLOEXEC)
+            try:
+                send_region(conn, fd, HEADER_SIZE, nbytes - HEADER_SIZE)
+            finally:
+                os.close(fd)
+        finally:
+            self.core.unpin(gen)
+
+    def fetch(self, namespace: str, path: str, exclude: set[str]) -> Generation | None:
+        """Pull the newest copy of ``path`` from any live holder into the local arena."""
+        holders = self.holders(namespace, path)
+        for node in holders:
+            if node.node_id in exclude or node.node_id == self.node.node_id:
+                continue
+            try:
+                return self._fetch_from(node, namespace, path)
+            except (OSError, CkptCacheError) as e:
+                log.warning("fetch of %s from %s failed: %s", path, node.node_id, e)
+                exclude.add(node.node_id)
+        return None
+
+    def _fetch_from(self, node: NodeInfo, namespace: str, path: str) -> Generation:
+        assert self.secret is not None
+        with DataPlaneClient(node.data_addr, self.secret) as peer:
+            send_msg(peer.sock, {"op": "fetch", "namespace": namespace, "path": path})
+            head = recv_msg(peer.sock)
+            if not head.get("ok"):
+                raise ReplicationError(f"{node.node_id}: {head.get('message')}")
+            return self.core.receive(
+                namespace, path, int(head["nbytes"]), int(head["manifest_offset"]),
+                int(head["manifest_size"]), lambda view: recv_exact_into(peer.sock, view),
+                origin=node.node_id,
+            )  # fmt: skip
+
+    def holders(self, namespace: str, path: str) -> list[NodeInfo]:
+        """Live nodes announcing a copy of ``path`` (newest commit first)."""
+        ph = path_hash(namespace, path)
+        entries = self.coord.scan(f"holders/{ph}/")
+        live = {n.node_id: n for n in self.coord.live_nodes()}
+        ranked = sorted(entries.values(), key=lambda v: -float(v.get("committed", 0)))
+        seen: list[NodeInfo] = []
+        for v in ranked:
+            node = live.get(str(v.get("node")))
+            if node is not None and node not in seen and node.data_addr:
+                seen.append(node)
+        return seen
+
+    # ----------------------------------------------------------------- background
+
+    def _announce(self, gen: Generation) -> tuple[str, str]:
+        digest = object_digest(self.core.ensure_digests(gen))
+        ph = path_hash(gen.namespace, gen.path)
+        self.coord.announce(f"holders/{ph}/{digest}/{self.node.node_id}", {
+            "node": self.node.node_id, "path": gen.path, "generation": gen.number,
+            "committed": gen.committed,
+        })  # fmt: skip
+        return ph, digest
+
+    def _worker(self) -> None:
+        while True:
+            gen = self._work.get()
+            if gen is None:
+                return
+            with self.core.cond:
+                if self.core.index.get(gen.key, gen.number) is not gen:
+                    continue
+            try:
+                self._announce(gen)
+                if not gen.origin and self.config.backup != "none":
+                    self.replicate(gen)
+            except (CkptCacheError, OSError) as e:
+                log.warning("could not protect %s generation %d: %s", gen.path, gen.number, e)
+
+    def _monitor(self) -> None:
+        while not self._stop.wait(0.5):
+            try:
+                self._check_standbys()
+                self._check_replicas()
+            except CoordinatorUnavailable as e:
+                log.debug("coordinator unavailable: %s", e)
+            except Exception:
+                log.exception("cluster monitor")
+
+    def _check_replicas(self) -> None:
+        if self.config.backup == "none":
+            return
+        live = set(self.node_ids())
+        with self.core.cond:
+            lost = [g for g in self.core.index if not g.origin and g.replicas - live]
+            for gen in lost:
+                log.warning("backup of %s on %s lost; re-replicating", gen.path,
+                            ",".join(sorted(gen.replicas - live)))  # fmt: skip
+                gen.replicas &= live
+        for gen in lost:
+            self._work.put(gen)
+
+    # ----------------------------------------------------------------- elections
+
+    def claim(self, gen: Generation) -> tuple[str, str]:
+        """Decide this node's role for persisting ``gen``: ``("done", path)``,
+        ``("lead", target_path)``, ``("standby", "")`` or ``("retry", "")``."""
+        ph, digest = self._announce(gen)
+        if self.coord.get(f"persisted/{ph}/{digest}") is not None:
+            return "done", gen.path
+        target = self._conflict_target(gen, ph, digest)
+        group = self.coord.scan(f"holders/{ph}/{digest}/")
+        live = set(self.node_ids())
+        members = sorted((str(v["node"]) for v in group.values() if v.get("node") in live),
+                         key=lambda n: digest_bytes(f"{ph}{digest}{n}".encode()))  # fmt: skip
+        me = self.node.node_id
+        rank = members.index(me) if me in members else len(members)
+        if rank:
+            time.sleep(min(0.2 * rank, 1.0))  # the preferred node gets a head start
+        if not self.coord.elect(f"reps/{ph}/{digest}", {"node": me, "since": time.time()}):
+            return "standby", ""
+        if self.coord.get(f"persisted/{ph}/{digest}") is not None:
+            # A previous representative finished (and stepped down) while we waited.
+            self._withdraw(f"reps/{ph}/{digest}")
+            return "done", gen.path
+        if not self.coord.elect(f"writer/{ph}", {"node": me, "digest": digest}):
+            self.coord.withdraw(f"reps/{ph}/{digest}")
+            return "retry", ""
+        return "lead", self._conflict_target(gen, ph, digest) or target
+
+    def _conflict_target(self, gen: Generation, ph: str, digest: str) -> str:
+        """Where this content goes: the path, or a sidecar when another content of the same
+        save already owns it."""
+        window = self.config.conflict_window
+        others: dict[str, float] = {}
+        for key, v in self.coord.scan(f"holders/{ph}/").items():
+            d = key.split("/")[2]
+            if d != digest and abs(float(v.get("committed", 0)) - gen.committed) < window:
+                others[d] = float(v.get("committed", 0))
+        if not others:
+            return gen.path
+        if not gen.conflict:
+            gen.conflict = f"{len(others)} other content(s) saved within {window:g}s: " + ", ".join(
+                sorted(others)
+            )
+            self.core.metrics.corrupt.labels(tier="group").inc()
+            log.error("digest disagreement on %s: this node holds %s, others hold %s",
+                      gen.path, digest, sorted(others))  # fmt: skip
+        persisted = self.coord.scan(f"persisted/{ph}/")
+        if any(k.split("/")[2] != digest for k in persisted):
+            return f"{gen.path}.conflict-{digest}"
+        return gen.path
+
+    def persisted(self, gen: Generation, target: str) -> None:
+        """Record the group's persist and step down."""
+        ph, digest = path_hash(gen.namespace, gen.path), object_digest(gen.digests or [])
+        self.coord.record(f"persisted/{ph}/{digest}", {
+            "node": self.node.node_id, "path": target, "time": time.time(),
+        })  # fmt: skip
+        for key in (f"writer/{ph}", f"reps/{ph}/{digest}"):
+            self._withdraw(key)
+
+    def failed(self, gen: Generation) -> None:
+        """Step down after giving up, so a standby can take over; keep watching the group."""
+        ph, digest = path_hash(gen.namespace, gen.path), object_digest(gen.digests or [])
+        for key in (f"writer/{ph}", f"reps/{ph}/{digest}"):
+            self._withdraw(key)
+        self.watch(gen, resubmit=False)
+
+    def watch(self, gen: Generation, *, resubmit: bool = True) -> None:
+        """Watch the group of ``gen`` as a standby (call with the core lock held or not)."""
+        ph, digest = path_hash(gen.namespace, gen.path), object_digest(gen.digests or [])
+        self._standby[gen] = (ph, digest if resubmit else f"!{digest}")
+
+    def _check_standbys(self) -> None:
+        for gen, (ph, tag) in list(self._standby.items()):
+            digest = tag.lstrip("!")
+            with self.core.cond:
+                alive = self.core.index.get(gen.key, gen.number) is gen
+            if not alive:
+                self._standby.pop(gen, None)
+                continue
+            if self.coord.get(f"persisted/{ph}/{digest}") is not None:
+                self._standby.pop(gen, None)
+                self.core.persister.mark_persisted(gen)
+            elif not tag.startswith("!") and self.coord.get(f"reps/{ph}/{digest}") is None:
+                self._standby.pop(gen, None)
+                log.warning("representative of %s is gone: taking over", gen.path)
+                with self.core.cond:
+                    self.core.persister.submit(gen)

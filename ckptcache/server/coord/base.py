@@ -1,0 +1,104 @@
+"""The coordinator contract.
+
+Call order (one daemon)::
+
+    coord.join(node)                 # register this node under a lease kept alive in background
+    coord.announce(key, value)       # leased keys: vanish when the node's lease expires
+    coord.elect(key, value) -> bool  # create-if-absent under the lease: one winner per key
+    coord.record(key, value)         # durable keys (no lease): survive every node
+    coord.get(key) / coord.scan(prefix) / coord.live_nodes()
+    coord.close()                    # revoke the lease: announcements and elections end now
+
+Keys are relative to the coordinator's prefix (``/ckptcache/<cluster>/<job>/``); values are
+JSON-serialisable dicts. Every method may raise :class:`CoordinatorUnavailable`.
+
+Key schema used by the daemon (``ckptcache.server.cluster``)::
+
+    nodes/<node_id>                              leased  NodeInfo
+    holders/<path_hash>/<digest>/<node_id>       leased  who holds which content of a path
+    reps/<path_hash>/<digest>                    leased  elected representative of a group
+    persisted/<path_hash>/<digest>               durable the group's persisted record
+    failed/<path_hash>/<digest>/<node_id>        leased  a representative's failed attempt
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from ckptcache.errors import CkptCacheError
+
+__all__ = ["Coordinator", "CoordinatorUnavailable", "NodeInfo"]
+
+
+class CoordinatorUnavailable(CkptCacheError, ConnectionError):
+    """The coordinator (etcd) cannot be reached; cluster features pause until it returns."""
+
+
+@dataclass(frozen=True)
+class NodeInfo:
+    """One daemon as the cluster sees it."""
+
+    node_id: str
+    host: str
+    data_addr: str  # "ip:port" of its data plane ("" when it has none)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON form."""
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> NodeInfo:
+        """Inverse of :meth:`to_dict`."""
+        return cls(str(raw["node_id"]), str(raw["host"]), str(raw.get("data_addr", "")))
+
+
+class Coordinator(abc.ABC):
+    """Membership, leased announcements, elections and durable records."""
+
+    def __init__(self, prefix: str, ttl: float):
+        self.prefix = prefix
+        self.ttl = ttl
+        self.node: NodeInfo | None = None
+
+    @abc.abstractmethod
+    def join(self, node: NodeInfo) -> None:
+        """Register ``node`` under a fresh lease and keep the lease alive."""
+
+    @abc.abstractmethod
+    def announce(self, key: str, value: dict[str, Any]) -> None:
+        """Put ``key`` under this node's lease (re-announced if the lease had to be renewed)."""
+
+    @abc.abstractmethod
+    def withdraw(self, key: str) -> None:
+        """Remove an announcement (or any key)."""
+
+    @abc.abstractmethod
+    def elect(self, key: str, value: dict[str, Any]) -> bool:
+        """Create ``key`` under this node's lease if absent; True if this node now holds it."""
+
+    @abc.abstractmethod
+    def record(self, key: str, value: dict[str, Any]) -> None:
+        """Put a durable key (no lease)."""
+
+    @abc.abstractmethod
+    def get(self, key: str) -> dict[str, Any] | None:
+        """Value of ``key``, or None."""
+
+    @abc.abstractmethod
+    def scan(self, prefix: str) -> dict[str, dict[str, Any]]:
+        """Every key under ``prefix`` (relative keys) with its value."""
+
+    @abc.abstractmethod
+    def healthy(self) -> bool:
+        """Whether this node's lease is known to be alive (False while cut off)."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Revoke the lease and stop background work."""
+
+    def live_nodes(self) -> list[NodeInfo]:
+        """Nodes whose lease is alive, sorted by id."""
+        nodes = [NodeInfo.from_dict(v) for v in self.scan("nodes/").values()]
+        return sorted(nodes, key=lambda n: n.node_id)

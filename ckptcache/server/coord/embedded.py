@@ -1,0 +1,68 @@
+"""The single-node coordinator: everything in this process, nothing to install."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+from ckptcache.server.coord.base import Coordinator, NodeInfo
+
+__all__ = ["EmbeddedCoordinator"]
+
+
+class EmbeddedCoordinator(Coordinator):
+    """In-process dictionaries; "leased" keys live until :meth:`close` (the process is the
+    lease). Several instances may share one ``store`` to stand in for nodes in unit tests."""
+
+    def __init__(self, prefix: str, ttl: float, store: dict[str, Any] | None = None):
+        super().__init__(prefix, ttl)
+        self._store: dict[str, Any] = {} if store is None else store
+        self._leased: set[str] = set()
+        self._lock = threading.Lock()
+
+    def join(self, node: NodeInfo) -> None:
+        self.node = node
+        self.announce(f"nodes/{node.node_id}", node.to_dict())
+
+    def announce(self, key: str, value: dict[str, Any]) -> None:
+        with self._lock:
+            self._store[self.prefix + key] = value
+            self._leased.add(key)
+
+    def withdraw(self, key: str) -> None:
+        with self._lock:
+            self._store.pop(self.prefix + key, None)
+            self._leased.discard(key)
+
+    def elect(self, key: str, value: dict[str, Any]) -> bool:
+        with self._lock:
+            if self.prefix + key in self._store:
+                return False
+            self._store[self.prefix + key] = value
+            self._leased.add(key)
+            return True
+
+    def record(self, key: str, value: dict[str, Any]) -> None:
+        with self._lock:
+            self._store[self.prefix + key] = value
+
+    def get(self, key: str) -> dict[str, Any] | None:
+        with self._lock:
+            value = self._store.get(self.prefix + key)
+            return dict(value) if value is not None else None
+
+    def scan(self, prefix: str) -> dict[str, dict[str, Any]]:
+        full = self.prefix + prefix
+        with self._lock:
+            return {
+                k[len(self.prefix) :]: dict(v) for k, v in self._store.items() if k.startswith(full)
+            }
+
+    def healthy(self) -> bool:
+        return True
+
+    def close(self) -> None:
+        with self._lock:
+            for key in self._leased:
+                self._store.pop(self.prefix + key, None)
+            self._leased.clear()

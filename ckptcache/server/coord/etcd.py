@@ -1,0 +1,131 @@
+"""etcd v3 through its JSON gateway (etcd3gw): leases, transactions, prefix scans.
+
+The node's lease is refreshed every ``ttl/3`` by a background thread. If etcd is unreachable
+for longer than ``ttl`` the lease is gone: the node reports unhealthy (its representative roles
+are lost, so it must not start new persists) and, once etcd answers again, it takes a new
+lease and re-announces everything it had announced — an etcd restart is survived without a
+daemon restart.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from typing import Any
+from urllib.parse import urlparse
+
+from ckptcache.server.coord.base import Coordinator, CoordinatorUnavailable, NodeInfo
+
+__all__ = ["EtcdCoordinator"]
+
+log = logging.getLogger(__name__)
+
+
+class EtcdCoordinator(Coordinator):
+    """Coordinator on a real etcd cluster (``etcd://host:port``)."""
+
+    def __init__(self, url: str, prefix: str, ttl: float):
+        super().__init__(prefix, ttl)
+        from etcd3gw.client import Etcd3Client
+
+        parsed = urlparse(url)
+        self._client = Etcd3Client(
+            host=parsed.hostname or "127.0.0.1", port=parsed.port or 2379, timeout=5
+        )
+        self._lease: Any = None
+        self._lease_ok_until = 0.0
+        self._announced: dict[str, dict[str, Any]] = {}
+        self._lock = threading.RLock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def _guard(self, what: str, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except Exception as e:  # etcd3gw raises requests/connection errors of many kinds
+            raise CoordinatorUnavailable(f"etcd {what} failed: {type(e).__name__}: {e}") from e
+
+    def _new_lease(self) -> None:
+        self._lease = self._guard("lease grant", self._client.lease, max(1, int(self.ttl)))
+        self._lease_ok_until = time.monotonic() + self.ttl
+        for key, value in self._announced.items():
+            self._put(key, value, lease=True)
+
+    def _put(self, key: str, value: dict[str, Any], *, lease: bool) -> None:
+        self._guard("put", self._client.put, self.prefix + key, json.dumps(value),
+                    lease=self._lease if lease else None)  # fmt: skip
+
+    def join(self, node: NodeInfo) -> None:
+        self.node = node
+        with self._lock:
+            self._announced[f"nodes/{node.node_id}"] = node.to_dict()
+            self._new_lease()
+        self._thread = threading.Thread(target=self._keepalive, name="etcd-lease", daemon=True)
+        self._thread.start()
+
+    def _keepalive(self) -> None:
+        while not self._stop.wait(max(0.2, self.ttl / 3)):
+            with self._lock:
+                try:
+                    remaining = self._guard("lease refresh", self._lease.refresh)
+                    if remaining is not None and int(remaining) <= 0:
+                        raise CoordinatorUnavailable("lease expired")
+                    self._lease_ok_until = time.monotonic() + self.ttl
+                except CoordinatorUnavailable as e:
+                    if time.monotonic() < self._lease_ok_until:
+                        log.warning("etcd lease refresh failed (%s); retrying", e)
+                        continue
+                    try:
+                        self._new_lease()
+                        log.warning("etcd lease was lost; took a new one and re-announced")
+                    except CoordinatorUnavailable as e2:
+                        log.warning("etcd unreachable: %s", e2)
+
+    def announce(self, key: str, value: dict[str, Any]) -> None:
+        with self._lock:
+            self._announced[key] = value
+            self._put(key, value, lease=True)
+
+    def withdraw(self, key: str) -> None:
+        with self._lock:
+            self._announced.pop(key, None)
+        self._guard("delete", self._client.delete, self.prefix + key)
+
+    def elect(self, key: str, value: dict[str, Any]) -> bool:
+        if not self.healthy():
+            return False  # cut off: never claim a role we may not be able to keep
+        with self._lock:
+            return bool(self._guard("create", self._client.create, self.prefix + key,
+                                    json.dumps(value), lease=self._lease))  # fmt: skip
+
+    def record(self, key: str, value: dict[str, Any]) -> None:
+        self._put(key, value, lease=False)
+
+    def get(self, key: str) -> dict[str, Any] | None:
+        values = self._guard("get", self._client.get, self.prefix + key)
+        return json.loads(values[0]) if values else None
+
+    def scan(self, prefix: str) -> dict[str, dict[str, Any]]:
+        items = self._guard("scan", self._client.get_prefix, self.prefix + prefix)
+        out = {}
+        for value, meta in items:
+            key = meta["key"]
+            key = key.decode() if isinstance(key, bytes) else key
+            out[key[len(self.prefix) :]] = json.loads(value)
+        return out
+
+    def healthy(self) -> bool:
+        return time.monotonic() < self._lease_ok_until
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+        with self._lock:
+            if self._lease is not None:
+                try:
+                    self._lease.revoke()
+                except Exception:
+                    pass

@@ -1,0 +1,87 @@
+"""One conformance suite for every coordinator: embedded and a real etcd."""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+import pytest
+
+from ckptcache.server.coord import EmbeddedCoordinator, NodeInfo, make_coordinator
+from tests.helpers import wait_until
+
+
+class Conformance:
+    """Subclasses provide ``make()``: a new coordinator on the same store."""
+
+    def make(self):
+        raise NotImplementedError
+
+    def test_membership(self):
+        a, b = self.make(), self.make()
+        a.join(NodeInfo("a", "h1", "127.0.0.1:1"))
+        b.join(NodeInfo("b", "h2", ""))
+        assert [n.node_id for n in a.live_nodes()] == ["a", "b"]
+        assert b.live_nodes()[0] == NodeInfo("a", "h1", "127.0.0.1:1")
+        b.close()
+        wait_until(lambda: [n.node_id for n in a.live_nodes()] == ["a"])
+        a.close()
+
+    def test_election_has_one_winner_until_the_lease_ends(self):
+        a, b = self.make(), self.make()
+        a.join(NodeInfo("a", "h", ""))
+        b.join(NodeInfo("b", "h", ""))
+        assert a.elect("reps/x", {"node": "a"}) is True
+        assert b.elect("reps/x", {"node": "b"}) is False
+        assert b.get("reps/x") == {"node": "a"}
+        a.close()  # the winner goes away: its election ends with its lease
+        wait_until(lambda: b.get("reps/x") is None)
+        assert b.elect("reps/x", {"node": "b"}) is True
+        b.close()
+
+    def test_records_are_durable_and_scans_are_relative(self):
+        a, b = self.make(), self.make()
+        a.join(NodeInfo("a", "h", ""))
+        b.join(NodeInfo("b", "h", ""))
+        a.record("persisted/p/d1", {"path": "/x"})
+        a.announce("holders/p/d1/a", {"node": "a"})
+        a.close()
+        assert b.get("persisted/p/d1") == {"path": "/x"}
+        wait_until(lambda: b.scan("holders/") == {})
+        b.announce("holders/p/d1/b", {"node": "b"})
+        assert b.scan("holders/p/") == {"holders/p/d1/b": {"node": "b"}}
+        b.withdraw("holders/p/d1/b")
+        assert b.scan("holders/") == {}
+        assert b.healthy()
+        b.close()
+
+
+class TestEmbedded(Conformance):
+    @pytest.fixture(autouse=True)
+    def _store(self):
+        self.store: dict = {}
+
+    def make(self):
+        return EmbeddedCoordinator("/ckptcache/t/j/", 1.0, store=self.store)
+
+
+class TestEtcd(Conformance):
+    @pytest.fixture(autouse=True)
+    def _etcd(self, etcd_server):
+        self.url = etcd_server.url
+        self.cluster = uuid.uuid4().hex[:8]
+
+    def make(self):
+        return make_coordinator(self.url, cluster=self.cluster, job="j", ttl=1.0)
+
+    def test_lease_expires_when_a_node_is_cut_off(self):
+        a, b = self.make(), self.make()
+        a.join(NodeInfo("a", "h", ""))
+        b.join(NodeInfo("b", "h", ""))
+        assert a.elect("reps/y", {"node": "a"})
+        a._stop.set()  # stop refreshing: as if a lost its link to etcd
+        wait_until(lambda: b.get("reps/y") is None, timeout=15)
+        time.sleep(1.1)
+        assert not a.healthy()
+        assert a.elect("reps/y", {"node": "a"}) is False  # a cut-off node never claims
+        b.close()
