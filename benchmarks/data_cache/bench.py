@@ -143,7 +143,9 @@ def role_resume_cached(cfg: dict[str, Any]) -> None:
 def role_resume_plain(cfg: dict[str, Any]) -> None:
     """Second incarnation without the cache."""
     t0 = time.perf_counter()
-    print(json.dumps(_first_batches(iter(plain_loader(cfg["step"])), t0)), flush=True)
+    it = iter(plain_loader(cfg["step"]))
+    print(json.dumps(_first_batches(it, t0)), flush=True)
+    del it  # joins the worker processes before exit
 
 
 def _pss() -> int:
@@ -237,9 +239,13 @@ def bench_restart(cache_dir: str, state: str) -> tuple[list[dict[str, float]], .
     return cached, plain
 
 
-def bench_memory(cache_dir: str, stop: str) -> dict[tuple[int, bool], int]:
-    """Sum of Pss deltas of N processes holding the same batches, with and without cache."""
-    out: dict[tuple[int, bool], int] = {}
+def _tree_bytes(path: str) -> int:
+    return sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(path) for f in files)
+
+
+def bench_memory(cache_dir: str, stop: str) -> dict[tuple[int, bool], tuple[int, int]]:
+    """(sum of Pss deltas, bytes in tmpfs) of N processes holding the same batches."""
+    out: dict[tuple[int, bool], tuple[int, int]] = {}
     for n in (1, 2, 4):
         for cached in (False, True):
             shutil.rmtree(cache_dir, ignore_errors=True)
@@ -249,7 +255,7 @@ def bench_memory(cache_dir: str, stop: str) -> dict[tuple[int, bool], int]:
             ]
             results = [_result(p) for p in procs]
             assert len({r["checksum"] for r in results}) == 1, "processes saw different data"
-            out[(n, cached)] = sum(r["pss"] for r in results)
+            out[(n, cached)] = (sum(r["pss"] for r in results), _tree_bytes(cache_dir))
             open(stop, "w").close()
             for p in procs:
                 p.wait()
@@ -282,11 +288,14 @@ def main() -> None:
             f"{_median([r['thirtieth'] for r in runs]):.3f} |"
         )
     print(f"\nHost memory for {data:.0f} MiB of held batches, sum of Pss over N processes (MiB):\n")
-    print("| N | own copy per process | shared cache | ratio |")
-    print("|---|---|---|---|")
+    print(
+        "| N | own copy per process: sum Pss | shared cache: sum Pss | ratio | cache files in tmpfs |"
+    )
+    print("|---|---|---|---|---|")
     for n in (1, 2, 4):
-        own, shared = memory[(n, False)] / 2**20, memory[(n, True)] / 2**20
-        print(f"| {n} | {own:.1f} | {shared:.1f} | {own / shared:.2f}x |")
+        own, shared = memory[(n, False)][0] / 2**20, memory[(n, True)][0] / 2**20
+        tmpfs = memory[(n, True)][1] / 2**20
+        print(f"| {n} | {own:.1f} | {shared:.1f} | {own / shared:.2f}x | {tmpfs:.1f} |")
 
 
 if __name__ == "__main__":
