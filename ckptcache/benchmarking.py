@@ -13,14 +13,17 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
 __all__ = [
     "DaemonHandle",
+    "EtcdServer",
     "Row",
     "best_of",
     "format_table",
+    "free_port",
     "make_state",
     "memcpy_seconds",
     "running_daemon",
@@ -140,3 +143,54 @@ def running_daemon(*args: str) -> Iterator[DaemonHandle]:
         proc.wait(timeout=30)
         shutil.rmtree(shm_dir, ignore_errors=True)
         shutil.rmtree(workdir, ignore_errors=True)
+
+
+def free_port() -> int:
+    """A TCP port free on loopback right now."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class EtcdServer:
+    """A real etcd (Debian's etcd-server) on loopback with its own data directory (tests and
+    benchmarks start one; nothing here is meant for production)."""
+
+    def __init__(self, data_dir: Path):
+        self.data_dir = data_dir
+        self.client_port = free_port()
+        self.peer_port = free_port()
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"etcd://127.0.0.1:{self.client_port}"
+
+    def start(self) -> EtcdServer:
+        client = f"http://127.0.0.1:{self.client_port}"
+        peer = f"http://127.0.0.1:{self.peer_port}"
+        cmd = ["etcd", "--data-dir", str(self.data_dir), "--name", "test",
+               "--listen-client-urls", client, "--advertise-client-urls", client,
+               "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
+               "--initial-cluster", f"test={peer}"]  # fmt: skip
+        log = open(self.data_dir.parent / "etcd.log", "ab")  # noqa: SIM115 - owned by the child
+        self.proc = subprocess.Popen(cmd, stdout=log, stderr=log)
+        log.close()
+        deadline = time.monotonic() + 30
+        import urllib.request
+
+        while True:
+            try:
+                urllib.request.urlopen(f"{client}/health", timeout=1).read()
+                return self
+            except OSError:
+                if time.monotonic() > deadline or self.proc.poll() is not None:
+                    raise RuntimeError("etcd did not start") from None
+                time.sleep(0.1)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            self.proc.wait(timeout=30)

@@ -15,6 +15,13 @@ python -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '2.13.
     || pip_install torch==2.13.0
 if [ "${1:-}" = "test" ]; then
     pip_install -e ".[test]"
+    # The cluster tests start a real etcd (Debian's etcd-server); they skip without one.
+    if ! command -v etcd >/dev/null 2>&1; then
+        SUDO=""
+        [ "$(id -u)" = "0" ] || SUDO="sudo -n"
+        ($SUDO apt-get update -qq && $SUDO apt-get install -y -qq etcd-server >/dev/null) \
+            || echo "warning: could not install etcd-server; cluster tests will be skipped" >&2
+    fi
 else
     pip_install -e .
 fi

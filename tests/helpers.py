@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 import ckptcache
+from ckptcache.benchmarking import EtcdServer, free_port  # noqa: F401 - shared with benchmarks
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -162,54 +163,6 @@ def read_only_dir(path: Path) -> Iterator[None]:
             yield
         finally:
             path.chmod(0o700)
-
-
-def free_port() -> int:
-    """A TCP port free on loopback right now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-class EtcdServer:
-    """A real etcd (Debian's etcd-server) on loopback with its own data directory."""
-
-    def __init__(self, data_dir: Path):
-        self.data_dir = data_dir
-        self.client_port = free_port()
-        self.peer_port = free_port()
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    @property
-    def url(self) -> str:
-        return f"etcd://127.0.0.1:{self.client_port}"
-
-    def start(self) -> EtcdServer:
-        client = f"http://127.0.0.1:{self.client_port}"
-        peer = f"http://127.0.0.1:{self.peer_port}"
-        cmd = ["etcd", "--data-dir", str(self.data_dir), "--name", "test",
-               "--listen-client-urls", client, "--advertise-client-urls", client,
-               "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
-               "--initial-cluster", f"test={peer}"]  # fmt: skip
-        log = open(self.data_dir.parent / "etcd.log", "ab")  # noqa: SIM115 - owned by the child
-        self.proc = subprocess.Popen(cmd, stdout=log, stderr=log)
-        log.close()
-        deadline = time.monotonic() + 30
-        import urllib.request
-
-        while True:
-            try:
-                urllib.request.urlopen(f"{client}/health", timeout=1).read()
-                return self
-            except OSError:
-                if time.monotonic() > deadline or self.proc.poll() is not None:
-                    raise RuntimeError("etcd did not start") from None
-                time.sleep(0.1)
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            self.proc.wait(timeout=30)
 
 
 def wait_until(condition: Any, timeout: float = 30.0, interval: float = 0.1) -> None:

@@ -94,8 +94,9 @@ class CachedDataLoader:
         prefetch: batches kept ready ahead of the slowest consumer.
         lookback: consumed batches kept (a checkpoint slightly behind still finds its batch).
         start_step, start_epoch: the position to resume from. Prefetching starts once the
-            position is known: at construction when one of these is given, else at
-            ``load_state_dict``, ``set_epoch`` or the first ``next``.
+            position is known: at construction when one of these is given or nothing is
+            cached yet (a cold start), else at ``load_state_dict``, ``set_epoch`` or the
+            first ``next``.
         is_loading_rank: whether this process runs the real loader; default: rank 0 of
             ``group``, or ``True`` without a process group.
         group: a ``torch.distributed`` process group of ranks reading the same batches, or a
@@ -173,7 +174,10 @@ class CachedDataLoader:
             self._prefetch_args = (prefetch, lookback, max_bytes)
         else:
             self._check_loader()  # remember a loader seen alive: its death is then definite
-        if known:
+        # A cold start (nothing cached for this run) may start loading from step 0 at once,
+        # overlapping the real loader's spin-up with the model's set-up; with batches left by
+        # a previous incarnation, wait for the real position (see _publish).
+        if known or (self.is_loading_rank and not self._bdir.scan()):
             self._publish()
         # Interpreter exit keeps the batches (a crash-restart wants them) but stops threads.
         atexit.register(_release_at_exit, weakref.ref(self))
@@ -221,9 +225,9 @@ class CachedDataLoader:
     def _publish(self) -> None:
         """Announce the position; the first time, start prefetching from it.
 
-        Nothing is announced before the position is known (an explicit start, a
-        ``load_state_dict``, ``set_epoch`` or the first ``next``): a provisional step 0
-        would make the loading rank evict the batches a restart is about to need.
+        After a restart nothing is announced before the position is known (an explicit
+        start, ``load_state_dict``, ``set_epoch`` or the first ``next``): a provisional step 0
+        would make the loading rank evict the batches the restart is about to need.
         """
         self._bdir.publish_position(self._pos)
         self._published = True

@@ -23,7 +23,6 @@ persisted beside it as ``<path>.conflict-<digest>`` so nothing is silently dropp
 from __future__ import annotations
 
 import logging
-import os
 import queue
 import threading
 import time
@@ -220,11 +219,7 @@ class Cluster:
                 ready = recv_msg(peer.sock)
                 if not ready.get("ok"):
                     raise ReplicationError(f"{target.node_id} refused: {ready.get('message')}")
-                fd = os.open(gen.segment.path, os.O_RDONLY | os.O_CLOEXEC)
-                try:
-                    send_region(peer.sock, fd, HEADER_SIZE, nbytes - HEADER_SIZE)
-                finally:
-                    os.close(fd)
+                send_region(peer.sock, gen.segment.path, HEADER_SIZE, nbytes - HEADER_SIZE)
                 done = recv_msg(peer.sock)
                 if not done.get("ok"):
                     raise ReplicationError(f"{target.node_id} rejected: {done.get('message')}")
@@ -265,11 +260,7 @@ class Cluster:
                 "ok": True, "nbytes": nbytes, "manifest_offset": header.manifest_offset,
                 "manifest_size": header.manifest_size, "generation": gen.number,
             })  # fmt: skip
-            fd = os.open(gen.segment.path, os.O_RDONLY | os.O_CLOEXEC)
-            try:
-                send_region(conn, fd, HEADER_SIZE, nbytes - HEADER_SIZE)
-            finally:
-                os.close(fd)
+            send_region(conn, gen.segment.path, HEADER_SIZE, nbytes - HEADER_SIZE)
         finally:
             self.core.unpin(gen)
 

@@ -20,7 +20,6 @@ import hashlib
 import hmac
 import json
 import logging
-import os
 import secrets
 import socket
 import struct
@@ -62,14 +61,16 @@ def recv_exact_into(sock: socket.socket, view: memoryview) -> None:
         view = view[n:]
 
 
-def send_region(sock: socket.socket, fd: int, offset: int, count: int) -> None:
-    """Send ``count`` bytes of file ``fd`` from ``offset`` straight from the page cache."""
-    while count:
-        sent = os.sendfile(sock.fileno(), fd, offset, min(count, 1 << 30))
-        if sent == 0:
-            raise ConnectionError("peer stopped reading")
-        offset += sent
-        count -= sent
+def send_region(sock: socket.socket, path: str, offset: int, count: int) -> None:
+    """Send ``count`` bytes of file ``path`` from ``offset`` straight from the page cache.
+
+    ``socket.sendfile`` (not ``os.sendfile``): sockets with a timeout are non-blocking
+    underneath, and it waits for writability instead of failing with EAGAIN.
+    """
+    with open(path, "rb") as f:
+        sent = sock.sendfile(f, offset, count)
+    if sent != count:
+        raise ConnectionError(f"sent {sent} of {count} bytes")
 
 
 def send_msg(sock: socket.socket, message: dict[str, Any]) -> None:

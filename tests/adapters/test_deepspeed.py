@@ -46,7 +46,9 @@ def test_crash_then_resume_from_memory(daemon_factory, tmp_path, stage):
     assert not list((ck / TAG).glob("*.pt"))
     with d.client() as c:
         assert {Path(o.path).name for o in c.list(str(ck / TAG))} >= {
-            "zero_pp_rank_0_mp_rank_00_model_states.pt" if stage == 3 else "mp_rank_00_model_states.pt"
+            "zero_pp_rank_0_mp_rank_00_model_states.pt"
+            if stage == 3
+            else "mp_rank_00_model_states.pt"
         }
     ds("resume", stage, ck, out, daemon=d)
     assert_states_equal(states(out, "resume"), states(out, "reference"))

@@ -17,8 +17,6 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
-from ckptcache.adapters.dcp import CacheReader, CacheWriter
-
 FULL = torch.arange(96, dtype=torch.float32).reshape(24, 4)
 BIAS = torch.linspace(0, 1, 10)
 
@@ -49,12 +47,16 @@ def injected(base: type, phase: str, rank: int) -> type:
 
 
 def failures(mesh, ck: str) -> None:
+    from ckptcache.adapters.dcp import CacheReader, CacheWriter
+
     rank = dist.get_rank()
     for phase, on in [("prepare_local_plan", 1), ("prepare_global_plan", 0),
                       ("write_data", 1), ("finish", 0)]:  # fmt: skip
         where = os.path.join(ck, f"w-{phase}")
         try:
-            dcp.save(make_state(mesh, False), storage_writer=injected(CacheWriter, phase, on)(where))
+            dcp.save(
+                make_state(mesh, False), storage_writer=injected(CacheWriter, phase, on)(where)
+            )
         except CheckpointException as e:
             assert "injected storage failure" in str(e), e
         else:
@@ -94,6 +96,8 @@ def failures(mesh, ck: str) -> None:
 
 def run(rank: int, world: int, mode: str, ck: str) -> None:
     dist.init_process_group("gloo")
+    from ckptcache.adapters.dcp import CacheReader, CacheWriter
+
     mesh = init_device_mesh("cpu", (world,))
     if mode == "save":
         dcp.save(make_state(mesh, False), storage_writer=CacheWriter(ck))
@@ -105,7 +109,9 @@ def run(rank: int, world: int, mode: str, ck: str) -> None:
         sd["model"]["b"].mul_(-1)
         sd["model"]["w"].to_local().zero_()
         response.result()
-        assert not [p for p in os.listdir("/tmp") if p.startswith(f"ckptcache-dcp-staging-{os.getpid()}")]
+        assert not [
+            p for p in os.listdir("/tmp") if p.startswith(f"ckptcache-dcp-staging-{os.getpid()}")
+        ]
     elif mode in ("load", "loadfs"):
         sd = make_state(mesh, True)
         reader = CacheReader(ck) if mode == "load" else dcp.FileSystemReader(ck)

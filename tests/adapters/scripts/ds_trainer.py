@@ -12,7 +12,6 @@ import os
 import signal
 import sys
 
-import deepspeed
 import torch
 from _dist import launch, tensors_of
 
@@ -25,6 +24,8 @@ def batch(step: int, rank: int) -> torch.Tensor:
 
 
 def train(rank: int, world: int, mode: str, stage: int, ckpt_dir: str, out_dir: str) -> None:
+    import deepspeed  # in the ranks only: the launching process never needs it
+
     deepspeed.init_distributed(dist_backend="gloo")
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))

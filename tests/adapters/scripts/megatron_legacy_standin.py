@@ -22,7 +22,10 @@ def isfile(filename: str) -> bool:
 
 def get_checkpoint_name(checkpoints_path: str, iteration: int, tensor_rank: int) -> str:
     return os.path.join(
-        checkpoints_path, f"iter_{iteration:07d}", f"mp_rank_{tensor_rank:02d}", "model_optim_rng.pt"
+        checkpoints_path,
+        f"iter_{iteration:07d}",
+        f"mp_rank_{tensor_rank:02d}",
+        "model_optim_rng.pt",
     )
 
 

@@ -11,19 +11,20 @@ import os
 import signal
 import sys
 
+import megatron_legacy_standin as standin
 import torch
 import torch.distributed as dist
 from _dist import launch
-from megatron.core import dist_checkpointing
-from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
 
-import megatron_legacy_standin as standin
+# megatron-core is imported inside the ranks only: the launching process never needs it.
 
 FULL = torch.arange(64 * 6, dtype=torch.float32).reshape(64, 6)
 EMB = torch.linspace(-1, 1, 16 * 4).reshape(16, 4)
 
 
 def sharded(rank: int, world: int, empty: bool, with_rng: bool = True) -> dict:
+    from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
+
     w = FULL.chunk(world)[rank]
     e = EMB.chunk(world, dim=1)[rank]
     state = {
@@ -36,7 +37,9 @@ def sharded(rank: int, world: int, empty: bool, with_rng: bool = True) -> dict:
         "iteration": 0 if empty else 7,
     }
     if with_rng:  # per-rank objects only load at the parallelism they were saved with
-        state["rng"] = ShardedObject("rng", None if empty else {"seed": 100 + rank}, (world,), (rank,))
+        state["rng"] = ShardedObject(
+            "rng", None if empty else {"seed": 100 + rank}, (world,), (rank,)
+        )
     return state
 
 
@@ -58,10 +61,14 @@ def legacy_state(rank: int) -> dict:
 
 def run(rank: int, world: int, mode: str, ck: str, saved_world: int) -> None:
     dist.init_process_group("gloo")
+    from megatron.core import dist_checkpointing
+
     from ckptcache.adapters import megatron as cm
 
     if mode == "dist-save":
-        dist_checkpointing.save(sharded(rank, world, False), ck, sharded_strategy=cm.CacheSaveShardedStrategy())
+        dist_checkpointing.save(
+            sharded(rank, world, False), ck, sharded_strategy=cm.CacheSaveShardedStrategy()
+        )
     elif mode == "dist-load":
         state = dist_checkpointing.load(
             sharded(rank, world, True, world == saved_world),
