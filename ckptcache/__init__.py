@@ -5,7 +5,7 @@ Replace ``torch.save``/``torch.load`` with :func:`save`/:func:`load`; see README
 
 __version__ = "0.1.0"
 
-from ckptcache.api import delete, exists, load, save, status, wait
+from ckptcache.api import delete, exists, load, prefetch, save, status, wait
 from ckptcache.client import Client
 from ckptcache.errors import (
     BudgetExceeded,
@@ -48,6 +48,7 @@ __all__ = [
     "delete",
     "exists",
     "load",
+    "prefetch",
     "save",
     "status",
     "wait",

@@ -15,6 +15,7 @@ __all__ = [
     "delete",
     "exists",
     "load",
+    "prefetch",
     "save",
     "set_default_client",
     "status",
@@ -90,6 +91,12 @@ def wait(
     :class:`~ckptcache.errors.PathNotAllowed` for a path under no persist root.
     """
     default_client().wait(path, prefix=prefix, timeout=timeout)
+
+
+def prefetch(paths: Any) -> list[str]:
+    """Warm the local cache with ``paths`` before the trainer needs them (from a peer's memory
+    or storage, one storage read per group); returns the tier each came from."""
+    return default_client().prefetch(paths)
 
 
 def exists(path: str | os.PathLike[str]) -> bool:

@@ -11,12 +11,22 @@ Because every size is known up front, the layout is computed once as a list of m
 
 from __future__ import annotations
 
+import io
 import struct
 import sys
+import zipfile
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
-__all__ = ["ARCHIVE_ALIGNMENT", "ArchivePlan", "plan_archive"]
+__all__ = [
+    "ARCHIVE_ALIGNMENT",
+    "ArchivePlan",
+    "ParsedArchive",
+    "count_records",
+    "parse_archive",
+    "plan_archive",
+]
 
 #: Alignment of every record's data, as ``torch.utils.serialization.config.save.storage_alignment``.
 ARCHIVE_ALIGNMENT = 64
@@ -168,3 +178,92 @@ def plan_archive(
         pickle_offset=entries[0].data_offset,
         pickle_size=len(pickle_bytes),
     )
+
+
+@dataclass(frozen=True)
+class ParsedArchive:
+    """Where the pickle and each storage record lie inside an existing archive."""
+
+    pickle_offset: int
+    pickle_size: int
+    #: storage key -> (data offset, size), in key order
+    storages: dict[str, tuple[int, int]]
+
+
+class _ViewReader(io.RawIOBase):
+    """A seekable file over a memoryview, so zipfile can parse without copying the archive."""
+
+    def __init__(self, view: memoryview):
+        self._view = view
+        self._pos = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        base = {0: 0, 1: self._pos, 2: len(self._view)}[whence]
+        self._pos = max(0, base + offset)
+        return self._pos
+
+    def readinto(self, buf: Any) -> int:
+        chunk = self._view[self._pos : self._pos + len(buf)]
+        buf[: len(chunk)] = chunk
+        self._pos += len(chunk)
+        return len(chunk)
+
+
+def parse_archive(view: memoryview) -> ParsedArchive:
+    """Locate ``data.pkl`` and every ``data/<key>`` record of a ``torch.save`` archive (ours or
+    PyTorch's own writer's); raises ``ValueError`` for anything that is not one."""
+    try:
+        infos = zipfile.ZipFile(io.BufferedReader(_ViewReader(view))).infolist()
+    except (zipfile.BadZipFile, OSError, EOFError) as e:
+        raise ValueError(f"not a torch.save archive: {e}") from e
+    pickle: tuple[int, int] | None = None
+    storages: dict[str, tuple[int, int]] = {}
+    for info in infos:
+        if info.compress_type != zipfile.ZIP_STORED:
+            raise ValueError(f"compressed record {info.filename!r}: not a torch.save archive")
+        local = bytes(view[info.header_offset : info.header_offset + _LOCAL_HEADER.size])
+        fields = _LOCAL_HEADER.unpack(local)
+        if fields[0] != 0x04034B50:
+            raise ValueError(f"bad local header for {info.filename!r}")
+        data = info.header_offset + _LOCAL_HEADER.size + fields[9] + fields[10]
+        if data + info.file_size > len(view):
+            raise ValueError(f"record {info.filename!r} runs past the end (truncated file)")
+        name = info.filename.split("/", 1)[-1]
+        if name == "data.pkl":
+            pickle = (data, info.file_size)
+        elif name.startswith("data/"):
+            storages[name[5:]] = (data, info.file_size)
+    if pickle is None:
+        raise ValueError("no data.pkl record: not a torch.save archive")
+    ordered = dict(sorted(storages.items(), key=lambda kv: int(kv[0]) if kv[0].isdigit() else 0))
+    return ParsedArchive(pickle[0], pickle[1], ordered)
+
+
+def count_records(size: int, read: Any) -> int:
+    """Records in an archive of ``size`` bytes, from its end records alone.
+
+    ``read(offset, n) -> bytes`` reads a range; only the last few dozen bytes are needed.
+    """
+    if size < 22:
+        raise ValueError("too short to be a zip archive")
+    eocd = read(size - 22, 22)
+    if eocd[:4] != b"PK\x05\x06":
+        raise ValueError("no end-of-central-directory record (truncated or commented archive)")
+    entries = struct.unpack_from("<H", eocd, 10)[0]
+    if entries != 0xFFFF or size < 22 + 20:
+        return int(entries)
+    locator = read(size - 42, 20)
+    if locator[:4] != b"PK\x06\x07":
+        return int(entries)
+    (eocd64_offset,) = struct.unpack_from("<Q", locator, 8)
+    eocd64 = read(eocd64_offset, 56)
+    return int(struct.unpack_from("<Q", eocd64, 32)[0])

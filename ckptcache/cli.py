@@ -158,6 +158,22 @@ def _cmd_rm(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_prefetch(args: argparse.Namespace) -> int:
+    def bar(done: int, total: int, path: str, tier: str) -> None:
+        if args.json:
+            return
+        width = 30
+        filled = width * done // total
+        print(f"\r[{'#' * filled}{'-' * (width - filled)}] {done}/{total} {tier:<7} {path}",
+              end="\n" if done == total else "", flush=True)  # fmt: skip
+
+    with _client(args) as client:
+        tiers = client.prefetch(args.paths, progress=bar)
+    if args.json:
+        print(json.dumps(dict(zip(args.paths, tiers, strict=True)), indent=2))
+    return 0
+
+
 def _cmd_demo(args: argparse.Namespace) -> int:
     from ckptcache.demo import run_demo
 
@@ -218,6 +234,11 @@ def _parser() -> argparse.ArgumentParser:
     rm.add_argument("path")
     client_opts(rm)
     rm.set_defaults(fn=_cmd_rm)
+
+    pf = sub.add_parser("prefetch", help="warm this node's cache (from peers or storage)")
+    pf.add_argument("paths", nargs="+")
+    client_opts(pf)
+    pf.set_defaults(fn=_cmd_prefetch)
 
     demo = sub.add_parser("demo", help="start a daemon, save, kill the saver, reload, benchmark")
     demo.add_argument("--size-mib", type=int, default=512, help="state dict size (default 512)")

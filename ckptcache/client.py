@@ -11,8 +11,10 @@ stops training unless ``fallback="raise"`` asks for it.
 
 from __future__ import annotations
 
+import builtins
 import io
 import json
+import logging
 import os
 import threading
 import time
@@ -49,6 +51,8 @@ __all__ = ["DURABILITY_LEVELS", "Client", "normalize_path"]
 DURABILITY_LEVELS = ("local", "backup", "persisted")
 
 R = TypeVar("R")
+
+log = logging.getLogger(__name__)
 
 
 def normalize_path(path: Any) -> str:
@@ -296,6 +300,7 @@ class Client:
             )
         except (CheckpointNotFound, DaemonUnavailable) as e:
             return self._load_file(path, map_location, weights_only, mmap, e)
+        log.debug("load of %s served from the %s tier", path, reply.tier)
         try:
             return self._load_segment(reply, map_location, weights_only, mmap, verify)
         except CorruptCheckpoint as e:
@@ -447,6 +452,22 @@ class Client:
                 )
             if deadline is not None and time.monotonic() >= deadline:
                 raise PersistTimeout(f"{path!r} was not persisted within the timeout")
+
+    def prefetch(
+        self, paths: Any, progress: Callable[[int, int, str, str], None] | None = None
+    ) -> builtins.list[str]:
+        """Warm this node's cache with ``paths`` (from peers or storage); returns the tier
+        each came from. ``progress(done, total, path, tier)`` is called after each path."""
+        items = [
+            normalize_path(p) for p in ([paths] if isinstance(paths, (str, os.PathLike)) else paths)
+        ]
+        tiers = []
+        for i, path in enumerate(items):
+            reply = self._call("prefetch", m.PrefetchRequest(self.namespace, path), m.PrefetchReply)
+            tiers.append(reply.tier)
+            if progress is not None:
+                progress(i + 1, len(items), path, reply.tier)
+        return tiers
 
     def daemon_status(self) -> m.DaemonStatus:
         """Daemon-wide counters."""

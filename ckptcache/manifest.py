@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from ckptcache._digest import DIGEST_ALGORITHM, digest_bytes, digest_hex
-from ckptcache.archive import ArchivePlan, plan_archive
+from ckptcache.archive import ArchivePlan, ParsedArchive, plan_archive
 from ckptcache.errors import CorruptCheckpoint
 from ckptcache.flatten import Flattened
 from ckptcache.layout import HEADER_SIZE, SegmentLayout, plan_segment
@@ -26,6 +26,7 @@ __all__ = [
     "ObjectPlan",
     "StorageRecord",
     "compute_digests",
+    "manifest_from_archive",
     "object_digest",
     "pack_digests",
     "plan_object",
@@ -146,6 +147,22 @@ def plan_object(flat: Flattened, path: str, namespace: str) -> ObjectPlan:
     encoded = manifest.to_json()
     layout = plan_segment(archive.size, len(encoded), len(records))
     return ObjectPlan(layout, archive, manifest, encoded)
+
+
+def manifest_from_archive(parsed: ParsedArchive, path: str, namespace: str, size: int) -> Manifest:
+    """The manifest of an archive read back from storage (placed at ``HEADER_SIZE``).
+
+    Dtypes and tensor names are not recorded in a plain archive; the skeleton carries them.
+    """
+    records = tuple(
+        StorageRecord(key, HEADER_SIZE + off, n, "unknown", "", f"<storage {key}>")
+        for key, (off, n) in parsed.storages.items()
+    )
+    return Manifest(
+        path=path, namespace=namespace, payload_offset=HEADER_SIZE, payload_size=size,
+        pickle_offset=HEADER_SIZE + parsed.pickle_offset, pickle_size=parsed.pickle_size,
+        storages=records, created=time.time(),
+    )  # fmt: skip
 
 
 def compute_digests(buf: memoryview, manifest: Manifest) -> list[int]:

@@ -174,6 +174,7 @@ def _hold_loader() -> DataLoader[torch.Tensor]:
 def role_hold(cfg: dict[str, Any]) -> None:
     """Hold ``HOLD`` batches, report the Pss they cost, wait for the stop file."""
     dl: Any
+    before = _pss()  # before the loader exists: its own working memory counts too
     if cfg["cached"]:
         from ckptcache.data import CachedDataLoader
 
@@ -184,7 +185,6 @@ def role_hold(cfg: dict[str, Any]) -> None:
         )  # fmt: skip
     else:
         dl = _hold_loader()
-    before = _pss()
     it = iter(dl)
     held = [next(it) for _ in range(HOLD)]
     checksum = sum(float(b.sum()) for b in held)  # touch every page

@@ -26,12 +26,14 @@ import logging
 import queue
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 from ckptcache._digest import digest_bytes, digest_hex
-from ckptcache.errors import CkptCacheError, ConfigError, ReplicationError
-from ckptcache.layout import HEADER_SIZE
-from ckptcache.manifest import object_digest
+from ckptcache.archive import count_records, parse_archive
+from ckptcache.errors import CkptCacheError, ConfigError, CorruptCheckpoint, ReplicationError
+from ckptcache.layout import HEADER_SIZE, plan_segment
+from ckptcache.manifest import manifest_from_archive, object_digest
 from ckptcache.server.coord import CoordinatorUnavailable, NodeInfo, make_coordinator
 from ckptcache.server.dataplane import (
     DataPlaneClient,
@@ -41,6 +43,7 @@ from ckptcache.server.dataplane import (
     send_msg,
     send_region,
 )
+from ckptcache.storage import backend_for
 
 if TYPE_CHECKING:
     import socket
@@ -78,8 +81,9 @@ class Cluster:
         if cfg.listen:
             assert self.secret is not None
             self.server = DataPlaneServer(
-                cfg.listen, self.secret, {"push": self._on_push, "fetch": self._on_fetch}
-            )
+                cfg.listen, self.secret,
+                {"push": self._on_push, "fetch": self._on_fetch, "corrupt": self._on_corrupt},
+            )  # fmt: skip
         self.node = NodeInfo(cfg.node_id, cfg.host, self.server.address if self.server else "")
         self._work: queue.Queue[Generation | None] = queue.Queue()
         self._standby: dict[Generation, tuple[str, str]] = {}
@@ -264,19 +268,6 @@ class Cluster:
         finally:
             self.core.unpin(gen)
 
-    def fetch(self, namespace: str, path: str, exclude: set[str]) -> Generation | None:
-        """Pull the newest copy of ``path`` from any live holder into the local arena."""
-        holders = self.holders(namespace, path)
-        for node in holders:
-            if node.node_id in exclude or node.node_id == self.node.node_id:
-                continue
-            try:
-                return self._fetch_from(node, namespace, path)
-            except (OSError, CkptCacheError) as e:
-                log.warning("fetch of %s from %s failed: %s", path, node.node_id, e)
-                exclude.add(node.node_id)
-        return None
-
     def _fetch_from(self, node: NodeInfo, namespace: str, path: str) -> Generation:
         assert self.secret is not None
         with DataPlaneClient(node.data_addr, self.secret) as peer:
@@ -289,6 +280,127 @@ class Cluster:
                 int(head["manifest_size"]), lambda view: recv_exact_into(peer.sock, view),
                 origin=node.node_id,
             )  # fmt: skip
+
+    # ----------------------------------------------------------------- tiered load
+
+    def load_remote(self, namespace: str, path: str, timeout: float = 120.0) -> Generation:
+        """Bring ``path`` into this node's memory from the cheapest remote tier.
+
+        Peers first (any live holder, newest commit first; a corrupt copy is reported to its
+        holder and the next one is tried). Else storage, read once per group: concurrent
+        loaders elect one reader (``loads/<path>``), the others fetch from the first holder
+        that appears; if the reader dies its lease ends and another member takes over.
+        """
+        from ckptcache.errors import CheckpointNotFound
+
+        tried: set[str] = set()
+        deadline = time.monotonic() + timeout
+        ph = path_hash(namespace, path)
+        while time.monotonic() < deadline:
+            for node in self.holders(namespace, path):
+                if node.node_id in tried or node.node_id == self.node.node_id:
+                    continue
+                try:
+                    return self._fetch_from(node, namespace, path)
+                except CorruptCheckpoint as e:
+                    log.error("corrupt copy of %s on %s: %s", path, node.node_id, e)
+                    self.core.metrics.corrupt.labels(tier="peer").inc()
+                    self._report_corrupt(node, namespace, path, str(e))
+                except (OSError, CkptCacheError) as e:
+                    log.warning("fetch of %s from %s failed: %s", path, node.node_id, e)
+                tried.add(node.node_id)
+            if not self._in_storage(path):
+                break
+            if self.coord.elect(f"loads/{ph}", {"node": self.node.node_id}):
+                try:
+                    gen = self._load_from_storage(namespace, path)
+                    self._announce(gen)  # before stepping down: joiners find a holder
+                    return gen
+                finally:
+                    self._withdraw(f"loads/{ph}")
+            # Another member is reading storage for the group: wait for it to hold a copy.
+            while time.monotonic() < deadline and self.coord.get(f"loads/{ph}") is not None:
+                if any(n.node_id not in tried for n in self.holders(namespace, path)):
+                    break
+                time.sleep(0.05)
+        raise CheckpointNotFound(
+            f"{path!r} is in no peer's memory and could not be read from storage"
+        )
+
+    def _in_storage(self, path: str) -> bool:
+        from ckptcache.errors import PathNotAllowed
+
+        try:
+            if self.core.roots.root_for(path) is None:
+                return False  # the daemon reads storage only under its roots
+        except PathNotAllowed:
+            return False
+        try:
+            return backend_for(path, self.core.persister.options).exists(path)
+        except (OSError, ValueError, ImportError):
+            return False
+
+    def _load_from_storage(self, namespace: str, path: str) -> Generation:
+        """Read a persisted archive into the arena with parallel ranged reads."""
+        backend = backend_for(path, self.core.persister.options)
+        size = backend.size(path)
+
+        def read(offset: int, n: int) -> bytes:
+            buf = bytearray(n)
+            backend.read_into(path, offset, memoryview(buf))
+            return bytes(buf)
+
+        entries = count_records(size, read)
+        capacity = 256 * entries + 4096  # manifest JSON, padded to this exact size
+        layout = plan_segment(size, capacity, entries)
+        t0 = time.perf_counter()
+
+        def fill(view: memoryview) -> None:
+            chunk = max(8 << 20, -(-size // self.config.s3_max_concurrency))
+            ranges = [(off, min(chunk, size - off)) for off in range(0, size, chunk)]
+            with ThreadPoolExecutor(self.config.s3_max_concurrency) as pool:
+                list(pool.map(lambda r: backend.read_into(path, r[0], view[r[0] : r[0] + r[1]]),
+                              ranges))  # fmt: skip
+            parsed = parse_archive(view[:size])
+            manifest = manifest_from_archive(parsed, path, namespace, size).to_json()
+            if len(manifest) > capacity:
+                raise CorruptCheckpoint(f"{path!r}: manifest larger than planned", tier="storage")
+            start = layout.manifest_offset - HEADER_SIZE
+            view[start : start + capacity] = manifest.ljust(capacity)
+
+        try:
+            gen = self.core.receive(
+                namespace, path, layout.nbytes, layout.manifest_offset, capacity, fill,
+                origin="storage", verify=False, persisted=True,
+            )  # fmt: skip
+        except ValueError as e:
+            raise CorruptCheckpoint(f"{path!r} in storage is not a readable archive: {e}",
+                                    tier="storage") from e  # fmt: skip
+        self.core.metrics.storage_reads.inc()
+        log.info("read %s from storage for the group (%.0f MB/s)", path,
+                 size / max(time.perf_counter() - t0, 1e-9) / 1e6)  # fmt: skip
+        return gen
+
+    def _report_corrupt(self, node: NodeInfo, namespace: str, path: str, detail: str) -> None:
+        assert self.secret is not None
+        try:
+            with DataPlaneClient(node.data_addr, self.secret, timeout=10) as peer:
+                send_msg(peer.sock, {"op": "corrupt", "namespace": namespace, "path": path,
+                                     "detail": detail})  # fmt: skip
+                recv_msg(peer.sock)
+        except (OSError, CkptCacheError):
+            pass
+
+    def _on_corrupt(self, conn: socket.socket, req: dict[str, Any]) -> None:
+        from ckptcache.wire import messages as m
+
+        with self.core.cond:
+            gen = self.core.index.newest((str(req["namespace"]), str(req["path"])))
+        if gen is not None:
+            self.core.report_corrupt(self.core.internal, m.ReportCorruptRequest(
+                gen.namespace, gen.path, gen.number, f"peer found: {req.get('detail', '')}"
+            ))  # fmt: skip
+        send_msg(conn, {"ok": True})
 
     def holders(self, namespace: str, path: str) -> list[NodeInfo]:
         """Live nodes announcing a copy of ``path`` (newest commit first)."""

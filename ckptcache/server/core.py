@@ -337,9 +337,13 @@ class CacheCore:
         manifest_size: int,
         fill: Callable[[memoryview], None],
         origin: str,
+        *,
+        verify: bool = True,
+        persisted: bool = False,
     ) -> Generation:
-        """Take a copy pushed by a peer: reserve, ``fill`` the bytes after the header, verify
-        every digest against the sender's table, and commit it as this node's generation."""
+        """Take a copy from a peer or storage: reserve, ``fill`` the bytes after the header,
+        verify every digest against the table that came with them (``verify``) or compute the
+        table (a copy read from storage), and commit it as this node's generation."""
         reply = self.reserve(self.internal, m.ReserveRequest(namespace, path, nbytes))
         with self.cond:
             segment = self.internal.reservations[reply.reservation].segment
@@ -355,16 +359,21 @@ class CacheCore:
             )  # fmt: skip
             view = segment.view()
             try:
-                start = header.digest_offset
-                table = unpack_digests(
-                    view[start : start + 8 * header.n_storages], header.n_storages
-                )
-                verify_digests(view, manifest, table, tier="peer")
+                start, n = header.digest_offset, header.n_storages
+                if verify:
+                    table = unpack_digests(view[start : start + 8 * n], n)
+                    verify_digests(view, manifest, table, tier="peer")
+                else:
+                    table = compute_digests(view, manifest)
+                    view[start : start + 8 * n] = pack_digests(table)
             finally:
                 del view
         except BaseException:
             self.abort(self.internal, m.AbortRequest(reply.reservation))
             raise
+        if persisted:
+            with self.cond:
+                self.internal.reservations[reply.reservation].persist = False
         self.commit(
             self.internal, m.CommitRequest(reply.reservation, manifest_offset, manifest_size)
         )
@@ -374,7 +383,12 @@ class CacheCore:
             gen.origin = origin
             gen.digests = table
             header = gen.segment.read_header()
-            gen.segment.write_header(replace(header, digest_state=DigestState.VALID))
+            if persisted:  # read back from its own storage path: already safe there
+                gen.persisted, gen.persist_state = True, "persisted"
+                gen.needs_persist = False
+            gen.segment.write_header(
+                replace(header, digest_state=DigestState.VALID, persisted=int(persisted))
+            )
         return gen
 
     def ensure_digests(self, gen: Generation) -> list[int]:
@@ -488,9 +502,18 @@ class CacheCore:
     def open(self, session: Session, req: m.OpenRequest) -> m.OpenReply:
         """Pin a generation for a load and say where it lies."""
         t0 = time.perf_counter()
-        with self.cond:
-            gen = self._lookup(req.namespace, req.path, req.generation)
-            self.pin(gen)
+        tier = "local"
+        try:
+            with self.cond:
+                gen = self._lookup(req.namespace, req.path, req.generation)
+                self.pin(gen)
+        except CheckpointNotFound:
+            if self.cluster is None or req.generation is not None:
+                raise
+            gen = self.cluster.load_remote(req.namespace, req.path)
+            tier = "storage" if gen.origin == "storage" else "peer"
+            with self.cond:
+                self.pin(gen)
         try:
             if req.need_digests and gen.digests is None:
                 self._compute_digests(gen)
@@ -501,13 +524,24 @@ class CacheCore:
             lease = next(self._ids)
             session.leases[lease] = gen
             header = gen.segment.read_header()
-            self.metrics.loads.labels(tier="local").inc()
-            self.metrics.bytes_loaded.labels(tier="local").inc(gen.size)
+            gen.last_load_tier = tier
+            self.metrics.loads.labels(tier=tier).inc()
+            self.metrics.bytes_loaded.labels(tier=tier).inc(gen.size)
         self.metrics.load_latency.observe(time.perf_counter() - t0)
+        log.debug("load of %s served from the %s tier", gen.path, tier)
         return m.OpenReply(
             lease, gen.segment.name, gen.segment.capacity, gen.number, header.manifest_offset,
             header.manifest_size, header.digest_offset, header.n_storages, gen.digests is not None,
+            tier,
         )  # fmt: skip
+
+    def prefetch(self, session: Session, req: m.PrefetchRequest) -> m.PrefetchReply:
+        """Warm this node's memory with ``path`` (peer or storage) without pinning it."""
+        reply = self.open(session, m.OpenRequest(req.namespace, req.path))
+        self.release(session, m.ReleaseRequest((reply.lease,)))
+        with self.cond:
+            gen = self._lookup(req.namespace, req.path)
+            return m.PrefetchReply(reply.tier, gen.size, gen.number)
 
     def release(self, session: Session, req: m.ReleaseRequest) -> None:
         """Drop leases (unknown ones are ignored: a release may race a reconnect)."""
@@ -598,6 +632,7 @@ class CacheCore:
             generations=len(self.index.generations(gen.key)), persist_state=gen.persist_state,
             persist_error=gen.persist_error, persist_seconds=gen.persist_seconds,
             replicas=tuple(sorted(gen.replicas)), origin=gen.origin, conflict=gen.conflict,
+            last_load_tier=gen.last_load_tier,
         )  # fmt: skip
 
     def stat(self, session: Session, req: m.StatRequest) -> m.ObjectInfo:

@@ -46,6 +46,8 @@ class Generation:
     replicas: set[str] = field(default_factory=set)
     #: Set when nodes of the redundancy group disagree on the content of this path.
     conflict: str = ""
+    #: The tier that served the most recent load ("local", "peer", "storage").
+    last_load_tier: str = ""
 
     @property
     def key(self) -> Key:

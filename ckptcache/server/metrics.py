@@ -47,6 +47,9 @@ class Metrics:
             "ckptcache_persist_seconds", "Time to persist one object",
             buckets=_LATENCY_BUCKETS, registry=r,
         )  # fmt: skip
+        self.storage_reads = Counter(
+            "ckptcache_storage_reads", "Objects read from storage into memory", registry=r
+        )
         self.persist_queue = Gauge(
             "ckptcache_persist_queue", "Objects waiting to persist", registry=r
         )

@@ -75,6 +75,7 @@ class CacheService(rpyc.Service):  # type: ignore[misc]
             "verify": (m.VerifyRequest, core.verify),
             "status": (m.StatusRequest, core.status),
             "wait": (m.WaitRequest, core.wait),
+            "prefetch": (m.PrefetchRequest, core.prefetch),
         }
 
     def on_connect(self, conn: rpyc.Connection) -> None:

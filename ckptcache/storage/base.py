@@ -10,6 +10,11 @@ and for a load without a daemon (client side)::
     backend.exists(path)
     backend.open_read(path)                    # a readable, seekable binary file object
 
+and for a group load into the daemon's memory (ranges fetched in parallel)::
+
+    backend.size(path)
+    backend.read_into(path, offset, view)      # one ranged read straight into a segment
+
 ``write`` must never leave a partial object visible under ``path``: file systems write a
 temporary name, fsync and rename; S3 completes a multipart upload only after every part.
 Failures raise ``OSError`` subclasses (``PermissionError``, ``FileNotFoundError``, or a plain
@@ -56,6 +61,14 @@ class StorageBackend(abc.ABC):
     @abc.abstractmethod
     def open_read(self, path: str) -> BinaryIO:
         """Open ``path`` for reading; raises ``FileNotFoundError`` if absent."""
+
+    @abc.abstractmethod
+    def size(self, path: str) -> int:
+        """Bytes of the object at ``path``; raises ``FileNotFoundError`` if absent."""
+
+    @abc.abstractmethod
+    def read_into(self, path: str, offset: int, view: memoryview) -> None:
+        """Fill ``view`` with the bytes of ``path`` starting at ``offset`` (one ranged read)."""
 
     @abc.abstractmethod
     def delete(self, path: str) -> None:

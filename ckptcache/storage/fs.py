@@ -79,6 +79,20 @@ class FileBackend(StorageBackend):
     def open_read(self, path: str) -> BinaryIO:
         return open(path, "rb")
 
+    def size(self, path: str) -> int:
+        return os.path.getsize(path)
+
+    def read_into(self, path: str, offset: int, view: memoryview) -> None:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            while view:
+                n = os.preadv(fd, [view], offset)
+                if n == 0:
+                    raise OSError(f"{path} ended early (truncated while reading?)")
+                view, offset = view[n:], offset + n
+        finally:
+            os.close(fd)
+
     def delete(self, path: str) -> None:
         try:
             os.unlink(path)

@@ -64,6 +64,23 @@ class FsspecBackend(StorageBackend):
             raise FileNotFoundError(path)
         return fs.open(real, "rb")  # type: ignore[no-any-return]
 
+    def size(self, path: str) -> int:
+        fs, real = self._fs(path)
+        if not fs.isfile(real):
+            raise FileNotFoundError(path)
+        return int(fs.size(real))
+
+    def read_into(self, path: str, offset: int, view: memoryview) -> None:
+        fs, real = self._fs(path)
+        with fs.open(real, "rb") as f:
+            f.seek(offset)
+            while view:
+                chunk = f.read(len(view))
+                if not chunk:
+                    raise OSError(f"{path} ended early")
+                view[: len(chunk)] = chunk
+                view = view[len(chunk) :]
+
     def delete(self, path: str) -> None:
         fs, real = self._fs(path)
         if fs.exists(real):

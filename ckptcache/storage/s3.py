@@ -125,6 +125,27 @@ class S3Backend(StorageBackend):
         reply = self._call("get object", self.client.get_object, Bucket=bucket, Key=key)
         return io.BytesIO(reply["Body"].read())
 
+    def size(self, path: str) -> int:
+        bucket, key = split_s3_url(path)
+        reply = self._call("head object", self.client.head_object, Bucket=bucket, Key=key)
+        return int(reply["ContentLength"])
+
+    def read_into(self, path: str, offset: int, view: memoryview) -> None:
+        bucket, key = split_s3_url(path)
+        rng = f"bytes={offset}-{offset + len(view) - 1}"
+        reply = self._call("get object range", self.client.get_object, Bucket=bucket, Key=key,
+                           Range=rng)  # fmt: skip
+        body = reply["Body"]
+        try:
+            while view:
+                chunk = body.read(min(len(view), 8 << 20))
+                if not chunk:
+                    raise OSError(f"{path}: range {rng} ended early")
+                view[: len(chunk)] = chunk
+                view = view[len(chunk) :]
+        finally:
+            body.close()
+
     def delete(self, path: str) -> None:
         bucket, key = split_s3_url(path)
         self._call("delete object", self.client.delete_object, Bucket=bucket, Key=key)

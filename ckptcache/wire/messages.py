@@ -33,6 +33,8 @@ __all__ = [
     "ObjectInfo",
     "OpenReply",
     "OpenRequest",
+    "PrefetchReply",
+    "PrefetchRequest",
     "ReleaseRequest",
     "ReportCorruptRequest",
     "ReserveReply",
@@ -183,6 +185,7 @@ class OpenReply:
     digest_offset: int
     n_storages: int
     digests_valid: bool
+    tier: str = "local"
 
 
 @dataclass(frozen=True)
@@ -200,6 +203,23 @@ class ReportCorruptRequest:
     path: str
     generation: int
     detail: str
+
+
+@dataclass(frozen=True)
+class PrefetchRequest:
+    """Bring a path into this node's memory (from a peer or storage) without loading it."""
+
+    namespace: str
+    path: str
+
+
+@dataclass(frozen=True)
+class PrefetchReply:
+    """Which tier the copy came from ("local" if it was already here)."""
+
+    tier: str
+    size: int
+    generation: int
 
 
 @dataclass(frozen=True)
@@ -230,6 +250,7 @@ class ObjectInfo:
     replicas: tuple[str, ...] = ()
     origin: str = ""
     conflict: str = ""
+    last_load_tier: str = ""
 
 
 @dataclass(frozen=True)
