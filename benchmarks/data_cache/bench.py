@@ -173,11 +173,11 @@ def _hold_loader() -> DataLoader[torch.Tensor]:
 
 def role_hold(cfg: dict[str, Any]) -> None:
     """Hold ``HOLD`` batches, report the Pss they cost, wait for the stop file."""
+    from ckptcache.data import CachedDataLoader  # imported in both modes: same baseline
+
     dl: Any
     before = _pss()  # before the loader exists: its own working memory counts too
     if cfg["cached"]:
-        from ckptcache.data import CachedDataLoader
-
         loading = cfg["rank"] == 0
         dl = CachedDataLoader(
             _hold_loader if loading else None, cache_dir=cfg["cache_dir"], run_id="hold",

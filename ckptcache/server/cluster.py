@@ -350,6 +350,7 @@ class Cluster:
             backend.read_into(path, offset, memoryview(buf))
             return bytes(buf)
 
+        log.info("reading %s from storage for the group", path)
         entries = count_records(size, read)
         capacity = 256 * entries + 4096  # manifest JSON, padded to this exact size
         layout = plan_segment(size, capacity, entries)
