@@ -1,0 +1,110 @@
+"""Restore at scale: N nodes loading one object from storage, with and without broadcast.
+
+    python benchmarks/restore/bench.py --size 1GiB --nodes 1 2 4
+
+"broadcast": N daemons on one etcd; the first to ask reads storage, the others pull from the
+nodes that already hold it. "each reads storage": N concurrent torch.load calls of the file (its pages are in the page cache,
+so this is the most favourable case for the baseline). Also: local-memory and peer-memory loads vs
+torch.load of the same file. Needs Debian's etcd-server.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import shutil
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+from ckptcache._units import parse_bytes
+from ckptcache.benchmarking import EtcdServer, Row, format_table, make_state, running_daemon
+from ckptcache.client import Client
+
+
+@contextlib.contextmanager
+def cluster(n: int, etcd: EtcdServer, root: Path, budget: int) -> Iterator[list[Client]]:
+    name = f"restore{os.getpid()}{time.monotonic_ns() % 10**6}"
+    with contextlib.ExitStack() as stack:
+        clients = []
+        for i in range(n):
+            d = stack.enter_context(running_daemon(
+                "--coordinator", etcd.url, "--cluster", name, "--listen", "127.0.0.1:0",
+                "--node-id", f"n{i}", "--host", f"h{i}", "--persist-root", str(root),
+                "--memory-limit", str(budget),
+            ))  # fmt: skip
+            clients.append(stack.enter_context(Client(d.socket, fallback="raise")))
+        while len(clients[0].daemon_status().cluster_nodes) < n:
+            time.sleep(0.1)
+        yield clients
+
+
+def parallel(fns: list) -> float:
+    t0 = time.perf_counter()
+    threads = [threading.Thread(target=f) for f in fns]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return time.perf_counter() - t0
+
+
+def each_reads_storage(n: int, path: Path) -> float:
+    """N readers of the same file at once (threads: torch.load releases the GIL in its copies)."""
+    return parallel([lambda: torch.load(path, mmap=False) for _ in range(n)])
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--size", default="1GiB")
+    p.add_argument("--nodes", nargs="+", type=int, default=[1, 2, 4])
+    args = p.parse_args()
+    nbytes = parse_bytes(args.size)
+    work = Path(tempfile.mkdtemp(prefix="ckptcache-restore-", dir="/var/tmp"))
+    os.environ.setdefault("CKPTCACHE_CLUSTER_SECRET", "bench-secret")
+    etcd = EtcdServer(work / "etcd").start()
+    state = make_state(nbytes)
+    rows: list[Row] = []
+    try:
+        root = work / "ckpt"
+        root.mkdir()
+        for n in args.nodes:
+            path = root / f"n{n}" / "model.pt"
+            path.parent.mkdir()
+            torch.save(state, path)
+            with cluster(n, etcd, root, 3 * nbytes) as clients:
+                secs = parallel([lambda c=c, p=path: c.load(p, mmap=False) for c in clients])
+                tiers = sorted(c.status(path).last_load_tier for c in clients)
+            rows.append(Row(f"{n} node(s), broadcast ({'/'.join(tiers)})", nbytes, secs))
+            rows.append(Row(f"{n} node(s), each torch.load from storage", nbytes,
+                            each_reads_storage(n, path)))  # fmt: skip
+        path = root / "tiers.pt"
+        torch.save(state, path)
+        with cluster(2, etcd, root, 3 * nbytes) as (a, b):
+            a.load(path)  # into a's memory (from storage)
+            t0 = time.perf_counter()
+            b.load(path, mmap=False)
+            peer = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            a.load(path, mmap=False)
+            local = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        torch.load(path, mmap=False)
+        plain = time.perf_counter() - t0
+        rows.append(Row("torch.load of the file (page cache warm)", nbytes, plain))
+        rows.append(Row("ckptcache.load from local memory (private copy)", nbytes, local))
+        rows.append(Row("ckptcache.load from a peer's memory (private copy)", nbytes, peer))
+        print(f"\n### restore, {args.size}\n")
+        print(format_table(rows))
+    finally:
+        etcd.stop()
+        shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
