@@ -3,9 +3,9 @@
     python benchmarks/restore/bench.py --size 1GiB --nodes 1 2 4
 
 "broadcast": N daemons on one etcd; the first to ask reads storage, the others pull from the
-nodes that already hold it. "each reads storage": N concurrent torch.load calls of the file (its pages are in the page cache,
-so this is the most favourable case for the baseline). Also: local-memory and peer-memory loads vs
-torch.load of the same file. Needs Debian's etcd-server.
+nodes that already hold it. "each reads storage": N concurrent torch.load calls of the file
+(its pages are in the page cache: the most favourable case for the baseline). Also:
+local-memory and peer-memory loads vs torch.load of the same file. Needs etcd-server.
 """
 
 from __future__ import annotations
