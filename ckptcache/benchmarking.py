@@ -5,6 +5,7 @@ next to its physical limit (memcpy) and next to what users would otherwise do (t
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import shutil
 import subprocess
@@ -26,8 +27,11 @@ __all__ = [
     "free_port",
     "make_state",
     "memcpy_seconds",
+    "running_cluster",
     "running_daemon",
+    "torch_baselines",
     "torch_save_fast",
+    "wait_for_socket",
 ]
 
 
@@ -100,6 +104,64 @@ def format_table(rows: list[Row], *, limit: Row | None = None, limit_name: str =
     return "\n".join(lines)
 
 
+def wait_for_socket(
+    path: str, proc: subprocess.Popen[bytes] | None = None, timeout: float = 30
+) -> None:
+    """Block until something accepts connections on Unix socket ``path``."""
+    import socket
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"daemon exited early with {proc.returncode}")
+        s = socket.socket(socket.AF_UNIX)
+        try:
+            s.connect(path)
+            return
+        except OSError:
+            time.sleep(0.05)
+        finally:
+            s.close()
+    raise TimeoutError(f"nothing listening on {path}")
+
+
+def torch_baselines(state: object, nbytes: int, directories: dict[str, str]) -> list[Row]:
+    """torch.save (CRC off) and torch.load of ``state`` in each directory, best of two."""
+    rows = []
+    for where, directory in directories.items():
+        target = os.path.join(directory, f"ckptcache-bench-{os.getpid()}.pt")
+        try:
+            save = best_of(2, functools.partial(torch_save_fast, state, target))
+            rows.append(Row(f"torch.save to {where}", nbytes, save))
+            load = best_of(2, functools.partial(torch.load, target))
+            rows.append(Row(f"torch.load from {where}", nbytes, load))
+        finally:
+            if os.path.exists(target):
+                os.unlink(target)
+    return rows
+
+
+@contextlib.contextmanager
+def running_cluster(n: int, etcd_url: str, *args: str) -> Iterator[list[DaemonHandle]]:
+    """``n`` daemons on one etcd, each its own node and host, all with ``args``."""
+    name = f"bench{os.getpid()}{time.monotonic_ns() % 10**6}"
+    with contextlib.ExitStack() as stack:
+        handles = []
+        for i in range(n):
+            node = ("--node-id", f"n{i}", "--host", f"h{i}")
+            cluster = ("--coordinator", etcd_url, "--cluster", name, "--listen", "127.0.0.1:0")
+            handles.append(stack.enter_context(running_daemon(*cluster, *node, *args)))
+        from ckptcache.client import Client
+
+        with Client(handles[0].socket) as probe:
+            deadline = time.monotonic() + 30
+            while len(probe.daemon_status().cluster_nodes) < n:
+                if time.monotonic() > deadline:
+                    raise RuntimeError("the cluster did not form")
+                time.sleep(0.1)
+        yield handles
+
+
 @dataclass
 class DaemonHandle:
     """A daemon subprocess started for a demo or benchmark."""
@@ -120,23 +182,7 @@ def running_daemon(*args: str) -> Iterator[DaemonHandle]:
     proc = subprocess.Popen([*cmd, *args], stdout=log, stderr=log)
     log.close()
     try:
-        import socket as socket_mod
-
-        deadline = time.monotonic() + 30
-        while True:
-            if proc.poll() is not None:
-                with open(os.path.join(workdir, "daemon.log")) as f:
-                    raise RuntimeError(f"daemon exited: {f.read()}")
-            s = socket_mod.socket(socket_mod.AF_UNIX)
-            try:
-                s.connect(sock)
-                break
-            except OSError:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.05)
-            finally:
-                s.close()
+        wait_for_socket(sock, proc)
         yield DaemonHandle(sock, shm_dir, proc)
     finally:
         proc.terminate()

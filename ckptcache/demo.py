@@ -4,7 +4,6 @@ checkpoint in a new process, and print a small benchmark table against memcpy an
 
 from __future__ import annotations
 
-import functools
 import json
 import os
 import signal
@@ -23,7 +22,7 @@ from ckptcache.benchmarking import (
     make_state,
     memcpy_seconds,
     running_daemon,
-    torch_save_fast,
+    torch_baselines,
 )
 from ckptcache.client import Client
 
@@ -89,16 +88,7 @@ def run_demo(size_mib: int = 512) -> int:
             Row("ckptcache.save, first (new segment)", nbytes, saved["first"]),
             Row("ckptcache.save, repeated (reused segment)", nbytes, saved["repeat"]),
         ]
-        for where, directory in (("/dev/shm", "/dev/shm"), ("local file", tmp)):
-            target = os.path.join(directory, f"ckptcache-demo-{os.getpid()}.pt")
-            try:
-                save = best_of(2, functools.partial(torch_save_fast, expected, target))
-                rows.append(Row(f"torch.save to {where}", nbytes, save))
-                load = best_of(2, functools.partial(torch.load, target))
-                rows.append(Row(f"torch.load from {where}", nbytes, load))
-            finally:
-                if os.path.exists(target):
-                    os.unlink(target)
+        rows += torch_baselines(expected, nbytes, {"/dev/shm": "/dev/shm", "local file": tmp})
         rows += [
             Row("ckptcache.load, zero-copy", nbytes, zero_copy),
             Row("ckptcache.load, private copy", nbytes, private),

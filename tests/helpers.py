@@ -6,7 +6,6 @@ import contextlib
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -19,28 +18,9 @@ from typing import Any
 import torch
 
 import ckptcache
-from ckptcache.benchmarking import EtcdServer, free_port  # noqa: F401 - shared with benchmarks
+from ckptcache.benchmarking import EtcdServer, free_port, wait_for_socket  # noqa: F401
 
 REPO = Path(__file__).resolve().parent.parent
-
-
-def wait_for_socket(
-    path: str, proc: subprocess.Popen[Any] | None = None, timeout: float = 30
-) -> None:
-    """Block until something accepts connections on ``path``."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc is not None and proc.poll() is not None:
-            raise RuntimeError(f"daemon exited early with {proc.returncode}")
-        s = socket.socket(socket.AF_UNIX)
-        try:
-            s.connect(path)
-            return
-        except OSError:
-            time.sleep(0.05)
-        finally:
-            s.close()
-    raise TimeoutError(f"nothing listening on {path}")
 
 
 @dataclass

@@ -12,9 +12,10 @@ fast-forward cost: the best case for the baseline). The dataset simulates remote
 ``OPEN_S`` to open it, ``WORKER_INIT_S`` per worker to connect, ``ITEM_S`` per sample.
 
 Part 2 has N processes (N = 1, 2, 4; think tensor-parallel peers) hold the same ``HOLD``
-batches and measures the sum of their proportional set sizes (``Pss`` in
-``/proc/<pid>/smaps_rollup``, after minus before loading): with the cache one rank loads and
-the others map the same shared-memory files; without, every rank builds its own copy.
+batches and measures the sum of their proportional set sizes of data pages (``Pss_Anon`` +
+``Pss_Shmem`` in ``/proc/<pid>/smaps_rollup``, after minus before creating the loader):
+with the cache one rank loads and the others map the same shared-memory files; without,
+every rank builds its own copy.
 """
 
 from __future__ import annotations
@@ -150,11 +151,17 @@ def role_resume_plain(cfg: dict[str, Any]) -> None:
 
 
 def _pss() -> int:
+    """Pss of anonymous and shared-memory pages: the data this process holds.
+
+    Library pages (``Pss_File``) are left out: their share moves as other processes start,
+    which would drown the data in noise.
+    """
+    total = 0
     with open("/proc/self/smaps_rollup") as f:
         for line in f:
-            if line.startswith("Pss:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError("no Pss in smaps_rollup")
+            if line.startswith(("Pss_Anon:", "Pss_Shmem:")):
+                total += int(line.split()[1]) * 1024
+    return total
 
 
 class HoldDataset(Dataset[torch.Tensor]):
@@ -288,8 +295,11 @@ def main() -> None:
             f"| {name} | {_median([r['first'] for r in runs]):.3f} | "
             f"{_median([r['thirtieth'] for r in runs]):.3f} |"
         )
-    print(f"\nHost memory for {data:.0f} MiB of held batches, sum of Pss over N processes (MiB):\n")
-    print("| N | own copies: sum Pss | shared cache: sum Pss | ratio | cache files in tmpfs |")
+    print(
+        f"\nHost memory for {data:.0f} MiB of held batches, "
+        "sum over N processes of Pss_Anon + Pss_Shmem (MiB):\n"
+    )
+    print("| N | own copies | shared cache | ratio | cache files in tmpfs |")
     print("|---|---|---|---|---|")
     for n in (1, 2, 4):
         own, shared = memory[(n, False)][0] / 2**20, memory[(n, True)][0] / 2**20

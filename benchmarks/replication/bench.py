@@ -26,7 +26,7 @@ from ckptcache.benchmarking import (
     best_of,
     format_table,
     make_state,
-    running_daemon,
+    running_cluster,
     torch_save_fast,
 )
 from ckptcache.client import Client
@@ -68,21 +68,9 @@ def raw_socket_seconds(nbytes: int) -> float:
 
 @contextlib.contextmanager
 def nodes(n: int, etcd: EtcdServer, *extra: str) -> Iterator[list[Client]]:
-    name = f"bench{os.getpid()}{time.monotonic_ns() % 10**6}"
     with contextlib.ExitStack() as stack:
-        clients = []
-        for i in range(n):
-            d = stack.enter_context(running_daemon(
-                "--coordinator", etcd.url, "--cluster", name, "--listen", "127.0.0.1:0",
-                "--node-id", f"n{i}", "--host", f"h{i}", *extra,
-            ))  # fmt: skip
-            clients.append(stack.enter_context(Client(d.socket, fallback="raise")))
-        deadline = time.monotonic() + 30
-        while len(clients[0].daemon_status().cluster_nodes) < n:
-            if time.monotonic() > deadline:
-                raise RuntimeError("cluster did not form")
-            time.sleep(0.1)
-        yield clients
+        handles = stack.enter_context(running_cluster(n, etcd.url, *extra))
+        yield [stack.enter_context(Client(h.socket, fallback="raise")) for h in handles]
 
 
 def bench_backup(nbytes: int, etcd: EtcdServer) -> list[Row]:

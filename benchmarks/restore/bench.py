@@ -23,25 +23,16 @@ from pathlib import Path
 import torch
 
 from ckptcache._units import parse_bytes
-from ckptcache.benchmarking import EtcdServer, Row, format_table, make_state, running_daemon
+from ckptcache.benchmarking import EtcdServer, Row, format_table, make_state, running_cluster
 from ckptcache.client import Client
 
 
 @contextlib.contextmanager
 def cluster(n: int, etcd: EtcdServer, root: Path, budget: int) -> Iterator[list[Client]]:
-    name = f"restore{os.getpid()}{time.monotonic_ns() % 10**6}"
+    args = ("--persist-root", str(root), "--memory-limit", str(budget))
     with contextlib.ExitStack() as stack:
-        clients = []
-        for i in range(n):
-            d = stack.enter_context(running_daemon(
-                "--coordinator", etcd.url, "--cluster", name, "--listen", "127.0.0.1:0",
-                "--node-id", f"n{i}", "--host", f"h{i}", "--persist-root", str(root),
-                "--memory-limit", str(budget),
-            ))  # fmt: skip
-            clients.append(stack.enter_context(Client(d.socket, fallback="raise")))
-        while len(clients[0].daemon_status().cluster_nodes) < n:
-            time.sleep(0.1)
-        yield clients
+        handles = stack.enter_context(running_cluster(n, etcd.url, *args))
+        yield [stack.enter_context(Client(h.socket, fallback="raise")) for h in handles]
 
 
 def parallel(fns: list) -> float:

@@ -8,7 +8,6 @@ For each size a fresh daemon (keep=1) is started; every figure is measured in th
 from __future__ import annotations
 
 import argparse
-import functools
 import gc
 import os
 import tempfile
@@ -24,7 +23,7 @@ from ckptcache.benchmarking import (
     make_state,
     memcpy_seconds,
     running_daemon,
-    torch_save_fast,
+    torch_baselines,
 )
 from ckptcache.client import Client
 
@@ -50,16 +49,7 @@ def measure(nbytes: int, file_dir: str) -> list[Row]:
         private = best_of(2, lambda: c.load(path, mmap=False))
         rows.append(Row("ckptcache.load, private copy", nbytes, private))
     gc.collect()
-    for where, directory in (("/dev/shm", "/dev/shm"), ("local file", file_dir)):
-        target = os.path.join(directory, f"bench-{os.getpid()}.pt")
-        try:
-            save = best_of(2, functools.partial(torch_save_fast, state, target))
-            rows.append(Row(f"torch.save to {where}", nbytes, save))
-            load = best_of(2, functools.partial(torch.load, target))
-            rows.append(Row(f"torch.load from {where}", nbytes, load))
-        finally:
-            if os.path.exists(target):
-                os.unlink(target)
+    rows += torch_baselines(state, nbytes, {"/dev/shm": "/dev/shm", "local file": file_dir})
     return rows
 
 
