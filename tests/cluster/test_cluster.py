@@ -74,7 +74,9 @@ def test_group_persists_once_and_standby_takes_over(cluster_factory, tmp_path):
         rep = next(d for d in nodes if d.info(path).persist_state == "persisting")
         rep.kill()  # the representative dies mid-persist
     survivors = [d for d in nodes if d is not rep]
-    wait_until(lambda: all(d.info(path).persist_state == "persisted" for d in survivors), timeout=60)
+    wait_until(
+        lambda: all(d.info(path).persist_state == "persisted" for d in survivors), timeout=60
+    )
     assert_same(state(5), torch.load(path))
     writers = [d for d in survivors if f"persisted {path} generation" in d.log()]
     assert len(writers) == 1  # exactly one write by the survivors

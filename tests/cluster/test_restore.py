@@ -86,7 +86,9 @@ def test_corrupt_peer_copy_falls_back_to_storage(cluster_factory, tmp_path):
         assert [o.path for o in ca.list()] == []
 
 
-def test_reader_killed_mid_broadcast_does_not_stall_the_others(cluster_factory, tmp_path, s3_server, s3_bucket):
+def test_reader_killed_mid_broadcast_does_not_stall_the_others(
+    cluster_factory, tmp_path, s3_server, s3_bucket
+):
     root = f"s3://{s3_bucket}/run"
     path = f"{root}/big.pt"
     nodes = cluster_factory(3, "--persist-root", root, "--backup", "none",
