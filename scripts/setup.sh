@@ -14,7 +14,8 @@ pip_install() { python -m pip install -q --disable-pip-version-check "$@"; }
 python -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '2.13.0')" 2>/dev/null \
     || pip_install torch==2.13.0
 if [ "${1:-}" = "test" ]; then
-    pip_install -e ".[test]"
+    # torch is named again so that no framework's requirement can swap the CPU build out.
+    DS_BUILD_OPS=0 pip_install -e ".[test,frameworks]" "torch==2.13.0"
     # The cluster tests start a real etcd (Debian's etcd-server); they skip without one.
     if ! command -v etcd >/dev/null 2>&1; then
         SUDO=""
