@@ -312,6 +312,10 @@ class Cluster:
             if not self._in_storage(path):
                 break
             if self.coord.elect(f"loads/{ph}", {"node": self.node.node_id}):
+                if any(n.node_id not in tried for n in self.holders(namespace, path)):
+                    # The previous reader finished (and stepped down) while we looked: fetch.
+                    self._withdraw(f"loads/{ph}")
+                    continue
                 try:
                     gen = self._load_from_storage(namespace, path)
                     self._announce(gen)  # before stepping down: joiners find a holder

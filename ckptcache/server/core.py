@@ -70,6 +70,8 @@ class Reservation:
     nbytes: int
     durability: str
     persist: bool = False
+    #: Digests already known (a copy received and verified): recorded at commit.
+    digests: list[int] | None = None
 
 
 @dataclass(eq=False)
@@ -311,6 +313,8 @@ class CacheCore:
                 res.namespace, res.path, number, segment, manifest, size=manifest.payload_size,
                 needs_persist=res.persist,
             )  # fmt: skip
+            if res.digests is not None:
+                self._record_digests(gen, res.digests)
             self.index.add(gen)
             if gen.needs_persist:
                 self._supersede_older(gen.key)
@@ -371,9 +375,11 @@ class CacheCore:
         except BaseException:
             self.abort(self.internal, m.AbortRequest(reply.reservation))
             raise
-        if persisted:
-            with self.cond:
-                self.internal.reservations[reply.reservation].persist = False
+        with self.cond:
+            res = self.internal.reservations[reply.reservation]
+            res.digests = table  # published with the generation: nobody hashes it again
+            if persisted:
+                res.persist = False
         self.commit(
             self.internal, m.CommitRequest(reply.reservation, manifest_offset, manifest_size)
         )
@@ -381,7 +387,6 @@ class CacheCore:
             gen = self.index.newest((namespace, path))
             assert gen is not None
             gen.origin = origin
-            gen.digests = table
             header = gen.segment.read_header()
             if persisted:  # read back from its own storage path: already safe there
                 gen.persisted, gen.persist_state = True, "persisted"
@@ -564,12 +569,22 @@ class CacheCore:
     # ----------------------------------------------------------------- digests
 
     def _compute_digests(self, gen: Generation) -> list[int]:
-        """Compute and record ``gen``'s digests; the caller holds a pin."""
-        view = gen.segment.view()
-        try:
-            digests = compute_digests(view, gen.manifest)
-        finally:
-            del view
+        """Compute and record ``gen``'s digests; the caller holds a pin.
+
+        Single flight: the background digester and a caller that needs the digests now
+        (a backup push, a verified load) never hash the same generation twice.
+        """
+        with gen.digest_lock:
+            if gen.digests is not None:
+                return gen.digests
+            view = gen.segment.view()
+            try:
+                digests = compute_digests(view, gen.manifest)
+            finally:
+                del view
+            return self._record_digests(gen, digests)
+
+    def _record_digests(self, gen: Generation, digests: list[int]) -> list[int]:
         with self.cond:
             if gen.digests is None:
                 gen.digests = digests

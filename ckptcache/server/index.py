@@ -5,6 +5,7 @@ Not thread-safe on its own; the daemon core calls it under its lock.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -48,6 +49,7 @@ class Generation:
     conflict: str = ""
     #: The tier that served the most recent load ("local", "peer", "storage").
     last_load_tier: str = ""
+    digest_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     @property
     def key(self) -> Key:
