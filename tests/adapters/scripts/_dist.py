@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -24,6 +25,14 @@ def _entry(rank: int, fn: Callable[..., Any], world: int, port: int, args: tuple
     )  # fmt: skip
     torch.set_num_threads(1)
     fn(rank, world, *args)
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()  # nobody leaves while a peer is still in a collective
+    # Skip interpreter teardown: DeepSpeed's CPU shared-memory comm op leaves a joinable C++
+    # thread behind that aborts the process at exit ("terminate called without an active
+    # exception") now and then. Every result is already written to disk by now.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def launch(fn: Callable[..., Any], world: int, *args: Any) -> None:
