@@ -120,10 +120,12 @@ def cluster_factory(
     """Start ``n`` daemons as nodes of one fresh cluster on the session's etcd."""
     name = f"c{uuid.uuid4().hex[:8]}"
 
-    def factory(n: int, *extra: str, ttl: float = 2.0, secret: str = "s3cret") -> list[DaemonProc]:
+    def factory(
+        n: int, *extra: str, ttl: float = 2.0, secret: str = "s3cret", config: str = ""
+    ) -> list[DaemonProc]:
         cfg = tmp_path / f"cluster-{name}.yaml"
         cfg.write_text(f"lease_ttl: {ttl}\npersist_retries: 1000\npersist_backoff: 0.2\n"
-                       f"persist_backoff_max: 0.5\nsecret: {secret}\n")  # fmt: skip
+                       f"persist_backoff_max: 0.5\nsecret: {secret}\n{config}")  # fmt: skip
         nodes = []
         for i in range(n):
             nodes.append(daemon_factory(

@@ -50,10 +50,54 @@ def each_reads_storage(n: int, path: Path) -> float:
     return parallel([lambda: torch.load(path, mmap=False) for _ in range(n)])
 
 
+def s3_rows(nbytes: int, nodes: list[int], etcd: EtcdServer, work: Path) -> list[Row]:
+    """The same race with S3 (moto's server) as storage: a slow, shared bottleneck, as a real
+    object store is for a whole cluster restarting at once."""
+    import io
+
+    import boto3
+    from moto.server import ThreadedMotoServer
+
+    os.environ.update(
+        AWS_ACCESS_KEY_ID="x", AWS_SECRET_ACCESS_KEY="x", AWS_DEFAULT_REGION="us-east-1"
+    )
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    endpoint = f"http://{host}:{port}"
+    s3 = boto3.client("s3", endpoint_url=endpoint)
+    s3.create_bucket(Bucket="restore")
+    buf = io.BytesIO()
+    torch.save(make_state(nbytes), buf)
+    rows = []
+    try:
+        for n in nodes:
+            key = f"n{n}/model.pt"
+            s3.put_object(Bucket="restore", Key=key, Body=buf.getvalue())
+            url = f"s3://restore/{key}"
+            args = ("--persist-root", "s3://restore/", "--s3-endpoint-url", endpoint,
+                    "--memory-limit", str(3 * nbytes))  # fmt: skip
+            with contextlib.ExitStack() as stack:
+                handles = stack.enter_context(running_cluster(n, etcd.url, *args))
+                clients = [stack.enter_context(Client(h.socket, fallback="raise")) for h in handles]
+                secs = parallel([lambda c=c, u=url: c.load(u, mmap=False) for c in clients])
+            rows.append(Row(f"S3: {n} node(s), broadcast", nbytes, secs))
+
+            def read_s3(k: str = key) -> None:
+                body = s3.get_object(Bucket="restore", Key=k)["Body"].read()
+                torch.load(io.BytesIO(body))
+
+            rows.append(Row(f"S3: {n} node(s), each reads S3", nbytes, parallel([read_s3] * n)))
+    finally:
+        server.stop()
+    return rows
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--size", default="1GiB")
     p.add_argument("--nodes", nargs="+", type=int, default=[1, 2, 4])
+    p.add_argument("--s3-size", default="128MiB", help="object size for the S3 race (0: skip)")
     args = p.parse_args()
     nbytes = parse_bytes(args.size)
     work = Path(tempfile.mkdtemp(prefix="ckptcache-restore-", dir="/var/tmp"))
@@ -90,8 +134,11 @@ def main() -> None:
         rows.append(Row("torch.load of the file (page cache warm)", nbytes, plain))
         rows.append(Row("ckptcache.load from local memory (private copy)", nbytes, local))
         rows.append(Row("ckptcache.load from a peer's memory (private copy)", nbytes, peer))
-        print(f"\n### restore, {args.size}\n")
+        print(f"\n### restore, {args.size}, file system storage\n")
         print(format_table(rows))
+        if parse_bytes(args.s3_size):
+            print(f"\n### restore, {args.s3_size}, S3 storage (moto server on loopback)\n")
+            print(format_table(s3_rows(parse_bytes(args.s3_size), args.nodes, etcd, work)))
     finally:
         etcd.stop()
         shutil.rmtree(work, ignore_errors=True)

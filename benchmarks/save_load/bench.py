@@ -28,6 +28,23 @@ from ckptcache.benchmarking import (
 from ckptcache.client import Client
 
 
+def repeated_save(c: Client, state: dict, path: str, repeats: int = 3) -> float:
+    """Best stall of saves that reuse a segment, each made once the daemon is idle again.
+
+    Training saves minutes apart, so the daemon's background work of the previous save
+    (digests) is long done when the next one starts; measuring back-to-back saves would
+    charge that work to the stall.
+    """
+    best = float("inf")
+    for _ in range(repeats):
+        while not c.status(path).digests_valid:
+            time.sleep(0.01)
+        t0 = time.perf_counter()
+        c.save(state, path)
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
 def measure(nbytes: int, file_dir: str) -> list[Row]:
     state = make_state(nbytes)
     rows = [Row("memcpy (physical limit)", nbytes, memcpy_seconds(state))]
@@ -39,9 +56,7 @@ def measure(nbytes: int, file_dir: str) -> list[Row]:
         c.save(state, path)
         rows.append(Row("ckptcache.save, first (new segment)", nbytes, time.perf_counter() - t0))
         c.save(state, path)  # the second segment of the keep=1 rotation is new too
-        rows.append(
-            Row("ckptcache.save, repeated", nbytes, best_of(3, lambda: c.save(state, path)))
-        )
+        rows.append(Row("ckptcache.save, repeated", nbytes, repeated_save(c, state, path)))
         t0 = time.perf_counter()
         loaded = c.load(path)
         rows.append(Row("ckptcache.load, zero-copy", nbytes, time.perf_counter() - t0))

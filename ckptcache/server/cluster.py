@@ -38,6 +38,7 @@ from ckptcache.server.coord import CoordinatorUnavailable, NodeInfo, make_coordi
 from ckptcache.server.dataplane import (
     DataPlaneClient,
     DataPlaneServer,
+    TLSConfig,
     recv_exact_into,
     recv_msg,
     send_msg,
@@ -77,12 +78,19 @@ class Cluster:
         self.coord = make_coordinator(
             cfg.coordinator, cluster=cfg.cluster, job=cfg.job, ttl=cfg.lease_ttl
         )
+        self.tls: TLSConfig | None = None
+        tls_files = (cfg.tls_cert, cfg.tls_key, cfg.tls_ca)
+        if any(tls_files):
+            if not all(tls_files):
+                raise ConfigError("TLS needs all of tls_cert, tls_key and tls_ca")
+            self.tls = TLSConfig(*tls_files)  # type: ignore[arg-type]
         self.server: DataPlaneServer | None = None
         if cfg.listen:
             assert self.secret is not None
             self.server = DataPlaneServer(
                 cfg.listen, self.secret,
                 {"push": self._on_push, "fetch": self._on_fetch, "corrupt": self._on_corrupt},
+                tls=self.tls,
             )  # fmt: skip
         self.node = NodeInfo(cfg.node_id, cfg.host, self.server.address if self.server else "")
         self._work: queue.Queue[Generation | None] = queue.Queue()
@@ -214,7 +222,7 @@ class Cluster:
             header = gen.segment.read_header()
             nbytes = header.digest_offset + 8 * header.n_storages
             assert self.secret is not None
-            with DataPlaneClient(target.data_addr, self.secret) as peer:
+            with DataPlaneClient(target.data_addr, self.secret, tls=self.tls) as peer:
                 send_msg(peer.sock, {
                     "op": "push", "namespace": gen.namespace, "path": gen.path,
                     "nbytes": nbytes, "manifest_offset": header.manifest_offset,
@@ -270,7 +278,7 @@ class Cluster:
 
     def _fetch_from(self, node: NodeInfo, namespace: str, path: str) -> Generation:
         assert self.secret is not None
-        with DataPlaneClient(node.data_addr, self.secret) as peer:
+        with DataPlaneClient(node.data_addr, self.secret, tls=self.tls) as peer:
             send_msg(peer.sock, {"op": "fetch", "namespace": namespace, "path": path})
             head = recv_msg(peer.sock)
             if not head.get("ok"):
@@ -389,7 +397,7 @@ class Cluster:
     def _report_corrupt(self, node: NodeInfo, namespace: str, path: str, detail: str) -> None:
         assert self.secret is not None
         try:
-            with DataPlaneClient(node.data_addr, self.secret, timeout=10) as peer:
+            with DataPlaneClient(node.data_addr, self.secret, timeout=10, tls=self.tls) as peer:
                 send_msg(peer.sock, {"op": "corrupt", "namespace": namespace, "path": path,
                                      "detail": detail})  # fmt: skip
                 recv_msg(peer.sock)

@@ -103,6 +103,10 @@ class DaemonConfig:
     lease_ttl: float = 5.0
     #: Saves of one path with different contents within this many seconds are a conflict.
     conflict_window: float = 60.0
+    #: Optional TLS on the data plane: this node's certificate and key, and the cluster CA.
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    tls_ca: str | None = None
 
     def cluster_secret(self) -> bytes | None:
         """The shared secret, from ``secret``, ``secret_file`` or $CKPTCACHE_CLUSTER_SECRET."""
@@ -143,7 +147,7 @@ def _coerce(key: str, value: Any, source: str) -> Any:
             if size <= 0:
                 raise ValueError("must be positive")
             return size
-        if key in ("secret", "secret_file"):
+        if key in ("secret", "secret_file", "tls_cert", "tls_key", "tls_ca"):
             return None if value in (None, "") else str(value)
         if key == "replicas":
             count = int(value)

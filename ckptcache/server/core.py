@@ -50,7 +50,7 @@ from ckptcache.server.arena import Arena, Segment
 from ckptcache.server.config import DaemonConfig
 from ckptcache.server.index import Generation, Index, Key
 from ckptcache.server.metrics import Metrics
-from ckptcache.server.persist import Persister
+from ckptcache.server.persist import Persister, lower_thread_priority
 from ckptcache.server.roots import PersistRoots
 from ckptcache.wire import messages as m
 
@@ -596,6 +596,8 @@ class CacheCore:
             return gen.digests
 
     def _digest_loop(self) -> None:
+        # Digests are off the trainer's critical path; keep them from competing with training.
+        lower_thread_priority()
         while True:
             gen = self._digest_queue.get()
             if gen is None:

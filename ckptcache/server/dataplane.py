@@ -7,7 +7,9 @@ message raw (never inside JSON). Every connection starts with a mutual challenge
     server -> client   server_nonce (16 B) + HMAC(secret, "server" + client_nonce + server_nonce)
     client -> server   HMAC(secret, "client" + server_nonce + client_nonce)
 
-A peer without the secret is refused (and logged) before any request is read. Requests:
+A peer without the secret is refused (and logged) before any request is read. With TLS
+configured (:class:`TLSConfig`), the connection is wrapped first — mutual TLS against the
+cluster's CA — and the challenge runs inside it. Requests:
 
 * ``push``: header, then the segment bytes ``[HEADER_SIZE, nbytes)``; the receiver reserves a
   segment in its own arena, ``recv_into`` it, verifies every digest and commits a replica.
@@ -22,14 +24,23 @@ import json
 import logging
 import secrets
 import socket
+import ssl
 import struct
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from ckptcache.errors import CkptCacheError
 
-__all__ = ["DataPlaneClient", "DataPlaneServer", "PeerRefused", "recv_exact_into", "send_region"]
+__all__ = [
+    "DataPlaneClient",
+    "DataPlaneServer",
+    "PeerRefused",
+    "TLSConfig",
+    "recv_exact_into",
+    "send_region",
+]
 
 log = logging.getLogger(__name__)
 
@@ -102,13 +113,51 @@ def _tune(sock: socket.socket) -> None:
 Handler = Callable[[socket.socket, dict[str, Any]], None]
 
 
+@dataclass(frozen=True)
+class TLSConfig:
+    """Optional TLS for the data plane: this node's certificate and key, and the cluster CA
+    that every peer's certificate must be signed by (both directions are verified)."""
+
+    cert: str
+    key: str
+    ca: str
+
+    def server_context(self) -> ssl.SSLContext:
+        """Context for accepted connections (peers must present a CA-signed certificate)."""
+        ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        ctx.load_cert_chain(self.cert, self.key)
+        ctx.load_verify_locations(self.ca)
+        ctx.verify_mode = ssl.CERT_REQUIRED
+        return ctx
+
+    def client_context(self) -> ssl.SSLContext:
+        """Context for outgoing connections.
+
+        Peers are dialled by IP address, so host names are not checked; the CA signature and
+        the shared-secret challenge together authenticate the peer.
+        """
+        ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+        ctx.load_cert_chain(self.cert, self.key)
+        ctx.load_verify_locations(self.ca)
+        ctx.check_hostname = False
+        ctx.verify_mode = ssl.CERT_REQUIRED
+        return ctx
+
+
 class DataPlaneServer:
     """Accepts authenticated peers and dispatches their requests to ``handlers[op]``."""
 
-    def __init__(self, listen: str, secret: bytes, handlers: dict[str, Handler]):
+    def __init__(
+        self,
+        listen: str,
+        secret: bytes,
+        handlers: dict[str, Handler],
+        tls: TLSConfig | None = None,
+    ):
         host, _, port = listen.rpartition(":")
         self.secret = secret
         self.handlers = handlers
+        self._tls = tls.server_context() if tls is not None else None
         self.sock = socket.create_server((host or "0.0.0.0", int(port)), reuse_port=False)
         self.address = f"{host or '127.0.0.1'}:{self.sock.getsockname()[1]}"
         self._stop = False
@@ -148,6 +197,8 @@ class DataPlaneServer:
         conn.settimeout(300)
         try:
             try:
+                if self._tls is not None:
+                    conn = self._tls.wrap_socket(conn, server_side=True)
                 authenticated = self._handshake(conn)
             except (OSError, ValueError):
                 authenticated = False  # hung up mid-handshake: it could not prove the secret
@@ -174,13 +225,17 @@ class DataPlaneServer:
 class DataPlaneClient:
     """One authenticated connection to a peer's data plane."""
 
-    def __init__(self, address: str, secret: bytes, timeout: float = 300.0):
+    def __init__(
+        self, address: str, secret: bytes, timeout: float = 300.0, tls: TLSConfig | None = None
+    ):
         host, _, port = address.rpartition(":")
         self.address = address
         self.sock = socket.create_connection((host, int(port)), timeout=timeout)
         _tune(self.sock)
         client_nonce = secrets.token_bytes(16)
         try:
+            if tls is not None:
+                self.sock = tls.client_context().wrap_socket(self.sock, server_hostname=host)
             self.sock.sendall(MAGIC + client_nonce)
             reply = _recv_exact(self.sock, 48)
         except (OSError, ConnectionError) as e:
