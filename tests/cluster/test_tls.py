@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+
 import pytest
 
 from ckptcache.server.dataplane import DataPlaneClient, PeerRefused, TLSConfig
@@ -36,12 +37,16 @@ def make_pki(tmp_path):
     (tmp_path / "node.pem").write_bytes(cert.public_bytes(pem))
     (tmp_path / "node.key").write_bytes(key.private_bytes(
         pem, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()))  # fmt: skip
-    return TLSConfig(str(tmp_path / "node.pem"), str(tmp_path / "node.key"), str(tmp_path / "ca.pem"))
+    return TLSConfig(
+        str(tmp_path / "node.pem"), str(tmp_path / "node.key"), str(tmp_path / "ca.pem")
+    )
 
 
 def test_backup_copies_over_mutual_tls(cluster_factory, tmp_path):
     tls = make_pki(tmp_path)
-    a, b = cluster_factory(2, config=f"tls_cert: {tls.cert}\ntls_key: {tls.key}\ntls_ca: {tls.ca}\n")
+    a, b = cluster_factory(
+        2, config=f"tls_cert: {tls.cert}\ntls_key: {tls.key}\ntls_ca: {tls.ca}\n"
+    )
     path = tmp_path / "over-tls.pt"
     with a.client() as ca:
         ca.save(state(3), path, durability="backup")
