@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -29,6 +30,7 @@ __all__ = [
     "memcpy_seconds",
     "running_cluster",
     "running_daemon",
+    "running_s3",
     "torch_baselines",
     "torch_save_fast",
     "wait_for_socket",
@@ -160,6 +162,27 @@ def running_cluster(n: int, etcd_url: str, *args: str) -> Iterator[list[DaemonHa
                     raise RuntimeError("the cluster did not form")
                 time.sleep(0.1)
         yield handles
+
+
+@contextlib.contextmanager
+def running_s3(bucket: str) -> Iterator[tuple[str, Any]]:
+    """moto's S3 server on loopback with ``bucket`` created; yields (endpoint, boto3 client)."""
+    import boto3
+    from moto.server import ThreadedMotoServer
+
+    for key in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
+        os.environ.setdefault(key, "bench")
+    os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    try:
+        host, port = server.get_host_and_port()
+        endpoint = f"http://{host}:{port}"
+        client = boto3.client("s3", endpoint_url=endpoint)
+        client.create_bucket(Bucket=bucket)
+        yield endpoint, client
+    finally:
+        server.stop()
 
 
 @dataclass

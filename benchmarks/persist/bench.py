@@ -19,7 +19,14 @@ import time
 import torch
 
 from ckptcache._units import parse_bytes
-from ckptcache.benchmarking import Row, best_of, format_table, make_state, running_daemon
+from ckptcache.benchmarking import (
+    Row,
+    best_of,
+    format_table,
+    make_state,
+    running_daemon,
+    running_s3,
+)
 from ckptcache.client import Client
 
 
@@ -67,25 +74,13 @@ def bench_file(nbytes: int, directory: str) -> list[Row]:
 
 
 def bench_s3(nbytes: int) -> list[Row]:
-    import boto3
-    from moto.server import ThreadedMotoServer
+    from boto3.s3.transfer import TransferConfig
 
-    os.environ.update(
-        AWS_ACCESS_KEY_ID="x", AWS_SECRET_ACCESS_KEY="x", AWS_DEFAULT_REGION="us-east-1"
-    )
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    endpoint = f"http://{host}:{port}"
-    try:
-        s3 = boto3.client("s3", endpoint_url=endpoint)
-        s3.create_bucket(Bucket="bench")
+    with running_s3("bench") as (endpoint, s3):
         state = make_state(nbytes)
         blob = io.BytesIO()
         torch.save(state, blob)
         size = blob.getbuffer().nbytes
-        from boto3.s3.transfer import TransferConfig
-
         cfg = TransferConfig(multipart_chunksize=64 << 20, max_concurrency=4)
 
         def raw_upload() -> None:
@@ -106,8 +101,6 @@ def bench_s3(nbytes: int) -> list[Row]:
             secs = min(persist_seconds(c, state, f"s3://bench/p{i}.pt") for i in range(2))
         rows.append(Row("ckptcache persist (daemon, multipart)", size, secs))
         return rows
-    finally:
-        server.stop()
 
 
 def main() -> None:

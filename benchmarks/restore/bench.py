@@ -23,7 +23,14 @@ from pathlib import Path
 import torch
 
 from ckptcache._units import parse_bytes
-from ckptcache.benchmarking import EtcdServer, Row, format_table, make_state, running_cluster
+from ckptcache.benchmarking import (
+    EtcdServer,
+    Row,
+    format_table,
+    make_state,
+    running_cluster,
+    running_s3,
+)
 from ckptcache.client import Client
 
 
@@ -51,22 +58,11 @@ def each_reads_storage(n: int, path: Path) -> float:
 
 
 def s3_rows(nbytes: int, nodes: list[int], etcd: EtcdServer, work: Path) -> list[Row]:
-    """The same race with S3 (moto's server) as storage: a slow, shared bottleneck, as a real
-    object store is for a whole cluster restarting at once."""
+    """The same race with S3 (moto's server on loopback) as the storage all nodes share."""
     import io
 
-    import boto3
-    from moto.server import ThreadedMotoServer
-
-    os.environ.update(
-        AWS_ACCESS_KEY_ID="x", AWS_SECRET_ACCESS_KEY="x", AWS_DEFAULT_REGION="us-east-1"
-    )
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    endpoint = f"http://{host}:{port}"
-    s3 = boto3.client("s3", endpoint_url=endpoint)
-    s3.create_bucket(Bucket="restore")
+    stack = contextlib.ExitStack()
+    endpoint, s3 = stack.enter_context(running_s3("restore"))
     buf = io.BytesIO()
     torch.save(make_state(nbytes), buf)
     rows = []
@@ -89,7 +85,7 @@ def s3_rows(nbytes: int, nodes: list[int], etcd: EtcdServer, work: Path) -> list
 
             rows.append(Row(f"S3: {n} node(s), each reads S3", nbytes, parallel([read_s3] * n)))
     finally:
-        server.stop()
+        stack.close()
     return rows
 
 

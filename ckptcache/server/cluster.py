@@ -95,6 +95,8 @@ class Cluster:
         self.node = NodeInfo(cfg.node_id, cfg.host, self.server.address if self.server else "")
         self._work: queue.Queue[Generation | None] = queue.Queue()
         self._standby: dict[Generation, tuple[str, str]] = {}
+        self._live: list[NodeInfo] = []
+        self._live_at = float("-inf")
         self._stop = threading.Event()
         core.cluster = self
         core.on_commit.append(self._on_commit)
@@ -127,10 +129,22 @@ class Cluster:
         except CkptCacheError:
             pass
 
+    def live_nodes(self, max_age: float = 0.5) -> list[NodeInfo]:
+        """Live nodes, from a view refreshed at most every ``max_age`` seconds.
+
+        Saves consult membership on their path (backup placement); one etcd round trip per
+        half second instead of several per save keeps the coordinator off the stall.
+        """
+        now = time.monotonic()
+        if now - self._live_at > max_age:
+            self._live = self.coord.live_nodes()
+            self._live_at = now
+        return self._live
+
     def node_ids(self) -> tuple[str, ...]:
         """Live node ids (empty when the coordinator is unreachable)."""
         try:
-            return tuple(n.node_id for n in self.coord.live_nodes())
+            return tuple(n.node_id for n in self.live_nodes())
         except CoordinatorUnavailable:
             return ()
 
@@ -141,7 +155,7 @@ class Cluster:
         mode = self.config.backup
         if mode == "none":
             return []
-        live = self.coord.live_nodes()
+        live = self.live_nodes()
         me = self.node.node_id
         if mode == "auto":
             ids = sorted({n.node_id for n in live} | {me})
@@ -197,7 +211,9 @@ class Cluster:
                 f"no live backup node for {gen.path!r} (live: {sorted(live)}); the local copy "
                 "is kept"
             )
+        t0 = time.perf_counter()
         self.core.ensure_digests(gen)
+        log.debug("digests of %s ready for its push in %.3fs", gen.path, time.perf_counter() - t0)
         errors = []
         for target in targets:
             if need <= 0:
@@ -219,10 +235,12 @@ class Cluster:
                 return  # retired meanwhile: nothing to protect
             self.core.pin(gen)
         try:
+            t0 = time.perf_counter()
             header = gen.segment.read_header()
             nbytes = header.digest_offset + 8 * header.n_storages
             assert self.secret is not None
             with DataPlaneClient(target.data_addr, self.secret, tls=self.tls) as peer:
+                t1 = time.perf_counter()
                 send_msg(peer.sock, {
                     "op": "push", "namespace": gen.namespace, "path": gen.path,
                     "nbytes": nbytes, "manifest_offset": header.manifest_offset,
@@ -231,8 +249,13 @@ class Cluster:
                 ready = recv_msg(peer.sock)
                 if not ready.get("ok"):
                     raise ReplicationError(f"{target.node_id} refused: {ready.get('message')}")
+                t2 = time.perf_counter()
                 send_region(peer.sock, gen.segment.path, HEADER_SIZE, nbytes - HEADER_SIZE)
+                t3 = time.perf_counter()
                 done = recv_msg(peer.sock)
+                t4 = time.perf_counter()
+                log.debug("push of %s: connect %.3fs reserve %.3fs send %.3fs commit %.3fs",
+                          gen.path, t1 - t0, t2 - t1, t3 - t2, t4 - t3)  # fmt: skip
                 if not done.get("ok"):
                     raise ReplicationError(f"{target.node_id} rejected: {done.get('message')}")
             log.info("backup copy of %s generation %d on %s", gen.path, gen.number, target.node_id)
@@ -419,7 +442,7 @@ class Cluster:
         """Live nodes announcing a copy of ``path`` (newest commit first)."""
         ph = path_hash(namespace, path)
         entries = self.coord.scan(f"holders/{ph}/")
-        live = {n.node_id: n for n in self.coord.live_nodes()}
+        live = {n.node_id: n for n in self.live_nodes()}
         ranked = sorted(entries.values(), key=lambda v: -float(v.get("committed", 0)))
         seen: list[NodeInfo] = []
         for v in ranked:
