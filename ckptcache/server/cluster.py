@@ -33,17 +33,16 @@ from ckptcache._digest import digest_bytes, digest_hex
 from ckptcache.archive import count_records, parse_archive
 from ckptcache.errors import CkptCacheError, ConfigError, CorruptCheckpoint, ReplicationError
 from ckptcache.layout import HEADER_SIZE, plan_segment
-from ckptcache.manifest import manifest_from_archive, object_digest
+from ckptcache.manifest import Manifest, manifest_from_archive, object_digest
 from ckptcache.server.coord import CoordinatorUnavailable, NodeInfo, make_coordinator
 from ckptcache.server.dataplane import (
     DataPlaneClient,
     DataPlaneServer,
     TLSConfig,
-    recv_exact_into,
     recv_msg,
     send_msg,
-    send_region,
 )
+from ckptcache.server.transfer import receive_object, send_object
 from ckptcache.storage import backend_for
 
 if TYPE_CHECKING:
@@ -211,9 +210,6 @@ class Cluster:
                 f"no live backup node for {gen.path!r} (live: {sorted(live)}); the local copy "
                 "is kept"
             )
-        t0 = time.perf_counter()
-        self.core.ensure_digests(gen)
-        log.debug("digests of %s ready for its push in %.3fs", gen.path, time.perf_counter() - t0)
         errors = []
         for target in targets:
             if need <= 0:
@@ -245,12 +241,13 @@ class Cluster:
                     "op": "push", "namespace": gen.namespace, "path": gen.path,
                     "nbytes": nbytes, "manifest_offset": header.manifest_offset,
                     "manifest_size": header.manifest_size, "origin": self.node.node_id,
+                    "manifest": gen.manifest.to_json().decode(),
                 })  # fmt: skip
                 ready = recv_msg(peer.sock)
                 if not ready.get("ok"):
                     raise ReplicationError(f"{target.node_id} refused: {ready.get('message')}")
                 t2 = time.perf_counter()
-                send_region(peer.sock, gen.segment.path, HEADER_SIZE, nbytes - HEADER_SIZE)
+                send_object(peer.sock, gen, lambda: self.core.ensure_digests(gen))
                 t3 = time.perf_counter()
                 done = recv_msg(peer.sock)
                 t4 = time.perf_counter()
@@ -263,21 +260,35 @@ class Cluster:
             self.core.unpin(gen)
 
     def _on_push(self, conn: socket.socket, req: dict[str, Any]) -> None:
-        def fill(view: memoryview) -> None:
-            send_msg(conn, {"ok": True})  # reserved: send the bytes
-            recv_exact_into(conn, view)
-
         try:
-            gen = self.core.receive(
-                str(req["namespace"]), str(req["path"]), int(req["nbytes"]),
-                int(req["manifest_offset"]), int(req["manifest_size"]), fill,
-                origin=str(req.get("origin", "?")),
-            )  # fmt: skip
+            gen = self._receive(conn, req, str(req.get("origin", "?")), ready=True)
         except (CkptCacheError, KeyError, ValueError) as e:
             send_msg(conn, {"ok": False, "error": type(e).__name__, "message": str(e)})
             raise ConnectionError(f"push refused: {e}") from e
         send_msg(conn, {"ok": True, "generation": gen.number})
         self._work.put(gen)
+
+    def _receive(
+        self, conn: socket.socket, head: dict[str, Any], origin: str, *, ready: bool
+    ) -> Generation:
+        """Receive one streamed object (see :mod:`ckptcache.server.transfer`) and commit it."""
+        namespace, path = str(head["namespace"]), str(head["path"])
+        nbytes, mo, ms = (
+            int(head["nbytes"]),
+            int(head["manifest_offset"]),
+            int(head["manifest_size"]),
+        )
+        manifest = Manifest.from_json(str(head["manifest"]).encode(), segment_size=nbytes)
+        digest_offset = nbytes - 8 * len(manifest.storages)
+        verified: list[int] = []
+
+        def fill(view: memoryview) -> None:
+            if ready:
+                send_msg(conn, {"ok": True})  # reserved: the sender may stream the bytes
+            verified.extend(receive_object(conn, view, manifest, digest_offset))
+
+        return self.core.receive(namespace, path, nbytes, mo, ms, fill, origin=origin,
+                                 digests=lambda: verified)  # fmt: skip
 
     def _on_fetch(self, conn: socket.socket, req: dict[str, Any]) -> None:
         try:
@@ -288,14 +299,15 @@ class Cluster:
             send_msg(conn, {"ok": False, "error": type(e).__name__, "message": str(e)})
             return
         try:
-            self.core.ensure_digests(gen)
             header = gen.segment.read_header()
             nbytes = header.digest_offset + 8 * header.n_storages
             send_msg(conn, {
                 "ok": True, "nbytes": nbytes, "manifest_offset": header.manifest_offset,
                 "manifest_size": header.manifest_size, "generation": gen.number,
+                "namespace": gen.namespace, "path": gen.path,
+                "manifest": gen.manifest.to_json().decode(),
             })  # fmt: skip
-            send_region(conn, gen.segment.path, HEADER_SIZE, nbytes - HEADER_SIZE)
+            send_object(conn, gen, lambda: self.core.ensure_digests(gen))
         finally:
             self.core.unpin(gen)
 
@@ -306,11 +318,9 @@ class Cluster:
             head = recv_msg(peer.sock)
             if not head.get("ok"):
                 raise ReplicationError(f"{node.node_id}: {head.get('message')}")
-            return self.core.receive(
-                namespace, path, int(head["nbytes"]), int(head["manifest_offset"]),
-                int(head["manifest_size"]), lambda view: recv_exact_into(peer.sock, view),
-                origin=node.node_id,
-            )  # fmt: skip
+            if (head.get("namespace"), head.get("path")) != (namespace, path):
+                raise ReplicationError(f"{node.node_id} answered for another path")
+            return self._receive(peer.sock, head, node.node_id, ready=False)
 
     # ----------------------------------------------------------------- tiered load
 

@@ -344,10 +344,12 @@ class CacheCore:
         *,
         verify: bool = True,
         persisted: bool = False,
+        digests: Callable[[], list[int]] | None = None,
     ) -> Generation:
         """Take a copy from a peer or storage: reserve, ``fill`` the bytes after the header,
         verify every digest against the table that came with them (``verify``) or compute the
-        table (a copy read from storage), and commit it as this node's generation."""
+        table (a copy read from storage), and commit it as this node's generation.
+        ``digests()``, when given, returns the digests ``fill`` already verified."""
         reply = self.reserve(self.internal, m.ReserveRequest(namespace, path, nbytes))
         with self.cond:
             segment = self.internal.reservations[reply.reservation].segment
@@ -364,7 +366,9 @@ class CacheCore:
             view = segment.view()
             try:
                 start, n = header.digest_offset, header.n_storages
-                if verify:
+                if digests is not None:
+                    table = digests()
+                elif verify:
                     table = unpack_digests(view[start : start + 8 * n], n)
                     verify_digests(view, manifest, table, tier="peer")
                 else:

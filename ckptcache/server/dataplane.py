@@ -46,7 +46,7 @@ log = logging.getLogger(__name__)
 
 MAGIC = b"CKPTDP1\n"
 _LEN = struct.Struct(">I")
-_MAX_HEADER = 1 << 20
+_MAX_HEADER = 64 << 20  # headers carry manifests: ~150 bytes per tensor
 
 
 class PeerRefused(CkptCacheError, ConnectionRefusedError):

@@ -1,0 +1,111 @@
+"""Moving one committed object between daemons with hashing overlapped with the transfer.
+
+Stream layout after the request/reply headers (whose JSON carries the manifest)::
+
+    segment bytes [HEADER_SIZE, digest_offset)   payload + manifest, by sendfile
+    digest table (8 bytes per storage)            computed by the sender while it sent
+
+The receiver hashes every storage as soon as its last byte has landed (a helper thread follows
+the receive position), so by the time the table arrives only the comparison is left: every
+hop verifies every tensor without a second pass over the bytes.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING
+
+from ckptcache._digest import digest_bytes, digest_hex
+from ckptcache.errors import CorruptCheckpoint
+from ckptcache.layout import HEADER_SIZE
+from ckptcache.manifest import Manifest, pack_digests, unpack_digests
+from ckptcache.server.dataplane import recv_exact_into, send_region
+
+if TYPE_CHECKING:
+    from ckptcache.server.index import Generation
+
+__all__ = ["receive_object", "send_object"]
+
+_CHUNK = 16 << 20
+
+
+def send_object(sock: socket.socket, gen: Generation, digests: Callable[[], list[int]]) -> None:
+    """Send ``gen``'s body while ``digests()`` runs alongside, then its digest table."""
+    header = gen.segment.read_header()
+    with ThreadPoolExecutor(1) as pool:
+        table = pool.submit(digests)
+        send_region(sock, gen.segment.path, HEADER_SIZE, header.digest_offset - HEADER_SIZE)
+        sock.sendall(pack_digests(table.result()))
+
+
+class _Hasher(threading.Thread):
+    """Hashes each storage once the receive position has passed its end."""
+
+    def __init__(self, view: memoryview, manifest: Manifest):
+        super().__init__(name="receive-hash", daemon=True)
+        self.view = view
+        self.storages = manifest.storages
+        self.digests: list[int] = [0] * len(manifest.storages)
+        self.received = 0
+        self.done = False
+        self.error: BaseException | None = None
+        self.cond = threading.Condition()
+
+    def advance(self, received: int, *, done: bool = False) -> None:
+        with self.cond:
+            self.received, self.done = received, done
+            self.cond.notify()
+
+    def run(self) -> None:
+        try:
+            order = sorted(range(len(self.storages)), key=lambda i: self.storages[i].offset)
+            for i in order:
+                record = self.storages[i]
+                start, end = (
+                    record.offset - HEADER_SIZE,
+                    record.offset - HEADER_SIZE + record.nbytes,
+                )
+                with self.cond:
+                    while self.received < end and not self.done:
+                        self.cond.wait()
+                    if self.received < end:
+                        return  # the stream ended early; the receiver reports it
+                self.digests[i] = digest_bytes(self.view[start:end])
+        except BaseException as e:  # surfaced by receive_object
+            self.error = e
+
+
+def receive_object(
+    sock: socket.socket, view: memoryview, manifest: Manifest, digest_offset: int
+) -> list[int]:
+    """Fill ``view`` (the segment from ``HEADER_SIZE`` on) from ``sock``, verifying every tensor
+    against the table that closes the stream; returns the verified digests."""
+    body = digest_offset - HEADER_SIZE
+    n = len(manifest.storages)
+    hasher = _Hasher(view, manifest)
+    hasher.start()
+    try:
+        pos = 0
+        while pos < body:
+            step = min(_CHUNK, body - pos)
+            recv_exact_into(sock, view[pos : pos + step])
+            pos += step
+            hasher.advance(pos)
+        recv_exact_into(sock, view[body : body + 8 * n])
+    finally:
+        hasher.advance(pos, done=True)
+        hasher.join()
+    if hasher.error is not None:
+        raise hasher.error
+    expected = unpack_digests(view[body : body + 8 * n], n)
+    for record, got, want in zip(manifest.storages, hasher.digests, expected, strict=True):
+        if got != want:
+            raise CorruptCheckpoint(
+                f"copy of {manifest.path!r} from a peer is corrupt: tensor {record.name!r} has "
+                f"digest {digest_hex(got)}, expected {digest_hex(want)}",
+                tensor=record.name, tier="peer",
+            )  # fmt: skip
+    return expected
