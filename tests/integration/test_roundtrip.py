@@ -118,3 +118,56 @@ def test_repeated_saves_reuse_segments(daemon, tmp_path):
         st = c.daemon_status()
     assert st.segments == 3  # keep=2 plus the one being written: reused, never grown
     assert st.generations == 2
+
+
+def test_malformed_requests_get_typed_errors(daemon):
+    import json
+
+    from ckptcache.errors import ProtocolMismatch
+    from ckptcache.wire import messages as m
+
+    with daemon.client() as c:
+        c.daemon_status()  # connect
+        root = c._conn.root
+        for kind, body, expected in [
+            ("reserve", "{not json", "ProtocolMismatch"),
+            ("reserve", json.dumps({"namespace": "n", "path": "/p", "nbytes": 1, "x": 1}),
+             "ProtocolMismatch"),
+            ("teleport", "{}", "ProtocolMismatch"),
+            ("reserve", json.dumps({"namespace": "n", "path": "", "nbytes": 10}), "InvalidPath"),
+            ("reserve", json.dumps({"namespace": "n", "path": "/p", "nbytes": -5}), "InvalidPath"),
+            ("reserve", json.dumps({"namespace": "n", "path": "/p", "nbytes": 1 << 50}),
+             "ObjectTooLarge"),
+            ("commit", json.dumps({"reservation": 999, "manifest_offset": 0, "manifest_size": 0}),
+             "CkptCacheError"),
+        ]:  # fmt: skip
+            reply = json.loads(root.request(kind, body))
+            assert reply["ok"] is False and reply["error"]["type"] == expected, (kind, reply)
+        with pytest.raises(ProtocolMismatch, match="protocol"):
+            c._request("hello", m.HelloRequest(m.PROTOCOL_VERSION + 1, 0, "x"), m.HelloReply)
+        assert c.daemon_status().objects == 0  # the daemon is unharmed
+
+
+def test_commit_with_a_bad_manifest_is_refused_and_nothing_is_published(daemon, tmp_path):
+    from ckptcache.errors import CorruptCheckpoint
+    from ckptcache.flatten import flatten
+    from ckptcache.manifest import plan_object
+    from ckptcache.objectio import write_object
+    from ckptcache.wire import messages as m
+
+    path = str(tmp_path / "bad.pt")
+    with daemon.client() as c:
+        plan = plan_object(flatten({"w": torch.ones(4)}), path, c.namespace)
+        for manifest in (b'{"format": 1, "path": "elsewhere"}', b"\xff\xfe not json"):
+            reply = c._call("reserve", m.ReserveRequest(c.namespace, path, plan.layout.nbytes),
+                            m.ReserveReply)  # fmt: skip
+            mapping = c._write_mapping(reply.segment, reply.capacity)
+            write_object(mapping, plan, flatten({"w": torch.ones(4)}))
+            off = plan.layout.manifest_offset
+            mapping[off : off + len(manifest)] = manifest
+            with pytest.raises(CorruptCheckpoint, match="manifest"):
+                c._call("commit", m.CommitRequest(reply.reservation, off, len(manifest)),
+                        m.CommitReply)  # fmt: skip
+        assert not c.exists(path)
+        st = c.daemon_status()
+        assert st.generations == 0 and st.free_segments == st.segments  # segments reclaimed
