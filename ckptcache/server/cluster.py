@@ -22,10 +22,12 @@ persisted beside it as ``<path>.conflict-<digest>`` so nothing is silently dropp
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import queue
 import threading
 import time
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
@@ -33,7 +35,7 @@ from ckptcache._digest import digest_bytes, digest_hex
 from ckptcache.archive import count_records, parse_archive
 from ckptcache.errors import CkptCacheError, ConfigError, CorruptCheckpoint, ReplicationError
 from ckptcache.layout import HEADER_SIZE, plan_segment
-from ckptcache.manifest import Manifest, manifest_from_archive, object_digest
+from ckptcache.manifest import Manifest, manifest_from_archive, object_digest, pack_digests
 from ckptcache.server.coord import CoordinatorUnavailable, NodeInfo, make_coordinator
 from ckptcache.server.dataplane import (
     DataPlaneClient,
@@ -42,7 +44,12 @@ from ckptcache.server.dataplane import (
     recv_msg,
     send_msg,
 )
-from ckptcache.server.transfer import receive_object, send_object
+from ckptcache.server.transfer import (
+    receive_object,
+    receive_relayed,
+    relay_in_flight,
+    send_object,
+)
 from ckptcache.storage import backend_for
 
 if TYPE_CHECKING:
@@ -282,21 +289,33 @@ class Cluster:
         digest_offset = nbytes - 8 * len(manifest.storages)
         verified: list[int] = []
 
-        def fill(view: memoryview) -> None:
+        def fill(view: memoryview, advance: Callable[[int], None]) -> None:
             if ready:
                 send_msg(conn, {"ok": True})  # reserved: the sender may stream the bytes
-            verified.extend(receive_object(conn, view, manifest, digest_offset))
+            verified.extend(receive_object(conn, view, manifest, digest_offset, advance))
 
         return self.core.receive(namespace, path, nbytes, mo, ms, fill, origin=origin,
                                  digests=lambda: verified)  # fmt: skip
 
     def _on_fetch(self, conn: socket.socket, req: dict[str, Any]) -> None:
         try:
+            key = (str(req["namespace"]), str(req["path"]))
             with self.core.cond:
-                gen = self.core._lookup(str(req["namespace"]), str(req["path"]))
-                self.core.pin(gen)
+                flight = self.core.inflight.get(key)
+                if flight is None:
+                    gen = self.core._lookup(*key)
+                    self.core.pin(gen)
         except (CkptCacheError, KeyError) as e:
             send_msg(conn, {"ok": False, "error": type(e).__name__, "message": str(e)})
+            return
+        if flight is not None:  # still arriving here: relay it chunk by chunk (pipelined)
+            log.info("relaying %s to a peer while it arrives", key[1])
+            send_msg(conn, {
+                "ok": True, "relay": True, "nbytes": flight.nbytes, "namespace": key[0],
+                "path": key[1], "manifest_offset": flight.manifest_offset,
+                "manifest_size": flight.manifest_size,
+            })  # fmt: skip
+            relay_in_flight(conn, self.core, flight)
             return
         try:
             header = gen.segment.read_header()
@@ -320,6 +339,13 @@ class Cluster:
                 raise ReplicationError(f"{node.node_id}: {head.get('message')}")
             if (head.get("namespace"), head.get("path")) != (namespace, path):
                 raise ReplicationError(f"{node.node_id} answered for another path")
+            if head.get("relay"):
+                return self.core.receive(
+                    namespace, path, int(head["nbytes"]), int(head["manifest_offset"]),
+                    int(head["manifest_size"]),
+                    lambda view, advance: receive_relayed(peer.sock, view, advance),
+                    origin=node.node_id,
+                )  # fmt: skip
             return self._receive(peer.sock, head, node.node_id, ready=False)
 
     # ----------------------------------------------------------------- tiered load
@@ -342,7 +368,10 @@ class Cluster:
                 if node.node_id in tried or node.node_id == self.node.node_id:
                     continue
                 try:
-                    return self._fetch_from(node, namespace, path)
+                    with self._in_flight(ph):
+                        gen = self._fetch_from(node, namespace, path)
+                        self._announce(gen)  # before the in-flight key goes: always findable
+                    return gen
                 except CorruptCheckpoint as e:
                     log.error("corrupt copy of %s on %s: %s", path, node.node_id, e)
                     self.core.metrics.corrupt.labels(tier="peer").inc()
@@ -358,8 +387,9 @@ class Cluster:
                     self._withdraw(f"loads/{ph}")
                     continue
                 try:
-                    gen = self._load_from_storage(namespace, path)
-                    self._announce(gen)  # before stepping down: joiners find a holder
+                    with self._in_flight(ph):
+                        gen = self._load_from_storage(namespace, path)
+                        self._announce(gen)  # before stepping down: joiners find a holder
                     return gen
                 finally:
                     self._withdraw(f"loads/{ph}")
@@ -371,6 +401,17 @@ class Cluster:
         raise CheckpointNotFound(
             f"{path!r} is in no peer's memory and could not be read from storage"
         )
+
+    @contextlib.contextmanager
+    def _in_flight(self, ph: str) -> Iterator[None]:
+        """Announce that this node is receiving a path, so later joiners chain behind it
+        (holders are tried newest first) and get the bytes relayed as they land."""
+        key = f"holders/{ph}/inflight/{self.node.node_id}"
+        self.coord.announce(key, {"node": self.node.node_id, "committed": time.time()})
+        try:
+            yield
+        finally:
+            self._withdraw(key)
 
     def _in_storage(self, path: str) -> bool:
         from ckptcache.errors import PathNotAllowed
@@ -401,23 +442,47 @@ class Cluster:
         layout = plan_segment(size, capacity, entries)
         t0 = time.perf_counter()
 
-        def fill(view: memoryview) -> None:
-            chunk = max(8 << 20, -(-size // self.config.s3_max_concurrency))
+        table: list[int] = []
+
+        def fill(view: memoryview, advance: Callable[[int], None]) -> None:
+            # Ranges are read in parallel; relays follow the contiguous prefix that is done.
+            chunk = max(8 << 20, -(-size // (4 * self.config.s3_max_concurrency)))
             ranges = [(off, min(chunk, size - off)) for off in range(0, size, chunk)]
+            done: set[int] = set()
+            lock = threading.Lock()
+
+            def read(index: int) -> None:
+                off, n = ranges[index]
+                backend.read_into(path, off, view[off : off + n])
+                with lock:
+                    done.add(index)
+                    prefix = 0
+                    while prefix in done:
+                        prefix += 1
+                    advance(ranges[prefix - 1][0] + ranges[prefix - 1][1] if prefix else 0)
+
             with ThreadPoolExecutor(self.config.s3_max_concurrency) as pool:
-                list(pool.map(lambda r: backend.read_into(path, r[0], view[r[0] : r[0] + r[1]]),
-                              ranges))  # fmt: skip
+                list(pool.map(read, range(len(ranges))))
             parsed = parse_archive(view[:size])
-            manifest = manifest_from_archive(parsed, path, namespace, size).to_json()
-            if len(manifest) > capacity:
+            manifest = manifest_from_archive(parsed, path, namespace, size)
+            encoded = manifest.to_json()
+            if len(encoded) > capacity:
                 raise CorruptCheckpoint(f"{path!r}: manifest larger than planned", tier="storage")
             start = layout.manifest_offset - HEADER_SIZE
-            view[start : start + capacity] = manifest.ljust(capacity)
+            view[start : start + capacity] = encoded.ljust(capacity)
+            # Digests of what storage holds (its own integrity is the storage's business).
+            table.extend(
+                digest_bytes(view[r.offset - HEADER_SIZE : r.offset - HEADER_SIZE + r.nbytes])
+                for r in manifest.storages
+            )
+            dstart = layout.digest_offset - HEADER_SIZE
+            view[dstart : dstart + 8 * len(table)] = pack_digests(table)
+            advance(layout.nbytes - HEADER_SIZE)
 
         try:
             gen = self.core.receive(
                 namespace, path, layout.nbytes, layout.manifest_offset, capacity, fill,
-                origin="storage", verify=False, persisted=True,
+                origin="storage", persisted=True, digests=lambda: table,
             )  # fmt: skip
         except ValueError as e:
             raise CorruptCheckpoint(f"{path!r} in storage is not a readable archive: {e}",
@@ -545,6 +610,8 @@ class Cluster:
         others: dict[str, float] = {}
         for key, v in self.coord.scan(f"holders/{ph}/").items():
             d = key.split("/")[2]
+            if d == "inflight":
+                continue  # a copy still arriving, not a content
             if d != digest and abs(float(v.get("committed", 0)) - gen.committed) < window:
                 others[d] = float(v.get("committed", 0))
         if not others:

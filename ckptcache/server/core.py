@@ -75,6 +75,19 @@ class Reservation:
 
 
 @dataclass(eq=False)
+class Inflight:
+    """An object still arriving (from a peer or storage): peers may relay it as it lands."""
+
+    segment: Segment
+    nbytes: int
+    manifest_offset: int
+    manifest_size: int
+    #: Bytes ``[0, ready)`` of the segment are final (the header page counts as ready).
+    ready: int = HEADER_SIZE
+    failed: bool = False
+
+
+@dataclass(eq=False)
 class Session:
     """What one client connection holds; all of it is let go when the connection closes."""
 
@@ -110,6 +123,8 @@ class CacheCore:
         #: Called (under the lock) with each generation leaving the index.
         self.on_retire: list[Callable[[Generation], None]] = []
         self.internal = Session(0, os.getpid(), os.getuid())
+        #: Objects arriving right now, by (namespace, path): relayed to peers as they land.
+        self.inflight: dict[Key, Inflight] = {}
         self.cluster: Any = None
         self.roots = PersistRoots(config.persist_roots)
         self.persister = Persister(self)
@@ -339,7 +354,7 @@ class CacheCore:
         nbytes: int,
         manifest_offset: int,
         manifest_size: int,
-        fill: Callable[[memoryview], None],
+        fill: Callable[[memoryview, Callable[[int], None]], None],
         origin: str,
         *,
         verify: bool = True,
@@ -349,14 +364,28 @@ class CacheCore:
         """Take a copy from a peer or storage: reserve, ``fill`` the bytes after the header,
         verify every digest against the table that came with them (``verify``) or compute the
         table (a copy read from storage), and commit it as this node's generation.
-        ``digests()``, when given, returns the digests ``fill`` already verified."""
+        ``digests()``, when given, returns the digests ``fill`` already verified.
+
+        ``fill(view, advance)`` calls ``advance(n)`` whenever the first ``n`` bytes of ``view``
+        are final: until the commit, peers asking for the same path are relayed those bytes
+        as they land (see :attr:`inflight`), so a broadcast is pipelined hop by hop.
+        """
         reply = self.reserve(self.internal, m.ReserveRequest(namespace, path, nbytes))
+        key = (namespace, path)
         with self.cond:
             segment = self.internal.reservations[reply.reservation].segment
+            flight = Inflight(segment, nbytes, manifest_offset, manifest_size)
+            self.inflight.setdefault(key, flight)
+
+        def advance(n: int) -> None:
+            with self.cond:
+                flight.ready = HEADER_SIZE + n
+                self.cond.notify_all()
+
         try:
             view = segment.view()
             try:
-                fill(view[HEADER_SIZE:nbytes])
+                fill(view[HEADER_SIZE:nbytes], advance)
             finally:
                 del view
             manifest, header = self._validate(
@@ -377,9 +406,16 @@ class CacheCore:
             finally:
                 del view
         except BaseException:
+            with self.cond:
+                flight.failed = True
+                if self.inflight.get(key) is flight:
+                    del self.inflight[key]
+                self.cond.notify_all()
             self.abort(self.internal, m.AbortRequest(reply.reservation))
             raise
         with self.cond:
+            if self.inflight.get(key) is flight:
+                del self.inflight[key]  # committed below: later fetches use the index
             res = self.internal.reservations[reply.reservation]
             res.digests = table  # published with the generation: nobody hashes it again
             if persisted:

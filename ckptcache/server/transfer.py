@@ -25,9 +25,10 @@ from ckptcache.manifest import Manifest, pack_digests, unpack_digests
 from ckptcache.server.dataplane import recv_exact_into, send_region
 
 if TYPE_CHECKING:
+    from ckptcache.server.core import CacheCore, Inflight
     from ckptcache.server.index import Generation
 
-__all__ = ["receive_object", "send_object"]
+__all__ = ["receive_object", "receive_relayed", "relay_in_flight", "send_object"]
 
 _CHUNK = 16 << 20
 
@@ -79,10 +80,15 @@ class _Hasher(threading.Thread):
 
 
 def receive_object(
-    sock: socket.socket, view: memoryview, manifest: Manifest, digest_offset: int
+    sock: socket.socket,
+    view: memoryview,
+    manifest: Manifest,
+    digest_offset: int,
+    advance: Callable[[int], None],
 ) -> list[int]:
     """Fill ``view`` (the segment from ``HEADER_SIZE`` on) from ``sock``, verifying every tensor
-    against the table that closes the stream; returns the verified digests."""
+    against the table that closes the stream; returns the verified digests. ``advance(n)``
+    reports each time the first ``n`` bytes of ``view`` are in place (relays follow it)."""
     body = digest_offset - HEADER_SIZE
     n = len(manifest.storages)
     hasher = _Hasher(view, manifest)
@@ -94,6 +100,7 @@ def receive_object(
             recv_exact_into(sock, view[pos : pos + step])
             pos += step
             hasher.advance(pos)
+            advance(pos)
         recv_exact_into(sock, view[body : body + 8 * n])
     finally:
         hasher.advance(pos, done=True)
@@ -108,4 +115,33 @@ def receive_object(
                 f"digest {digest_hex(got)}, expected {digest_hex(want)}",
                 tensor=record.name, tier="peer",
             )  # fmt: skip
+    advance(body + 8 * n)
     return expected
+
+
+def relay_in_flight(sock: socket.socket, core: CacheCore, flight: Inflight) -> None:
+    """Send an object that is still arriving here, chunk by chunk as it lands.
+
+    The bytes go out in order; if the copy being received fails, the connection is cut and
+    the downstream node tries another holder (it verifies every digest at the end anyway).
+    """
+    sent = HEADER_SIZE
+    while sent < flight.nbytes:
+        with core.cond:
+            while flight.ready <= sent and not flight.failed:
+                core.cond.wait(1.0)
+            if flight.failed:
+                raise ConnectionError("the upstream copy failed mid-transfer")
+            ready = flight.ready
+        send_region(sock, flight.segment.path, sent, ready - sent)
+        sent = ready
+
+
+def receive_relayed(sock: socket.socket, view: memoryview, advance: Callable[[int], None]) -> None:
+    """Receive a relayed stream (the whole segment body, table last) in order."""
+    pos = 0
+    while pos < len(view):
+        step = min(_CHUNK, len(view) - pos)
+        recv_exact_into(sock, view[pos : pos + step])
+        pos += step
+        advance(pos)
