@@ -61,8 +61,8 @@ def s3_rows(nbytes: int, nodes: list[int], etcd: EtcdServer, work: Path) -> list
     """The same race with S3 (moto's server on loopback) as the storage all nodes share."""
     import io
 
-    stack = contextlib.ExitStack()
-    endpoint, s3 = stack.enter_context(running_s3("restore"))
+    server = contextlib.ExitStack()
+    endpoint, s3 = server.enter_context(running_s3("restore"))
     buf = io.BytesIO()
     torch.save(make_state(nbytes), buf)
     rows = []
@@ -85,7 +85,7 @@ def s3_rows(nbytes: int, nodes: list[int], etcd: EtcdServer, work: Path) -> list
 
             rows.append(Row(f"S3: {n} node(s), each reads S3", nbytes, parallel([read_s3] * n)))
     finally:
-        stack.close()
+        server.close()
     return rows
 
 
