@@ -33,7 +33,13 @@ from typing import TYPE_CHECKING, Any
 
 from ckptcache._digest import digest_bytes, digest_hex
 from ckptcache.archive import count_records, parse_archive
-from ckptcache.errors import CkptCacheError, ConfigError, CorruptCheckpoint, ReplicationError
+from ckptcache.errors import (
+    CheckpointNotFound,
+    CkptCacheError,
+    ConfigError,
+    CorruptCheckpoint,
+    ReplicationError,
+)
 from ckptcache.layout import HEADER_SIZE, plan_segment
 from ckptcache.manifest import Manifest, manifest_from_archive, object_digest, pack_digests
 from ckptcache.server.coord import CoordinatorUnavailable, NodeInfo, make_coordinator
@@ -276,7 +282,13 @@ class Cluster:
         self._work.put(gen)
 
     def _receive(
-        self, conn: socket.socket, head: dict[str, Any], origin: str, *, ready: bool
+        self,
+        conn: socket.socket,
+        head: dict[str, Any],
+        origin: str,
+        *,
+        ready: bool,
+        started: Callable[[], None] | None = None,
     ) -> Generation:
         """Receive one streamed object (see :mod:`ckptcache.server.transfer`) and commit it."""
         namespace, path = str(head["namespace"]), str(head["path"])
@@ -290,6 +302,8 @@ class Cluster:
         verified: list[int] = []
 
         def fill(view: memoryview, advance: Callable[[int], None]) -> None:
+            if started is not None:
+                started()
             if ready:
                 send_msg(conn, {"ok": True})  # reserved: the sender may stream the bytes
             verified.extend(receive_object(conn, view, manifest, digest_offset, advance))
@@ -330,23 +344,30 @@ class Cluster:
         finally:
             self.core.unpin(gen)
 
-    def _fetch_from(self, node: NodeInfo, namespace: str, path: str) -> Generation:
+    def _fetch_from(
+        self, node: NodeInfo, namespace: str, path: str, started: Callable[[], None]
+    ) -> Generation:
         assert self.secret is not None
         with DataPlaneClient(node.data_addr, self.secret, tls=self.tls) as peer:
             send_msg(peer.sock, {"op": "fetch", "namespace": namespace, "path": path})
             head = recv_msg(peer.sock)
             if not head.get("ok"):
+                if head.get("error") == "CheckpointNotFound":
+                    raise CheckpointNotFound(f"{node.node_id}: {head.get('message')}")
                 raise ReplicationError(f"{node.node_id}: {head.get('message')}")
             if (head.get("namespace"), head.get("path")) != (namespace, path):
                 raise ReplicationError(f"{node.node_id} answered for another path")
             if head.get("relay"):
+
+                def fill(view: memoryview, advance: Callable[[int], None]) -> None:
+                    started()
+                    receive_relayed(peer.sock, view, advance)
+
                 return self.core.receive(
                     namespace, path, int(head["nbytes"]), int(head["manifest_offset"]),
-                    int(head["manifest_size"]),
-                    lambda view, advance: receive_relayed(peer.sock, view, advance),
-                    origin=node.node_id,
+                    int(head["manifest_size"]), fill, origin=node.node_id,
                 )  # fmt: skip
-            return self._receive(peer.sock, head, node.node_id, ready=False)
+            return self._receive(peer.sock, head, node.node_id, ready=False, started=started)
 
     # ----------------------------------------------------------------- tiered load
 
@@ -358,8 +379,6 @@ class Cluster:
         loaders elect one reader (``loads/<path>``), the others fetch from the first holder
         that appears; if the reader dies its lease ends and another member takes over.
         """
-        from ckptcache.errors import CheckpointNotFound
-
         tried: set[str] = set()
         deadline = time.monotonic() + timeout
         ph = path_hash(namespace, path)
@@ -368,10 +387,12 @@ class Cluster:
                 if node.node_id in tried or node.node_id == self.node.node_id:
                     continue
                 try:
-                    with self._in_flight(ph):
-                        gen = self._fetch_from(node, namespace, path)
+                    with self._in_flight(ph) as announce:
+                        gen = self._fetch_from(node, namespace, path, announce)
                         self._announce(gen)  # before the in-flight key goes: always findable
                     return gen
+                except CheckpointNotFound:
+                    continue  # announced but not receiving yet (or gone): ask again later
                 except CorruptCheckpoint as e:
                     log.error("corrupt copy of %s on %s: %s", path, node.node_id, e)
                     self.core.metrics.corrupt.labels(tier="peer").inc()
@@ -387,29 +408,33 @@ class Cluster:
                     self._withdraw(f"loads/{ph}")
                     continue
                 try:
-                    with self._in_flight(ph):
-                        gen = self._load_from_storage(namespace, path)
+                    with self._in_flight(ph) as announce:
+                        gen = self._load_from_storage(namespace, path, announce)
                         self._announce(gen)  # before stepping down: joiners find a holder
                     return gen
                 finally:
                     self._withdraw(f"loads/{ph}")
             # Another member is reading storage for the group: wait for it to hold a copy.
             while time.monotonic() < deadline and self.coord.get(f"loads/{ph}") is not None:
+                time.sleep(0.05)
                 if any(n.node_id not in tried for n in self.holders(namespace, path)):
                     break
-                time.sleep(0.05)
         raise CheckpointNotFound(
             f"{path!r} is in no peer's memory and could not be read from storage"
         )
 
     @contextlib.contextmanager
-    def _in_flight(self, ph: str) -> Iterator[None]:
-        """Announce that this node is receiving a path, so later joiners chain behind it
-        (holders are tried newest first) and get the bytes relayed as they land."""
+    def _in_flight(self, ph: str) -> Iterator[Callable[[], None]]:
+        """Yield ``announce()``: called once bytes start landing here, it tells later joiners
+        to chain behind this node (holders are tried newest first) and take the bytes as
+        they land. The announcement is withdrawn when the transfer ends either way."""
         key = f"holders/{ph}/inflight/{self.node.node_id}"
-        self.coord.announce(key, {"node": self.node.node_id, "committed": time.time()})
+
+        def announce() -> None:
+            self.coord.announce(key, {"node": self.node.node_id, "committed": time.time()})
+
         try:
-            yield
+            yield announce
         finally:
             self._withdraw(key)
 
@@ -426,7 +451,9 @@ class Cluster:
         except (OSError, ValueError, ImportError):
             return False
 
-    def _load_from_storage(self, namespace: str, path: str) -> Generation:
+    def _load_from_storage(
+        self, namespace: str, path: str, started: Callable[[], None]
+    ) -> Generation:
         """Read a persisted archive into the arena with parallel ranged reads."""
         backend = backend_for(path, self.core.persister.options)
         size = backend.size(path)
@@ -445,6 +472,7 @@ class Cluster:
         table: list[int] = []
 
         def fill(view: memoryview, advance: Callable[[int], None]) -> None:
+            started()  # registered as in flight here: joiners may chain behind us now
             # Ranges are read in parallel; relays follow the contiguous prefix that is done.
             chunk = max(8 << 20, -(-size // (4 * self.config.s3_max_concurrency)))
             ranges = [(off, min(chunk, size - off)) for off in range(0, size, chunk)]
