@@ -16,6 +16,9 @@ Key schema used by the daemon (``ckptcache.server.cluster``)::
 
     nodes/<node_id>                              leased  NodeInfo
     holders/<path_hash>/<digest>/<node_id>       leased  who holds which content of a path
+    holders/<path_hash>/inflight/<node_id>       leased  a copy still arriving (relayed)
+    writer/<path_hash>                           leased  the one node writing a path now
+    loads/<path_hash>                            leased  the group's storage reader
     reps/<path_hash>/<digest>                    leased  elected representative of a group
     persisted/<path_hash>/<digest>               durable the group's persisted record
     failed/<path_hash>/<digest>/<node_id>        leased  a representative's failed attempt
