@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import io
 import threading
-import time
 
 import pytest
 import torch
 
 from ckptcache.errors import PathNotAllowed, PersistError
 from ckptcache.storage.fs import TEMP_MARK
-from tests.helpers import assert_same, read_only_dir
+from tests.helpers import assert_same, read_only_dir, wait_until
 
 
 def config(tmp_path, **extra) -> str:
@@ -78,8 +77,8 @@ def test_transient_failure_is_retried_until_it_succeeds(daemon_factory, tmp_path
     with d.client() as c:
         with read_only_dir(root):
             c.save(state(5), root / "m.pt")
-            time.sleep(1.0)
-            assert c.status(root / "m.pt").persist_state == "persisting"
+            wait_until(lambda: c.status(root / "m.pt").persist_error)  # an attempt failed
+            assert c.status(root / "m.pt").persist_state == "persisting"  # and is retried
         c.wait(root / "m.pt", timeout=60)
     assert torch.load(root / "m.pt")["step"] == 5
     assert "attempt 1 of 21" in d.log()
@@ -98,8 +97,8 @@ def test_s3_round_trip_and_endpoint_outage(daemon_factory, tmp_path, s3_server, 
         s3_server.stop()
         try:
             c.save(state(7), f"{root}/iter_2/model.pt")
-            time.sleep(1.0)
-            assert c.status(f"{root}/iter_2/model.pt").persist_error  # failing, retrying
+            wait_until(lambda: c.status(f"{root}/iter_2/model.pt").persist_error)  # failing
+            assert c.status(f"{root}/iter_2/model.pt").persist_state == "persisting"
         finally:
             s3_server.restart()
         c.wait(f"{root}/iter_2/model.pt", timeout=60)
@@ -118,7 +117,7 @@ def test_daemon_killed_mid_persist_finishes_after_restart(daemon_factory, tmp_pa
     with read_only_dir(target_dir):
         with d.client() as c:
             c.save(state(8), path)
-            time.sleep(0.5)
+            wait_until(lambda: c.status(path).persist_error)  # mid-persist: retrying
             assert c.status(path).persist_state == "persisting"
         d.kill()  # SIGKILL while the persist is being retried
     d.start()
