@@ -3,8 +3,8 @@
     python benchmarks/persist/bench.py --size 1GiB
 
 Destinations: a local file (with fsync) and S3 on loopback (moto's server; needs moto[server]).
-Every figure is measured in this run. The persist time is the daemon's own measurement
-(``status(path).persist_seconds``: from the first attempt to the rename/complete).
+Every figure is measured in this run; file figures are medians of 5 interleaved rounds. The
+persist time is the daemon's own (``status(path).persist_seconds``: first attempt to rename).
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import argparse
 import io
 import os
 import shutil
+import statistics
 import tempfile
 import time
 
@@ -56,21 +57,28 @@ def persist_seconds(client: Client, obj: object, path: str) -> float:
     return client.status(path).persist_seconds
 
 
-def bench_file(nbytes: int, directory: str) -> list[Row]:
+def bench_file(nbytes: int, directory: str, rounds: int = 5) -> list[Row]:
+    """Raw write, torch.save and the daemon's persist, interleaved round by round (the disk's
+    fsync speed drifts, so each round measures all three under the same conditions); medians."""
     state = make_state(nbytes)
     blob = io.BytesIO()
     torch.save(state, blob)
     data = blob.getbuffer()
     size = len(data)
-    raw = best_of(3, lambda: raw_file_write(data, os.path.join(directory, "raw.bin")))
-    rows = [Row("raw write + fsync (limit)", size, raw)]
-    saved = best_of(2, lambda: torch_save_synced(state, os.path.join(directory, "t.pt")))
-    rows.append(Row("torch.save to the file (+ fsync)", size, saved))
+    raw, saved, persisted = [], [], []
     daemon_args = ("--persist-root", directory, "--memory-limit", str(4 * size))
     with running_daemon(*daemon_args) as d, Client(d.socket, fallback="raise") as c:
-        secs = min(persist_seconds(c, state, os.path.join(directory, f"p{i}.pt")) for i in range(3))
-    rows.append(Row("ckptcache persist (daemon, sendfile)", size, secs))
-    return rows
+        for i in range(rounds):
+            target = os.path.join(directory, f"raw{i}.bin")
+            raw.append(best_of(1, lambda t=target: raw_file_write(data, t)))
+            target = os.path.join(directory, f"t{i}.pt")
+            saved.append(best_of(1, lambda t=target: torch_save_synced(state, t)))
+            persisted.append(persist_seconds(c, state, os.path.join(directory, f"p{i}.pt")))
+    return [
+        Row("raw write + fsync (limit)", size, statistics.median(raw)),
+        Row("torch.save to the file (+ fsync)", size, statistics.median(saved)),
+        Row("ckptcache persist (daemon, sendfile)", size, statistics.median(persisted)),
+    ]
 
 
 def bench_s3(nbytes: int) -> list[Row]:
