@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import os
 import uuid
-from typing import Any
+from collections.abc import Callable
+from typing import Any, BinaryIO
 
 import torch
 
@@ -64,23 +65,23 @@ def is_memory_only(info: ckptcache.ObjectStatus) -> bool:
 def wait_persisted(
     client: ckptcache.Client | None, path: str, *, timeout: float | None = None
 ) -> None:
-    """Block until ``path`` is persisted (phase 2), via the client API's ``wait``.
+    """Block until ``path`` is persisted (phase 2); raises :class:`ckptcache.PersistError`
+    when the daemon gave up, rather than pretending the object is durable."""
+    (client or ckptcache.api.default_client()).wait(path, timeout=timeout)
 
-    Raises :class:`ckptcache.PersistError` when the daemon gave up, and ``NotImplementedError``
-    on a ckptcache without persistence, rather than pretending the object is durable.
-    """
-    waiter = getattr(client, "wait", None) if client is not None else None
-    if waiter is None:
-        waiter = getattr(ckptcache, "wait", None)
-        if waiter is None:
-            raise NotImplementedError(
-                "this ckptcache has no wait(): commit_waits='persisted' needs the "
-                "persistence tier (daemon --persist-root)"
-            )
-        if client is not None and client is not ckptcache.api.default_client():
-            # Module-level wait() talks to the default client: it cannot see this one's saves.
-            raise NotImplementedError("Client.wait is missing; pass client=None to use the default")
-    waiter(path, timeout=timeout)
+
+def atomic_write(path: str, write: Callable[[BinaryIO], None]) -> None:
+    """Write a file the way every checkpoint file is written: temp name, fsync, rename."""
+    tmp = f"{path}.ckptcache-{uuid.uuid4().hex[:8]}.tmp"
+    try:
+        with open(tmp, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
 
 
 def ensure_on_disk(client: ckptcache.Client, info: ckptcache.ObjectStatus) -> None:
@@ -99,16 +100,7 @@ def ensure_on_disk(client: ckptcache.Client, info: ckptcache.ObjectStatus) -> No
         if os.path.exists(info.path):
             return
     obj = client.load(info.path, weights_only=False)
-    tmp = f"{info.path}.ckptcache-{uuid.uuid4().hex[:8]}.tmp"
-    try:
-        with open(tmp, "wb") as f:
-            torch.save(obj, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, info.path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+    atomic_write(info.path, lambda f: torch.save(obj, f))
 
 
 def cached_under(client: ckptcache.Client, directory: str) -> list[ckptcache.ObjectStatus]:

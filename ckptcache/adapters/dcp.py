@@ -205,17 +205,7 @@ class CacheWriter(StorageWriter):
         metadata.version = CURRENT_DCP_VERSION
         metadata.storage_data = {wr.index: wr.storage_data for rs in results for wr in rs}
         metadata.storage_meta = self.storage_meta()
-        final = os.path.join(self.path, _METADATA)
-        tmp = f"{final}.{self.save_id}.tmp"
-        try:
-            with open(tmp, "wb") as f:
-                pickle.dump(metadata, f)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, final)
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
+        _common.atomic_write(os.path.join(self.path, _METADATA), lambda f: pickle.dump(metadata, f))
 
     def storage_meta(self) -> StorageMeta | None:
         """Checkpoint id and save id, recorded in ``.metadata``."""
