@@ -1,10 +1,12 @@
 """Bucket plans: many tensors per collective, and no collective larger than the bucket size.
 
 Every rank derives the same plan from the same tensor specs, so only the specs travel.
-Tensors smaller than the bucket are packed back to back into buckets of one dtype; a larger
-tensor is cut into bucket-sized chunks, each its own bucket. A bucket made of a single segment
-is sent straight from (and received straight into) the tensor when its memory allows, so large
-tensors cost no extra copy.
+Tensors smaller than ``direct_bytes`` are packed back to back into buckets of one dtype (model
+tensors apart from the rest, see :func:`plan_buckets`); a larger tensor is sent alone, cut into
+bucket-sized chunks when it exceeds the bucket. A bucket whose segments lie back to back in a
+rank's memory (a single segment of a contiguous tensor, or tensors that are views of one flat
+buffer, as :func:`allocate_flat` makes them) is sent straight from, or received straight into,
+that memory: no packing copy.
 """
 
 from __future__ import annotations
@@ -16,10 +18,25 @@ import torch
 
 from ckptcache.recovery._state import TensorSpec
 
-__all__ = ["Bucket", "BufferPool", "Segment", "pack", "plan_buckets", "segment_view", "unpack"]
+__all__ = [
+    "Bucket",
+    "BufferPool",
+    "Segment",
+    "allocate_flat",
+    "flat_view",
+    "pack",
+    "plan_buckets",
+    "segment_view",
+    "unpack",
+]
 
 #: Default bucket size: large enough to run at link bandwidth, small enough to pipeline.
 DEFAULT_BUCKET_BYTES = 64 * 1024 * 1024
+
+#: Tensors from this size up are sent alone, straight from the source's memory: one more
+#: collective (~0.1 ms on loopback gloo) costs less than packing them (a copy on the source,
+#: ~0.2 ms per MiB into memory the packing buffer has not touched yet).
+DIRECT_BYTES = 1024 * 1024
 
 
 @dataclass(frozen=True)
@@ -42,24 +59,37 @@ class Bucket:
 
 
 def plan_buckets(
-    specs: Sequence[TensorSpec], bucket_bytes: int, *, include: Sequence[int] | None = None
+    specs: Sequence[TensorSpec],
+    bucket_bytes: int,
+    *,
+    include: Sequence[int] | None = None,
+    direct_bytes: int | None = None,
 ) -> tuple[Bucket, ...]:
-    """Lay the tensors ``include`` (default: all) of ``specs`` out in buckets, grouped by dtype."""
+    """Lay the tensors ``include`` (default: all) of ``specs`` out in buckets.
+
+    Tensors of at least ``direct_bytes`` (default: ``bucket_bytes``) get buckets of their own;
+    the others are packed, grouped by dtype and by whether they belong to the model: a
+    receiver holds its model tensors already but often allocates the rest (a re-created
+    optimizer's state), and a bucket made only of tensors it allocates is received in place.
+    """
     if bucket_bytes <= 0:
         raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
+    direct = bucket_bytes if direct_bytes is None else min(direct_bytes, bucket_bytes)
     indices = range(len(specs)) if include is None else include
-    by_dtype: dict[torch.dtype, list[int]] = {}
+    groups: dict[tuple[torch.dtype, bool], list[int]] = {}
     for i in indices:
         if specs[i].numel:
-            by_dtype.setdefault(specs[i].dtype, []).append(i)
+            groups.setdefault((specs[i].dtype, specs[i].path[:1] == ("model",)), []).append(i)
     buckets: list[Bucket] = []
-    for dtype, members in by_dtype.items():
-        capacity = max(1, bucket_bytes // torch.empty((), dtype=dtype).element_size())
+    for (dtype, _), members in groups.items():
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        capacity = max(1, bucket_bytes // itemsize)
+        alone = max(1, direct // itemsize)
         open_segments: list[Segment] = []
         used = 0
         for i in members:
             n = specs[i].numel
-            if n >= capacity:
+            if n >= alone:
                 # Whole chunks of one tensor: aligned to its start so each can go zero-copy.
                 for start in range(0, n, capacity):
                     size = min(capacity, n - start)
@@ -82,11 +112,52 @@ def segment_view(t: torch.Tensor, seg: Segment) -> torch.Tensor | None:
     return t.view(-1)[seg.start : seg.start + seg.numel]
 
 
-def direct_view(bucket: Bucket, t: torch.Tensor, device: torch.device) -> torch.Tensor | None:
-    """A view to send/receive a single-segment bucket in place, or None if a copy is needed."""
-    if len(bucket.segments) != 1 or t.device != device or t.dtype != bucket.dtype:
+def flat_view(
+    bucket: Bucket, tensors: Sequence[torch.Tensor], device: torch.device
+) -> torch.Tensor | None:
+    """The bucket as one flat view of ``tensors``' memory, or None if a copy is needed.
+
+    That is the case when every segment is contiguous on ``device`` and they lie back to back
+    in one storage in bucket order: one segment of a contiguous tensor, or tensors that
+    :func:`allocate_flat` made.
+    """
+    first: torch.Tensor | None = None
+    for seg in bucket.segments:
+        t = tensors[seg.tensor]
+        if t.device != device or t.dtype != bucket.dtype:
+            return None
+        view = segment_view(t, seg)
+        if view is None:
+            return None
+        if first is None:
+            first = view
+        elif view.data_ptr() != first.data_ptr() + seg.offset * first.element_size():
+            return None  # usually at the second segment: separate tensors, a copy is needed
+    assert first is not None
+    if len(bucket.segments) == 1:
+        return first
+    if (first.storage_offset() + bucket.numel) * first.element_size() > (
+        first.untyped_storage().nbytes()
+    ):
         return None
-    return segment_view(t, bucket.segments[0])
+    return first.as_strided((bucket.numel,), (1,), first.storage_offset())
+
+
+def allocate_flat(
+    bucket: Bucket, specs: Sequence[TensorSpec], device: torch.device
+) -> dict[int, torch.Tensor] | None:
+    """New tensors for the bucket's segments, all views of one flat buffer in bucket order.
+
+    Receiving the bucket into that buffer then fills them all with no copy. None when a
+    segment is only part of its tensor (a chunk of a large tensor: allocate that one whole).
+    """
+    if any(seg.start or seg.numel != specs[seg.tensor].numel for seg in bucket.segments):
+        return None
+    flat = torch.empty(bucket.numel, dtype=bucket.dtype, device=device)
+    return {
+        seg.tensor: flat[seg.offset : seg.offset + seg.numel].view(specs[seg.tensor].shape)
+        for seg in bucket.segments
+    }
 
 
 def pack(bucket: Bucket, tensors: Sequence[torch.Tensor], out: torch.Tensor) -> None:

@@ -11,7 +11,11 @@ the same thing whatever device its tensors live on:
   in place; accelerator tensors are first copied to the host, which costs a full device-to-host
   copy of the state.
 
-Per-tensor values and each tensor's path, dtype and shape are then folded into one 64-bit digest.
+Per-tensor values and each tensor's path, dtype and shape are then folded into one 64-bit digest
+(:func:`state_digests`: what replicas compare when nothing is sent). A transfer is checked per
+bucket instead (:func:`buffer_word` on the flat bytes that move, :func:`fold_words` over the
+buckets), so each side hashes a bucket while the next one is on the wire and no rank makes an
+extra pass over the state before or after the transfer.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ import torch
 from ckptcache._digest import digest_bytes
 from ckptcache.recovery._state import TensorSpec
 
-__all__ = ["DigestMode", "combine", "state_digests", "tensor_words"]
+__all__ = ["DigestMode", "buffer_word", "combine", "fold_words", "state_digests", "tensor_words"]
 
 DigestMode = Literal["checksum", "xxh3"]
 
@@ -53,6 +57,27 @@ def _xxh3(t: torch.Tensor) -> int:
     host = t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
     # The numpy view shares the tensor's memory: hashing reads it in place.
     return digest_bytes(host.numpy().data)
+
+
+def buffer_word(buf: torch.Tensor, mode: DigestMode) -> int:
+    """One unsigned 64-bit value for the bytes of one flat bucket buffer."""
+    if mode == "xxh3":
+        return _xxh3(buf)
+    if mode != "checksum":
+        raise ValueError(f"unknown digest mode {mode!r}; use 'checksum' or 'xxh3'")
+    if buf.device.type == "cpu" and buf.is_contiguous() and buf.nbytes % 8 == 0:
+        try:
+            # numpy sums on this thread: torch's parallel reduction would compete with the
+            # transfer's own threads for the cores. Integer sums wrap, as on the device.
+            return int(buf.view(torch.int64).numpy().sum()) % _U64
+        except RuntimeError:
+            pass  # not 8-byte aligned: the general path below copies it once
+    return int(_word_sum(buf).item()) % _U64
+
+
+def fold_words(words: Sequence[int]) -> int:
+    """One digest of a sequence of per-bucket values (their order and count included)."""
+    return digest_bytes(struct.pack(f"<{len(words)}Q", *words))
 
 
 def tensor_words(tensors: Sequence[torch.Tensor], mode: DigestMode) -> list[int]:

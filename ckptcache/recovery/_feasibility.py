@@ -13,10 +13,11 @@ from typing import Literal
 
 import torch
 
-__all__ = ["Announcement", "Feasibility", "decide"]
+__all__ = ["Announcement", "Feasibility", "TransferCheck", "decide", "transfer_problem"]
 
 #: Bumped whenever the announcement layout or the transfer protocol changes.
-PROTOCOL_VERSION = 1
+#: 2: transfers are verified with per-bucket digests gathered after the transfer.
+PROTOCOL_VERSION = 2
 
 _U64 = 1 << 64
 
@@ -232,3 +233,62 @@ def _from_snapshot(by_rank: dict[int, Announcement], roles: _Roles, verify: bool
         if problem:
             return roles.fail(problem)
     return roles.succeed(by_rank, step=step, source=newest[0], kind="snapshot", expected=expected)
+
+
+@dataclass(frozen=True)
+class TransferCheck:
+    """What one rank reports after a transfer (all ints, gathered like an announcement).
+
+    ``role``: 0 took no part, 1 source, 2 receiver, 3 bystander (a healthy replica that hashed
+    its own state), 4 bystander lacking some of the source's tensors. ``digest`` covers the
+    buckets that moved, ``unsent`` the tensors that did not (frozen weights a receiver kept).
+    """
+
+    role: int
+    digest: int
+    unsent: int
+
+    def to_tensor(self, device: torch.device) -> torch.Tensor:
+        return torch.tensor(astuple(self), dtype=torch.int64, device=device)
+
+    @classmethod
+    def from_tensor(cls, t: torch.Tensor) -> TransferCheck:
+        return cls(*(int(v) for v in t.tolist()))
+
+
+SOURCE, RECEIVER, BYSTANDER, BYSTANDER_MISSING = 1, 2, 3, 4
+
+
+def transfer_problem(checks: Sequence[TransferCheck], ranks: Sequence[int]) -> str | None:
+    """Why the transfer must not be used (None when every digest matches the source's)."""
+    by_rank = dict(zip(ranks, checks, strict=True))
+    source = next((r for r, c in by_rank.items() if c.role == SOURCE), None)
+    if source is None:
+        return "no rank reported sending the state"
+    want = by_rank[source]
+    healthy = {r: c for r, c in by_rank.items() if c.role in (SOURCE, BYSTANDER, BYSTANDER_MISSING)}
+    if any(
+        c.role == BYSTANDER_MISSING or (c.digest, c.unsent) != (want.digest, want.unsent)
+        for c in healthy.values()
+    ):
+        shown = {
+            r: "missing tensors"
+            if c.role == BYSTANDER_MISSING
+            else _hex(c.digest) + "/" + _hex(c.unsent)
+            for r, c in healthy.items()
+        }
+        return f"state digests differ among healthy replicas ({_listing(shown)})"
+    for r, c in by_rank.items():
+        if c.role != RECEIVER:
+            continue
+        if c.digest != want.digest:
+            return (
+                f"rank {r} received state whose digest does not match the source's "
+                f"({_hex(c.digest)} != {_hex(want.digest)}, rank {source})"
+            )
+        if c.unsent != want.unsent:
+            return (
+                f"rank {r} skipped frozen weights (skip_frozen) but its own differ from the "
+                "source's; reload the base weights or recover without skip_frozen"
+            )
+    return None

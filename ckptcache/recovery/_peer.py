@@ -2,15 +2,23 @@
 
 Protocol, one call of :meth:`PeerRecovery.recover` on every rank of the replica group:
 
-1. announce   all_gather of one fixed-size int64 row per rank (recovering?, step, digests, ...);
-              every rank runs the same :func:`decide` on the same table (and, with a
+1. announce   all_gather of one fixed-size int64 row per rank (recovering?, step, structure,
+              ...); every rank runs the same :func:`decide` on the same table (and, with a
               ``global_group``, agrees with the other replica groups in one all_reduce);
-2. plan       the source broadcasts the state's skeleton and tensor specs (a few KiB, pickled);
-3. prepare    receivers match the specs to their own tensors; one all_reduce says whether all can;
-4. transfer   bucketed broadcasts from the source straight into the receivers' tensors;
-5. verify     receivers recompute the digest; one all_reduce (over the global group when given)
-              decides success or fallback for everyone;
+2. plan       the source broadcasts the state's skeleton and tensor specs (a few KiB, pickled),
+              or the reason it cannot;
+3. prepare    receivers match the specs to their own tensors, allocating what they lack as
+              views of flat bucket buffers; one all_reduce says whether all can;
+4. transfer   bucketed broadcasts from the source straight into the receivers' tensors; with a
+              digest, every rank hashes bucket k while bucket k+1 is on the wire (the source
+              what it sends, receivers what they got, other healthy replicas their own state);
+5. verify     one all_gather of every rank's digests; every rank runs the same
+              :func:`transfer_problem` (then one all_reduce over the global group when given)
+              and so decides success or fallback for everyone;
 6. apply      receivers load optimizer/scheduler/extra state and RNG; everyone zeroes gradients.
+
+That is six collective round trips besides the buckets, whatever the size of the state (plus
+one all_reduce when there is a global group, and a gather of reasons when something failed).
 
 Any "no" along the way makes *every* rank call the fallback, so replicas never end up at
 different steps.
@@ -20,7 +28,7 @@ from __future__ import annotations
 
 import pickle
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -29,15 +37,27 @@ import torch.distributed as dist
 from torch import nn
 
 from ckptcache._digest import digest_bytes
-from ckptcache.recovery._buckets import DEFAULT_BUCKET_BYTES, BufferPool, plan_buckets
-from ckptcache.recovery._digests import DigestMode, state_digests
+from ckptcache.recovery._buckets import (
+    DEFAULT_BUCKET_BYTES,
+    DIRECT_BYTES,
+    Bucket,
+    BufferPool,
+    allocate_flat,
+    plan_buckets,
+)
+from ckptcache.recovery._digests import DigestMode, combine, state_digests, tensor_words
 from ckptcache.recovery._feasibility import (
+    BYSTANDER,
+    BYSTANDER_MISSING,
     PROTOCOL_VERSION,
+    RECEIVER,
+    SOURCE,
     Announcement,
     Feasibility,
+    TransferCheck,
     decide,
     to_i64,
-    to_u64,
+    transfer_problem,
 )
 from ckptcache.recovery._guard import StepGuard
 from ckptcache.recovery._rng import RngState, capture_rng, restore_rng
@@ -52,7 +72,7 @@ from ckptcache.recovery._state import (
     training_state,
     unwrap_model,
 )
-from ckptcache.recovery._transfer import Role, broadcast_buckets
+from ckptcache.recovery._transfer import Role, Transfer, broadcast_buckets
 from ckptcache.recovery.errors import RecoveryError
 
 __all__ = ["PeerRecovery", "RecoveryResult"]
@@ -208,7 +228,7 @@ class PeerRecovery:
         if not _distributed_ready():
             return Feasibility(False, "torch.distributed is not initialised")
         local = self._local(model, optimizer, scheduler, extra_state, step, recovering, skip_frozen)
-        return self._agree(local)
+        return self._agree(local, live_digests=True)
 
     def recover(
         self,
@@ -238,7 +258,8 @@ class PeerRecovery:
             self.guard.rewind()
         local = self._local(model, optimizer, scheduler, extra_state, step, recovering, skip_frozen)
         try:
-            feasibility = self._agree(local)
+            # Live digests are not computed up front: the transfer hashes while it moves.
+            feasibility = self._agree(local, live_digests=False)
         except Exception as e:  # a collective failed: the group is unusable, fall back alone
             return self._fall_back(f"feasibility exchange failed: {e!r}", fallback, args, start)
         if not feasibility.ok:
@@ -283,10 +304,10 @@ class PeerRecovery:
             arguments=(optimizer is not None) | (scheduler is not None) << 1,
         )
 
-    def _announcement(self, local: _Local) -> Announcement:
+    def _announcement(self, local: _Local, live_digests: bool) -> Announcement:
         digest = frozen = 0
         snap_step, snap_digest, snap_frozen = -1, 0, 0
-        if self.digest is not None and not local.recovering:
+        if self.digest is not None and live_digests and not local.recovering:
             digest, frozen = state_digests(local.flat.specs, local.flat.tensors, self.digest)
         if self.snapshot is not None and self.snapshot.step is not None:
             snap_step = self.snapshot.step
@@ -310,10 +331,10 @@ class PeerRecovery:
 
     # ------------------------------------------------------------------------- agreement
 
-    def _agree(self, local: _Local) -> Feasibility:
+    def _agree(self, local: _Local, *, live_digests: bool) -> Feasibility:
         group = self.replica_group
         device = self._control_device(group)
-        mine = self._announcement(local).to_tensor(device)
+        mine = self._announcement(local, live_digests).to_tensor(device)
         rows = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
         dist.all_gather(rows, mine, group=group)
         ranks = _global_ranks(group)
@@ -372,7 +393,6 @@ class PeerRecovery:
         )
         assert feas.source_rank is not None and feas.step is not None
         plan: TransferPlan | None = None
-        dests: list[torch.Tensor] | None = None
         nbytes = 0
         error: str | None = None
         if role == "source" and feas.source_kind == "snapshot":
@@ -387,21 +407,15 @@ class PeerRecovery:
                 error = f"rank {me} cannot restore its host snapshot: {e!r}"
         if feas.receivers:
             plan, error = self._exchange_plan(local, feas, role, error)
+        elif self.digest is not None and len(feas.healthy_ranks) > 1:
+            # Nothing moves, so nothing is hashed in flight: compare the healthy replicas here.
+            error = self._compare_healthy(local, feas)
+        dests: list[torch.Tensor] | None = None
         if plan is not None:
-            if role == "receiver":
-                try:
-                    _check_optimizer(plan.skeleton.get("optimizer"), optimizer)
-                    dests = _destinations(plan, local.flat, self._transfer_device())
-                except Exception as e:
-                    error = f"rank {me} cannot take the source's state: {e}"
-            error = self._agree_error(error, self.replica_group)
-            if error is None:
-                nbytes = self._send(plan, role, local.flat, dests, feas.source_rank)
-                if role == "receiver" and feas.expected_digests is not None:
-                    assert dests is not None
-                    error = self._verify(plan, dests, feas.expected_digests, feas.send_frozen)
+            dests, nbytes, error = self._move(plan, role, local.flat, feas.source_rank, optimizer)
         final_group = self.global_group if self.global_group is not None else self.replica_group
-        error = self._agree_error(error, final_group)
+        if self.global_group is not None or plan is None:
+            error = self._agree_error(error, final_group)
         if error is not None:
             raise _GroupAbort(error)
         if role == "receiver":
@@ -437,62 +451,41 @@ class PeerRecovery:
             seconds=time.perf_counter() - start,
         )
 
-    def _exchange_plan(
-        self, local: _Local, feas: Feasibility, role: Role, error: str | None
-    ) -> tuple[TransferPlan | None, str | None]:
-        """Broadcast the source's plan; (None, reason) for everyone if it cannot be sent."""
-        box: list[Any] = [None]
-        if role == "source" and error is None:
-            assert feas.step is not None
-            specs = local.flat.specs
-            rng = None
-            if self.restore_rng_state:
-                if feas.source_kind == "snapshot" and self.snapshot is not None:
-                    rng = self.snapshot.rng_state
-                elif self.guard is not None and self.guard.rng_state is not None:
-                    rng = self.guard.rng_state
-                else:
-                    rng = capture_rng()
-            box[0] = TransferPlan(
-                step=feas.step,
-                specs=specs,
-                send=tuple(i for i, s in enumerate(specs) if feas.send_frozen or not s.frozen),
-                skeleton=local.flat.skeleton,
-                rng=rng,
-            )
-            try:
-                pickle.dumps(box[0])
-            except Exception as e:
-                error = f"the source (rank {dist.get_rank()}) cannot serialise its state: {e!r}"
-        # Checked before the broadcast: receivers would otherwise wait for a plan never sent.
-        error = self._agree_error(error, self.replica_group)
-        if error is not None:
-            return None, error
-        # Pickled: only ranks of one training job exchange plans (same trust as the job's PG).
-        dist.broadcast_object_list(
-            box,
-            src=feas.source_rank,
-            group=self.replica_group,
-            device=self._control_device(self.replica_group),
-        )
-        plan = box[0]
-        if not isinstance(plan, TransferPlan):
-            raise RecoveryError(f"the source sent {type(plan).__name__}, not a transfer plan")
-        return plan, None
-
-    def _send(
+    def _move(
         self,
         plan: TransferPlan,
         role: Role,
         flat: FlatState,
-        dests: list[torch.Tensor] | None,
         src: int,
-    ) -> int:
+        optimizer: torch.optim.Optimizer | None,
+    ) -> tuple[list[torch.Tensor] | None, int, str | None]:
+        """Prepare, transfer and verify: (receiver's tensors, bytes moved, group's error).
+
+        The error is the same on every rank of the replica group.
+        """
+        me = dist.get_rank()
         device = self._transfer_device()
-        buckets = plan_buckets(plan.specs, self.bucket_bytes, include=plan.send)
-        tensors = flat.tensors if role == "source" else dests if role == "receiver" else None
+        buckets = plan_buckets(
+            plan.specs,
+            self.bucket_bytes,
+            include=plan.send,
+            direct_bytes=min(self.bucket_bytes, DIRECT_BYTES),
+        )
+        dests: list[torch.Tensor] | None = None
+        error: str | None = None
+        if role == "receiver":
+            try:
+                _check_optimizer(plan.skeleton.get("optimizer"), optimizer)
+                dests = _destinations(plan, flat, device, buckets)
+            except Exception as e:
+                error = f"rank {me} cannot take the source's state: {e}"
+        error = self._agree_error(error, self.replica_group)
+        if error is not None:
+            return None, 0, error
+        own = _own_tensors(plan, flat) if role == "bystander" else None
+        tensors = flat.tensors if role == "source" else dests
         with torch.no_grad():
-            return broadcast_buckets(
+            moved = broadcast_buckets(
                 buckets,
                 tensors,
                 role=role,
@@ -501,28 +494,106 @@ class PeerRecovery:
                 device=device,
                 pool=BufferPool(device),
                 depth=self.pipeline_depth,
+                digest=self.digest,
+                own=own,
             )
+        if self.digest is None:
+            return dests, moved.nbytes, None
+        check = self._transfer_check(plan, role, flat, dests, own, moved)
+        return dests, moved.nbytes, self._check_transfer(check)
 
-    def _verify(
+    def _transfer_check(
         self,
         plan: TransferPlan,
-        dests: list[torch.Tensor],
-        expected: tuple[int, int],
-        sent_frozen: bool,
-    ) -> str | None:
+        role: Role,
+        flat: FlatState,
+        dests: list[torch.Tensor] | None,
+        own: list[torch.Tensor] | None,
+        moved: Transfer,
+    ) -> TransferCheck:
+        """This rank's digests of what moved (hashed in flight) and of what did not."""
+        assert self.digest is not None and moved.digest is not None
+        mine: list[torch.Tensor] | tuple[torch.Tensor, ...] | None = (
+            flat.tensors if role == "source" else dests if role == "receiver" else own
+        )
+        if mine is None:
+            return TransferCheck(BYSTANDER_MISSING, 0, 0)
+        sent = set(plan.send)
+        unsent = [i for i in range(len(plan.specs)) if i not in sent]
+        unsent_digest = 0
+        if unsent:
+            # Frozen weights a receiver kept: they do not move, so they are hashed here.
+            words = tensor_words([mine[i] for i in unsent], self.digest)
+            unsent_digest = combine([plan.specs[i] for i in unsent], words)
+        code = {"source": SOURCE, "receiver": RECEIVER, "bystander": BYSTANDER}[role]
+        return TransferCheck(code, to_i64(moved.digest), to_i64(unsent_digest))
+
+    def _check_transfer(self, check: TransferCheck) -> str | None:
+        """One all_gather of every rank's digests; the same verdict on every rank."""
+        group = self.replica_group
+        mine = check.to_tensor(self._control_device(group))
+        rows = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(rows, mine, group=group)
+        return transfer_problem([TransferCheck.from_tensor(r) for r in rows], _global_ranks(group))
+
+    def _compare_healthy(self, local: _Local, feas: Feasibility) -> str | None:
+        """With nobody to receive, check the healthy replicas agree (one all_gather)."""
         assert self.digest is not None
-        got = state_digests(plan.specs, dests, self.digest)
-        me = dist.get_rank()
-        if got[0] != to_u64(expected[0]):
-            return f"rank {me} received state whose digest does not match the source's"
-        if got[1] != to_u64(expected[1]):
-            if sent_frozen:
-                return f"rank {me} received frozen weights whose digest does not match"
-            return (
-                f"rank {me} skipped frozen weights (skip_frozen) but its own differ from the "
-                "source's; reload the base weights or recover without skip_frozen"
-            )
-        return None
+        digest = unsent = 0
+        if not local.recovering:
+            digest, unsent = state_digests(local.flat.specs, local.flat.tensors, self.digest)
+        code = BYSTANDER if not local.recovering else 0
+        if dist.get_rank() == feas.source_rank:
+            code = SOURCE
+        return self._check_transfer(TransferCheck(code, to_i64(digest), to_i64(unsent)))
+
+    def _exchange_plan(
+        self, local: _Local, feas: Feasibility, role: Role, error: str | None
+    ) -> tuple[TransferPlan | None, str | None]:
+        """Broadcast the source's plan, or the reason it has none (then everyone has it)."""
+        box: list[Any] = [None]
+        if role == "source":
+            assert feas.step is not None
+            if error is None:
+                try:
+                    box[0] = self._plan(local, feas)
+                    pickle.dumps(box[0])
+                except Exception as e:
+                    error = f"the source (rank {dist.get_rank()}) cannot serialise its state: {e!r}"
+            if error is not None:
+                box[0] = error
+        # Pickled: only ranks of one training job exchange plans (same trust as the job's PG).
+        dist.broadcast_object_list(
+            box,
+            src=feas.source_rank,
+            group=self.replica_group,
+            device=self._control_device(self.replica_group),
+        )
+        plan = box[0]
+        if isinstance(plan, str):
+            return None, plan
+        if not isinstance(plan, TransferPlan):
+            raise RecoveryError(f"the source sent {type(plan).__name__}, not a transfer plan")
+        return plan, None
+
+    def _plan(self, local: _Local, feas: Feasibility) -> TransferPlan:
+        assert feas.step is not None
+        specs = local.flat.specs
+        rng = None
+        if self.restore_rng_state:
+            if feas.source_kind == "snapshot" and self.snapshot is not None:
+                rng = self.snapshot.rng_state
+            elif self.guard is not None and self.guard.rng_state is not None:
+                rng = self.guard.rng_state
+            else:
+                rng = capture_rng()
+        return TransferPlan(
+            step=feas.step,
+            specs=specs,
+            send=tuple(i for i, s in enumerate(specs) if feas.send_frozen or not s.frozen),
+            skeleton=local.flat.skeleton,
+            rng=rng,
+        )
 
     # ------------------------------------------------------------------------- helpers
 
@@ -604,11 +675,17 @@ def _fingerprint_parts(flat: FlatState) -> list[bytes]:
     ]
 
 
-def _destinations(plan: TransferPlan, flat: FlatState, device: torch.device) -> list[torch.Tensor]:
-    """The tensor each spec is received into: the receiver's own when it matches, else new."""
+def _destinations(
+    plan: TransferPlan, flat: FlatState, device: torch.device, buckets: Sequence[Bucket]
+) -> list[torch.Tensor]:
+    """The tensor each spec is received into: the receiver's own when it matches, else new.
+
+    New tensors that fill a packed bucket on their own are views of one flat buffer, so that
+    bucket is received in place; the others are allocated one by one.
+    """
     local = flat.by_path()
     sent = set(plan.send)
-    out: list[torch.Tensor] = []
+    out: list[torch.Tensor | None] = []
     for i, spec in enumerate(plan.specs):
         mine = local.get(spec.path)
         if mine is not None and mine.dtype == spec.dtype and tuple(mine.shape) == spec.shape:
@@ -618,8 +695,34 @@ def _destinations(plan: TransferPlan, flat: FlatState, device: torch.device) -> 
         elif spec.path[0] == "model":
             raise RecoveryError(f"model tensor {_dotted(spec.path)} has no matching tensor here")
         else:
-            where = torch.device("cpu") if spec.device_type == "cpu" else device
-            out.append(torch.empty(spec.shape, dtype=spec.dtype, device=where))
+            out.append(None)
+    for bucket in buckets:
+        members = [seg.tensor for seg in bucket.segments]
+        if len(members) > 1 and all(
+            out[i] is None and _new_device(plan.specs[i], device) == device for i in members
+        ):
+            for i, t in (allocate_flat(bucket, plan.specs, device) or {}).items():
+                out[i] = t
+    return [
+        t if t is not None else torch.empty(s.shape, dtype=s.dtype, device=_new_device(s, device))
+        for s, t in zip(plan.specs, out, strict=True)
+    ]
+
+
+def _new_device(spec: TensorSpec, device: torch.device) -> torch.device:
+    # Adam keeps its step counters on the CPU even when the parameters are on a GPU.
+    return torch.device("cpu") if spec.device_type == "cpu" else device
+
+
+def _own_tensors(plan: TransferPlan, flat: FlatState) -> list[torch.Tensor] | None:
+    """A healthy bystander's own tensors in the source's order, or None if any is missing."""
+    local = flat.by_path()
+    out: list[torch.Tensor] = []
+    for spec in plan.specs:
+        mine = local.get(spec.path)
+        if mine is None or mine.dtype != spec.dtype or tuple(mine.shape) != spec.shape:
+            return None
+        out.append(mine)
     return out
 
 

@@ -1,34 +1,52 @@
 """Moving a flat tensor list from one rank to the rest of a group, bucket by bucket.
 
-Pipeline per bucket: take buffer -> (source) pack -> broadcast (async) -> wait -> (receiver)
-unpack -> give buffer back. ``depth`` broadcasts are in flight at once so that packing the next
-bucket overlaps sending the current one; the memory held is ``depth`` buckets.
+Pipeline per bucket: take buffer (or view the tensors in place) -> (source) pack -> broadcast
+(async) -> (source) hash it while it is on the wire -> wait -> (receiver) hash it while the
+next bucket is on the wire -> unpack if it was not received in place -> give buffer back.
+``depth`` broadcasts are in flight at once so that packing and hashing overlap the wire; the
+memory held is ``depth`` buckets.
 """
 
 from __future__ import annotations
 
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
 
-from ckptcache.recovery._buckets import Bucket, BufferPool, direct_view, pack, unpack
+from ckptcache.recovery._buckets import Bucket, BufferPool, flat_view, pack, unpack
+from ckptcache.recovery._digests import DigestMode, buffer_word, fold_words
 
-__all__ = ["Role", "broadcast_buckets"]
+__all__ = ["Role", "Transfer", "broadcast_buckets"]
 
 #: What a rank does in a transfer: send its tensors, receive into its tensors, or only relay.
 Role = Literal["source", "receiver", "bystander"]
 
 
 @dataclass
+class Transfer:
+    """What one rank moved: bytes, and the digest of the buckets it hashed (None when off).
+
+    The source hashes what it sends, a receiver what it received, and a bystander its own
+    tensors (the ``own`` argument), so comparing the digests checks every rank against the
+    source's bytes.
+    """
+
+    nbytes: int = 0
+    digest: int | None = None
+    words: list[int] = field(default_factory=list)
+
+
+@dataclass
 class _InFlight:
+    index: int
     work: Any
     bucket: Bucket
     buf: torch.Tensor
-    direct: bool
+    in_place: bool
 
 
 def broadcast_buckets(
@@ -41,31 +59,40 @@ def broadcast_buckets(
     device: torch.device,
     pool: BufferPool,
     depth: int = 2,
-) -> int:
-    """Broadcast ``buckets`` of ``tensors`` from global rank ``src``; return the bytes moved.
+    digest: DigestMode | None = None,
+    own: Sequence[torch.Tensor] | None = None,
+) -> Transfer:
+    """Broadcast ``buckets`` of ``tensors`` from global rank ``src``.
 
     The source passes its tensors, receivers the tensors to overwrite (in place), bystanders
-    (group members that neither send nor need the state) pass None and receive into scratch.
+    (group members that neither send nor need the state) pass None and receive into scratch;
+    with ``digest``, a bystander hashes ``own`` (its own copy of the state) bucket by bucket.
     Every rank of ``group`` must call this with the same buckets.
     """
     pending: deque[_InFlight] = deque()
-    moved = 0
-    for bucket in buckets:
-        buf, direct = _buffer(bucket, tensors, device, pool)
-        if role == "source" and not direct:
+    out = Transfer(words=[0] * len(buckets) if digest is not None else [])
+    for index, bucket in enumerate(buckets):
+        buf, in_place = _buffer(bucket, tensors, device, pool)
+        if role == "source" and not in_place:
             assert tensors is not None
             pack(bucket, tensors, buf)
         work = dist.broadcast(buf, src=src, group=group, async_op=True)
-        pending.append(_InFlight(work, bucket, buf, direct))
-        moved += buf.numel() * buf.element_size()
+        pending.append(_InFlight(index, work, bucket, buf, in_place))
+        out.nbytes += buf.numel() * buf.element_size()
+        if digest is not None and role == "source":
+            out.words[index] = buffer_word(buf, digest)  # reads while the wire reads
+        elif digest is not None and role == "bystander" and own is not None:
+            out.words[index] = _own_word(bucket, own, device, pool, digest)
         while len(pending) >= max(1, depth):
-            _finish(pending.popleft(), role, tensors, pool)
+            _finish(pending.popleft(), role, tensors, pool, digest, out)
     while pending:
-        _finish(pending.popleft(), role, tensors, pool)
+        _finish(pending.popleft(), role, tensors, pool, digest, out)
     if device.type == "cuda":
         # Unpacks into host tensors (Adam's CPU step counters) were queued asynchronously.
         torch.cuda.current_stream(device).synchronize()
-    return moved
+    if digest is not None:
+        out.digest = fold_words(out.words)
+    return out
 
 
 def _buffer(
@@ -74,11 +101,29 @@ def _buffer(
     device: torch.device,
     pool: BufferPool,
 ) -> tuple[torch.Tensor, bool]:
-    if tensors is not None and len(bucket.segments) == 1:
-        view = direct_view(bucket, tensors[bucket.segments[0].tensor], device)
+    if tensors is not None:
+        view = flat_view(bucket, tensors, device)
         if view is not None:
             return view, True
     return pool.take(bucket.dtype, bucket.numel), False
+
+
+def _own_word(
+    bucket: Bucket,
+    own: Sequence[torch.Tensor],
+    device: torch.device,
+    pool: BufferPool,
+    digest: DigestMode,
+) -> int:
+    view = flat_view(bucket, own, device)
+    if view is not None:
+        return buffer_word(view, digest)
+    buf = pool.take(bucket.dtype, bucket.numel)
+    try:
+        pack(bucket, own, buf)
+        return buffer_word(buf, digest)
+    finally:
+        pool.give(buf)
 
 
 def _finish(
@@ -86,9 +131,14 @@ def _finish(
     role: Role,
     tensors: Sequence[torch.Tensor] | None,
     pool: BufferPool,
+    digest: DigestMode | None,
+    out: Transfer,
 ) -> None:
     item.work.wait()
-    if item.direct:
+    if role == "receiver" and digest is not None:
+        # The next bucket is already on the wire: hashing this one overlaps it.
+        out.words[item.index] = buffer_word(item.buf, digest)
+    if item.in_place:
         return
     if role == "receiver":
         assert tensors is not None

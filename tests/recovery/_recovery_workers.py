@@ -24,6 +24,8 @@ from ckptcache.recovery import (
     StepGuard,
     training_state_dict,
 )
+from ckptcache.recovery._buckets import plan_buckets
+from ckptcache.recovery._state import flatten
 
 STEPS = 6
 FAULT_STEP = 3
@@ -470,3 +472,85 @@ def gpu_recover(rank: int, world: int) -> dict[str, Any]:
     for s in range(result.step, STEPS):
         step_on(r, s)
     return _outcome(r, result, ref.losses, ref_state)
+
+
+def _bucket_kinds(state: Any, bucket_bytes: int) -> dict[str, int]:
+    """Index of one bucket of each kind a restarted receiver handles differently."""
+    specs = flatten(state).specs
+    buckets = plan_buckets(specs, bucket_bytes, direct_bytes=bucket_bytes)
+
+    def first(pred: Any) -> int:
+        return next(i for i, b in enumerate(buckets) if pred(b))
+
+    def model(b: Any) -> bool:
+        return all(specs[s.tensor].path[0] == "model" for s in b.segments)
+
+    return {
+        # straight into a live parameter
+        "direct": first(lambda b: len(b.segments) == 1 and model(b)),
+        # into a scratch buffer, then copied into the live parameters
+        "packed": first(lambda b: len(b.segments) > 1 and model(b)),
+        # into the optimizer state the receiver allocates as views of one buffer
+        "in_place": first(lambda b: len(b.segments) > 1 and not model(b)),
+    }
+
+
+def corrupt_in_flight(rank: int, world: int) -> dict[str, Any]:
+    """Rank 1 restarts; one bucket it receives has a bit flipped after it left the wire."""
+    bucket_bytes = 256
+    saved = snapshot_tensors(state_of(_trained(1)))  # the "last checkpoint", at step 1
+    kinds = _bucket_kinds(state_of(_trained(2)), bucket_bytes)
+    out: dict[str, Any] = {"kinds": kinds}
+    real_broadcast = dist.broadcast
+    for case in (*kinds, "clean"):
+        calls: list[int] = []
+        r = _trained(2)
+        lost = rank == 1
+        if lost:
+            r = make_replica(seed=7)
+            if case != "clean":
+                dist.broadcast = _flipping(real_broadcast, kinds[case])  # type: ignore[assignment]
+        try:
+            result = PeerRecovery(guard=r.guard, bucket_bytes=bucket_bytes).recover(
+                r.model,
+                r.optimizer,
+                scheduler=r.scheduler,
+                step=None if lost else 2,
+                recovering=lost,
+                fallback=lambda calls=calls: calls.append(1) or saved,
+            )
+        finally:
+            dist.broadcast = real_broadcast  # type: ignore[assignment]
+        out[case] = {
+            "source": result.source,
+            "reason": result.reason,
+            "calls": len(calls),
+            "restored": bitwise_equal(r.model.state_dict(), saved["model"]),
+            "peer_state": bitwise_equal(r.model.state_dict(), state_of(_trained(2))["model"]),
+        }
+    return out
+
+
+def _flipping(broadcast: Any, index: int) -> Any:
+    """``dist.broadcast`` whose ``index``-th tensor broadcast gets one bit flipped on arrival."""
+    count = [0]
+
+    class Flipped:
+        def __init__(self, work: Any, tensor: torch.Tensor) -> None:
+            self.work, self.tensor = work, tensor
+
+        def wait(self) -> bool:
+            self.work.wait()
+            raw = self.tensor.view(-1).view(torch.uint8)
+            raw[raw.numel() // 2] ^= 1
+            return True
+
+    def wrapper(tensor: torch.Tensor, src: int, group: Any = None, async_op: bool = False) -> Any:
+        work = broadcast(tensor, src=src, group=group, async_op=async_op)
+        count[0] += 1
+        if count[0] - 1 != index:
+            return work
+        assert async_op, "the transfer issues its buckets asynchronously"
+        return Flipped(work, tensor)
+
+    return wrapper

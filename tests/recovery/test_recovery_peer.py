@@ -7,6 +7,7 @@ import torch
 from _recovery_dist import run_workers
 from _recovery_workers import (
     FAULT_STEP,
+    corrupt_in_flight,
     ddp_recover,
     frozen_and_snapshot,
     gpu_recover,
@@ -113,6 +114,26 @@ def test_one_shard_infeasible_makes_every_shard_fall_back() -> None:
         fine = out["both_fine"]
         assert fine["source"] == ("peer" if rank < 2 else "none")
         assert fine["step"] == 2
+
+
+def test_bit_flipped_in_a_bucket_makes_every_rank_fall_back() -> None:
+    # Digests are computed while the buckets move: a flipped bit in a bucket received straight
+    # into a parameter, one unpacked from scratch, and one received into new optimizer state
+    # must each be caught, and every rank must then load the fallback checkpoint.
+    outs = run_workers(corrupt_in_flight, 2)
+    kinds = outs[0]["kinds"]
+    assert len(set(kinds.values())) == 3
+    for rank, out in enumerate(outs):
+        for case in kinds:
+            got = out[case]
+            assert got["source"] == "fallback", (rank, case)
+            assert got["reason"].startswith(
+                "rank 1 received state whose digest does not match the source's"
+            ), (case, got["reason"])
+            assert got["calls"] == 1 and got["restored"], (rank, case)
+        assert out["clean"]["source"] == "peer"
+        assert out["clean"]["calls"] == 0 and out["clean"]["peer_state"]
+    assert outs[0]["direct"]["reason"] == outs[1]["direct"]["reason"]
 
 
 @pytest.mark.gpu

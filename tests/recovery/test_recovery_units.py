@@ -23,9 +23,23 @@ from ckptcache.recovery import (
     restore_rng,
     training_state_dict,
 )
-from ckptcache.recovery._buckets import BufferPool, pack, plan_buckets, unpack
-from ckptcache.recovery._digests import state_digests
-from ckptcache.recovery._feasibility import PROTOCOL_VERSION, Announcement, decide, to_i64
+from ckptcache.recovery._buckets import (
+    BufferPool,
+    allocate_flat,
+    flat_view,
+    pack,
+    plan_buckets,
+    unpack,
+)
+from ckptcache.recovery._digests import buffer_word, fold_words, state_digests
+from ckptcache.recovery._feasibility import (
+    PROTOCOL_VERSION,
+    Announcement,
+    TransferCheck,
+    decide,
+    to_i64,
+    transfer_problem,
+)
 from ckptcache.recovery._state import TensorSpec, flatten, rebuild, training_state
 
 # ----------------------------------------------------------------------------- buckets
@@ -76,6 +90,75 @@ def test_unpack_into_non_contiguous_destination() -> None:
     pack(bucket, src, buf)
     unpack(bucket, buf, dst)
     assert torch.equal(dst[0], src[0])
+
+
+def test_large_tensors_go_alone_and_model_tensors_are_packed_apart() -> None:
+    specs = [
+        TensorSpec(("model", "a"), torch.float32, (4,), "cpu"),
+        TensorSpec(("model", "big"), torch.float32, (64,), "cpu"),
+        TensorSpec(("optimizer", "state", 0, "exp_avg"), torch.float32, (4,), "cpu"),
+        TensorSpec(("model", "b"), torch.float32, (4,), "cpu"),
+        TensorSpec(("optimizer", "state", 0, "step"), torch.float32, (), "cpu"),
+    ]
+    buckets = plan_buckets(specs, bucket_bytes=1024, direct_bytes=64)
+    assert [tuple(s.tensor for s in b.segments) for b in buckets] == [(1,), (0, 3), (2, 4)]
+
+
+def test_new_tensors_of_a_bucket_are_received_in_place() -> None:
+    specs = [
+        TensorSpec(("optimizer", "m", i), torch.float32, shape, "cpu")
+        for i, shape in enumerate([(3,), (2, 2), ()])
+    ]
+    (bucket,) = plan_buckets(specs, bucket_bytes=1024)
+    made = allocate_flat(bucket, specs, torch.device("cpu"))
+    assert made is not None
+    tensors = [made[i] for i in range(3)]
+    assert [tuple(t.shape) for t in tensors] == [(3,), (2, 2), ()]
+    flat = flat_view(bucket, tensors, torch.device("cpu"))
+    assert flat is not None and flat.numel() == 8
+    flat.copy_(torch.arange(8.0))  # what the broadcast does
+    assert torch.equal(tensors[1], torch.tensor([[3.0, 4.0], [5.0, 6.0]]))
+    assert tensors[2].item() == 7.0
+    # Separate tensors (the source's, or a receiver's own) need packing.
+    assert flat_view(bucket, [t.clone() for t in tensors], torch.device("cpu")) is None
+    # A chunk of a large tensor is not allocated as a view: the tensor is made whole.
+    chunked = plan_buckets([specs[0]], bucket_bytes=8)
+    assert allocate_flat(chunked[0], specs, torch.device("cpu")) is None
+
+
+@pytest.mark.parametrize("mode", ["checksum", "xxh3"])
+def test_bucket_words_detect_a_flip_and_their_order(mode: str) -> None:
+    buf = torch.randn(1001)
+    word = buffer_word(buf, mode)  # type: ignore[arg-type]
+    flipped = buf.clone()
+    flipped.view(torch.uint8)[1234] ^= 4
+    assert buffer_word(flipped, mode) != word  # type: ignore[arg-type]
+    assert buffer_word(buf[1:], mode) == buffer_word(buf[1:].clone(), mode)  # type: ignore[arg-type]
+    assert fold_words([1, 2]) != fold_words([2, 1]) != fold_words([1, 2, 0])
+
+
+def _check(role: int, digest: int, unsent: int = 0) -> TransferCheck:
+    return TransferCheck(role, digest, unsent)
+
+
+@pytest.mark.parametrize(
+    ("checks", "reason"),
+    [
+        ([_check(1, 5), _check(2, 5), _check(3, 5)], None),
+        ([_check(1, 5), _check(2, 6)], "rank 1 received state whose digest does not match"),
+        ([_check(1, 5, 1), _check(2, 5, 2)], "rank 1 skipped frozen weights"),
+        ([_check(1, 5), _check(3, 6), _check(2, 5)], "state digests differ among healthy"),
+        ([_check(1, 5), _check(4, 0), _check(2, 5)], "rank 1: missing tensors"),
+        ([_check(2, 5), _check(2, 5)], "no rank reported sending the state"),
+    ],
+)
+def test_transfer_problem(checks: list[TransferCheck], reason: str | None) -> None:
+    got = transfer_problem(checks, list(range(len(checks))))
+    if reason is None:
+        assert got is None
+    else:
+        assert got is not None and reason in got
+    assert TransferCheck.from_tensor(checks[0].to_tensor(torch.device("cpu"))) == checks[0]
 
 
 # ----------------------------------------------------------------------------- state
