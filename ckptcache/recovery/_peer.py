@@ -40,6 +40,7 @@ from ckptcache._digest import digest_bytes
 from ckptcache.recovery._buckets import (
     DEFAULT_BUCKET_BYTES,
     DIRECT_BYTES,
+    PACK_BYTES,
     Bucket,
     BufferPool,
     allocate_flat,
@@ -469,7 +470,8 @@ class PeerRecovery:
             plan.specs,
             self.bucket_bytes,
             include=plan.send,
-            direct_bytes=min(self.bucket_bytes, DIRECT_BYTES),
+            direct_bytes=DIRECT_BYTES,
+            pack_bytes=PACK_BYTES,
         )
         dests: list[torch.Tensor] | None = None
         error: str | None = None
