@@ -160,13 +160,18 @@ def steady_state(nodes: list[SimNode], ctx: Context, *, with_monitor: bool) -> d
 
 
 def membership_scan(node: SimNode) -> dict[str, float]:
-    """Cost of one full read of ``nodes/`` (what every live_nodes() refresh does)."""
-    times = []
+    """Cost of one full read of ``nodes/`` (what every live_nodes() refresh does) and of one
+    point read (the round trip of an idle cluster, client included)."""
+    times, rtts = [], []
     for _ in range(5):
         t0 = time.perf_counter()
         found = len(node.coord.live_nodes())
         times.append(time.perf_counter() - t0)
-    return {"seconds": statistics.median(times), "entries": found}
+    for _ in range(21):
+        t0 = time.perf_counter()
+        node.coord.get("nothing/here")
+        rtts.append(time.perf_counter() - t0)
+    return {"seconds": statistics.median(times), "entries": found, "rtt": statistics.median(rtts)}
 
 
 def save_wave(nodes: list[SimNode], size: int, ctx: Context, kill: float = 0.0) -> dict[str, Any]:
@@ -204,6 +209,7 @@ def save_wave(nodes: list[SimNode], size: int, ctx: Context, kill: float = 0.0) 
         "wave_s": win["seconds"],
         "requests_per_save": win["requests"] / len(nodes),
         "etcd_cpu": win["etcd_cpu"],
+        "etcd_cpu_s": win["etcd_cpu"] * win["seconds"],
         "sim_cpu": win["sim_cpu"],
         "zero_persists": sum(1 for p in persists if p == 0),
         "double_persists": sum(1 for p in persists if p > 1),
@@ -263,6 +269,7 @@ def restart_wave(nodes: list[SimNode], size: int, ctx: Context) -> dict[str, Any
     reads = stats.storage_reads()
     depth, fanout = stats.depth_and_fanout()
     times = [t for _, _, t in stats.plans.values()]
+    rounds = list(stats.rounds.values())
     return {
         "groups": len(groups),
         "size": size,
@@ -279,8 +286,18 @@ def restart_wave(nodes: list[SimNode], size: int, ctx: Context) -> dict[str, Any
         "depth": depth,
         "fanout": fanout,
         "requests_per_node": win["requests"] / len(nodes),
+        "rounds_to_plan": {
+            "median": statistics.median(rounds) if rounds else None,
+            "max": max(rounds, default=None),
+        },
         "etcd_cpu": win["etcd_cpu"],
+        "etcd_cpu_s": win["etcd_cpu"] * win["seconds"],
         "sim_cpu": win["sim_cpu"],
+        # What the wave needs from the coordinator when each node has its own CPU: the longest
+        # chain of round trips to a plan plus one 50 ms poll, or etcd's own CPU for the wave.
+        "coordinator_s": max(
+            max(rounds, default=0) * ctx.rtt + 0.05, win["etcd_cpu"] * win["seconds"]
+        ),
     }
 
 
@@ -298,6 +315,7 @@ class Context:
         self.url = etcd.url
         self.counter = RequestCounter()
         self.probe = EtcdProbe(etcd)
+        self.rtt = 0.0  # one idle round trip, measured per N
 
 
 def run_n(n: int, ctx: Context, sizes: list[int], log: Callable[[str], None]) -> dict[str, Any]:
@@ -309,6 +327,8 @@ def run_n(n: int, ctx: Context, sizes: list[int], log: Callable[[str], None]) ->
         before = ctx.counter.total()
         res["join_s"] = join_wave(nodes, ctx.workers)
         res["join_requests_per_node"] = (ctx.counter.total() - before) / n
+        res["scan"] = membership_scan(nodes[0])  # before any load: the idle round trip
+        ctx.rtt = res["scan"]["rtt"]
         log(f"N={n}: joined in {res['join_s']:.2f}s")
         with ThreadPoolExecutor(ctx.workers) as pool:  # K cached paths per node
             list(
@@ -327,7 +347,6 @@ def run_n(n: int, ctx: Context, sizes: list[int], log: Callable[[str], None]) ->
         log(f"N={n}: steady {res['steady']}")
         res["steady_monitor"] = steady_state(nodes, ctx, with_monitor=True)
         log(f"N={n}: steady with backup monitor {res['steady_monitor']}")
-        res["scan"] = membership_scan(nodes[0])
         res["save"] = [save_wave(nodes, r, ctx) for r in sizes]
         log(f"N={n}: save {res['save']}")
         res["restart"] = [restart_wave(nodes, r, ctx) for r in sizes]

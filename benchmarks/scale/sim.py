@@ -39,15 +39,18 @@ class RequestCounter:
         self.counts: Counter[str] = Counter()
         self._lock = threading.Lock()
 
-    def wrap(self, coord: EtcdCoordinator) -> None:
-        """Count every request ``coord`` sends (leases, puts, ranges, transactions)."""
-        client = coord._client
+    def wrap(self, node: SimNode) -> None:
+        """Count every request ``node`` sends (leases, puts, ranges, transactions); its own
+        ``ops`` counts the ones that are not lease keep-alives."""
+        client = node.coord._client
         post = client.post
 
         def counted(url: str, *args: Any, **kwargs: Any) -> Any:
             endpoint = url.split("/v3/", 1)[-1]
             with self._lock:
                 self.counts[endpoint] += 1
+                if not endpoint.startswith("lease/"):
+                    node.ops += 1
             return post(url, *args, **kwargs)
 
         client.post = counted  # type: ignore[method-assign]
@@ -141,9 +144,11 @@ class SimNode:
     """One node: the daemon's coordinator class plus the parts of ``Cluster`` it drives."""
 
     def __init__(self, index: int, url: str, cluster: str, ttl: float, counter: RequestCounter):
-        self.coord = make_coordinator(url, cluster=cluster, job="j", ttl=ttl)
-        assert isinstance(self.coord, EtcdCoordinator)
-        counter.wrap(self.coord)
+        coord = make_coordinator(url, cluster=cluster, job="j", ttl=ttl)
+        assert isinstance(coord, EtcdCoordinator)
+        self.coord = coord
+        self.ops = 0  # requests other than lease keep-alives and grants
+        counter.wrap(self)
         port = 7000 + index % 1000
         self.info = NodeInfo(f"n{index:05d}", f"h{index:05d}", f"10.{index // 256}.0.1:{port}")
         self.dead = False
@@ -318,12 +323,14 @@ class LoadStats:
 
     t0: float = field(default_factory=time.monotonic)
     plans: dict[str, tuple[int, str, float]] = field(default_factory=dict)  # node: group, src, t
+    rounds: dict[str, int] = field(default_factory=dict)  # node: requests before its plan
     lock: threading.Lock = field(default_factory=threading.Lock)
 
-    def plan(self, node: SimNode, group: Group, source: str) -> None:
-        """``node`` chose ``source`` (a node id, or "storage")."""
+    def plan(self, node: SimNode, group: Group, source: str, rounds: int) -> None:
+        """``node`` chose ``source`` (a node id, or "storage") after ``rounds`` requests."""
         with self.lock:
             self.plans[node.node_id] = (group.index, source, time.monotonic() - self.t0)
+            self.rounds[node.node_id] = rounds
 
     def storage_reads(self) -> Counter[int]:
         """Storage reads per group."""
@@ -359,10 +366,11 @@ def restore(node: SimNode, group: Group, stats: LoadStats, transfer_s: float) ->
     ph, me = group.ph, node.node_id
     inflight = f"holders/{ph}/inflight/{me}"
     holding = {"node": me, "path": group.path, "generation": 1}
+    start = node.ops
     while True:
         sources = [n for n in node.holders(ph) if n != me]
         if sources:  # _fetch_from the newest holder: bytes start landing, chain behind it
-            stats.plan(node, group, sources[0])
+            stats.plan(node, group, sources[0], node.ops - start)
             node.coord.announce(inflight, {"node": me, "committed": time.time()})
             yield transfer_s  # the modelled relay
             node.coord.announce(
@@ -374,7 +382,7 @@ def restore(node: SimNode, group: Group, stats: LoadStats, transfer_s: float) ->
             if any(n != me for n in node.holders(ph)):
                 node.coord.withdraw(f"loads/{ph}")  # a reader finished while we looked
                 continue
-            stats.plan(node, group, "storage")
+            stats.plan(node, group, "storage", node.ops - start)
             node.coord.announce(inflight, {"node": me, "committed": time.time()})
             yield transfer_s  # the modelled storage read
             node.coord.announce(

@@ -27,6 +27,17 @@ class Conformance:
         wait_until(lambda: [n.node_id for n in a.live_nodes()] == ["a"])
         a.close()
 
+    def test_membership_view_follows_joins_and_leaves(self):
+        a, b = self.make(), self.make()
+        a.join(NodeInfo("a", "h1", "127.0.0.1:1"))
+        assert [n.node_id for n in a.membership()] == ["a"]
+        b.join(NodeInfo("b", "h2", ""))
+        wait_until(lambda: a.membership() == a.live_nodes())
+        assert a.membership()[1] == NodeInfo("b", "h2", "")
+        b.close()
+        wait_until(lambda: [n.node_id for n in a.membership()] == ["a"])
+        a.close()
+
     def test_election_has_one_winner_until_the_lease_ends(self):
         a, b = self.make(), self.make()
         a.join(NodeInfo("a", "h", ""))
@@ -73,6 +84,27 @@ class TestEtcd(Conformance):
 
     def make(self):
         return make_coordinator(self.url, cluster=self.cluster, job="j", ttl=1.0)
+
+    def test_membership_view_needs_no_request_per_call(self):
+        a, b = self.make(), self.make()
+        a.join(NodeInfo("a", "h", ""))
+        b.join(NodeInfo("b", "h", ""))
+        a.membership()  # opens the watch
+        wait_until(lambda: a._members.view() is not None)
+        calls = []
+        post = a._client.post
+        a._client.post = lambda url, *args, **kw: calls.append(url) or post(url, *args, **kw)
+        for _ in range(50):
+            assert [n.node_id for n in a.membership()] == ["a", "b"]
+        assert [u for u in calls if "lease" not in u] == []  # a scan per call before
+        c = self.make()
+        c.join(NodeInfo("c", "h", ""))  # a join and a lease expiry reach the view by the watch
+        wait_until(lambda: [n.node_id for n in a.membership()] == ["a", "b", "c"])
+        c._stop.set()  # c stops refreshing: its lease lapses
+        wait_until(lambda: [n.node_id for n in a.membership()] == ["a", "b"], timeout=15)
+        assert [u for u in calls if "lease" not in u] == []
+        a.close()
+        b.close()
 
     def test_lease_expires_when_a_node_is_cut_off(self):
         a, b = self.make(), self.make()
