@@ -162,16 +162,24 @@ def steady_state(nodes: list[SimNode], ctx: Context, *, with_monitor: bool) -> d
 def membership_scan(node: SimNode) -> dict[str, float]:
     """Cost of one full read of ``nodes/`` (what every live_nodes() refresh does) and of one
     point read (the round trip of an idle cluster, client included)."""
-    times, rtts = [], []
+    times, full, rtts = [], [], []
     for _ in range(5):
         t0 = time.perf_counter()
         found = len(node.coord.live_nodes())
         times.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        node.coord.scan("nodes/")  # what every membership read cost before reads went incremental
+        full.append(time.perf_counter() - t0)
     for _ in range(21):
         t0 = time.perf_counter()
         node.coord.get("nothing/here")
         rtts.append(time.perf_counter() - t0)
-    return {"seconds": statistics.median(times), "entries": found, "rtt": statistics.median(rtts)}
+    return {
+        "seconds": statistics.median(times),
+        "full_seconds": statistics.median(full),
+        "entries": found,
+        "rtt": statistics.median(rtts),
+    }
 
 
 def save_wave(nodes: list[SimNode], size: int, ctx: Context, kill: float = 0.0) -> dict[str, Any]:
@@ -408,7 +416,8 @@ def tables(results: list[dict[str, Any]], ttl: float) -> str:
         "with backup monitor: req/s",
         "per node per TTL",
         "sim CPU",
-        "one membership scan (ms)",
+        "membership read, full / incremental (ms)",
+        "idle round trip (ms)",
     )
     for r in results:
         s, m = r["steady"], r["steady_monitor"]
@@ -424,7 +433,8 @@ def tables(results: list[dict[str, Any]], ttl: float) -> str:
                 _f(m["per_second"], 0),
                 _f(m["per_node_per_ttl"]),
                 _f(m["sim_cpu"]),
-                _f(r["scan"]["seconds"] * 1e3, 1),
+                f"{_f(r['scan']['full_seconds'] * 1e3, 1)} / {_f(r['scan']['seconds'] * 1e3, 1)}",
+                _f(r["scan"]["rtt"] * 1e3, 1),
             )
         )
     out += ["", "### Save wave", ""]
@@ -456,34 +466,19 @@ def tables(results: list[dict[str, Any]], ttl: float) -> str:
             )
     out += ["", "### Restart wave", ""]
     out += _head(
-        "N",
-        "R",
-        "every plan (s)",
-        "median plan (s)",
-        "storage reads per group",
-        "relay depth",
-        "fan-out",
-        "requests per node",
-        "etcd CPU",
-        "sim CPU",
-    )
+        "N", "R", "every plan (s)", "median plan (s)", "storage reads per group", "relay depth",
+        "fan-out", "requests per node", "round trips to plan (median / max)", "etcd CPU-s",
+        "sim CPU", "coordinator time (s)",
+    )  # fmt: skip
     for r in results:
         for w in r["restart"]:
-            reads = w["storage_reads"]
-            out.append(
-                _row(
-                    r["nodes"],
-                    w["size"],
-                    _f(w["all_plans_s"]),
-                    _f(w["median_plan_s"]),
-                    f"{reads['min']}..{reads['max']}",
-                    w["depth"],
-                    w["fanout"],
-                    _f(w["requests_per_node"], 1),
-                    _f(w["etcd_cpu"]),
-                    _f(w["sim_cpu"]),
-                )
-            )
+            reads, rounds = w["storage_reads"], w["rounds_to_plan"]
+            out.append(_row(
+                r["nodes"], w["size"], _f(w["all_plans_s"]), _f(w["median_plan_s"]),
+                f"{reads['min']}..{reads['max']}", w["depth"], w["fanout"],
+                _f(w["requests_per_node"], 1), f"{_f(rounds['median'], 0)} / {rounds['max']}",
+                _f(w["etcd_cpu_s"]), _f(w["sim_cpu"]), _f(w["coordinator_s"]),
+            ))  # fmt: skip
     out += ["", "### 1% of nodes killed mid save wave", ""]
     out += _head(
         "N",

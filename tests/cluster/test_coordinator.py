@@ -27,17 +27,6 @@ class Conformance:
         wait_until(lambda: [n.node_id for n in a.live_nodes()] == ["a"])
         a.close()
 
-    def test_membership_view_follows_joins_and_leaves(self):
-        a, b = self.make(), self.make()
-        a.join(NodeInfo("a", "h1", "127.0.0.1:1"))
-        assert [n.node_id for n in a.membership()] == ["a"]
-        b.join(NodeInfo("b", "h2", ""))
-        wait_until(lambda: a.membership() == a.live_nodes())
-        assert a.membership()[1] == NodeInfo("b", "h2", "")
-        b.close()
-        wait_until(lambda: [n.node_id for n in a.membership()] == ["a"])
-        a.close()
-
     def test_election_has_one_winner_until_the_lease_ends(self):
         a, b = self.make(), self.make()
         a.join(NodeInfo("a", "h", ""))
@@ -85,26 +74,35 @@ class TestEtcd(Conformance):
     def make(self):
         return make_coordinator(self.url, cluster=self.cluster, job="j", ttl=1.0)
 
-    def test_membership_view_needs_no_request_per_call(self):
-        a, b = self.make(), self.make()
-        a.join(NodeInfo("a", "h", ""))
-        b.join(NodeInfo("b", "h", ""))
-        a.membership()  # opens the watch
-        wait_until(lambda: a._members.view() is not None)
-        calls = []
+    def test_membership_reads_carry_only_what_changed(self):
+        a, b, c = self.make(), self.make(), self.make()
+        for coord, name in ((a, "a"), (b, "b"), (c, "c")):
+            coord.join(NodeInfo(name, "h", ""))
+        assert [n.node_id for n in a.live_nodes()] == ["a", "b", "c"]
+        returned: list[int] = []  # node records in each membership answer
         post = a._client.post
-        a._client.post = lambda url, *args, **kw: calls.append(url) or post(url, *args, **kw)
-        for _ in range(50):
-            assert [n.node_id for n in a.membership()] == ["a", "b"]
-        assert [u for u in calls if "lease" not in u] == []  # a scan per call before
-        c = self.make()
-        c.join(NodeInfo("c", "h", ""))  # a join and a lease expiry reach the view by the watch
-        wait_until(lambda: [n.node_id for n in a.membership()] == ["a", "b", "c"])
-        c._stop.set()  # c stops refreshing: its lease lapses
-        wait_until(lambda: [n.node_id for n in a.membership()] == ["a", "b"], timeout=15)
-        assert [u for u in calls if "lease" not in u] == []
-        a.close()
-        b.close()
+
+        def counting(url, *args, **kw):
+            out = post(url, *args, **kw)
+            if url.endswith("/kv/range"):
+                returned.append(len(out.get("kvs", [])))
+            return out
+
+        a._client.post = counting
+        assert [n.node_id for n in a.live_nodes()] == ["a", "b", "c"]
+        assert returned == [0]  # nothing changed: no node record travels (all three before)
+        d = self.make()
+        d.join(NodeInfo("d", "h2", "127.0.0.1:9"))
+        assert a.live_nodes()[3] == NodeInfo("d", "h2", "127.0.0.1:9")
+        assert returned == [0, 1]
+        b.close()  # a node leaves and another joins between two reads: the count catches it
+        e = self.make()
+        e.join(NodeInfo("e", "h", ""))
+        assert [n.node_id for n in a.live_nodes()] == ["a", "c", "d", "e"]
+        assert [n.node_id for n in a.live_nodes()] == ["a", "c", "d", "e"]
+        assert returned[-1] == 0
+        for coord in (a, c, d, e):
+            coord.close()
 
     def test_lease_expires_when_a_node_is_cut_off(self):
         a, b = self.make(), self.make()

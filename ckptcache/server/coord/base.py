@@ -7,7 +7,6 @@ Call order (one daemon)::
     coord.elect(key, value) -> bool  # create-if-absent under the lease: one winner per key
     coord.record(key, value)         # durable keys (no lease): survive every node
     coord.get(key) / coord.scan(prefix) / coord.live_nodes()
-    coord.membership()               # live nodes from a watched view: no request per call
     coord.close()                    # revoke the lease: announcements and elections end now
 
 Keys are relative to the coordinator's prefix (``/ckptcache/<cluster>/<job>/``); values are
@@ -103,13 +102,6 @@ class Coordinator(abc.ABC):
         """Revoke the lease and stop background work."""
 
     def live_nodes(self) -> list[NodeInfo]:
-        """Nodes whose lease is alive, sorted by id (read from the store now)."""
+        """Nodes whose lease is alive, sorted by id."""
         nodes = [NodeInfo.from_dict(v) for v in self.scan("nodes/").values()]
         return sorted(nodes, key=lambda n: n.node_id)
-
-    def membership(self) -> list[NodeInfo]:
-        """Live nodes, sorted by id, from a view the coordinator keeps current by watching
-        ``nodes/``: no request per call once the view is in sync, so a membership read costs
-        nothing however many nodes there are. It may lag a join or a lease expiry by the
-        watch's delivery time; while the view is not in sync it is :meth:`live_nodes`."""
-        return self.live_nodes()
