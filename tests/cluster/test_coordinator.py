@@ -104,6 +104,27 @@ class TestEtcd(Conformance):
         for coord in (a, c, d, e):
             coord.close()
 
+    def test_a_lease_etcd_forgot_is_taken_again_by_the_next_request(self):
+        # A long TTL: the node stays healthy in its own eyes however slow this host is.
+        a = make_coordinator(self.url, cluster=self.cluster, job="j", ttl=60.0)
+        b = self.make()
+        a.join(NodeInfo("a", "h", ""))
+        b.join(NodeInfo("b", "h", ""))
+        a.announce("holders/p/d/a", {"node": "a"})
+        a._stop.set()  # no keep-alive thread to notice: only the request path can recover
+        a._thread.join()
+        a._lease.revoke()  # etcd forgets a's lease, as after a stall longer than the TTL
+        assert b.get("holders/p/d/a") is None and b.get("nodes/a") is None
+        a.announce("holders/q/d/a", {"node": "a"})  # was: CoordinatorUnavailable (Not Found)
+        assert b.get("holders/q/d/a") == {"node": "a"}
+        assert b.get("holders/p/d/a") == {"node": "a"}  # everything re-announced
+        assert [n.node_id for n in b.live_nodes()] == ["a", "b"]
+        a._lease.revoke()
+        assert a.elect("reps/p", {"node": "a"}) is True  # an election re-takes it too
+        assert b.get("reps/p") == {"node": "a"}
+        a.close()
+        b.close()
+
     def test_lease_expires_when_a_node_is_cut_off(self):
         a, b = self.make(), self.make()
         a.join(NodeInfo("a", "h", ""))

@@ -44,5 +44,7 @@ def test_quick_simulation_keeps_the_invariants(tmp_path: Path) -> None:
     failures = res["failures"]
     assert failures["killed"] >= 1 and failures["killed_reps"] >= 1
     assert len(failures["takeovers_s"]) == failures["killed_reps"]
-    # Requests are counted at the client and by etcd itself: the two counts agree.
-    assert res["steady"]["requests"] == res["steady"]["etcd_requests"]
+    # Requests are counted at the client and by etcd itself: the two counts agree (but for
+    # requests in flight at the edges of the window).
+    steady = res["steady"]
+    assert abs(steady["requests"] - steady["etcd_requests"]) <= max(5, steady["requests"] // 20)

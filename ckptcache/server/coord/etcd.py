@@ -71,6 +71,20 @@ class EtcdCoordinator(Coordinator):
         self._guard("put", self._client.put, self.prefix + key, json.dumps(value),
                     lease=self._lease if lease else None)  # fmt: skip
 
+    def _under_lease(self, what: str, fn: Any, *args: Any) -> Any:
+        """``fn(*args, lease=...)`` under this node's lease. If etcd no longer knows the lease
+        (it lapsed while this node was stalled longer than the TTL, or it was revoked), take a
+        new one — re-announcing everything — and try once more, rather than failing every
+        request until the keep-alive thread notices. Call with ``self._lock`` held."""
+        try:
+            return self._guard(what, fn, *args, lease=self._lease)
+        except CoordinatorUnavailable as e:
+            if not _lease_not_found(e.__cause__):
+                raise
+        log.warning("etcd lease was gone (this node stalled past its TTL?); took a new one")
+        self._new_lease()
+        return self._guard(what, fn, *args, lease=self._lease)
+
     def join(self, node: NodeInfo) -> None:
         self.node = node
         with self._lock:
@@ -100,7 +114,7 @@ class EtcdCoordinator(Coordinator):
     def announce(self, key: str, value: dict[str, Any]) -> None:
         with self._lock:
             self._announced[key] = value
-            self._put(key, value, lease=True)
+            self._under_lease("put", self._client.put, self.prefix + key, json.dumps(value))
 
     def withdraw(self, key: str) -> None:
         with self._lock:
@@ -111,8 +125,8 @@ class EtcdCoordinator(Coordinator):
         if not self.healthy():
             return False  # cut off: never claim a role we may not be able to keep
         with self._lock:
-            return bool(self._guard("create", self._client.create, self.prefix + key,
-                                    json.dumps(value), lease=self._lease))  # fmt: skip
+            return bool(self._under_lease("create", self._client.create, self.prefix + key,
+                                          json.dumps(value)))  # fmt: skip
 
     def record(self, key: str, value: dict[str, Any]) -> None:
         self._put(key, value, lease=False)
@@ -177,3 +191,15 @@ def _b64(raw: bytes) -> str:
 
 def _node(kv: dict[str, Any]) -> NodeInfo:
     return NodeInfo.from_dict(json.loads(base64.b64decode(kv["value"])))
+
+
+def _lease_not_found(error: BaseException | None) -> bool:
+    """Whether etcd answered "requested lease not found" (gRPC NOT_FOUND through the gateway)."""
+    detail = getattr(error, "detail_text", None)
+    if not isinstance(detail, str):
+        return False
+    try:
+        answer = json.loads(detail)
+    except ValueError:
+        return False
+    return isinstance(answer, dict) and "lease not found" in str(answer.get("message", ""))
