@@ -74,6 +74,57 @@ class TestEtcd(Conformance):
     def make(self):
         return make_coordinator(self.url, cluster=self.cluster, job="j", ttl=1.0)
 
+    def test_membership_reads_carry_only_what_changed(self):
+        a, b, c = self.make(), self.make(), self.make()
+        for coord, name in ((a, "a"), (b, "b"), (c, "c")):
+            coord.join(NodeInfo(name, "h", ""))
+        assert [n.node_id for n in a.live_nodes()] == ["a", "b", "c"]
+        returned: list[int] = []  # node records in each membership answer
+        post = a._client.post
+
+        def counting(url, *args, **kw):
+            out = post(url, *args, **kw)
+            if url.endswith("/kv/range"):
+                returned.append(len(out.get("kvs", [])))
+            return out
+
+        a._client.post = counting
+        assert [n.node_id for n in a.live_nodes()] == ["a", "b", "c"]
+        assert returned == [0]  # nothing changed: no node record travels (all three before)
+        d = self.make()
+        d.join(NodeInfo("d", "h2", "127.0.0.1:9"))
+        assert a.live_nodes()[3] == NodeInfo("d", "h2", "127.0.0.1:9")
+        assert returned == [0, 1]
+        b.close()  # a node leaves and another joins between two reads: the count catches it
+        e = self.make()
+        e.join(NodeInfo("e", "h", ""))
+        assert [n.node_id for n in a.live_nodes()] == ["a", "c", "d", "e"]
+        assert [n.node_id for n in a.live_nodes()] == ["a", "c", "d", "e"]
+        assert returned[-1] == 0
+        for coord in (a, c, d, e):
+            coord.close()
+
+    def test_a_lease_etcd_forgot_is_taken_again_by_the_next_request(self):
+        # A long TTL: the node stays healthy in its own eyes however slow this host is.
+        a = make_coordinator(self.url, cluster=self.cluster, job="j", ttl=60.0)
+        b = self.make()
+        a.join(NodeInfo("a", "h", ""))
+        b.join(NodeInfo("b", "h", ""))
+        a.announce("holders/p/d/a", {"node": "a"})
+        a._stop.set()  # no keep-alive thread to notice: only the request path can recover
+        a._thread.join()
+        a._lease.revoke()  # etcd forgets a's lease, as after a stall longer than the TTL
+        assert b.get("holders/p/d/a") is None and b.get("nodes/a") is None
+        a.announce("holders/q/d/a", {"node": "a"})  # was: CoordinatorUnavailable (Not Found)
+        assert b.get("holders/q/d/a") == {"node": "a"}
+        assert b.get("holders/p/d/a") == {"node": "a"}  # everything re-announced
+        assert [n.node_id for n in b.live_nodes()] == ["a", "b"]
+        a._lease.revoke()
+        assert a.elect("reps/p", {"node": "a"}) is True  # an election re-takes it too
+        assert b.get("reps/p") == {"node": "a"}
+        a.close()
+        b.close()
+
     def test_lease_expires_when_a_node_is_cut_off(self):
         a, b = self.make(), self.make()
         a.join(NodeInfo("a", "h", ""))
