@@ -19,7 +19,7 @@ from typing import IO
 
 from rpyc.utils.helpers import classpartial
 
-from ckptcache._secure_fs import check_owned, ensure_private_dir, open_private_file
+from ckptcache._secure_fs import ensure_private_dir, open_private_file
 from ckptcache._units import format_bytes
 from ckptcache.errors import ConfigError
 from ckptcache.server.config import DaemonConfig
@@ -91,7 +91,8 @@ def _clear_stale_socket(path: str) -> None:
         return
     if not stat.S_ISSOCK(st.st_mode):
         raise ConfigError(f"refusing socket {path}: something that is not a socket is there")
-    check_owned(path, st, {os.geteuid()}, "socket")
+    if st.st_uid != os.geteuid():  # its 0666 mode only grants connecting, not replacing
+        raise ConfigError(f"refusing socket {path}: it is owned by uid {st.st_uid}, not us")
     probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         probe.connect(path)
