@@ -4,22 +4,59 @@ from __future__ import annotations
 
 import os
 
-__all__ = ["ENV_NAMESPACE", "ENV_SOCKET", "default_namespace", "default_shm_dir", "default_socket"]
+__all__ = [
+    "ENV_DAEMON_UID",
+    "ENV_NAMESPACE",
+    "ENV_SOCKET",
+    "candidate_sockets",
+    "default_namespace",
+    "default_shm_dir",
+    "default_socket",
+]
 
-#: Clients find their daemon through this variable before trying the default path.
+#: Clients find their daemon through this variable before trying the default paths.
 ENV_SOCKET = "CKPTCACHE_SOCKET"
 #: The job namespace: objects of different jobs on one node never collide.
 ENV_NAMESPACE = "CKPTCACHE_NAMESPACE"
+#: A uid (besides root and the client's own) that clients accept as their daemon.
+ENV_DAEMON_UID = "CKPTCACHE_DAEMON_UID"
+
+#: Where a daemon running as root listens: /run is writable by root alone.
+ROOT_SOCKET = "/run/ckptcache/daemon.sock"
+
+
+def _user_socket(uid: int) -> str:
+    """A user daemon's socket: in ``$XDG_RUNTIME_DIR`` (private to the user) when set."""
+    runtime = os.environ.get("XDG_RUNTIME_DIR")
+    if runtime:
+        return os.path.join(runtime, "ckptcache", "daemon.sock")
+    return f"/tmp/ckptcache-{uid}/daemon.sock"
 
 
 def default_socket() -> str:
-    """``$CKPTCACHE_SOCKET``, else ``/tmp/ckptcache-<uid>/daemon.sock``."""
-    return os.environ.get(ENV_SOCKET) or f"/tmp/ckptcache-{os.getuid()}/daemon.sock"
+    """The daemon's socket: ``$CKPTCACHE_SOCKET``, else ``/run/ckptcache/daemon.sock`` for
+    root and ``$XDG_RUNTIME_DIR/ckptcache/daemon.sock`` (or ``/tmp/ckptcache-<uid>/``) for
+    other users."""
+    explicit = os.environ.get(ENV_SOCKET)
+    if explicit:
+        return explicit
+    uid = os.geteuid()
+    return ROOT_SOCKET if uid == 0 else _user_socket(uid)
+
+
+def candidate_sockets() -> list[str]:
+    """Where a client looks for its daemon, in order: ``$CKPTCACHE_SOCKET``, else its own
+    user's daemon, then the node's root daemon."""
+    explicit = os.environ.get(ENV_SOCKET)
+    if explicit:
+        return [explicit]
+    uid = os.geteuid()
+    return [ROOT_SOCKET] if uid == 0 else [_user_socket(uid), ROOT_SOCKET]
 
 
 def default_shm_dir() -> str:
     """Where a daemon keeps its segments unless configured: ``/dev/shm/ckptcache-<uid>``."""
-    return f"/dev/shm/ckptcache-{os.getuid()}"
+    return f"/dev/shm/ckptcache-{os.geteuid()}"
 
 
 def default_namespace() -> str:

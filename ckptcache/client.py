@@ -24,9 +24,12 @@ from typing import Any, TypeVar
 
 import rpyc
 import torch
+from rpyc.core.stream import SocketStream
 
 from ckptcache import errors
-from ckptcache._defaults import default_namespace, default_socket
+from ckptcache._defaults import candidate_sockets, default_namespace
+from ckptcache._peer import connect_daemon, trusted_daemon_uids
+from ckptcache._secure_fs import current_umask
 from ckptcache.errors import (
     BudgetExceeded,
     CheckpointNotFound,
@@ -80,7 +83,9 @@ def _is_url(path: str) -> bool:
 class Client:
     """A connection to the local daemon, with its own namespace, timeouts and fallback policy.
 
-    ``socket_path`` defaults to ``$CKPTCACHE_SOCKET`` or ``/tmp/ckptcache-<uid>/daemon.sock``;
+    ``socket_path`` defaults to ``$CKPTCACHE_SOCKET``, else this user's daemon, else the node's
+    root daemon (README "Configuration"); the daemon must run as root, this user or
+    ``daemon_uid`` (``$CKPTCACHE_DAEMON_UID``), which is checked before a byte is sent.
     ``namespace`` to ``$CKPTCACHE_NAMESPACE`` or ``default``. ``fallback`` is
     ``"write-through"`` (save to the path with torch.save when the daemon is gone or full) or
     ``"raise"``. A client may be shared by threads; after ``fork`` the child reconnects.
@@ -93,10 +98,13 @@ class Client:
         namespace: str | None = None,
         timeout: float = 60.0,
         fallback: str = "write-through",
+        daemon_uid: int | None = None,
     ):
         if fallback not in ("write-through", "raise"):
             raise ValueError(f"fallback must be 'write-through' or 'raise', not {fallback!r}")
-        self.socket_path = socket_path or default_socket()
+        self._explicit_socket = bool(socket_path)
+        self.socket_path = socket_path or self._discover_socket()
+        self.daemon_uid = daemon_uid
         self.namespace = namespace or default_namespace()
         self.timeout = timeout
         self.fallback = fallback
@@ -121,15 +129,14 @@ class Client:
             self._pid = os.getpid()
         if self._conn is not None and not self._conn.closed:
             return self._conn
-        try:
-            conn = rpyc.utils.factory.unix_connect(
-                self.socket_path, config={"sync_request_timeout": self.timeout}
-            )
-        except OSError as e:
-            raise DaemonUnavailable(
-                f"no ckptcache daemon at {self.socket_path} ({e.strerror or e}); start one with "
-                "`ckptcache daemon` or set CKPTCACHE_SOCKET"
-            ) from e
+        if not self._explicit_socket:
+            self.socket_path = self._discover_socket()
+        sock = connect_daemon(
+            self.socket_path, trusted_daemon_uids(self.daemon_uid), min(self.timeout, 10.0)
+        )
+        conn = rpyc.utils.factory.connect_stream(
+            SocketStream(sock), config={"sync_request_timeout": self.timeout}
+        )
         self._conn = conn
         self._epoch += 1
         self._pending_release = []
@@ -140,9 +147,21 @@ class Client:
         self.node_id = hello.node_id
         return conn
 
+    @staticmethod
+    def _discover_socket() -> str:
+        """The first default socket that exists (the daemon may start later: then the first)."""
+        candidates = candidate_sockets()
+        return next((p for p in candidates if os.path.exists(p)), candidates[0])
+
     def _request(self, kind: str, message: Any, reply_type: type[R] | None = None) -> Any:
+        body = m.encode(message)
+        if len(body) > m.MAX_REQUEST_BYTES:
+            raise errors.RequestTooLarge(
+                f"{kind!r} request of {len(body)} bytes exceeds the daemon's cap of "
+                f"{m.MAX_REQUEST_BYTES} bytes"
+            )
         try:
-            text = self._conn.root.request(kind, m.encode(message))
+            text = self._conn.root.request(kind, body)
         except (EOFError, OSError, TimeoutError) as e:
             self._drop_connection()
             raise DaemonUnavailable(
@@ -234,7 +253,15 @@ class Client:
             try:
                 reply = self._call(
                     "reserve",
-                    m.ReserveRequest(self.namespace, path, plan.layout.nbytes, durability),
+                    m.ReserveRequest(
+                        self.namespace,
+                        path,
+                        plan.layout.nbytes,
+                        durability,
+                        os.geteuid(),
+                        os.getegid(),
+                        current_umask(),
+                    ),
                     m.ReserveReply,
                 )
             except (DaemonUnavailable, BudgetExceeded) as e:

@@ -22,6 +22,7 @@ __all__ = [
     "PersistTimeout",
     "ProtocolMismatch",
     "ReplicationError",
+    "RequestTooLarge",
     "SerializationError",
     "UnsafeUnpickle",
 ]
@@ -80,6 +81,10 @@ class InvalidPath(CkptCacheError, ValueError, TypeError):
 
 class PathNotAllowed(CkptCacheError, PermissionError):
     """The path lies outside every configured storage root."""
+
+
+class RequestTooLarge(ProtocolMismatch):
+    """A request to the daemon exceeded its size cap."""
 
 
 class ConfigError(CkptCacheError, ValueError):

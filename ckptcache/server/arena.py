@@ -13,13 +13,17 @@ mapping can never silently point at a different file that reused a name.
 
 from __future__ import annotations
 
+import errno
 import logging
 import mmap
 import os
+import stat
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
+from ckptcache._secure_fs import check_owned, ensure_private_dir
+from ckptcache.errors import ConfigError
 from ckptcache.layout import (
     HEADER_SIZE,
     SEGMENT_GRANULE,
@@ -46,6 +50,21 @@ class Segment:
     #: unlinked rather than reused once free (unlinking never disturbs an existing mapping).
     inherited: bool = False
     last_used: float = field(default_factory=time.monotonic)
+    #: The uid whose saves use this segment (the file is readable by that uid alone).
+    owner: int = field(default_factory=os.geteuid)
+    #: (st_dev, st_ino) of the file the daemon created or adopted: a later open by path
+    #: must find this very file, not something swapped in under its name.
+    identity: tuple[int, int] = (0, 0)
+
+    def open_fd(self) -> int:
+        """Open the segment file read-only, refusing a symlink or a file swapped in under its
+        name (the directory of an admitted user's segments is writable by that user)."""
+        fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
+        st = os.fstat(fd)
+        if (st.st_dev, st.st_ino) != self.identity:
+            os.close(fd)
+            raise OSError(errno.ESTALE, f"segment file {self.path} was replaced")
+        return fd
 
     def read_header(self) -> SegmentHeader:
         """Decode the header from the daemon's mapping."""
@@ -70,14 +89,44 @@ def _empty_header(state: SegmentState) -> SegmentHeader:
 class Arena:
     """Segment files under ``directory`` within a budget of ``limit`` bytes."""
 
-    def __init__(self, directory: str, limit: int):
+    def __init__(self, directory: str, limit: int, mode: int = 0o700):
         self.directory = directory
         self.limit = limit
         self.incarnation = f"{int(time.time()):x}{os.getpid():x}"
         self._counter = 0
         self.segments: dict[str, Segment] = {}
         self.free: dict[str, Segment] = {}
-        os.makedirs(directory, mode=0o700, exist_ok=True)
+        self.uid = os.geteuid()
+        os.close(ensure_private_dir(directory, mode, "segments dir"))
+
+    def _owner_dir(self, owner: int) -> str:
+        """Relative directory of ``owner``'s segments: ours at the top, others' in ``u<uid>``."""
+        return "" if owner in (0, self.uid) else f"u{owner}"
+
+    def _ensure_owner_dir(self, owner: int) -> str:
+        """Create (or check) the 0700 directory owned by ``owner`` that holds its segments.
+
+        It lies in our own directory, so its name cannot be swapped; its content belongs to
+        ``owner`` and is never trusted beyond that user's own objects.
+        """
+        sub = self._owner_dir(owner)
+        if not sub:
+            return sub
+        path = os.path.join(self.directory, sub)
+        try:
+            os.mkdir(path, 0o700)
+        except FileExistsError:
+            pass
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        try:
+            st = os.fstat(fd)
+            if st.st_uid == self.uid and owner != self.uid:
+                os.fchown(fd, owner, -1)  # just created by us
+            elif st.st_uid != owner:
+                raise ConfigError(f"refusing {path}: owned by uid {st.st_uid}, not {owner}")
+        finally:
+            os.close(fd)
+        return sub
 
     @property
     def used(self) -> int:
@@ -94,13 +143,19 @@ class Arena:
         """Capacity of a new segment for ``nbytes``: rounded up so near sizes share segments."""
         return align(max(nbytes, HEADER_SIZE), SEGMENT_GRANULE)
 
-    def take_free(self, nbytes: int, *, tight: bool) -> Segment | None:
-        """Best-fit free segment for ``nbytes``.
+    def take_free(self, nbytes: int, *, tight: bool, owner: int | None = None) -> Segment | None:
+        """Best-fit free segment of ``owner`` (default: ours) for ``nbytes``.
 
         Unless ``tight`` (no room to create a new one), a segment more than twice too big is
-        left alone: it would waste memory that a later large save needs.
+        left alone: it would waste memory that a later large save needs. A segment is never
+        handed to another user: its last user may still map it.
         """
-        fits = [s for s in self.free.values() if s.capacity >= nbytes]
+        owner = self.uid if owner is None else owner
+        fits = [
+            s
+            for s in self.free.values()
+            if s.capacity >= nbytes and self._owner_dir(s.owner) == self._owner_dir(owner)
+        ]
         if not fits:
             return None
         best = min(fits, key=lambda s: s.capacity)
@@ -111,22 +166,34 @@ class Arena:
         best.last_used = time.monotonic()
         return best
 
-    def create(self, nbytes: int) -> Segment:
-        """Create, allocate and map a new segment; raises ``OSError`` if tmpfs is full."""
+    def create(self, nbytes: int, owner: tuple[int, int] | None = None) -> Segment:
+        """Create, allocate and map a new segment; raises ``OSError`` if tmpfs is full.
+
+        ``owner`` (uid, gid) of another user: the file lies in that user's directory and
+        belongs to that user (mode 0600), so no other unprivileged user can read it.
+        """
         capacity = self.capacity_for(nbytes)
+        uid, gid = owner if owner is not None else (self.uid, -1)
         self._counter += 1
-        name = f"seg-{self.incarnation}-{self._counter:06d}"
+        name = os.path.join(
+            self._ensure_owner_dir(uid), f"seg-{self.incarnation}-{self._counter:06d}"
+        )
         path = os.path.join(self.directory, name)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW
+        fd = os.open(path, flags, 0o600)
         try:
+            if self._owner_dir(uid):
+                os.fchown(fd, uid, gid)
             os.posix_fallocate(fd, 0, capacity)
             mapping = mmap.mmap(fd, capacity, flags=mmap.MAP_SHARED)
+            st = os.fstat(fd)
         except OSError:
             os.unlink(path)
             raise
         finally:
             os.close(fd)
-        segment = Segment(name, path, capacity, mapping)
+        segment = Segment(name, path, capacity, mapping, owner=uid)
+        segment.identity = (st.st_dev, st.st_ino)
         segment.write_header(_empty_header(SegmentState.WRITING))
         self.segments[name] = segment
         return segment
@@ -165,27 +232,63 @@ class Arena:
         """Adopt the segment files left by an earlier incarnation.
 
         Yields each with its header (``None`` if unreadable); the caller keeps committed ones
-        and gives the rest to :meth:`release` or :meth:`destroy`.
+        and gives the rest to :meth:`release` or :meth:`destroy`. A file in our own directory
+        that is not ours (or a symlink) stops the start: someone planted it. In an admitted
+        user's directory, files that are not that user's are removed, never opened.
         """
         for name in sorted(os.listdir(self.directory)):
             path = os.path.join(self.directory, name)
-            if not name.startswith("seg-") or not os.path.isfile(path):
+            st = os.lstat(path)
+            if name.startswith("u") and name[1:].isdigit() and stat.S_ISDIR(st.st_mode):
+                if st.st_uid != int(name[1:]):
+                    raise ConfigError(f"refusing {path}: owned by uid {st.st_uid}, not {name[1:]}")
+                yield from self._scan_user(name, int(name[1:]))
                 continue
-            size = os.path.getsize(path)
-            if size < HEADER_SIZE:
-                log.error("removing segment %s: truncated to %d bytes", name, size)
+            if not name.startswith("seg-"):
+                continue
+            if not stat.S_ISREG(st.st_mode):
+                raise ConfigError(f"refusing segment {path}: not a regular file (a symlink?)")
+            check_owned(path, st, {self.uid}, "segment")
+            adopted = self._adopt(name, path, self.uid)
+            if adopted is not None:
+                yield adopted
+
+    def _scan_user(self, sub: str, uid: int) -> Iterator[tuple[Segment, SegmentHeader | None]]:
+        for entry in sorted(os.listdir(os.path.join(self.directory, sub))):
+            name = os.path.join(sub, entry)
+            path = os.path.join(self.directory, name)
+            st = os.lstat(path)
+            if not entry.startswith("seg-") or not stat.S_ISREG(st.st_mode) or st.st_uid != uid:
+                log.error("removing %s: not a segment file of uid %d", path, uid)
                 os.unlink(path)
                 continue
-            fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
-            try:
-                mapping = mmap.mmap(fd, size, flags=mmap.MAP_SHARED)
-            finally:
-                os.close(fd)
-            segment = Segment(name, path, size, mapping, inherited=True)
-            self.segments[name] = segment
-            try:
-                header: SegmentHeader | None = segment.read_header()
-            except ValueError as e:
-                log.error("segment %s has an unreadable header (%s)", name, e)
-                header = None
-            yield segment, header
+            adopted = self._adopt(name, path, uid)
+            if adopted is not None:
+                yield adopted
+
+    def _adopt(
+        self, name: str, path: str, owner: int
+    ) -> tuple[Segment, SegmentHeader | None] | None:
+        fd = os.open(path, os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode) or st.st_uid != owner:
+                log.error("removing %s: replaced while being adopted", path)
+                os.unlink(path)
+                return None
+            if st.st_size < HEADER_SIZE:
+                log.error("removing segment %s: truncated to %d bytes", name, st.st_size)
+                os.unlink(path)
+                return None
+            mapping = mmap.mmap(fd, st.st_size, flags=mmap.MAP_SHARED)
+        finally:
+            os.close(fd)
+        segment = Segment(name, path, st.st_size, mapping, inherited=True, owner=owner)
+        segment.identity = (st.st_dev, st.st_ino)
+        self.segments[name] = segment
+        try:
+            header: SegmentHeader | None = segment.read_header()
+        except ValueError as e:
+            log.error("segment %s has an unreadable header (%s)", name, e)
+            header = None
+        return segment, header

@@ -46,10 +46,12 @@ from ckptcache.manifest import (
     unpack_digests,
     verify_digests,
 )
+from ckptcache.server import ownership
 from ckptcache.server.arena import Arena, Segment
 from ckptcache.server.config import DaemonConfig
 from ckptcache.server.index import Generation, Index, Key
 from ckptcache.server.metrics import Metrics
+from ckptcache.server.ownership import Saver
 from ckptcache.server.persist import Persister, lower_thread_priority
 from ckptcache.server.roots import PersistRoots
 from ckptcache.wire import messages as m
@@ -70,6 +72,7 @@ class Reservation:
     nbytes: int
     durability: str
     persist: bool = False
+    saver: Saver | None = None
     #: Digests already known (a copy received and verified): recorded at commit.
     digests: list[int] | None = None
 
@@ -96,6 +99,7 @@ class Session:
     uid: int
     reservations: dict[int, Reservation] = field(default_factory=dict)
     leases: dict[int, Generation] = field(default_factory=dict)
+    gid: int = -1
 
 
 def _check_key(namespace: str, path: str) -> None:
@@ -111,7 +115,8 @@ class CacheCore:
     def __init__(self, config: DaemonConfig, metrics: Metrics | None = None):
         self.config = config
         self.metrics = metrics or Metrics()
-        self.arena = Arena(config.segments_dir, config.memory_limit)
+        others = set(config.allowed_uids) - {0, os.geteuid()}
+        self.arena = Arena(config.segments_dir, config.memory_limit, 0o711 if others else 0o700)
         self.index = Index()
         self.cond = threading.Condition()
         self.started = time.time()
@@ -162,6 +167,7 @@ class CacheCore:
             gen = Generation(
                 manifest.namespace, manifest.path, header.generation, segment, manifest,
                 size=header.payload_size, committed=header.committed_ns / 1e9,
+                saver=ownership.read_record(segment, self.arena.uid),
             )  # fmt: skip
             if header.persisted:
                 gen.persisted, gen.persist_state = True, "persisted"
@@ -211,9 +217,9 @@ class CacheCore:
         self._digest_queue.put(None)
         self._digester.join(timeout=5)
 
-    def open_session(self, pid: int, uid: int) -> Session:
+    def open_session(self, pid: int, uid: int, gid: int = -1) -> Session:
         """Register a new client connection."""
-        return Session(next(self._ids), pid, uid)
+        return Session(next(self._ids), pid, uid, gid=gid)
 
     def close_session(self, session: Session) -> None:
         """Abort the connection's reservations and drop its pins (a dead trainer holds nothing)."""
@@ -236,6 +242,7 @@ class CacheCore:
         if not isinstance(req.nbytes, int) or req.nbytes <= 0:
             raise InvalidPath(f"reserve needs a positive byte count, got {req.nbytes!r}")
         persist = self._classify(req.path)
+        saver = ownership.saver_for(session, req)
         if req.durability == "backup" and (self.cluster is None or self.config.backup == "none"):
             raise ReplicationError(
                 "durability='backup' needs backup nodes: start the daemons with --backup auto "
@@ -250,8 +257,9 @@ class CacheCore:
             )
         deadline = time.monotonic() + self.config.reserve_timeout
         with self.cond:
+            ownership.check_may_save(self, session, (req.namespace, req.path))
             while True:
-                segment = self._try_allocate(req.nbytes)
+                segment = self._try_allocate(req.nbytes, saver)
                 if segment is not None:
                     break
                 remaining = deadline - time.monotonic()
@@ -267,16 +275,17 @@ class CacheCore:
                 self.cond.wait(min(remaining, 0.5))
             res = Reservation(
                 next(self._ids), req.namespace, req.path, segment, req.nbytes, req.durability,
-                persist,
+                persist, saver,
             )  # fmt: skip
             session.reservations[res.id] = res
             self._update_gauges()
         return m.ReserveReply(res.id, segment.name, segment.capacity)
 
-    def _try_allocate(self, nbytes: int) -> Segment | None:
+    def _try_allocate(self, nbytes: int, saver: Saver | None = None) -> Segment | None:
         arena = self.arena
         capacity = Arena.capacity_for(nbytes)
-        segment = arena.take_free(nbytes, tight=arena.used + capacity > arena.limit)
+        owner = saver.uid if saver is not None else None
+        segment = arena.take_free(nbytes, tight=arena.used + capacity > arena.limit, owner=owner)
         if segment is not None:
             return segment
         arena.shrink_free(capacity)
@@ -287,12 +296,12 @@ class CacheCore:
             log.info("evicting %s generation %d", victims[0].path, victims[0].number)
             self.metrics.evictions.inc()
             self._retire(victims[0])
-            segment = arena.take_free(nbytes, tight=True)
+            segment = arena.take_free(nbytes, tight=True, owner=owner)
             if segment is not None:
                 return segment
             arena.shrink_free(capacity)
         try:
-            return arena.create(nbytes)
+            return arena.create(nbytes, None if saver is None else (saver.uid, saver.gid))
         except OSError as e:
             raise BudgetExceeded(
                 f"cannot allocate {format_bytes(capacity)} in {arena.directory}: {e.strerror}. "
@@ -323,10 +332,12 @@ class CacheCore:
                 header.manifest_offset, header.manifest_size, header.digest_offset,
                 header.n_storages, DigestState.PENDING, header.created_ns, time.time_ns(),
             )  # fmt: skip
+            if res.saver is not None:
+                ownership.write_record(segment, res.saver)
             segment.write_header(header)
             gen = Generation(
                 res.namespace, res.path, number, segment, manifest, size=manifest.payload_size,
-                needs_persist=res.persist,
+                needs_persist=res.persist, saver=res.saver,
             )  # fmt: skip
             if res.digests is not None:
                 self._record_digests(gen, res.digests)
@@ -532,10 +543,22 @@ class CacheCore:
 
     # ----------------------------------------------------------------- load
 
-    def _lookup(self, namespace: str, path: str, number: int | None = None) -> Generation:
+    def _lookup(
+        self,
+        namespace: str,
+        path: str,
+        number: int | None = None,
+        session: Session | None = None,
+        *,
+        load: bool = False,
+    ) -> Generation:
+        """The newest (or ``number``) generation; one ``session`` may not see or load counts
+        as absent for it."""
         _check_key(namespace, path)
         key = (namespace, path)
         gen = self.index.newest(key) if number is None else self.index.get(key, number)
+        if gen is not None and session is not None and not self._visible(session, gen, load):
+            gen = None
         if gen is None:
             what = "is" if number is None else f"generation {number} is"
             raise CheckpointNotFound(
@@ -550,14 +573,18 @@ class CacheCore:
         tier = "local"
         try:
             with self.cond:
-                gen = self._lookup(req.namespace, req.path, req.generation)
+                gen = self._lookup(req.namespace, req.path, req.generation, session, load=True)
                 self.pin(gen)
         except CheckpointNotFound:
             if self.cluster is None or req.generation is not None:
                 raise
+            if self.index.generations((req.namespace, req.path)):
+                raise  # held by another user: never replaced by a remote copy for this one
             gen = self.cluster.load_remote(req.namespace, req.path)
             tier = "storage" if gen.origin == "storage" else "peer"
             with self.cond:
+                if not self._visible(session, gen, True):
+                    self._lookup(req.namespace, req.path, None, session, load=True)  # raises
                 self.pin(gen)
         try:
             if req.need_digests and gen.digests is None:
@@ -585,7 +612,7 @@ class CacheCore:
         reply = self.open(session, m.OpenRequest(req.namespace, req.path))
         self.release(session, m.ReleaseRequest((reply.lease,)))
         with self.cond:
-            gen = self._lookup(req.namespace, req.path)
+            gen = self._lookup(req.namespace, req.path, None, session)
             return m.PrefetchReply(reply.tier, gen.size, gen.number)
 
     def release(self, session: Session, req: m.ReleaseRequest) -> None:
@@ -658,7 +685,7 @@ class CacheCore:
     def verify(self, session: Session, req: m.VerifyRequest) -> m.VerifyReply:
         """Recompute digests of the newest generation and compare with the recorded ones."""
         with self.cond:
-            gen = self._lookup(req.namespace, req.path)
+            gen = self._lookup(req.namespace, req.path, None, session)
             self.pin(gen)
         try:
             recorded = gen.digests if gen.digests is not None else self._compute_digests(gen)
@@ -695,7 +722,7 @@ class CacheCore:
     def stat(self, session: Session, req: m.StatRequest) -> m.ObjectInfo:
         """Status of a path's newest generation."""
         with self.cond:
-            return self.info(self._lookup(req.namespace, req.path))
+            return self.info(self._lookup(req.namespace, req.path, None, session))
 
     def list(self, session: Session, req: m.ListRequest) -> m.ListReply:
         """Newest generation of every path under a prefix."""
@@ -705,15 +732,20 @@ class CacheCore:
                 if (req.namespace is None or ns == req.namespace) and path.startswith(req.prefix):
                     gen = self.index.newest((ns, path))
                     assert gen is not None
-                    out.append(self.info(gen))
+                    if self._visible(session, gen, False):
+                        out.append(self.info(gen))
         return m.ListReply(tuple(out))
 
     def delete(self, session: Session, req: m.DeleteRequest) -> m.DeleteReply:
         """Drop every generation of a path from memory (storage is untouched)."""
         with self.cond:
-            gens = self.index.generations((req.namespace, req.path))
+            gens = [
+                g
+                for g in self.index.generations((req.namespace, req.path))
+                if self._visible(session, g, False)
+            ]
             if not gens:
-                self._lookup(req.namespace, req.path)  # raises CheckpointNotFound
+                self._lookup(req.namespace, req.path, None, session)  # CheckpointNotFound
             for gen in gens:
                 self._retire(gen)
             self._update_gauges()
@@ -748,9 +780,10 @@ class CacheCore:
                 if req.prefix:
                     gens = [self.index.newest(k) for k in self.index.paths()
                             if k[0] == req.namespace and k[1].startswith(req.path)]  # fmt: skip
-                    pending = [g for g in gens if g is not None and g.needs_persist]
+                    pending = [g for g in gens if g is not None and g.needs_persist
+                               and self._visible(session, g, False)]  # fmt: skip
                 else:
-                    pending = [self._lookup(req.namespace, req.path)]
+                    pending = [self._lookup(req.namespace, req.path, None, session)]
                 failed = [g for g in pending if g.persist_state == "failed"]
                 if failed:
                     return m.WaitReply(failed[0].number, "failed", failed[0].persist_error)
@@ -762,6 +795,10 @@ class CacheCore:
                 if remaining <= 0:
                     return m.WaitReply(pending[0].number, "timeout")
                 self.cond.wait(min(remaining, 1.0))
+
+    def _visible(self, session: Session, gen: Generation, load: bool) -> bool:
+        check = ownership.may_load if load else ownership.may_see
+        return check(self, session, gen)
 
     def _update_gauges(self) -> None:
         self.metrics.segments.set(len(self.arena.segments))

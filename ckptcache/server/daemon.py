@@ -12,29 +12,60 @@ import logging
 import os
 import signal
 import socket
+import stat
 import sys
 import threading
 from typing import IO
 
 from rpyc.utils.helpers import classpartial
-from rpyc.utils.server import ThreadedServer
 
+from ckptcache._secure_fs import ensure_private_dir, open_private_file
 from ckptcache._units import format_bytes
 from ckptcache.errors import ConfigError
 from ckptcache.server.config import DaemonConfig
 from ckptcache.server.core import CacheCore
 from ckptcache.server.metrics import Metrics
-from ckptcache.server.service import RPC_CONFIG, CacheService, peer_credentials_authenticator
+from ckptcache.server.service import (
+    RPC_CONFIG,
+    CacheService,
+    CappedThreadedServer,
+    peer_credentials_authenticator,
+)
 
 __all__ = ["Daemon", "run_daemon"]
 
 log = logging.getLogger("ckptcache.daemon")
 
 
-def _lock_shm_dir(shm_dir: str) -> IO[str]:
-    """One daemon per shm directory: a second one would corrupt the first one's segments."""
-    os.makedirs(shm_dir, mode=0o700, exist_ok=True)
-    lock = open(os.path.join(shm_dir, "daemon.lock"), "a+")  # noqa: SIM115 - held for life
+def _shm_mode(config: DaemonConfig) -> int:
+    """0700, or 0711 when other users are admitted (they reach their own segment directory
+    by name; they can neither list nor change ours)."""
+    others = set(config.allowed_uids) - {0, os.geteuid()}
+    return 0o711 if others else 0o700
+
+
+def _check_allowed_uids(config: DaemonConfig) -> None:
+    others = set(config.allowed_uids) - {0, os.geteuid()}
+    if others and os.geteuid() != 0:
+        raise ConfigError(
+            f"allowed_uids {sorted(others)} need a daemon running as root: only root can give "
+            "each admitted user segment files that user alone can read"
+        )
+
+
+def _lock_shm_dir(config: DaemonConfig) -> IO[bytes]:
+    """One daemon per shm directory: a second one would corrupt the first one's segments.
+
+    The directory and its lock file are checked (ours, no group/other write, no symlinks)
+    before anything in them is trusted.
+    """
+    shm_dir = config.shm_dir
+    dir_fd = ensure_private_dir(shm_dir, _shm_mode(config), "shm dir")
+    try:
+        fd = open_private_file(dir_fd, "daemon.lock", os.O_RDWR | os.O_CREAT, "lock file")
+    finally:
+        os.close(dir_fd)
+    lock = os.fdopen(fd, "r+b")
     try:
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError as e:
@@ -47,9 +78,21 @@ def _lock_shm_dir(shm_dir: str) -> IO[str]:
     return lock
 
 
+def _prepare_socket_dir(path: str) -> None:
+    """Create or check the socket's directory: ours, not writable by others (0755 so that
+    admitted users' clients can reach the socket)."""
+    os.close(ensure_private_dir(os.path.dirname(os.path.abspath(path)), 0o755, "socket dir"))
+
+
 def _clear_stale_socket(path: str) -> None:
-    if not os.path.exists(path):
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
         return
+    if not stat.S_ISSOCK(st.st_mode):
+        raise ConfigError(f"refusing socket {path}: something that is not a socket is there")
+    if st.st_uid != os.geteuid():  # its 0666 mode only grants connecting, not replacing
+        raise ConfigError(f"refusing socket {path}: it is owned by uid {st.st_uid}, not us")
     probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         probe.connect(path)
@@ -66,15 +109,16 @@ class Daemon:
 
     def __init__(self, config: DaemonConfig):
         self.config = config
-        self._lock = _lock_shm_dir(config.shm_dir)
+        _check_allowed_uids(config)
+        self._lock = _lock_shm_dir(config)
         self.metrics = Metrics()
         self.core = CacheCore(config, self.metrics)
         self.metrics_port: int | None = None
         if config.metrics_port is not None:
             self.metrics_port = self.metrics.serve(config.metrics_port, config.metrics_addr)
-        os.makedirs(os.path.dirname(config.socket) or ".", mode=0o755, exist_ok=True)
+        _prepare_socket_dir(config.socket)
         _clear_stale_socket(config.socket)
-        self.server = ThreadedServer(
+        self.server = CappedThreadedServer(
             classpartial(CacheService, self.core),
             socket_path=config.socket,
             authenticator=peer_credentials_authenticator(config.allowed_uids),

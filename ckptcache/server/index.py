@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 from ckptcache.manifest import Manifest
 from ckptcache.server.arena import Segment
+from ckptcache.server.ownership import Saver
 
 __all__ = ["Generation", "Index", "Key"]
 
@@ -49,6 +50,8 @@ class Generation:
     conflict: str = ""
     #: The tier that served the most recent load ("local", "peer", "storage").
     last_load_tier: str = ""
+    #: Who saved it (uid, gid, umask); None when it came from a peer or from storage.
+    saver: Saver | None = None
     digest_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     @property

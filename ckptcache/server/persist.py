@@ -24,7 +24,8 @@ import time
 from typing import TYPE_CHECKING
 
 from ckptcache._units import format_bytes
-from ckptcache.errors import CkptCacheError
+from ckptcache.errors import CkptCacheError, PathNotAllowed
+from ckptcache.server.safe_write import persist_write
 from ckptcache.storage import StorageOptions, backend_for
 
 if TYPE_CHECKING:
@@ -158,10 +159,12 @@ class Persister:
                     self.core.cond.notify_all()
                     return
             try:
-                backend.cleanup(target)
-                fd = os.open(gen.segment.path, os.O_RDONLY | os.O_CLOEXEC)
+                fd = gen.segment.open_fd()
                 try:
-                    backend.write(target, fd, gen.manifest.payload_offset, gen.size)
+                    persist_write(
+                        self.core.roots, backend, target, fd, gen.manifest.payload_offset,
+                        gen.size, gen.saver,
+                    )  # fmt: skip
                 finally:
                     os.close(fd)
             except OSError as e:
@@ -173,6 +176,8 @@ class Persister:
                 )  # fmt: skip
                 with self.core.cond:
                     gen.persist_error = error
+                if isinstance(e, PathNotAllowed):
+                    break  # the tree under the root is not as allowed: retrying cannot help
                 if attempt < cfg.persist_retries:
                     time.sleep(min(cfg.persist_backoff * 2**attempt, cfg.persist_backoff_max))
                 continue
@@ -183,7 +188,7 @@ class Persister:
         with self.core.cond:
             gen.persist_state = "failed"
             gen.persist_error = (
-                f"gave up after {cfg.persist_retries + 1} attempts: {error}. The checkpoint "
+                f"gave up after {attempt + 1} attempts: {error}. The checkpoint "
                 "stays in memory; fix the storage and save again"
             )
             self.core.cond.notify_all()

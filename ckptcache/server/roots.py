@@ -52,6 +52,12 @@ class PersistRoots:
     def __iter__(self) -> Iterator[str]:
         return iter([*self.local, *self.urls])
 
+    def local_root(self, path: str) -> str | None:
+        """The local root ``path`` lies under by name alone (no symlink resolved): the
+        directory a write resolves ``path`` from, component by component."""
+        lexical = os.path.normpath(path)
+        return next((r for r in self.local if _under(lexical, r)), None)
+
     def root_for(self, path: str) -> str | None:
         """The root ``path`` persists under, or ``None`` if it is under no root.
 

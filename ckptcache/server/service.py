@@ -11,17 +11,26 @@ import logging
 import os
 import socket
 import struct
+import zlib
 from collections.abc import Callable
 from typing import Any
 
 import rpyc
+from rpyc.core.channel import Channel
+from rpyc.core.stream import SocketStream
 from rpyc.utils.authenticators import AuthenticationError
+from rpyc.utils.server import ThreadedServer
 
 from ckptcache import errors
 from ckptcache.server.core import CacheCore, Session
 from ckptcache.wire import messages as m
 
-__all__ = ["RPC_CONFIG", "CacheService", "peer_credentials_authenticator"]
+__all__ = [
+    "RPC_CONFIG",
+    "CacheService",
+    "CappedThreadedServer",
+    "peer_credentials_authenticator",
+]
 
 log = logging.getLogger(__name__)
 
@@ -35,10 +44,52 @@ RPC_CONFIG: dict[str, Any] = {
     "allow_delattr": False,
     "import_custom_exceptions": False,
     "instantiate_custom_exceptions": False,
+    # rpyc's operators on netrefs (str/repr/cmp/hash of the service) stay off as well.
+    "allow_safe_attrs": False,
     "sync_request_timeout": 120,
 }
 
 _PEERCRED = struct.Struct("3i")
+
+
+class CappedChannel(Channel):  # type: ignore[misc]
+    """An rpyc channel that refuses frames larger than :data:`MAX_FRAME_BYTES` before
+    reading them, so a client cannot make the daemon buffer gigabytes."""
+
+    def recv(self) -> bytes:
+        header = self.stream.read(self.FRAME_HEADER.size)
+        length, compressed = self.FRAME_HEADER.unpack(header)
+        if length > MAX_FRAME_BYTES:
+            raise EOFError(f"rpyc frame of {length} bytes exceeds the cap of {MAX_FRAME_BYTES}")
+        data = self.stream.read(length + len(self.FLUSHER))[: -len(self.FLUSHER)]
+        if compressed:
+            # A small compressed frame may not expand past the cap either (zip bombs).
+            inflater = zlib.decompressobj()
+            data = inflater.decompress(data, MAX_FRAME_BYTES + 1)
+            if len(data) > MAX_FRAME_BYTES or inflater.unconsumed_tail:
+                raise EOFError(f"rpyc frame inflates past the cap of {MAX_FRAME_BYTES} bytes")
+        return bytes(data)
+
+
+#: Frames (a request with rpyc's framing) above this end the connection; below it, a request
+#: body above :data:`ckptcache.wire.messages.MAX_REQUEST_BYTES` gets a typed error.
+MAX_FRAME_BYTES = 2 * m.MAX_REQUEST_BYTES + 65536
+
+
+class CappedThreadedServer(ThreadedServer):  # type: ignore[misc]
+    """rpyc's threaded server with :class:`CappedChannel` on every connection."""
+
+    def _serve_client(self, sock: socket.socket, credentials: Any) -> None:
+        addrinfo = sock.getpeername()
+        try:
+            config = dict(
+                self.protocol_config, credentials=credentials,
+                endpoints=(sock.getsockname(), addrinfo), logger=self.logger,
+            )  # fmt: skip
+            conn = self.service._connect(CappedChannel(SocketStream(sock)), config)
+            self._handle_connection(conn)
+        except EOFError as e:
+            self.logger.warning("dropped a client connection: %s", e)
 
 
 def peer_credentials_authenticator(allowed_uids: tuple[int, ...]) -> Callable[..., Any]:
@@ -79,8 +130,8 @@ class CacheService(rpyc.Service):  # type: ignore[misc]
         }
 
     def on_connect(self, conn: rpyc.Connection) -> None:
-        pid, uid, _gid = conn._config.get("credentials") or (0, os.getuid(), 0)
-        self._session = self._core.open_session(pid, uid)
+        pid, uid, gid = conn._config.get("credentials") or (0, os.getuid(), os.getgid())
+        self._session = self._core.open_session(pid, uid, gid)
 
     def on_disconnect(self, conn: rpyc.Connection) -> None:
         if self._session is not None:
@@ -102,11 +153,36 @@ class CacheService(rpyc.Service):  # type: ignore[misc]
             m.HelloReply(m.PROTOCOL_VERSION, cfg.node_id, cfg.segments_dir, __version__)
         )
 
+    # -- the rpyc surface: one method, nothing else reachable or listed ------------------
+
+    def _rpyc_getattr(self, name: str) -> Any:
+        """rpyc's attribute hook: only ``request`` resolves (not the ``get_service_name`` /
+        ``get_service_aliases`` every rpyc service carries, nor any internal name)."""
+        if name in ("request", "exposed_request"):
+            return self.exposed_request
+        raise AttributeError(f"cannot access {name!r}")
+
+    def _rpyc_setattr(self, name: str, value: Any) -> None:
+        raise AttributeError(f"cannot set {name!r}")
+
+    def _rpyc_delattr(self, name: str) -> None:
+        raise AttributeError(f"cannot delete {name!r}")
+
+    def __dir__(self) -> list[str]:
+        """What rpyc's remote ``dir()`` answers: the one request method."""
+        return ["exposed_request"]
+
     def exposed_request(self, kind: str, body: str) -> str:
         """Dispatch one message; errors come back as typed envelopes, never as exceptions."""
         try:
             if not isinstance(kind, str) or not isinstance(body, str):
                 raise ValueError("request kind and body must be strings")
+            if len(body) > m.MAX_REQUEST_BYTES or len(kind) > 64:
+                return m.error_envelope(
+                    "RequestTooLarge",
+                    f"{kind[:64]!r} request of {len(body)} bytes exceeds the daemon's cap of "
+                    f"{m.MAX_REQUEST_BYTES} bytes",
+                )
             if kind == "hello":
                 return self._hello(body)
             handler = self._handlers.get(kind)

@@ -10,7 +10,7 @@ from typing import BinaryIO
 
 from ckptcache.storage.base import StorageBackend
 
-__all__ = ["TEMP_MARK", "FileBackend"]
+__all__ = ["TEMP_MARK", "FileBackend", "sendfile_fill"]
 
 #: Temporary names look like ``.<name>.ckptcache-tmp-<random>``: hidden, and never a
 #: checkpoint name a framework would look for.
@@ -29,6 +29,20 @@ def _fsync_dir(directory: str) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def sendfile_fill(source: int, offset: int, size: int) -> Callable[[int], None]:
+    """A ``fill(fd)`` that copies ``size`` bytes at ``offset`` of ``source`` in the kernel."""
+
+    def fill(fd: int) -> None:
+        done = 0
+        while done < size:
+            sent = os.sendfile(fd, source, offset + done, min(_CHUNK, size - done))
+            if sent == 0:
+                raise OSError(f"source ended after {done} of {size} bytes")
+            done += sent
+
+    return fill
 
 
 class FileBackend(StorageBackend):
@@ -55,15 +69,7 @@ class FileBackend(StorageBackend):
         _fsync_dir(directory)
 
     def write(self, path: str, source: int, offset: int, size: int) -> None:
-        def fill(fd: int) -> None:
-            done = 0
-            while done < size:
-                sent = os.sendfile(fd, source, offset + done, min(_CHUNK, size - done))
-                if sent == 0:
-                    raise OSError(f"source ended after {done} of {size} bytes")
-                done += sent
-
-        self._atomic(path, fill)
+        self._atomic(path, sendfile_fill(source, offset, size))
 
     def write_bytes(self, path: str, data: bytes | memoryview) -> None:
         def fill(fd: int) -> None:

@@ -53,6 +53,8 @@ __all__ = [
 
 #: Bumped on any incompatible change; hello refuses a mismatch with ProtocolMismatch.
 PROTOCOL_VERSION = 1
+#: The largest request body a daemon accepts (replies are not capped).
+MAX_REQUEST_BYTES = 1 << 20
 
 M = TypeVar("M")
 
@@ -127,6 +129,12 @@ class ReserveRequest:
     path: str
     nbytes: int
     durability: str = "local"
+    #: The saver's uid and gid (-1: the connection's credentials) and umask: persisted files
+    #: get the owner and mode ``torch.save`` by the saver would give them. An old client
+    #: sends none and gets the most private mode.
+    uid: int = -1
+    gid: int = -1
+    umask: int = 0o077
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,153 @@
+"""Who saved what: the saver's identity travels with each generation and decides who may see,
+load, delete and overwrite it, and which owner and mode its persisted file gets.
+
+Root and the daemon's own uid see everything. Any other admitted uid sees, loads and deletes
+only what it saved, and cannot save over a path another user holds in the cache.
+"""
+
+from __future__ import annotations
+
+import grp
+import os
+import pwd
+import struct
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from ckptcache._secure_fs import current_umask
+from ckptcache.errors import InvalidPath, PathNotAllowed
+
+if TYPE_CHECKING:
+    from ckptcache.server.arena import Segment
+    from ckptcache.server.core import CacheCore, Session
+    from ckptcache.server.index import Generation, Key
+    from ckptcache.wire import messages as m
+
+__all__ = [
+    "Saver",
+    "check_may_save",
+    "daemon_saver",
+    "groups_of",
+    "may_load",
+    "may_see",
+    "read_record",
+    "saver_for",
+    "write_record",
+]
+
+#: The saver record sits in the header page, past the header struct, written by the daemon.
+_RECORD_OFFSET = 3072
+_RECORD = struct.Struct("<8siii")
+_MAGIC = b"CKPTOWN\x00"
+
+
+@dataclass(frozen=True)
+class Saver:
+    """The process that saved a generation: its uid, gid and umask."""
+
+    uid: int
+    gid: int
+    umask: int
+
+    @property
+    def file_mode(self) -> int:
+        """What ``torch.save`` by the saver would give a new file."""
+        return 0o666 & ~self.umask
+
+    @property
+    def dir_mode(self) -> int:
+        """What ``os.makedirs`` by the saver would give a new directory."""
+        return 0o777 & ~self.umask
+
+
+def daemon_saver() -> Saver:
+    """The identity used for objects whose saver is unknown (from peers or storage)."""
+    return Saver(os.geteuid(), os.getegid(), current_umask())
+
+
+def groups_of(uid: int, gid: int) -> set[int]:
+    """The groups a process of ``uid`` with primary group ``gid`` is a member of."""
+    try:
+        return set(os.getgrouplist(pwd.getpwuid(uid).pw_name, gid))
+    except KeyError:
+        return {gid}
+
+
+def saver_for(session: Session, req: m.ReserveRequest) -> Saver:
+    """The saver of a reservation: the peer's credentials, refined by what the client sent.
+
+    A client may name a gid among its own groups; only root may save on behalf of another uid.
+    """
+    uid = session.uid if req.uid < 0 else req.uid
+    gid = session.gid if req.gid < 0 else req.gid
+    if not 0 <= req.umask <= 0o777:
+        raise InvalidPath(f"umask {req.umask!r} is out of range (0 to 0o777)")
+    if session.uid != 0:
+        if uid != session.uid:
+            raise PathNotAllowed(f"uid {session.uid} cannot save on behalf of uid {uid}")
+        if gid != session.gid and gid not in groups_of(uid, session.gid):
+            name = _group_name(gid)
+            raise PathNotAllowed(f"uid {uid} is not a member of group {name} and cannot save as it")
+    return Saver(uid, gid, req.umask)
+
+
+def _group_name(gid: int) -> str:
+    try:
+        return f"{grp.getgrgid(gid).gr_name} ({gid})"
+    except KeyError:
+        return str(gid)
+
+
+def _privileged(core: CacheCore, uid: int) -> bool:
+    return uid in (0, core.arena.uid)
+
+
+def may_see(core: CacheCore, session: Session, gen: Generation) -> bool:
+    """Whether ``session`` may list, stat, wait on or delete ``gen``."""
+    if _privileged(core, session.uid):
+        return True
+    return gen.saver is not None and gen.saver.uid == session.uid
+
+
+def may_load(core: CacheCore, session: Session, gen: Generation) -> bool:
+    """Whether ``session`` may map ``gen``: its own saves; privileged users also accept what
+    root, the daemon or a peer (unknown saver) put there, never an unprivileged user's bytes
+    (that user could save under a path the privileged trainer is about to load)."""
+    if gen.saver is not None and gen.saver.uid == session.uid:
+        return True
+    if not _privileged(core, session.uid):
+        return False
+    return gen.saver is None or _privileged(core, gen.saver.uid)
+
+
+def check_may_save(core: CacheCore, session: Session, key: Key) -> None:
+    """Refuse a save over a path that another user holds in the cache (call under the lock)."""
+    if _privileged(core, session.uid):
+        return
+    for gen in core.index.generations(key):
+        if gen.saver is None or gen.saver.uid != session.uid:
+            raise PathNotAllowed(
+                f"{key[1]!r} (namespace {key[0]!r}) is held in the cache by another user; "
+                "save under another path or namespace"
+            )
+
+
+def write_record(segment: Segment, saver: Saver) -> None:
+    """Keep the saver in the segment's header page so a restarted daemon still knows it."""
+    segment.mapping[_RECORD_OFFSET : _RECORD_OFFSET + _RECORD.size] = _RECORD.pack(
+        _MAGIC, saver.uid, saver.gid, saver.umask
+    )
+
+
+def read_record(segment: Segment, daemon_uid: int) -> Saver:
+    """The saver of a segment adopted at start.
+
+    The record lies in bytes the saver could overwrite, so its uid is believed only when it
+    agrees with who owns the file (an admitted user's segments are that user's files); an
+    unbelievable record gives the file's owner with the most private umask.
+    """
+    magic, uid, gid, umask = _RECORD.unpack_from(segment.mapping, _RECORD_OFFSET)
+    owner_ok = uid == segment.owner or (segment.owner == daemon_uid and uid == 0)
+    if magic != _MAGIC or not owner_ok or not 0 <= umask <= 0o777:
+        return Saver(segment.owner, -1, 0o077)
+    return Saver(uid, gid, umask)

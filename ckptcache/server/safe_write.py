@@ -1,0 +1,170 @@
+"""Persisting under a storage root without ever leaving it.
+
+Roots are checked when a save arrives, but the file is written later: a directory under the
+root replaced by a symlink in between would carry a root daemon's write anywhere. Here the
+path is resolved at write time from an fd of the root, one component at a time with
+``O_NOFOLLOW | O_DIRECTORY``, and the temporary file is created, renamed and synced relative to
+the fd of its final directory, so no symlink is ever followed below the root.
+
+The file and the directories created get the owner and mode a ``torch.save`` by the saver
+would have given them, and a root daemon only writes where the saver itself could.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import secrets
+import stat
+from collections.abc import Callable
+
+from ckptcache.errors import PathNotAllowed
+from ckptcache.server.ownership import Saver, daemon_saver, groups_of
+from ckptcache.server.roots import PersistRoots
+from ckptcache.storage.base import StorageBackend
+from ckptcache.storage.fs import TEMP_MARK, FileBackend, sendfile_fill
+
+__all__ = ["persist_write", "write_beneath"]
+
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+class _Walker:
+    """Carries the saver's identity and the root through one write."""
+
+    def __init__(self, root: str, path: str, saver: Saver):
+        self.root, self.path, self.saver = root, path, saver
+        self.as_root = os.geteuid() == 0
+        # A root daemon acting for another user checks that user's permissions itself.
+        self.check_access = self.as_root and saver.uid != 0
+        self.groups = groups_of(saver.uid, saver.gid) if self.check_access else set()
+
+    def require(self, fd: int, want: int, where: str) -> None:
+        """Refuse unless the saver has ``want`` (rwx bits, 0-7) on the directory ``fd``."""
+        if not self.check_access:
+            return
+        st = os.fstat(fd)
+        if st.st_uid == self.saver.uid:
+            bits = st.st_mode >> 6
+        elif st.st_gid in self.groups:
+            bits = st.st_mode >> 3
+        else:
+            bits = st.st_mode
+        if bits & want != want:
+            raise PathNotAllowed(
+                f"cannot persist {self.path!r}: uid {self.saver.uid} may not write under "
+                f"{where} (mode {stat.S_IMODE(st.st_mode):04o}, owner {st.st_uid})"
+            )
+
+    def adopt(self, fd: int, mode: int) -> None:
+        """Give a directory or file we just created the saver's owner and mode."""
+        st = os.fstat(fd)
+        inherit_gid = bool(st.st_mode & stat.S_ISGID) and stat.S_ISDIR(st.st_mode)
+        if self.as_root:
+            os.fchown(fd, self.saver.uid, -1 if inherit_gid else self.saver.gid)
+        os.fchmod(fd, mode | (stat.S_ISGID if inherit_gid else 0))
+
+    def step(self, parent: int, name: str, where: str) -> int:
+        """Open (creating if needed) directory ``name`` of ``parent`` without following it."""
+        for _ in range(2):
+            try:
+                return os.open(name, _DIR_FLAGS, dir_fd=parent)
+            except FileNotFoundError:
+                pass
+            except OSError as e:
+                if e.errno in (errno.ELOOP, errno.ENOTDIR):
+                    raise PathNotAllowed(
+                        f"cannot persist {self.path!r}: {where} is a symlink or not a "
+                        f"directory; refusing to follow it out of the storage root {self.root!r}"
+                    ) from e
+                raise
+            self.require(parent, 0o3, os.path.dirname(where) or self.root)
+            try:
+                os.mkdir(name, 0o700, dir_fd=parent)
+            except FileExistsError:
+                continue  # created meanwhile: open whatever is there now, without following
+            fd = os.open(name, _DIR_FLAGS, dir_fd=parent)
+            self.adopt(fd, self.saver.dir_mode)
+            return fd
+        raise PathNotAllowed(f"cannot persist {self.path!r}: {where} keeps changing")
+
+
+def _file_gid_inherited(dir_fd: int) -> bool:
+    return bool(os.fstat(dir_fd).st_mode & stat.S_ISGID)
+
+
+def write_beneath(root: str, path: str, fill: Callable[[int], None], saver: Saver) -> None:
+    """Atomically write ``path`` (lexically under ``root``) with ``fill(fd)``: temp file,
+    fsync, rename and directory fsync, all relative to directory fds below ``root``."""
+    rel = os.path.relpath(path, root)
+    parts = rel.split("/")
+    if rel.startswith("..") or any(p in ("", ".", "..") for p in parts):
+        raise PathNotAllowed(f"cannot persist {path!r}: not below the storage root {root!r}")
+    walker = _Walker(root, path, saver)
+    # The root itself is configured by the administrator: create it as the daemon if missing.
+    os.makedirs(root, exist_ok=True)
+    fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        where = root
+        for part in parts[:-1]:
+            walker.require(fd, 0o1, where)
+            where = os.path.join(where, part)
+            child = walker.step(fd, part, where)
+            os.close(fd)
+            fd = child
+        walker.require(fd, 0o3, where)
+        _write_in(fd, parts[-1], fill, walker)
+    finally:
+        os.close(fd)
+
+
+def _write_in(dir_fd: int, name: str, fill: Callable[[int], None], walker: _Walker) -> None:
+    leftover = f".{name}{TEMP_MARK}"
+    for entry in os.listdir(dir_fd):
+        if entry.startswith(leftover):
+            try:
+                os.unlink(entry, dir_fd=dir_fd)
+            except OSError:
+                pass
+    tmp = f"{leftover}{secrets.token_hex(4)}"
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+    fd = os.open(tmp, flags, 0o600, dir_fd=dir_fd)
+    try:
+        try:
+            if walker.as_root:
+                gid = -1 if _file_gid_inherited(dir_fd) else walker.saver.gid
+                os.fchown(fd, walker.saver.uid, gid)
+            os.fchmod(fd, walker.saver.file_mode)
+            fill(fd)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.rename(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+    except BaseException:
+        try:
+            os.unlink(tmp, dir_fd=dir_fd)
+        except OSError:
+            pass
+        raise
+    os.fsync(dir_fd)
+
+
+def persist_write(
+    roots: PersistRoots,
+    backend: StorageBackend,
+    target: str,
+    source: int,
+    offset: int,
+    size: int,
+    saver: Saver | None,
+) -> None:
+    """Write one object to storage: local files through :func:`write_beneath` (resolved
+    below their root at write time), everything else through its backend."""
+    if not isinstance(backend, FileBackend):
+        backend.cleanup(target)
+        backend.write(target, source, offset, size)
+        return
+    root = roots.local_root(target)
+    if root is None:
+        raise PathNotAllowed(f"cannot persist {target!r}: it is under no storage root")
+    write_beneath(root, target, sendfile_fill(source, offset, size), saver or daemon_saver())
