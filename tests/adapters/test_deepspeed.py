@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
 
 from tests.adapters.conftest import SCRIPTS, daemon_env, run_script
-from tests.helpers import read_only_dir
+from tests.helpers import read_only_dir, wait_until
 
 pytest.importorskip("deepspeed")
 
@@ -74,7 +73,9 @@ def test_resume_while_persist_is_pending_then_cache_off(daemon_factory, tmp_path
             [sys.executable, str(SCRIPTS / "ds_trainer.py"), "resume", "2", str(ck), str(out)],
             env=daemon_env(d), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         )  # fmt: skip
-        time.sleep(1)  # not a timing assertion: only lets the resume start before the release
+        # Both ranks reach load_checkpoint while the files still cannot be written.
+        wait_until(lambda: all((out / f"resume-loading-rank{r}").exists() for r in range(2))
+                   or resume.poll() is not None, 240, "the resume to start loading")  # fmt: skip
     output, _ = resume.communicate(timeout=240)
     assert resume.returncode == 0, output[-5000:]
     assert_states_equal(states(out, "resume"), states(out, "reference"))

@@ -16,7 +16,7 @@ from ckptcache.data._positions import Pos, distance
 from ckptcache.data._store import RECLAIM_AFTER_S
 from ckptcache.errors import ConfigError
 from tests.data._dataset import SeqLoader, batch_digest, make_batch
-from tests.data._helpers import wait_until
+from tests.helpers import wait_until
 
 
 def _digests(batches: list[Any]) -> list[str]:
@@ -50,10 +50,8 @@ def test_resume_serves_cached_batches_then_catches_up(cache_dir: str) -> None:
     state = first.state_dict()
     # Let the prefetcher fill its window, then "crash": the files stay in shared memory.
     want = [f"e000000-s{i:012d}.batch" for i in range(3, 9)]
-    deadline = time.monotonic() + 10
-    while _batch_files(cache_dir) != want and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert _batch_files(cache_dir) == want  # lookback 2 (3, 4) + prefetch 4 (5..8)
+    # lookback 2 (3, 4) + prefetch 4 (5..8)
+    wait_until(lambda: _batch_files(cache_dir) == want, 10, f"the batch files {want}")
     first.close(keep_cache=True)
 
     loaders: list[SeqLoader] = []

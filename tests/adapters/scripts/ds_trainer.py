@@ -44,6 +44,8 @@ def train(rank: int, world: int, mode: str, stage: int, ckpt_dir: str, out_dir: 
         ds_cache.enable(engine)
     start = 0
     if mode in ("resume", "plainresume"):
+        # Tells the test this rank is about to read the checkpoint (it may wait for a persist).
+        open(os.path.join(out_dir, f"{mode}-loading-rank{rank}"), "w").close()
         path, client_state = engine.load_checkpoint(ckpt_dir)
         assert path is not None, "no checkpoint found"
         start = client_state["step"]
