@@ -33,7 +33,7 @@ def ds(mode: str, stage: int, ck: Path, out: Path, daemon=None, **kw):
 
 
 @pytest.mark.parametrize("stage", [0, 2, 3])
-def test_crash_then_resume_from_memory(daemon_factory, tmp_path, stage):
+def test_crash_then_resume_from_memory(daemon_factory, tmp_path, stage, torch_extensions_dir):
     """Memory-only daemon: nothing is ever persisted, the resume still finds its checkpoint."""
     d = daemon_factory("--memory-limit", "1GiB")
     ck, out = tmp_path / "ck", tmp_path / "out"
@@ -51,6 +51,7 @@ def test_crash_then_resume_from_memory(daemon_factory, tmp_path, stage):
         }
     ds("resume", stage, ck, out, daemon=d)
     assert_states_equal(states(out, "resume"), states(out, "reference"))
+    assert list(torch_extensions_dir.iterdir()) == []  # no op was compiled at test time
 
 
 def test_resume_while_persist_is_pending_then_cache_off(daemon_factory, tmp_path):

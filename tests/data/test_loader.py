@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import os
 import time
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -210,10 +211,15 @@ def test_unsafe_names_are_refused(cache_dir: str) -> None:
             CachedDataLoader(lambda: [], cache_dir=cache_dir, run_id=bad)
 
 
-@pytest.mark.skipif(os.getuid() == 0, reason="as root every directory counts as ours")
-def test_another_users_directory_is_refused() -> None:
-    with pytest.raises(ConfigError, match="belongs to uid"):
-        CachedDataLoader(lambda: [], cache_dir="/", run_id="r")
+def test_another_users_directory_is_refused(tmp_path: Path) -> None:
+    theirs = tmp_path / "theirs"
+    theirs.mkdir()
+    if os.geteuid() == 0:
+        os.chown(theirs, 65534, 65534)  # give it to "nobody"
+    else:  # only root may give a directory away; the root directory is someone else's
+        theirs = Path("/")
+    with pytest.raises(ConfigError, match=f"belongs to uid {os.stat(theirs).st_uid}"):
+        CachedDataLoader(lambda: [], cache_dir=str(theirs), run_id="r")
 
 
 def test_cache_false_is_a_plain_pass_through(cache_dir: str) -> None:
