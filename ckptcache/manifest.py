@@ -81,7 +81,7 @@ class Manifest:
             storages = tuple(StorageRecord(**s) for s in raw.pop("storages"))
             manifest = cls(storages=storages, **raw)
             manifest._check(segment_size)
-        except (ValueError, TypeError, KeyError, AttributeError) as e:
+        except (ValueError, TypeError, KeyError, AttributeError, RecursionError) as e:
             raise CorruptCheckpoint(f"invalid segment manifest: {e}", tier="local") from e
         return manifest
 
@@ -89,8 +89,15 @@ class Manifest:
         ints = [self.payload_offset, self.payload_size, self.pickle_offset, self.pickle_size]
         for s in self.storages:
             ints += [s.offset, s.nbytes]
-        if any(not isinstance(v, int) or v < 0 for v in ints):
+        if any(not isinstance(v, int) or isinstance(v, bool) or v < 0 for v in ints):
             raise ValueError("negative or non-integer offset")
+        texts = [self.path, self.namespace, self.digest_algorithm]
+        for s in self.storages:
+            texts += [s.key, s.dtype, s.location, s.name]
+        if any(not isinstance(v, str) for v in texts):
+            raise ValueError("a name, path or dtype that is not a string")
+        if not isinstance(self.created, (int, float)) or isinstance(self.created, bool):
+            raise ValueError("creation time is not a number")
         end = self.payload_offset + self.payload_size
         if not (self.payload_offset <= self.pickle_offset <= end - self.pickle_size):
             raise ValueError("pickle outside the payload")
