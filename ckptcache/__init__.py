@@ -74,7 +74,17 @@ _LAZY = {
 }
 
 
+# Submodules that importing this package used to load as a side effect: code that does
+# ``import ckptcache`` and then uses ``ckptcache.api.…`` keeps working.
+_SUBMODULES = frozenset(
+    {"api", "archive", "client", "flatten", "layout", "manifest", "objectio", "shm", "storage",
+     "wire"}
+)  # fmt: skip
+
+
 def __getattr__(name: str) -> Any:
+    if name in _SUBMODULES:
+        return importlib.import_module(f"{__name__}.{name}")
     target = _LAZY.get(name)
     if target is None:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

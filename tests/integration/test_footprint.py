@@ -44,6 +44,9 @@ def test_importing_the_daemon_does_not_import_torch():
 def test_lazy_package_keeps_its_public_names():
     code = "import sys, ckptcache; print('torch' in sys.modules, ckptcache.__version__, ckptcache.Client.__name__, ckptcache.ObjectStatus.__name__)"
     assert _fresh(code).split() == ["False", "0.1.0", "Client", "ObjectInfo"]
+    # Submodules the eager package used to load are still reachable as attributes.
+    code = "import ckptcache; print(ckptcache.api.default_client.__name__, ckptcache.wire.messages.PROTOCOL_VERSION)"
+    assert _fresh(code).split() == ["default_client", "1"]
     import ckptcache
     import ckptcache.api
 
