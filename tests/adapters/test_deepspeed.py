@@ -14,6 +14,10 @@ from tests.helpers import read_only_dir, wait_until
 
 pytest.importorskip("deepspeed")
 
+# Each test launches DeepSpeed three or four times (2 ranks each): on a busy 2-core machine that
+# can take longer than the suite's default 300 s limit, which is only a safety net.
+pytestmark = pytest.mark.timeout(900)
+
 TAG = "global_step3"
 
 
