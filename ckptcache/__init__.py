@@ -1,12 +1,17 @@
 """ckptcache: tiered in-memory checkpoint storage for PyTorch training.
 
 Replace ``torch.save``/``torch.load`` with :func:`save`/:func:`load`; see README.md.
+
+The public names are imported on first use (PEP 562): the daemon and the ``ckptcache`` command
+import submodules of this package and must not pay for torch, which the client side needs.
 """
 
-__version__ = "0.1.0"
+from __future__ import annotations
 
-from ckptcache.api import delete, exists, load, prefetch, save, status, wait
-from ckptcache.client import Client
+import importlib
+from typing import TYPE_CHECKING, Any
+
+from ckptcache._version import __version__
 from ckptcache.errors import (
     BudgetExceeded,
     CheckpointNotFound,
@@ -24,7 +29,11 @@ from ckptcache.errors import (
     SerializationError,
     UnsafeUnpickle,
 )
-from ckptcache.wire.messages import ObjectInfo as ObjectStatus
+
+if TYPE_CHECKING:
+    from ckptcache.api import delete, exists, load, prefetch, save, status, wait
+    from ckptcache.client import Client
+    from ckptcache.wire.messages import ObjectInfo as ObjectStatus
 
 __all__ = [
     "BudgetExceeded",
@@ -53,3 +62,36 @@ __all__ = [
     "status",
     "wait",
 ]
+
+# Public name -> (module, attribute) for the names that pull in torch.
+_LAZY = {
+    **{
+        n: ("ckptcache.api", n)
+        for n in ("delete", "exists", "load", "prefetch", "save", "status", "wait")
+    },
+    "Client": ("ckptcache.client", "Client"),
+    "ObjectStatus": ("ckptcache.wire.messages", "ObjectInfo"),
+}
+
+
+# Submodules that importing this package used to load as a side effect: code that does
+# ``import ckptcache`` and then uses ``ckptcache.api.…`` keeps working.
+_SUBMODULES = frozenset(
+    {"api", "archive", "client", "flatten", "layout", "manifest", "objectio", "shm", "storage",
+     "wire"}
+)  # fmt: skip
+
+
+def __getattr__(name: str) -> Any:
+    if name in _SUBMODULES:
+        return importlib.import_module(f"{__name__}.{name}")
+    target = _LAZY.get(name)
+    if target is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(target[0]), target[1])
+    globals()[name] = value  # later lookups skip this hook
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -19,6 +19,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from ckptcache.errors import CorruptCheckpoint
+
 __all__ = [
     "ARCHIVE_ALIGNMENT",
     "ArchivePlan",
@@ -218,32 +220,48 @@ class _ViewReader(io.RawIOBase):
         return len(chunk)
 
 
+#: What zipfile and struct raise on malformed input (zipfile trusts the sizes it reads).
+_PARSE_ERRORS = (
+    zipfile.BadZipFile, OSError, EOFError, ValueError, struct.error, NotImplementedError,
+    OverflowError, KeyError, IndexError,
+)  # fmt: skip
+
+
 def parse_archive(view: memoryview) -> ParsedArchive:
     """Locate ``data.pkl`` and every ``data/<key>`` record of a ``torch.save`` archive (ours or
-    PyTorch's own writer's); raises ``ValueError`` for anything that is not one."""
+    PyTorch's own writer's); raises :class:`CorruptCheckpoint` (a ``ValueError``) for anything
+    that is not one."""
     try:
-        infos = zipfile.ZipFile(io.BufferedReader(_ViewReader(view))).infolist()
-    except (zipfile.BadZipFile, OSError, EOFError) as e:
-        raise ValueError(f"not a torch.save archive: {e}") from e
+        return _parse_archive(view)
+    except CorruptCheckpoint:
+        raise
+    except _PARSE_ERRORS as e:
+        raise CorruptCheckpoint(f"not a torch.save archive: {e}") from e
+
+
+def _parse_archive(view: memoryview) -> ParsedArchive:
+    infos = zipfile.ZipFile(io.BufferedReader(_ViewReader(view))).infolist()
     pickle: tuple[int, int] | None = None
     storages: dict[str, tuple[int, int]] = {}
     for info in infos:
         if info.compress_type != zipfile.ZIP_STORED:
-            raise ValueError(f"compressed record {info.filename!r}: not a torch.save archive")
+            raise CorruptCheckpoint(
+                f"compressed record {info.filename!r}: not a torch.save archive"
+            )
         local = bytes(view[info.header_offset : info.header_offset + _LOCAL_HEADER.size])
         fields = _LOCAL_HEADER.unpack(local)
         if fields[0] != 0x04034B50:
-            raise ValueError(f"bad local header for {info.filename!r}")
+            raise CorruptCheckpoint(f"bad local header for {info.filename!r}")
         data = info.header_offset + _LOCAL_HEADER.size + fields[9] + fields[10]
         if data + info.file_size > len(view):
-            raise ValueError(f"record {info.filename!r} runs past the end (truncated file)")
+            raise CorruptCheckpoint(f"record {info.filename!r} runs past the end (truncated file)")
         name = info.filename.split("/", 1)[-1]
         if name == "data.pkl":
             pickle = (data, info.file_size)
         elif name.startswith("data/"):
             storages[name[5:]] = (data, info.file_size)
     if pickle is None:
-        raise ValueError("no data.pkl record: not a torch.save archive")
+        raise CorruptCheckpoint("no data.pkl record: not a torch.save archive")
     ordered = dict(sorted(storages.items(), key=lambda kv: int(kv[0]) if kv[0].isdigit() else 0))
     return ParsedArchive(pickle[0], pickle[1], ordered)
 
@@ -252,12 +270,26 @@ def count_records(size: int, read: Any) -> int:
     """Records in an archive of ``size`` bytes, from its end records alone.
 
     ``read(offset, n) -> bytes`` reads a range; only the last few dozen bytes are needed.
+    Raises :class:`CorruptCheckpoint` (a ``ValueError``) when the end records are malformed
+    or claim more records than ``size`` bytes can hold.
     """
     if size < 22:
-        raise ValueError("too short to be a zip archive")
+        raise CorruptCheckpoint("too short to be a zip archive")
+    try:
+        entries = _count_records(size, read)
+    except struct.error as e:
+        raise CorruptCheckpoint(f"truncated zip end records: {e}") from e
+    if entries > size // 46:  # every record has a central directory entry of 46+ bytes
+        raise CorruptCheckpoint(f"zip end records claim {entries} records in {size} bytes")
+    return entries
+
+
+def _count_records(size: int, read: Any) -> int:
     eocd = read(size - 22, 22)
     if eocd[:4] != b"PK\x05\x06":
-        raise ValueError("no end-of-central-directory record (truncated or commented archive)")
+        raise CorruptCheckpoint(
+            "no end-of-central-directory record (truncated or commented archive)"
+        )
     entries = struct.unpack_from("<H", eocd, 10)[0]
     if entries != 0xFFFF or size < 22 + 20:
         return int(entries)
@@ -265,5 +297,7 @@ def count_records(size: int, read: Any) -> int:
     if locator[:4] != b"PK\x06\x07":
         return int(entries)
     (eocd64_offset,) = struct.unpack_from("<Q", locator, 8)
+    if eocd64_offset + 56 > size:
+        raise CorruptCheckpoint("zip64 end record outside the archive")
     eocd64 = read(eocd64_offset, 56)
     return int(struct.unpack_from("<Q", eocd64, 32)[0])

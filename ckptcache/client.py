@@ -20,10 +20,9 @@ import threading
 import time
 import warnings
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import rpyc
-import torch
 from rpyc.core.stream import SocketStream
 
 from ckptcache import errors
@@ -41,12 +40,15 @@ from ckptcache.errors import (
     PersistError,
     PersistTimeout,
 )
-from ckptcache.flatten import MapLocation, flatten
-from ckptcache.manifest import plan_object, unpack_digests
-from ckptcache.objectio import read_object, write_object
-from ckptcache.shm import Mapping, map_private, map_shared
+from ckptcache.manifest import unpack_digests
 from ckptcache.storage import backend_for
 from ckptcache.wire import messages as m
+
+# torch and the modules built on it are imported where a save or load needs them, so that the
+# control-plane commands (ckptcache ls, status, ...) start without torch.
+if TYPE_CHECKING:
+    from ckptcache.flatten import MapLocation
+    from ckptcache.shm import Mapping
 
 __all__ = ["DURABILITY_LEVELS", "Client", "normalize_path"]
 
@@ -228,6 +230,8 @@ class Client:
 
     def _write_mapping(self, segment: str, capacity: int) -> Mapping:
         """The cached shared mapping of a segment (made once, reused by every later save)."""
+        from ckptcache.shm import map_shared
+
         for name in [n for n in self._write_maps if not os.path.exists(self._seg_path(n))]:
             self._write_maps.pop(name).close()  # the daemon dropped it: free our pages too
         mapping = self._write_maps.get(segment)
@@ -241,6 +245,9 @@ class Client:
 
     def save(self, obj: Any, path: Any, *, durability: str = "local") -> None:
         """Save ``obj`` under ``path``; returns once the bytes are in the daemon's memory."""
+        from ckptcache.flatten import flatten
+        from ckptcache.objectio import plan_object, write_object
+
         t0 = time.perf_counter()
         path = normalize_path(path)
         if durability not in DURABILITY_LEVELS:
@@ -292,6 +299,8 @@ class Client:
             self.wait(path)
 
     def _write_through(self, obj: Any, path: str, reason: errors.CkptCacheError) -> None:
+        import torch
+
         if self.fallback == "raise":
             raise reason
         if type(reason).__name__ not in self._warned:  # once per client and cause
@@ -350,6 +359,9 @@ class Client:
         mmap: bool | None,
         verify: bool,
     ) -> Any:
+        from ckptcache.objectio import read_object
+        from ckptcache.shm import map_private
+
         mapping = map_private(
             self._seg_path(reply.segment), reply.size, self._release_later(self._epoch, reply.lease)
         )
@@ -375,6 +387,8 @@ class Client:
         mmap: bool | None,
         reason: errors.CkptCacheError,
     ) -> Any:
+        import torch
+
         if isinstance(reason, DaemonUnavailable) and self.fallback == "raise":
             raise reason
         if not self._in_storage(path):

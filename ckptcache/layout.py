@@ -20,6 +20,8 @@ import enum
 import struct
 from dataclasses import dataclass
 
+from ckptcache.errors import CorruptCheckpoint
+
 __all__ = [
     "HEADER_SIZE",
     "MAGIC",
@@ -89,17 +91,22 @@ class SegmentHeader:
 
     @classmethod
     def unpack(cls, data: bytes | memoryview) -> SegmentHeader:
-        """Decode a header; raises ``ValueError`` on a wrong magic or version."""
+        """Decode a header; raises :class:`CorruptCheckpoint` (a ``ValueError``) on a short
+        header, a wrong magic or version, or an unknown state."""
         if len(data) < _HEADER.size:
-            raise ValueError("segment shorter than its header")
+            raise CorruptCheckpoint("segment shorter than its header")
         fields = _HEADER.unpack_from(data)
         if fields[0] != MAGIC:
-            raise ValueError("bad segment magic")
+            raise CorruptCheckpoint("bad segment magic")
         if fields[1] != LAYOUT_VERSION:
-            raise ValueError(f"unknown segment layout version {fields[1]}")
+            raise CorruptCheckpoint(f"unknown segment layout version {fields[1]}")
+        try:
+            state, digest_state = SegmentState(fields[2]), DigestState(fields[10])
+        except ValueError as e:
+            raise CorruptCheckpoint(f"segment header: {e}") from e
         return cls(
-            SegmentState(fields[2]), fields[3], fields[4], fields[5], fields[6], fields[7],
-            fields[8], fields[9], DigestState(fields[10]), fields[11], fields[12], fields[13],
+            state, fields[3], fields[4], fields[5], fields[6], fields[7], fields[8], fields[9],
+            digest_state, fields[11], fields[12], fields[13],
         )  # fmt: skip
 
 

@@ -15,10 +15,9 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from ckptcache._digest import DIGEST_ALGORITHM, digest_bytes, digest_hex
-from ckptcache.archive import ArchivePlan, ParsedArchive, plan_archive
+from ckptcache.archive import ArchivePlan, ParsedArchive
 from ckptcache.errors import CorruptCheckpoint
-from ckptcache.flatten import Flattened
-from ckptcache.layout import HEADER_SIZE, SegmentLayout, plan_segment
+from ckptcache.layout import HEADER_SIZE, SegmentLayout
 
 __all__ = [
     "MANIFEST_FORMAT",
@@ -29,7 +28,6 @@ __all__ = [
     "manifest_from_archive",
     "object_digest",
     "pack_digests",
-    "plan_object",
     "unpack_digests",
     "verify_digests",
 ]
@@ -83,7 +81,7 @@ class Manifest:
             storages = tuple(StorageRecord(**s) for s in raw.pop("storages"))
             manifest = cls(storages=storages, **raw)
             manifest._check(segment_size)
-        except (ValueError, TypeError, KeyError, AttributeError) as e:
+        except (ValueError, TypeError, KeyError, AttributeError, RecursionError) as e:
             raise CorruptCheckpoint(f"invalid segment manifest: {e}", tier="local") from e
         return manifest
 
@@ -91,8 +89,15 @@ class Manifest:
         ints = [self.payload_offset, self.payload_size, self.pickle_offset, self.pickle_size]
         for s in self.storages:
             ints += [s.offset, s.nbytes]
-        if any(not isinstance(v, int) or v < 0 for v in ints):
+        if any(not isinstance(v, int) or isinstance(v, bool) or v < 0 for v in ints):
             raise ValueError("negative or non-integer offset")
+        texts = [self.path, self.namespace, self.digest_algorithm]
+        for s in self.storages:
+            texts += [s.key, s.dtype, s.location, s.name]
+        if any(not isinstance(v, str) for v in texts):
+            raise ValueError("a name, path or dtype that is not a string")
+        if not isinstance(self.created, (int, float)) or isinstance(self.created, bool):
+            raise ValueError("creation time is not a number")
         end = self.payload_offset + self.payload_size
         if not (self.payload_offset <= self.pickle_offset <= end - self.pickle_size):
             raise ValueError("pickle outside the payload")
@@ -107,46 +112,15 @@ class Manifest:
 
 @dataclass(frozen=True)
 class ObjectPlan:
-    """The complete plan for writing one flattened object into a segment."""
+    """The complete plan for writing one flattened object into a segment.
+
+    Built on the client side by :func:`ckptcache.objectio.plan_object`.
+    """
 
     layout: SegmentLayout
     archive: ArchivePlan
     manifest: Manifest
     manifest_bytes: bytes
-
-
-def plan_object(flat: Flattened, path: str, namespace: str) -> ObjectPlan:
-    """Compute the archive, the manifest and the segment layout for ``flat``."""
-    created = time.time()
-    archive = plan_archive(
-        flat.skeleton,
-        [i.nbytes for i in flat.infos],
-        serialization_id=f"{int(created * 1e9):040d}",
-    )
-    records = tuple(
-        StorageRecord(
-            key=info.key,
-            offset=HEADER_SIZE + off,
-            nbytes=info.nbytes,
-            dtype=info.dtype,
-            location=info.location,
-            name=info.name,
-        )
-        for info, off in zip(flat.infos, archive.storage_offsets, strict=True)
-    )
-    manifest = Manifest(
-        path=path,
-        namespace=namespace,
-        payload_offset=HEADER_SIZE,
-        payload_size=archive.size,
-        pickle_offset=HEADER_SIZE + archive.pickle_offset,
-        pickle_size=archive.pickle_size,
-        storages=records,
-        created=created,
-    )
-    encoded = manifest.to_json()
-    layout = plan_segment(archive.size, len(encoded), len(records))
-    return ObjectPlan(layout, archive, manifest, encoded)
 
 
 def manifest_from_archive(parsed: ParsedArchive, path: str, namespace: str, size: int) -> Manifest:

@@ -7,18 +7,54 @@ in ckptcache has one layout (header, torch.save-compatible archive, manifest, di
 from __future__ import annotations
 
 import mmap
+import time
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 
+from ckptcache.archive import plan_archive
 from ckptcache.errors import CorruptCheckpoint
 from ckptcache.flatten import Flattened, MapLocation, unflatten
-from ckptcache.layout import HEADER_SIZE
-from ckptcache.manifest import Manifest, ObjectPlan, verify_digests
+from ckptcache.layout import HEADER_SIZE, plan_segment
+from ckptcache.manifest import Manifest, ObjectPlan, StorageRecord, verify_digests
 from ckptcache.shm import copy_storage_into, storage_copy, storage_view
 
-__all__ = ["read_object", "write_object"]
+__all__ = ["plan_object", "read_object", "write_object"]
+
+
+def plan_object(flat: Flattened, path: str, namespace: str) -> ObjectPlan:
+    """Compute the archive, the manifest and the segment layout for ``flat``."""
+    created = time.time()
+    archive = plan_archive(
+        flat.skeleton,
+        [i.nbytes for i in flat.infos],
+        serialization_id=f"{int(created * 1e9):040d}",
+    )
+    records = tuple(
+        StorageRecord(
+            key=info.key,
+            offset=HEADER_SIZE + off,
+            nbytes=info.nbytes,
+            dtype=info.dtype,
+            location=info.location,
+            name=info.name,
+        )
+        for info, off in zip(flat.infos, archive.storage_offsets, strict=True)
+    )
+    manifest = Manifest(
+        path=path,
+        namespace=namespace,
+        payload_offset=HEADER_SIZE,
+        payload_size=archive.size,
+        pickle_offset=HEADER_SIZE + archive.pickle_offset,
+        pickle_size=archive.pickle_size,
+        storages=records,
+        created=created,
+    )
+    encoded = manifest.to_json()
+    layout = plan_segment(archive.size, len(encoded), len(records))
+    return ObjectPlan(layout, archive, manifest, encoded)
 
 
 def write_object(mapping: mmap.mmap, plan: ObjectPlan, flat: Flattened) -> None:

@@ -12,6 +12,9 @@ import pytest
 import ckptcache.api
 from tests.helpers import DaemonProc, EtcdServer, new_daemon, wait_until
 
+# Skips fail the run where CKPTCACHE_REQUIRE_ALL is set (scripts/test.sh), GPU tests aside.
+pytest_plugins = ["tests._require_all"]
+
 
 @pytest.fixture
 def daemon_factory(tmp_path: Path) -> Iterator[Callable[..., DaemonProc]]:

@@ -8,9 +8,10 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -145,15 +146,42 @@ def read_only_dir(path: Path) -> Iterator[None]:
             path.chmod(0o700)
 
 
-def wait_until(condition: Any, timeout: float = 30.0, interval: float = 0.1) -> None:
-    """Poll ``condition()`` until it is true (a safety net, not a timing assertion)."""
+def thread_inside(thread: threading.Thread, function: str, **local_values: Any) -> bool:
+    """Whether ``thread`` is now running (or blocked) inside a call of ``function``.
+
+    ``local_values`` narrow it to calls whose locals have these values, e.g. ``kind="reserve"``.
+    Lets a test wait until another thread has reached a blocking point instead of sleeping.
+    """
+    frame = sys._current_frames().get(thread.ident or -1)
+    while frame is not None:
+        if frame.f_code.co_name == function and all(
+            frame.f_locals.get(k) == v for k, v in local_values.items()
+        ):
+            return True
+        frame = frame.f_back
+    return False
+
+
+def wait_until(
+    predicate: Callable[[], Any], timeout: float = 30.0, what: str = "", interval: float = 0.05
+) -> Any:
+    """Poll ``predicate()`` until it returns something truthy, and return that.
+
+    A bounded safety net for waiting on state, never a timing assertion. Exceptions raised by
+    ``predicate`` count as "not yet" (the daemon may still be starting); the last one is shown
+    if the wait times out.
+    """
     deadline = time.monotonic() + timeout
     last: BaseException | None = None
-    while time.monotonic() < deadline:
+    while True:
         try:
-            if condition():
-                return
+            value = predicate()
+            if value:
+                return value
         except Exception as e:
             last = e
+        if time.monotonic() >= deadline:
+            raise TimeoutError(
+                f"timed out after {timeout}s waiting for {what or predicate} (last error: {last!r})"
+            )
         time.sleep(interval)
-    raise TimeoutError(f"condition not met within {timeout}s (last error: {last!r})")

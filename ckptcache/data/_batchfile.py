@@ -34,10 +34,9 @@ from ckptcache.manifest import (
     ObjectPlan,
     compute_digests,
     pack_digests,
-    plan_object,
     unpack_digests,
 )
-from ckptcache.objectio import read_object, write_object
+from ckptcache.objectio import plan_object, read_object, write_object
 from ckptcache.shm import map_private, map_shared
 
 __all__ = [

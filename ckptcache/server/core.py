@@ -26,8 +26,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from ckptcache import __version__
 from ckptcache._units import format_bytes
+from ckptcache._version import __version__
 from ckptcache.errors import (
     BudgetExceeded,
     CheckpointNotFound,

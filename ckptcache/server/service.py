@@ -147,7 +147,7 @@ class CacheService(rpyc.Service):  # type: ignore[misc]
                 "install the same ckptcache version on both sides",
             )
         cfg = self._core.config
-        from ckptcache import __version__
+        from ckptcache._version import __version__
 
         return m.ok_envelope(
             m.HelloReply(m.PROTOCOL_VERSION, cfg.node_id, cfg.segments_dir, __version__)

@@ -15,8 +15,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import types
+import typing
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
+
+from ckptcache.errors import ProtocolMismatch
 
 __all__ = [
     "PROTOCOL_VERSION",
@@ -64,6 +68,38 @@ def encode(message: Any) -> str:
     return json.dumps(dataclasses.asdict(message), separators=(",", ":"))
 
 
+_FIELD_TYPES: dict[Any, dict[str, Any]] = {}
+
+
+def _field_types(cls: Any) -> dict[str, Any]:
+    """The resolved annotations of message ``cls`` (resolved once: get_type_hints is slow)."""
+    hints = _FIELD_TYPES.get(cls)
+    if hints is None:
+        hints = _FIELD_TYPES[cls] = typing.get_type_hints(cls)
+    return hints
+
+
+def _type_ok(value: Any, hint: Any) -> bool:
+    """Whether a decoded JSON value fits a field's annotation (ints are floats; bools are not
+    ints); annotations other than the plain ones messages use are not checked."""
+    if hint is bool:
+        return isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if hint is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if hint is str:
+        return isinstance(value, str)
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        return any(_type_ok(value, a) for a in args)
+    if hint is type(None):
+        return value is None
+    if origin is tuple and len(args) == 2 and args[1] is Ellipsis:
+        return isinstance(value, tuple) and all(_type_ok(v, args[0]) for v in value)
+    return True
+
+
 def _build(cls: type[M], raw: Any) -> M:
     if not isinstance(raw, dict):
         raise ValueError(f"{cls.__name__}: expected an object")
@@ -72,22 +108,30 @@ def _build(cls: type[M], raw: Any) -> M:
     if unknown:
         raise ValueError(f"{cls.__name__}: unknown fields {sorted(unknown)}")
     values = dict(raw)
+    types_ = _field_types(cls)
     for name, f in hints.items():
+        if name not in values:
+            continue  # a missing field without a default fails in the constructor
         # Nested message lists are the only composite fields; rebuild them by name.
         item_type = f.metadata.get("items")
-        if item_type is not None and name in values:
+        if item_type is not None:
+            if not isinstance(values[name], list):
+                raise ValueError(f"{cls.__name__}.{name}: expected a list")
             values[name] = tuple(_build(item_type, v) for v in values[name])
-        elif isinstance(values.get(name), list):
+        elif isinstance(values[name], list):
             values[name] = tuple(values[name])
+        if not _type_ok(values[name], types_[name]):
+            raise ValueError(f"{cls.__name__}.{name}: {values[name]!r} is not {types_[name]}")
     return cls(**values)
 
 
 def decode(cls: type[M], text: str) -> M:
-    """Decode JSON text into message ``cls``; raises ``ValueError`` when malformed."""
+    """Decode JSON text into message ``cls``; raises :class:`ProtocolMismatch` when it is not
+    valid JSON, misses or adds fields, or a field has the wrong type."""
     try:
         return _build(cls, json.loads(text))
-    except (TypeError, json.JSONDecodeError) as e:
-        raise ValueError(f"malformed {cls.__name__}: {e}") from e
+    except (TypeError, ValueError, RecursionError) as e:  # JSONDecodeError is a ValueError
+        raise ProtocolMismatch(f"malformed {cls.__name__}: {e}") from e
 
 
 def ok_envelope(result: Any) -> str:

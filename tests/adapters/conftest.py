@@ -6,7 +6,7 @@ import os
 import socket
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -14,6 +14,20 @@ import pytest
 from tests.helpers import REPO, DaemonProc
 
 SCRIPTS = Path(__file__).resolve().parent / "scripts"
+
+
+@pytest.fixture(scope="session", autouse=True)
+def torch_extensions_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """A private ``TORCH_EXTENSIONS_DIR`` for every trainer this run starts.
+
+    Nothing should be compiled (the DeepSpeed trainers disable the ops that would be), and if
+    something ever is, it neither waits on nor corrupts the shared ``~/.cache/torch_extensions``
+    lock of other runs on the machine.
+    """
+    path = tmp_path_factory.mktemp("torch_extensions")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("TORCH_EXTENSIONS_DIR", str(path))
+        yield path
 
 
 def free_port() -> int:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import socket
-import time
 
 import pytest
 import torch
@@ -132,10 +131,15 @@ def test_unauthenticated_peer_is_refused(cluster_factory):
     wait_until(lambda: a.log().count("refused data-plane peer") >= 2)
 
 
+def _saw_etcd_outage(d) -> bool:
+    log = d.log()
+    return "etcd lease refresh failed" in log or "etcd unreachable" in log
+
+
 def test_etcd_restart_is_survived(cluster_factory, etcd_server, tmp_path):
     a, b = cluster_factory(2)
     etcd_server.stop()
-    time.sleep(1.0)
+    wait_until(lambda: all(_saw_etcd_outage(d) for d in (a, b)), 30, "both nodes to see the outage")
     etcd_server.start()
     wait_until(lambda: len(a.status().cluster_nodes) == 2 and len(b.status().cluster_nodes) == 2)
     path = tmp_path / "after-restart.pt"

@@ -10,6 +10,8 @@ from typing import Any
 import torch
 import xxhash
 
+from tests.helpers import wait_until
+
 
 def make_batch(epoch: int, index: int, numel: int = 256) -> dict[str, Any]:
     """Batch ``index`` of ``epoch``: a dict of tensors and plain values, seeded by position."""
@@ -48,12 +50,8 @@ class SeqLoader:
         with_skip: bool = False,
     ):
         if gate is not None:
-            deadline = time.monotonic() + 30
-            while not os.path.exists(gate):
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"gate {gate} never opened")
-                time.sleep(0.01)
-        time.sleep(open_delay)
+            wait_until(lambda: os.path.exists(gate), 30, f"gate {gate} to open")
+        time.sleep(open_delay)  # the simulated cost of opening the data set
         self.n, self.numel, self.item_delay = n, numel, item_delay
         self.epoch = 0
         self.start = 0

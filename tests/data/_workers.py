@@ -15,6 +15,7 @@ from typing import Any
 
 from ckptcache.data import CachedDataLoader
 from tests.data._dataset import SeqLoader, batch_digest
+from tests.helpers import wait_until
 
 
 def _loader(cfg: dict[str, Any], *, reading: bool = False) -> CachedDataLoader:
@@ -64,8 +65,7 @@ def holder(cfg: dict[str, Any]) -> None:
     held = [next(it) for _ in range(cfg["hold"])]
     total = sum(float(b["x"].sum()) for b in held)
     _write_json(cfg["report"], {"pid": os.getpid(), "sum": total})
-    while not os.path.exists(cfg["stop"]):
-        time.sleep(0.02)
+    wait_until(lambda: os.path.exists(cfg["stop"]), 300, "the stop signal")
     dl.close(keep_cache=True)
 
 

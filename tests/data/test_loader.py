@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import os
 import time
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -16,7 +17,7 @@ from ckptcache.data._positions import Pos, distance
 from ckptcache.data._store import RECLAIM_AFTER_S
 from ckptcache.errors import ConfigError
 from tests.data._dataset import SeqLoader, batch_digest, make_batch
-from tests.data._helpers import wait_until
+from tests.helpers import wait_until
 
 
 def _digests(batches: list[Any]) -> list[str]:
@@ -50,10 +51,8 @@ def test_resume_serves_cached_batches_then_catches_up(cache_dir: str) -> None:
     state = first.state_dict()
     # Let the prefetcher fill its window, then "crash": the files stay in shared memory.
     want = [f"e000000-s{i:012d}.batch" for i in range(3, 9)]
-    deadline = time.monotonic() + 10
-    while _batch_files(cache_dir) != want and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert _batch_files(cache_dir) == want  # lookback 2 (3, 4) + prefetch 4 (5..8)
+    # lookback 2 (3, 4) + prefetch 4 (5..8)
+    wait_until(lambda: _batch_files(cache_dir) == want, 10, f"the batch files {want}")
     first.close(keep_cache=True)
 
     loaders: list[SeqLoader] = []
@@ -212,10 +211,15 @@ def test_unsafe_names_are_refused(cache_dir: str) -> None:
             CachedDataLoader(lambda: [], cache_dir=cache_dir, run_id=bad)
 
 
-@pytest.mark.skipif(os.getuid() == 0, reason="as root every directory counts as ours")
-def test_another_users_directory_is_refused() -> None:
-    with pytest.raises(ConfigError, match="belongs to uid"):
-        CachedDataLoader(lambda: [], cache_dir="/", run_id="r")
+def test_another_users_directory_is_refused(tmp_path: Path) -> None:
+    theirs = tmp_path / "theirs"
+    theirs.mkdir()
+    if os.geteuid() == 0:
+        os.chown(theirs, 65534, 65534)  # give it to "nobody"
+    else:  # only root may give a directory away; the root directory is someone else's
+        theirs = Path("/")
+    with pytest.raises(ConfigError, match=f"belongs to uid {os.stat(theirs).st_uid}"):
+        CachedDataLoader(lambda: [], cache_dir=str(theirs), run_id="r")
 
 
 def test_cache_false_is_a_plain_pass_through(cache_dir: str) -> None:

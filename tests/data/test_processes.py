@@ -12,7 +12,8 @@ from subprocess import Popen
 from typing import Any
 
 from tests.data._dataset import batch_digest, make_batch
-from tests.data._helpers import read_json, wait_until
+from tests.data._helpers import read_json
+from tests.helpers import wait_until
 
 Spawn = Callable[[str, dict[str, Any]], "Popen[bytes]"]
 

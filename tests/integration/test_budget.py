@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import threading
-import time
 import warnings
 
 import pytest
 import torch
 
 from ckptcache.errors import BudgetExceeded, CkptCacheWarning, ObjectTooLarge
+from tests.helpers import thread_inside, wait_until
 
 MIB = 1 << 20
 
@@ -62,7 +62,8 @@ def test_waiting_save_proceeds_when_a_pin_is_released(daemon_factory, tmp_path):
             warnings.simplefilter("error")
             t = threading.Thread(target=third_save)
             t.start()
-            time.sleep(1.0)
+            # The save has sent its reservation and waits for the daemon's answer.
+            wait_until(lambda: thread_inside(t, "_request", kind="reserve"), 30, "the reserve")
             assert not done.is_set()  # blocked on the budget, not written through
             assert held["w"][0].item() == 1.0  # the pinned copy is intact
             del held

@@ -6,19 +6,16 @@ import json
 import os
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
 
 from ckptcache.errors import CorruptCheckpoint
+from tests.helpers import wait_until
 
 
 def wait_digested(client, path, timeout=30.0):
-    deadline = time.monotonic() + timeout
-    while not client.status(path).digests_valid:
-        assert time.monotonic() < deadline, "digests never recorded"
-        time.sleep(0.05)
+    wait_until(lambda: client.status(path).digests_valid, timeout, "the digests to be recorded")
 
 
 def flip_bytes_of(daemon, client, path, tensor_index=1):

@@ -11,7 +11,7 @@ import textwrap
 import torch
 
 from ckptcache.flatten import flatten
-from ckptcache.manifest import plan_object
+from ckptcache.objectio import plan_object
 from ckptcache.wire import messages as m
 from tests.helpers import assert_same
 

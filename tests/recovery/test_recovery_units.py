@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import random
 import threading
-import time
 
 import numpy as np
 import pytest
@@ -41,6 +40,7 @@ from ckptcache.recovery._feasibility import (
     transfer_problem,
 )
 from ckptcache.recovery._state import TensorSpec, flatten, rebuild, training_state
+from tests.helpers import thread_inside, wait_until
 
 # ----------------------------------------------------------------------------- buckets
 
@@ -331,7 +331,8 @@ def test_paused_waits_for_the_step_in_flight() -> None:
     t.start()
     with guard.optimizer_step(0):
         inside.set()
-        time.sleep(0.05)  # give the handler the chance to (wrongly) run now
+        # The handler is blocked entering paused() while this step is in flight.
+        wait_until(lambda: thread_inside(t, "paused"), 10, "the handler to wait in paused()")
         order.append(("step", 0))
     t.join(timeout=10)
     assert order == [("step", 0), ("handler", 1)]

@@ -10,8 +10,8 @@ import torch
 
 from ckptcache.flatten import flatten
 from ckptcache.layout import HEADER_SIZE
-from ckptcache.manifest import compute_digests, pack_digests, plan_object
-from ckptcache.objectio import read_object, write_object
+from ckptcache.manifest import compute_digests, pack_digests
+from ckptcache.objectio import plan_object, read_object, write_object
 from ckptcache.server import transfer
 from ckptcache.server.config import DaemonConfig
 from ckptcache.server.core import CacheCore

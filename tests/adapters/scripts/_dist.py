@@ -27,12 +27,25 @@ def _entry(rank: int, fn: Callable[..., Any], world: int, port: int, args: tuple
     fn(rank, world, *args)
     if torch.distributed.is_initialized():
         torch.distributed.barrier()  # nobody leaves while a peer is still in a collective
-    # Skip interpreter teardown: DeepSpeed's CPU shared-memory comm op leaves a joinable C++
-    # thread behind that aborts the process at exit ("terminate called without an active
-    # exception") now and then. Every result is already written to disk by now.
+    # Skip interpreter teardown: DeepSpeed's CPU shared-memory comm op (where it is built) leaves
+    # a joinable C++ thread behind that aborts the process at exit ("terminate called without an
+    # active exception") now and then. Every result is already written to disk by now.
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+def deepspeed_without_compiled_ops() -> None:
+    """Keep DeepSpeed from compiling its CPU shared-memory collective op (``deepspeed_shm_comm``).
+
+    ``init_distributed`` builds it with a C++ compiler on first use (minutes on a busy machine);
+    gloo does the same job for these tiny models. DeepSpeed caches its op probe in a module dict
+    that it documents as editable, so marking the op incompatible there is enough. The
+    optimizers are configured with ``torch_adam`` so that no CPU Adam op is built either.
+    """
+    import deepspeed.ops
+
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
 
 
 def launch(fn: Callable[..., Any], world: int, *args: Any) -> None:

@@ -13,7 +13,7 @@ import signal
 import sys
 
 import torch
-from _dist import launch, tensors_of
+from _dist import deepspeed_without_compiled_ops, launch, tensors_of
 
 CRASH_AT, TOTAL = 3, 6
 
@@ -26,6 +26,7 @@ def batch(step: int, rank: int) -> torch.Tensor:
 def train(rank: int, world: int, mode: str, stage: int, ckpt_dir: str, out_dir: str) -> None:
     import deepspeed  # in the ranks only: the launching process never needs it
 
+    deepspeed_without_compiled_ops()
     deepspeed.init_distributed(dist_backend="gloo")
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
@@ -44,6 +45,8 @@ def train(rank: int, world: int, mode: str, stage: int, ckpt_dir: str, out_dir: 
         ds_cache.enable(engine)
     start = 0
     if mode in ("resume", "plainresume"):
+        # Tells the test this rank is about to read the checkpoint (it may wait for a persist).
+        open(os.path.join(out_dir, f"{mode}-loading-rank{rank}"), "w").close()
         path, client_state = engine.load_checkpoint(ckpt_dir)
         assert path is not None, "no checkpoint found"
         start = client_state["step"]

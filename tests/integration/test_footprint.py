@@ -1,0 +1,74 @@
+"""The daemon and the control-plane commands run without torch (start-up time and memory)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from tests.helpers import REPO
+
+# Runs the CLI entry point in a fresh interpreter, then reports whether torch got imported.
+_CLI_DRIVER = textwrap.dedent(
+    """
+    import json, sys
+    from ckptcache.cli import main
+    commands = json.loads(sys.argv[1])
+    codes = [main(argv) for argv in commands]
+    print(json.dumps({"codes": codes, "torch": "torch" in sys.modules}))
+    """
+)
+
+
+def _fresh(code: str, *args: str) -> str:
+    out = subprocess.run([sys.executable, "-c", code, *args], cwd=REPO, capture_output=True,
+                         text=True, timeout=120)  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    return out.stdout
+
+
+def _torch_mapped(pid: int) -> bool:
+    with open(f"/proc/{pid}/maps") as f:
+        return "libtorch" in f.read()
+
+
+def test_importing_the_daemon_does_not_import_torch():
+    code = "import sys, ckptcache, ckptcache.server.daemon, ckptcache.cli; print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch'))"
+    assert _fresh(code).strip() == "[]"
+
+
+def test_lazy_package_keeps_its_public_names():
+    code = "import sys, ckptcache; print('torch' in sys.modules, ckptcache.__version__, ckptcache.Client.__name__, ckptcache.ObjectStatus.__name__)"
+    assert _fresh(code).split() == ["False", "0.1.0", "Client", "ObjectInfo"]
+    # Submodules the eager package used to load are still reachable as attributes.
+    code = "import ckptcache; print(ckptcache.api.default_client.__name__, ckptcache.wire.messages.PROTOCOL_VERSION)"
+    assert _fresh(code).split() == ["default_client", "1"]
+    import ckptcache
+    import ckptcache.api
+
+    assert [n for n in ckptcache.__all__ if not hasattr(ckptcache, n)] == []
+    assert ckptcache.save is ckptcache.api.save and set(ckptcache.__all__) <= set(dir(ckptcache))
+    with pytest.raises(AttributeError, match="no attribute 'nope'"):
+        ckptcache.nope  # noqa: B018
+
+
+def test_cli_commands_and_daemon_run_without_torch(daemon_factory, tmp_path):
+    root = tmp_path / "store"
+    root.mkdir()
+    d = daemon_factory("--memory-limit", "256MiB", "--persist-root", str(root))
+    path = str(root / "iter_1" / "model.pt")
+    with d.client() as c:
+        c.save({"w": torch.arange(1000)}, path)
+        c.wait(path)  # the daemon persisted it: still no torch
+    sock = ["--socket", d.socket]
+    commands = [["status", *sock], ["ls", *sock], ["inspect", path, "--verify", *sock],
+                ["prefetch", path, *sock], ["rm", path, *sock]]  # fmt: skip
+    report = json.loads(_fresh(_CLI_DRIVER, json.dumps(commands)).splitlines()[-1])
+    assert report == {"codes": [0, 0, 0, 0, 0], "torch": False}
+    assert d.proc is not None and not _torch_mapped(d.proc.pid)
+    assert (root / "iter_1" / "model.pt").exists()
+    assert d.status().objects == 0
