@@ -9,6 +9,7 @@ from ckptcache.api import delete, exists, load, prefetch, save, status, wait
 from ckptcache.client import Client
 from ckptcache.errors import (
     BudgetExceeded,
+    CheckpointDeleted,
     CheckpointNotFound,
     CkptCacheError,
     CkptCacheWarning,
@@ -28,6 +29,7 @@ from ckptcache.wire.messages import ObjectInfo as ObjectStatus
 
 __all__ = [
     "BudgetExceeded",
+    "CheckpointDeleted",
     "CheckpointNotFound",
     "CkptCacheError",
     "CkptCacheWarning",

@@ -5,7 +5,10 @@ States of a generation (``Generation.persist_state``)::
     memory-only                       (not under any root: never persisted)
     queued -> persisting -> persisted (the in-memory copy becomes evictable)
                          -> failed    (retries ran out; kept in memory, reported)
-    queued -> superseded              (a newer generation of the same path will persist)
+    queued -> superseded              (a newer generation of the same path will persist, or
+                                       storage already holds a newer object: never replaced)
+    queued -> dropped                 (the directory it was saved into was removed: deleted by
+                                       the user, never recreated)
 
 One persist per path at a time, oldest first, so an older generation can never overwrite a
 newer one under the same name. The queue is bounded only by memory: a queued generation is
@@ -25,7 +28,9 @@ from typing import TYPE_CHECKING
 
 from ckptcache._units import format_bytes
 from ckptcache.errors import CkptCacheError
+from ckptcache.server.lineage import DirectoryRemoved, make_parents
 from ckptcache.storage import StorageOptions, backend_for
+from ckptcache.storage.base import NewerObjectExists
 
 if TYPE_CHECKING:
     from ckptcache.server.core import CacheCore
@@ -155,15 +160,23 @@ class Persister:
                 newest = self.core.index.newest(gen.key)
                 if newest is not None and newest.number > gen.number and newest.needs_persist:
                     gen.persist_state = "superseded"
+                if gen.persist_state in ("superseded", "dropped"):  # also by a write-through
                     self.core.cond.notify_all()
                     return
             try:
                 backend.cleanup(target)
+                make_parents(target, gen.anchor)  # only those missing at save time
                 fd = os.open(gen.segment.path, os.O_RDONLY | os.O_CLOEXEC)
                 try:
-                    backend.write(target, fd, gen.manifest.payload_offset, gen.size)
+                    backend.write(
+                        target, fd, gen.manifest.payload_offset, gen.size,
+                        commit_ns=gen.committed_ns, create_parents=not gen.anchor,
+                    )  # fmt: skip
                 finally:
                     os.close(fd)
+            except (DirectoryRemoved, NewerObjectExists) as e:
+                self._give_up_stale(gen, e)
+                return
             except OSError as e:
                 error = f"{type(e).__name__}: {e}"
                 self.core.metrics.persist_errors.inc()
@@ -190,6 +203,18 @@ class Persister:
         log.error("persist of %s generation %d failed for good: %s", gen.path, gen.number, error)
         if cluster is not None:
             cluster.failed(gen)
+
+    def _give_up_stale(self, gen: Generation, why: OSError) -> None:
+        """Never write: the user removed the directory, or storage holds a newer object."""
+        state = "dropped" if isinstance(why, DirectoryRemoved) else "superseded"
+        log.warning("not persisting %s generation %d (%s): %s", gen.path, gen.number, state, why)
+        with self.core.cond:
+            gen.needs_persist, gen.persist_state, gen.persist_error = False, state, str(why)
+            if isinstance(why, DirectoryRemoved):
+                gen.orphaned = True  # evictable now, dropped by the next sweep
+            self.core.cond.notify_all()
+        if self.core.cluster is not None:
+            self.core.cluster.failed(gen)
 
     def _resubmit(self, gen: Generation) -> None:
         with self.core.cond:

@@ -8,7 +8,7 @@ import secrets
 from collections.abc import Callable
 from typing import BinaryIO
 
-from ckptcache.storage.base import StorageBackend
+from ckptcache.storage.base import NewerObjectExists, StorageBackend
 
 __all__ = ["TEMP_MARK", "FileBackend"]
 
@@ -31,20 +31,43 @@ def _fsync_dir(directory: str) -> None:
         os.close(fd)
 
 
+def _refuse_newer(path: str, commit_ns: int) -> None:
+    try:
+        existing = os.stat(path).st_mtime_ns
+    except FileNotFoundError:
+        return
+    if existing > commit_ns:
+        raise NewerObjectExists(
+            f"{path} is newer on storage (modified {existing} ns) than this generation "
+            f"(committed {commit_ns} ns)"
+        )
+
+
 class FileBackend(StorageBackend):
     """POSIX file systems (local disks, NFS, Lustre mounts)."""
 
-    def _atomic(self, path: str, fill: Callable[[int], None]) -> None:
+    def _atomic(
+        self,
+        path: str,
+        fill: Callable[[int], None],
+        commit_ns: int | None = None,
+        create_parents: bool = True,
+    ) -> None:
         directory = os.path.dirname(path) or "."
-        os.makedirs(directory, exist_ok=True)
+        if create_parents:
+            os.makedirs(directory, exist_ok=True)
         tmp = _temp_name(path)
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
         try:
             try:
                 fill(fd)
+                if commit_ns is not None:
+                    os.utime(fd, ns=(commit_ns, commit_ns))
                 os.fsync(fd)
             finally:
                 os.close(fd)
+            if commit_ns is not None:
+                _refuse_newer(path, commit_ns)  # compare right before the rename
             os.rename(tmp, path)
         except BaseException:
             try:
@@ -54,7 +77,16 @@ class FileBackend(StorageBackend):
             raise
         _fsync_dir(directory)
 
-    def write(self, path: str, source: int, offset: int, size: int) -> None:
+    def write(
+        self,
+        path: str,
+        source: int,
+        offset: int,
+        size: int,
+        *,
+        commit_ns: int | None = None,
+        create_parents: bool = True,
+    ) -> None:
         def fill(fd: int) -> None:
             done = 0
             while done < size:
@@ -63,7 +95,7 @@ class FileBackend(StorageBackend):
                     raise OSError(f"source ended after {done} of {size} bytes")
                 done += sent
 
-        self._atomic(path, fill)
+        self._atomic(path, fill, commit_ns, create_parents)
 
     def write_bytes(self, path: str, data: bytes | memoryview) -> None:
         def fill(fd: int) -> None:
@@ -75,6 +107,12 @@ class FileBackend(StorageBackend):
 
     def exists(self, path: str) -> bool:
         return os.path.isfile(path)
+
+    def commit_time_ns(self, path: str) -> int | None:
+        try:
+            return os.stat(path).st_mtime_ns
+        except FileNotFoundError:
+            return None
 
     def open_read(self, path: str) -> BinaryIO:
         return open(path, "rb")

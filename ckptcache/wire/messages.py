@@ -41,6 +41,7 @@ __all__ = [
     "ReserveRequest",
     "StatRequest",
     "StatusRequest",
+    "SupersedeRequest",
     "VerifyReply",
     "VerifyRequest",
     "WaitReply",
@@ -70,6 +71,8 @@ def _build(cls: type[M], raw: Any) -> M:
     if unknown:
         raise ValueError(f"{cls.__name__}: unknown fields {sorted(unknown)}")
     values = dict(raw)
+    for name, value in values.items():
+        _check_scalar(cls, name, hints[name].type, value)
     for name, f in hints.items():
         # Nested message lists are the only composite fields; rebuild them by name.
         item_type = f.metadata.get("items")
@@ -78,6 +81,23 @@ def _build(cls: type[M], raw: Any) -> M:
         elif isinstance(values.get(name), list):
             values[name] = tuple(values[name])
     return cls(**values)
+
+
+#: Scalar field annotations checked on decode: a float where an int belongs (an offset of
+#: 4096.5) is refused up front instead of failing deep inside the daemon.
+_SCALARS: dict[str, tuple[type, ...]] = {"int": (int,), "float": (int, float), "str": (str,),
+                                         "bool": (bool,)}  # fmt: skip
+
+
+def _check_scalar(cls: type, name: str, annotation: Any, value: Any) -> None:
+    kind, _, rest = str(annotation).partition(" | ")
+    if kind not in _SCALARS or (rest and rest != "None"):
+        return
+    if value is None and rest == "None":
+        return
+    allowed = _SCALARS[kind]
+    if not isinstance(value, allowed) or (kind != "bool" and isinstance(value, bool)):
+        raise ValueError(f"{cls.__name__}.{name} must be {kind}, not {type(value).__name__}")
 
 
 def decode(cls: type[M], text: str) -> M:
@@ -127,6 +147,8 @@ class ReserveRequest:
     path: str
     nbytes: int
     durability: str = "local"
+    #: The most the client waits for the reply (s): the daemon waits no longer for memory.
+    timeout: float | None = None
 
 
 @dataclass(frozen=True)
@@ -170,6 +192,8 @@ class OpenRequest:
     path: str
     generation: int | None = None
     need_digests: bool = False
+    #: The most the client waits for the reply (s): bounds a fetch from peers or storage.
+    timeout: float | None = None
 
 
 @dataclass(frozen=True)
@@ -211,6 +235,8 @@ class PrefetchRequest:
 
     namespace: str
     path: str
+    #: The most the client waits for the reply (s).
+    timeout: float | None = None
 
 
 @dataclass(frozen=True)
@@ -281,6 +307,14 @@ class DeleteReply:
     """How many generations were dropped."""
 
     dropped: int
+
+
+@dataclass(frozen=True)
+class SupersedeRequest:
+    """The client wrote ``path`` straight to storage: retire every older generation."""
+
+    namespace: str
+    path: str
 
 
 @dataclass(frozen=True)
