@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import glob
 import os
 import secrets
@@ -31,6 +32,29 @@ def _fsync_dir(directory: str) -> None:
         os.close(fd)
 
 
+def _open_temp(directory: str, path: str) -> tuple[int, str | None]:
+    """A file to write ``path``'s new content into: unnamed (``O_TMPFILE``) where the file
+    system supports it, so that nothing shows in the directory while bytes are written (a
+    concurrent ``rmtree`` of it never trips over a temp file), else a hidden temp name."""
+    try:
+        return os.open(directory, os.O_TMPFILE | os.O_WRONLY | os.O_CLOEXEC, 0o644), None
+    except OSError as e:
+        if e.errno not in (errno.EOPNOTSUPP, errno.EISDIR, errno.EINVAL):
+            raise
+    tmp = _temp_name(path)
+    return os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644), tmp
+
+
+def _link_unnamed(fd: int, name: str) -> None:
+    """Give an ``O_TMPFILE`` file a name (``linkat`` following the /proc link: a directory fd
+    argument makes Python call ``linkat`` with ``AT_SYMLINK_FOLLOW`` instead of ``link``)."""
+    anchor = os.open("/", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        os.link(f"/proc/self/fd/{fd}", name, src_dir_fd=anchor, follow_symlinks=True)
+    finally:
+        os.close(anchor)
+
+
 def _refuse_newer(path: str, commit_ns: int) -> None:
     try:
         existing = os.stat(path).st_mtime_ns
@@ -56,14 +80,16 @@ class FileBackend(StorageBackend):
         directory = os.path.dirname(path) or "."
         if create_parents:
             os.makedirs(directory, exist_ok=True)
-        tmp = _temp_name(path)
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+        fd, tmp = _open_temp(directory, path)
         try:
             try:
                 fill(fd)
                 if commit_ns is not None:
                     os.utime(fd, ns=(commit_ns, commit_ns))
                 os.fsync(fd)
+                if tmp is None:  # unnamed until complete: named only for the rename
+                    tmp = _temp_name(path)
+                    _link_unnamed(fd, tmp)
             finally:
                 os.close(fd)
             if commit_ns is not None:
@@ -71,7 +97,8 @@ class FileBackend(StorageBackend):
             os.rename(tmp, path)
         except BaseException:
             try:
-                os.unlink(tmp)
+                if tmp is not None:
+                    os.unlink(tmp)
             except OSError:
                 pass
             raise

@@ -6,6 +6,7 @@ malformed commit, removed directories.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
@@ -37,6 +38,20 @@ def idle(client) -> bool:
     """No generation waits for, or is in, a persist."""
     busy = ("queued", "persisting")
     return all(o.persist_state not in busy for o in client.list(all_namespaces=True))
+
+
+def remove_tree(path, attempts: int = 20) -> None:
+    """``shutil.rmtree`` as a user would run it next to a writer: a file renamed into the
+    directory while rmtree runs makes it fail with ENOTEMPTY (as with any concurrent writer);
+    running it again removes the directory, which then never comes back."""
+    for _ in range(attempts - 1):
+        try:
+            shutil.rmtree(path)
+            return
+        except OSError as e:
+            if e.errno != errno.ENOTEMPTY:
+                raise
+    shutil.rmtree(path)
 
 
 # ----------------------------------------------------------------- 1. write-through wins
@@ -237,7 +252,7 @@ def test_dcp_save_then_rmtree_stays_deleted(daemon_factory, tmp_path):
         dirs = [root / f"step_{i}" for i in range(5)]
         for ck in dirs:
             dcp.save(state, storage_writer=CacheWriter(ck, client=c), no_dist=True)
-            shutil.rmtree(ck)  # at once, while its persists are queued or running
+            remove_tree(ck)  # at once, while its persists are queued or running
         wait_until(lambda: idle(c), timeout=120)
     assert sorted(root.iterdir()) == []  # no directory came back
 
