@@ -228,18 +228,22 @@ class CacheCore:
         except (OSError, ValueError, ImportError, PathNotAllowed) as e:
             log.warning("cannot compare %s with storage: %s", path, e)
             return
-        if stored is None:
-            return
-        with self.cond:
-            for gen in self.index.generations(key):
-                if gen.committed_ns < stored:
-                    log.warning(
-                        "dropping recovered %s generation %d: storage holds a newer object "
-                        "(written through or persisted after it)", path, gen.number,
-                    )  # fmt: skip
-                    if not gen.persisted:
-                        gen.needs_persist, gen.persist_state = False, "superseded"
-                    self._retire(gen)
+        if stored is not None:
+            with self.cond:
+                self.retire_older_than(key, stored)
+
+    def retire_older_than(self, key: Key, stored_ns: int) -> None:
+        """Retire the generations of ``key`` committed before the object on storage (call
+        under the lock): neither served nor persisted, storage holds a newer save."""
+        for gen in self.index.generations(key):
+            if gen.committed_ns < stored_ns:
+                log.warning(
+                    "dropping %s generation %d: storage holds a newer object (written "
+                    "through or persisted after it)", gen.path, gen.number,
+                )  # fmt: skip
+                if not gen.persisted:
+                    gen.needs_persist, gen.persist_state = False, "superseded"
+                self._retire(gen)
 
     def _persistable(self, path: str) -> bool:
         try:

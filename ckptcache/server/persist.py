@@ -212,6 +212,8 @@ class Persister:
             gen.needs_persist, gen.persist_state, gen.persist_error = False, state, str(why)
             if isinstance(why, DirectoryRemoved):
                 gen.orphaned = True  # evictable now, dropped by the next sweep
+            else:  # storage holds the newest save: serving this copy would be stale
+                self.core.retire_older_than(gen.key, gen.committed_ns + 1)
             self.core.cond.notify_all()
         if self.core.cluster is not None:
             self.core.cluster.failed(gen)

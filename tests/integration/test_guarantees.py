@@ -99,7 +99,7 @@ def test_restart_never_persists_an_older_generation_over_a_newer_file(daemon_fac
         assert c.status(path).stages == ("storage",)
         assert idle(c)
     assert torch.load(path)["step"] == 2
-    assert "storage holds a newer object" in d.log()
+    assert f"dropping {path} generation 1: storage holds a newer object" in d.log()
 
 
 def test_persist_stamps_the_commit_time_and_skips_a_newer_file(daemon_factory, tmp_path):
