@@ -53,7 +53,7 @@ __all__ = [
 ]
 
 #: Bumped on any incompatible change; hello refuses a mismatch with ProtocolMismatch.
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 
 M = TypeVar("M")
 
