@@ -10,7 +10,6 @@ import errno
 import json
 import os
 import shutil
-import signal
 
 import pytest
 import torch
@@ -20,7 +19,6 @@ from ckptcache.errors import (
     CheckpointDeleted,
     CheckpointNotFound,
     CkptCacheWarning,
-    DaemonUnavailable,
 )
 from ckptcache.wire import messages as m
 from tests.helpers import assert_same, read_only_dir, wait_until
@@ -125,19 +123,15 @@ def test_zero_copy_tensors_survive_a_dropped_connection(daemon_factory, tmp_path
     with d.client(fallback="raise") as saver:
         saver.save(blob(8, 1), path)
         w = loader.load(path)["w"]  # zero copy: a view of generation 1's segment
-        d.proc.send_signal(signal.SIGSTOP)  # the daemon stalls past the client's timeout
-        try:
-            with pytest.raises(DaemonUnavailable):
-                loader.status(path)  # the request times out: the connection is dropped
-        finally:
-            d.proc.send_signal(signal.SIGCONT)
+        # The connection goes while the tensor lives (as after a request timeout): the
+        # daemon lets go of every pin the connection held.
+        loader.close()
         wait_until(lambda: d.status().pinned == 0)  # the daemon let the connection's pins go
         for seed in range(2, 6):  # later saves need memory: generation 1's segment is free
             saver.save(blob(8, seed), path)
         assert saver.load(path)["step"] == 5
     assert torch.equal(w, torch.full_like(w, 1.0))  # the trainer's tensor never changed
     del w
-    loader.close()
 
 
 def test_a_save_waiting_for_memory_answers_within_the_client_timeout(daemon_factory, tmp_path):
