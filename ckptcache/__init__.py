@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 from ckptcache._version import __version__
 from ckptcache.errors import (
     BudgetExceeded,
+    CheckpointDeleted,
     CheckpointNotFound,
     CkptCacheError,
     CkptCacheWarning,
@@ -37,6 +38,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "BudgetExceeded",
+    "CheckpointDeleted",
     "CheckpointNotFound",
     "CkptCacheError",
     "CkptCacheWarning",

@@ -31,6 +31,7 @@ from ckptcache._peer import connect_daemon, trusted_daemon_uids
 from ckptcache._secure_fs import current_umask
 from ckptcache.errors import (
     BudgetExceeded,
+    CheckpointDeleted,
     CheckpointNotFound,
     CkptCacheWarning,
     CorruptCheckpoint,
@@ -240,6 +241,11 @@ class Client:
             self._write_maps[segment] = mapping
         return mapping
 
+    def _server_wait(self) -> float:
+        """How long the daemon may wait inside one request: well inside our own timeout, so
+        the reply (an error at worst) arrives before the connection is given up."""
+        return max(0.0, min(self.timeout * 0.8, self.timeout - 1.0))
+
     def _seg_path(self, name: str) -> str:
         return os.path.join(self._segments_dir, name)
 
@@ -265,9 +271,10 @@ class Client:
                         path,
                         plan.layout.nbytes,
                         durability,
-                        os.geteuid(),
-                        os.getegid(),
-                        current_umask(),
+                        uid=os.geteuid(),
+                        gid=os.getegid(),
+                        umask=current_umask(),
+                        timeout=self._server_wait(),
                     ),
                     m.ReserveReply,
                 )
@@ -316,6 +323,16 @@ class Client:
             backend_for(path).write_bytes(path, buf.getbuffer())
         else:
             torch.save(obj, path)
+        self._supersede(path)
+
+    def _supersede(self, path: str) -> None:
+        """The file just written is the newest save: the daemon must forget older generations
+        (a load from memory, or a later persist, would otherwise bring them back)."""
+        try:
+            self._call("supersede", m.SupersedeRequest(self.namespace, path), m.DeleteReply)
+        except DaemonUnavailable:
+            pass  # a restarted daemon compares with storage itself (README "Guarantees")
+        self._saved.discard(path)
 
     # ----------------------------------------------------------------- load
 
@@ -332,7 +349,11 @@ class Client:
         path = normalize_path(path)
         try:
             reply = self._call(
-                "open", m.OpenRequest(self.namespace, path, need_digests=verify), m.OpenReply
+                "open",
+                m.OpenRequest(
+                    self.namespace, path, need_digests=verify, timeout=self._server_wait()
+                ),
+                m.OpenReply,
             )
         except (CheckpointNotFound, DaemonUnavailable) as e:
             return self._load_file(path, map_location, weights_only, mmap, e)
@@ -363,8 +384,9 @@ class Client:
         from ckptcache.shm import map_private
 
         mapping = map_private(
-            self._seg_path(reply.segment), reply.size, self._release_later(self._epoch, reply.lease)
-        )
+            self._seg_path(reply.segment), reply.size,
+            self._release_later(self._epoch, reply.lease), hold_lock=True,
+        )  # fmt: skip
         digests = None
         if verify:
             if not reply.digests_valid:
@@ -473,7 +495,9 @@ class Client:
         while True:
             # Wait in slices so no single request outlives the connection's timeout.
             left = 30.0 if deadline is None else deadline - time.monotonic()
-            req = m.WaitRequest(self.namespace, path, prefix, max(0.0, min(left, 30.0)))
+            req = m.WaitRequest(
+                self.namespace, path, prefix, max(0.0, min(left, 30.0, self._server_wait()))
+            )
             try:
                 reply = self._call("wait", req, m.WaitReply)
             except CheckpointNotFound:
@@ -484,6 +508,10 @@ class Client:
                 return
             if reply.state == "failed":
                 raise PersistError(f"persisting {path!r} failed: {reply.error}")
+            if reply.state == "dropped":
+                if not strict:
+                    return  # the user removed its directory: nothing left to wait for
+                raise CheckpointDeleted(f"{path!r} will not be persisted: {reply.error}")
             if reply.state == "memory-only":
                 if not strict:
                     return
@@ -504,7 +532,8 @@ class Client:
         ]
         tiers = []
         for i, path in enumerate(items):
-            reply = self._call("prefetch", m.PrefetchRequest(self.namespace, path), m.PrefetchReply)
+            req = m.PrefetchRequest(self.namespace, path, self._server_wait())
+            reply = self._call("prefetch", req, m.PrefetchReply)
             tiers.append(reply.tier)
             if progress is not None:
                 progress(i + 1, len(items), path, reply.tier)

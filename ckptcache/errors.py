@@ -9,6 +9,7 @@ import pickle
 
 __all__ = [
     "BudgetExceeded",
+    "CheckpointDeleted",
     "CheckpointNotFound",
     "CkptCacheError",
     "CkptCacheWarning",
@@ -93,6 +94,11 @@ class ConfigError(CkptCacheError, ValueError):
 
 class PersistError(CkptCacheError, OSError):
     """Persisting to storage failed after all retries; the in-memory copy is kept."""
+
+
+class CheckpointDeleted(PersistError):
+    """The directory the checkpoint was saved into was removed before it was persisted:
+    ckptcache treats it as deleted by the user and never recreates the directory."""
 
 
 class ReplicationError(CkptCacheError, ConnectionError):

@@ -12,6 +12,7 @@ Two kinds of mapping, chosen for their cost profile:
 
 from __future__ import annotations
 
+import fcntl
 import mmap
 import os
 import weakref
@@ -24,6 +25,7 @@ __all__ = [
     "copy_storage_into",
     "map_private",
     "map_shared",
+    "mapped_by_others",
     "storage_copy",
     "storage_view",
 ]
@@ -47,17 +49,50 @@ def map_shared(path: str, size: int, *, populate: bool = True) -> Mapping:
         os.close(fd)
 
 
-def map_private(path: str, size: int, on_unmap: Callable[[], None] | None = None) -> Mapping:
-    """Map ``path`` copy-on-write; ``on_unmap`` runs once nothing references the mapping."""
+def map_private(
+    path: str,
+    size: int,
+    on_unmap: Callable[[], None] | None = None,
+    *,
+    hold_lock: bool = False,
+) -> Mapping:
+    """Map ``path`` copy-on-write; ``on_unmap`` runs once nothing references the mapping.
+
+    ``hold_lock`` keeps a shared ``flock`` on the file for as long as the mapping lives (the
+    kernel drops it if the process dies): the daemon never reuses a segment someone still
+    maps (see :func:`mapped_by_others`), whatever happened to the client's connection.
+    """
     fd = _open(path, False)
     try:
+        if hold_lock:
+            fcntl.flock(fd, fcntl.LOCK_SH)
         # PROT_WRITE on a MAP_PRIVATE mapping of a read-only fd is allowed: writes stay private.
         mapping = Mapping(fd, size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
-    finally:
+    except BaseException:
+        os.close(fd)
+        raise
+    if hold_lock:
+        weakref.finalize(mapping, os.close, fd)  # closing the fd releases the lock
+    else:
         os.close(fd)
     if on_unmap is not None:
         weakref.finalize(mapping, on_unmap)
     return mapping
+
+
+def mapped_by_others(path: str) -> bool:
+    """Whether a process holds a load mapping of ``path`` (a shared lock, see map_private)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)  # also drops the probe's own lock
+    return False
 
 
 def _bytes_of(storage: torch.UntypedStorage) -> torch.Tensor:

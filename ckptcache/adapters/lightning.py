@@ -75,7 +75,10 @@ class _CacheIOMixin:
         info = _common.cached_status(self.client, path)
         pending = info is not None and not _common.is_persisted(info)
         if _common.in_memory(info) and pending and not _common.is_memory_only(info):  # type: ignore[arg-type]
-            _common.wait_persisted(self._client, path)
+            try:
+                _common.wait_persisted(self._client, path)
+            except ckptcache.CheckpointDeleted:
+                pass  # its directory is already gone: nothing will come back
         if _common.in_memory(info):
             self.client.delete(path)
         if os.path.exists(path):

@@ -32,6 +32,7 @@ from ckptcache.layout import (
     SegmentState,
     align,
 )
+from ckptcache.shm import mapped_by_others
 
 __all__ = ["Arena", "Segment"]
 
@@ -156,9 +157,15 @@ class Arena:
             for s in self.free.values()
             if s.capacity >= nbytes and self._owner_dir(s.owner) == self._owner_dir(owner)
         ]
+        while fits:
+            best = min(fits, key=lambda s: s.capacity)
+            if not mapped_by_others(best.path):
+                break
+            # A load mapping outlived its pin (its connection dropped): its zero-copy tensors
+            # still read this segment, so it is not reused until the mapping goes.
+            fits.remove(best)
         if not fits:
             return None
-        best = min(fits, key=lambda s: s.capacity)
         if not tight and best.capacity > 2 * self.capacity_for(nbytes):
             return None
         del self.free[best.name]

@@ -101,6 +101,8 @@ class DaemonConfig:
     secret: str | None = None
     secret_file: str | None = None
     lease_ttl: float = 5.0
+    #: Seconds between sweeps dropping cached objects whose directory was removed (0: off).
+    orphan_sweep: float = 30.0
     #: Saves of one path with different contents within this many seconds are a conflict.
     conflict_window: float = 60.0
     #: Optional TLS on the data plane: this node's certificate and key, and the cluster CA.
@@ -184,7 +186,7 @@ def _coerce(key: str, value: Any, source: str) -> Any:
             if value not in ("allow", "refuse"):
                 raise ValueError("must be 'allow' or 'refuse'")
             return value
-        if key in ("reserve_timeout", "persist_backoff", "persist_backoff_max"):
+        if key in ("reserve_timeout", "persist_backoff", "persist_backoff_max", "orphan_sweep"):
             number = float(value)
             if number < 0:
                 raise ValueError("must not be negative")

@@ -50,10 +50,12 @@ from ckptcache.server import ownership
 from ckptcache.server.arena import Arena, Segment
 from ckptcache.server.config import DaemonConfig
 from ckptcache.server.index import Generation, Index, Key
+from ckptcache.server.lineage import anchor_of, is_orphaned, removed_reason
 from ckptcache.server.metrics import Metrics
 from ckptcache.server.ownership import Saver
 from ckptcache.server.persist import Persister, lower_thread_priority
 from ckptcache.server.roots import PersistRoots
+from ckptcache.storage import backend_for
 from ckptcache.wire import messages as m
 
 __all__ = ["CacheCore", "Session"]
@@ -75,6 +77,8 @@ class Reservation:
     saver: Saver | None = None
     #: Digests already known (a copy received and verified): recorded at commit.
     digests: list[int] | None = None
+    #: Deepest ancestor directory that existed at save time (see ckptcache.server.lineage).
+    anchor: str = ""
 
 
 @dataclass(eq=False)
@@ -100,6 +104,12 @@ class Session:
     reservations: dict[int, Reservation] = field(default_factory=dict)
     leases: dict[int, Generation] = field(default_factory=dict)
     gid: int = -1
+
+
+def _bounded(wait: float, client_timeout: float | None) -> float:
+    """A daemon-side wait, never longer than the client waits for the reply: a client that
+    gives up drops its connection (and with it everything the connection held)."""
+    return wait if client_timeout is None else max(0.0, min(wait, client_timeout))
 
 
 def _check_key(namespace: str, path: str) -> None:
@@ -141,6 +151,9 @@ class CacheCore:
         self.persister.start()
         self._digester = threading.Thread(target=self._digest_loop, name="digester", daemon=True)
         self._digester.start()
+        self._stopping = threading.Event()
+        if config.orphan_sweep > 0:
+            threading.Thread(target=self._sweep_loop, name="orphan-sweep", daemon=True).start()
         self.metrics.memory_limit.set(config.memory_limit)
         self._update_gauges()
 
@@ -168,11 +181,13 @@ class CacheCore:
                 manifest.namespace, manifest.path, header.generation, segment, manifest,
                 size=header.payload_size, committed=header.committed_ns / 1e9,
                 saver=ownership.read_record(segment, self.arena.uid),
+                committed_ns=header.committed_ns, anchor=anchor_of(manifest.path),
             )  # fmt: skip
+            # Persisted or not, a path under a root is a persisted kind of object (wait()
+            # answers "persisted", never "memory-only", for it after a restart).
+            gen.needs_persist = self._persistable(gen.path)
             if header.persisted:
                 gen.persisted, gen.persist_state = True, "persisted"
-            else:
-                gen.needs_persist = self._persistable(gen.path)
             if header.digest_state == DigestState.VALID:
                 table = view[header.digest_offset : header.digest_offset + 8 * header.n_storages]
                 gen.digests = unpack_digests(table, header.n_storages)
@@ -181,6 +196,14 @@ class CacheCore:
             log.info(
                 "recovered %s generation %d (%s)", gen.path, gen.number, format_bytes(gen.size)
             )
+        remote = [k for k in self.index.paths() if "://" in k[1]]
+        for key in self.index.paths():
+            if key not in remote:  # a stat each: before anything is served
+                self._retire_older_than_storage(key)
+        if remote:  # object stores may be slow or down: compare in the background
+            threading.Thread(
+                target=self._compare_remote, args=(remote,), name="stale-check", daemon=True
+            ).start()
         for key in self.index.paths():
             self._supersede_older(key)
             self.apply_retention(key)
@@ -191,6 +214,42 @@ class CacheCore:
                 log.info("re-queueing unpersisted %s generation %d", gen.path, gen.number)
                 with self.cond:
                     self.persister.submit(gen)
+
+    def _compare_remote(self, keys: list[Key]) -> None:
+        for key in keys:
+            self._retire_older_than_storage(key)
+
+    def _retire_older_than_storage(self, key: Key) -> None:
+        """After a restart, drop recovered generations older than the object on storage.
+
+        A save written through while this daemon was down (or a newer persist by another
+        node) is the last completed save: an older generation must neither be served nor
+        persisted over it. Commit times are wall-clock ns of the saving node.
+        """
+        path = key[1]
+        try:
+            if self.roots.root_for(path) is None and "://" in path:
+                return  # a URL under no root: storage is none of our business
+            stored = backend_for(path, self.persister.options).commit_time_ns(path)
+        except (OSError, ValueError, ImportError, PathNotAllowed) as e:
+            log.warning("cannot compare %s with storage: %s", path, e)
+            return
+        if stored is not None:
+            with self.cond:
+                self.retire_older_than(key, stored)
+
+    def retire_older_than(self, key: Key, stored_ns: int) -> None:
+        """Retire the generations of ``key`` committed before the object on storage (call
+        under the lock): neither served nor persisted, storage holds a newer save."""
+        for gen in self.index.generations(key):
+            if gen.committed_ns < stored_ns:
+                log.warning(
+                    "dropping %s generation %d: storage holds a newer object (written "
+                    "through or persisted after it)", gen.path, gen.number,
+                )  # fmt: skip
+                if not gen.persisted:
+                    gen.needs_persist, gen.persist_state = False, "superseded"
+                self._retire(gen)
 
     def _persistable(self, path: str) -> bool:
         try:
@@ -211,6 +270,7 @@ class CacheCore:
 
     def shutdown(self) -> None:
         """Stop background workers (segments stay on disk for the next incarnation)."""
+        self._stopping.set()
         self.persister.stop()
         if self.cluster is not None:
             self.cluster.stop()
@@ -243,6 +303,7 @@ class CacheCore:
             raise InvalidPath(f"reserve needs a positive byte count, got {req.nbytes!r}")
         persist = self._classify(req.path)
         saver = ownership.saver_for(session, req)
+        anchor = anchor_of(req.path)  # which directories exist now (never resurrected later)
         if req.durability == "backup" and (self.cluster is None or self.config.backup == "none"):
             raise ReplicationError(
                 "durability='backup' needs backup nodes: start the daemons with --backup auto "
@@ -255,7 +316,7 @@ class CacheCore:
                 f"memory budget of {format_bytes(limit)}; raise --memory-limit or save this "
                 "object without the cache"
             )
-        deadline = time.monotonic() + self.config.reserve_timeout
+        deadline = time.monotonic() + _bounded(self.config.reserve_timeout, req.timeout)
         with self.cond:
             ownership.check_may_save(self, session, (req.namespace, req.path))
             while True:
@@ -275,7 +336,7 @@ class CacheCore:
                 self.cond.wait(min(remaining, 0.5))
             res = Reservation(
                 next(self._ids), req.namespace, req.path, segment, req.nbytes, req.durability,
-                persist, saver,
+                persist, saver, anchor=anchor,
             )  # fmt: skip
             session.reservations[res.id] = res
             self._update_gauges()
@@ -291,6 +352,8 @@ class CacheCore:
         arena.shrink_free(capacity)
         while arena.used + capacity > arena.limit:
             victims = self.index.eviction_candidates()
+            if not victims and self.mark_orphans():
+                victims = self.index.eviction_candidates()
             if not victims:
                 return None
             log.info("evicting %s generation %d", victims[0].path, victims[0].number)
@@ -320,7 +383,9 @@ class CacheCore:
         segment = res.segment
         try:
             manifest, header = self._validate(segment, res, req)
-        except CorruptCheckpoint:
+        except BaseException:
+            # Any refusal (bad manifest, malformed field, a bug) gives the segment back:
+            # a reservation that can never be committed must not hold memory for ever.
             with self.cond:
                 self.arena.release(segment)
                 self.cond.notify_all()
@@ -337,7 +402,8 @@ class CacheCore:
             segment.write_header(header)
             gen = Generation(
                 res.namespace, res.path, number, segment, manifest, size=manifest.payload_size,
-                needs_persist=res.persist, saver=res.saver,
+                needs_persist=res.persist, saver=res.saver, committed=header.committed_ns / 1e9,
+                committed_ns=header.committed_ns, anchor=res.anchor,
             )  # fmt: skip
             if res.digests is not None:
                 self._record_digests(gen, res.digests)
@@ -441,7 +507,7 @@ class CacheCore:
             header = gen.segment.read_header()
             if persisted:  # read back from its own storage path: already safe there
                 gen.persisted, gen.persist_state = True, "persisted"
-                gen.needs_persist = False
+                gen.needs_persist = self._persistable(path)  # wait() answers "persisted"
             gen.segment.write_header(
                 replace(header, digest_state=DigestState.VALID, persisted=int(persisted))
             )
@@ -525,6 +591,65 @@ class CacheCore:
             self.arena.release(gen.segment)
         self.cond.notify_all()
 
+    def supersede(self, session: Session, req: m.SupersedeRequest) -> m.DeleteReply:
+        """A client wrote ``path`` through to storage: every generation in memory is older.
+
+        They are retired (freed once unpinned) and never persisted, so neither a load nor a
+        later persist can bring the older bytes back.
+        """
+        _check_key(req.namespace, req.path)
+        with self.cond:
+            gens = self.index.generations((req.namespace, req.path))
+            for gen in gens:
+                if not gen.persisted:
+                    gen.needs_persist, gen.persist_state = False, "superseded"
+                self._retire(gen)
+            self._update_gauges()
+        if gens:
+            log.info("%s written through: %d older generation(s) retired", req.path, len(gens))
+        return m.DeleteReply(len(gens))
+
+    def mark_orphans(self) -> int:
+        """Flag generations whose save directory was removed (call under the lock).
+
+        They become evictable and are never persisted (see :mod:`ckptcache.server.lineage`);
+        returns how many were newly flagged.
+        """
+        found = 0
+        gone: dict[str, bool] = {}
+        for gen in list(self.index):
+            if gen.orphaned or not gen.anchor:
+                continue
+            if gen.anchor not in gone:
+                gone[gen.anchor] = is_orphaned(gen.anchor)
+            if gone[gen.anchor]:
+                gen.orphaned, found = True, found + 1
+                if gen.needs_persist and not gen.persisted:
+                    gen.needs_persist, gen.persist_state = False, "dropped"
+                    gen.persist_error = removed_reason(gen.anchor)
+        return found
+
+    def sweep_orphans(self) -> int:
+        """Drop unpinned generations whose directory was removed; returns how many."""
+        with self.cond:
+            self.mark_orphans()
+            victims = [g for g in self.index if g.orphaned and g.pins == 0]
+            for gen in victims:
+                log.info("dropping %s generation %d: %s", gen.path, gen.number,
+                         "its directory was removed")  # fmt: skip
+                self._retire(gen)
+            if victims:
+                self._update_gauges()
+        return len(victims)
+
+    def _sweep_loop(self) -> None:
+        interval = self.config.orphan_sweep
+        while not self._stopping.wait(interval):
+            try:
+                self.sweep_orphans()
+            except Exception:
+                log.exception("orphan sweep failed")
+
     def pin(self, gen: Generation) -> None:
         """Keep ``gen``'s segment alive (call under the lock)."""
         gen.pins += 1
@@ -580,7 +705,9 @@ class CacheCore:
                 raise
             if self.index.generations((req.namespace, req.path)):
                 raise  # held by another user: never replaced by a remote copy for this one
-            gen = self.cluster.load_remote(req.namespace, req.path)
+            gen = self.cluster.load_remote(
+                req.namespace, req.path, timeout=_bounded(120.0, req.timeout)
+            )
             tier = "storage" if gen.origin == "storage" else "peer"
             with self.cond:
                 if not self._visible(session, gen, True):
@@ -609,7 +736,7 @@ class CacheCore:
 
     def prefetch(self, session: Session, req: m.PrefetchRequest) -> m.PrefetchReply:
         """Warm this node's memory with ``path`` (peer or storage) without pinning it."""
-        reply = self.open(session, m.OpenRequest(req.namespace, req.path))
+        reply = self.open(session, m.OpenRequest(req.namespace, req.path, timeout=req.timeout))
         self.release(session, m.ReleaseRequest((reply.lease,)))
         with self.cond:
             gen = self._lookup(req.namespace, req.path, None, session)
@@ -771,8 +898,9 @@ class CacheCore:
     def wait(self, session: Session, req: m.WaitRequest) -> m.WaitReply:
         """Block until ``path`` (or everything under a prefix) is persisted, failed, or timed out.
 
-        The reply's state is ``persisted``, ``memory-only``, ``failed`` (with the error) or
-        ``timeout``; a prefix wait ignores memory-only objects.
+        The reply's state is ``persisted``, ``memory-only``, ``failed`` (with the error),
+        ``dropped`` (its directory was removed: deleted by the user) or ``timeout``; a prefix
+        wait ignores memory-only objects.
         """
         deadline = time.monotonic() + max(0.0, req.timeout)
         with self.cond:
@@ -784,6 +912,8 @@ class CacheCore:
                                and self._visible(session, g, False)]  # fmt: skip
                 else:
                     pending = [self._lookup(req.namespace, req.path, None, session)]
+                if not req.prefix and pending[0].persist_state == "dropped":
+                    return m.WaitReply(pending[0].number, "dropped", pending[0].persist_error)
                 failed = [g for g in pending if g.persist_state == "failed"]
                 if failed:
                     return m.WaitReply(failed[0].number, "failed", failed[0].persist_error)

@@ -30,6 +30,14 @@ class Generation:
     manifest: Manifest
     size: int
     committed: float = field(default_factory=time.time)
+    #: Commit time in ns of this node's wall clock (recorded in the segment header); storage
+    #: objects newer than this are never replaced by this generation.
+    committed_ns: int = 0
+    #: Deepest ancestor directory of the path that existed at save time ("" for URLs); see
+    #: :mod:`ckptcache.server.lineage`.
+    anchor: str = ""
+    #: The directory the path was saved into was removed since: evictable, never persisted.
+    orphaned: bool = False
     pins: int = 0
     digests: list[int] | None = None
     #: Removed from the index while pinned: the segment is freed when the last pin goes.
@@ -38,7 +46,7 @@ class Generation:
     persisted: bool = False
     #: Whether this object must reach storage at all (False for memory-only objects).
     needs_persist: bool = False
-    #: memory-only | queued | persisting | persisted | failed | superseded
+    #: memory-only | queued | persisting | persisted | failed | superseded | dropped
     persist_state: str = "memory-only"
     persist_error: str = ""
     persist_seconds: float = 0.0
@@ -117,13 +125,14 @@ class Index:
     def eviction_candidates(self) -> list[Generation]:
         """Generations that are safe to drop under memory pressure, oldest commit first.
 
-        Safe means unpinned and either superseded by a newer generation of the same path or
-        already persisted; the newest unpersisted generation of a path is never a candidate.
+        Safe means unpinned and either superseded by a newer generation of the same path,
+        already persisted, or orphaned (its directory was removed); the newest unpersisted
+        generation of a path is never a candidate.
         """
         out = []
         for gens in self._objects.values():
             for g in gens:
                 newest = g is gens[-1]
-                if g.pins == 0 and (not newest or g.persisted):
+                if g.pins == 0 and (not newest or g.persisted or g.orphaned):
                     out.append(g)
         return sorted(out, key=lambda g: g.committed)

@@ -5,7 +5,10 @@ States of a generation (``Generation.persist_state``)::
     memory-only                       (not under any root: never persisted)
     queued -> persisting -> persisted (the in-memory copy becomes evictable)
                          -> failed    (retries ran out; kept in memory, reported)
-    queued -> superseded              (a newer generation of the same path will persist)
+    queued -> superseded              (a newer generation of the same path will persist, or
+                                       storage already holds a newer object: never replaced)
+    queued -> dropped                 (the directory it was saved into was removed: deleted by
+                                       the user, never recreated)
 
 One persist per path at a time, oldest first, so an older generation can never overwrite a
 newer one under the same name. The queue is bounded only by memory: a queued generation is
@@ -25,8 +28,10 @@ from typing import TYPE_CHECKING
 
 from ckptcache._units import format_bytes
 from ckptcache.errors import CkptCacheError, PathNotAllowed
+from ckptcache.server.lineage import DirectoryRemoved
 from ckptcache.server.safe_write import persist_write
 from ckptcache.storage import StorageOptions, backend_for
+from ckptcache.storage.base import NewerObjectExists
 
 if TYPE_CHECKING:
     from ckptcache.server.core import CacheCore
@@ -156,6 +161,7 @@ class Persister:
                 newest = self.core.index.newest(gen.key)
                 if newest is not None and newest.number > gen.number and newest.needs_persist:
                     gen.persist_state = "superseded"
+                if gen.persist_state in ("superseded", "dropped"):  # also by a write-through
                     self.core.cond.notify_all()
                     return
             try:
@@ -163,10 +169,13 @@ class Persister:
                 try:
                     persist_write(
                         self.core.roots, backend, target, fd, gen.manifest.payload_offset,
-                        gen.size, gen.saver,
+                        gen.size, gen.saver, commit_ns=gen.committed_ns, anchor=gen.anchor,
                     )  # fmt: skip
                 finally:
                     os.close(fd)
+            except (DirectoryRemoved, NewerObjectExists) as e:
+                self._give_up_stale(gen, e)
+                return
             except OSError as e:
                 error = f"{type(e).__name__}: {e}"
                 self.core.metrics.persist_errors.inc()
@@ -195,6 +204,20 @@ class Persister:
         log.error("persist of %s generation %d failed for good: %s", gen.path, gen.number, error)
         if cluster is not None:
             cluster.failed(gen)
+
+    def _give_up_stale(self, gen: Generation, why: OSError) -> None:
+        """Never write: the user removed the directory, or storage holds a newer object."""
+        state = "dropped" if isinstance(why, DirectoryRemoved) else "superseded"
+        log.warning("not persisting %s generation %d (%s): %s", gen.path, gen.number, state, why)
+        with self.core.cond:
+            gen.needs_persist, gen.persist_state, gen.persist_error = False, state, str(why)
+            if isinstance(why, DirectoryRemoved):
+                gen.orphaned = True  # evictable now, dropped by the next sweep
+            else:  # storage holds the newest save: serving this copy would be stale
+                self.core.retire_older_than(gen.key, gen.committed_ns + 1)
+            self.core.cond.notify_all()
+        if self.core.cluster is not None:
+            self.core.cluster.failed(gen)
 
     def _resubmit(self, gen: Generation) -> None:
         with self.core.cond:

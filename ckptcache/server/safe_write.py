@@ -19,10 +19,18 @@ import stat
 from collections.abc import Callable
 
 from ckptcache.errors import PathNotAllowed
+from ckptcache.server.lineage import DirectoryRemoved, removed_reason
 from ckptcache.server.ownership import Saver, daemon_saver, groups_of
 from ckptcache.server.roots import PersistRoots
 from ckptcache.storage.base import StorageBackend
-from ckptcache.storage.fs import TEMP_MARK, FileBackend, sendfile_fill
+from ckptcache.storage.fs import (
+    TEMP_MARK,
+    FileBackend,
+    link_unnamed,
+    open_unnamed,
+    refuse_newer,
+    sendfile_fill,
+)
 
 __all__ = ["persist_write", "write_beneath"]
 
@@ -32,8 +40,8 @@ _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 class _Walker:
     """Carries the saver's identity and the root through one write."""
 
-    def __init__(self, root: str, path: str, saver: Saver):
-        self.root, self.path, self.saver = root, path, saver
+    def __init__(self, root: str, path: str, saver: Saver, anchor: str = ""):
+        self.root, self.path, self.saver, self.anchor = root, path, saver, anchor
         self.as_root = os.geteuid() == 0
         # A root daemon acting for another user checks that user's permissions itself.
         self.check_access = self.as_root and saver.uid != 0
@@ -64,6 +72,12 @@ class _Walker:
             os.fchown(fd, self.saver.uid, -1 if inherit_gid else self.saver.gid)
         os.fchmod(fd, mode | (stat.S_ISGID if inherit_gid else 0))
 
+    def existed_at_save(self, where: str) -> bool:
+        """Whether directory ``where`` existed when the checkpoint was saved (it is the save's
+        anchor or one of its ancestors)."""
+        a = self.anchor
+        return bool(a) and (a == where or a.startswith(where.rstrip("/") + "/"))
+
     def step(self, parent: int, name: str, where: str) -> int:
         """Open (creating if needed) directory ``name`` of ``parent`` without following it."""
         for _ in range(2):
@@ -78,6 +92,9 @@ class _Walker:
                         f"directory; refusing to follow it out of the storage root {self.root!r}"
                     ) from e
                 raise
+            if self.existed_at_save(where):
+                # The user removed it since: recreating it would resurrect a deleted checkpoint.
+                raise DirectoryRemoved(removed_reason(self.anchor))
             self.require(parent, 0o3, os.path.dirname(where) or self.root)
             try:
                 os.mkdir(name, 0o700, dir_fd=parent)
@@ -93,14 +110,29 @@ def _file_gid_inherited(dir_fd: int) -> bool:
     return bool(os.fstat(dir_fd).st_mode & stat.S_ISGID)
 
 
-def write_beneath(root: str, path: str, fill: Callable[[int], None], saver: Saver) -> None:
+def write_beneath(
+    root: str,
+    path: str,
+    fill: Callable[[int], None],
+    saver: Saver,
+    *,
+    commit_ns: int | None = None,
+    anchor: str = "",
+) -> None:
     """Atomically write ``path`` (lexically under ``root``) with ``fill(fd)``: temp file,
-    fsync, rename and directory fsync, all relative to directory fds below ``root``."""
+    fsync, rename and directory fsync, all relative to directory fds below ``root``.
+
+    ``anchor`` is the deepest directory that existed at save time: directories below it are
+    created, and it or an ancestor gone raises :class:`DirectoryRemoved`. With ``commit_ns``
+    the file's mtime is the commit time and a newer file already there raises
+    :class:`NewerObjectExists` (checked right before the rename)."""
     rel = os.path.relpath(path, root)
     parts = rel.split("/")
     if rel.startswith("..") or any(p in ("", ".", "..") for p in parts):
         raise PathNotAllowed(f"cannot persist {path!r}: not below the storage root {root!r}")
-    walker = _Walker(root, path, saver)
+    walker = _Walker(root, path, saver, anchor)
+    if anchor and not os.path.isdir(anchor):
+        raise DirectoryRemoved(removed_reason(anchor))
     # The root itself is configured by the administrator: create it as the daemon if missing.
     os.makedirs(root, exist_ok=True)
     fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
@@ -113,12 +145,14 @@ def write_beneath(root: str, path: str, fill: Callable[[int], None], saver: Save
             os.close(fd)
             fd = child
         walker.require(fd, 0o3, where)
-        _write_in(fd, parts[-1], fill, walker)
+        _write_in(fd, parts[-1], fill, walker, commit_ns)
     finally:
         os.close(fd)
 
 
-def _write_in(dir_fd: int, name: str, fill: Callable[[int], None], walker: _Walker) -> None:
+def _write_in(
+    dir_fd: int, name: str, fill: Callable[[int], None], walker: _Walker, commit_ns: int | None
+) -> None:
     leftover = f".{name}{TEMP_MARK}"
     for entry in os.listdir(dir_fd):
         if entry.startswith(leftover):
@@ -127,8 +161,11 @@ def _write_in(dir_fd: int, name: str, fill: Callable[[int], None], walker: _Walk
             except OSError:
                 pass
     tmp = f"{leftover}{secrets.token_hex(4)}"
-    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
-    fd = os.open(tmp, flags, 0o600, dir_fd=dir_fd)
+    fd = open_unnamed(".", dir_fd=dir_fd, mode=0o600)
+    named = fd is None
+    if fd is None:
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+        fd = os.open(tmp, flags, 0o600, dir_fd=dir_fd)
     try:
         try:
             if walker.as_root:
@@ -136,15 +173,23 @@ def _write_in(dir_fd: int, name: str, fill: Callable[[int], None], walker: _Walk
                 os.fchown(fd, walker.saver.uid, gid)
             os.fchmod(fd, walker.saver.file_mode)
             fill(fd)
+            if commit_ns is not None:
+                os.utime(fd, ns=(commit_ns, commit_ns))
             os.fsync(fd)
+            if not named:  # unnamed until complete: named only for the rename
+                link_unnamed(fd, tmp, dir_fd=dir_fd)
+                named = True
         finally:
             os.close(fd)
+        if commit_ns is not None:
+            refuse_newer(name, commit_ns, dir_fd=dir_fd)  # compare right before the rename
         os.rename(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
     except BaseException:
-        try:
-            os.unlink(tmp, dir_fd=dir_fd)
-        except OSError:
-            pass
+        if named:
+            try:
+                os.unlink(tmp, dir_fd=dir_fd)
+            except OSError:
+                pass
         raise
     os.fsync(dir_fd)
 
@@ -157,14 +202,18 @@ def persist_write(
     offset: int,
     size: int,
     saver: Saver | None,
+    *,
+    commit_ns: int | None = None,
+    anchor: str = "",
 ) -> None:
     """Write one object to storage: local files through :func:`write_beneath` (resolved
     below their root at write time), everything else through its backend."""
     if not isinstance(backend, FileBackend):
         backend.cleanup(target)
-        backend.write(target, source, offset, size)
+        backend.write(target, source, offset, size, commit_ns=commit_ns)
         return
     root = roots.local_root(target)
     if root is None:
         raise PathNotAllowed(f"cannot persist {target!r}: it is under no storage root")
-    write_beneath(root, target, sendfile_fill(source, offset, size), saver or daemon_saver())
+    fill = sendfile_fill(source, offset, size)
+    write_beneath(root, target, fill, saver or daemon_saver(), commit_ns=commit_ns, anchor=anchor)

@@ -7,6 +7,7 @@ before the first byte of rpyc is read.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import socket
@@ -123,6 +124,7 @@ class CacheService(rpyc.Service):  # type: ignore[misc]
             "stat": (m.StatRequest, core.stat),
             "list": (m.ListRequest, core.list),
             "delete": (m.DeleteRequest, core.delete),
+            "supersede": (m.SupersedeRequest, core.supersede),
             "verify": (m.VerifyRequest, core.verify),
             "status": (m.StatusRequest, core.status),
             "wait": (m.WaitRequest, core.wait),
@@ -152,6 +154,15 @@ class CacheService(rpyc.Service):  # type: ignore[misc]
         return m.ok_envelope(
             m.HelloReply(m.PROTOCOL_VERSION, cfg.node_id, cfg.segments_dir, __version__)
         )
+
+    def _abort_raw(self, body: str) -> None:
+        """A commit that cannot even be decoded still names its reservation: give it back."""
+        try:
+            reservation = json.loads(body).get("reservation")
+        except (ValueError, AttributeError):
+            return
+        if isinstance(reservation, int) and self._session is not None:
+            self._core.abort(self._session, m.AbortRequest(reservation))
 
     # -- the rpyc surface: one method, nothing else reachable or listed ------------------
 
@@ -195,6 +206,8 @@ class CacheService(rpyc.Service):  # type: ignore[misc]
         except errors.CkptCacheError as e:
             return m.error_envelope(type(e).__name__, str(e))
         except ValueError as e:
+            if kind == "commit":
+                self._abort_raw(body)
             return m.error_envelope("ProtocolMismatch", f"malformed {kind!r} request: {e}")
         except Exception as e:  # a bug: keep the daemon up, tell the client what happened
             log.exception("internal error handling %r", kind)

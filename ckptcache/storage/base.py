@@ -27,7 +27,16 @@ import abc
 from dataclasses import dataclass
 from typing import BinaryIO
 
-__all__ = ["StorageBackend", "StorageOptions"]
+__all__ = ["COMMIT_NS_KEY", "NewerObjectExists", "StorageBackend", "StorageOptions"]
+
+#: User-metadata key (S3) recording the commit time, in ns of the saving node's wall clock,
+#: of the generation ckptcache persisted; files carry it as their mtime.
+COMMIT_NS_KEY = "ckptcache-commit-ns"
+
+
+class NewerObjectExists(OSError):
+    """The object on storage is newer than the generation being written: it is never replaced
+    (not retried: the generation is superseded)."""
 
 
 @dataclass(frozen=True)
@@ -46,9 +55,27 @@ class StorageBackend(abc.ABC):
     """One family of destinations (a URL scheme)."""
 
     @abc.abstractmethod
-    def write(self, path: str, source: int, offset: int, size: int) -> None:
+    def write(
+        self,
+        path: str,
+        source: int,
+        offset: int,
+        size: int,
+        *,
+        commit_ns: int | None = None,
+        create_parents: bool = True,
+    ) -> None:
         """Atomically make ``size`` bytes at ``offset`` of file descriptor ``source`` the
-        content of ``path`` (creating parent directories as needed)."""
+        content of ``path`` (creating parent directories when ``create_parents``).
+
+        With ``commit_ns`` (the generation's commit time, wall-clock ns), an object already at
+        ``path`` that is newer is never replaced (:class:`NewerObjectExists`), and the new
+        object records ``commit_ns`` (see :meth:`commit_time_ns`)."""
+
+    def commit_time_ns(self, path: str) -> int | None:
+        """When the object at ``path`` was committed (ns), ``None`` when absent or unknown:
+        the recorded commit time of a ckptcache persist, else the modification time."""
+        return None
 
     @abc.abstractmethod
     def write_bytes(self, path: str, data: bytes | memoryview) -> None:

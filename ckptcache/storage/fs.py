@@ -2,15 +2,23 @@
 
 from __future__ import annotations
 
+import errno
 import glob
 import os
 import secrets
 from collections.abc import Callable
 from typing import BinaryIO
 
-from ckptcache.storage.base import StorageBackend
+from ckptcache.storage.base import NewerObjectExists, StorageBackend
 
-__all__ = ["TEMP_MARK", "FileBackend", "sendfile_fill"]
+__all__ = [
+    "TEMP_MARK",
+    "FileBackend",
+    "link_unnamed",
+    "open_unnamed",
+    "refuse_newer",
+    "sendfile_fill",
+]
 
 #: Temporary names look like ``.<name>.ckptcache-tmp-<random>``: hidden, and never a
 #: checkpoint name a framework would look for.
@@ -45,31 +53,104 @@ def sendfile_fill(source: int, offset: int, size: int) -> Callable[[int], None]:
     return fill
 
 
+def open_unnamed(directory: str, *, dir_fd: int | None = None, mode: int = 0o644) -> int | None:
+    """An unnamed file (``O_TMPFILE``) in ``directory``, or None where the file system has
+    none: nothing shows in the directory while bytes are written (a concurrent ``rmtree`` of
+    it never trips over a temp file)."""
+    try:
+        return os.open(directory, os.O_TMPFILE | os.O_WRONLY | os.O_CLOEXEC, mode, dir_fd=dir_fd)
+    except OSError as e:
+        if e.errno not in (errno.EOPNOTSUPP, errno.EISDIR, errno.EINVAL):
+            raise
+    return None
+
+
+def _open_temp(directory: str, path: str) -> tuple[int, str | None]:
+    """A file to write ``path``'s new content into: unnamed where possible, else a hidden
+    temp name."""
+    fd = open_unnamed(directory)
+    if fd is not None:
+        return fd, None
+    tmp = _temp_name(path)
+    return os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644), tmp
+
+
+def link_unnamed(fd: int, name: str, *, dir_fd: int | None = None) -> None:
+    """Give an ``O_TMPFILE`` file a name (``linkat`` following the /proc link: a directory fd
+    argument makes Python call ``linkat`` with ``AT_SYMLINK_FOLLOW`` instead of ``link``)."""
+    anchor = os.open("/", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC) if dir_fd is None else None
+    try:
+        os.link(
+            f"/proc/self/fd/{fd}", name, src_dir_fd=anchor,
+            dst_dir_fd=dir_fd, follow_symlinks=True,
+        )  # fmt: skip
+    finally:
+        if anchor is not None:
+            os.close(anchor)
+
+
+def refuse_newer(path: str, commit_ns: int, *, dir_fd: int | None = None) -> None:
+    """Raise :class:`NewerObjectExists` if ``path`` (relative to ``dir_fd`` when given) was
+    modified after ``commit_ns``: storage already holds a newer save than this generation."""
+    try:
+        existing = os.stat(path, dir_fd=dir_fd, follow_symlinks=False).st_mtime_ns
+    except FileNotFoundError:
+        return
+    if existing > commit_ns:
+        raise NewerObjectExists(
+            f"{path} is newer on storage (modified {existing} ns) than this generation "
+            f"(committed {commit_ns} ns)"
+        )
+
+
 class FileBackend(StorageBackend):
     """POSIX file systems (local disks, NFS, Lustre mounts)."""
 
-    def _atomic(self, path: str, fill: Callable[[int], None]) -> None:
+    def _atomic(
+        self,
+        path: str,
+        fill: Callable[[int], None],
+        commit_ns: int | None = None,
+        create_parents: bool = True,
+    ) -> None:
         directory = os.path.dirname(path) or "."
-        os.makedirs(directory, exist_ok=True)
-        tmp = _temp_name(path)
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+        if create_parents:
+            os.makedirs(directory, exist_ok=True)
+        fd, tmp = _open_temp(directory, path)
         try:
             try:
                 fill(fd)
+                if commit_ns is not None:
+                    os.utime(fd, ns=(commit_ns, commit_ns))
                 os.fsync(fd)
+                if tmp is None:  # unnamed until complete: named only for the rename
+                    tmp = _temp_name(path)
+                    link_unnamed(fd, tmp)
             finally:
                 os.close(fd)
+            if commit_ns is not None:
+                refuse_newer(path, commit_ns)  # compare right before the rename
             os.rename(tmp, path)
         except BaseException:
             try:
-                os.unlink(tmp)
+                if tmp is not None:
+                    os.unlink(tmp)
             except OSError:
                 pass
             raise
         _fsync_dir(directory)
 
-    def write(self, path: str, source: int, offset: int, size: int) -> None:
-        self._atomic(path, sendfile_fill(source, offset, size))
+    def write(
+        self,
+        path: str,
+        source: int,
+        offset: int,
+        size: int,
+        *,
+        commit_ns: int | None = None,
+        create_parents: bool = True,
+    ) -> None:
+        self._atomic(path, sendfile_fill(source, offset, size), commit_ns, create_parents)
 
     def write_bytes(self, path: str, data: bytes | memoryview) -> None:
         def fill(fd: int) -> None:
@@ -81,6 +162,12 @@ class FileBackend(StorageBackend):
 
     def exists(self, path: str) -> bool:
         return os.path.isfile(path)
+
+    def commit_time_ns(self, path: str) -> int | None:
+        try:
+            return os.stat(path).st_mtime_ns
+        except FileNotFoundError:
+            return None
 
     def open_read(self, path: str) -> BinaryIO:
         return open(path, "rb")

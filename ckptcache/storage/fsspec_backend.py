@@ -39,7 +39,17 @@ class FsspecBackend(StorageBackend):
                 pass
             raise
 
-    def write(self, path: str, source: int, offset: int, size: int) -> None:
+    def write(
+        self,
+        path: str,
+        source: int,
+        offset: int,
+        size: int,
+        *,
+        commit_ns: int | None = None,
+        create_parents: bool = True,
+    ) -> None:
+        # Generic file systems record no commit time: commit_ns is not compared here.
         def chunks() -> Any:
             done = 0
             while done < size:

@@ -12,7 +12,7 @@ import os
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, BinaryIO
 
-from ckptcache.storage.base import StorageBackend, StorageOptions
+from ckptcache.storage.base import COMMIT_NS_KEY, NewerObjectExists, StorageBackend, StorageOptions
 
 __all__ = ["S3Backend", "split_s3_url"]
 
@@ -76,14 +76,24 @@ class S3Backend(StorageBackend):
         except (ClientError, BotoCoreError) as e:
             raise _as_oserror(e, what) from e
 
-    def write(self, path: str, source: int, offset: int, size: int) -> None:
+    def write(
+        self,
+        path: str,
+        source: int,
+        offset: int,
+        size: int,
+        *,
+        commit_ns: int | None = None,
+        create_parents: bool = True,
+    ) -> None:
+        meta = self._commit_metadata(path, commit_ns)
         part = max(self.options.s3_part_size, _MIN_PART)
         if size <= part:
-            self.write_bytes(path, os.pread(source, size, offset))
+            self.write_bytes(path, os.pread(source, size, offset), metadata=meta)
             return
         bucket, key = split_s3_url(path)
         upload = self._call("create multipart upload", self.client.create_multipart_upload,
-                            Bucket=bucket, Key=key)["UploadId"]  # fmt: skip
+                            Bucket=bucket, Key=key, Metadata=meta)["UploadId"]  # fmt: skip
         ranges = [(i + 1, start, min(part, size - start)) for i, start in
                   enumerate(range(0, size, part))]  # fmt: skip
 
@@ -108,9 +118,35 @@ class S3Backend(StorageBackend):
                 pass  # cleanup() aborts it before the next attempt
             raise
 
-    def write_bytes(self, path: str, data: bytes | memoryview) -> None:
+    def write_bytes(
+        self, path: str, data: bytes | memoryview, *, metadata: dict[str, str] | None = None
+    ) -> None:
         bucket, key = split_s3_url(path)
-        self._call("put object", self.client.put_object, Bucket=bucket, Key=key, Body=bytes(data))
+        self._call("put object", self.client.put_object, Bucket=bucket, Key=key,
+                   Body=bytes(data), Metadata=metadata or {})  # fmt: skip
+
+    def _commit_metadata(self, path: str, commit_ns: int | None) -> dict[str, str]:
+        """Refuse to replace a newer object; the metadata recording ``commit_ns``."""
+        if commit_ns is None:
+            return {}
+        existing = self.commit_time_ns(path)
+        if existing is not None and existing > commit_ns:
+            raise NewerObjectExists(
+                f"{path} is newer on storage ({existing} ns) than this generation "
+                f"(committed {commit_ns} ns)"
+            )
+        return {COMMIT_NS_KEY: str(commit_ns)}
+
+    def commit_time_ns(self, path: str) -> int | None:
+        bucket, key = split_s3_url(path)
+        try:
+            head = self._call("head object", self.client.head_object, Bucket=bucket, Key=key)
+        except FileNotFoundError:
+            return None
+        recorded = head.get("Metadata", {}).get(COMMIT_NS_KEY, "")
+        if recorded.isdigit():
+            return int(recorded)
+        return int(head["LastModified"].timestamp() * 1e9)
 
     def exists(self, path: str) -> bool:
         bucket, key = split_s3_url(path)

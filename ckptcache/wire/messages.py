@@ -45,6 +45,7 @@ __all__ = [
     "ReserveRequest",
     "StatRequest",
     "StatusRequest",
+    "SupersedeRequest",
     "VerifyReply",
     "VerifyRequest",
     "WaitReply",
@@ -56,7 +57,7 @@ __all__ = [
 ]
 
 #: Bumped on any incompatible change; hello refuses a mismatch with ProtocolMismatch.
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 #: The largest request body a daemon accepts (replies are not capped).
 MAX_REQUEST_BYTES = 1 << 20
 
@@ -179,6 +180,8 @@ class ReserveRequest:
     uid: int = -1
     gid: int = -1
     umask: int = 0o077
+    #: The most the client waits for the reply (s): the daemon waits no longer for memory.
+    timeout: float | None = None
 
 
 @dataclass(frozen=True)
@@ -222,6 +225,8 @@ class OpenRequest:
     path: str
     generation: int | None = None
     need_digests: bool = False
+    #: The most the client waits for the reply (s): bounds a fetch from peers or storage.
+    timeout: float | None = None
 
 
 @dataclass(frozen=True)
@@ -263,6 +268,8 @@ class PrefetchRequest:
 
     namespace: str
     path: str
+    #: The most the client waits for the reply (s).
+    timeout: float | None = None
 
 
 @dataclass(frozen=True)
@@ -333,6 +340,14 @@ class DeleteReply:
     """How many generations were dropped."""
 
     dropped: int
+
+
+@dataclass(frozen=True)
+class SupersedeRequest:
+    """The client wrote ``path`` straight to storage: retire every older generation."""
+
+    namespace: str
+    path: str
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,7 @@ import uuid
 import pytest
 
 from ckptcache.storage import StorageBackend, StorageOptions, backend_for
+from ckptcache.storage.base import NewerObjectExists
 from ckptcache.storage.fs import TEMP_MARK
 from tests.helpers import read_only_dir
 
@@ -23,6 +24,8 @@ class Conformance:
     """Subclasses provide ``backend`` and ``url(name)``."""
 
     backend: StorageBackend
+    #: Whether the backend records commit times (file mtime, S3 metadata).
+    records_commit_time = True
 
     def url(self, name: str) -> str:
         raise NotImplementedError
@@ -60,6 +63,29 @@ class Conformance:
         self.backend.delete(path)
         assert not self.backend.exists(path)
 
+    def test_newest_commit_wins(self):
+        data = os.urandom(6 << 20)  # above S3's test part size: the multipart path
+        fd, name = source_file(data)
+        path, t = self.url("stamped/obj.pt"), 2_000_000_000_123_456_789
+        try:
+            self.backend.write(path, fd, 100, len(data), commit_ns=t)
+            if not self.records_commit_time:
+                assert self.backend.commit_time_ns(path) is None
+                return
+            assert self.backend.commit_time_ns(path) == t
+            with pytest.raises(NewerObjectExists):  # an older generation never replaces it
+                self.backend.write(path, fd, 100, 1000, commit_ns=t - 1)
+            with self.backend.open_read(path) as f:
+                assert f.read() == data
+            self.backend.write(path, fd, 100, 1000, commit_ns=t + 1)  # a newer one does
+            with self.backend.open_read(path) as f:
+                assert f.read() == data[:1000]
+            assert self.backend.commit_time_ns(path) == t + 1
+        finally:
+            os.close(fd)
+            os.unlink(name)
+        assert self.backend.commit_time_ns(self.url("never-written.pt")) is None
+
     def test_short_source_fails_and_leaves_nothing(self):
         fd, name = source_file(b"only-a-few-bytes", prefix=b"")
         path = self.url("short.pt")
@@ -95,6 +121,8 @@ class TestFileBackend(Conformance):
 
 
 class TestFsspecMemory(Conformance):
+    records_commit_time = False
+
     @pytest.fixture(autouse=True)
     def _setup(self):
         pytest.importorskip("fsspec")
