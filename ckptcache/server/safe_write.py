@@ -131,8 +131,6 @@ def write_beneath(
     if rel.startswith("..") or any(p in ("", ".", "..") for p in parts):
         raise PathNotAllowed(f"cannot persist {path!r}: not below the storage root {root!r}")
     walker = _Walker(root, path, saver, anchor)
-    if anchor and not os.path.isdir(anchor):
-        raise DirectoryRemoved(removed_reason(anchor))
     # The root itself is configured by the administrator: create it as the daemon if missing.
     os.makedirs(root, exist_ok=True)
     fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
@@ -148,6 +146,16 @@ def write_beneath(
         _write_in(fd, parts[-1], fill, walker, commit_ns)
     finally:
         os.close(fd)
+
+
+def _link_new(fd: int, name: str, dir_fd: int) -> bool:
+    """Name the unnamed file ``fd`` straight as ``name`` if nothing is there yet (no temporary
+    name shows, so a concurrent ``rmtree`` never meets one); False if ``name`` exists."""
+    try:
+        link_unnamed(fd, name, dir_fd=dir_fd)
+    except FileExistsError:
+        return False
+    return True
 
 
 def _write_in(
@@ -176,8 +184,11 @@ def _write_in(
             if commit_ns is not None:
                 os.utime(fd, ns=(commit_ns, commit_ns))
             os.fsync(fd)
-            if not named:  # unnamed until complete: named only for the rename
-                link_unnamed(fd, tmp, dir_fd=dir_fd)
+            if not named:  # unnamed until complete
+                if _link_new(fd, name, dir_fd):
+                    os.fsync(dir_fd)  # a new file: named once, complete, no temp name ever
+                    return
+                link_unnamed(fd, tmp, dir_fd=dir_fd)  # replacing a file: named for the rename
                 named = True
         finally:
             os.close(fd)

@@ -201,7 +201,13 @@ class CacheService(rpyc.Service):  # type: ignore[misc]
                 return m.error_envelope("ProtocolMismatch", f"unknown request kind {kind!r}")
             request_type, fn = handler
             assert self._session is not None
-            result = fn(self._session, m.decode(request_type, body))
+            try:
+                request = m.decode(request_type, body)
+            except errors.ProtocolMismatch:
+                if kind == "commit":
+                    self._abort_raw(body)  # a refused commit holds nothing
+                raise
+            result = fn(self._session, request)
             return m.ok_envelope(result if result is not None else {})
         except errors.CkptCacheError as e:
             return m.error_envelope(type(e).__name__, str(e))

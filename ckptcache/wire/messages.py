@@ -101,6 +101,11 @@ def _type_ok(value: Any, hint: Any) -> bool:
     return True
 
 
+def _hint_name(hint: Any) -> str:
+    """``int``, ``float | None``: an annotation as an error message names it."""
+    return getattr(hint, "__name__", None) or str(hint)
+
+
 def _build(cls: type[M], raw: Any) -> M:
     if not isinstance(raw, dict):
         raise ValueError(f"{cls.__name__}: expected an object")
@@ -122,7 +127,10 @@ def _build(cls: type[M], raw: Any) -> M:
         elif isinstance(values[name], list):
             values[name] = tuple(values[name])
         if not _type_ok(values[name], types_[name]):
-            raise ValueError(f"{cls.__name__}.{name}: {values[name]!r} is not {types_[name]}")
+            raise ValueError(
+                f"{cls.__name__}.{name}: must be {_hint_name(types_[name])}, "
+                f"not {type(values[name]).__name__}"
+            )
     return cls(**values)
 
 

@@ -162,7 +162,7 @@ def test_a_malformed_commit_frees_its_reservation(daemon_factory, tmp_path):
                    "manifest_size": 100, "stall_seconds": 0.0}  # fmt: skip
             answer = json.loads(c._conn.root.request("commit", json.dumps(raw)))
             assert answer["error"]["type"] == "ProtocolMismatch"
-            assert "manifest_offset must be int, not float" in answer["error"]["message"]
+            assert "manifest_offset: must be int, not float" in answer["error"]["message"]
         assert d.status().objects == 0
         c.save(blob(11, 7), path)  # the five refused commits hold nothing
         c.save(blob(11, 8), tmp_path / "y.pt")

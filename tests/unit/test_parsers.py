@@ -258,7 +258,7 @@ def _sample(cls: type) -> Any:
             values[name] = (1, 2) if "int" in text else ("a", "b")
         elif hint is bool:
             values[name] = True
-        elif hint is float:
+        elif hint is float or "float" in text:
             values[name] = 1.5
         elif "int" in text:
             values[name] = 7
