@@ -41,6 +41,7 @@ from ckptcache.errors import (
 from ckptcache.flatten import MapLocation, flatten
 from ckptcache.manifest import plan_object, unpack_digests
 from ckptcache.objectio import read_object, write_object
+from ckptcache.persisted import load_from_storage, stored_archive_complete
 from ckptcache.shm import Mapping, map_private, map_shared
 from ckptcache.storage import backend_for
 from ckptcache.wire import messages as m
@@ -299,7 +300,7 @@ class Client:
                 "open", m.OpenRequest(self.namespace, path, need_digests=verify), m.OpenReply
             )
         except (CheckpointNotFound, DaemonUnavailable) as e:
-            return self._load_file(path, map_location, weights_only, mmap, e)
+            return self._load_file(path, map_location, weights_only, mmap, e, verify)
         log.debug("load of %s served from the %s tier", path, reply.tier)
         try:
             return self._load_segment(reply, map_location, weights_only, mmap, verify)
@@ -312,7 +313,7 @@ class Client:
             except errors.CkptCacheError:
                 pass
             if os.path.exists(path):
-                return self._load_file(path, map_location, weights_only, mmap, e)
+                return self._load_file(path, map_location, weights_only, mmap, e, verify)
             raise
 
     def _load_segment(
@@ -347,6 +348,7 @@ class Client:
         weights_only: bool,
         mmap: bool | None,
         reason: errors.CkptCacheError,
+        verify: bool = False,
     ) -> Any:
         if isinstance(reason, DaemonUnavailable) and self.fallback == "raise":
             raise reason
@@ -356,16 +358,22 @@ class Client:
                 f"{path!r} is neither in {where} nor in storage; check the path "
                 "(and the namespace, if the job sets one)"
             ) from reason
-        location: Any = map_location
-        if not _is_url(path):
-            return torch.load(path, map_location=location, weights_only=weights_only, mmap=mmap)
-        with backend_for(path).open_read(path) as f:
-            return torch.load(f, map_location=location, weights_only=weights_only)
+        return load_from_storage(
+            path, map_location, weights_only=weights_only, mmap=mmap, verify=verify
+        )
 
     @staticmethod
     def _in_storage(path: str) -> bool:
         try:
             return backend_for(path).exists(path)
+        except (OSError, ValueError, ImportError):
+            return False
+
+    @staticmethod
+    def _complete_in_storage(path: str) -> bool:
+        """Whether storage holds a complete checkpoint at ``path`` (not empty, not cut short)."""
+        try:
+            return stored_archive_complete(backend_for(path), path)
         except (OSError, ValueError, ImportError):
             return False
 
@@ -377,7 +385,7 @@ class Client:
         try:
             return self._call("stat", m.StatRequest(self.namespace, path), m.ObjectInfo)
         except (CheckpointNotFound, DaemonUnavailable):
-            if not self._in_storage(path):
+            if not self._complete_in_storage(path):
                 raise
             size, mtime = (
                 (os.path.getsize(path), os.path.getmtime(path)) if not _is_url(path) else (0, 0.0)

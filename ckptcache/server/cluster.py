@@ -318,6 +318,7 @@ class Cluster:
                 flight = self.core.inflight.get(key)
                 if flight is None:
                     gen = self.core._lookup(*key)
+                    self.core.check_not_corrupt(gen)
                     self.core.pin(gen)
         except (CkptCacheError, KeyError) as e:
             send_msg(conn, {"ok": False, "error": type(e).__name__, "message": str(e)})
@@ -671,6 +672,38 @@ class Cluster:
         for key in (f"writer/{ph}", f"reps/{ph}/{digest}"):
             self._withdraw(key)
         self.watch(gen, resubmit=False)
+
+    def replace_corrupt(self, gen: Generation) -> bool:
+        """This node's copy of ``gen`` is corrupt: leave its redundancy group (so a standby
+        takes over the persist) and fetch a good copy from another member; returns whether
+        one was found. The fetched copy is committed as a newer generation and persisted (or
+        marked persisted) through the normal election."""
+        ph, digest = path_hash(gen.namespace, gen.path), object_digest(gen.digests or [])
+        me = self.node.node_id
+        for key in (f"holders/{ph}/{digest}/{me}", f"writer/{ph}", f"reps/{ph}/{digest}"):
+            self._withdraw(key)
+        try:
+            members = self.coord.scan(f"holders/{ph}/{digest}/")
+            live = {n.node_id: n for n in self.live_nodes()}
+        except CoordinatorUnavailable as e:
+            log.error("cannot look for a good copy of %s: %s", gen.path, e)
+            return False
+        for entry in members.values():
+            node = live.get(str(entry.get("node")))
+            if node is None or node.node_id == me or not node.data_addr:
+                continue
+            try:
+                with self._in_flight(ph) as announce:
+                    good = self._fetch_from(node, gen.namespace, gen.path, announce)
+            except (OSError, CkptCacheError) as e:
+                log.warning("good copy of %s from %s failed: %s", gen.path, node.node_id, e)
+                continue
+            log.warning("replaced the corrupt copy of %s with the one of %s (generation %d)",
+                        gen.path, node.node_id, good.number)  # fmt: skip
+            self._work.put(good)
+            return True
+        log.error("no other node holds a good copy of %s: it cannot be persisted", gen.path)
+        return False
 
     def watch(self, gen: Generation, *, resubmit: bool = True) -> None:
         """Watch the group of ``gen`` as a standby (call with the core lock held or not)."""

@@ -544,6 +544,15 @@ class CacheCore:
             )
         return gen
 
+    def check_not_corrupt(self, gen: Generation) -> None:
+        """Refuse to serve a generation whose bytes were found corrupt (call under the lock)."""
+        if gen.corrupt:
+            raise CorruptCheckpoint(
+                f"{gen.path!r} generation {gen.number} in the memory of node "
+                f"{self.config.node_id!r} is corrupt and is not served: {gen.corrupt}",
+                tier="local",
+            )
+
     def open(self, session: Session, req: m.OpenRequest) -> m.OpenReply:
         """Pin a generation for a load and say where it lies."""
         t0 = time.perf_counter()
@@ -551,6 +560,7 @@ class CacheCore:
         try:
             with self.cond:
                 gen = self._lookup(req.namespace, req.path, req.generation)
+                self.check_not_corrupt(gen)
                 self.pin(gen)
         except CheckpointNotFound:
             if self.cluster is None or req.generation is not None:

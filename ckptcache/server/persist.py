@@ -24,8 +24,10 @@ import time
 from typing import TYPE_CHECKING
 
 from ckptcache._units import format_bytes
-from ckptcache.errors import CkptCacheError
-from ckptcache.storage import StorageOptions, backend_for
+from ckptcache.errors import CkptCacheError, CorruptCheckpoint
+from ckptcache.persisted import stream_archive
+from ckptcache.storage import StorageBackend, StorageOptions, backend_for
+from ckptcache.storage.base import Sink
 
 if TYPE_CHECKING:
     from ckptcache.server.core import CacheCore
@@ -159,11 +161,10 @@ class Persister:
                     return
             try:
                 backend.cleanup(target)
-                fd = os.open(gen.segment.path, os.O_RDONLY | os.O_CLOEXEC)
-                try:
-                    backend.write(target, fd, gen.manifest.payload_offset, gen.size)
-                finally:
-                    os.close(fd)
+                self._copy(gen, backend, target)
+            except CorruptCheckpoint as e:
+                self._corrupt(gen, e)
+                return
             except OSError as e:
                 error = f"{type(e).__name__}: {e}"
                 self.core.metrics.persist_errors.inc()
@@ -190,6 +191,41 @@ class Persister:
         log.error("persist of %s generation %d failed for good: %s", gen.path, gen.number, error)
         if cluster is not None:
             cluster.failed(gen)
+
+    def _copy(self, gen: Generation, backend: StorageBackend, target: str) -> None:
+        """Stream the archive to storage, checking every tensor against its recorded digest
+        and writing real zip CRC-32s and the digest record (see :mod:`ckptcache.persisted`)
+        in the same pass; a mismatch raises :class:`CorruptCheckpoint` and nothing becomes
+        visible under ``target``."""
+        digests = self.core.ensure_digests(gen)  # normally recorded already by the digester
+        base = gen.manifest.payload_offset
+        expected = {
+            record.offset - base: (digest, record.name)
+            for record, digest in zip(gen.manifest.storages, digests, strict=True)
+        }
+        view = gen.segment.view()
+        payload = view[base : base + gen.size]
+
+        def produce(sink: Sink) -> None:
+            stream_archive(payload, sink, path=gen.path, expected=expected)
+
+        try:
+            backend.write_stream(target, produce)
+        finally:
+            payload.release()
+            del view
+
+    def _corrupt(self, gen: Generation, error: CorruptCheckpoint) -> None:
+        """The bytes to persist no longer match their digests: never persist or serve them;
+        in a cluster, step down and fetch the group's good copy from a peer."""
+        self.core.metrics.corrupt.labels(tier="local").inc()
+        log.error("not persisting %s generation %d: %s", gen.path, gen.number, error)
+        with self.core.cond:
+            gen.persist_state = "failed"
+            gen.corrupt = gen.persist_error = f"{error}. Save it again"
+            self.core.cond.notify_all()
+        if self.core.cluster is not None:
+            self.core.cluster.replace_corrupt(gen)
 
     def _resubmit(self, gen: Generation) -> None:
         with self.core.cond:

@@ -24,10 +24,16 @@ Failures raise ``OSError`` subclasses (``PermissionError``, ``FileNotFoundError`
 from __future__ import annotations
 
 import abc
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import BinaryIO
 
-__all__ = ["StorageBackend", "StorageOptions"]
+__all__ = ["Producer", "Sink", "StorageBackend", "StorageOptions"]
+
+#: Takes the next piece of an object being streamed to storage (in order).
+Sink = Callable[[bytes | memoryview], None]
+#: Streams a whole object into the sink it is given (and may raise to abandon the write).
+Producer = Callable[[Sink], None]
 
 
 @dataclass(frozen=True)
@@ -53,6 +59,13 @@ class StorageBackend(abc.ABC):
     @abc.abstractmethod
     def write_bytes(self, path: str, data: bytes | memoryview) -> None:
         """Atomically store ``data`` at ``path``."""
+
+    def write_stream(self, path: str, produce: Producer) -> None:
+        """Atomically store what ``produce`` feeds its sink, in order; if ``produce`` raises,
+        nothing becomes visible under ``path``. (Default: collect, then :meth:`write_bytes`.)"""
+        buf = bytearray()
+        produce(buf.extend)
+        self.write_bytes(path, memoryview(buf))
 
     @abc.abstractmethod
     def exists(self, path: str) -> bool:

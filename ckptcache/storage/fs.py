@@ -8,7 +8,7 @@ import secrets
 from collections.abc import Callable
 from typing import BinaryIO
 
-from ckptcache.storage.base import StorageBackend
+from ckptcache.storage.base import Producer, StorageBackend
 
 __all__ = ["TEMP_MARK", "FileBackend"]
 
@@ -29,6 +29,12 @@ def _fsync_dir(directory: str) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def _write_all(fd: int, data: bytes | memoryview) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view) :]
 
 
 class FileBackend(StorageBackend):
@@ -66,12 +72,10 @@ class FileBackend(StorageBackend):
         self._atomic(path, fill)
 
     def write_bytes(self, path: str, data: bytes | memoryview) -> None:
-        def fill(fd: int) -> None:
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view) :]
+        self._atomic(path, lambda fd: _write_all(fd, data))
 
-        self._atomic(path, fill)
+    def write_stream(self, path: str, produce: Producer) -> None:
+        self._atomic(path, lambda fd: produce(lambda chunk: _write_all(fd, chunk)))
 
     def exists(self, path: str) -> bool:
         return os.path.isfile(path)

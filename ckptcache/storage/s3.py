@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import io
 import os
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, BinaryIO
 
-from ckptcache.storage.base import StorageBackend, StorageOptions
+from ckptcache.storage.base import Producer, StorageBackend, StorageOptions
 
 __all__ = ["S3Backend", "split_s3_url"]
 
@@ -107,6 +107,61 @@ class S3Backend(StorageBackend):
             except Exception:
                 pass  # cleanup() aborts it before the next attempt
             raise
+
+    def write_stream(self, path: str, produce: Producer) -> None:
+        """Parts are cut from the stream as it comes and uploaded in parallel (at most
+        ``s3_max_concurrency`` in flight); an object smaller than one part is a single PUT."""
+        part = max(self.options.s3_part_size, _MIN_PART)
+        bucket, key = split_s3_url(path)
+        buf = bytearray()
+        upload: list[str] = []  # the upload id, once the first full part exists
+        futures: list[Future[dict[str, Any]]] = []
+        pool = ThreadPoolExecutor(self.options.s3_max_concurrency)
+
+        def put(number: int, body: bytes) -> dict[str, Any]:
+            reply = self._call(
+                f"upload part {number}", self.client.upload_part, Bucket=bucket, Key=key,
+                UploadId=upload[0], PartNumber=number, Body=body,
+            )  # fmt: skip
+            return {"PartNumber": number, "ETag": reply["ETag"]}
+
+        def flush(final: bool) -> None:
+            while len(buf) >= part or (final and buf):
+                if not upload:
+                    upload.append(self._call("create multipart upload",
+                                             self.client.create_multipart_upload,
+                                             Bucket=bucket, Key=key)["UploadId"])  # fmt: skip
+                body = bytes(buf[:part])
+                del buf[:part]
+                if len(futures) >= self.options.s3_max_concurrency:
+                    futures[len(futures) - self.options.s3_max_concurrency].result()
+                futures.append(pool.submit(put, len(futures) + 1, body))
+
+        def sink(chunk: bytes | memoryview) -> None:
+            buf.extend(chunk)
+            flush(False)
+
+        try:
+            produce(sink)
+            if not upload:
+                self.write_bytes(path, memoryview(buf))
+                return
+            flush(True)
+            parts = [f.result() for f in futures]
+            self._call("complete multipart upload", self.client.complete_multipart_upload,
+                       Bucket=bucket, Key=key, UploadId=upload[0],
+                       MultipartUpload={"Parts": parts})  # fmt: skip
+        except BaseException:
+            for f in futures:
+                f.cancel()
+            if upload:
+                try:
+                    self.client.abort_multipart_upload(Bucket=bucket, Key=key, UploadId=upload[0])
+                except Exception:
+                    pass  # cleanup() aborts it before the next attempt
+            raise
+        finally:
+            pool.shutdown(wait=True)
 
     def write_bytes(self, path: str, data: bytes | memoryview) -> None:
         bucket, key = split_s3_url(path)
