@@ -20,6 +20,7 @@ record's digest (or its CRC-32 for archives without the digest record, e.g. ``to
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import mmap as mmap_module
@@ -27,7 +28,7 @@ import os
 import struct
 import zipfile
 import zlib
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -47,6 +48,7 @@ __all__ = [
     "load_from_storage",
     "stored_archive_complete",
     "stream_archive",
+    "verify_stored",
 ]
 
 #: Name of the digest record, relative to the archive's top folder.
@@ -296,6 +298,37 @@ def stored_archive_complete(backend: StorageBackend, path: str) -> bool:
     return True
 
 
+@contextlib.contextmanager
+def _stored_view(path: str) -> Iterator[tuple[memoryview, bytes | None]]:
+    """The stored object's bytes: a read-only mapping of a local file, or the whole body of a
+    URL's object (also yielded, for ``torch.load`` to read from memory)."""
+    if "://" in path:
+        with backend_for(path).open_read(path) as f:
+            data = f.read()
+        yield memoryview(data), data
+        return
+    with open(path, "rb") as f:
+        if os.fstat(f.fileno()).st_size == 0:
+            raise _corrupt(path, "the file is empty")
+        mapping = mmap_module.mmap(f.fileno(), 0, access=mmap_module.ACCESS_READ)
+    view = memoryview(mapping)
+    try:
+        yield view, None
+    finally:
+        view.release()
+        try:
+            mapping.close()
+        except BufferError:
+            pass  # slices live on in an error's traceback: unmapped when it is collected
+
+
+def verify_stored(path: str, *, deep: bool = True) -> None:
+    """Check the checkpoint stored at ``path``: its structure (truncation) and, with
+    ``deep``, every record against the digest record or its CRC-32."""
+    with _stored_view(path) as (view, _):
+        _check_stored(view, path, deep)
+
+
 def load_from_storage(
     path: str,
     map_location: Any = None,
@@ -308,23 +341,10 @@ def load_from_storage(
     digests with ``verify``); damage raises :class:`CorruptCheckpoint` naming ``path``."""
     import torch
 
-    if "://" in path:
-        with backend_for(path).open_read(path) as f:
-            data = f.read()
-        _check_stored(memoryview(data), path, verify)
-        source: Any = io.BytesIO(data)
-        kwargs: dict[str, Any] = {}
-    else:
-        with open(path, "rb") as f:
-            if os.fstat(f.fileno()).st_size == 0:
-                raise _corrupt(path, "the file is empty")
-            with mmap_module.mmap(f.fileno(), 0, access=mmap_module.ACCESS_READ) as mapping:
-                view = memoryview(mapping)
-                try:
-                    _check_stored(view, path, verify)
-                finally:
-                    view.release()
-        source, kwargs = path, {"mmap": mmap}
+    with _stored_view(path) as (view, data):
+        _check_stored(view, path, verify)
+    source: Any = path if data is None else io.BytesIO(data)
+    kwargs: dict[str, Any] = {"mmap": mmap} if data is None else {}
     try:
         return torch.load(source, map_location=map_location, weights_only=weights_only, **kwargs)
     except (EOFError, zipfile.BadZipFile) as e:
