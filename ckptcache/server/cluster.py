@@ -42,6 +42,7 @@ from ckptcache.errors import (
 )
 from ckptcache.layout import HEADER_SIZE, plan_segment
 from ckptcache.manifest import Manifest, manifest_from_archive, object_digest, pack_digests
+from ckptcache.persisted import check_archive
 from ckptcache.server.coord import CoordinatorUnavailable, NodeInfo, make_coordinator
 from ckptcache.server.dataplane import (
     DataPlaneClient,
@@ -211,13 +212,19 @@ class Cluster:
     def replicate(self, gen: Generation) -> None:
         """Bring ``gen`` up to the configured number of backup copies (raises when none can be
         made)."""
-        live = set(self.node_ids())
-        with self.core.cond:
-            gen.replicas &= live
-            need = self.config.replicas - len(gen.replicas)
-        if need <= 0:
-            return
-        targets = self.backup_targets(exclude=set(gen.replicas))
+        try:
+            live = {n.node_id for n in self.live_nodes()}
+            with self.core.cond:
+                gen.replicas &= live
+                need = self.config.replicas - len(gen.replicas)
+            if need <= 0:
+                return
+            targets = self.backup_targets(exclude=set(gen.replicas))
+        except CoordinatorUnavailable as e:
+            raise ReplicationError(
+                f"no backup copy of {gen.path!r}: the coordinator is unreachable, so no "
+                f"backup node can be chosen ({e}); the local copy is kept"
+            ) from e
         if not targets:
             raise ReplicationError(
                 f"no live backup node for {gen.path!r} (live: {sorted(live)}); the local copy "
@@ -456,6 +463,16 @@ class Cluster:
         self, namespace: str, path: str, started: Callable[[], None]
     ) -> Generation:
         """Read a persisted archive into the arena with parallel ranged reads."""
+        try:
+            return self._read_storage(namespace, path, started)
+        except ValueError as e:  # the end records or the archive are unreadable
+            if not isinstance(e, CorruptCheckpoint):
+                e = CorruptCheckpoint(f"checkpoint file {path!r} is corrupt: {e}", tier="storage")
+            self.core.metrics.corrupt.labels(tier="storage").inc()
+            log.error("not serving %s from storage: %s", path, e)
+            raise e from None
+
+    def _read_storage(self, namespace: str, path: str, started: Callable[[], None]) -> Generation:
         backend = backend_for(path, self.core.persister.options)
         size = backend.size(path)
 
@@ -492,6 +509,8 @@ class Cluster:
 
             with ThreadPoolExecutor(self.config.s3_max_concurrency) as pool:
                 list(pool.map(read, range(len(ranges))))
+            # Structure and every record's digest (or CRC-32): a damaged file is not served.
+            computed = check_archive(view[:size], path, deep=True)
             parsed = parse_archive(view[:size])
             manifest = manifest_from_archive(parsed, path, namespace, size)
             encoded = manifest.to_json()
@@ -500,22 +519,15 @@ class Cluster:
             start = layout.manifest_offset - HEADER_SIZE
             view[start : start + capacity] = encoded.ljust(capacity)
             # Digests of what storage holds (its own integrity is the storage's business).
-            table.extend(
-                digest_bytes(view[r.offset - HEADER_SIZE : r.offset - HEADER_SIZE + r.nbytes])
-                for r in manifest.storages
-            )
+            table.extend(computed[r.offset - HEADER_SIZE] for r in manifest.storages)
             dstart = layout.digest_offset - HEADER_SIZE
             view[dstart : dstart + 8 * len(table)] = pack_digests(table)
             advance(layout.nbytes - HEADER_SIZE)
 
-        try:
-            gen = self.core.receive(
-                namespace, path, layout.nbytes, layout.manifest_offset, capacity, fill,
-                origin="storage", persisted=True, digests=lambda: table,
-            )  # fmt: skip
-        except ValueError as e:
-            raise CorruptCheckpoint(f"{path!r} in storage is not a readable archive: {e}",
-                                    tier="storage") from e  # fmt: skip
+        gen = self.core.receive(
+            namespace, path, layout.nbytes, layout.manifest_offset, capacity, fill,
+            origin="storage", persisted=True, digests=lambda: table,
+        )  # fmt: skip
         self.core.metrics.storage_reads.inc()
         log.info("read %s from storage for the group (%.0f MB/s)", path,
                  size / max(time.perf_counter() - t0, 1e-9) / 1e6)  # fmt: skip
@@ -658,13 +670,35 @@ class Cluster:
         return gen.path
 
     def persisted(self, gen: Generation, target: str) -> None:
-        """Record the group's persist and step down."""
+        """Record the group's persist and step down. If the coordinator is unreachable, the
+        record is retried in the background (with backoff) until it answers: the object is
+        already complete on storage, so nothing waits for it but the standbys."""
         ph, digest = path_hash(gen.namespace, gen.path), object_digest(gen.digests or [])
-        self.coord.record(f"persisted/{ph}/{digest}", {
-            "node": self.node.node_id, "path": target, "time": time.time(),
-        })  # fmt: skip
+        record = {"node": self.node.node_id, "path": target, "time": time.time()}
+        try:
+            self._record_persisted(ph, digest, record)
+        except CoordinatorUnavailable as e:
+            log.warning("cannot record the persist of %s yet (%s); retrying", gen.path, e)
+            threading.Thread(
+                target=self._retry_record, args=(gen.path, ph, digest, record),
+                name="persisted-record", daemon=True,
+            ).start()  # fmt: skip
+
+    def _record_persisted(self, ph: str, digest: str, record: dict[str, Any]) -> None:
+        self.coord.record(f"persisted/{ph}/{digest}", record)
         for key in (f"writer/{ph}", f"reps/{ph}/{digest}"):
-            self._withdraw(key)
+            self.coord.withdraw(key)
+
+    def _retry_record(self, path: str, ph: str, digest: str, record: dict[str, Any]) -> None:
+        delay = 0.2
+        while not self._stop.wait(delay):
+            try:
+                self._record_persisted(ph, digest, record)
+            except CoordinatorUnavailable:
+                delay = min(delay * 2, 5.0)
+                continue
+            log.info("recorded the persist of %s after a coordinator outage", path)
+            return
 
     def failed(self, gen: Generation) -> None:
         """Step down after giving up, so a standby can take over; keep watching the group."""

@@ -565,7 +565,7 @@ class CacheCore:
         except CheckpointNotFound:
             if self.cluster is None or req.generation is not None:
                 raise
-            gen = self.cluster.load_remote(req.namespace, req.path)
+            gen = self._load_remote(req.namespace, req.path)
             tier = "storage" if gen.origin == "storage" else "peer"
             with self.cond:
                 self.pin(gen)
@@ -589,6 +589,20 @@ class CacheCore:
             header.manifest_size, header.digest_offset, header.n_storages, gen.digests is not None,
             tier,
         )  # fmt: skip
+
+    def _load_remote(self, namespace: str, path: str) -> Generation:
+        """A peer's copy or the group's storage read; without a coordinator neither can be
+        found, and the client reads storage itself (CheckpointNotFound says so)."""
+        from ckptcache.server.coord import CoordinatorUnavailable
+
+        try:
+            gen: Generation = self.cluster.load_remote(namespace, path)
+        except CoordinatorUnavailable as e:
+            raise CheckpointNotFound(
+                f"{path!r} is not in the memory of node {self.config.node_id!r} and the "
+                f"coordinator is unreachable ({e}): read it from storage"
+            ) from e
+        return gen
 
     def prefetch(self, session: Session, req: m.PrefetchRequest) -> m.PrefetchReply:
         """Warm this node's memory with ``path`` (peer or storage) without pinning it."""

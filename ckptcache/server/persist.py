@@ -177,9 +177,11 @@ class Persister:
                 if attempt < cfg.persist_retries:
                     time.sleep(min(cfg.persist_backoff * 2**attempt, cfg.persist_backoff_max))
                 continue
+            # The object is complete on storage: persisted now, whatever the coordinator says;
+            # the group's record follows (retried in the background through an etcd outage).
+            self._done(gen, time.perf_counter() - t0)
             if cluster is not None:
                 cluster.persisted(gen, target)
-            self._done(gen, time.perf_counter() - t0)
             return
         with self.core.cond:
             gen.persist_state = "failed"
