@@ -39,7 +39,8 @@ from ckptcache.errors import (
     PersistTimeout,
 )
 from ckptcache.flatten import MapLocation, flatten
-from ckptcache.manifest import plan_object, unpack_digests
+from ckptcache.layout import HEADER_SIZE, SegmentHeader
+from ckptcache.manifest import Manifest, plan_object, unpack_digests, verify_meta
 from ckptcache.objectio import read_object, write_object
 from ckptcache.persisted import load_from_storage, stored_archive_complete
 from ckptcache.shm import Mapping, map_private, map_shared
@@ -336,10 +337,28 @@ class Client:
             ]
             digests = unpack_digests(table, reply.n_storages)
             table.release()
+            self._verify_meta(mapping, reply)
         return read_object(
             mapping, reply.manifest_offset, reply.manifest_size, zero_copy=mmap is not False,
             weights_only=weights_only, map_location=map_location, digests=digests,
         )  # fmt: skip
+
+    @staticmethod
+    def _verify_meta(mapping: Mapping, reply: m.OpenReply) -> None:
+        """Check the skeleton and manifest against the digests in the segment's header."""
+        view = memoryview(mapping)
+        try:
+            header = SegmentHeader.unpack(view[:HEADER_SIZE])
+            mo, ms = reply.manifest_offset, reply.manifest_size
+            manifest = Manifest.from_json(view[mo : mo + ms], segment_size=len(view))
+            verify_meta(view, manifest, mo, ms, (header.skeleton_digest, header.manifest_digest),
+                        tier="local")  # fmt: skip
+        except ValueError as e:
+            if isinstance(e, CorruptCheckpoint):
+                raise
+            raise CorruptCheckpoint(f"unreadable segment header: {e}", tier="local") from e
+        finally:
+            view.release()
 
     def _load_file(
         self,

@@ -75,6 +75,19 @@ def path_hash(namespace: str, path: str) -> str:
     return digest_hex(digest_bytes(f"{namespace}\0{path}".encode()))
 
 
+def _check_skeleton(view: memoryview, manifest: Manifest, expected: int) -> None:
+    """The skeleton that arrived (``view`` starts at the payload) against the sender's digest."""
+    start = manifest.pickle_offset - HEADER_SIZE
+    got = digest_bytes(view[start : start + manifest.pickle_size])
+    if expected and got != expected:
+        raise CorruptCheckpoint(
+            f"skeleton (pickle) of {manifest.path!r} arrived with digest {digest_hex(got)}, "
+            f"expected {digest_hex(expected)}",
+            tensor="<skeleton>",
+            tier="peer",
+        )
+
+
 class Cluster:
     """This node's view of the cluster: coordinator, data plane, replication, elections."""
 
@@ -262,6 +275,7 @@ class Cluster:
                     "nbytes": nbytes, "manifest_offset": header.manifest_offset,
                     "manifest_size": header.manifest_size, "origin": self.node.node_id,
                     "manifest": gen.manifest.to_json().decode(),
+                    "skeleton_digest": header.skeleton_digest,
                 })  # fmt: skip
                 ready = recv_msg(peer.sock)
                 if not ready.get("ok"):
@@ -314,6 +328,7 @@ class Cluster:
             if ready:
                 send_msg(conn, {"ok": True})  # reserved: the sender may stream the bytes
             verified.extend(receive_object(conn, view, manifest, digest_offset, advance))
+            _check_skeleton(view, manifest, int(head.get("skeleton_digest") or 0))
 
         return self.core.receive(namespace, path, nbytes, mo, ms, fill, origin=origin,
                                  digests=lambda: verified)  # fmt: skip
@@ -347,6 +362,7 @@ class Cluster:
                 "manifest_size": header.manifest_size, "generation": gen.number,
                 "namespace": gen.namespace, "path": gen.path,
                 "manifest": gen.manifest.to_json().decode(),
+                "skeleton_digest": header.skeleton_digest,
             })  # fmt: skip
             send_object(conn, gen, lambda: self.core.ensure_digests(gen))
         finally:

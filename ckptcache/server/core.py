@@ -42,9 +42,11 @@ from ckptcache.layout import HEADER_SIZE, DigestState, SegmentHeader, SegmentSta
 from ckptcache.manifest import (
     Manifest,
     compute_digests,
+    meta_digests,
     pack_digests,
     unpack_digests,
     verify_digests,
+    verify_meta,
 )
 from ckptcache.server.arena import Arena, Segment
 from ckptcache.server.config import DaemonConfig
@@ -656,7 +658,17 @@ class CacheCore:
                 table = pack_digests(digests)
                 mapping = gen.segment.mapping
                 mapping[header.digest_offset : header.digest_offset + len(table)] = table
-                gen.segment.write_header(replace(header, digest_state=DigestState.VALID))
+                view = gen.segment.view()
+                try:  # the skeleton and manifest are small: hashed here, with the table
+                    skeleton, manifest = meta_digests(
+                        view, gen.manifest, header.manifest_offset, header.manifest_size
+                    )
+                finally:
+                    del view
+                gen.segment.write_header(replace(
+                    header, digest_state=DigestState.VALID, skeleton_digest=skeleton,
+                    manifest_digest=manifest,
+                ))  # fmt: skip
             return gen.digests
 
     def _digest_loop(self) -> None:
@@ -686,8 +698,13 @@ class CacheCore:
             self.pin(gen)
         try:
             recorded = gen.digests if gen.digests is not None else self._compute_digests(gen)
+            header = gen.segment.read_header()
             view = gen.segment.view()
             try:
+                verify_meta(
+                    view, gen.manifest, header.manifest_offset, header.manifest_size,
+                    (header.skeleton_digest, header.manifest_digest), tier="local",
+                )  # fmt: skip
                 verify_digests(view, gen.manifest, recorded, tier="local")
             finally:
                 del view

@@ -205,6 +205,9 @@ class Persister:
             record.offset - base: (digest, record.name)
             for record, digest in zip(gen.manifest.storages, digests, strict=True)
         }
+        skeleton = gen.segment.read_header().skeleton_digest
+        if skeleton:
+            expected[gen.manifest.pickle_offset - base] = (skeleton, "<skeleton>")
         view = gen.segment.view()
         payload = view[base : base + gen.size]
 

@@ -3,6 +3,8 @@ damage to a stored file is a typed, named error."""
 
 from __future__ import annotations
 
+import os
+import struct
 import subprocess
 import sys
 import zipfile
@@ -105,3 +107,42 @@ def test_truncated_or_empty_file_is_corrupt_not_a_torch_error(daemon_factory, tm
         assert not c.exists(path)
         with pytest.raises(CheckpointNotFound):
             c.status(path)
+
+
+def edit_segment(daemon, client, path, old: bytes, new: bytes) -> None:
+    """Replace the first ``old`` by ``new`` (same length) in the daemon's segment of ``path``
+    (the archive, skeleton first, comes before the manifest)."""
+    seg = os.path.join(daemon.segments_dir, client.status(path).segment)
+    with open(seg, "r+b") as f:
+        data = f.read()
+        f.seek(data.index(old))
+        f.write(new)
+
+
+def test_edited_skeleton_is_caught(daemon, tmp_path):
+    path = tmp_path / "m.pt"
+    with daemon.client() as c:
+        c.save({"w0": torch.ones(100), "step": 7}, path)
+        wait_digested(c, path)
+        edit_segment(daemon, c, path, b"w0", b"x0")  # the key lives in the pickle skeleton
+        report = c.verify(path)
+        assert not report.ok and "skeleton" in report.error
+        with pytest.raises(CorruptCheckpoint, match="skeleton"):
+            c.load(path, verify=True)
+
+
+def test_segment_of_an_unknown_layout_version_is_reclaimed(daemon, tmp_path):
+    path = tmp_path / "m.pt"
+    with daemon.client() as c:
+        c.save({"w": torch.ones(100)}, path)
+        seg = os.path.join(daemon.segments_dir, c.status(path).segment)
+    daemon.kill()
+    with open(seg, "r+b") as f:
+        f.seek(8)
+        f.write(struct.pack("<I", 99))
+    daemon.restart()
+    with daemon.client() as c:
+        assert not c.exists(path)
+        c.save({"w": torch.zeros(10)}, path)  # the daemon works on
+        assert_same({"w": torch.zeros(10)}, c.load(path))
+    assert "unknown segment layout version 99" in daemon.log()
