@@ -275,7 +275,7 @@ class Cluster:
                     "nbytes": nbytes, "manifest_offset": header.manifest_offset,
                     "manifest_size": header.manifest_size, "origin": self.node.node_id,
                     "manifest": gen.manifest.to_json().decode(),
-                    "skeleton_digest": header.skeleton_digest,
+                    "skeleton_digest": header.skeleton_digest, "committed": gen.committed,
                 })  # fmt: skip
                 ready = recv_msg(peer.sock)
                 if not ready.get("ok"):
@@ -295,7 +295,9 @@ class Cluster:
 
     def _on_push(self, conn: socket.socket, req: dict[str, Any]) -> None:
         try:
-            gen = self._receive(conn, req, str(req.get("origin", "?")), ready=True)
+            saved_at = float(req.get("committed") or time.time())
+            gen = self._receive(conn, req, str(req.get("origin", "?")), ready=True,
+                                saved_at=saved_at)  # fmt: skip
         except (CkptCacheError, KeyError, ValueError) as e:
             send_msg(conn, {"ok": False, "error": type(e).__name__, "message": str(e)})
             raise ConnectionError(f"push refused: {e}") from e
@@ -310,6 +312,7 @@ class Cluster:
         *,
         ready: bool,
         started: Callable[[], None] | None = None,
+        saved_at: float | None = None,
     ) -> Generation:
         """Receive one streamed object (see :mod:`ckptcache.server.transfer`) and commit it."""
         namespace, path = str(head["namespace"]), str(head["path"])
@@ -331,7 +334,7 @@ class Cluster:
             _check_skeleton(view, manifest, int(head.get("skeleton_digest") or 0))
 
         return self.core.receive(namespace, path, nbytes, mo, ms, fill, origin=origin,
-                                 digests=lambda: verified)  # fmt: skip
+                                 digests=lambda: verified, saved_at=saved_at)  # fmt: skip
 
     def _on_fetch(self, conn: socket.socket, req: dict[str, Any]) -> None:
         try:

@@ -127,6 +127,9 @@ class CacheCore:
         self.internal = Session(0, os.getpid(), os.getuid())
         #: Objects arriving right now, by (namespace, path): relayed to peers as they land.
         self.inflight: dict[Key, Inflight] = {}
+        #: When each path was last deleted here (wall clock): backup copies of generations
+        #: saved before that are refused, so a delete is not undone by a copy in transit.
+        self.deleted: dict[Key, float] = {}
         self.cluster: Any = None
         self.roots = PersistRoots(config.persist_roots)
         self.persister = Persister(self)
@@ -362,6 +365,7 @@ class CacheCore:
         verify: bool = True,
         persisted: bool = False,
         digests: Callable[[], list[int]] | None = None,
+        saved_at: float | None = None,
     ) -> Generation:
         """Take a copy from a peer or storage: reserve, ``fill`` the bytes after the header,
         verify every digest against the table that came with them (``verify``) or compute the
@@ -371,7 +375,10 @@ class CacheCore:
         ``fill(view, advance)`` calls ``advance(n)`` whenever the first ``n`` bytes of ``view``
         are final: until the commit, peers asking for the same path are relayed those bytes
         as they land (see :attr:`inflight`), so a broadcast is pipelined hop by hop.
+        ``saved_at``: the origin's commit time of a backup copy; refused if the path was
+        deleted here since (checked before and after the transfer).
         """
+        self._refuse_deleted(namespace, path, saved_at)
         reply = self.reserve(self.internal, m.ReserveRequest(namespace, path, nbytes))
         key = (namespace, path)
         with self.cond:
@@ -415,6 +422,14 @@ class CacheCore:
                 self.cond.notify_all()
             self.abort(self.internal, m.AbortRequest(reply.reservation))
             raise
+        try:
+            self._refuse_deleted(namespace, path, saved_at)
+        except CheckpointNotFound:
+            with self.cond:
+                if self.inflight.get(key) is flight:
+                    del self.inflight[key]
+            self.abort(self.internal, m.AbortRequest(reply.reservation))
+            raise
         with self.cond:
             if self.inflight.get(key) is flight:
                 del self.inflight[key]  # committed below: later fetches use the index
@@ -437,6 +452,15 @@ class CacheCore:
                 replace(header, digest_state=DigestState.VALID, persisted=int(persisted))
             )
         return gen
+
+    def _refuse_deleted(self, namespace: str, path: str, saved_at: float | None) -> None:
+        with self.cond:
+            deleted = self.deleted.get((namespace, path))
+        if saved_at is not None and deleted is not None and deleted >= saved_at:
+            raise CheckpointNotFound(
+                f"{path!r} was deleted on node {self.config.node_id!r} after this copy was "
+                "saved: backup copy refused"
+            )
 
     def ensure_digests(self, gen: Generation) -> list[int]:
         """Digests of ``gen``, computed now if the background worker has not yet."""
@@ -750,8 +774,10 @@ class CacheCore:
         return m.ListReply(tuple(out))
 
     def delete(self, session: Session, req: m.DeleteRequest) -> m.DeleteReply:
-        """Drop every generation of a path from memory (storage is untouched)."""
+        """Drop every generation of a path from memory, own and backup copies (storage is
+        untouched); backup copies of earlier saves still in transit are refused."""
         with self.cond:
+            self.deleted[(req.namespace, req.path)] = time.time()
             gens = self.index.generations((req.namespace, req.path))
             if not gens:
                 self._lookup(req.namespace, req.path)  # raises CheckpointNotFound

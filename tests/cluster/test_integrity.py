@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ckptcache.errors import CorruptCheckpoint, ReplicationError
+from ckptcache.errors import CheckpointNotFound, CorruptCheckpoint, ReplicationError
 from tests.helpers import EtcdServer, assert_same, read_only_dir, wait_until
 from tests.integration.test_corrupt import flip_bytes_of
 
@@ -125,3 +125,31 @@ def test_etcd_outage_loads_fall_back_to_storage(cluster_factory, tmp_path, own_e
         with pytest.raises(ReplicationError, match="coordinator is unreachable"):
             c.save(state(5), root / "other.pt", durability="backup")
     own_etcd.start()
+
+
+def _holds(d, path) -> bool:
+    with d.client() as c:
+        return any(o.path == str(path) for o in c.list())
+
+
+def test_delete_is_not_undone_by_a_backup_copy_in_transit(cluster_factory, tmp_path):
+    root = tmp_path / "ckpt"
+    a, b, c = cluster_factory(3, "--persist-root", str(root))
+    path = root / "m.pt"
+    with a.client() as ca:
+        ca.save(state(6), path, durability="persisted")
+    wait_until(lambda: _holds(b, path))  # the backup copy (node1 follows node0)
+    with c.client() as cc, pytest.raises(CheckpointNotFound):
+        cc.delete(path)  # holds nothing yet: nothing dropped, and nothing older may come
+    with b.client() as cb:
+        assert cb.delete(path) == 1  # the backup copy goes
+        assert cb.status(path).stages == ("storage",)
+    b.kill()  # node0 re-replicates its copy to node2, which was told to delete the path
+    wait_until(lambda: "refused" in a.log() and "deleted on node" in a.log(), timeout=60)
+    assert not _holds(c, path)
+    with a.client() as ca:
+        assert ca.delete(path) == 1
+    for d in (a, c):
+        with d.client() as cl:
+            assert cl.status(path).stages == ("storage",) and cl.exists(path)
+            assert_same(state(6), cl.load(path))  # from storage, the only copy left
