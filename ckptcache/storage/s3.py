@@ -109,11 +109,14 @@ class S3Backend(StorageBackend):
             raise
 
     def write_stream(self, path: str, produce: Producer) -> None:
-        """Parts are cut from the stream as it comes and uploaded in parallel (at most
-        ``s3_max_concurrency`` in flight); an object smaller than one part is a single PUT."""
+        """Parts are cut from the stream as it comes (each the next pieces joined once they
+        reach the part size) and uploaded in parallel, at most ``s3_max_concurrency`` in
+        flight; an object smaller than one part is a single PUT. The pieces are only
+        referenced until their part is joined (the producer keeps its source alive)."""
         part = max(self.options.s3_part_size, _MIN_PART)
         bucket, key = split_s3_url(path)
-        buf = bytearray()
+        pending: list[bytes | memoryview] = []
+        size = [0]
         upload: list[str] = []  # the upload id, once the first full part exists
         futures: list[Future[dict[str, Any]]] = []
         pool = ThreadPoolExecutor(self.options.s3_max_concurrency)
@@ -125,28 +128,32 @@ class S3Backend(StorageBackend):
             )  # fmt: skip
             return {"PartNumber": number, "ETag": reply["ETag"]}
 
-        def flush(final: bool) -> None:
-            while len(buf) >= part or (final and buf):
-                if not upload:
-                    upload.append(self._call("create multipart upload",
-                                             self.client.create_multipart_upload,
-                                             Bucket=bucket, Key=key)["UploadId"])  # fmt: skip
-                body = bytes(buf[:part])
-                del buf[:part]
-                if len(futures) >= self.options.s3_max_concurrency:
-                    futures[len(futures) - self.options.s3_max_concurrency].result()
-                futures.append(pool.submit(put, len(futures) + 1, body))
+        def flush() -> None:
+            if not upload:
+                upload.append(self._call("create multipart upload",
+                                         self.client.create_multipart_upload,
+                                         Bucket=bucket, Key=key)["UploadId"])  # fmt: skip
+            body = b"".join(pending)
+            pending.clear()
+            size[0] = 0
+            window = self.options.s3_max_concurrency
+            if len(futures) >= window:
+                futures[len(futures) - window].result()  # bound the parts held in memory
+            futures.append(pool.submit(put, len(futures) + 1, body))
 
         def sink(chunk: bytes | memoryview) -> None:
-            buf.extend(chunk)
-            flush(False)
+            pending.append(chunk)
+            size[0] += len(chunk)
+            if size[0] >= part:
+                flush()
 
         try:
             produce(sink)
             if not upload:
-                self.write_bytes(path, memoryview(buf))
+                self.write_bytes(path, b"".join(pending))
                 return
-            flush(True)
+            if pending:
+                flush()
             parts = [f.result() for f in futures]
             self._call("complete multipart upload", self.client.complete_multipart_upload,
                        Bucket=bucket, Key=key, UploadId=upload[0],
