@@ -25,7 +25,9 @@ __all__ = [
     "ARCHIVE_ALIGNMENT",
     "ArchivePlan",
     "ParsedArchive",
+    "central_record",
     "count_records",
+    "end_records",
     "parse_archive",
     "plan_archive",
 ]
@@ -87,26 +89,33 @@ def _descriptor(entry: _Entry) -> bytes:
 
 
 def _central_record(entry: _Entry) -> bytes:
+    return central_record(entry.name, entry.header_offset, entry.size)
+
+
+def central_record(name: bytes, header_offset: int, size: int, *, crc: int = 0,
+                   flags: int = _FLAGS) -> bytes:  # fmt: skip
+    """A central directory entry of a stored record (zip64 fields where needed)."""
     zip64: list[int] = []
-    size32 = entry.size
-    offset32 = entry.header_offset
-    if entry.size >= _U32_MAX:
+    size32 = size
+    offset32 = header_offset
+    if size >= _U32_MAX:
         size32 = _U32_MAX
-        zip64 += [entry.size, entry.size]
-    if entry.header_offset >= _U32_MAX:
+        zip64 += [size, size]
+    if header_offset >= _U32_MAX:
         offset32 = _U32_MAX
-        zip64.append(entry.header_offset)
+        zip64.append(header_offset)
     extra = b""
     if zip64:
         extra = struct.pack(f"<HH{len(zip64)}Q", 0x0001, 8 * len(zip64), *zip64)
     header = _CENTRAL_HEADER.pack(
-        0x02014B50, 0, 0, _FLAGS, 0, 0, 0, 0, size32, size32, len(entry.name), len(extra),
+        0x02014B50, 0, 0, flags, 0, 0, 0, crc, size32, size32, len(name), len(extra),
         0, 0, 0, 0, offset32,
     )  # fmt: skip
-    return header + entry.name + extra
+    return header + name + extra
 
 
-def _end_records(n_entries: int, cd_offset: int, cd_size: int) -> bytes:
+def end_records(n_entries: int, cd_offset: int, cd_size: int) -> bytes:
+    """The zip64 end record, its locator and the end-of-central-directory record."""
     eocd64_offset = cd_offset + cd_size
     eocd64 = struct.pack(
         "<IQHHIIQQQQ", 0x06064B50, 44, 0x031E, 0x2D, 0, 0, n_entries, n_entries, cd_size, cd_offset
@@ -169,7 +178,7 @@ def plan_archive(
 
     cd_offset = offset
     central = b"".join(_central_record(e) for e in entries)
-    pieces.append((cd_offset, central + _end_records(len(entries), cd_offset, len(central))))
+    pieces.append((cd_offset, central + end_records(len(entries), cd_offset, len(central))))
     size = cd_offset + len(central) + 56 + 20 + 22
     n_small = len(small_before)
     storage_offsets = tuple(e.data_offset for e in entries[n_small : n_small + len(storage_sizes)])

@@ -15,7 +15,10 @@ from collections.abc import Sequence
 from typing import Any
 
 from ckptcache._units import format_bytes
-from ckptcache.errors import CkptCacheError, ConfigError
+from ckptcache.client import normalize_path
+from ckptcache.errors import CheckpointNotFound, CkptCacheError, ConfigError, CorruptCheckpoint
+from ckptcache.persisted import verify_stored
+from ckptcache.storage import backend_for
 
 __all__ = ["main"]
 
@@ -126,10 +129,38 @@ def _throughput(o: Any) -> str:
     return f"{o.size / o.persist_seconds / 1e6:.0f} MB/s" if o.persist_seconds > 0 else "-"
 
 
+def _stored(path: str) -> bool:
+    try:
+        return backend_for(path).exists(path)
+    except (OSError, ValueError, ImportError):
+        return False
+
+
+def _verify_stored(path: str) -> str:
+    """'' if the stored checkpoint at ``path`` checks out, else what is wrong with it."""
+    try:
+        verify_stored(normalize_path(path))
+    except CorruptCheckpoint as e:
+        return str(e)
+    return ""
+
+
 def _cmd_inspect(args: argparse.Namespace) -> int:
     with _client(args) as client:
-        info = client.status(args.path)
-        verify = client.verify(args.path) if args.verify else None
+        try:
+            info = client.status(args.path)
+        except CheckpointNotFound:
+            if not (args.verify and _stored(normalize_path(args.path))):
+                raise
+            problem = _verify_stored(args.path)  # stored, but not a complete checkpoint
+            _emit(args, {"storage_verify": problem}, f"storage: CORRUPT: {problem}")
+            return 1
+        in_memory = "local" in info.stages
+        verify = client.verify(args.path) if args.verify and in_memory else None
+    stored_problem = None
+    on_storage = "persisted" in info.stages or "storage" in info.stages
+    if args.verify and on_storage and _stored(info.path):
+        stored_problem = _verify_stored(info.path)
     pairs = [
         ("path", info.path), ("namespace", info.namespace), ("generation", str(info.generation)),
         ("generations kept", str(info.generations)), ("size", format_bytes(info.size)),
@@ -144,11 +175,15 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     ]  # fmt: skip
     if verify is not None:
         pairs.append(("verify", "ok" if verify.ok else f"CORRUPT: {verify.error}"))
-    data = {"object": dataclasses.asdict(info)}
+    if stored_problem is not None:
+        pairs.append(("verify storage", f"CORRUPT: {stored_problem}" if stored_problem else "ok"))
+    data: dict[str, Any] = {"object": dataclasses.asdict(info)}
     if verify is not None:
         data["verify"] = dataclasses.asdict(verify)
+    if stored_problem is not None:
+        data["storage_verify"] = stored_problem
     _emit(args, data, _table(pairs, ("OBJECT", "")))
-    return 0 if verify is None or verify.ok else 1
+    return 0 if (verify is None or verify.ok) and not stored_problem else 1
 
 
 def _cmd_rm(args: argparse.Namespace) -> int:

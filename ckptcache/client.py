@@ -41,7 +41,9 @@ from ckptcache.errors import (
     PersistError,
     PersistTimeout,
 )
-from ckptcache.manifest import unpack_digests
+from ckptcache.layout import HEADER_SIZE, SegmentHeader
+from ckptcache.manifest import Manifest, unpack_digests, verify_meta
+from ckptcache.persisted import load_from_storage, stored_archive_complete
 from ckptcache.storage import backend_for
 from ckptcache.wire import messages as m
 
@@ -356,7 +358,7 @@ class Client:
                 m.OpenReply,
             )
         except (CheckpointNotFound, DaemonUnavailable) as e:
-            return self._load_file(path, map_location, weights_only, mmap, e)
+            return self._load_file(path, map_location, weights_only, mmap, e, verify)
         log.debug("load of %s served from the %s tier", path, reply.tier)
         try:
             return self._load_segment(reply, map_location, weights_only, mmap, verify)
@@ -369,7 +371,7 @@ class Client:
             except errors.CkptCacheError:
                 pass
             if os.path.exists(path):
-                return self._load_file(path, map_location, weights_only, mmap, e)
+                return self._load_file(path, map_location, weights_only, mmap, e, verify)
             raise
 
     def _load_segment(
@@ -396,10 +398,28 @@ class Client:
             ]
             digests = unpack_digests(table, reply.n_storages)
             table.release()
+            self._verify_meta(mapping, reply)
         return read_object(
             mapping, reply.manifest_offset, reply.manifest_size, zero_copy=mmap is not False,
             weights_only=weights_only, map_location=map_location, digests=digests,
         )  # fmt: skip
+
+    @staticmethod
+    def _verify_meta(mapping: Mapping, reply: m.OpenReply) -> None:
+        """Check the skeleton and manifest against the digests in the segment's header."""
+        view = memoryview(mapping)
+        try:
+            header = SegmentHeader.unpack(view[:HEADER_SIZE])
+            mo, ms = reply.manifest_offset, reply.manifest_size
+            manifest = Manifest.from_json(view[mo : mo + ms], segment_size=len(view))
+            verify_meta(view, manifest, mo, ms, (header.skeleton_digest, header.manifest_digest),
+                        tier="local")  # fmt: skip
+        except ValueError as e:
+            if isinstance(e, CorruptCheckpoint):
+                raise
+            raise CorruptCheckpoint(f"unreadable segment header: {e}", tier="local") from e
+        finally:
+            view.release()
 
     def _load_file(
         self,
@@ -408,8 +428,8 @@ class Client:
         weights_only: bool,
         mmap: bool | None,
         reason: errors.CkptCacheError,
+        verify: bool = False,
     ) -> Any:
-        import torch
 
         if isinstance(reason, DaemonUnavailable) and self.fallback == "raise":
             raise reason
@@ -419,16 +439,22 @@ class Client:
                 f"{path!r} is neither in {where} nor in storage; check the path "
                 "(and the namespace, if the job sets one)"
             ) from reason
-        location: Any = map_location
-        if not _is_url(path):
-            return torch.load(path, map_location=location, weights_only=weights_only, mmap=mmap)
-        with backend_for(path).open_read(path) as f:
-            return torch.load(f, map_location=location, weights_only=weights_only)
+        return load_from_storage(
+            path, map_location, weights_only=weights_only, mmap=mmap, verify=verify
+        )
 
     @staticmethod
     def _in_storage(path: str) -> bool:
         try:
             return backend_for(path).exists(path)
+        except (OSError, ValueError, ImportError):
+            return False
+
+    @staticmethod
+    def _complete_in_storage(path: str) -> bool:
+        """Whether storage holds a complete checkpoint at ``path`` (not empty, not cut short)."""
+        try:
+            return stored_archive_complete(backend_for(path), path)
         except (OSError, ValueError, ImportError):
             return False
 
@@ -440,7 +466,7 @@ class Client:
         try:
             return self._call("stat", m.StatRequest(self.namespace, path), m.ObjectInfo)
         except (CheckpointNotFound, DaemonUnavailable):
-            if not self._in_storage(path):
+            if not self._complete_in_storage(path):
                 raise
             size, mtime = (
                 (os.path.getsize(path), os.path.getmtime(path)) if not _is_url(path) else (0, 0.0)

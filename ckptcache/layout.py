@@ -34,12 +34,14 @@ __all__ = [
 ]
 
 MAGIC = b"CKPTSEG\x00"
-LAYOUT_VERSION = 1
+#: 2 added the skeleton and manifest digests; version 1 headers are still read (no digests).
+LAYOUT_VERSION = 2
 HEADER_SIZE = 4096
 #: Segment capacities are rounded up to this, so slightly different sizes reuse one segment.
 SEGMENT_GRANULE = 1 << 20
 
-_HEADER = struct.Struct("<8sIIQQQQQQIIQQI")
+_HEADER_V1 = struct.Struct("<8sIIQQQQQQIIQQI")
+_HEADER = struct.Struct("<8sIIQQQQQQIIQQIQQ")
 
 
 class SegmentState(enum.IntEnum):
@@ -79,6 +81,10 @@ class SegmentHeader:
     committed_ns: int
     #: 1 once phase 2 wrote this generation to storage (survives daemon restarts).
     persisted: int = 0
+    #: xxh3 of the pickle skeleton and of the manifest bytes, recorded with the digest
+    #: table (0: not recorded, e.g. a version 1 segment).
+    skeleton_digest: int = 0
+    manifest_digest: int = 0
 
     def pack(self) -> bytes:
         """Encode the header (without padding to ``HEADER_SIZE``)."""
@@ -86,7 +92,7 @@ class SegmentHeader:
             MAGIC, LAYOUT_VERSION, int(self.state), self.generation, self.payload_offset,
             self.payload_size, self.manifest_offset, self.manifest_size, self.digest_offset,
             self.n_storages, int(self.digest_state), self.created_ns, self.committed_ns,
-            self.persisted,
+            self.persisted, self.skeleton_digest, self.manifest_digest,
         )  # fmt: skip
 
     @classmethod
@@ -95,18 +101,22 @@ class SegmentHeader:
         header, a wrong magic or version, or an unknown state."""
         if len(data) < _HEADER.size:
             raise CorruptCheckpoint("segment shorter than its header")
-        fields = _HEADER.unpack_from(data)
-        if fields[0] != MAGIC:
+        if bytes(data[:8]) != MAGIC:
             raise CorruptCheckpoint("bad segment magic")
-        if fields[1] != LAYOUT_VERSION:
-            raise CorruptCheckpoint(f"unknown segment layout version {fields[1]}")
+        version = struct.unpack_from("<I", data, 8)[0]
+        if version not in (1, LAYOUT_VERSION):
+            raise CorruptCheckpoint(
+                f"unknown segment layout version {version} (this version reads 1 and "
+                f"{LAYOUT_VERSION}): written by a newer ckptcache"
+            )
+        fields = (_HEADER if version == LAYOUT_VERSION else _HEADER_V1).unpack_from(data)
         try:
             state, digest_state = SegmentState(fields[2]), DigestState(fields[10])
         except ValueError as e:
             raise CorruptCheckpoint(f"segment header: {e}") from e
         return cls(
             state, fields[3], fields[4], fields[5], fields[6], fields[7], fields[8], fields[9],
-            digest_state, fields[11], fields[12], fields[13],
+            digest_state, fields[11], fields[12], fields[13], *fields[14:],
         )  # fmt: skip
 
 

@@ -26,10 +26,12 @@ __all__ = [
     "StorageRecord",
     "compute_digests",
     "manifest_from_archive",
+    "meta_digests",
     "object_digest",
     "pack_digests",
     "unpack_digests",
     "verify_digests",
+    "verify_meta",
 ]
 
 MANIFEST_FORMAT = 1
@@ -142,6 +144,34 @@ def manifest_from_archive(parsed: ParsedArchive, path: str, namespace: str, size
 def compute_digests(buf: memoryview, manifest: Manifest) -> list[int]:
     """xxh3 of every storage's bytes, in key order (zero-copy over ``buf``)."""
     return [digest_bytes(buf[s.offset : s.offset + s.nbytes]) for s in manifest.storages]
+
+
+def meta_digests(buf: memoryview, manifest: Manifest, manifest_offset: int,
+                 manifest_size: int) -> tuple[int, int]:  # fmt: skip
+    """xxh3 of the pickle skeleton and of the manifest's bytes as they lie in ``buf``."""
+    po = manifest.pickle_offset
+    return (
+        digest_bytes(buf[po : po + manifest.pickle_size]),
+        digest_bytes(buf[manifest_offset : manifest_offset + manifest_size]),
+    )
+
+
+def verify_meta(
+    buf: memoryview, manifest: Manifest, manifest_offset: int, manifest_size: int,
+    expected: tuple[int, int], *, tier: str,
+) -> None:  # fmt: skip
+    """Raise :class:`CorruptCheckpoint` if the skeleton or the manifest changed since their
+    digests were recorded (a recorded 0 means none was: nothing to check)."""
+    got = meta_digests(buf, manifest, manifest_offset, manifest_size)
+    for what, have, want in zip(("skeleton (pickle)", "manifest"), got, expected, strict=True):
+        if want and have != want:
+            raise CorruptCheckpoint(
+                f"checkpoint {manifest.path!r} is corrupt in the {tier} tier: its {what} has "
+                f"digest {digest_hex(have)}, expected {digest_hex(want)}. Delete this copy "
+                "(ckptcache rm) and load from another tier",
+                tensor=f"<{what.split()[0]}>",
+                tier=tier,
+            )
 
 
 def object_digest(digests: Sequence[int]) -> str:

@@ -124,15 +124,21 @@ def cluster_factory(
     name = f"c{uuid.uuid4().hex[:8]}"
 
     def factory(
-        n: int, *extra: str, ttl: float = 2.0, secret: str = "s3cret", config: str = ""
+        n: int,
+        *extra: str,
+        ttl: float = 2.0,
+        secret: str = "s3cret",
+        config: str = "",
+        etcd: EtcdServer | None = None,
     ) -> list[DaemonProc]:
+        """``etcd``: a server of the test's own (one it may stop) instead of the session's."""
         cfg = tmp_path / f"cluster-{name}.yaml"
         cfg.write_text(f"lease_ttl: {ttl}\npersist_retries: 1000\npersist_backoff: 0.2\n"
                        f"persist_backoff_max: 0.5\nsecret: {secret}\n{config}")  # fmt: skip
         nodes = []
         for i in range(n):
             nodes.append(daemon_factory(
-                "--config", str(cfg), "--coordinator", etcd_server.url, "--cluster", name,
+                "--config", str(cfg), "--coordinator", (etcd or etcd_server).url, "--cluster", name,
                 "--listen", "127.0.0.1:0", "--node-id", f"node{i}", "--host", f"host{i}",
                 "--backup", "auto", "--memory-limit", "512MiB", *extra,
             ))  # fmt: skip

@@ -77,7 +77,7 @@ def bench_file(nbytes: int, directory: str, rounds: int = 5) -> list[Row]:
     return [
         Row("raw write + fsync (limit)", size, statistics.median(raw)),
         Row("torch.save to the file (+ fsync)", size, statistics.median(saved)),
-        Row("ckptcache persist (daemon, sendfile)", size, statistics.median(persisted)),
+        Row("ckptcache persist (daemon, verified, CRC-32)", size, statistics.median(persisted)),
     ]
 
 

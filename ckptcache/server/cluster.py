@@ -42,6 +42,7 @@ from ckptcache.errors import (
 )
 from ckptcache.layout import HEADER_SIZE, plan_segment
 from ckptcache.manifest import Manifest, manifest_from_archive, object_digest, pack_digests
+from ckptcache.persisted import check_archive
 from ckptcache.server.coord import CoordinatorUnavailable, NodeInfo, make_coordinator
 from ckptcache.server.dataplane import (
     DataPlaneClient,
@@ -72,6 +73,19 @@ log = logging.getLogger(__name__)
 def path_hash(namespace: str, path: str) -> str:
     """Key-safe name of a path in the coordinator."""
     return digest_hex(digest_bytes(f"{namespace}\0{path}".encode()))
+
+
+def _check_skeleton(view: memoryview, manifest: Manifest, expected: int) -> None:
+    """The skeleton that arrived (``view`` starts at the payload) against the sender's digest."""
+    start = manifest.pickle_offset - HEADER_SIZE
+    got = digest_bytes(view[start : start + manifest.pickle_size])
+    if expected and got != expected:
+        raise CorruptCheckpoint(
+            f"skeleton (pickle) of {manifest.path!r} arrived with digest {digest_hex(got)}, "
+            f"expected {digest_hex(expected)}",
+            tensor="<skeleton>",
+            tier="peer",
+        )
 
 
 class Cluster:
@@ -211,13 +225,19 @@ class Cluster:
     def replicate(self, gen: Generation) -> None:
         """Bring ``gen`` up to the configured number of backup copies (raises when none can be
         made)."""
-        live = set(self.node_ids())
-        with self.core.cond:
-            gen.replicas &= live
-            need = self.config.replicas - len(gen.replicas)
-        if need <= 0:
-            return
-        targets = self.backup_targets(exclude=set(gen.replicas))
+        try:
+            live = {n.node_id for n in self.live_nodes()}
+            with self.core.cond:
+                gen.replicas &= live
+                need = self.config.replicas - len(gen.replicas)
+            if need <= 0:
+                return
+            targets = self.backup_targets(exclude=set(gen.replicas))
+        except CoordinatorUnavailable as e:
+            raise ReplicationError(
+                f"no backup copy of {gen.path!r}: the coordinator is unreachable, so no "
+                f"backup node can be chosen ({e}); the local copy is kept"
+            ) from e
         if not targets:
             raise ReplicationError(
                 f"no live backup node for {gen.path!r} (live: {sorted(live)}); the local copy "
@@ -255,6 +275,7 @@ class Cluster:
                     "nbytes": nbytes, "manifest_offset": header.manifest_offset,
                     "manifest_size": header.manifest_size, "origin": self.node.node_id,
                     "manifest": gen.manifest.to_json().decode(),
+                    "skeleton_digest": header.skeleton_digest, "committed": gen.committed,
                 })  # fmt: skip
                 ready = recv_msg(peer.sock)
                 if not ready.get("ok"):
@@ -274,7 +295,9 @@ class Cluster:
 
     def _on_push(self, conn: socket.socket, req: dict[str, Any]) -> None:
         try:
-            gen = self._receive(conn, req, str(req.get("origin", "?")), ready=True)
+            saved_at = float(req.get("committed") or time.time())
+            gen = self._receive(conn, req, str(req.get("origin", "?")), ready=True,
+                                saved_at=saved_at)  # fmt: skip
         except (CkptCacheError, KeyError, ValueError) as e:
             send_msg(conn, {"ok": False, "error": type(e).__name__, "message": str(e)})
             raise ConnectionError(f"push refused: {e}") from e
@@ -289,6 +312,7 @@ class Cluster:
         *,
         ready: bool,
         started: Callable[[], None] | None = None,
+        saved_at: float | None = None,
     ) -> Generation:
         """Receive one streamed object (see :mod:`ckptcache.server.transfer`) and commit it."""
         namespace, path = str(head["namespace"]), str(head["path"])
@@ -307,9 +331,10 @@ class Cluster:
             if ready:
                 send_msg(conn, {"ok": True})  # reserved: the sender may stream the bytes
             verified.extend(receive_object(conn, view, manifest, digest_offset, advance))
+            _check_skeleton(view, manifest, int(head.get("skeleton_digest") or 0))
 
         return self.core.receive(namespace, path, nbytes, mo, ms, fill, origin=origin,
-                                 digests=lambda: verified)  # fmt: skip
+                                 digests=lambda: verified, saved_at=saved_at)  # fmt: skip
 
     def _on_fetch(self, conn: socket.socket, req: dict[str, Any]) -> None:
         try:
@@ -318,6 +343,7 @@ class Cluster:
                 flight = self.core.inflight.get(key)
                 if flight is None:
                     gen = self.core._lookup(*key)
+                    self.core.check_not_corrupt(gen)
                     self.core.pin(gen)
         except (CkptCacheError, KeyError) as e:
             send_msg(conn, {"ok": False, "error": type(e).__name__, "message": str(e)})
@@ -339,6 +365,7 @@ class Cluster:
                 "manifest_size": header.manifest_size, "generation": gen.number,
                 "namespace": gen.namespace, "path": gen.path,
                 "manifest": gen.manifest.to_json().decode(),
+                "skeleton_digest": header.skeleton_digest,
             })  # fmt: skip
             send_object(conn, gen, lambda: self.core.ensure_digests(gen))
         finally:
@@ -455,6 +482,16 @@ class Cluster:
         self, namespace: str, path: str, started: Callable[[], None]
     ) -> Generation:
         """Read a persisted archive into the arena with parallel ranged reads."""
+        try:
+            return self._read_storage(namespace, path, started)
+        except ValueError as e:  # the end records or the archive are unreadable
+            if not isinstance(e, CorruptCheckpoint):
+                e = CorruptCheckpoint(f"checkpoint file {path!r} is corrupt: {e}", tier="storage")
+            self.core.metrics.corrupt.labels(tier="storage").inc()
+            log.error("not serving %s from storage: %s", path, e)
+            raise e from None
+
+    def _read_storage(self, namespace: str, path: str, started: Callable[[], None]) -> Generation:
         backend = backend_for(path, self.core.persister.options)
         size = backend.size(path)
 
@@ -491,6 +528,8 @@ class Cluster:
 
             with ThreadPoolExecutor(self.config.s3_max_concurrency) as pool:
                 list(pool.map(read, range(len(ranges))))
+            # Structure and every record's digest (or CRC-32): a damaged file is not served.
+            computed = check_archive(view[:size], path, deep=True)
             parsed = parse_archive(view[:size])
             manifest = manifest_from_archive(parsed, path, namespace, size)
             encoded = manifest.to_json()
@@ -499,22 +538,15 @@ class Cluster:
             start = layout.manifest_offset - HEADER_SIZE
             view[start : start + capacity] = encoded.ljust(capacity)
             # Digests of what storage holds (its own integrity is the storage's business).
-            table.extend(
-                digest_bytes(view[r.offset - HEADER_SIZE : r.offset - HEADER_SIZE + r.nbytes])
-                for r in manifest.storages
-            )
+            table.extend(computed[r.offset - HEADER_SIZE] for r in manifest.storages)
             dstart = layout.digest_offset - HEADER_SIZE
             view[dstart : dstart + 8 * len(table)] = pack_digests(table)
             advance(layout.nbytes - HEADER_SIZE)
 
-        try:
-            gen = self.core.receive(
-                namespace, path, layout.nbytes, layout.manifest_offset, capacity, fill,
-                origin="storage", persisted=True, digests=lambda: table,
-            )  # fmt: skip
-        except ValueError as e:
-            raise CorruptCheckpoint(f"{path!r} in storage is not a readable archive: {e}",
-                                    tier="storage") from e  # fmt: skip
+        gen = self.core.receive(
+            namespace, path, layout.nbytes, layout.manifest_offset, capacity, fill,
+            origin="storage", persisted=True, digests=lambda: table,
+        )  # fmt: skip
         self.core.metrics.storage_reads.inc()
         log.info("read %s from storage for the group (%.0f MB/s)", path,
                  size / max(time.perf_counter() - t0, 1e-9) / 1e6)  # fmt: skip
@@ -657,13 +689,35 @@ class Cluster:
         return gen.path
 
     def persisted(self, gen: Generation, target: str) -> None:
-        """Record the group's persist and step down."""
+        """Record the group's persist and step down. If the coordinator is unreachable, the
+        record is retried in the background (with backoff) until it answers: the object is
+        already complete on storage, so nothing waits for it but the standbys."""
         ph, digest = path_hash(gen.namespace, gen.path), object_digest(gen.digests or [])
-        self.coord.record(f"persisted/{ph}/{digest}", {
-            "node": self.node.node_id, "path": target, "time": time.time(),
-        })  # fmt: skip
+        record = {"node": self.node.node_id, "path": target, "time": time.time()}
+        try:
+            self._record_persisted(ph, digest, record)
+        except CoordinatorUnavailable as e:
+            log.warning("cannot record the persist of %s yet (%s); retrying", gen.path, e)
+            threading.Thread(
+                target=self._retry_record, args=(gen.path, ph, digest, record),
+                name="persisted-record", daemon=True,
+            ).start()  # fmt: skip
+
+    def _record_persisted(self, ph: str, digest: str, record: dict[str, Any]) -> None:
+        self.coord.record(f"persisted/{ph}/{digest}", record)
         for key in (f"writer/{ph}", f"reps/{ph}/{digest}"):
-            self._withdraw(key)
+            self.coord.withdraw(key)
+
+    def _retry_record(self, path: str, ph: str, digest: str, record: dict[str, Any]) -> None:
+        delay = 0.2
+        while not self._stop.wait(delay):
+            try:
+                self._record_persisted(ph, digest, record)
+            except CoordinatorUnavailable:
+                delay = min(delay * 2, 5.0)
+                continue
+            log.info("recorded the persist of %s after a coordinator outage", path)
+            return
 
     def failed(self, gen: Generation) -> None:
         """Step down after giving up, so a standby can take over; keep watching the group."""
@@ -671,6 +725,38 @@ class Cluster:
         for key in (f"writer/{ph}", f"reps/{ph}/{digest}"):
             self._withdraw(key)
         self.watch(gen, resubmit=False)
+
+    def replace_corrupt(self, gen: Generation) -> bool:
+        """This node's copy of ``gen`` is corrupt: leave its redundancy group (so a standby
+        takes over the persist) and fetch a good copy from another member; returns whether
+        one was found. The fetched copy is committed as a newer generation and persisted (or
+        marked persisted) through the normal election."""
+        ph, digest = path_hash(gen.namespace, gen.path), object_digest(gen.digests or [])
+        me = self.node.node_id
+        for key in (f"holders/{ph}/{digest}/{me}", f"writer/{ph}", f"reps/{ph}/{digest}"):
+            self._withdraw(key)
+        try:
+            members = self.coord.scan(f"holders/{ph}/{digest}/")
+            live = {n.node_id: n for n in self.live_nodes()}
+        except CoordinatorUnavailable as e:
+            log.error("cannot look for a good copy of %s: %s", gen.path, e)
+            return False
+        for entry in members.values():
+            node = live.get(str(entry.get("node")))
+            if node is None or node.node_id == me or not node.data_addr:
+                continue
+            try:
+                with self._in_flight(ph) as announce:
+                    good = self._fetch_from(node, gen.namespace, gen.path, announce)
+            except (OSError, CkptCacheError) as e:
+                log.warning("good copy of %s from %s failed: %s", gen.path, node.node_id, e)
+                continue
+            log.warning("replaced the corrupt copy of %s with the one of %s (generation %d)",
+                        gen.path, node.node_id, good.number)  # fmt: skip
+            self._work.put(good)
+            return True
+        log.error("no other node holds a good copy of %s: it cannot be persisted", gen.path)
+        return False
 
     def watch(self, gen: Generation, *, resubmit: bool = True) -> None:
         """Watch the group of ``gen`` as a standby (call with the core lock held or not)."""

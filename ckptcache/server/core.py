@@ -42,9 +42,11 @@ from ckptcache.layout import HEADER_SIZE, DigestState, SegmentHeader, SegmentSta
 from ckptcache.manifest import (
     Manifest,
     compute_digests,
+    meta_digests,
     pack_digests,
     unpack_digests,
     verify_digests,
+    verify_meta,
 )
 from ckptcache.server import ownership
 from ckptcache.server.arena import Arena, Segment
@@ -140,6 +142,9 @@ class CacheCore:
         self.internal = Session(0, os.getpid(), os.getuid())
         #: Objects arriving right now, by (namespace, path): relayed to peers as they land.
         self.inflight: dict[Key, Inflight] = {}
+        #: When each path was last deleted here (wall clock): backup copies of generations
+        #: saved before that are refused, so a delete is not undone by a copy in transit.
+        self.deleted: dict[Key, float] = {}
         self.cluster: Any = None
         self.roots = PersistRoots(config.persist_roots)
         self.persister = Persister(self)
@@ -437,6 +442,7 @@ class CacheCore:
         verify: bool = True,
         persisted: bool = False,
         digests: Callable[[], list[int]] | None = None,
+        saved_at: float | None = None,
     ) -> Generation:
         """Take a copy from a peer or storage: reserve, ``fill`` the bytes after the header,
         verify every digest against the table that came with them (``verify``) or compute the
@@ -446,7 +452,10 @@ class CacheCore:
         ``fill(view, advance)`` calls ``advance(n)`` whenever the first ``n`` bytes of ``view``
         are final: until the commit, peers asking for the same path are relayed those bytes
         as they land (see :attr:`inflight`), so a broadcast is pipelined hop by hop.
+        ``saved_at``: the origin's commit time of a backup copy; refused if the path was
+        deleted here since (checked before and after the transfer).
         """
+        self._refuse_deleted(namespace, path, saved_at)
         reply = self.reserve(self.internal, m.ReserveRequest(namespace, path, nbytes))
         key = (namespace, path)
         with self.cond:
@@ -490,6 +499,14 @@ class CacheCore:
                 self.cond.notify_all()
             self.abort(self.internal, m.AbortRequest(reply.reservation))
             raise
+        try:
+            self._refuse_deleted(namespace, path, saved_at)
+        except CheckpointNotFound:
+            with self.cond:
+                if self.inflight.get(key) is flight:
+                    del self.inflight[key]
+            self.abort(self.internal, m.AbortRequest(reply.reservation))
+            raise
         with self.cond:
             if self.inflight.get(key) is flight:
                 del self.inflight[key]  # committed below: later fetches use the index
@@ -512,6 +529,15 @@ class CacheCore:
                 replace(header, digest_state=DigestState.VALID, persisted=int(persisted))
             )
         return gen
+
+    def _refuse_deleted(self, namespace: str, path: str, saved_at: float | None) -> None:
+        with self.cond:
+            deleted = self.deleted.get((namespace, path))
+        if saved_at is not None and deleted is not None and deleted >= saved_at:
+            raise CheckpointNotFound(
+                f"{path!r} was deleted on node {self.config.node_id!r} after this copy was "
+                "saved: backup copy refused"
+            )
 
     def ensure_digests(self, gen: Generation) -> list[int]:
         """Digests of ``gen``, computed now if the background worker has not yet."""
@@ -692,6 +718,15 @@ class CacheCore:
             )
         return gen
 
+    def check_not_corrupt(self, gen: Generation) -> None:
+        """Refuse to serve a generation whose bytes were found corrupt (call under the lock)."""
+        if gen.corrupt:
+            raise CorruptCheckpoint(
+                f"{gen.path!r} generation {gen.number} in the memory of node "
+                f"{self.config.node_id!r} is corrupt and is not served: {gen.corrupt}",
+                tier="local",
+            )
+
     def open(self, session: Session, req: m.OpenRequest) -> m.OpenReply:
         """Pin a generation for a load and say where it lies."""
         t0 = time.perf_counter()
@@ -699,15 +734,14 @@ class CacheCore:
         try:
             with self.cond:
                 gen = self._lookup(req.namespace, req.path, req.generation, session, load=True)
+                self.check_not_corrupt(gen)
                 self.pin(gen)
         except CheckpointNotFound:
             if self.cluster is None or req.generation is not None:
                 raise
             if self.index.generations((req.namespace, req.path)):
                 raise  # held by another user: never replaced by a remote copy for this one
-            gen = self.cluster.load_remote(
-                req.namespace, req.path, timeout=_bounded(120.0, req.timeout)
-            )
+            gen = self._load_remote(req.namespace, req.path, _bounded(120.0, req.timeout))
             tier = "storage" if gen.origin == "storage" else "peer"
             with self.cond:
                 if not self._visible(session, gen, True):
@@ -733,6 +767,20 @@ class CacheCore:
             header.manifest_size, header.digest_offset, header.n_storages, gen.digests is not None,
             tier,
         )  # fmt: skip
+
+    def _load_remote(self, namespace: str, path: str, timeout: float) -> Generation:
+        """A peer's copy or the group's storage read; without a coordinator neither can be
+        found, and the client reads storage itself (CheckpointNotFound says so)."""
+        from ckptcache.server.coord import CoordinatorUnavailable
+
+        try:
+            gen: Generation = self.cluster.load_remote(namespace, path, timeout=timeout)
+        except CoordinatorUnavailable as e:
+            raise CheckpointNotFound(
+                f"{path!r} is not in the memory of node {self.config.node_id!r} and the "
+                f"coordinator is unreachable ({e}): read it from storage"
+            ) from e
+        return gen
 
     def prefetch(self, session: Session, req: m.PrefetchRequest) -> m.PrefetchReply:
         """Warm this node's memory with ``path`` (peer or storage) without pinning it."""
@@ -786,7 +834,17 @@ class CacheCore:
                 table = pack_digests(digests)
                 mapping = gen.segment.mapping
                 mapping[header.digest_offset : header.digest_offset + len(table)] = table
-                gen.segment.write_header(replace(header, digest_state=DigestState.VALID))
+                view = gen.segment.view()
+                try:  # the skeleton and manifest are small: hashed here, with the table
+                    skeleton, manifest = meta_digests(
+                        view, gen.manifest, header.manifest_offset, header.manifest_size
+                    )
+                finally:
+                    del view
+                gen.segment.write_header(replace(
+                    header, digest_state=DigestState.VALID, skeleton_digest=skeleton,
+                    manifest_digest=manifest,
+                ))  # fmt: skip
             return gen.digests
 
     def _digest_loop(self) -> None:
@@ -816,8 +874,13 @@ class CacheCore:
             self.pin(gen)
         try:
             recorded = gen.digests if gen.digests is not None else self._compute_digests(gen)
+            header = gen.segment.read_header()
             view = gen.segment.view()
             try:
+                verify_meta(
+                    view, gen.manifest, header.manifest_offset, header.manifest_size,
+                    (header.skeleton_digest, header.manifest_digest), tier="local",
+                )  # fmt: skip
                 verify_digests(view, gen.manifest, recorded, tier="local")
             finally:
                 del view
@@ -864,8 +927,10 @@ class CacheCore:
         return m.ListReply(tuple(out))
 
     def delete(self, session: Session, req: m.DeleteRequest) -> m.DeleteReply:
-        """Drop every generation of a path from memory (storage is untouched)."""
+        """Drop every generation of a path from memory, own and backup copies (storage is
+        untouched); backup copies of earlier saves still in transit are refused."""
         with self.cond:
+            self.deleted[(req.namespace, req.path)] = time.time()
             gens = [
                 g
                 for g in self.index.generations((req.namespace, req.path))

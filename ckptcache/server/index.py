@@ -50,6 +50,8 @@ class Generation:
     persist_state: str = "memory-only"
     persist_error: str = ""
     persist_seconds: float = 0.0
+    #: Why these bytes are known to be corrupt (found while persisting): never served.
+    corrupt: str = ""
     #: For a backup copy: the node it came from ("" for a copy saved on this node).
     origin: str = ""
     #: Nodes holding a backup copy of this generation.

@@ -27,11 +27,12 @@ import time
 from typing import TYPE_CHECKING
 
 from ckptcache._units import format_bytes
-from ckptcache.errors import CkptCacheError, PathNotAllowed
+from ckptcache.errors import CkptCacheError, CorruptCheckpoint, PathNotAllowed
+from ckptcache.persisted import stream_archive
 from ckptcache.server.lineage import DirectoryRemoved
 from ckptcache.server.safe_write import persist_write
-from ckptcache.storage import StorageOptions, backend_for
-from ckptcache.storage.base import NewerObjectExists
+from ckptcache.storage import StorageBackend, StorageOptions, backend_for
+from ckptcache.storage.base import NewerObjectExists, Sink
 
 if TYPE_CHECKING:
     from ckptcache.server.core import CacheCore
@@ -165,16 +166,12 @@ class Persister:
                     self.core.cond.notify_all()
                     return
             try:
-                fd = gen.segment.open_fd()
-                try:
-                    persist_write(
-                        self.core.roots, backend, target, fd, gen.manifest.payload_offset,
-                        gen.size, gen.saver, commit_ns=gen.committed_ns, anchor=gen.anchor,
-                    )  # fmt: skip
-                finally:
-                    os.close(fd)
+                self._copy(gen, backend, target)
             except (DirectoryRemoved, NewerObjectExists) as e:
                 self._give_up_stale(gen, e)
+                return
+            except CorruptCheckpoint as e:
+                self._corrupt(gen, e)
                 return
             except OSError as e:
                 error = f"{type(e).__name__}: {e}"
@@ -190,9 +187,11 @@ class Persister:
                 if attempt < cfg.persist_retries:
                     time.sleep(min(cfg.persist_backoff * 2**attempt, cfg.persist_backoff_max))
                 continue
+            # The object is complete on storage: persisted now, whatever the coordinator says;
+            # the group's record follows (retried in the background through an etcd outage).
+            self._done(gen, time.perf_counter() - t0)
             if cluster is not None:
                 cluster.persisted(gen, target)
-            self._done(gen, time.perf_counter() - t0)
             return
         with self.core.cond:
             gen.persist_state = "failed"
@@ -218,6 +217,47 @@ class Persister:
             self.core.cond.notify_all()
         if self.core.cluster is not None:
             self.core.cluster.failed(gen)
+
+    def _copy(self, gen: Generation, backend: StorageBackend, target: str) -> None:
+        """Stream the archive to storage, checking every tensor against its recorded digest
+        and writing real zip CRC-32s and the digest record (see :mod:`ckptcache.persisted`)
+        in the same pass; a mismatch raises :class:`CorruptCheckpoint` and nothing becomes
+        visible under ``target``."""
+        digests = self.core.ensure_digests(gen)  # normally recorded already by the digester
+        base = gen.manifest.payload_offset
+        expected = {
+            record.offset - base: (digest, record.name)
+            for record, digest in zip(gen.manifest.storages, digests, strict=True)
+        }
+        skeleton = gen.segment.read_header().skeleton_digest
+        if skeleton:
+            expected[gen.manifest.pickle_offset - base] = (skeleton, "<skeleton>")
+        view = gen.segment.view()
+        payload = view[base : base + gen.size]
+
+        def produce(sink: Sink) -> None:
+            stream_archive(payload, sink, path=gen.path, expected=expected)
+
+        try:
+            persist_write(
+                self.core.roots, backend, target, produce, gen.saver,
+                commit_ns=gen.committed_ns, anchor=gen.anchor,
+            )  # fmt: skip
+        finally:
+            payload.release()
+            del view
+
+    def _corrupt(self, gen: Generation, error: CorruptCheckpoint) -> None:
+        """The bytes to persist no longer match their digests: never persist or serve them;
+        in a cluster, step down and fetch the group's good copy from a peer."""
+        self.core.metrics.corrupt.labels(tier="local").inc()
+        log.error("not persisting %s generation %d: %s", gen.path, gen.number, error)
+        with self.core.cond:
+            gen.persist_state = "failed"
+            gen.corrupt = gen.persist_error = f"{error}. Save it again"
+            self.core.cond.notify_all()
+        if self.core.cluster is not None:
+            self.core.cluster.replace_corrupt(gen)
 
     def _resubmit(self, gen: Generation) -> None:
         with self.core.cond:

@@ -22,14 +22,14 @@ from ckptcache.errors import PathNotAllowed
 from ckptcache.server.lineage import DirectoryRemoved, removed_reason
 from ckptcache.server.ownership import Saver, daemon_saver, groups_of
 from ckptcache.server.roots import PersistRoots
-from ckptcache.storage.base import StorageBackend
+from ckptcache.storage.base import Producer, StorageBackend
 from ckptcache.storage.fs import (
     TEMP_MARK,
     FileBackend,
     link_unnamed,
     open_unnamed,
     refuse_newer,
-    sendfile_fill,
+    stream_fill,
 )
 
 __all__ = ["persist_write", "write_beneath"]
@@ -209,9 +209,7 @@ def persist_write(
     roots: PersistRoots,
     backend: StorageBackend,
     target: str,
-    source: int,
-    offset: int,
-    size: int,
+    produce: Producer,
     saver: Saver | None,
     *,
     commit_ns: int | None = None,
@@ -221,10 +219,10 @@ def persist_write(
     below their root at write time), everything else through its backend."""
     if not isinstance(backend, FileBackend):
         backend.cleanup(target)
-        backend.write(target, source, offset, size, commit_ns=commit_ns)
+        backend.write_stream(target, produce, commit_ns=commit_ns)
         return
     root = roots.local_root(target)
     if root is None:
         raise PathNotAllowed(f"cannot persist {target!r}: it is under no storage root")
-    fill = sendfile_fill(source, offset, size)
+    fill = stream_fill(produce)
     write_beneath(root, target, fill, saver or daemon_saver(), commit_ns=commit_ns, anchor=anchor)

@@ -24,10 +24,18 @@ Failures raise ``OSError`` subclasses (``PermissionError``, ``FileNotFoundError`
 from __future__ import annotations
 
 import abc
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import BinaryIO
 
-__all__ = ["COMMIT_NS_KEY", "NewerObjectExists", "StorageBackend", "StorageOptions"]
+__all__ = [
+    "COMMIT_NS_KEY",
+    "NewerObjectExists",
+    "Producer",
+    "Sink",
+    "StorageBackend",
+    "StorageOptions",
+]
 
 #: User-metadata key (S3) recording the commit time, in ns of the saving node's wall clock,
 #: of the generation ckptcache persisted; files carry it as their mtime.
@@ -37,6 +45,12 @@ COMMIT_NS_KEY = "ckptcache-commit-ns"
 class NewerObjectExists(OSError):
     """The object on storage is newer than the generation being written: it is never replaced
     (not retried: the generation is superseded)."""
+
+
+#: Takes the next piece of an object being streamed to storage (in order).
+Sink = Callable[[bytes | memoryview], None]
+#: Streams a whole object into the sink it is given (and may raise to abandon the write).
+Producer = Callable[[Sink], None]
 
 
 @dataclass(frozen=True)
@@ -80,6 +94,15 @@ class StorageBackend(abc.ABC):
     @abc.abstractmethod
     def write_bytes(self, path: str, data: bytes | memoryview) -> None:
         """Atomically store ``data`` at ``path``."""
+
+    def write_stream(self, path: str, produce: Producer, *, commit_ns: int | None = None) -> None:
+        """Atomically store what ``produce`` feeds its sink, in order; if ``produce`` raises,
+        nothing becomes visible under ``path``. Backends that record commit times (files,
+        S3) stamp ``commit_ns`` and raise :class:`NewerObjectExists` instead of replacing a
+        newer object. (Default: collect, then :meth:`write_bytes`; no commit time.)"""
+        buf = bytearray()
+        produce(buf.extend)
+        self.write_bytes(path, memoryview(buf))
 
     @abc.abstractmethod
     def exists(self, path: str) -> bool:

@@ -9,7 +9,7 @@ import secrets
 from collections.abc import Callable
 from typing import BinaryIO
 
-from ckptcache.storage.base import NewerObjectExists, StorageBackend
+from ckptcache.storage.base import NewerObjectExists, Producer, StorageBackend
 
 __all__ = [
     "TEMP_MARK",
@@ -18,6 +18,7 @@ __all__ = [
     "open_unnamed",
     "refuse_newer",
     "sendfile_fill",
+    "stream_fill",
 ]
 
 #: Temporary names look like ``.<name>.ckptcache-tmp-<random>``: hidden, and never a
@@ -103,6 +104,17 @@ def refuse_newer(path: str, commit_ns: int, *, dir_fd: int | None = None) -> Non
         )
 
 
+def stream_fill(produce: Producer) -> Callable[[int], None]:
+    """A ``fill(fd)`` that writes what ``produce`` streams, in order."""
+    return lambda fd: produce(lambda chunk: _write_all(fd, chunk))
+
+
+def _write_all(fd: int, data: bytes | memoryview) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view) :]
+
+
 class FileBackend(StorageBackend):
     """POSIX file systems (local disks, NFS, Lustre mounts)."""
 
@@ -153,12 +165,10 @@ class FileBackend(StorageBackend):
         self._atomic(path, sendfile_fill(source, offset, size), commit_ns, create_parents)
 
     def write_bytes(self, path: str, data: bytes | memoryview) -> None:
-        def fill(fd: int) -> None:
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view) :]
+        self._atomic(path, lambda fd: _write_all(fd, data))
 
-        self._atomic(path, fill)
+    def write_stream(self, path: str, produce: Producer, *, commit_ns: int | None = None) -> None:
+        self._atomic(path, stream_fill(produce), commit_ns)
 
     def exists(self, path: str) -> bool:
         return os.path.isfile(path)

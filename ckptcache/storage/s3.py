@@ -9,10 +9,16 @@ from __future__ import annotations
 
 import io
 import os
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, BinaryIO
 
-from ckptcache.storage.base import COMMIT_NS_KEY, NewerObjectExists, StorageBackend, StorageOptions
+from ckptcache.storage.base import (
+    COMMIT_NS_KEY,
+    NewerObjectExists,
+    Producer,
+    StorageBackend,
+    StorageOptions,
+)
 
 __all__ = ["S3Backend", "split_s3_url"]
 
@@ -117,6 +123,69 @@ class S3Backend(StorageBackend):
             except Exception:
                 pass  # cleanup() aborts it before the next attempt
             raise
+
+    def write_stream(self, path: str, produce: Producer, *, commit_ns: int | None = None) -> None:
+        """Parts are cut from the stream as it comes (each the next pieces joined once they
+        reach the part size) and uploaded in parallel, at most ``s3_max_concurrency`` in
+        flight; an object smaller than one part is a single PUT. The pieces are only
+        referenced until their part is joined (the producer keeps its source alive)."""
+        meta = self._commit_metadata(path, commit_ns)
+        part = max(self.options.s3_part_size, _MIN_PART)
+        bucket, key = split_s3_url(path)
+        pending: list[bytes | memoryview] = []
+        size = [0]
+        upload: list[str] = []  # the upload id, once the first full part exists
+        futures: list[Future[dict[str, Any]]] = []
+        pool = ThreadPoolExecutor(self.options.s3_max_concurrency)
+
+        def put(number: int, body: bytes) -> dict[str, Any]:
+            reply = self._call(
+                f"upload part {number}", self.client.upload_part, Bucket=bucket, Key=key,
+                UploadId=upload[0], PartNumber=number, Body=body,
+            )  # fmt: skip
+            return {"PartNumber": number, "ETag": reply["ETag"]}
+
+        def flush() -> None:
+            if not upload:
+                reply = self._call("create multipart upload", self.client.create_multipart_upload,
+                                   Bucket=bucket, Key=key, Metadata=meta)  # fmt: skip
+                upload.append(reply["UploadId"])
+            body = b"".join(pending)
+            pending.clear()
+            size[0] = 0
+            window = self.options.s3_max_concurrency
+            if len(futures) >= window:
+                futures[len(futures) - window].result()  # bound the parts held in memory
+            futures.append(pool.submit(put, len(futures) + 1, body))
+
+        def sink(chunk: bytes | memoryview) -> None:
+            pending.append(chunk)
+            size[0] += len(chunk)
+            if size[0] >= part:
+                flush()
+
+        try:
+            produce(sink)
+            if not upload:
+                self.write_bytes(path, b"".join(pending), metadata=meta)
+                return
+            if pending:
+                flush()
+            parts = [f.result() for f in futures]
+            self._call("complete multipart upload", self.client.complete_multipart_upload,
+                       Bucket=bucket, Key=key, UploadId=upload[0],
+                       MultipartUpload={"Parts": parts})  # fmt: skip
+        except BaseException:
+            for f in futures:
+                f.cancel()
+            if upload:
+                try:
+                    self.client.abort_multipart_upload(Bucket=bucket, Key=key, UploadId=upload[0])
+                except Exception:
+                    pass  # cleanup() aborts it before the next attempt
+            raise
+        finally:
+            pool.shutdown(wait=True)
 
     def write_bytes(
         self, path: str, data: bytes | memoryview, *, metadata: dict[str, str] | None = None

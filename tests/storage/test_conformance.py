@@ -43,6 +43,29 @@ class Conformance:
         with self.backend.open_read(path) as f:
             assert f.read() == data
 
+    def test_write_stream_round_trips_and_a_failing_producer_leaves_nothing(self):
+        data = os.urandom(12 << 20) + b"tail"  # several S3 parts in the S3 suite
+        path = self.url("streamed/obj.pt")
+
+        def produce(sink):
+            view = memoryview(data)
+            for start in range(0, len(data), 1 << 20):
+                sink(view[start : start + (1 << 20)])
+
+        self.backend.write_stream(path, produce)
+        with self.backend.open_read(path) as f:
+            assert f.read() == data
+
+        def fail_late(sink):
+            produce(sink)
+            raise ValueError("bad bytes found at the end")
+
+        bad = self.url("streamed/bad.pt")
+        with pytest.raises(ValueError, match="bad bytes"):
+            self.backend.write_stream(bad, fail_late)
+        self.backend.cleanup(bad)
+        assert not self.backend.exists(bad)
+
     def test_write_bytes_replaces_atomically(self):
         path = self.url("obj.bin")
         self.backend.write_bytes(path, b"first")
