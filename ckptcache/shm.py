@@ -25,7 +25,6 @@ __all__ = [
     "copy_storage_into",
     "map_private",
     "map_shared",
-    "mapped_by_others",
     "storage_copy",
     "storage_view",
 ]
@@ -60,7 +59,8 @@ def map_private(
 
     ``hold_lock`` keeps a shared ``flock`` on the file for as long as the mapping lives (the
     kernel drops it if the process dies): the daemon never reuses a segment someone still
-    maps (see :func:`mapped_by_others`), whatever happened to the client's connection.
+    maps (see ``ckptcache.server.arena.mapped_by_others``), whatever happened to the
+    client's connection.
     """
     fd = _open(path, False)
     try:
@@ -78,21 +78,6 @@ def map_private(
     if on_unmap is not None:
         weakref.finalize(mapping, on_unmap)
     return mapping
-
-
-def mapped_by_others(path: str) -> bool:
-    """Whether a process holds a load mapping of ``path`` (a shared lock, see map_private)."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    except FileNotFoundError:
-        return False
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        return True
-    finally:
-        os.close(fd)  # also drops the probe's own lock
-    return False
 
 
 def _bytes_of(storage: torch.UntypedStorage) -> torch.Tensor:

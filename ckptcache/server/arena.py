@@ -14,6 +14,7 @@ mapping can never silently point at a different file that reused a name.
 from __future__ import annotations
 
 import errno
+import fcntl
 import logging
 import mmap
 import os
@@ -32,11 +33,26 @@ from ckptcache.layout import (
     SegmentState,
     align,
 )
-from ckptcache.shm import mapped_by_others
 
 __all__ = ["Arena", "Segment"]
 
 log = logging.getLogger(__name__)
+
+
+def mapped_by_others(path: str) -> bool:
+    """Whether a process holds a load mapping of ``path``: clients hold a shared ``flock`` on
+    the segment file for as long as a load mapping lives (``ckptcache.shm.map_private``)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)  # also drops the probe's own lock
+    return False
 
 
 @dataclass(eq=False)

@@ -485,7 +485,7 @@ class Cluster:
         try:
             return self._read_storage(namespace, path, started)
         except ValueError as e:  # the end records or the archive are unreadable
-            if not isinstance(e, CorruptCheckpoint):
+            if not isinstance(e, CorruptCheckpoint) or path not in str(e):  # name the file
                 e = CorruptCheckpoint(f"checkpoint file {path!r} is corrupt: {e}", tier="storage")
             self.core.metrics.corrupt.labels(tier="storage").inc()
             log.error("not serving %s from storage: %s", path, e)

@@ -10,6 +10,7 @@ import textwrap
 import pytest
 import torch
 
+from ckptcache.wire import messages as m
 from tests.helpers import REPO
 
 # Runs the CLI entry point in a fresh interpreter, then reports whether torch got imported.
@@ -46,7 +47,7 @@ def test_lazy_package_keeps_its_public_names():
     assert _fresh(code).split() == ["False", "0.1.0", "Client", "ObjectInfo"]
     # Submodules the eager package used to load are still reachable as attributes.
     code = "import ckptcache; print(ckptcache.api.default_client.__name__, ckptcache.wire.messages.PROTOCOL_VERSION)"
-    assert _fresh(code).split() == ["default_client", "1"]
+    assert _fresh(code).split() == ["default_client", str(m.PROTOCOL_VERSION)]
     import ckptcache
     import ckptcache.api
 
