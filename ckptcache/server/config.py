@@ -107,6 +107,12 @@ class DaemonConfig:
     tls_cert: str | None = None
     tls_key: str | None = None
     tls_ca: str | None = None
+    #: Seconds an accepted data-plane connection has to finish the handshake.
+    handshake_timeout: float = 5.0
+    #: Data-plane connections served at once (also capped to half the open-file limit).
+    max_peer_connections: int = 256
+    #: Of those, connections still in the handshake; the oldest is dropped to admit a new one.
+    max_unauthenticated_peers: int = 32
 
     def cluster_secret(self) -> bytes | None:
         """The shared secret, from ``secret``, ``secret_file`` or $CKPTCACHE_CLUSTER_SECRET."""
