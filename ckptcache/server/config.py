@@ -160,7 +160,7 @@ def _coerce(key: str, value: Any, source: str) -> Any:
             if count < 1:
                 raise ValueError("must be at least 1")
             return count
-        if key in ("lease_ttl", "conflict_window"):
+        if key in ("lease_ttl", "conflict_window", "handshake_timeout"):
             number = float(value)
             if number <= 0:
                 raise ValueError("must be positive")
@@ -176,7 +176,8 @@ def _coerce(key: str, value: Any, source: str) -> Any:
             if size < 5 << 20:
                 raise ValueError("must be at least 5MiB (the S3 minimum part size)")
             return size
-        if key in ("persist_workers", "s3_max_concurrency", "persist_retries"):
+        if key in ("persist_workers", "s3_max_concurrency", "persist_retries",
+                   "max_peer_connections", "max_unauthenticated_peers"):  # fmt: skip
             count = int(value)
             if count < (0 if key == "persist_retries" else 1):
                 raise ValueError("is too small")

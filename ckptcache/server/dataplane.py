@@ -112,7 +112,12 @@ def recv_exact_into(sock: socket.socket, view: memoryview, deadline: float | Non
             if left <= 0:
                 raise TimeoutError("handshake deadline passed")
             sock.settimeout(left)
-        n = sock.recv_into(view)
+        try:
+            n = sock.recv_into(view)
+        except TimeoutError as e:
+            if deadline is None:
+                raise
+            raise TimeoutError("handshake deadline passed") from e
         if n == 0:
             raise ConnectionError("peer closed the connection mid-transfer")
         view = view[n:]
@@ -362,18 +367,25 @@ def _open_file_limit() -> int:
 
 
 class _Throttled:
-    """A log line at most every ``every`` seconds (floods must not flood the log)."""
+    """At most ``burst`` log lines per ``every`` seconds (a flood must not flood the log);
+    the first line of a window says how many the previous one dropped."""
 
-    def __init__(self, every: float = 5.0):
-        self.every, self._last, self.suppressed = every, float("-inf"), 0
+    def __init__(self, burst: int = 1, every: float = 5.0):
+        self.burst, self.every = burst, every
+        self._window, self._count, self._dropped = float("-inf"), 0, 0
 
-    def ready(self) -> bool:
+    def ready(self) -> str | None:
+        """None to drop this line; else a suffix for it (empty, or the dropped count)."""
         now = time.monotonic()
-        if now - self._last < self.every:
-            self.suppressed += 1
-            return False
-        self._last = now
-        return True
+        if now - self._window >= self.every:
+            dropped, self._window, self._count, self._dropped = self._dropped, now, 0, 0
+            self._count += 1
+            return f" ({dropped} similar lines dropped)" if dropped else ""
+        if self._count < self.burst:
+            self._count += 1
+            return ""
+        self._dropped += 1
+        return None
 
 
 class DataPlaneServer:
@@ -406,6 +418,7 @@ class DataPlaneServer:
         self._refusals = _Throttled()
         self._evictions = _Throttled()
         self._accept_errors = _Throttled()
+        self._failed_handshakes = _Throttled(burst=10)
 
     def start(self) -> None:
         """Serve in a background thread."""
@@ -431,9 +444,9 @@ class DataPlaneServer:
                     # Out of descriptors (or kernel memory): the pending connection stays in
                     # the backlog; wait for handshakes to end or time out, then go on.
                     backoff = min(1.0, max(0.05, backoff * 2))
-                    if self._accept_errors.ready():
-                        log.error("data-plane accept failed (%s); backing off %.2fs",
-                                  errno.errorcode.get(e.errno or 0, e), backoff)  # fmt: skip
+                    if (more := self._accept_errors.ready()) is not None:
+                        log.error("data-plane accept failed (%s); backing off %.2fs%s",
+                                  errno.errorcode.get(e.errno or 0, e), backoff, more)  # fmt: skip
                     time.sleep(backoff)
                 elif isinstance(e, (socket.timeout, InterruptedError, ConnectionAbortedError)):
                     pass  # one aborted connection; the listener is fine
@@ -459,15 +472,16 @@ class DataPlaneServer:
                 self._pending[conn] = None
                 self._active.add(conn)
         if full:
-            if self._refusals.ready():
-                log.warning("refused data-plane peer %s: %d connections already served",
-                            peer, self.limits.max_connections)  # fmt: skip
+            if (more := self._refusals.ready()) is not None:
+                log.warning("refused data-plane peer %s: %d connections already served%s",
+                            peer, self.limits.max_connections, more)  # fmt: skip
             conn.close()
             return False
         if evicted is not None:
-            if self._evictions.ready():
+            if (more := self._evictions.ready()) is not None:
                 log.warning("dropped the oldest unauthenticated data-plane connection: "
-                            "%d handshakes pending", self.limits.max_unauthenticated)  # fmt: skip
+                            "%d handshakes pending%s",
+                            self.limits.max_unauthenticated, more)  # fmt: skip
             _shutdown(evicted)  # its thread sees the hang-up and closes it
         return True
 
@@ -499,12 +513,10 @@ class DataPlaneServer:
                     conn = self._tls.wrap_socket(conn, server_side=True)
                 channel = self._handshake(conn, deadline)
             except (OSError, ValueError) as e:  # hung up, timed out or garbled: no proof
-                log.warning("refused data-plane peer %s: failed the shared-secret handshake "
-                            "(%s)", peer, e or type(e).__name__)  # fmt: skip
+                self._refuse(peer, str(e) or type(e).__name__)
                 return
             if channel is None:
-                log.warning("refused data-plane peer %s: failed the shared-secret handshake",
-                            peer)  # fmt: skip
+                self._refuse(peer, "wrong proof")
                 return
             with self._lock:
                 self._pending.pop(conn, None)
@@ -520,6 +532,11 @@ class DataPlaneServer:
                 channel.close()
             else:
                 conn.close()
+
+    def _refuse(self, peer: Any, why: str) -> None:
+        if (more := self._failed_handshakes.ready()) is not None:
+            log.warning("refused data-plane peer %s: failed the shared-secret handshake (%s)%s",
+                        peer, why, more)  # fmt: skip
 
     def _requests(self, channel: Channel, peer: Any) -> None:
         while True:
