@@ -38,6 +38,7 @@ instead of dying.
 from __future__ import annotations
 
 import collections
+import contextlib
 import errno
 import hashlib
 import hmac
@@ -212,20 +213,26 @@ class Channel:
         self._check(self._next_recv(), head, payload, _recv_exact(self.sock, _TAG))
         return payload
 
-    def send_file(self, path: str, offset: int, count: int) -> None:
+    def send_file(
+        self, path: str, offset: int, count: int, mapping: mmap.mmap | None = None
+    ) -> None:
         """Send ``count`` bytes of file ``path`` from ``offset`` by ``sendfile`` (straight from
-        the page cache), each record's tag computed from a mapping while the record leaves.
+        the page cache), each record's tag computed from ``mapping`` (the caller's mapping of
+        the file, already faulted in; else a fresh one) while the record leaves.
 
         ``socket.sendfile`` (not ``os.sendfile``): sockets with a timeout are non-blocking
         underneath, and it waits for writability instead of failing with EAGAIN.
         """
         if count <= 0:
             return
-        with (
-            open(path, "rb") as f,
-            mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm,
-            memoryview(mm) as view,
-        ):
+        with contextlib.ExitStack() as stack:
+            f = stack.enter_context(open(path, "rb"))
+            if mapping is None:
+                flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+                mapping = stack.enter_context(
+                    mmap.mmap(f.fileno(), 0, flags=flags, prot=mmap.PROT_READ)
+                )
+            view = stack.enter_context(memoryview(mapping))
 
             def tag_of(seq: int, head: bytes, start: int, n: int) -> bytes:
                 with view[start : start + n] as part:  # released before the result is seen

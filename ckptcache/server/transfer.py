@@ -36,7 +36,8 @@ def send_object(channel: Channel, gen: Generation, digests: Callable[[], list[in
     header = gen.segment.read_header()
     with ThreadPoolExecutor(1) as pool:
         table = pool.submit(digests)
-        channel.send_file(gen.segment.path, HEADER_SIZE, header.digest_offset - HEADER_SIZE)
+        channel.send_file(gen.segment.path, HEADER_SIZE, header.digest_offset - HEADER_SIZE,
+                          gen.segment.mapping)  # fmt: skip
         channel.send_bytes(pack_digests(table.result()))
 
 
@@ -134,7 +135,7 @@ def relay_in_flight(channel: Channel, core: CacheCore, flight: Inflight) -> None
             if flight.failed:
                 raise ConnectionError("the upstream copy failed mid-transfer")
             ready = flight.ready
-        channel.send_file(flight.segment.path, sent, ready - sent)
+        channel.send_file(flight.segment.path, sent, ready - sent, flight.segment.mapping)
         sent = ready
 
 
