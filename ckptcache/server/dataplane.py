@@ -511,6 +511,7 @@ class DataPlaneServer:
 
     def _serve(self, conn: socket.socket, peer: Any) -> None:
         channel: Channel | None = None
+        tracked = conn  # the accepted socket, as counted by _admit (TLS wraps it anew)
         try:
             _tune(conn)
             deadline = time.monotonic() + self.limits.handshake_timeout
@@ -526,15 +527,15 @@ class DataPlaneServer:
                 self._refuse(peer, "wrong proof")
                 return
             with self._lock:
-                self._pending.pop(conn, None)
+                self._pending.pop(tracked, None)
             conn.settimeout(300)
             self._requests(channel, peer)
         except (OSError, ValueError) as e:
             log.info("data-plane connection from %s ended: %s", peer, e)
         finally:
             with self._lock:
-                self._pending.pop(conn, None)
-                self._active.discard(conn)
+                self._pending.pop(tracked, None)
+                self._active.discard(tracked)
             if channel is not None:
                 channel.close()
             else:
