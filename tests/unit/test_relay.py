@@ -12,7 +12,7 @@ from ckptcache.flatten import flatten
 from ckptcache.layout import HEADER_SIZE
 from ckptcache.manifest import compute_digests, pack_digests
 from ckptcache.objectio import plan_object, read_object, write_object
-from ckptcache.server import dataplane, transfer
+from ckptcache.server import dataplane
 from ckptcache.server.config import DaemonConfig
 from ckptcache.server.core import CacheCore
 from ckptcache.server.dataplane import Channel
