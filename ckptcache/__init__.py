@@ -5,6 +5,7 @@ Replace ``torch.save``/``torch.load`` with :func:`save`/:func:`load`; see README
 
 __version__ = "0.1.0"
 
+from ckptcache._health import CacheStatus
 from ckptcache.api import delete, exists, load, prefetch, save, status, wait
 from ckptcache.client import Client
 from ckptcache.errors import (
@@ -28,6 +29,7 @@ from ckptcache.wire.messages import ObjectInfo as ObjectStatus
 
 __all__ = [
     "BudgetExceeded",
+    "CacheStatus",
     "CheckpointNotFound",
     "CkptCacheError",
     "CkptCacheWarning",
