@@ -199,3 +199,39 @@ def test_persisted_rank_file_matches_what_the_writer_recorded(persisting_client,
     back = empty_like(sd)
     dcp.load(back, checkpoint_id=ck)
     assert_same(back, sd)
+
+
+def test_packed_items_are_torch_save_archives_at_the_recorded_offsets():
+    """The offsets the writer records are where torch.save (the write-through fallback) and
+    the daemon's persisted archive put the blob's bytes; each span loads on its own."""
+    from ckptcache import packing
+    from ckptcache.archive import parse_archive
+
+    items = [torch.randn(3, 5), torch.arange(7), b"raw bytes item", torch.zeros(0)]
+    blob, spans = packing.pack(items)
+    buf = io.BytesIO()
+    torch.save(blob, buf)
+    (offset, size) = parse_archive(buf.getbuffer()).storages["0"]
+    assert (offset, size) == (packing.storage_offsets(blob)[0], blob.numel())
+    raw = buf.getvalue()
+    for item, span in zip(items, spans, strict=True):
+        chunk = raw[offset + span.offset : offset + span.offset + span.length]
+        if isinstance(item, bytes):
+            assert chunk == item
+        else:
+            assert_same(torch.load(io.BytesIO(chunk)), item)
+
+
+def test_write_through_without_a_daemon_is_a_plain_dcp_checkpoint(tmp_path, monkeypatch):
+    """No daemon: the rank file is written with torch.save and DCP's own reader loads it."""
+    monkeypatch.setenv("CKPTCACHE_SOCKET", "/nonexistent/ckptcache.sock")
+    ckptcache.api.set_default_client(None)
+    sd = state(5)
+    ck = tmp_path / "ck"
+    with pytest.warns(ckptcache.CkptCacheWarning):
+        dcp.save(sd, storage_writer=cdcp.CacheWriter(ck))
+    back = empty_like(sd)
+    dcp.load(back, storage_reader=dcp.FileSystemReader(ck))
+    assert_same(back, sd)
+    ckptcache.api.set_default_client(None)
+    shutil.rmtree(ck)
