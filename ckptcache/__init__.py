@@ -32,12 +32,14 @@ from ckptcache.errors import (
 )
 
 if TYPE_CHECKING:
+    from ckptcache._health import CacheStatus
     from ckptcache.api import delete, exists, load, prefetch, save, status, wait
     from ckptcache.client import Client
     from ckptcache.wire.messages import ObjectInfo as ObjectStatus
 
 __all__ = [
     "BudgetExceeded",
+    "CacheStatus",
     "CheckpointDeleted",
     "CheckpointNotFound",
     "CkptCacheError",
@@ -71,6 +73,7 @@ _LAZY = {
         n: ("ckptcache.api", n)
         for n in ("delete", "exists", "load", "prefetch", "save", "status", "wait")
     },
+    "CacheStatus": ("ckptcache._health", "CacheStatus"),
     "Client": ("ckptcache.client", "Client"),
     "ObjectStatus": ("ckptcache.wire.messages", "ObjectInfo"),
 }

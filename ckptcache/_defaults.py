@@ -6,12 +6,16 @@ import os
 
 __all__ = [
     "ENV_DAEMON_UID",
+    "ENV_FALLBACK_LOG_EVERY",
     "ENV_NAMESPACE",
+    "ENV_REQUIRE",
     "ENV_SOCKET",
     "candidate_sockets",
+    "default_fallback",
     "default_namespace",
     "default_shm_dir",
     "default_socket",
+    "fallback_log_every",
 ]
 
 #: Clients find their daemon through this variable before trying the default paths.
@@ -31,6 +35,12 @@ def _user_socket(uid: int) -> str:
     if runtime:
         return os.path.join(runtime, "ckptcache", "daemon.sock")
     return f"/tmp/ckptcache-{uid}/daemon.sock"
+
+
+#: ``1``: a missing daemon is an error (``DaemonUnavailable``), never a silent write-through.
+ENV_REQUIRE = "CKPTCACHE_REQUIRE"
+#: Log a line every this many write-through fallbacks (the first one is always logged).
+ENV_FALLBACK_LOG_EVERY = "CKPTCACHE_FALLBACK_LOG_EVERY"
 
 
 def default_socket() -> str:
@@ -62,3 +72,17 @@ def default_shm_dir() -> str:
 def default_namespace() -> str:
     """``$CKPTCACHE_NAMESPACE``, else ``default``."""
     return os.environ.get(ENV_NAMESPACE) or "default"
+
+
+def default_fallback() -> str:
+    """``"raise"`` when ``$CKPTCACHE_REQUIRE`` is set to a true value, else ``"write-through"``."""
+    required = os.environ.get(ENV_REQUIRE, "").strip().lower() in ("1", "true", "yes", "on")
+    return "raise" if required else "write-through"
+
+
+def fallback_log_every() -> int:
+    """``$CKPTCACHE_FALLBACK_LOG_EVERY`` (default 100, at least 1)."""
+    try:
+        return max(1, int(os.environ.get(ENV_FALLBACK_LOG_EVERY) or 100))
+    except ValueError:
+        return 100

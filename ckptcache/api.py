@@ -6,6 +6,7 @@ import os
 import threading
 from typing import Any
 
+from ckptcache._health import CacheStatus, cache_status
 from ckptcache.client import Client
 from ckptcache.flatten import MapLocation
 from ckptcache.wire.messages import ObjectInfo
@@ -104,8 +105,14 @@ def exists(path: str | os.PathLike[str]) -> bool:
     return default_client().exists(path)
 
 
-def status(path: str | os.PathLike[str]) -> ObjectInfo:
-    """Generation, size and stages reached (``local``, ``persisted``, ``storage``) of ``path``."""
+def status(path: str | os.PathLike[str] | None = None) -> ObjectInfo | CacheStatus:
+    """Generation, size and stages reached (``local``, ``persisted``, ``storage``) of ``path``.
+
+    Without ``path``: whether the cache is on for this process (:class:`CacheStatus`: daemon
+    reachable, socket, fallback policy, saves written through so far, daemon counters).
+    """
+    if path is None:
+        return cache_status(default_client())
     return default_client().status(path)
 
 

@@ -100,7 +100,8 @@ def _cmd_status(args: argparse.Namespace) -> int:
     pairs = [
         ("node", st.node_id), ("pid", str(st.pid)), ("version", st.version),
         ("uptime", f"{st.uptime:.0f} s"), ("socket", st.socket), ("shm dir", st.shm_dir),
-        ("memory", f"{format_bytes(st.memory_used)} of {format_bytes(st.memory_limit)} "
+        ("memory", f"{format_bytes(st.memory_used)} of {format_bytes(st.memory_limit)} reserved, "
+                   f"{format_bytes(st.memory_stored)} stored "
                    f"({format_bytes(st.memory_free_pool)} in the free pool)"),
         ("segments", f"{st.segments} ({st.free_segments} free)"),
         ("objects", f"{st.objects} paths, {st.generations} generations, {st.pinned} pinned"),

@@ -26,7 +26,12 @@ import rpyc
 from rpyc.core.stream import SocketStream
 
 from ckptcache import errors
-from ckptcache._defaults import candidate_sockets, default_namespace
+from ckptcache._defaults import (
+    candidate_sockets,
+    default_fallback,
+    default_namespace,
+    fallback_log_every,
+)
 from ckptcache._peer import connect_daemon, trusted_daemon_uids
 from ckptcache._secure_fs import current_umask
 from ckptcache.errors import (
@@ -93,7 +98,9 @@ class Client:
     ``daemon_uid`` (``$CKPTCACHE_DAEMON_UID``), which is checked before a byte is sent.
     ``namespace`` to ``$CKPTCACHE_NAMESPACE`` or ``default``. ``fallback`` is
     ``"write-through"`` (save to the path with torch.save when the daemon is gone or full) or
-    ``"raise"``. A client may be shared by threads; after ``fork`` the child reconnects.
+    ``"raise"``; unset, ``$CKPTCACHE_REQUIRE=1`` means ``"raise"``. Every write-through is
+    counted in ``fallbacks`` and logged (the first, then every ``$CKPTCACHE_FALLBACK_LOG_EVERY``).
+    A client may be shared by threads; after ``fork`` the child reconnects.
     """
 
     def __init__(
@@ -102,9 +109,10 @@ class Client:
         *,
         namespace: str | None = None,
         timeout: float = 60.0,
-        fallback: str = "write-through",
+        fallback: str | None = None,
         daemon_uid: int | None = None,
     ):
+        fallback = fallback or default_fallback()
         if fallback not in ("write-through", "raise"):
             raise ValueError(f"fallback must be 'write-through' or 'raise', not {fallback!r}")
         self._explicit_socket = bool(socket_path)
@@ -122,6 +130,8 @@ class Client:
         self._write_maps: dict[str, Mapping] = {}
         self._pending_release: list[tuple[int, int]] = []
         self._warned: set[str] = set()
+        #: Saves this client wrote straight to storage because the daemon was gone or full.
+        self.fallbacks = 0
         #: Paths this client saved through the daemon (what ``wait()`` waits for).
         self._saved: set[str] = set()
 
@@ -312,6 +322,7 @@ class Client:
 
         if self.fallback == "raise":
             raise reason
+        self._count_fallback(path, reason)
         if type(reason).__name__ not in self._warned:  # once per client and cause
             self._warned.add(type(reason).__name__)
             warnings.warn(
@@ -335,6 +346,17 @@ class Client:
         except DaemonUnavailable:
             pass  # a restarted daemon compares with storage itself (README "Guarantees")
         self._saved.discard(path)
+
+    def _count_fallback(self, path: str, reason: errors.CkptCacheError) -> None:
+        """Keep a silent fallback visible: a log line on the first and every N-th one."""
+        self.fallbacks += 1
+        every = fallback_log_every()
+        if self.fallbacks == 1 or self.fallbacks % every == 0:
+            log.warning(
+                "ckptcache: %d save(s) written through to storage without the cache, last %r "
+                "(%s); set CKPTCACHE_REQUIRE=1 to fail instead",
+                self.fallbacks, path, reason,
+            )  # fmt: skip
 
     # ----------------------------------------------------------------- load
 

@@ -33,6 +33,8 @@ class DaemonProc:
     args: list[str] = field(default_factory=list)
     env: dict[str, str] = field(default_factory=dict)
     proc: subprocess.Popen[bytes] | None = None
+    #: Command prefix, e.g. ``["prlimit", "--nofile=256:256", "--"]``.
+    wrapper: list[str] = field(default_factory=list)
 
     @property
     def socket(self) -> str:
@@ -47,8 +49,8 @@ class DaemonProc:
         return self.workdir / "daemon.log"
 
     def start(self) -> DaemonProc:
-        cmd = [sys.executable, "-m", "ckptcache.cli", "daemon", "--socket", self.socket,
-               "--shm-dir", self.shm_dir, *self.args]  # fmt: skip
+        cmd = [*self.wrapper, sys.executable, "-m", "ckptcache.cli", "daemon",
+               "--socket", self.socket, "--shm-dir", self.shm_dir, *self.args]  # fmt: skip
         log = open(self.log_path, "ab")  # noqa: SIM115 - owned by the child
         self.proc = subprocess.Popen(cmd, stdout=log, stderr=log, env={**os.environ, **self.env})
         log.close()

@@ -2,11 +2,13 @@
 
 Each submodule imports its framework, so import only the one you use:
 
-* ``ckptcache.adapters.deepspeed``: ``enable(engine)`` after ``deepspeed.initialize``.
+* ``ckptcache.adapters.deepspeed``: ``enable()`` once per process (every engine built later
+  uses the cache; per-engine options in the DeepSpeed config), or ``enable(engine)``.
 * ``ckptcache.adapters.megatron``: ``CacheSaveShardedStrategy`` / ``CacheLoadShardedStrategy``
   for ``dist_checkpointing``; ``enable()`` for Megatron-LM's legacy ``torch.save`` path.
 * ``ckptcache.adapters.dcp``: ``CacheWriter`` / ``CacheReader`` for
-  ``torch.distributed.checkpoint`` (also the stager of ``dcp.async_save``).
+  ``torch.distributed.checkpoint`` (also the stager of ``dcp.async_save``); ``enable()`` for
+  ``checkpoint_id=``-only calls.
 * ``ckptcache.adapters.lightning``: the ``CkptCacheIO`` plugin.
 
 The files written are the framework's own (names, layout, marker files), so switching the

@@ -7,6 +7,7 @@ object visible to a framework that insists on ``os.path`` checks before it loads
 
 from __future__ import annotations
 
+import logging
 import os
 import uuid
 from collections.abc import Callable
@@ -17,6 +18,7 @@ import torch
 import ckptcache
 import ckptcache.api
 from ckptcache import CheckpointNotFound, DaemonUnavailable
+from ckptcache._health import cache_status
 
 __all__ = [
     "COMMIT_WAITS",
@@ -29,12 +31,18 @@ __all__ = [
     "is_memory_only",
     "is_persisted",
     "load_any",
+    "report_enabled",
+    "settle",
     "wait_persisted",
 ]
 
+log = logging.getLogger("ckptcache.adapters")
+
 #: What an adapter's commit point may wait for before the framework writes its marker file
-#: (DeepSpeed ``latest``, Megatron ``latest_checkpointed_iteration.txt``, DCP ``.metadata``).
-COMMIT_WAITS = ("local", "persisted")
+#: (DeepSpeed ``latest``, Megatron ``latest_checkpointed_iteration.txt``, DCP ``.metadata``):
+#: ``local`` (phase 1, in this node's memory), ``persisted`` (in storage), ``files`` (a file
+#: exists at every path: persisted, or written by the adapter when no persist root covers it).
+COMMIT_WAITS = ("local", "persisted", "files")
 
 # persist_state values that mean "no storage root covers this path: it stays in memory".
 _MEMORY_ONLY_STATES = frozenset({"", "none", "memory", "memory-only", "disabled", "unrooted"})
@@ -45,6 +53,17 @@ def check_commit_waits(value: str) -> str:
     if value not in COMMIT_WAITS:
         raise ValueError(f"commit_waits must be one of {', '.join(COMMIT_WAITS)}, not {value!r}")
     return value
+
+
+def settle(client: ckptcache.Client | None, paths: list[str], commit_waits: str) -> None:
+    """Wait for what ``commit_waits`` promises about ``paths`` (see :data:`COMMIT_WAITS`)."""
+    if commit_waits == "persisted":
+        for p in paths:
+            wait_persisted(client, p)
+    elif commit_waits == "files":
+        c = client_of(client)
+        for p in paths:
+            ensure_on_disk(c, c.status(p))
 
 
 def client_of(client: ckptcache.Client | None) -> ckptcache.Client:
@@ -128,3 +147,20 @@ def in_memory(info: ckptcache.ObjectStatus | None) -> bool:
 def load_any(client: ckptcache.Client, path: str, map_location: Any = None) -> Any:
     """Load ``path`` with full unpickling, as the frameworks' own ``torch.load`` calls do."""
     return client.load(path, map_location, weights_only=False)
+
+
+def report_enabled(framework: str, client: ckptcache.Client | None) -> ckptcache.CacheStatus:
+    """What an adapter's ``enable()`` says: whether the cache is reachable, logged once.
+
+    With ``CKPTCACHE_REQUIRE=1`` (or a client with ``fallback="raise"``) an unreachable daemon
+    raises :class:`ckptcache.DaemonUnavailable` here, before training starts.
+    """
+    c = client_of(client)
+    state = cache_status(c)
+    if state.reachable:
+        log.info("ckptcache: %s checkpoints go through the %s", framework, state.describe())
+    elif c.fallback == "raise":
+        raise DaemonUnavailable(f"{framework} checkpoints: {state.describe()}")
+    else:
+        log.warning("ckptcache: %s checkpoints: %s", framework, state.describe())
+    return state

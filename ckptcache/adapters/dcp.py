@@ -3,26 +3,48 @@
 ::
 
     import ckptcache.adapters.dcp as cdcp
-    dcp.save(state_dict, storage_writer=cdcp.CacheWriter(ckpt_dir))        # was FileSystemWriter
+    cdcp.enable()                                     # plain dcp.save/load(checkpoint_id=dir)
+    dcp.save(state_dict, checkpoint_id=ckpt_dir)      # now through the cache
+    dcp.save(state_dict, storage_writer=cdcp.CacheWriter(ckpt_dir))        # or explicitly
     dcp.async_save(state_dict, storage_writer=cdcp.CacheWriter(ckpt_dir))  # stall = the memcpy
     dcp.load(state_dict, storage_reader=cdcp.CacheReader(ckpt_dir))        # was FileSystemReader
 
-On-disk format (why it stays a plain DCP checkpoint): ``FileSystemWriter`` stores each tensor
-item as a ``torch.save`` archive of that tensor and each bytes item as the raw ``torch.save``
-bytes the planner produced, at ``(relative_path, offset, length)`` recorded in ``.metadata``.
-The cache persists every object as exactly the ``torch.save`` archive of that object, so the
-writer makes **one cached object per write item**, named ``__{rank}_{i}.distcp`` — the names
-``FileSystemWriter(single_file_per_rank=False)`` uses — and records ``offset=0`` and the
-archive's length. The persisted directory is then a normal DCP checkpoint that
-``FileSystemReader`` (and every DCP tool) loads with no ckptcache installed; no second format
-and no repacking step exist. The price is one cache object per tensor rather than per rank.
+**Stock signatures.** ``CacheWriter`` subclasses ``FileSystemWriter`` and ``CacheReader``
+``FileSystemReader``: every argument of the installed torch's classes is accepted (positional or
+keyword), plus the keyword-only ``commit_waits`` and ``client``. Honoured: ``path``,
+``single_file_per_rank`` and ``thread_count`` (the same files per rank as ``FileSystemWriter``:
+one per item, or ``thread_count`` per rank), ``overwrite``, ``sync_files`` (for ``.metadata``;
+the daemon always fsyncs what it persists), ``_extensions`` (each item is transformed as DCP
+does, descriptors recorded) and the reader's ``_extension_registry``. Ignored:
+``per_thread_copy_ahead`` and ``cache_staged_state_dict`` (staging is the cache's memcpy into a
+reused segment, not DCP's CPU copy). ``serialization_format=SAFETENSORS`` raises
+``ValueError``: the cache persists ``torch.save`` archives.
 
-``.metadata`` is a pickle, not a ``torch.save`` archive, so it cannot be a cached object: the
-coordinator writes it in ``finish`` with temp + fsync + rename, exactly as DCP does. It is the
-commit marker: a save that fails in any phase never writes it, and drops the items it had
-handed to the cache. ``commit_waits="persisted"`` makes every rank's ``write_data`` wait until
-its items are persisted, so ``.metadata`` appears only once the whole checkpoint is in storage
-(with ``async_save`` that wait runs in DCP's background thread, off the training loop).
+**On-disk format: a plain DCP checkpoint.** ``FileSystemWriter`` stores each tensor item as a
+``torch.save`` archive of that tensor, and each bytes item raw, at ``(file, offset, length)``
+recorded in ``.metadata``. The writer makes **one cached object per file** (one per rank by
+default, as DCP writes one file per rank): a ``uint8`` tensor in which the items' archives lie
+back to back (:func:`ckptcache.packing.pack`). The daemon persists an object as exactly the
+``torch.save`` archive of it, so the persisted ``__{rank}_0.distcp`` holds each item's archive
+at a known offset, and ``.metadata`` records those offsets: ``FileSystemReader`` and every DCP
+tool read the persisted directory with no ckptcache installed. Small tensors share one segment
+instead of taking one each.
+
+**When the files exist (the contract).** ``.metadata`` is written by the coordinator in
+``finish`` (DCP's own code, temp + rename), after every rank's ``write_data`` returned; a save
+that fails in any phase never writes it and drops the objects it handed to the cache.
+``commit_waits`` says what ``write_data`` waits for, hence what ``.metadata`` implies:
+
+* ``"local"`` (default): the items are in this node's memory. ``CacheReader`` (and
+  ``dcp.load`` after :func:`enable`) reads them at once; the files appear when the daemon has
+  persisted them (:func:`ckptcache.wait`), never, for a directory under no ``--persist-root``.
+* ``"persisted"``: every file is in storage (raises ``PathNotAllowed`` when no persist root
+  covers the directory).
+* ``"files"``: every file exists on the file system, persisted by the daemon, or, under no
+  persist root, written here once (temp + rename). DCP's own readers and tools work right after
+  ``dcp.save`` returns, as without the cache; the price is waiting for storage.
+
+With ``async_save`` the wait runs in DCP's background thread, off the training loop.
 
 Call order (DCP drives it; see ``torch.distributed.checkpoint.storage``): writer ``reset`` ->
 ``set_up_storage_writer`` -> ``prepare_local_plan`` -> (coordinator) ``prepare_global_plan``
@@ -36,47 +58,33 @@ import copy
 import dataclasses
 import io
 import os
-import pickle
 import tempfile
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any, cast
 
 import torch
-from torch.distributed._shard._utils import narrow_tensor_by_index
+from torch.distributed.checkpoint import _storage_utils
 from torch.distributed.checkpoint.filesystem import (
-    CURRENT_DCP_VERSION,
+    FileSystem,
     FileSystemReader,
+    FileSystemWriter,
+    SerializationFormat,
+    _split_by_size_and_type,
     _StorageInfo,
 )
-from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
-from torch.distributed.checkpoint.planner import (
-    LoadItemType,
-    LoadPlan,
-    LoadPlanner,
-    ReadItem,
-    SavePlan,
-    SavePlanner,
-    WriteItem,
-    WriteItemType,
-)
-from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
+from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
 import ckptcache
+from ckptcache import packing
 from ckptcache.adapters import _common
 
-__all__ = ["CacheReader", "CacheWriter"]
+__all__ = ["CacheReader", "CacheWriter", "disable", "enable", "is_enabled"]
 
-_METADATA = ".metadata"
 _SUFFIX = ".distcp"
-
-
-@dataclasses.dataclass(frozen=True)
-class _RankPrefix:
-    """Global-plan storage data: the file-name prefix of one rank's items."""
-
-    prefix: str
 
 
 def _item_tensor(data: torch.Tensor) -> torch.Tensor:
@@ -89,13 +97,13 @@ def _item_tensor(data: torch.Tensor) -> torch.Tensor:
     return t
 
 
-class CacheWriter(StorageWriter):
-    """A DCP ``StorageWriter`` whose items go to the cache (phase 1), persisted by the daemon.
+class CacheWriter(FileSystemWriter):  # type: ignore[misc]
+    """A DCP ``StorageWriter`` whose files go to the cache (phase 1), persisted by the daemon.
 
-    ``path``: the checkpoint directory (same as ``FileSystemWriter``'s). ``commit_waits``:
-    ``"local"`` (default) or ``"persisted"`` (see the module docstring). ``client``: defaults to
-    the process's default client. Also an ``AsyncStager`` (``stage``), so ``dcp.async_save``
-    stages through the cache instead of copying into pinned buffers first.
+    Takes every argument of ``FileSystemWriter`` (see the module docstring for what each does
+    here) plus ``commit_waits`` (``"local"``, ``"persisted"`` or ``"files"``) and ``client``
+    (defaults to the process's default client). Also an ``AsyncStager`` (``stage``), so
+    ``dcp.async_save`` stages through the cache instead of copying into CPU buffers first.
     """
 
     # AsyncStager protocol: staging is done when stage() returns.
@@ -104,18 +112,21 @@ class CacheWriter(StorageWriter):
     def __init__(
         self,
         path: str | os.PathLike[str],
-        *,
+        *args: Any,
         commit_waits: str = "local",
         client: ckptcache.Client | None = None,
+        **kwargs: Any,
     ):
-        super().__init__()
-        self.path = os.path.abspath(os.fspath(path))
+        super().__init__(os.path.abspath(os.fspath(path)), *args, **kwargs)
+        if self.serialization_format != SerializationFormat.TORCH_SAVE:
+            raise ValueError(
+                f"CacheWriter persists torch.save archives; serialization_format="
+                f"{self.serialization_format} needs FileSystemWriter"
+            )
         self.commit_waits = _common.check_commit_waits(commit_waits)
         self._client = client
-        self.save_id = uuid.uuid4().hex
-        self.rank = 0
-        self.is_coordinator = False
         self._staged: list[str] = []
+        self._rank_hint = 0
 
     @property
     def client(self) -> ckptcache.Client:
@@ -126,44 +137,27 @@ class CacheWriter(StorageWriter):
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         """Start a new save (optionally into another directory)."""
-        if checkpoint_id:
-            self.path = os.path.abspath(os.fspath(checkpoint_id))
-        self.save_id = uuid.uuid4().hex
+        super().reset(os.path.abspath(os.fspath(checkpoint_id)) if checkpoint_id else None)
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
-        """Remember this rank's role."""
-        self.is_coordinator = is_coordinator
+        """Remember this rank (for the file names when DCP gives no prefix)."""
+        super().set_up_storage_writer(is_coordinator, *args, **kwargs)
         rank = kwargs.get("rank")
         if rank is None and torch.distributed.is_available() and torch.distributed.is_initialized():
             rank = torch.distributed.get_rank()
-        self.rank = int(rank or 0)
-
-    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
-        """Create the directory (the daemon persists into it; ``.metadata`` goes there)."""
-        os.makedirs(self.path, exist_ok=True)
-        return plan
-
-    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
-        """Give rank ``i``'s items the prefix ``__{i}_``, as ``FileSystemWriter`` does."""
-        return [
-            dataclasses.replace(p, storage_data=_RankPrefix(f"__{i}_"))
-            if p.storage_data is None
-            else p
-            for i, p in enumerate(plans)
-        ]
+        self._rank_hint = int(rank or 0)
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
-        """Save every item of this rank as its own cached object; drop them all on failure."""
-        prefix = plan.storage_data.prefix if plan.storage_data else f"__{self.rank}_"
+        """Save each of this rank's files as one cached object; drop them all on failure."""
+        prefix = plan.storage_data.prefix if plan.storage_data else f"__{self._rank_hint}_"
         saved: list[str] = []
         try:
             results = [
-                self._write_item(item, planner, f"{prefix}{i}{_SUFFIX}", saved)
-                for i, item in enumerate(plan.items)
+                result
+                for i, items in enumerate(self._files(plan.items))
+                for result in self._write_file(f"{prefix}{i}{_SUFFIX}", items, planner, saved)
             ]
-            if self.commit_waits == "persisted":
-                for p in saved:
-                    _common.wait_persisted(self._client, p)
+            _common.settle(self._client, saved, self.commit_waits)
         except BaseException:
             self._discard(saved)
             raise
@@ -173,25 +167,53 @@ class CacheWriter(StorageWriter):
         fut.set_result(results)
         return fut
 
-    def _write_item(
-        self, item: WriteItem, planner: SavePlanner, name: str, saved: list[str]
-    ) -> WriteResult:
-        path = os.path.join(self.path, name)
+    def _files(self, items: list[WriteItem]) -> list[list[WriteItem]]:
+        """Items per file, exactly as ``FileSystemWriter`` splits them."""
+        if not items:
+            return []
+        if self.single_file_per_rank:
+            return [b for b in _split_by_size_and_type(self.thread_count, items) if b]
+        return [[item] for item in items]
+
+    def _write_file(
+        self, name: str, items: list[WriteItem], planner: SavePlanner, saved: list[str]
+    ) -> list[WriteResult]:
+        payloads = [self._payload(item, planner) for item in items]
+        blob, spans = packing.pack([p for p, _ in payloads])
+        path = os.path.join(os.fspath(self.path), name)
+        self.client.save(blob, path)
+        saved.append(path)
+        base = packing.storage_offsets(blob)[0]
+        return [
+            WriteResult(
+                index=item.index,
+                size_in_bytes=span.length,
+                storage_data=_StorageInfo(name, base + span.offset, span.length, descriptors),
+            )
+            for item, span, (_, descriptors) in zip(items, spans, payloads, strict=True)
+        ]
+
+    def _payload(
+        self, item: WriteItem, planner: SavePlanner
+    ) -> tuple[torch.Tensor | memoryview, list[str] | None]:
+        """What goes into the file for ``item`` (as ``FileSystemWriter`` writes it)."""
         data = planner.resolve_data(item)
         if item.type == WriteItemType.BYTE_IO:
-            # DCP's bytes items are torch.save output (DefaultSavePlanner); caching the object
-            # makes the persisted file that same archive, which load_bytes torch.loads.
             assert isinstance(data, io.BytesIO)
-            data.seek(0)
-            obj: Any = torch.load(data, weights_only=False)
+            raw: torch.Tensor | memoryview = data.getbuffer()
         else:
-            obj = _item_tensor(cast(torch.Tensor, data))
-        self.client.save(obj, path)
-        saved.append(path)
-        size = self.client.status(path).size
-        return WriteResult(
-            index=item.index, size_in_bytes=size, storage_data=_StorageInfo(name, 0, size)
-        )
+            raw = _item_tensor(cast(torch.Tensor, data))
+        if not self.transforms.extensions:
+            return raw, None
+        # Extensions (compression, ...) transform the serialized stream, as in DCP.
+        out = io.BytesIO()
+        stream, descriptors = self.transforms.transform_save_stream(item, out)
+        if isinstance(raw, torch.Tensor):
+            torch.save(raw, stream)
+        else:
+            stream.write(raw)
+        stream.close()
+        return out.getbuffer(), descriptors or None
 
     def _discard(self, paths: list[str]) -> None:
         for p in paths:
@@ -199,27 +221,6 @@ class CacheWriter(StorageWriter):
                 self.client.delete(p)
             except ckptcache.CkptCacheError:
                 pass  # best effort: without .metadata the items are not a checkpoint anyway
-
-    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
-        """Write ``.metadata`` atomically (the commit point), as ``FileSystemWriter`` does."""
-        metadata.version = CURRENT_DCP_VERSION
-        metadata.storage_data = {wr.index: wr.storage_data for rs in results for wr in rs}
-        metadata.storage_meta = self.storage_meta()
-        _common.atomic_write(os.path.join(self.path, _METADATA), lambda f: pickle.dump(metadata, f))
-
-    def storage_meta(self) -> StorageMeta | None:
-        """Checkpoint id and save id, recorded in ``.metadata``."""
-        return StorageMeta(checkpoint_id=self.path, save_id=self.save_id)
-
-    @property
-    def checkpoint_id(self) -> str:
-        """The checkpoint directory."""
-        return self.path
-
-    @classmethod
-    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
-        """Local directories only (``.metadata`` is written with ``open``)."""
-        return "://" not in os.fspath(checkpoint_id)
 
     # ------------------------------------------------------------------ AsyncStager
 
@@ -244,7 +245,7 @@ class CacheWriter(StorageWriter):
         self.client.save(tensors, staging)
         self._staged.append(staging)
         staged = self.client.load(staging, mmap=True)
-        return _restore_tensors(skeleton, staged)
+        return _restore_tensors(skeleton, staged)  # type: ignore[no-any-return]
 
     def synchronize_staging(self) -> None:
         """Nothing to do: ``stage`` returns when the copy is done."""
@@ -305,62 +306,143 @@ def _restore_tensors(obj: Any, staged: list[torch.Tensor]) -> Any:
 # ---------------------------------------------------------------------- reader
 
 
-class CacheReader(FileSystemReader):  # type: ignore[misc]
-    """A DCP ``StorageReader`` that serves items from the cache, else from the files.
+class _BlobFile(io.RawIOBase):
+    """A read-only file whose bytes ``[base, base + len(blob))`` are a cached blob: the part of
+    the persisted file that DCP's items live in, served from memory without a copy."""
 
-    Reads any DCP checkpoint: items written by :class:`CacheWriter` come from memory while the
-    local daemon holds them, everything else (a ``FileSystemWriter`` checkpoint, packed files
-    with offsets, an evicted object) through ``FileSystemReader``'s own code. Resharding works
-    as in DCP: the planner decides which slices each rank reads.
+    def __init__(self, blob: torch.Tensor, base: int):
+        super().__init__()
+        self._view = blob.numpy().data if blob.numel() else memoryview(b"")
+        self._blob = blob  # keeps the mapping alive
+        self._base = base
+        self._pos = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, offset: int, whence: int = os.SEEK_SET) -> int:
+        end = self._base + len(self._view)
+        self._pos = {os.SEEK_SET: 0, os.SEEK_CUR: self._pos, os.SEEK_END: end}[whence] + offset
+        return self._pos
+
+    def readinto(self, buf: Any) -> int:
+        start = self._pos - self._base
+        if start < 0:
+            raise OSError(f"offset {self._pos} lies before the packed items (at {self._base})")
+        data = self._view[start : start + len(memoryview(buf).cast("B"))]
+        memoryview(buf).cast("B")[: len(data)] = data
+        self._pos += len(data)
+        return len(data)
+
+
+class _CacheFileSystem(FileSystem):  # type: ignore[misc]
+    """DCP's ``FileSystem``, except that files the local daemon holds are read from memory."""
+
+    def __init__(self, reader: CacheReader):
+        super().__init__()
+        self._reader = reader
+
+    @contextmanager
+    def create_stream(self, path: str | os.PathLike[str], mode: str) -> Iterator[io.IOBase]:
+        name = os.fspath(path)
+        if mode != "rb" or not name.endswith(_SUFFIX):
+            with super().create_stream(path, mode) as stream:
+                yield stream
+            return
+        client = self._reader.client
+        if not _common.in_memory(_common.cached_status(client, name)):
+            with super().create_stream(path, mode) as stream:
+                yield stream
+            return
+        obj = client.load(name)
+        if isinstance(obj, torch.Tensor) and obj.dtype == torch.uint8 and obj.dim() == 1:
+            stream = _BlobFile(obj, packing.storage_offsets(obj)[0])
+        else:
+            # One object per item (earlier CacheWriter versions): the file is its archive.
+            stream = io.BytesIO()
+            torch.save(obj, stream)
+        with stream:
+            yield cast(io.IOBase, stream)
+
+
+class CacheReader(FileSystemReader):  # type: ignore[misc]
+    """A DCP ``StorageReader`` that serves files from the cache, else from storage.
+
+    Takes every argument of ``FileSystemReader`` (``_extension_registry`` included) plus
+    ``client``. DCP's own reading code runs unchanged (slicing, extensions, resharding); only
+    the bytes of a file the local daemon holds come from memory. Reads any DCP checkpoint:
+    a ``FileSystemWriter`` checkpoint or an evicted object is read from the files.
     """
 
-    def __init__(self, path: str | os.PathLike[str], *, client: ckptcache.Client | None = None):
-        super().__init__(os.path.abspath(os.fspath(path)))
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        *args: Any,
+        client: ckptcache.Client | None = None,
+        **kwargs: Any,
+    ):
+        super().__init__(os.path.abspath(os.fspath(path)), *args, **kwargs)
         self._client = client
+        self.fs = _CacheFileSystem(self)
 
     @property
     def client(self) -> ckptcache.Client:
         """The client this reader loads through."""
         return _common.client_of(self._client)
 
-    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
-        """Copy every requested slice into the planner's tensors (cache first)."""
-        per_file: dict[str, list[ReadItem]] = {}
-        for item in plan.items:
-            per_file.setdefault(self.storage_data[item.storage_index].relative_path, []).append(
-                item
-            )
-        from_files: list[ReadItem] = []
-        for relative_path, items in per_file.items():
-            path = os.path.join(os.fspath(self.path), relative_path)
-            whole = all(self.storage_data[i.storage_index].offset == 0 for i in items)
-            if whole and _common.in_memory(_common.cached_status(self.client, path)):
-                self._read_cached(path, items, planner)
-            else:
-                from_files.extend(items)
-        if from_files:
-            return super().read_data(dataclasses.replace(plan, items=from_files), planner)
-        fut: Future[None] = Future()
-        fut.set_result(None)
-        return fut
+    def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
+        """Start a new load (optionally from another directory)."""
+        super().reset(os.path.abspath(os.fspath(checkpoint_id)) if checkpoint_id else None)
 
-    def _read_cached(self, path: str, items: list[ReadItem], planner: LoadPlanner) -> None:
-        # One item per file (CacheWriter); bytes items hold arbitrary objects, as in DCP.
-        is_bytes = items[0].type == LoadItemType.BYTE_IO
-        obj = self.client.load(path, weights_only=not is_bytes)
-        for item in items:
-            if item.type != LoadItemType.BYTE_IO:
-                src = narrow_tensor_by_index(obj, item.storage_offsets, item.lengths)
-                target = planner.resolve_tensor(item).detach()
-                if target.size() != src.size():
-                    raise ValueError(
-                        f"{item.storage_index}: checkpoint slice {tuple(src.size())} does not "
-                        f"match the target {tuple(target.size())}"
-                    )
-                target.copy_(src)
-                planner.commit_tensor(item, target)
-            else:
-                buf = io.BytesIO()
-                torch.save(obj, buf)  # load_bytes expects torch.save bytes, as in the file
-                buf.seek(0)
-                planner.load_bytes(item, buf)
+
+# ---------------------------------------------------------------------- enable / disable
+
+_STOCK: dict[str, type] = {}
+
+
+def enable(
+    *, commit_waits: str = "local", client: ckptcache.Client | None = None
+) -> ckptcache.CacheStatus:
+    """Make ``dcp.save``/``dcp.async_save``/``dcp.load`` called with only ``checkpoint_id=``
+    (a local directory) use :class:`CacheWriter` / :class:`CacheReader`; undone by
+    :func:`disable`. Explicit ``storage_writer``/``storage_reader`` arguments are untouched.
+
+    DCP picks its storage for a bare ``checkpoint_id`` from the classes it lists in
+    ``torch.distributed.checkpoint._storage_utils``; this puts the cache's classes there, ahead
+    of fsspec (which keeps URLs). Returns whether the cache is reachable, and logs it, so a
+    missing daemon is visible at once (``CKPTCACHE_REQUIRE=1`` makes it an error).
+    """
+    _common.check_commit_waits(commit_waits)
+    options = {"commit_waits": commit_waits, "client": client}
+
+    class EnabledCacheWriter(CacheWriter):
+        def __init__(self, path: str | os.PathLike[str], *args: Any, **kwargs: Any):
+            super().__init__(path, *args, **{**options, **kwargs})
+
+    class EnabledCacheReader(CacheReader):
+        def __init__(self, path: str | os.PathLike[str], *args: Any, **kwargs: Any):
+            super().__init__(path, *args, **{"client": client, **kwargs})
+
+    _STOCK.setdefault("FileSystemWriter", _storage_utils.FileSystemWriter)
+    _STOCK.setdefault("FileSystemReader", _storage_utils.FileSystemReader)
+    _storage_utils.FileSystemWriter = EnabledCacheWriter  # type: ignore[misc]
+    _storage_utils.FileSystemReader = EnabledCacheReader  # type: ignore[misc]
+    return _common.report_enabled("DCP", client)
+
+
+def disable() -> None:
+    """Give ``checkpoint_id=``-only DCP calls back to DCP's ``FileSystemWriter``/``Reader``."""
+    for name, cls in _STOCK.items():
+        setattr(_storage_utils, name, cls)
+    _STOCK.clear()
+
+
+def is_enabled() -> bool:
+    """Whether :func:`enable` is in effect."""
+    return bool(_STOCK)

@@ -26,7 +26,9 @@ stays the plain text file Megatron writes after its post-save barrier; it cannot
 object because the cache persists ``torch.save`` archives. What changes is what it follows:
 with ``commit_waits="local"`` (default) phase 1 on every rank; with ``"persisted"`` every rank's
 ``torch.save`` returns only after its file is persisted, so the tracker never names an
-iteration that storage does not fully hold.
+iteration that storage does not fully hold; with ``"files"`` only after its file exists
+(persisted, or written by the adapter when no persist root covers it), so Megatron's own
+tools read the checkpoint right after the save, as without the cache.
 """
 
 from __future__ import annotations
@@ -189,9 +191,10 @@ class _TorchProxy(types.ModuleType):
             return torch.save(obj, f, *args, **kwargs)  # streams, or pickle options: as is
         path = os.fspath(f)
         _common.client_of(self._ckptcache_client).save(obj, path)
-        if self._ckptcache_commit_waits == "persisted":
-            # Megatron barriers right after this call and then writes the tracker.
-            _common.wait_persisted(self._ckptcache_client, os.path.abspath(path))
+        # Megatron barriers right after this call and then writes the tracker.
+        _common.settle(
+            self._ckptcache_client, [os.path.abspath(path)], self._ckptcache_commit_waits
+        )
         return None
 
     def load(self, f: Any, map_location: Any = None, *args: Any, **kwargs: Any) -> Any:

@@ -43,8 +43,16 @@ from ckptcache.errors import (
 from ckptcache.layout import HEADER_SIZE, plan_segment
 from ckptcache.manifest import Manifest, manifest_from_archive, object_digest, pack_digests
 from ckptcache.persisted import check_archive
-from ckptcache.server.coord import CoordinatorUnavailable, NodeInfo, make_coordinator
+from ckptcache.server.coord import (
+    CoordinatorUnavailable,
+    NodeInfo,
+    make_coordinator,
+    sign_node,
+    verify_node,
+)
 from ckptcache.server.dataplane import (
+    Channel,
+    ConnectionLimits,
     DataPlaneClient,
     DataPlaneServer,
     TLSConfig,
@@ -60,8 +68,6 @@ from ckptcache.server.transfer import (
 from ckptcache.storage import backend_for
 
 if TYPE_CHECKING:
-    import socket
-
     from ckptcache.server.core import CacheCore
     from ckptcache.server.index import Generation
 
@@ -116,9 +122,14 @@ class Cluster:
             self.server = DataPlaneServer(
                 cfg.listen, self.secret,
                 {"push": self._on_push, "fetch": self._on_fetch, "corrupt": self._on_corrupt},
-                tls=self.tls,
+                tls=self.tls, node_id=cfg.node_id,
+                limits=ConnectionLimits(cfg.handshake_timeout, cfg.max_peer_connections,
+                                        cfg.max_unauthenticated_peers),
             )  # fmt: skip
         self.node = NodeInfo(cfg.node_id, cfg.host, self.server.address if self.server else "")
+        if self.secret:
+            self.node = sign_node(self.node, self.secret, self.coord.prefix, time.time())
+        self._ignored: set[tuple[str, str]] = set()
         self._work: queue.Queue[Generation | None] = queue.Queue()
         self._standby: dict[Generation, tuple[str, str]] = {}
         self._live: list[NodeInfo] = []
@@ -163,9 +174,27 @@ class Cluster:
         """
         now = time.monotonic()
         if now - self._live_at > max_age:
-            self._live = self.coord.live_nodes()
+            self._live = [n for n in self.coord.live_nodes() if self._trusted(n)]
             self._live_at = now
         return self._live
+
+    def _trusted(self, node: NodeInfo) -> bool:
+        """Whether a node record was signed with the cluster secret (logged once if not):
+        whoever can write to the coordinator without the secret must not be dialled."""
+        if self.secret is None or verify_node(node, self.secret, self.coord.prefix):
+            return True
+        if (node.node_id, node.sig) not in self._ignored:
+            self._ignored.add((node.node_id, node.sig))
+            why = "forged signature" if node.sig else "unsigned"
+            log.error("ignored node record %r (data plane %s): %s", node.node_id,
+                      node.data_addr or "-", why)  # fmt: skip
+        return False
+
+    def _dial(self, node: NodeInfo, timeout: float = 300.0) -> DataPlaneClient:
+        """An authenticated connection to ``node``, which must prove it is that node."""
+        assert self.secret is not None
+        return DataPlaneClient(node.data_addr, self.secret, timeout, self.tls,
+                               node_id=self.node.node_id, expect=node.node_id)  # fmt: skip
 
     def node_ids(self) -> tuple[str, ...]:
         """Live node ids (empty when the coordinator is unreachable)."""
@@ -267,23 +296,22 @@ class Cluster:
             t0 = time.perf_counter()
             header = gen.segment.read_header()
             nbytes = header.digest_offset + 8 * header.n_storages
-            assert self.secret is not None
-            with DataPlaneClient(target.data_addr, self.secret, tls=self.tls) as peer:
+            with self._dial(target) as peer:
                 t1 = time.perf_counter()
-                send_msg(peer.sock, {
+                send_msg(peer.channel, {
                     "op": "push", "namespace": gen.namespace, "path": gen.path,
                     "nbytes": nbytes, "manifest_offset": header.manifest_offset,
                     "manifest_size": header.manifest_size, "origin": self.node.node_id,
                     "manifest": gen.manifest.to_json().decode(),
                     "skeleton_digest": header.skeleton_digest, "committed": gen.committed,
                 })  # fmt: skip
-                ready = recv_msg(peer.sock)
+                ready = recv_msg(peer.channel)
                 if not ready.get("ok"):
                     raise ReplicationError(f"{target.node_id} refused: {ready.get('message')}")
                 t2 = time.perf_counter()
-                send_object(peer.sock, gen, lambda: self.core.ensure_digests(gen))
+                send_object(peer.channel, gen, lambda: self.core.ensure_digests(gen))
                 t3 = time.perf_counter()
-                done = recv_msg(peer.sock)
+                done = recv_msg(peer.channel)
                 t4 = time.perf_counter()
                 log.debug("push of %s: connect %.3fs reserve %.3fs send %.3fs commit %.3fs",
                           gen.path, t1 - t0, t2 - t1, t3 - t2, t4 - t3)  # fmt: skip
@@ -293,10 +321,10 @@ class Cluster:
         finally:
             self.core.unpin(gen)
 
-    def _on_push(self, conn: socket.socket, req: dict[str, Any]) -> None:
+    def _on_push(self, conn: Channel, req: dict[str, Any]) -> None:
         try:
             saved_at = float(req.get("committed") or time.time())
-            gen = self._receive(conn, req, str(req.get("origin", "?")), ready=True,
+            gen = self._receive(conn, req, conn.peer_id, ready=True,  # the proven sender
                                 saved_at=saved_at)  # fmt: skip
         except (CkptCacheError, KeyError, ValueError) as e:
             send_msg(conn, {"ok": False, "error": type(e).__name__, "message": str(e)})
@@ -306,7 +334,7 @@ class Cluster:
 
     def _receive(
         self,
-        conn: socket.socket,
+        conn: Channel,
         head: dict[str, Any],
         origin: str,
         *,
@@ -336,7 +364,7 @@ class Cluster:
         return self.core.receive(namespace, path, nbytes, mo, ms, fill, origin=origin,
                                  digests=lambda: verified, saved_at=saved_at)  # fmt: skip
 
-    def _on_fetch(self, conn: socket.socket, req: dict[str, Any]) -> None:
+    def _on_fetch(self, conn: Channel, req: dict[str, Any]) -> None:
         try:
             key = (str(req["namespace"]), str(req["path"]))
             with self.core.cond:
@@ -374,10 +402,9 @@ class Cluster:
     def _fetch_from(
         self, node: NodeInfo, namespace: str, path: str, started: Callable[[], None]
     ) -> Generation:
-        assert self.secret is not None
-        with DataPlaneClient(node.data_addr, self.secret, tls=self.tls) as peer:
-            send_msg(peer.sock, {"op": "fetch", "namespace": namespace, "path": path})
-            head = recv_msg(peer.sock)
+        with self._dial(node) as peer:
+            send_msg(peer.channel, {"op": "fetch", "namespace": namespace, "path": path})
+            head = recv_msg(peer.channel)
             if not head.get("ok"):
                 if head.get("error") == "CheckpointNotFound":
                     raise CheckpointNotFound(f"{node.node_id}: {head.get('message')}")
@@ -388,13 +415,13 @@ class Cluster:
 
                 def fill(view: memoryview, advance: Callable[[int], None]) -> None:
                     started()
-                    receive_relayed(peer.sock, view, advance)
+                    receive_relayed(peer.channel, view, advance)
 
                 return self.core.receive(
                     namespace, path, int(head["nbytes"]), int(head["manifest_offset"]),
                     int(head["manifest_size"]), fill, origin=node.node_id,
                 )  # fmt: skip
-            return self._receive(peer.sock, head, node.node_id, ready=False, started=started)
+            return self._receive(peer.channel, head, node.node_id, ready=False, started=started)
 
     # ----------------------------------------------------------------- tiered load
 
@@ -553,16 +580,15 @@ class Cluster:
         return gen
 
     def _report_corrupt(self, node: NodeInfo, namespace: str, path: str, detail: str) -> None:
-        assert self.secret is not None
         try:
-            with DataPlaneClient(node.data_addr, self.secret, timeout=10, tls=self.tls) as peer:
-                send_msg(peer.sock, {"op": "corrupt", "namespace": namespace, "path": path,
+            with self._dial(node, timeout=10) as peer:
+                send_msg(peer.channel, {"op": "corrupt", "namespace": namespace, "path": path,
                                      "detail": detail})  # fmt: skip
-                recv_msg(peer.sock)
+                recv_msg(peer.channel)
         except (OSError, CkptCacheError):
             pass
 
-    def _on_corrupt(self, conn: socket.socket, req: dict[str, Any]) -> None:
+    def _on_corrupt(self, conn: Channel, req: dict[str, Any]) -> None:
         from ckptcache.wire import messages as m
 
         with self.core.cond:

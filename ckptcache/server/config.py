@@ -109,6 +109,12 @@ class DaemonConfig:
     tls_cert: str | None = None
     tls_key: str | None = None
     tls_ca: str | None = None
+    #: Seconds an accepted data-plane connection has to finish the handshake.
+    handshake_timeout: float = 5.0
+    #: Data-plane connections served at once (also capped to half the open-file limit).
+    max_peer_connections: int = 256
+    #: Of those, connections still in the handshake; the oldest is dropped to admit a new one.
+    max_unauthenticated_peers: int = 32
 
     def cluster_secret(self) -> bytes | None:
         """The shared secret, from ``secret``, ``secret_file`` or $CKPTCACHE_CLUSTER_SECRET."""
@@ -156,7 +162,7 @@ def _coerce(key: str, value: Any, source: str) -> Any:
             if count < 1:
                 raise ValueError("must be at least 1")
             return count
-        if key in ("lease_ttl", "conflict_window"):
+        if key in ("lease_ttl", "conflict_window", "handshake_timeout"):
             number = float(value)
             if number <= 0:
                 raise ValueError("must be positive")
@@ -172,7 +178,8 @@ def _coerce(key: str, value: Any, source: str) -> Any:
             if size < 5 << 20:
                 raise ValueError("must be at least 5MiB (the S3 minimum part size)")
             return size
-        if key in ("persist_workers", "s3_max_concurrency", "persist_retries"):
+        if key in ("persist_workers", "s3_max_concurrency", "persist_retries",
+                   "max_peer_connections", "max_unauthenticated_peers"):  # fmt: skip
             count = int(value)
             if count < (0 if key == "persist_retries" else 1):
                 raise ValueError("is too small")

@@ -958,6 +958,7 @@ class CacheCore:
                 persist_queue=len(self.persister.queue), persist_roots=tuple(self.roots),
                 cluster_nodes=self.cluster.node_ids() if self.cluster else (),
                 coordinator=self.config.coordinator,
+                memory_stored=sum(g.size for g in gens),
             )  # fmt: skip
 
     def wait(self, session: Session, req: m.WaitRequest) -> m.WaitReply:

@@ -10,11 +10,13 @@ import errno
 import fcntl
 import logging
 import os
+import resource
 import signal
 import socket
 import stat
 import sys
 import threading
+import time
 from typing import IO
 
 from rpyc.utils.helpers import classpartial
@@ -84,6 +86,44 @@ def _prepare_socket_dir(path: str) -> None:
     os.close(ensure_private_dir(os.path.dirname(os.path.abspath(path)), 0o755, "socket dir"))
 
 
+def raise_open_file_limit() -> int:
+    """Raise the soft ``RLIMIT_NOFILE`` to the hard limit (systemd's default soft limit of
+    1024 is easily reached by peers, clients and segments); returns the soft limit now."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != hard:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+            soft = hard
+        except (ValueError, OSError) as e:
+            log.warning("could not raise the open-file limit from %d to %d: %s", soft, hard, e)
+    return soft
+
+
+class ControlServer(CappedThreadedServer):
+    """rpyc's threaded server, minus its habit of terminating on the first failed ``accept``
+    (``EMFILE`` under a descriptor flood would drop the control socket for good): errors are
+    logged at most every few seconds, the loop backs off and goes on until :meth:`close`."""
+
+    _backoff = 0.0
+    _last_log = float("-inf")
+
+    def accept(self) -> None:
+        """Accept one client; a failed accept is logged and retried, never fatal."""
+        try:
+            super().accept()
+            self._backoff = 0.0
+        except EOFError as e:
+            if not self.active:
+                raise  # closed by stop(): end the serve loop
+            self._backoff = min(1.0, max(0.05, self._backoff * 2))
+            now = time.monotonic()
+            if now - self._last_log > 5.0:
+                self._last_log = now
+                log.error("control socket accept failed (%s); backing off %.2fs",
+                          e.__context__, self._backoff)  # fmt: skip
+            time.sleep(self._backoff)
+
+
 def _clear_stale_socket(path: str) -> None:
     try:
         st = os.lstat(path)
@@ -110,6 +150,7 @@ class Daemon:
     def __init__(self, config: DaemonConfig):
         self.config = config
         _check_allowed_uids(config)
+        self.open_files = raise_open_file_limit()
         self._lock = _lock_shm_dir(config)
         self.metrics = Metrics()
         self.core = CacheCore(config, self.metrics)
@@ -118,7 +159,7 @@ class Daemon:
             self.metrics_port = self.metrics.serve(config.metrics_port, config.metrics_addr)
         _prepare_socket_dir(config.socket)
         _clear_stale_socket(config.socket)
-        self.server = CappedThreadedServer(
+        self.server = ControlServer(
             classpartial(CacheService, self.core),
             socket_path=config.socket,
             authenticator=peer_credentials_authenticator(config.allowed_uids),
@@ -151,9 +192,9 @@ class Daemon:
         server_thread = threading.Thread(target=self.server.start, name="rpc", daemon=True)
         server_thread.start()
         log.info(
-            "ckptcache daemon ready: node=%s socket=%s shm=%s budget=%s%s",
+            "ckptcache daemon ready: node=%s socket=%s shm=%s budget=%s open-files=%d%s",
             self.config.node_id, self.config.socket, self.config.shm_dir,
-            format_bytes(self.config.memory_limit),
+            format_bytes(self.config.memory_limit), self.open_files,
             f" metrics=:{self.metrics_port}" if self.metrics_port is not None else "",
         )  # fmt: skip
         self._stop.wait()

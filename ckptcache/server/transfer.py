@@ -1,6 +1,7 @@
 """Moving one committed object between daemons with hashing overlapped with the transfer.
 
-Stream layout after the request/reply headers (whose JSON carries the manifest)::
+Stream layout after the request/reply headers (whose JSON carries the manifest), in
+authenticated records of the connection's :class:`~ckptcache.server.dataplane.Channel`::
 
     segment bytes [HEADER_SIZE, digest_offset)   payload + manifest, by sendfile
     digest table (8 bytes per storage)            computed by the sender while it sent
@@ -12,7 +13,6 @@ hop verifies every tensor without a second pass over the bytes.
 
 from __future__ import annotations
 
-import socket
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -22,7 +22,7 @@ from ckptcache._digest import digest_bytes, digest_hex
 from ckptcache.errors import CorruptCheckpoint
 from ckptcache.layout import HEADER_SIZE
 from ckptcache.manifest import Manifest, pack_digests, unpack_digests
-from ckptcache.server.dataplane import recv_exact_into, send_region
+from ckptcache.server.dataplane import Channel
 
 if TYPE_CHECKING:
     from ckptcache.server.core import CacheCore, Inflight
@@ -30,16 +30,15 @@ if TYPE_CHECKING:
 
 __all__ = ["receive_object", "receive_relayed", "relay_in_flight", "send_object"]
 
-_CHUNK = 16 << 20
 
-
-def send_object(sock: socket.socket, gen: Generation, digests: Callable[[], list[int]]) -> None:
+def send_object(channel: Channel, gen: Generation, digests: Callable[[], list[int]]) -> None:
     """Send ``gen``'s body while ``digests()`` runs alongside, then its digest table."""
     header = gen.segment.read_header()
     with ThreadPoolExecutor(1) as pool:
         table = pool.submit(digests)
-        send_region(sock, gen.segment.path, HEADER_SIZE, header.digest_offset - HEADER_SIZE)
-        sock.sendall(pack_digests(table.result()))
+        channel.send_file(gen.segment.path, HEADER_SIZE, header.digest_offset - HEADER_SIZE,
+                          gen.segment.mapping)  # fmt: skip
+        channel.send_bytes(pack_digests(table.result()))
 
 
 class _Hasher(threading.Thread):
@@ -80,28 +79,31 @@ class _Hasher(threading.Thread):
 
 
 def receive_object(
-    sock: socket.socket,
+    channel: Channel,
     view: memoryview,
     manifest: Manifest,
     digest_offset: int,
     advance: Callable[[int], None],
 ) -> list[int]:
-    """Fill ``view`` (the segment from ``HEADER_SIZE`` on) from ``sock``, verifying every tensor
+    """Fill ``view`` (the segment from ``HEADER_SIZE`` on) from ``channel``, verifying every tensor
     against the table that closes the stream; returns the verified digests. ``advance(n)``
-    reports each time the first ``n`` bytes of ``view`` are in place (relays follow it)."""
+    reports each time the first ``n`` bytes of ``view`` are in place and authenticated (relays
+    follow it)."""
     body = digest_offset - HEADER_SIZE
     n = len(manifest.storages)
     hasher = _Hasher(view, manifest)
     hasher.start()
+    pos = 0
+
+    def landed(n: int) -> None:
+        nonlocal pos
+        pos = n
+        hasher.advance(n)
+        advance(n)
+
     try:
-        pos = 0
-        while pos < body:
-            step = min(_CHUNK, body - pos)
-            recv_exact_into(sock, view[pos : pos + step])
-            pos += step
-            hasher.advance(pos)
-            advance(pos)
-        recv_exact_into(sock, view[body : body + 8 * n])
+        channel.recv_into(view[:body], landed)
+        channel.recv_into(view[body : body + 8 * n])
     finally:
         hasher.advance(pos, done=True)
         hasher.join()
@@ -119,7 +121,7 @@ def receive_object(
     return expected
 
 
-def relay_in_flight(sock: socket.socket, core: CacheCore, flight: Inflight) -> None:
+def relay_in_flight(channel: Channel, core: CacheCore, flight: Inflight) -> None:
     """Send an object that is still arriving here, chunk by chunk as it lands.
 
     The bytes go out in order; if the copy being received fails, the connection is cut and
@@ -133,15 +135,10 @@ def relay_in_flight(sock: socket.socket, core: CacheCore, flight: Inflight) -> N
             if flight.failed:
                 raise ConnectionError("the upstream copy failed mid-transfer")
             ready = flight.ready
-        send_region(sock, flight.segment.path, sent, ready - sent)
+        channel.send_file(flight.segment.path, sent, ready - sent, flight.segment.mapping)
         sent = ready
 
 
-def receive_relayed(sock: socket.socket, view: memoryview, advance: Callable[[int], None]) -> None:
+def receive_relayed(channel: Channel, view: memoryview, advance: Callable[[int], None]) -> None:
     """Receive a relayed stream (the whole segment body, table last) in order."""
-    pos = 0
-    while pos < len(view):
-        step = min(_CHUNK, len(view) - pos)
-        recv_exact_into(sock, view[pos : pos + step])
-        pos += step
-        advance(pos)
+    channel.recv_into(view, advance)

@@ -423,3 +423,5 @@ class DaemonStatus:
     persist_roots: tuple[str, ...] = ()
     cluster_nodes: tuple[str, ...] = ()
     coordinator: str = "embedded://"
+    #: Bytes of the objects held (``memory_used`` is what their segments reserve).
+    memory_stored: int = 0

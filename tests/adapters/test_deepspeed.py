@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -94,3 +95,19 @@ def test_resume_while_persist_is_pending_then_cache_off(daemon_factory, tmp_path
     assert "module" in torch.load(ck / TAG / files[0], weights_only=False)
     ds("plainresume", 2, ck, out)
     assert_states_equal(states(out, "plainresume"), states(out, "reference"))
+
+
+@pytest.mark.parametrize("persist", [False, True], ids=["memory-only", "persist-root"])
+def test_config_only_engines_and_files_readable_right_after_save(daemon_factory, tmp_path, persist):
+    """Engines switched on by the process-wide hook and the DeepSpeed config; with
+    commit_waits="files" DeepSpeed's own checks right after save_checkpoint (torch.load,
+    os.path.getsize, zero_to_fp32) pass with or without a persist root; then the directory is
+    deleted as DeepSpeed's tests do."""
+    ck = tmp_path / "ck"
+    d = daemon_factory(*(["--persist-root", str(ck)] if persist else ["--memory-limit", "1GiB"]))
+    proc = run_script("ds_tools_worker.py", str(ck), daemon=d)
+    assert "DSTOOLS-OK" in proc.stdout
+    with d.client() as c:
+        cached = {Path(o.path).name for o in c.list(str(ck / TAG))}
+    assert "mp_rank_00_model_states.pt" in cached  # the save went through the cache
+    shutil.rmtree(ck)

@@ -6,9 +6,9 @@ import datetime
 
 import pytest
 
-from ckptcache.server.dataplane import DataPlaneClient, PeerRefused, TLSConfig
+from ckptcache.server.dataplane import DataPlaneClient, DataPlaneServer, PeerRefused, TLSConfig
 from tests.cluster.test_cluster import state
-from tests.helpers import assert_same
+from tests.helpers import assert_same, wait_until
 
 
 def make_pki(tmp_path):
@@ -58,3 +58,17 @@ def test_backup_copies_over_mutual_tls(cluster_factory, tmp_path):
         DataPlaneClient(addr, b"s3cret", timeout=10)
     with DataPlaneClient(addr, b"s3cret", timeout=10, tls=tls) as ok:  # the real thing
         assert ok.sock.version() is not None  # a TLS session carried the challenge
+
+
+def test_tls_connections_are_released_after_use(tmp_path):
+    """Connection bounds count TLS connections once and free them when they end."""
+    tls = make_pki(tmp_path)
+    server = DataPlaneServer("127.0.0.1:0", b"k", {}, tls=tls, node_id="srv")
+    server.start()
+    try:
+        for _ in range(3):
+            with DataPlaneClient(server.address, b"k", 10, tls, node_id="c", expect="srv"):
+                pass
+        wait_until(lambda: not server._active and not server._pending)
+    finally:
+        server.close()

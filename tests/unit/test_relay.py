@@ -12,9 +12,10 @@ from ckptcache.flatten import flatten
 from ckptcache.layout import HEADER_SIZE
 from ckptcache.manifest import compute_digests, pack_digests
 from ckptcache.objectio import plan_object, read_object, write_object
-from ckptcache.server import transfer
+from ckptcache.server import dataplane
 from ckptcache.server.config import DaemonConfig
 from ckptcache.server.core import CacheCore
+from ckptcache.server.dataplane import Channel
 from ckptcache.server.transfer import receive_relayed, relay_in_flight
 
 
@@ -25,7 +26,7 @@ def make_core(tmp_path, name):
 
 
 def test_relay_forwards_bytes_before_the_source_has_them_all(tmp_path, monkeypatch):
-    monkeypatch.setattr(transfer, "_CHUNK", 64 << 10)  # relay granularity small enough to see
+    monkeypatch.setattr(dataplane, "RECORD_SIZE", 64 << 10)  # relay granularity small enough to see
     obj = {"a": torch.arange(1 << 18, dtype=torch.float32), "b": torch.ones(1 << 17)}
     flat = flatten(obj)
     plan = plan_object(flat, "/ckpt/model.pt", "default")
@@ -41,7 +42,8 @@ def test_relay_forwards_bytes_before_the_source_has_them_all(tmp_path, monkeypat
     downstream_started = threading.Event()
     relayed: list[BaseException] = []
     received: list = []
-    a, b = socket.socketpair()
+    sa, sb = socket.socketpair()
+    a, b = Channel(sa, b"k" * 32, b"r" * 32), Channel(sb, b"r" * 32, b"k" * 32)
 
     def slow_fill(view, advance):
         half = len(view) // 2

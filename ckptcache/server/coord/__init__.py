@@ -5,7 +5,13 @@ single node needs nothing installed) and :class:`EtcdCoordinator` (etcd v3 throu
 gateway). :func:`make_coordinator` picks one from a URL (``embedded://``, ``etcd://host:port``).
 """
 
-from ckptcache.server.coord.base import Coordinator, CoordinatorUnavailable, NodeInfo
+from ckptcache.server.coord.base import (
+    Coordinator,
+    CoordinatorUnavailable,
+    NodeInfo,
+    sign_node,
+    verify_node,
+)
 from ckptcache.server.coord.embedded import EmbeddedCoordinator
 
 __all__ = [
@@ -14,6 +20,8 @@ __all__ = [
     "EmbeddedCoordinator",
     "NodeInfo",
     "make_coordinator",
+    "sign_node",
+    "verify_node",
 ]
 
 

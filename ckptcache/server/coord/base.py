@@ -12,9 +12,14 @@ Call order (one daemon)::
 Keys are relative to the coordinator's prefix (``/ckptcache/<cluster>/<job>/``); values are
 JSON-serialisable dicts. Every method may raise :class:`CoordinatorUnavailable`.
 
+Node records tell peers where to dial, so they are signed: ``sig`` is an HMAC-SHA256, under
+a key derived from the cluster secret, of the coordinator prefix and the record's canonical
+JSON (node id, host, data address, issue time). A writer to etcd without the secret cannot
+make a node be dialled (:func:`sign_node` / :func:`verify_node`).
+
 Key schema used by the daemon (``ckptcache.server.cluster``)::
 
-    nodes/<node_id>                              leased  NodeInfo
+    nodes/<node_id>                              leased  NodeInfo, signed (see below)
     holders/<path_hash>/<digest>/<node_id>       leased  who holds which content of a path
     holders/<path_hash>/inflight/<node_id>       leased  a copy still arriving (relayed)
     writer/<path_hash>                           leased  the one node writing a path now
@@ -27,12 +32,15 @@ Key schema used by the daemon (``ckptcache.server.cluster``)::
 from __future__ import annotations
 
 import abc
-from dataclasses import asdict, dataclass
+import hashlib
+import hmac
+import json
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from ckptcache.errors import CkptCacheError
 
-__all__ = ["Coordinator", "CoordinatorUnavailable", "NodeInfo"]
+__all__ = ["Coordinator", "CoordinatorUnavailable", "NodeInfo", "sign_node", "verify_node"]
 
 
 class CoordinatorUnavailable(CkptCacheError, ConnectionError):
@@ -46,6 +54,8 @@ class NodeInfo:
     node_id: str
     host: str
     data_addr: str  # "ip:port" of its data plane ("" when it has none)
+    issued: float = 0.0  # when the record was signed (wall clock; for audits)
+    sig: str = ""  # see :func:`sign_node`
 
     def to_dict(self) -> dict[str, Any]:
         """JSON form."""
@@ -54,7 +64,26 @@ class NodeInfo:
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> NodeInfo:
         """Inverse of :meth:`to_dict`."""
-        return cls(str(raw["node_id"]), str(raw["host"]), str(raw.get("data_addr", "")))
+        return cls(str(raw["node_id"]), str(raw["host"]), str(raw.get("data_addr", "")),
+                   float(raw.get("issued", 0.0)), str(raw.get("sig", "")))  # fmt: skip
+
+
+def _node_mac(node: NodeInfo, secret: bytes, prefix: str) -> str:
+    fields = {k: v for k, v in node.to_dict().items() if k != "sig"}
+    canonical = json.dumps(fields, sort_keys=True, separators=(",", ":"))
+    key = hmac.new(secret, b"ckptcache node record", hashlib.sha256).digest()
+    return hmac.new(key, f"{prefix}\0{canonical}".encode(), hashlib.sha256).hexdigest()
+
+
+def sign_node(node: NodeInfo, secret: bytes, prefix: str, issued: float) -> NodeInfo:
+    """``node`` signed with the cluster ``secret`` for the coordinator ``prefix``."""
+    node = replace(node, issued=issued, sig="")
+    return replace(node, sig=_node_mac(node, secret, prefix))
+
+
+def verify_node(node: NodeInfo, secret: bytes, prefix: str) -> bool:
+    """Whether ``node`` was signed with ``secret`` for ``prefix`` (and not altered since)."""
+    return bool(node.sig) and hmac.compare_digest(node.sig, _node_mac(node, secret, prefix))
 
 
 class Coordinator(abc.ABC):
