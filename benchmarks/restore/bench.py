@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import re
 import shutil
 import tempfile
 import threading
@@ -24,6 +25,7 @@ import torch
 
 from ckptcache._units import parse_bytes
 from ckptcache.benchmarking import (
+    DaemonHandle,
     EtcdServer,
     Row,
     format_table,
@@ -33,13 +35,27 @@ from ckptcache.benchmarking import (
 )
 from ckptcache.client import Client
 
+ROUND_TRIPS: dict[str, list[str]] = {}  # scenario -> "source:count" of each node's remote load
+
+
+def round_trips(handles: list[DaemonHandle]) -> list[str]:
+    """Each daemon's logged remote loads: ``source:coordinator round trips``."""
+    found = []
+    for h in handles:
+        text = (Path(h.socket).parent / "daemon.log").read_text(errors="replace")
+        found += [f"{m[1]}:{m[2]}" for m in re.finditer(
+            r"remote load of \S+: (\w+), (\d+) coordinator round trips", text)]  # fmt: skip
+    return sorted(found)
+
 
 @contextlib.contextmanager
-def cluster(n: int, etcd: EtcdServer, root: Path, budget: int) -> Iterator[list[Client]]:
+def cluster(
+    n: int, etcd: EtcdServer, root: Path, budget: int
+) -> Iterator[tuple[list[Client], list[DaemonHandle]]]:
     args = ("--persist-root", str(root), "--memory-limit", str(budget))
     with contextlib.ExitStack() as stack:
         handles = stack.enter_context(running_cluster(n, etcd.url, *args))
-        yield [stack.enter_context(Client(h.socket, fallback="raise")) for h in handles]
+        yield [stack.enter_context(Client(h.socket, fallback="raise")) for h in handles], handles
 
 
 def parallel(fns: list) -> float:
@@ -60,7 +76,9 @@ def each_reads_storage(n: int, path: Path) -> float:
 def s3_rows(nbytes: int, nodes: list[int], etcd: EtcdServer, work: Path) -> list[Row]:
     """The same race with S3 (moto's server on loopback) as the storage all nodes share."""
     import io
+    import logging
 
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)  # moto's per-request lines
     server = contextlib.ExitStack()
     endpoint, s3 = server.enter_context(running_s3("restore"))
     buf = io.BytesIO()
@@ -77,6 +95,7 @@ def s3_rows(nbytes: int, nodes: list[int], etcd: EtcdServer, work: Path) -> list
                 handles = stack.enter_context(running_cluster(n, etcd.url, *args))
                 clients = [stack.enter_context(Client(h.socket, fallback="raise")) for h in handles]
                 secs = parallel([lambda c=c, u=url: c.load(u, mmap=False) for c in clients])
+                ROUND_TRIPS[f"S3, N = {n}"] = round_trips(handles)
             rows.append(Row(f"S3: {n} node(s), broadcast", nbytes, secs))
 
             def read_s3(k: str = key) -> None:
@@ -108,15 +127,16 @@ def main() -> None:
             path = root / f"n{n}" / "model.pt"
             path.parent.mkdir()
             torch.save(state, path)
-            with cluster(n, etcd, root, 3 * nbytes) as clients:
+            with cluster(n, etcd, root, 3 * nbytes) as (clients, handles):
                 secs = parallel([lambda c=c, p=path: c.load(p, mmap=False) for c in clients])
                 tiers = sorted(c.status(path).last_load_tier for c in clients)
+                ROUND_TRIPS[f"file system, N = {n}"] = round_trips(handles)
             rows.append(Row(f"{n} node(s), broadcast ({'/'.join(tiers)})", nbytes, secs))
             rows.append(Row(f"{n} node(s), each torch.load from storage", nbytes,
                             each_reads_storage(n, path)))  # fmt: skip
         path = root / "tiers.pt"
         torch.save(state, path)
-        with cluster(2, etcd, root, 3 * nbytes) as (a, b):
+        with cluster(2, etcd, root, 3 * nbytes) as ((a, b), _):
             a.load(path)  # into a's memory (from storage)
             t0 = time.perf_counter()
             b.load(path, mmap=False)
@@ -135,6 +155,9 @@ def main() -> None:
         if parse_bytes(args.s3_size):
             print(f"\n### restore, {args.s3_size}, S3 storage (moto server on loopback)\n")
             print(format_table(s3_rows(parse_bytes(args.s3_size), args.nodes, etcd, work)))
+        print("\n### coordinator round trips per remote load (source:count, one per node)\n")
+        for scenario, counts in ROUND_TRIPS.items():
+            print(f"* {scenario}: {' '.join(counts)}")
     finally:
         etcd.stop()
         shutil.rmtree(work, ignore_errors=True)

@@ -43,6 +43,7 @@ from ckptcache.errors import (
 from ckptcache.layout import HEADER_SIZE, plan_segment
 from ckptcache.manifest import Manifest, manifest_from_archive, object_digest, pack_digests
 from ckptcache.persisted import check_archive
+from ckptcache.server import remote_load
 from ckptcache.server.coord import (
     CoordinatorUnavailable,
     NodeInfo,
@@ -50,6 +51,7 @@ from ckptcache.server.coord import (
     sign_node,
     verify_node,
 )
+from ckptcache.server.coord.counting import CountingCoordinator
 from ckptcache.server.dataplane import (
     Channel,
     ConnectionLimits,
@@ -107,8 +109,9 @@ class Cluster:
                 "a data plane (--listen) needs a shared secret: set secret, secret_file or "
                 "CKPTCACHE_CLUSTER_SECRET on every node"
             )
-        self.coord = make_coordinator(
-            cfg.coordinator, cluster=cfg.cluster, job=cfg.job, ttl=cfg.lease_ttl
+        self.coord = CountingCoordinator(
+            make_coordinator(cfg.coordinator, cluster=cfg.cluster, job=cfg.job, ttl=cfg.lease_ttl),
+            lambda op: core.metrics.coordinator_requests.labels(op=op).inc(),
         )
         self.tls: TLSConfig | None = None
         tls_files = (cfg.tls_cert, cfg.tls_key, cfg.tls_ca)
@@ -432,50 +435,9 @@ class Cluster:
         holder and the next one is tried). Else storage, read once per group: concurrent
         loaders elect one reader (``loads/<path>``), the others fetch from the first holder
         that appears; if the reader dies its lease ends and another member takes over.
+        Planned, then executed: :mod:`ckptcache.server.remote_load`.
         """
-        tried: set[str] = set()
-        deadline = time.monotonic() + timeout
-        ph = path_hash(namespace, path)
-        while time.monotonic() < deadline:
-            for node in self.holders(namespace, path):
-                if node.node_id in tried or node.node_id == self.node.node_id:
-                    continue
-                try:
-                    with self._in_flight(ph) as announce:
-                        gen = self._fetch_from(node, namespace, path, announce)
-                        self._announce(gen)  # before the in-flight key goes: always findable
-                    return gen
-                except CheckpointNotFound:
-                    continue  # announced but not receiving yet (or gone): ask again later
-                except CorruptCheckpoint as e:
-                    log.error("corrupt copy of %s on %s: %s", path, node.node_id, e)
-                    self.core.metrics.corrupt.labels(tier="peer").inc()
-                    self._report_corrupt(node, namespace, path, str(e))
-                except (OSError, CkptCacheError) as e:
-                    log.warning("fetch of %s from %s failed: %s", path, node.node_id, e)
-                tried.add(node.node_id)
-            if not self._in_storage(path):
-                break
-            if self.coord.elect(f"loads/{ph}", {"node": self.node.node_id}):
-                if any(n.node_id not in tried for n in self.holders(namespace, path)):
-                    # The previous reader finished (and stepped down) while we looked: fetch.
-                    self._withdraw(f"loads/{ph}")
-                    continue
-                try:
-                    with self._in_flight(ph) as announce:
-                        gen = self._load_from_storage(namespace, path, announce)
-                        self._announce(gen)  # before stepping down: joiners find a holder
-                    return gen
-                finally:
-                    self._withdraw(f"loads/{ph}")
-            # Another member is reading storage for the group: wait for it to hold a copy.
-            while time.monotonic() < deadline and self.coord.get(f"loads/{ph}") is not None:
-                time.sleep(0.05)
-                if any(n.node_id not in tried for n in self.holders(namespace, path)):
-                    break
-        raise CheckpointNotFound(
-            f"{path!r} is in no peer's memory and could not be read from storage"
-        )
+        return remote_load.load_remote(self, namespace, path, timeout)
 
     @contextlib.contextmanager
     def _in_flight(self, ph: str) -> Iterator[Callable[[], None]]:

@@ -50,6 +50,9 @@ class Metrics:
         self.storage_reads = Counter(
             "ckptcache_storage_reads", "Objects read from storage into memory", registry=r
         )
+        self.coordinator_requests = Counter(
+            "ckptcache_coordinator_requests", "Requests to the coordinator", ["op"], registry=r
+        )
         self.persist_queue = Gauge(
             "ckptcache_persist_queue", "Objects waiting to persist", registry=r
         )

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import threading
 import uuid
 
 import pytest
 
 from ckptcache.server.coord import EmbeddedCoordinator, NodeInfo, make_coordinator
+from ckptcache.server.coord.counting import CountingCoordinator
 from tests.helpers import wait_until
 
 
@@ -134,3 +136,46 @@ class TestEtcd(Conformance):
         wait_until(lambda: not a.healthy(), 15, "a to see that its lease ran out")
         assert a.elect("reps/y", {"node": "a"}) is False  # a cut-off node never claims
         b.close()
+
+
+def test_embedded_wait_change_returns_when_another_instance_writes():
+    store: dict = {}
+    a = EmbeddedCoordinator("/ckptcache/t/j/", 1.0, store=store)
+    b = EmbeddedCoordinator("/ckptcache/t/j/", 1.0, store=store)
+    a.join(NodeInfo("a", "h", ""))
+    woke = threading.Event()
+
+    def waiter():
+        a.wait_change(600.0)  # far longer than the test may take: only the write ends it
+        woke.set()
+
+    t = threading.Thread(target=waiter, daemon=True)
+    t.start()
+    # Written until the waiter wakes (it may not be waiting yet when the first write lands).
+    wait_until(lambda: b.announce("holders/p/inflight/b", {"node": "b"}) or woke.is_set(),
+               timeout=30)  # fmt: skip
+    assert a.scan("holders/p/") == {"holders/p/inflight/b": {"node": "b"}}  # NUL key hidden
+    a.close()
+    b.close()
+
+
+def test_counting_coordinator_counts_each_request_in_total_and_per_scope():
+    inner = EmbeddedCoordinator("/ckptcache/t/j/", 1.0)
+    seen: list[str] = []
+    coord = CountingCoordinator(inner, seen.append)
+    coord.join(NodeInfo("a", "h", ""))
+    with coord.tally() as outer:
+        assert coord.elect("loads/p", {"node": "a"}) is True
+        with coord.tally() as inner_scope:
+            coord.scan("holders/p/")
+            coord.live_nodes()
+        other = threading.Thread(target=coord.get, args=("loads/p",))  # another thread's
+        other.start()
+        other.join()
+    assert dict(inner_scope) == {"scan": 1, "live_nodes": 1}
+    assert dict(outer) == {"elect": 1, "scan": 1, "live_nodes": 1}
+    assert coord.totals == {"join": 1, "elect": 1, "scan": 1, "live_nodes": 1, "get": 1}
+    assert sorted(seen) == sorted(coord.totals.elements())
+    assert coord.get("loads/p") == {"node": "a"} and coord.prefix == inner.prefix
+    coord.close()
+    assert inner.scan("") == {}  # closing the wrapper closed the coordinator (lease ended)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -68,6 +69,12 @@ def test_four_nodes_read_storage_once(cluster_factory, tmp_path):
     assert tiers == ["peer", "peer", "peer", "storage"]
     reads = sum(d.log().count(f"read {path} from storage for the group") for d in nodes)
     assert reads == 1
+    # Each load was planned and executed once, at a bounded count of coordinator requests.
+    pattern = rf"remote load of {re.escape(str(path))}: (\w+), (\d+) coordinator round trips"
+    loads = [m for d in nodes for m in re.finditer(pattern, d.log())]
+    assert sorted(m[1] for m in loads) == ["peer", "peer", "peer", "storage"]
+    reader = next(int(m[2]) for m in loads if m[1] == "storage")
+    assert 0 < reader <= 12  # plan, elect, in flight, holder, step down: not one per poll
 
 
 def test_corrupt_peer_copy_falls_back_to_storage(cluster_factory, tmp_path):

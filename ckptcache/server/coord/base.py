@@ -7,6 +7,7 @@ Call order (one daemon)::
     coord.elect(key, value) -> bool  # create-if-absent under the lease: one winner per key
     coord.record(key, value)         # durable keys (no lease): survive every node
     coord.get(key) / coord.scan(prefix) / coord.live_nodes()
+    coord.wait_change(timeout)       # until a key may have changed (no request)
     coord.close()                    # revoke the lease: announcements and elections end now
 
 Keys are relative to the coordinator's prefix (``/ckptcache/<cluster>/<job>/``); values are
@@ -35,6 +36,7 @@ import abc
 import hashlib
 import hmac
 import json
+import time
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
@@ -129,6 +131,15 @@ class Coordinator(abc.ABC):
     @abc.abstractmethod
     def close(self) -> None:
         """Revoke the lease and stop background work."""
+
+    def wait_change(self, timeout: float) -> None:
+        """Block until a key may have changed, or ``timeout`` seconds at most.
+
+        The base waits out ``timeout`` (callers pass a jittered, exponentially growing
+        backoff); a coordinator that can be told of changes returns as soon as one lands.
+        No watch through etcd's JSON gateway: it stalls past ~250 open streams per member
+        (``docs/scale.md``)."""
+        time.sleep(max(0.0, timeout))
 
     def live_nodes(self) -> list[NodeInfo]:
         """Nodes whose lease is alive, sorted by id."""

@@ -18,7 +18,9 @@ class EmbeddedCoordinator(Coordinator):
         super().__init__(prefix, ttl)
         self._store: dict[str, Any] = {} if store is None else store
         self._leased: set[str] = set()
-        self._lock = threading.Lock()
+        # Instances sharing a store share its lock, a condition: a write wakes every waiter
+        # (the key starts with NUL, outside every prefix, so scans never see it).
+        self._lock: threading.Condition = self._store.setdefault("\0changed", threading.Condition())
 
     def join(self, node: NodeInfo) -> None:
         self.node = node
@@ -28,11 +30,13 @@ class EmbeddedCoordinator(Coordinator):
         with self._lock:
             self._store[self.prefix + key] = value
             self._leased.add(key)
+            self._lock.notify_all()
 
     def withdraw(self, key: str) -> None:
         with self._lock:
             self._store.pop(self.prefix + key, None)
             self._leased.discard(key)
+            self._lock.notify_all()
 
     def elect(self, key: str, value: dict[str, Any]) -> bool:
         with self._lock:
@@ -40,11 +44,13 @@ class EmbeddedCoordinator(Coordinator):
                 return False
             self._store[self.prefix + key] = value
             self._leased.add(key)
+            self._lock.notify_all()
             return True
 
     def record(self, key: str, value: dict[str, Any]) -> None:
         with self._lock:
             self._store[self.prefix + key] = value
+            self._lock.notify_all()
 
     def get(self, key: str) -> dict[str, Any] | None:
         with self._lock:
@@ -66,3 +72,9 @@ class EmbeddedCoordinator(Coordinator):
             for key in self._leased:
                 self._store.pop(self.prefix + key, None)
             self._leased.clear()
+            self._lock.notify_all()
+
+    def wait_change(self, timeout: float) -> None:
+        """Return when any instance on this store writes, or after ``timeout`` seconds."""
+        with self._lock:
+            self._lock.wait(max(0.0, timeout))

@@ -1,0 +1,197 @@
+"""Remote load as plan, then execute.
+
+:func:`plan` decides, from one read of the coordinator (the path's ``holders/`` and the live
+membership view), where the bytes come from: a peer holding a copy or relaying one as it
+arrives (newest first, so joiners chain), or storage. :func:`execute` moves them. A failure in
+execute (a dead peer, a corrupt copy, a lost election) re-plans, at most ``MAX_PLANS`` times
+and within the caller's deadline.
+
+Nothing sleeps on a fixed period between a load request and its bytes. A loader that lost the
+storage-read election waits for the coordinator to change (:meth:`Coordinator.wait_change`:
+woken at once by the embedded coordinator; an exponential backoff with full jitter, capped at
+``BACKOFF_CAP`` seconds, on etcd, whose JSON gateway cannot hold a watch per waiter), and the
+reader announces itself in flight as soon as its first range is requested, so waiters chain
+behind it instead of waiting for the whole object.
+
+A node alone in the cluster skips the election and the in-flight announcement: there is no one
+to share the read with or to relay to (a node that joins mid-read finds no holder and reads
+storage itself, as it would have without this node).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import random
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from ckptcache.errors import CheckpointNotFound, CkptCacheError, CorruptCheckpoint
+from ckptcache.server.coord import NodeInfo
+from ckptcache.server.coord.counting import CountingCoordinator
+
+if TYPE_CHECKING:
+    from ckptcache.server.cluster import Cluster
+    from ckptcache.server.index import Generation
+
+__all__ = ["BACKOFF_CAP", "MAX_PLANS", "Plan", "execute", "load_remote", "plan"]
+
+log = logging.getLogger(__name__)
+
+MAX_PLANS = 64  # re-plans after failed executions (waits for a reader are not failures)
+BACKOFF_BASE = 0.004  # first wait for a reader to start (seconds, before jitter)
+BACKOFF_CAP = 0.1  # longest wait between two looks at the coordinator
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Where this load's bytes come from.
+
+    ``source``: ``"local"`` (another request of this daemon landed it), ``"peer"`` (``node``
+    holds it or relays it while it arrives), ``"storage"`` (read it, after winning the group's
+    election unless ``alone``), or ``"none"`` (no peer holds it and storage does not have it).
+    """
+
+    source: str
+    node: NodeInfo | None = None
+    alone: bool = False
+
+
+@dataclass
+class _Load:
+    """State of one remote load across its plans."""
+
+    namespace: str
+    path: str
+    ph: str
+    deadline: float
+    tried: set[str] = field(default_factory=set)
+    in_storage: bool | None = None  # asked once per load (a storage request, not the coordinator)
+    waits: int = 0
+    failures: int = 0
+
+
+def plan(cluster: Cluster, load: _Load) -> Plan:
+    """Choose the source of ``load`` from one read of the path's holders."""
+    local = _held_here(cluster, load)
+    if local is not None:
+        return Plan("local")
+    me = cluster.node.node_id
+    holders = [n for n in cluster.holders(load.namespace, load.path)
+               if n.node_id != me and n.node_id not in load.tried]  # fmt: skip
+    if holders:
+        return Plan("peer", holders[0])
+    if load.in_storage is None:
+        load.in_storage = cluster._in_storage(load.path)
+    if not load.in_storage:
+        return Plan("none")
+    alone = all(n.node_id == me for n in cluster.live_nodes())
+    return Plan("storage", alone=alone)
+
+
+def execute(cluster: Cluster, load: _Load, chosen: Plan) -> Generation | None:
+    """Move the bytes as ``chosen`` says; None when the plan must be made again."""
+    if chosen.source == "local":
+        return _held_here(cluster, load)
+    if chosen.source == "peer":
+        assert chosen.node is not None
+        return _from_peer(cluster, load, chosen.node)
+    if chosen.source == "storage":
+        return _from_storage(cluster, load, chosen.alone)
+    raise CheckpointNotFound(
+        f"{load.path!r} is in no peer's memory and could not be read from storage"
+    )
+
+
+def load_remote(cluster: Cluster, namespace: str, path: str, timeout: float) -> Generation:
+    """Plan, execute, re-plan on failure (bounded); logs the coordinator round trips."""
+    from ckptcache.server.cluster import path_hash
+
+    load = _Load(namespace, path, path_hash(namespace, path), time.monotonic() + timeout)
+    with _tally(cluster) as counts:
+        chosen = Plan("none")
+        try:
+            while time.monotonic() < load.deadline and load.failures <= MAX_PLANS:
+                chosen = plan(cluster, load)
+                gen = execute(cluster, load, chosen)
+                if gen is not None:
+                    return gen
+        finally:
+            log.info("remote load of %s: %s, %d coordinator round trips", path,
+                     chosen.source, sum(counts.values()))  # fmt: skip
+    raise CheckpointNotFound(
+        f"{path!r} is in no peer's memory and could not be read from storage in time"
+    )
+
+
+# ---------------------------------------------------------------------------- execution
+
+
+def _held_here(cluster: Cluster, load: _Load) -> Generation | None:
+    """The copy another request of this daemon brought in meanwhile, if any."""
+    core = cluster.core
+    with core.cond:
+        try:
+            return core._lookup(load.namespace, load.path)
+        except CkptCacheError:
+            return None
+
+
+def _from_peer(cluster: Cluster, load: _Load, node: NodeInfo) -> Generation | None:
+    try:
+        with cluster._in_flight(load.ph) as announce:
+            gen = cluster._fetch_from(node, load.namespace, load.path, announce)
+            cluster._announce(gen)  # before the in-flight key goes: always findable
+        return gen
+    except CheckpointNotFound:
+        _wait(cluster, load)  # announced but not receiving yet (or gone): look again
+        return None
+    except CorruptCheckpoint as e:
+        log.error("corrupt copy of %s on %s: %s", load.path, node.node_id, e)
+        cluster.core.metrics.corrupt.labels(tier="peer").inc()
+        cluster._report_corrupt(node, load.namespace, load.path, str(e))
+    except (OSError, CkptCacheError) as e:
+        log.warning("fetch of %s from %s failed: %s", load.path, node.node_id, e)
+    load.tried.add(node.node_id)
+    load.failures += 1
+    return None
+
+
+def _from_storage(cluster: Cluster, load: _Load, alone: bool) -> Generation | None:
+    if alone:
+        gen = cluster._load_from_storage(load.namespace, load.path, lambda: None)
+        cluster._announce(gen)
+        return gen
+    key = f"loads/{load.ph}"
+    if not cluster.coord.elect(key, {"node": cluster.node.node_id}):
+        _wait(cluster, load)  # another member reads storage for the group
+        return None
+    try:
+        if any(n.node_id not in load.tried for n in cluster.holders(load.namespace, load.path)):
+            return None  # the previous reader finished (and stepped down) while we planned
+        with cluster._in_flight(load.ph) as announce:
+            gen = cluster._load_from_storage(load.namespace, load.path, announce)
+            cluster._announce(gen)  # before stepping down: joiners find a holder
+        return gen
+    finally:
+        cluster._withdraw(key)
+
+
+def _wait(cluster: Cluster, load: _Load) -> None:
+    """Until the coordinator may have changed: full-jitter exponential backoff, capped."""
+    bound = min(BACKOFF_CAP, BACKOFF_BASE * 2**load.waits)
+    load.waits += 1
+    remaining = load.deadline - time.monotonic()
+    cluster.coord.wait_change(min(remaining, random.uniform(0.0, bound)))
+
+
+@contextlib.contextmanager
+def _tally(cluster: Cluster) -> Iterator[dict[str, int]]:
+    coord = cluster.coord
+    if isinstance(coord, CountingCoordinator):
+        with coord.tally() as counts:
+            yield counts
+    else:
+        yield {}
