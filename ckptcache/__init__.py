@@ -5,7 +5,8 @@ Replace ``torch.save``/``torch.load`` with :func:`save`/:func:`load`; see README
 
 __version__ = "0.1.0"
 
-from ckptcache.api import delete, exists, load, prefetch, save, status, wait
+from ckptcache._async import SaveHandle
+from ckptcache.api import delete, exists, load, prefetch, save, status, wait, warmup
 from ckptcache.client import Client
 from ckptcache.errors import (
     BudgetExceeded,
@@ -22,6 +23,7 @@ from ckptcache.errors import (
     PersistTimeout,
     ProtocolMismatch,
     SerializationError,
+    TensorMutated,
     UnsafeUnpickle,
 )
 from ckptcache.wire.messages import ObjectInfo as ObjectStatus
@@ -42,7 +44,9 @@ __all__ = [
     "PersistError",
     "PersistTimeout",
     "ProtocolMismatch",
+    "SaveHandle",
     "SerializationError",
+    "TensorMutated",
     "UnsafeUnpickle",
     "__version__",
     "delete",
@@ -52,4 +56,5 @@ __all__ = [
     "save",
     "status",
     "wait",
+    "warmup",
 ]

@@ -59,6 +59,8 @@ def _cmd_daemon(args: argparse.Namespace) -> int:
         "node_id": args.node_id,
         "metrics_port": args.metrics_port,
         "keep": args.keep,
+        "pool_segments": args.pool_segments,
+        "pool_bytes": args.pool_bytes,
         "reserve_timeout": args.reserve_timeout,
         "log_level": args.log_level,
         "persist_roots": tuple(args.persist_root) if args.persist_root else None,
@@ -197,6 +199,8 @@ def _parser() -> argparse.ArgumentParser:
     d.add_argument("--node-id", help="name of this node")
     d.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port")
     d.add_argument("--keep", type=int, help="generations kept per path (default 2)")
+    d.add_argument("--pool-segments", type=int, help="spare pre-faulted segments (default 2)")
+    d.add_argument("--pool-bytes", help="size of the spare pool (default: 1/4 of the budget)")
     d.add_argument("--reserve-timeout", type=float, help="seconds a save may wait for memory")
     d.add_argument("--log-level", help="DEBUG, INFO, WARNING or ERROR")
     d.add_argument("--persist-root", action="append", metavar="DIR_OR_URL",

@@ -53,6 +53,7 @@ from ckptcache.server.index import Generation, Index, Key
 from ckptcache.server.metrics import Metrics
 from ckptcache.server.ownership import Saver
 from ckptcache.server.persist import Persister, lower_thread_priority
+from ckptcache.server.pool import SegmentPool
 from ckptcache.server.roots import PersistRoots
 from ckptcache.wire import messages as m
 
@@ -134,6 +135,8 @@ class CacheCore:
         self.roots = PersistRoots(config.persist_roots)
         self.persister = Persister(self)
         self._recover()
+        self.pool = SegmentPool(self.arena, self.cond, config.pool_segments, config.pool_size)
+        self.pool.start()
         if config.listen or not config.coordinator.startswith("embedded"):
             from ckptcache.server.cluster import Cluster
 
@@ -211,6 +214,7 @@ class CacheCore:
 
     def shutdown(self) -> None:
         """Stop background workers (segments stay on disk for the next incarnation)."""
+        self.pool.stop()
         self.persister.stop()
         if self.cluster is not None:
             self.cluster.stop()
@@ -286,6 +290,8 @@ class CacheCore:
         capacity = Arena.capacity_for(nbytes)
         owner = saver.uid if saver is not None else None
         segment = arena.take_free(nbytes, tight=arena.used + capacity > arena.limit, owner=owner)
+        if segment is None:
+            segment = self.pool.take(nbytes, arena.uid if owner is None else owner)
         if segment is not None:
             return segment
         arena.shrink_free(capacity)
@@ -751,6 +757,11 @@ class CacheCore:
             self._update_gauges()
         return m.DeleteReply(len(gens))
 
+    def pool_info(self, session: Session, req: m.PoolRequest) -> m.PoolReply:
+        """The spare segments this session's user may map ahead of a save."""
+        with self.cond:
+            return self.pool.describe(session.uid)
+
     def status(self, session: Session, req: m.StatusRequest) -> m.DaemonStatus:
         """Daemon-wide counters."""
         with self.cond:
@@ -766,6 +777,7 @@ class CacheCore:
                 persist_queue=len(self.persister.queue), persist_roots=tuple(self.roots),
                 cluster_nodes=self.cluster.node_ids() if self.cluster else (),
                 coordinator=self.config.coordinator,
+                spare_segments=len(self.pool.describe(self.arena.uid).segments),
             )  # fmt: skip
 
     def wait(self, session: Session, req: m.WaitRequest) -> m.WaitReply:

@@ -33,6 +33,8 @@ __all__ = [
     "ObjectInfo",
     "OpenReply",
     "OpenRequest",
+    "PoolReply",
+    "PoolRequest",
     "PrefetchReply",
     "PrefetchRequest",
     "ReleaseRequest",
@@ -222,6 +224,20 @@ class PrefetchRequest:
 
 
 @dataclass(frozen=True)
+class PoolRequest:
+    """The daemon's spare segments, for a client to map ahead of its next save."""
+
+
+@dataclass(frozen=True)
+class PoolReply:
+    """Spare segments (names and capacities) and whether another is being created."""
+
+    segments: tuple[str, ...]
+    capacities: tuple[int, ...]
+    growing: bool
+
+
+@dataclass(frozen=True)
 class PrefetchReply:
     """Which tier the copy came from ("local" if it was already here)."""
 
@@ -356,3 +372,5 @@ class DaemonStatus:
     persist_roots: tuple[str, ...] = ()
     cluster_nodes: tuple[str, ...] = ()
     coordinator: str = "embedded://"
+    #: Free segments never used yet, kept pre-faulted for first saves (counted in segments).
+    spare_segments: int = 0

@@ -1,0 +1,92 @@
+"""Mapping the daemon's spare segments ahead of use, so a save into one pays no page faults.
+
+Mapping a segment with ``MAP_POPULATE`` fills this process's page tables for every page: for
+a never-seen segment that costs about as much as the copy itself. The daemon keeps spares
+ready for saves of new paths (:mod:`ckptcache.server.pool`); this maps them in a background
+thread after each save and on :meth:`Client.warmup`, so the save that gets one finds its
+mapping cached like a reused segment's.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from typing import TYPE_CHECKING
+
+from ckptcache import errors
+from ckptcache.shm import Mapping, map_shared
+from ckptcache.wire import messages as m
+
+if TYPE_CHECKING:
+    from ckptcache.client import Client
+
+__all__ = ["SpareMapper"]
+
+log = logging.getLogger(__name__)
+
+#: How long the background thread follows a spare the daemon is still creating.
+_FOLLOW_SECONDS = 60.0
+
+
+class SpareMapper:
+    """Maps ``client``'s daemon's spares into ``client``'s write-mapping cache."""
+
+    def __init__(self, client: Client):
+        self._client = client
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self._again = False
+        #: Segments being mapped right now: a save that needs one waits instead of mapping twice.
+        self.mapping_now: dict[str, threading.Event] = {}
+
+    def refresh(self) -> threading.Thread:
+        """Map new spares in the background (one thread at a time); returns that thread."""
+        with self._lock:
+            if self._thread is not None and self._thread.is_alive():
+                self._again = True
+                return self._thread
+            self._thread = threading.Thread(target=self._run, name="ckptcache-spares", daemon=True)
+            self._thread.start()
+            return self._thread
+
+    def wait_for(self, segment: str) -> None:
+        """If ``segment`` is being mapped now, wait until it is (its mapping is then cached)."""
+        event = self.mapping_now.get(segment)
+        if event is not None:
+            event.wait()
+
+    def _run(self) -> None:
+        deadline = time.monotonic() + _FOLLOW_SECONDS
+        while True:
+            try:
+                reply = self._client._call("pool", m.PoolRequest(), m.PoolReply)
+            except errors.CkptCacheError as e:
+                log.debug("no spare segments to map: %s", e)
+                return
+            for name, capacity in zip(reply.segments, reply.capacities, strict=True):
+                self._map(name, capacity)
+            with self._lock:
+                again, self._again = self._again, False
+            if not (again or reply.growing) or time.monotonic() > deadline:
+                return
+            if not again:
+                time.sleep(0.05)  # background only: the daemon is still allocating a spare
+
+    def _map(self, name: str, capacity: int) -> None:
+        client = self._client
+        with client._lock:
+            if name in client._write_maps or name in self.mapping_now:
+                return
+            event = self.mapping_now[name] = threading.Event()
+        try:
+            mapping: Mapping | None = map_shared(client._seg_path(name), capacity)
+        except OSError as e:  # taken and dropped meanwhile: nothing to warm
+            log.debug("spare %s went away: %s", name, e)
+            mapping = None
+        finally:
+            if mapping is not None and os.getpid() == client._pid:
+                client._write_maps.setdefault(name, mapping)
+            self.mapping_now.pop(name, None)
+            event.set()
