@@ -176,6 +176,22 @@ def _cmd_prefetch(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_bench(args: argparse.Namespace) -> int:
+    from ckptcache._units import parse_bytes
+    from ckptcache.bench import format_measures, run_bench  # imports torch: bench only
+
+    try:
+        sizes = [parse_bytes(s) for s in args.sizes]
+    except ValueError as e:
+        raise ConfigError(f"--sizes: {e}") from e
+    if args.repeats < 1 or any(n <= 0 for n in sizes):
+        raise ConfigError("--repeats and every --sizes value must be positive")
+    with _client(args) as c:
+        results = run_bench(c, sizes, repeats=args.repeats, root=args.root)
+    print(json.dumps(results, indent=2) if args.json else format_measures(results))
+    return 0 if all(s["matched"] for s in results["sizes"]) else 1
+
+
 def _cmd_demo(args: argparse.Namespace) -> int:
     from ckptcache.demo import run_demo
 
@@ -243,6 +259,13 @@ def _parser() -> argparse.ArgumentParser:
     pf.add_argument("paths", nargs="+")
     client_opts(pf)
     pf.set_defaults(fn=_cmd_prefetch)
+
+    bench = sub.add_parser("bench", help="measure save/load/persist speed on this node")
+    bench.add_argument("--sizes", nargs="+", default=["256MiB"], help="state sizes (256MiB)")
+    bench.add_argument("--repeats", type=int, default=3, help="best of N (default 3)")
+    bench.add_argument("--root", help="also persist to this directory or s3:// URL")
+    client_opts(bench)
+    bench.set_defaults(fn=_cmd_bench)
 
     demo = sub.add_parser("demo", help="start a daemon, save, kill the saver, reload, benchmark")
     demo.add_argument("--size-mib", type=int, default=512, help="state dict size (default 512)")
