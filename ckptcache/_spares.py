@@ -40,6 +40,8 @@ class SpareMapper:
         self._again = False
         #: Segments being mapped right now: a save that needs one waits instead of mapping twice.
         self.mapping_now: dict[str, threading.Event] = {}
+        #: Mappings made, not yet moved into the client's cache.
+        self.ready: dict[str, Mapping] = {}
 
     def refresh(self) -> threading.Thread:
         """Map new spares in the background (one thread at a time); returns that thread."""
@@ -52,10 +54,20 @@ class SpareMapper:
             return self._thread
 
     def wait_for(self, segment: str) -> None:
-        """If ``segment`` is being mapped now, wait until it is (its mapping is then cached)."""
+        """If ``segment`` is being mapped now, wait until it is, then cache its mapping."""
         event = self.mapping_now.get(segment)
         if event is not None:
             event.wait()
+        self.adopt(segment)
+
+    def adopt(self, segment: str) -> None:
+        """Move a finished mapping into the client's cache (call under the client lock)."""
+        mapping = self.ready.pop(segment, None)
+        if (
+            mapping is not None
+            and self._client._write_maps.setdefault(segment, mapping) is not mapping
+        ):
+            mapping.close()
 
     def _run(self) -> None:
         deadline = time.monotonic() + _FOLLOW_SECONDS
@@ -77,7 +89,7 @@ class SpareMapper:
     def _map(self, name: str, capacity: int) -> None:
         client = self._client
         with client._lock:
-            if name in client._write_maps or name in self.mapping_now:
+            if name in client._write_maps or name in self.mapping_now or name in self.ready:
                 return
             event = self.mapping_now[name] = threading.Event()
         try:
@@ -86,7 +98,10 @@ class SpareMapper:
             log.debug("spare %s went away: %s", name, e)
             mapping = None
         finally:
+            # Handed over without the client lock: a save holding it may be waiting for this.
             if mapping is not None and os.getpid() == client._pid:
-                client._write_maps.setdefault(name, mapping)
+                self.ready[name] = mapping
             self.mapping_now.pop(name, None)
             event.set()
+        with client._lock:  # close() iterates the cache under this lock
+            self.adopt(name)

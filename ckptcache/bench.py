@@ -107,12 +107,20 @@ def save_stalls(client: Client, state: Any, path: str, repeats: int) -> tuple[fl
 
 
 def load_stalls(
-    client: Client, path: str, expected: dict[str, torch.Tensor], repeats: int
+    client: Client,
+    path: str,
+    expected: dict[str, torch.Tensor],
+    repeats: int,
+    *,
+    key: str | None = None,
 ) -> tuple[float, float, bool]:
-    """(zero-copy, private copy, matched): load times and whether the bytes equal ``expected``."""
+    """(zero-copy, private copy, matched): load times and whether the bytes equal ``expected``
+    (the loaded object itself, or its entry ``key``)."""
     t0 = time.perf_counter()
     loaded = client.load(path)
     zero_copy = time.perf_counter() - t0
+    if key is not None:
+        loaded = loaded[key]
     matched = set(loaded) == set(expected) and all(
         torch.equal(loaded[k], v) for k, v in expected.items()
     )

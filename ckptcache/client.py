@@ -31,6 +31,7 @@ from ckptcache import errors
 from ckptcache._async import SaveHandle, VersionCheck
 from ckptcache._async import submit as submit_save
 from ckptcache._defaults import candidate_sockets, default_namespace
+from ckptcache._gpu import unpin
 from ckptcache._peer import connect_daemon, trusted_daemon_uids
 from ckptcache._secure_fs import current_umask
 from ckptcache._spares import SpareMapper
@@ -223,8 +224,9 @@ class Client:
                 except errors.CkptCacheError:
                     pass
             self._drop_connection()
-            for mapping in self._write_maps.values():
+            for mapping in list(self._write_maps.values()):
                 try:
+                    unpin(mapping)
                     mapping.close()
                 except BufferError:
                     pass
@@ -241,7 +243,9 @@ class Client:
     def _write_mapping(self, segment: str, capacity: int) -> Mapping:
         """The cached shared mapping of a segment (made once, reused by every later save)."""
         for name in [n for n in self._write_maps if not os.path.exists(self._seg_path(n))]:
-            self._write_maps.pop(name).close()  # the daemon dropped it: free our pages too
+            stale = self._write_maps.pop(name)  # the daemon dropped it: free our pages too
+            unpin(stale)
+            stale.close()
         self._spares.wait_for(segment)
         mapping = self._write_maps.get(segment)
         # A spare trimmed by the daemon after we mapped it is shorter than our mapping.
