@@ -38,6 +38,7 @@ class SpareMapper:
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self._again = False
+        self._stopped = threading.Event()
         #: Segments being mapped right now: a save that needs one waits instead of mapping twice.
         self.mapping_now: dict[str, threading.Event] = {}
         #: Mappings made, not yet moved into the client's cache.
@@ -46,12 +47,17 @@ class SpareMapper:
     def refresh(self) -> threading.Thread:
         """Map new spares in the background (one thread at a time); returns that thread."""
         with self._lock:
+            self._stopped.clear()
             if self._thread is not None and self._thread.is_alive():
                 self._again = True
                 return self._thread
             self._thread = threading.Thread(target=self._run, name="ckptcache-spares", daemon=True)
             self._thread.start()
             return self._thread
+
+    def stop(self) -> None:
+        """No further requests (the client is closing: a request would reconnect it)."""
+        self._stopped.set()
 
     def wait_for(self, segment: str) -> None:
         """If ``segment`` is being mapped now, wait until it is, then cache its mapping."""
@@ -73,7 +79,10 @@ class SpareMapper:
         deadline = time.monotonic() + _FOLLOW_SECONDS
         while True:
             try:
-                reply = self._client._call("pool", m.PoolRequest(), m.PoolReply)
+                with self._client._lock:  # close() stops us under this lock
+                    if self._stopped.is_set():
+                        return
+                    reply = self._client._call("pool", m.PoolRequest(), m.PoolReply)
             except errors.CkptCacheError as e:
                 log.debug("no spare segments to map: %s", e)
                 return
@@ -83,8 +92,8 @@ class SpareMapper:
                 again, self._again = self._again, False
             if not (again or reply.growing) or time.monotonic() > deadline:
                 return
-            if not again:
-                time.sleep(0.05)  # background only: the daemon is still allocating a spare
+            if not again and self._stopped.wait(0.05):  # the daemon is still making a spare
+                return
 
     def _map(self, name: str, capacity: int) -> None:
         client = self._client

@@ -218,6 +218,7 @@ class Client:
             self._executor.shutdown(wait=True)
             self._executor = None
         with self._lock:
+            self._spares.stop()
             if self._conn is not None and self._pid == os.getpid():
                 try:
                     self._flush_releases()

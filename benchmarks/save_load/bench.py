@@ -43,6 +43,11 @@ def measure(nbytes: int, file_dir: str, repeats: int) -> list[Row]:
         assert matched, "reloaded bytes differ"
         rows.append(Row("ckptcache.load, zero-copy", nbytes, zero_copy))
         rows.append(Row("ckptcache.load, private copy", nbytes, private))
+    # The same first save against a daemon without a spare pool: what the pool saves.
+    no_pool = ("--memory-limit", budget, "--keep", "1", "--pool-bytes", "0")
+    with running_daemon(*no_pool) as daemon, Client(daemon.socket, fallback="raise") as c:
+        first, _ = save_stalls(c, state, os.path.join(file_dir, "bench", "new.pt"), 0)
+        rows.insert(2, Row("ckptcache.save, first (new path, --pool-bytes 0)", nbytes, first))
     gc.collect()
     rows += torch_baselines(state, nbytes, {"/dev/shm": "/dev/shm", "local file": file_dir})
     return rows

@@ -61,11 +61,11 @@ class SegmentPool:
             self._thread.start()
 
     def stop(self) -> None:
-        """Stop the grower (spares stay as free segments)."""
+        """Stop the grower (spares stay as free segments). Not joined: an allocation in
+        flight on a busy machine must not hold up shutdown, and a half-made spare is
+        reclaimed by the next start like any uncommitted segment."""
         self._stop.set()
         self._wake.set()
-        if self._thread.is_alive():
-            self._thread.join(timeout=30)
 
     def _live(self) -> list[Segment]:
         """The spares still free (a save, the free-list reuse or a shrink may have taken one)."""
