@@ -82,7 +82,7 @@ def run_demo(size_mib: int = 512) -> int:
         limit = Row("memcpy (physical limit)", nbytes, memcpy_seconds(expected))
         rows = [
             limit,
-            Row("ckptcache.save, first (new segment)", nbytes, saved["first"]),
+            Row("ckptcache.save, first (new path, spare segment)", nbytes, saved["first"]),
             Row("ckptcache.save, repeated (reused segment)", nbytes, saved["repeat"]),
         ]
         rows += torch_baselines(expected, nbytes, {"/dev/shm": "/dev/shm", "local file": tmp})
