@@ -28,12 +28,14 @@ from ckptcache.errors import (
     PersistTimeout,
     ProtocolMismatch,
     SerializationError,
+    TensorMutated,
     UnsafeUnpickle,
 )
 
 if TYPE_CHECKING:
+    from ckptcache._async import SaveHandle
     from ckptcache._health import CacheStatus
-    from ckptcache.api import delete, exists, load, prefetch, save, status, wait
+    from ckptcache.api import delete, exists, load, prefetch, save, status, wait, warmup
     from ckptcache.client import Client
     from ckptcache.wire.messages import ObjectInfo as ObjectStatus
 
@@ -55,7 +57,9 @@ __all__ = [
     "PersistError",
     "PersistTimeout",
     "ProtocolMismatch",
+    "SaveHandle",
     "SerializationError",
+    "TensorMutated",
     "UnsafeUnpickle",
     "__version__",
     "delete",
@@ -65,15 +69,17 @@ __all__ = [
     "save",
     "status",
     "wait",
+    "warmup",
 ]
 
 # Public name -> (module, attribute) for the names that pull in torch.
 _LAZY = {
     **{
         n: ("ckptcache.api", n)
-        for n in ("delete", "exists", "load", "prefetch", "save", "status", "wait")
+        for n in ("delete", "exists", "load", "prefetch", "save", "status", "wait", "warmup")
     },
     "CacheStatus": ("ckptcache._health", "CacheStatus"),
+    "SaveHandle": ("ckptcache._async", "SaveHandle"),
     "Client": ("ckptcache.client", "Client"),
     "ObjectStatus": ("ckptcache.wire.messages", "ObjectInfo"),
 }

@@ -6,6 +6,7 @@ import os
 import threading
 from typing import Any
 
+from ckptcache._async import SaveHandle
 from ckptcache._health import CacheStatus, cache_status
 from ckptcache.client import Client
 from ckptcache.flatten import MapLocation
@@ -21,6 +22,7 @@ __all__ = [
     "set_default_client",
     "status",
     "wait",
+    "warmup",
 ]
 
 _lock = threading.Lock()
@@ -45,15 +47,33 @@ def set_default_client(client: Client | None) -> None:
         old.close()
 
 
-def save(obj: Any, path: str | os.PathLike[str], *, durability: str = "local") -> None:
+def save(
+    obj: Any,
+    path: str | os.PathLike[str],
+    *,
+    durability: str = "local",
+    blocking: bool = True,
+) -> SaveHandle | None:
     """Drop-in for ``torch.save(obj, path)``: returns once the bytes are in node memory.
+
+    ``blocking=False`` returns a :class:`~ckptcache.SaveHandle` at once and copies the
+    tensors in a background thread while training goes on. Do not modify them in place until
+    ``handle.wait()`` returns (or inside ``StepGuard.optimizer_step()``, which waits for the
+    copies): a modification seen through a tensor's version counter aborts the save with
+    :class:`~ckptcache.errors.TensorMutated` and keeps the previous generation.
 
     Same object model as ``torch.save``. ``durability="local"`` returns after phase 1 on this
     node; ``durability="persisted"`` also waits for phase 2 (see :func:`wait`). Without a
     reachable daemon (or with a full budget) the object is written to ``path`` with
     ``torch.save`` and a :class:`~ckptcache.errors.CkptCacheWarning` is issued once.
     """
-    default_client().save(obj, path, durability=durability)
+    return default_client().save(obj, path, durability=durability, blocking=blocking)
+
+
+def warmup() -> None:
+    """Connect the default client and map the daemon's spare segments in the background, so
+    the first save of this process runs like a repeated one (call it at trainer start)."""
+    default_client().warmup()
 
 
 def load(

@@ -62,6 +62,8 @@ def _cmd_daemon(args: argparse.Namespace) -> int:
         "node_id": args.node_id,
         "metrics_port": args.metrics_port,
         "keep": args.keep,
+        "pool_segments": args.pool_segments,
+        "pool_bytes": args.pool_bytes,
         "reserve_timeout": args.reserve_timeout,
         "log_level": args.log_level,
         "persist_roots": tuple(args.persist_root) if args.persist_root else None,
@@ -210,6 +212,22 @@ def _cmd_prefetch(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_bench(args: argparse.Namespace) -> int:
+    from ckptcache._units import parse_bytes
+    from ckptcache.bench import format_measures, run_bench  # imports torch: bench only
+
+    try:
+        sizes = [parse_bytes(s) for s in args.sizes]
+    except ValueError as e:
+        raise ConfigError(f"--sizes: {e}") from e
+    if args.repeats < 1 or any(n <= 0 for n in sizes):
+        raise ConfigError("--repeats and every --sizes value must be positive")
+    with _client(args) as c:
+        results = run_bench(c, sizes, repeats=args.repeats, root=args.root)
+    print(json.dumps(results, indent=2) if args.json else format_measures(results))
+    return 0 if all(s["matched"] for s in results["sizes"]) else 1
+
+
 def _cmd_demo(args: argparse.Namespace) -> int:
     from ckptcache.demo import run_demo
 
@@ -233,6 +251,8 @@ def _parser() -> argparse.ArgumentParser:
     d.add_argument("--node-id", help="name of this node")
     d.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port")
     d.add_argument("--keep", type=int, help="generations kept per path (default 2)")
+    d.add_argument("--pool-segments", type=int, help="spare pre-faulted segments (default 2)")
+    d.add_argument("--pool-bytes", help="size of the spare pool (default: 1/4 of the budget)")
     d.add_argument("--reserve-timeout", type=float, help="seconds a save may wait for memory")
     d.add_argument("--log-level", help="DEBUG, INFO, WARNING or ERROR")
     d.add_argument("--persist-root", action="append", metavar="DIR_OR_URL",
@@ -275,6 +295,13 @@ def _parser() -> argparse.ArgumentParser:
     pf.add_argument("paths", nargs="+")
     client_opts(pf)
     pf.set_defaults(fn=_cmd_prefetch)
+
+    bench = sub.add_parser("bench", help="measure save/load/persist speed on this node")
+    bench.add_argument("--sizes", nargs="+", default=["256MiB"], help="state sizes (256MiB)")
+    bench.add_argument("--repeats", type=int, default=3, help="best of N (default 3)")
+    bench.add_argument("--root", help="also persist to this directory or s3:// URL")
+    client_opts(bench)
+    bench.set_defaults(fn=_cmd_bench)
 
     demo = sub.add_parser("demo", help="start a daemon, save, kill the saver, reload, benchmark")
     demo.add_argument("--size-mib", type=int, default=512, help="state dict size (default 512)")

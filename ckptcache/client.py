@@ -20,6 +20,7 @@ import threading
 import time
 import warnings
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import rpyc
@@ -34,6 +35,7 @@ from ckptcache._defaults import (
 )
 from ckptcache._peer import connect_daemon, trusted_daemon_uids
 from ckptcache._secure_fs import current_umask
+from ckptcache._spares import SpareMapper
 from ckptcache.errors import (
     BudgetExceeded,
     CheckpointDeleted,
@@ -55,7 +57,9 @@ from ckptcache.wire import messages as m
 # torch and the modules built on it are imported where a save or load needs them, so that the
 # control-plane commands (ckptcache ls, status, ...) start without torch.
 if TYPE_CHECKING:
-    from ckptcache.flatten import MapLocation
+    from ckptcache._async import SaveHandle, VersionCheck
+    from ckptcache.flatten import Flattened, MapLocation
+    from ckptcache.manifest import ObjectPlan
     from ckptcache.shm import Mapping
 
 __all__ = ["DURABILITY_LEVELS", "Client", "normalize_path"]
@@ -134,6 +138,10 @@ class Client:
         self.fallbacks = 0
         #: Paths this client saved through the daemon (what ``wait()`` waits for).
         self._saved: set[str] = set()
+        self._spares = SpareMapper(self)
+        self._executor: ThreadPoolExecutor | None = None
+        self._executor_pid = 0
+        self._executor_lock = threading.Lock()
 
     # ----------------------------------------------------------------- connection
 
@@ -141,7 +149,7 @@ class Client:
         if self._pid != os.getpid():
             # Forked: the parent's socket and mappings are not ours to use or close.
             self._conn, self._write_maps, self._pending_release = None, {}, []
-            self._pid = os.getpid()
+            self._pid, self._spares = os.getpid(), SpareMapper(self)
         if self._conn is not None and not self._conn.closed:
             return self._conn
         if not self._explicit_socket:
@@ -218,16 +226,24 @@ class Client:
         return lambda: self._pending_release.append((epoch, lease))
 
     def close(self) -> None:
-        """Release pins, close the connection and the cached write mappings."""
+        """Finish pending non-blocking saves, release pins, close the connection and the
+        cached write mappings."""
+        if self._executor is not None and self._executor_pid == os.getpid():
+            self._executor.shutdown(wait=True)
+            self._executor = None
         with self._lock:
+            self._spares.stop()
             if self._conn is not None and self._pid == os.getpid():
                 try:
                     self._flush_releases()
                 except errors.CkptCacheError:
                     pass
             self._drop_connection()
-            for mapping in self._write_maps.values():
+            for mapping in list(self._write_maps.values()):
+                from ckptcache._gpu import unpin  # torch is loaded: this client saved
+
                 try:
+                    unpin(mapping)
                     mapping.close()
                 except BufferError:
                     pass
@@ -243,12 +259,17 @@ class Client:
 
     def _write_mapping(self, segment: str, capacity: int) -> Mapping:
         """The cached shared mapping of a segment (made once, reused by every later save)."""
+        from ckptcache._gpu import unpin
         from ckptcache.shm import map_shared
 
         for name in [n for n in self._write_maps if not os.path.exists(self._seg_path(n))]:
-            self._write_maps.pop(name).close()  # the daemon dropped it: free our pages too
+            stale = self._write_maps.pop(name)  # the daemon dropped it: free our pages too
+            unpin(stale)
+            stale.close()
+        self._spares.wait_for(segment)
         mapping = self._write_maps.get(segment)
-        if mapping is None or len(mapping) != capacity:
+        # A spare trimmed by the daemon after we mapped it is shorter than our mapping.
+        if mapping is None or len(mapping) < capacity:
             mapping = map_shared(self._seg_path(segment), capacity)
             self._write_maps[segment] = mapping
         return mapping
@@ -261,10 +282,27 @@ class Client:
     def _seg_path(self, name: str) -> str:
         return os.path.join(self._segments_dir, name)
 
-    def save(self, obj: Any, path: Any, *, durability: str = "local") -> None:
-        """Save ``obj`` under ``path``; returns once the bytes are in the daemon's memory."""
+    def warmup(self, *, wait: bool = False) -> None:
+        """Connect and map the daemon's spare segments in the background, so that even the
+        first save of this process runs at memcpy speed (call it when the trainer starts);
+        ``wait=True`` blocks until they are mapped."""
+        self._call("status", m.StatusRequest(), m.DaemonStatus)
+        thread = self._spares.refresh()
+        if wait:
+            thread.join()
+
+    def save(
+        self, obj: Any, path: Any, *, durability: str = "local", blocking: bool = True
+    ) -> SaveHandle | None:
+        """Save ``obj`` under ``path``; returns once the bytes are in the daemon's memory.
+
+        ``blocking=False`` returns a :class:`~ckptcache.SaveHandle` at once and copies in a
+        background thread (one at a time, in order); see :func:`ckptcache.save`.
+        """
+        from ckptcache._async import VersionCheck
+        from ckptcache._async import submit as submit_save
         from ckptcache.flatten import flatten
-        from ckptcache.objectio import plan_object, write_object
+        from ckptcache.objectio import plan_object
 
         t0 = time.perf_counter()
         path = normalize_path(path)
@@ -274,6 +312,40 @@ class Client:
             )
         flat = flatten(obj)
         plan = plan_object(flat, path, self.namespace)
+        if blocking:
+            self._save_planned(obj, flat, plan, path, durability, t0)
+            return None
+        check = VersionCheck(obj, path)
+        return submit_save(
+            lambda copied: self._save_planned(
+                obj, flat, plan, path, durability, t0, check=check, copied=copied
+            ),
+            path,
+            self._background(),
+        )
+
+    def _background(self) -> ThreadPoolExecutor:
+        """The one thread that runs this client's non-blocking saves, in submission order."""
+        with self._executor_lock:  # not self._lock: a save in flight may hold that one
+            if self._executor is None or self._executor_pid != os.getpid():
+                self._executor = ThreadPoolExecutor(1, thread_name_prefix="ckptcache-save")
+                self._executor_pid = os.getpid()
+            return self._executor
+
+    def _save_planned(
+        self,
+        obj: Any,
+        flat: Flattened,
+        plan: ObjectPlan,
+        path: str,
+        durability: str,
+        t0: float,
+        *,
+        check: VersionCheck | None = None,
+        copied: Callable[[], None] | None = None,
+    ) -> None:
+        from ckptcache.objectio import write_object
+
         with self._lock:
             try:
                 reply = self._call(
@@ -292,9 +364,15 @@ class Client:
                 )
             except (DaemonUnavailable, BudgetExceeded) as e:
                 self._write_through(obj, path, e)
+                if check is not None:
+                    check.check()
                 return
             try:
                 write_object(self._write_mapping(reply.segment, reply.capacity), plan, flat)
+                if check is not None:
+                    check.check()  # torn bytes are never committed: abort below instead
+                if copied is not None:
+                    copied()
                 commit = m.CommitRequest(
                     reply.reservation,
                     plan.layout.manifest_offset,
@@ -303,6 +381,7 @@ class Client:
                 )
                 self._call("commit", commit, m.CommitReply)
                 self._saved.add(path)
+                self._spares.refresh()  # map the spare the daemon makes for the next new path
             except DaemonUnavailable as e:
                 self._write_through(obj, path, e)
                 return

@@ -107,3 +107,8 @@ class ReplicationError(CkptCacheError, ConnectionError):
 
 class PersistTimeout(CkptCacheError, TimeoutError):
     """``wait`` gave up before the object was persisted (it may still be persisted later)."""
+
+
+class TensorMutated(CkptCacheError, RuntimeError):
+    """A tensor of a non-blocking save was modified before its copy finished: the save was
+    aborted (the previous generation stays) rather than storing torn bytes."""

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from ckptcache._gpu import copy_to_segment, device_target, load_to_device
 from ckptcache.archive import plan_archive
 from ckptcache.errors import CorruptCheckpoint
 from ckptcache.flatten import Flattened, MapLocation, unflatten
@@ -69,8 +70,15 @@ def write_object(mapping: mmap.mmap, plan: ObjectPlan, flat: Flattened) -> None:
         view[offset : offset + len(plan.manifest_bytes)] = plan.manifest_bytes
     finally:
         view.release()
-    for record, storage in zip(plan.manifest.storages, flat.storages, strict=True):
-        copy_storage_into(mapping, record.offset, storage)
+    pairs = list(zip(plan.manifest.storages, flat.storages, strict=True))
+    on_device = [(r.offset, s) for r, s in pairs if s.device.type == "cuda"]
+    # Device-to-host copies start first (DMA into the pinned segment) and overlap the CPU ones.
+    wait = copy_to_segment(mapping, on_device) if on_device else None
+    for record, storage in pairs:
+        if storage.device.type != "cuda":
+            copy_storage_into(mapping, record.offset, storage)
+    if wait is not None:
+        wait()
 
 
 def read_object(
@@ -102,6 +110,8 @@ def read_object(
     finally:
         view.release()
     records = {r.key: r for r in manifest.storages}
+    device = device_target(map_location)
+    to_device = load_to_device(mapping, device) if device is not None else None
 
     def load_storage(key: str, nbytes: int) -> torch.UntypedStorage:
         record = records.get(key)
@@ -110,8 +120,16 @@ def read_object(
                 f"skeleton of {manifest.path!r} refers to storage {key} that the manifest "
                 "does not hold", tier=tier,
             )  # fmt: skip
+        if to_device is not None:  # host-to-device from the pinned mapping, no CPU copy
+            return to_device.storage(record.offset, nbytes)
         if zero_copy:
             return storage_view(mapping, record.offset, nbytes)
         return storage_copy(mapping, record.offset, nbytes)
 
-    return unflatten(skeleton, load_storage, weights_only=weights_only, map_location=map_location)
+    try:
+        return unflatten(
+            skeleton, load_storage, weights_only=weights_only, map_location=map_location
+        )
+    finally:
+        if to_device is not None:
+            to_device.finish()

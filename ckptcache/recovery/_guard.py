@@ -22,6 +22,7 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
+from ckptcache._async import wait_for_copies
 from ckptcache.recovery._rng import RngState, capture_rng, restore_rng
 
 __all__ = ["StepGuard"]
@@ -82,8 +83,11 @@ class StepGuard:
         """Run the body as the atomic update of ``step`` (default: ``committed_step``).
 
         If the body raises, the step stays in flight and the exception propagates: this replica's
-        state may be half-updated, so the next recovery counts it as recovering.
+        state may be half-updated, so the next recovery counts it as recovering. It first waits
+        until every non-blocking save of this process has copied its tensors, so the update
+        never races a copy (``ckptcache.save(..., blocking=False)``).
         """
+        wait_for_copies()
         with self._lock:
             current = self._committed if step is None else step
             self._in_flight = current

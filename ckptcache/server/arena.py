@@ -72,6 +72,8 @@ class Segment:
     #: (st_dev, st_ino) of the file the daemon created or adopted: a later open by path
     #: must find this very file, not something swapped in under its name.
     identity: tuple[int, int] = (0, 0)
+    #: Never used since it was pre-faulted for the spare pool (see ``server/pool.py``).
+    spare: bool = False
 
     def open_fd(self) -> int:
         """Open the segment file read-only, refusing a symlink or a file swapped in under its
@@ -113,6 +115,9 @@ class Arena:
         self._counter = 0
         self.segments: dict[str, Segment] = {}
         self.free: dict[str, Segment] = {}
+        #: Bytes of segment files being created outside the lock (the spare pool's growth):
+        #: counted as used so the budget holds while they are allocated.
+        self.pending = 0
         self.uid = os.geteuid()
         os.close(ensure_private_dir(directory, mode, "segments dir"))
 
@@ -148,7 +153,7 @@ class Arena:
     @property
     def used(self) -> int:
         """Bytes of all segment files (in use, reserved and free)."""
-        return sum(s.capacity for s in self.segments.values())
+        return self.pending + sum(s.capacity for s in self.segments.values())
 
     @property
     def free_bytes(self) -> int:
@@ -174,7 +179,8 @@ class Arena:
             if s.capacity >= nbytes and self._owner_dir(s.owner) == self._owner_dir(owner)
         ]
         while fits:
-            best = min(fits, key=lambda s: s.capacity)
+            # Segments clients already map come before spares, which stay for new segments.
+            best = min(fits, key=lambda s: (s.spare, s.capacity))
             if not mapped_by_others(best.path):
                 break
             # A load mapping outlived its pin (its connection dropped): its zero-copy tensors
@@ -185,6 +191,7 @@ class Arena:
         if not tight and best.capacity > 2 * self.capacity_for(nbytes):
             return None
         del self.free[best.name]
+        best.spare = False
         best.write_header(_empty_header(SegmentState.WRITING))
         best.last_used = time.monotonic()
         return best
@@ -195,12 +202,21 @@ class Arena:
         ``owner`` (uid, gid) of another user: the file lies in that user's directory and
         belongs to that user (mode 0600), so no other unprivileged user can read it.
         """
-        capacity = self.capacity_for(nbytes)
         uid, gid = owner if owner is not None else (self.uid, -1)
+        segment = self.allocate(self.next_name(uid), self.capacity_for(nbytes), uid, gid)
+        self.segments[segment.name] = segment
+        return segment
+
+    def next_name(self, uid: int) -> str:
+        """A fresh segment name in ``uid``'s directory (call under the caller's lock)."""
         self._counter += 1
-        name = os.path.join(
+        return os.path.join(
             self._ensure_owner_dir(uid), f"seg-{self.incarnation}-{self._counter:06d}"
         )
+
+    def allocate(self, name: str, capacity: int, uid: int, gid: int = -1) -> Segment:
+        """Create and allocate the file ``name`` without registering it: safe outside the
+        lock (the pool grows this way), provided ``name`` came from :meth:`next_name`."""
         path = os.path.join(self.directory, name)
         flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW
         fd = os.open(path, flags, 0o600)
@@ -218,8 +234,28 @@ class Arena:
         segment = Segment(name, path, capacity, mapping, owner=uid)
         segment.identity = (st.st_dev, st.st_ino)
         segment.write_header(_empty_header(SegmentState.WRITING))
-        self.segments[name] = segment
         return segment
+
+    def trim(self, segment: Segment, capacity: int) -> None:
+        """Shrink a free, never-mapped-for-reading segment to ``capacity`` bytes in place.
+
+        The allocated pages below ``capacity`` stay (still pre-faulted); the tail goes back
+        to the system. A client mapping longer than the file only loses the tail's pages.
+        """
+        fd = os.open(segment.path, os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
+        try:
+            st = os.fstat(fd)
+            if (st.st_dev, st.st_ino) != segment.identity:
+                raise OSError(errno.ESTALE, f"segment file {segment.path} was replaced")
+            os.ftruncate(fd, capacity)
+            try:
+                segment.mapping.close()
+            except BufferError:
+                pass
+            segment.mapping = mmap.mmap(fd, capacity, flags=mmap.MAP_SHARED)
+        finally:
+            os.close(fd)
+        segment.capacity = capacity
 
     def release(self, segment: Segment) -> None:
         """Return a segment to the free pool (or unlink it if inherited from a crash)."""

@@ -66,6 +66,10 @@ class DaemonConfig:
     reserve_timeout: float = 10.0
     #: Generations kept per path unless a retention rule says otherwise.
     keep: int = 2
+    #: Spare pre-faulted segments kept ready for first saves of new paths, and their total
+    #: size (None: a quarter of memory_limit; 0 disables the pool).
+    pool_segments: int = 2
+    pool_bytes: int | None = None
     retention: tuple[RetentionRule, ...] = ()
     #: Prometheus endpoint port; None disables it, 0 picks a free port.
     metrics_port: int | None = None
@@ -129,6 +133,11 @@ class DaemonConfig:
         env = os.environ.get("CKPTCACHE_CLUSTER_SECRET")
         return env.encode() if env else None
 
+    @property
+    def pool_size(self) -> int:
+        """Bytes of the spare pool: ``pool_bytes``, by default a quarter of the budget."""
+        return self.memory_limit // 4 if self.pool_bytes is None else self.pool_bytes
+
     def keep_for(self, path: str) -> int:
         """Generations to keep for ``path``: the longest matching rule wins."""
         best: RetentionRule | None = None
@@ -157,6 +166,13 @@ def _coerce(key: str, value: Any, source: str) -> Any:
             return size
         if key in ("secret", "secret_file", "tls_cert", "tls_key", "tls_ca"):
             return None if value in (None, "") else str(value)
+        if key == "pool_bytes":
+            return None if value in (None, "") else parse_bytes(value)
+        if key == "pool_segments":
+            count = int(value)
+            if count < 0:
+                raise ValueError("must not be negative")
+            return count
         if key == "replicas":
             count = int(value)
             if count < 1:

@@ -56,6 +56,7 @@ from ckptcache.server.lineage import anchor_of, is_orphaned, removed_reason
 from ckptcache.server.metrics import Metrics
 from ckptcache.server.ownership import Saver
 from ckptcache.server.persist import Persister, lower_thread_priority
+from ckptcache.server.pool import SegmentPool
 from ckptcache.server.roots import PersistRoots
 from ckptcache.storage import backend_for
 from ckptcache.wire import messages as m
@@ -149,6 +150,8 @@ class CacheCore:
         self.roots = PersistRoots(config.persist_roots)
         self.persister = Persister(self)
         self._recover()
+        self.pool = SegmentPool(self.arena, self.cond, config.pool_segments, config.pool_size)
+        self.pool.start()
         if config.listen or not config.coordinator.startswith("embedded"):
             from ckptcache.server.cluster import Cluster
 
@@ -276,6 +279,7 @@ class CacheCore:
     def shutdown(self) -> None:
         """Stop background workers (segments stay on disk for the next incarnation)."""
         self._stopping.set()
+        self.pool.stop()
         self.persister.stop()
         if self.cluster is not None:
             self.cluster.stop()
@@ -352,6 +356,8 @@ class CacheCore:
         capacity = Arena.capacity_for(nbytes)
         owner = saver.uid if saver is not None else None
         segment = arena.take_free(nbytes, tight=arena.used + capacity > arena.limit, owner=owner)
+        if segment is None:
+            segment = self.pool.take(nbytes, arena.uid if owner is None else owner)
         if segment is not None:
             return segment
         arena.shrink_free(capacity)
@@ -943,6 +949,11 @@ class CacheCore:
             self._update_gauges()
         return m.DeleteReply(len(gens))
 
+    def pool_info(self, session: Session, req: m.PoolRequest) -> m.PoolReply:
+        """The spare segments this session's user may map ahead of a save."""
+        with self.cond:
+            return self.pool.describe(session.uid)
+
     def status(self, session: Session, req: m.StatusRequest) -> m.DaemonStatus:
         """Daemon-wide counters."""
         with self.cond:
@@ -959,6 +970,7 @@ class CacheCore:
                 cluster_nodes=self.cluster.node_ids() if self.cluster else (),
                 coordinator=self.config.coordinator,
                 memory_stored=sum(g.size for g in gens),
+                spare_segments=len(self.pool.describe(self.arena.uid).segments),
             )  # fmt: skip
 
     def wait(self, session: Session, req: m.WaitRequest) -> m.WaitReply:

@@ -129,6 +129,7 @@ class CacheService(rpyc.Service):  # type: ignore[misc]
             "status": (m.StatusRequest, core.status),
             "wait": (m.WaitRequest, core.wait),
             "prefetch": (m.PrefetchRequest, core.prefetch),
+            "pool": (m.PoolRequest, core.pool_info),
         }
 
     def on_connect(self, conn: rpyc.Connection) -> None:

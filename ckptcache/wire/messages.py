@@ -37,6 +37,8 @@ __all__ = [
     "ObjectInfo",
     "OpenReply",
     "OpenRequest",
+    "PoolReply",
+    "PoolRequest",
     "PrefetchReply",
     "PrefetchRequest",
     "ReleaseRequest",
@@ -281,6 +283,20 @@ class PrefetchRequest:
 
 
 @dataclass(frozen=True)
+class PoolRequest:
+    """The daemon's spare segments, for a client to map ahead of its next save."""
+
+
+@dataclass(frozen=True)
+class PoolReply:
+    """Spare segments (names and capacities) and whether another is being created."""
+
+    segments: tuple[str, ...]
+    capacities: tuple[int, ...]
+    growing: bool
+
+
+@dataclass(frozen=True)
 class PrefetchReply:
     """Which tier the copy came from ("local" if it was already here)."""
 
@@ -425,3 +441,5 @@ class DaemonStatus:
     coordinator: str = "embedded://"
     #: Bytes of the objects held (``memory_used`` is what their segments reserve).
     memory_stored: int = 0
+    #: Free segments never used yet, kept pre-faulted for first saves (counted in segments).
+    spare_segments: int = 0

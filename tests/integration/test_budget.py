@@ -75,7 +75,7 @@ def test_waiting_save_proceeds_when_a_pin_is_released(daemon_factory, tmp_path):
 
 
 def test_object_larger_than_budget(daemon_factory, tmp_path):
-    d = daemon_factory("--memory-limit", "4MiB")
+    d = daemon_factory("--memory-limit", "4MiB", "--pool-bytes", "0")  # no spares
     with (
         d.client(fallback="raise") as c,
         pytest.raises(ObjectTooLarge, match="whole memory budget"),

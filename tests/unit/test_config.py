@@ -56,3 +56,15 @@ def test_missing_file_and_bad_env(tmp_path):
         load_config(str(tmp_path / "nope.yaml"), environ={})
     with pytest.raises(ConfigError, match="from the environment"):
         load_config(None, environ={"CKPTCACHE_MEMORY_LIMIT": "huge"})
+
+
+def test_spare_pool_keys():
+    c = load_config(None, {"memory_limit": "8GiB"}, environ={})
+    assert (c.pool_segments, c.pool_size) == (2, 2 << 30)  # a quarter of the budget
+    c = load_config(None, {"pool_bytes": "1GiB", "pool_segments": 4}, environ={})
+    assert (c.pool_segments, c.pool_size) == (4, 1 << 30)
+    assert load_config(None, {"pool_bytes": "0"}, environ={}).pool_size == 0
+    with pytest.raises(ConfigError, match="pool_segments"):
+        load_config(None, {"pool_segments": -1}, environ={})
+    with pytest.raises(ConfigError, match="pool_bytes"):
+        load_config(None, {"pool_bytes": "lots"}, environ={})

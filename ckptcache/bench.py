@@ -1,0 +1,278 @@
+"""``ckptcache bench``: what checkpointing costs on this node, as deployed.
+
+Every figure is measured against the running daemon, next to its physical limit measured in
+the same run (memcpy for saves and private loads; a raw write + fsync, or a raw upload, of the
+same bytes for persistence) and next to ``torch.save``/``torch.load``. The demo and
+``benchmarks/save_load`` call the same functions, so every published figure is taken one way.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+
+from ckptcache.benchmarking import best_of, make_state, memcpy_seconds, torch_save_fast
+from ckptcache.client import Client
+
+__all__ = [
+    "Measure",
+    "Progress",
+    "format_measures",
+    "load_stalls",
+    "measure_size",
+    "persist_seconds",
+    "raw_write_seconds",
+    "run_bench",
+    "save_stalls",
+]
+
+
+@dataclass(frozen=True)
+class Measure:
+    """One operation on ``nbytes``, and the limit (by name and seconds) it is compared to."""
+
+    what: str
+    nbytes: int
+    seconds: float
+    limit: str = ""
+    limit_seconds: float = 0.0
+
+    @property
+    def gbps(self) -> float:
+        """Throughput in GB/s (10^9 bytes per second)."""
+        return self.nbytes / self.seconds / 1e9 if self.seconds > 0 else float("inf")
+
+    @property
+    def vs_limit(self) -> float | None:
+        """Speed as a fraction of the limit's (1.0: as fast as the limit)."""
+        return self.limit_seconds / self.seconds if self.limit and self.seconds > 0 else None
+
+    def as_dict(self) -> dict[str, Any]:
+        """JSON-ready, with the derived figures."""
+        return {**asdict(self), "gbps": self.gbps, "vs_limit": self.vs_limit}
+
+
+class Progress:
+    """A one-line progress bar on stderr."""
+
+    def __init__(self, total: int, *, enabled: bool = True, width: int = 30):
+        self.total, self.done, self.width, self.enabled = max(total, 1), 0, width, enabled
+
+    def step(self, label: str) -> None:
+        """Count one step done and redraw."""
+        self.done += 1
+        if self.enabled:
+            filled = self.width * self.done // self.total
+            bar = "#" * filled + "." * (self.width - filled)
+            sys.stderr.write(f"\r[{bar}] {self.done}/{self.total} {label:<40.40}")
+            sys.stderr.flush()
+
+    def close(self) -> None:
+        """End the bar's line."""
+        if self.enabled:
+            sys.stderr.write("\n")
+            sys.stderr.flush()
+
+
+def wait_idle(client: Client, path: str, timeout: float = 60.0) -> None:
+    """Wait until the daemon's background digest of ``path`` is done: training saves minutes
+    apart, so charging that work to the next save's stall would misstate it."""
+    deadline = time.monotonic() + timeout
+    while not client.status(path).digests_valid and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
+def save_stalls(client: Client, state: Any, path: str, repeats: int) -> tuple[float, float]:
+    """(first, repeated): the stall of the first save of a new ``path``, then the best of
+    ``repeats`` saves of it (each once the daemon is idle again)."""
+    t0 = time.perf_counter()
+    client.save(state, path)
+    first = time.perf_counter() - t0
+    repeated = float("inf")
+    for _ in range(repeats):
+        wait_idle(client, path)
+        t0 = time.perf_counter()
+        client.save(state, path)
+        repeated = min(repeated, time.perf_counter() - t0)
+    return first, repeated
+
+
+def load_stalls(
+    client: Client,
+    path: str,
+    expected: dict[str, torch.Tensor],
+    repeats: int,
+    *,
+    key: str | None = None,
+) -> tuple[float, float, bool]:
+    """(zero-copy, private copy, matched): load times and whether the bytes equal ``expected``
+    (the loaded object itself, or its entry ``key``)."""
+    t0 = time.perf_counter()
+    loaded = client.load(path)
+    zero_copy = time.perf_counter() - t0
+    if key is not None:
+        loaded = loaded[key]
+    matched = set(loaded) == set(expected) and all(
+        torch.equal(loaded[k], v) for k, v in expected.items()
+    )
+    del loaded
+    private = best_of(repeats, lambda: client.load(path, mmap=False))
+    return zero_copy, private, matched
+
+
+def _flat_bytes(state: dict[str, torch.Tensor]) -> bytes:
+    return b"".join(t.contiguous().view(torch.uint8).numpy().tobytes() for t in state.values())
+
+
+def raw_write_seconds(state: dict[str, torch.Tensor], target: str) -> float:
+    """The storage limit: one write + fsync (or one upload) of the state's bytes to ``target``."""
+    from ckptcache.storage import backend_for
+
+    data = _flat_bytes(state)
+    backend = backend_for(target)
+    t0 = time.perf_counter()
+    backend.write_bytes(target, data)
+    seconds = time.perf_counter() - t0
+    backend.delete(target)
+    return seconds
+
+
+def persist_seconds(client: Client, state: Any, path: str) -> float:
+    """Seconds from a save's return until the daemon reports ``path`` persisted."""
+    client.save(state, path)
+    t0 = time.perf_counter()
+    client.wait(path)
+    return time.perf_counter() - t0
+
+
+def _under_root(client: Client, root: str) -> bool:
+    roots = client.daemon_status().persist_roots
+    return any(root.rstrip("/").startswith(r.rstrip("/")) for r in roots)
+
+
+def measure_size(
+    client: Client,
+    nbytes: int,
+    workdir: str,
+    *,
+    repeats: int = 3,
+    root: str | None = None,
+    progress: Progress | None = None,
+) -> dict[str, Any]:
+    """Every figure for one size; ``workdir`` holds the cache paths and torch.save files."""
+    tick = progress.step if progress is not None else (lambda label: None)
+    state = make_state(nbytes)
+    size = sum(t.nbytes for t in state.values())
+    memcpy = memcpy_seconds(state, repeats)
+    tick("memcpy")
+    path = os.path.join(workdir, f"bench-{size}", "model.pt")
+    first, repeated = save_stalls(client, state, path, repeats)
+    tick("ckptcache.save")
+    handle_t0 = time.perf_counter()
+    handle = client.save(state, path + ".async", blocking=False)
+    submit = time.perf_counter() - handle_t0
+    if handle is not None:
+        handle.wait()
+    tick("ckptcache.save, non-blocking")
+    zero_copy, private, matched = load_stalls(client, path, state, repeats)
+    tick("ckptcache.load")
+    file = os.path.join(workdir, f"torch-{size}.pt")
+    t_save = best_of(repeats, lambda: torch_save_fast(state, file))
+    t_load = best_of(repeats, lambda: torch.load(file))
+    os.unlink(file)
+    tick("torch.save / torch.load")
+    lim = ("memcpy", memcpy)
+    rows = [
+        Measure("memcpy (limit)", size, memcpy),
+        Measure("ckptcache.save, first (new path)", size, first, *lim),
+        Measure("ckptcache.save, repeated", size, repeated, *lim),
+        Measure("ckptcache.save, non-blocking (returns)", size, submit, *lim),
+        Measure("ckptcache.load, zero-copy", size, zero_copy, *lim),
+        Measure("ckptcache.load, private copy", size, private, *lim),
+        Measure("torch.save (local file, CRC off)", size, t_save, *lim),
+        Measure("torch.load (local file)", size, t_load, *lim),
+    ]
+    if root is not None:
+        rows += _persist_rows(client, state, size, root)
+        tick("persist")
+    for p in (path, path + ".async"):
+        with contextlib.suppress(Exception):
+            client.delete(p)
+    return {"nbytes": size, "matched": matched, "rows": [r.as_dict() for r in rows]}
+
+
+def _persist_rows(client: Client, state: Any, size: int, root: str) -> list[Measure]:
+    base = f"{root.rstrip('/')}/ckptcache-bench-{os.getpid()}-{size}"
+    raw = raw_write_seconds(state, base + "-raw.bin")
+    limit = ("raw write + fsync" if "://" not in root else "raw upload", raw)
+    rows = [Measure(f"{limit[0]} (limit)", size, raw)]
+    if not _under_root(client, root):
+        return rows  # the daemon would never persist there: nothing more to measure
+    target = base + ".pt"
+    rows.append(Measure("ckptcache persist (after save returns)", size,
+                        persist_seconds(client, state, target), *limit))  # fmt: skip
+    from ckptcache.storage import backend_for
+
+    with contextlib.suppress(Exception):
+        client.delete(target)
+        backend_for(target).delete(target)
+    return rows
+
+
+def format_measures(results: dict[str, Any]) -> str:
+    """Markdown tables, one per size."""
+    out = []
+    for entry in results["sizes"]:
+        out.append(f"\n### {entry['nbytes'] / 2**20:.0f} MiB (reloaded bytes matched: "
+                   f"{entry['matched']})\n")  # fmt: skip
+        out.append("| operation | time (s) | GB/s | vs limit |")
+        out.append("|---|---:|---:|---:|")
+        for r in entry["rows"]:
+            vs = f"{r['vs_limit']:.2f}x {r['limit']}" if r["vs_limit"] is not None else "-"
+            out.append(f"| {r['what']} | {r['seconds']:.4f} | {r['gbps']:.2f} | {vs} |")
+    return "\n".join(out)
+
+
+@contextlib.contextmanager
+def _workdir() -> Iterator[str]:
+    path = tempfile.mkdtemp(prefix="ckptcache-bench-")
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def run_bench(
+    client: Client,
+    sizes: list[int],
+    *,
+    repeats: int = 3,
+    root: str | None = None,
+    progress: bool = True,
+) -> dict[str, Any]:
+    """Measure every size against ``client``'s daemon; returns the JSON-ready results."""
+    status = client.daemon_status()
+    bar = Progress(len(sizes) * (6 if root else 5), enabled=progress)
+    results: dict[str, Any] = {
+        "node": status.node_id, "socket": client.socket_path, "repeats": repeats,
+        "root": root, "torch": torch.__version__, "sizes": [],
+    }  # fmt: skip
+    try:
+        with _workdir() as workdir:
+            client.warmup(wait=True)  # as a trainer would at start: spares mapped
+            for nbytes in sizes:
+                results["sizes"].append(
+                    measure_size(client, nbytes, workdir, repeats=repeats, root=root, progress=bar)
+                )
+    finally:
+        bar.close()
+    return results

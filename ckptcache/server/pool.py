@@ -1,0 +1,143 @@
+"""The spare pool: pre-faulted free segments kept ready so the first save of a new path runs
+at the speed of a repeated one.
+
+A new segment costs a first touch of every page (``fallocate`` zeroing them in tmpfs, then the
+client's page tables): measured here several times a memcpy. The pool pays that in the
+background, after each save that needed a new segment, so the next new path (the next
+iteration's directory, another rank's shard) finds a segment ready. Clients map the spares
+ahead of use (see :class:`ckptcache.client.Client`), so their page tables are warm too.
+
+Rules that keep it safe:
+
+* it grows only into budget nobody uses (``used + capacity <= limit``), never by evicting;
+* spares are free segments, so a save that needs room unlinks them before any committed
+  generation is evicted (:meth:`Arena.shrink_free` runs before eviction);
+* files are allocated outside the daemon lock, their bytes counted in ``Arena.pending`` so
+  the budget holds while they are being created.
+
+Spares belong to the daemon's own user; saves of other admitted users create their segments
+as before (a segment is never handed across users).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+from ckptcache.layout import SEGMENT_GRANULE, SegmentState, align
+from ckptcache.server.arena import Arena, Segment, _empty_header
+from ckptcache.wire import messages as m
+
+__all__ = ["SegmentPool"]
+
+log = logging.getLogger(__name__)
+
+
+class SegmentPool:
+    """Keeps up to ``segments`` spares totalling at most ``nbytes`` in ``arena``.
+
+    ``take``/``note``/``describe`` run under ``cond`` (the daemon lock); the grower thread
+    takes it only to book and register a spare.
+    """
+
+    def __init__(self, arena: Arena, cond: threading.Condition, segments: int, nbytes: int):
+        self.arena = arena
+        self.cond = cond
+        self.segments = segments if nbytes > 0 else 0
+        self.nbytes = nbytes
+        #: Capacity of the next spare: the size of the last save that wanted a new segment
+        #: (checkpoints of one job repeat their sizes), first a share of the pool.
+        self.target = align(max(nbytes // max(segments, 1), 1), SEGMENT_GRANULE)
+        self.growing = False
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="segment-pool", daemon=True)
+
+    def start(self) -> None:
+        """Start growing the pool in the background."""
+        if self.segments:
+            self._wake.set()
+            self._thread.start()
+
+    def stop(self) -> None:
+        """Stop the grower (spares stay as free segments). Not joined: an allocation in
+        flight on a busy machine must not hold up shutdown, and a half-made spare is
+        reclaimed by the next start like any uncommitted segment."""
+        self._stop.set()
+        self._wake.set()
+
+    def _live(self) -> list[Segment]:
+        """The spares still free (a save, the free-list reuse or a shrink may have taken one)."""
+        return [s for s in self.arena.free.values() if s.spare]
+
+    def note(self, capacity: int) -> None:
+        """A save wanted a new segment of ``capacity``: make the next spares that size."""
+        if self.segments and capacity <= self.nbytes:
+            self.target = capacity
+        self._wake.set()
+
+    def take(self, nbytes: int, uid: int) -> Segment | None:
+        """The smallest spare that holds ``nbytes``, trimmed to size; ``None`` if none fits."""
+        capacity = Arena.capacity_for(nbytes)
+        fits = [s for s in self._live() if s.capacity >= capacity and uid == self.arena.uid]
+        self.note(capacity)
+        if not fits:
+            return None
+        best = min(fits, key=lambda s: s.capacity)
+        best.spare = False
+        del self.arena.free[best.name]
+        if best.capacity > capacity:
+            try:
+                self.arena.trim(best, capacity)  # give the unneeded tail back to the budget
+            except OSError as e:
+                log.warning("could not trim spare %s: %s", best.name, e)
+        best.write_header(_empty_header(SegmentState.WRITING))
+        best.last_used = time.monotonic()
+        return best
+
+    def describe(self, uid: int) -> m.PoolReply:
+        """The spares a client of ``uid`` may map ahead of use."""
+        live = self._live() if uid == self.arena.uid else []
+        return m.PoolReply(
+            tuple(s.name for s in live), tuple(s.capacity for s in live), self.growing
+        )
+
+    # ----------------------------------------------------------------- growing
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            self._wake.wait()
+            self._wake.clear()
+            while not self._stop.is_set() and self._grow_one():
+                pass
+
+    def _grow_one(self) -> bool:
+        arena = self.arena
+        with self.cond:
+            live = self._live()
+            capacity = min(self.target, self.nbytes)
+            if (
+                len(live) >= self.segments
+                or sum(s.capacity for s in live) + capacity > self.nbytes
+                or arena.used + capacity > arena.limit
+            ):
+                return False
+            name = arena.next_name(arena.uid)
+            arena.pending += capacity
+            self.growing = True
+        segment = None
+        try:
+            segment = arena.allocate(name, capacity, arena.uid)
+        except OSError as e:
+            log.warning("segment pool: cannot allocate a %d-byte spare: %s", capacity, e)
+        finally:
+            with self.cond:
+                arena.pending -= capacity
+                self.growing = False
+                if segment is not None:
+                    arena.segments[name] = segment
+                    arena.release(segment)
+                    segment.spare = True
+                self.cond.notify_all()
+        return segment is not None

@@ -1,0 +1,56 @@
+"""``ckptcache bench`` against a real daemon: the JSON shape and a byte-exact reload (speed
+itself is for benchmarks/, never asserted)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+EXPECTED = {
+    "memcpy (limit)",
+    "ckptcache.save, first (new path)",
+    "ckptcache.save, repeated",
+    "ckptcache.save, non-blocking (returns)",
+    "ckptcache.load, zero-copy",
+    "ckptcache.load, private copy",
+    "torch.save (local file, CRC off)",
+    "torch.load (local file)",
+}
+
+
+def _bench(daemon, *args: str) -> subprocess.CompletedProcess[str]:
+    cmd = [sys.executable, "-m", "ckptcache.cli", "bench", "--socket", daemon.socket, *args]
+    return subprocess.run(cmd, capture_output=True, text=True, env=os.environ.copy())
+
+
+def test_bench_json_reports_every_figure_and_matching_bytes(daemon_factory, tmp_path):
+    root = tmp_path / "store"
+    root.mkdir()
+    d = daemon_factory("--memory-limit", "256MiB", "--persist-root", str(root))
+    out = _bench(d, "--sizes", "8MiB", "--repeats", "1", "--json", "--root", str(root))
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout)
+    assert result["repeats"] == 1 and result["root"] == str(root)
+    (entry,) = result["sizes"]
+    assert entry["matched"] is True and entry["nbytes"] >= 8 << 20
+    rows = {r["what"]: r for r in entry["rows"]}
+    assert EXPECTED | {"raw write + fsync (limit)", "ckptcache persist (after save returns)"} == (
+        set(rows)
+    )
+    for r in entry["rows"]:
+        assert r["seconds"] > 0 and r["nbytes"] == entry["nbytes"]
+        assert (r["vs_limit"] is None) == (r["limit"] == "")
+    assert rows["ckptcache persist (after save returns)"]["limit"] == "raw write + fsync"
+    assert "6/6" in out.stderr and "#" in out.stderr  # the progress bar reached its end
+    assert os.listdir(root) == []  # the bench cleans up after itself
+
+
+def test_bench_table_and_bad_sizes(daemon_factory):
+    d = daemon_factory("--memory-limit", "128MiB")
+    out = _bench(d, "--sizes", "4MiB", "--repeats", "1")
+    assert out.returncode == 0, out.stderr
+    assert "| ckptcache.save, repeated |" in out.stdout and "matched: True" in out.stdout
+    bad = _bench(d, "--sizes", "lots")
+    assert bad.returncode == 2 and "--sizes" in bad.stderr

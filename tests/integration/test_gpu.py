@@ -1,0 +1,43 @@
+"""CUDA tensors: device-to-host into the pinned segment on save, host-to-device from the
+pinned mapping on load. Skipped without a CUDA device; the CPU-side rules run everywhere."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ckptcache import _gpu
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def test_device_target_only_for_plain_cuda_locations():
+    assert _gpu.device_target(None) is None
+    assert _gpu.device_target("cpu") is None
+    assert _gpu.device_target({"cuda:0": "cpu"}) is None
+    if not torch.cuda.is_available():
+        assert _gpu.device_target("cuda") is None  # the CPU path is untouched
+
+
+@pytest.mark.gpu
+@cuda
+def test_cuda_tensors_round_trip_through_the_pinned_segment(client, tmp_path):
+    path = str(tmp_path / "gpu.pt")
+    state = {"w": torch.randn(1 << 20, device="cuda"), "b": torch.arange(10.0, device="cuda")}
+    client.save(state, path)
+    assert _gpu._pinned  # the segment mapping was registered as pinned memory
+    on_cpu = client.load(path, map_location="cpu")
+    assert torch.equal(on_cpu["w"], state["w"].cpu()) and on_cpu["w"].device.type == "cpu"
+    on_gpu = client.load(path, map_location="cuda")
+    assert on_gpu["w"].is_cuda and torch.equal(on_gpu["w"], state["w"])
+    assert torch.equal(on_gpu["b"], state["b"])
+
+
+@pytest.mark.gpu
+@cuda
+def test_save_sees_pending_kernel_writes(client, tmp_path):
+    path = str(tmp_path / "pending.pt")
+    w = torch.zeros(1 << 22, device="cuda")
+    w.add_(7.0)  # queued on the current stream; the side stream must wait for it
+    client.save({"w": w}, path)
+    assert torch.equal(client.load(path, map_location="cpu")["w"], torch.full((1 << 22,), 7.0))
