@@ -19,6 +19,7 @@ import ckptcache
 import ckptcache.api
 from ckptcache import CheckpointNotFound, DaemonUnavailable
 from ckptcache._health import cache_status
+from ckptcache.wire.states import PersistState
 
 __all__ = [
     "COMMIT_WAITS",
@@ -43,9 +44,6 @@ log = logging.getLogger("ckptcache.adapters")
 #: ``local`` (phase 1, in this node's memory), ``persisted`` (in storage), ``files`` (a file
 #: exists at every path: persisted, or written by the adapter when no persist root covers it).
 COMMIT_WAITS = ("local", "persisted", "files")
-
-# persist_state values that mean "no storage root covers this path: it stays in memory".
-_MEMORY_ONLY_STATES = frozenset({"", "none", "memory", "memory-only", "disabled", "unrooted"})
 
 
 def check_commit_waits(value: str) -> str:
@@ -78,7 +76,7 @@ def is_persisted(info: ckptcache.ObjectStatus) -> bool:
 
 def is_memory_only(info: ckptcache.ObjectStatus) -> bool:
     """Whether the daemon will never persist this object (no ``--persist-root`` covers it)."""
-    return not is_persisted(info) and info.persist_state in _MEMORY_ONLY_STATES
+    return not is_persisted(info) and info.persist_state == PersistState.MEMORY_ONLY
 
 
 def wait_persisted(

@@ -59,6 +59,7 @@ from ckptcache.server.persist import Persister, lower_thread_priority
 from ckptcache.server.roots import PersistRoots
 from ckptcache.storage import backend_for
 from ckptcache.wire import messages as m
+from ckptcache.wire.states import PersistState, Tier, WaitState
 
 __all__ = ["CacheCore", "Session"]
 
@@ -192,7 +193,7 @@ class CacheCore:
             # answers "persisted", never "memory-only", for it after a restart).
             gen.needs_persist = self._persistable(gen.path)
             if header.persisted:
-                gen.persisted, gen.persist_state = True, "persisted"
+                gen.persisted, gen.persist_state = True, PersistState.PERSISTED
             if header.digest_state == DigestState.VALID:
                 table = view[header.digest_offset : header.digest_offset + 8 * header.n_storages]
                 gen.digests = unpack_digests(table, header.n_storages)
@@ -253,7 +254,7 @@ class CacheCore:
                     "through or persisted after it)", gen.path, gen.number,
                 )  # fmt: skip
                 if not gen.persisted:
-                    gen.needs_persist, gen.persist_state = False, "superseded"
+                    gen.needs_persist, gen.persist_state = False, PersistState.SUPERSEDED
                 self._retire(gen)
 
     def _persistable(self, path: str) -> bool:
@@ -485,7 +486,7 @@ class CacheCore:
                     table = digests()
                 elif verify:
                     table = unpack_digests(view[start : start + 8 * n], n)
-                    verify_digests(view, manifest, table, tier="peer")
+                    verify_digests(view, manifest, table, tier=Tier.PEER)
                 else:
                     table = compute_digests(view, manifest)
                     view[start : start + 8 * n] = pack_digests(table)
@@ -523,7 +524,7 @@ class CacheCore:
             gen.origin = origin
             header = gen.segment.read_header()
             if persisted:  # read back from its own storage path: already safe there
-                gen.persisted, gen.persist_state = True, "persisted"
+                gen.persisted, gen.persist_state = True, PersistState.PERSISTED
                 gen.needs_persist = self._persistable(path)  # wait() answers "persisted"
             gen.segment.write_header(
                 replace(header, digest_state=DigestState.VALID, persisted=int(persisted))
@@ -597,8 +598,8 @@ class CacheCore:
         for old in gens[:-1]:
             if old.needs_persist and not old.persisted:
                 old.needs_persist = False
-                if old.persist_state in ("queued", "failed"):
-                    old.persist_state = "superseded"
+                if old.persist_state in (PersistState.QUEUED, PersistState.FAILED):
+                    old.persist_state = PersistState.SUPERSEDED
 
     def apply_retention(self, key: Key) -> None:
         """Retire generations beyond the configured ``keep`` (never an unpersisted one)."""
@@ -628,7 +629,7 @@ class CacheCore:
             gens = self.index.generations((req.namespace, req.path))
             for gen in gens:
                 if not gen.persisted:
-                    gen.needs_persist, gen.persist_state = False, "superseded"
+                    gen.needs_persist, gen.persist_state = False, PersistState.SUPERSEDED
                 self._retire(gen)
             self._update_gauges()
         if gens:
@@ -651,7 +652,7 @@ class CacheCore:
             if gone[gen.anchor]:
                 gen.orphaned, found = True, found + 1
                 if gen.needs_persist and not gen.persisted:
-                    gen.needs_persist, gen.persist_state = False, "dropped"
+                    gen.needs_persist, gen.persist_state = False, PersistState.DROPPED
                     gen.persist_error = removed_reason(gen.anchor)
         return found
 
@@ -724,13 +725,13 @@ class CacheCore:
             raise CorruptCheckpoint(
                 f"{gen.path!r} generation {gen.number} in the memory of node "
                 f"{self.config.node_id!r} is corrupt and is not served: {gen.corrupt}",
-                tier="local",
+                tier=Tier.LOCAL,
             )
 
     def open(self, session: Session, req: m.OpenRequest) -> m.OpenReply:
         """Pin a generation for a load and say where it lies."""
         t0 = time.perf_counter()
-        tier = "local"
+        tier = Tier.LOCAL
         try:
             with self.cond:
                 gen = self._lookup(req.namespace, req.path, req.generation, session, load=True)
@@ -742,7 +743,7 @@ class CacheCore:
             if self.index.generations((req.namespace, req.path)):
                 raise  # held by another user: never replaced by a remote copy for this one
             gen = self._load_remote(req.namespace, req.path, _bounded(120.0, req.timeout))
-            tier = "storage" if gen.origin == "storage" else "peer"
+            tier = Tier.STORAGE if gen.origin == "storage" else Tier.PEER
             with self.cond:
                 if not self._visible(session, gen, True):
                     self._lookup(req.namespace, req.path, None, session, load=True)  # raises
@@ -800,7 +801,7 @@ class CacheCore:
 
     def report_corrupt(self, session: Session, req: m.ReportCorruptRequest) -> None:
         """A client found bad bytes: drop that generation so nobody loads it again."""
-        self.metrics.corrupt.labels(tier="local").inc()
+        self.metrics.corrupt.labels(tier=Tier.LOCAL).inc()
         log.error("corrupt copy of %s generation %d: %s", req.path, req.generation, req.detail)
         with self.cond:
             gen = self.index.get((req.namespace, req.path), req.generation)
@@ -879,13 +880,13 @@ class CacheCore:
             try:
                 verify_meta(
                     view, gen.manifest, header.manifest_offset, header.manifest_size,
-                    (header.skeleton_digest, header.manifest_digest), tier="local",
+                    (header.skeleton_digest, header.manifest_digest), tier=Tier.LOCAL,
                 )  # fmt: skip
-                verify_digests(view, gen.manifest, recorded, tier="local")
+                verify_digests(view, gen.manifest, recorded, tier=Tier.LOCAL)
             finally:
                 del view
         except CorruptCheckpoint as e:
-            self.metrics.corrupt.labels(tier="local").inc()
+            self.metrics.corrupt.labels(tier=Tier.LOCAL).inc()
             return m.VerifyReply(False, gen.number, len(gen.manifest.storages), str(e))
         finally:
             self.unpin(gen)
@@ -978,18 +979,22 @@ class CacheCore:
                                and self._visible(session, g, False)]  # fmt: skip
                 else:
                     pending = [self._lookup(req.namespace, req.path, None, session)]
-                if not req.prefix and pending[0].persist_state == "dropped":
-                    return m.WaitReply(pending[0].number, "dropped", pending[0].persist_error)
-                failed = [g for g in pending if g.persist_state == "failed"]
+                if not req.prefix and pending[0].persist_state == PersistState.DROPPED:
+                    return m.WaitReply(
+                        pending[0].number, WaitState.DROPPED, pending[0].persist_error
+                    )
+                failed = [g for g in pending if g.persist_state == PersistState.FAILED]
                 if failed:
-                    return m.WaitReply(failed[0].number, "failed", failed[0].persist_error)
+                    return m.WaitReply(failed[0].number, WaitState.FAILED, failed[0].persist_error)
                 if all(g.persisted or not g.needs_persist for g in pending):
                     if len(pending) == 1 and not pending[0].needs_persist:
-                        return m.WaitReply(pending[0].number, "memory-only")
-                    return m.WaitReply(max((g.number for g in pending), default=0), "persisted")
+                        return m.WaitReply(pending[0].number, WaitState.MEMORY_ONLY)
+                    return m.WaitReply(
+                        max((g.number for g in pending), default=0), WaitState.PERSISTED
+                    )
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
-                    return m.WaitReply(pending[0].number, "timeout")
+                    return m.WaitReply(pending[0].number, WaitState.TIMEOUT)
                 self.cond.wait(min(remaining, 1.0))
 
     def _visible(self, session: Session, gen: Generation, load: bool) -> bool:

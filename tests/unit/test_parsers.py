@@ -9,6 +9,7 @@ typed error (a :class:`CkptCacheError`), never anything else.
 from __future__ import annotations
 
 import dataclasses
+import enum
 import io
 import json
 import mmap
@@ -254,6 +255,8 @@ def _sample(cls: type) -> Any:
         text = str(hint)
         if "ObjectInfo" in text:
             values[name] = (_sample(m.ObjectInfo),)
+        elif isinstance(hint, type) and issubclass(hint, enum.Enum):
+            values[name] = next(iter(hint))
         elif "tuple" in text:
             values[name] = (1, 2) if "int" in text else ("a", "b")
         elif hint is bool:
@@ -299,6 +302,8 @@ def _check_types(message: Any) -> None:
             assert value is None or isinstance(value, str), (name, value)
         elif hint is bool:
             assert isinstance(value, bool), (name, value)
+        elif isinstance(hint, type) and issubclass(hint, enum.Enum):
+            assert type(value) is hint, (name, value)
 
 
 def test_deeply_nested_message_is_a_typed_error():
