@@ -9,15 +9,14 @@ from __future__ import annotations
 
 import logging
 import os
-import uuid
-from collections.abc import Callable
-from typing import Any, BinaryIO
+from typing import Any
 
 import torch
 
 import ckptcache
 import ckptcache.api
 from ckptcache import CheckpointNotFound, DaemonUnavailable
+from ckptcache._atomic import atomic_write
 from ckptcache._health import cache_status
 from ckptcache.wire.states import PersistState
 
@@ -85,20 +84,6 @@ def wait_persisted(
     """Block until ``path`` is persisted (phase 2); raises :class:`ckptcache.PersistError`
     when the daemon gave up, rather than pretending the object is durable."""
     (client or ckptcache.api.default_client()).wait(path, timeout=timeout)
-
-
-def atomic_write(path: str, write: Callable[[BinaryIO], None]) -> None:
-    """Write a file the way every checkpoint file is written: temp name, fsync, rename."""
-    tmp = f"{path}.ckptcache-{uuid.uuid4().hex[:8]}.tmp"
-    try:
-        with open(tmp, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
 
 
 def ensure_on_disk(client: ckptcache.Client, info: ckptcache.ObjectStatus) -> None:
