@@ -399,9 +399,12 @@ class CacheCore:
         with self.cond:
             number = self.index.next_number((res.namespace, res.path))
             header = SegmentHeader(
-                SegmentState.COMMITTED, number, header.payload_offset, header.payload_size,
-                header.manifest_offset, header.manifest_size, header.digest_offset,
-                header.n_storages, DigestState.PENDING, header.created_ns, time.time_ns(),
+                state=SegmentState.COMMITTED, generation=number,
+                payload_offset=header.payload_offset, payload_size=header.payload_size,
+                manifest_offset=header.manifest_offset, manifest_size=header.manifest_size,
+                digest_offset=header.digest_offset, n_storages=header.n_storages,
+                digest_state=DigestState.PENDING, created_ns=header.created_ns,
+                committed_ns=time.time_ns(),
             )  # fmt: skip
             if res.saver is not None:
                 ownership.write_record(segment, res.saver)
@@ -576,9 +579,10 @@ class CacheCore:
         if digest_offset + 8 * n > cap:
             raise CorruptCheckpoint(f"commit of {res.path!r}: digest table outside the segment")
         header = SegmentHeader(
-            SegmentState.WRITING, 0, manifest.payload_offset, manifest.payload_size,
-            req.manifest_offset, req.manifest_size, digest_offset, n, DigestState.PENDING,
-            time.time_ns(), 0,
+            state=SegmentState.WRITING, generation=0, payload_offset=manifest.payload_offset,
+            payload_size=manifest.payload_size, manifest_offset=req.manifest_offset,
+            manifest_size=req.manifest_size, digest_offset=digest_offset, n_storages=n,
+            digest_state=DigestState.PENDING, created_ns=time.time_ns(), committed_ns=0,
         )  # fmt: skip
         return manifest, header
 

@@ -206,8 +206,11 @@ def test_deeply_nested_manifest_is_a_typed_error():
 
 
 def _valid_header() -> bytes:
-    header = SegmentHeader(SegmentState.COMMITTED, 3, HEADER_SIZE, 100, 8192, 50, 9000, 2,
-                           DigestState.VALID, 1, 2, 1)  # fmt: skip
+    header = SegmentHeader(
+        state=SegmentState.COMMITTED, generation=3, payload_offset=HEADER_SIZE,
+        payload_size=100, manifest_offset=8192, manifest_size=50, digest_offset=9000,
+        n_storages=2, digest_state=DigestState.VALID, created_ns=1, committed_ns=2, persisted=1,
+    )  # fmt: skip
     return header.pack()
 
 
