@@ -53,6 +53,7 @@ from ckptcache.manifest import Manifest, unpack_digests, verify_meta
 from ckptcache.persisted import load_from_storage, stored_archive_complete
 from ckptcache.storage import backend_for
 from ckptcache.wire import messages as m
+from ckptcache.wire.states import PersistState, Tier, WaitState
 
 # torch and the modules built on it are imported where a save or load needs them, so that the
 # control-plane commands (ckptcache ls, status, ...) start without torch.
@@ -514,11 +515,11 @@ class Client:
             mo, ms = reply.manifest_offset, reply.manifest_size
             manifest = Manifest.from_json(view[mo : mo + ms], segment_size=len(view))
             verify_meta(view, manifest, mo, ms, (header.skeleton_digest, header.manifest_digest),
-                        tier="local")  # fmt: skip
+                        tier=Tier.LOCAL)  # fmt: skip
         except ValueError as e:
             if isinstance(e, CorruptCheckpoint):
                 raise
-            raise CorruptCheckpoint(f"unreadable segment header: {e}", tier="local") from e
+            raise CorruptCheckpoint(f"unreadable segment header: {e}", tier=Tier.LOCAL) from e
         finally:
             view.release()
 
@@ -574,7 +575,7 @@ class Client:
             )
             return m.ObjectInfo(
                 self.namespace, path, 0, size, ("storage",), mtime, "", 0, False,
-                persist_state="persisted",
+                persist_state=PersistState.PERSISTED,
             )  # fmt: skip
 
     def exists(self, path: Any) -> bool:
@@ -631,15 +632,15 @@ class Client:
                 if self._in_storage(path) or not strict:
                     return  # written through, or evicted after it was persisted
                 raise
-            if reply.state == "persisted":
+            if reply.state == WaitState.PERSISTED:
                 return
-            if reply.state == "failed":
+            if reply.state == WaitState.FAILED:
                 raise PersistError(f"persisting {path!r} failed: {reply.error}")
-            if reply.state == "dropped":
+            if reply.state == WaitState.DROPPED:
                 if not strict:
                     return  # the user removed its directory: nothing left to wait for
                 raise CheckpointDeleted(f"{path!r} will not be persisted: {reply.error}")
-            if reply.state == "memory-only":
+            if reply.state == WaitState.MEMORY_ONLY:
                 if not strict:
                     return
                 raise PathNotAllowed(

@@ -64,9 +64,10 @@ def align(value: int, alignment: int) -> int:
     return (value + alignment - 1) // alignment * alignment
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class SegmentHeader:
-    """The decoded fixed header of a segment."""
+    """The decoded fixed header of a segment (built with keywords only: eleven adjacent ints
+    are too easy to swap by position)."""
 
     state: SegmentState
     generation: int
@@ -114,9 +115,13 @@ class SegmentHeader:
             state, digest_state = SegmentState(fields[2]), DigestState(fields[10])
         except ValueError as e:
             raise CorruptCheckpoint(f"segment header: {e}") from e
+        # Version 1 headers end before the two recorded digests (their defaults: 0).
+        digests = dict(zip(("skeleton_digest", "manifest_digest"), fields[14:], strict=False))
         return cls(
-            state, fields[3], fields[4], fields[5], fields[6], fields[7], fields[8], fields[9],
-            digest_state, fields[11], fields[12], fields[13], *fields[14:],
+            state=state, generation=fields[3], payload_offset=fields[4],
+            payload_size=fields[5], manifest_offset=fields[6], manifest_size=fields[7],
+            digest_offset=fields[8], n_storages=fields[9], digest_state=digest_state,
+            created_ns=fields[11], committed_ns=fields[12], persisted=fields[13], **digests,
         )  # fmt: skip
 
 

@@ -9,16 +9,16 @@ from __future__ import annotations
 
 import logging
 import os
-import uuid
-from collections.abc import Callable
-from typing import Any, BinaryIO
+from typing import Any
 
 import torch
 
 import ckptcache
 import ckptcache.api
 from ckptcache import CheckpointNotFound, DaemonUnavailable
+from ckptcache._atomic import atomic_write
 from ckptcache._health import cache_status
+from ckptcache.wire.states import PersistState
 
 __all__ = [
     "COMMIT_WAITS",
@@ -43,9 +43,6 @@ log = logging.getLogger("ckptcache.adapters")
 #: ``local`` (phase 1, in this node's memory), ``persisted`` (in storage), ``files`` (a file
 #: exists at every path: persisted, or written by the adapter when no persist root covers it).
 COMMIT_WAITS = ("local", "persisted", "files")
-
-# persist_state values that mean "no storage root covers this path: it stays in memory".
-_MEMORY_ONLY_STATES = frozenset({"", "none", "memory", "memory-only", "disabled", "unrooted"})
 
 
 def check_commit_waits(value: str) -> str:
@@ -78,7 +75,7 @@ def is_persisted(info: ckptcache.ObjectStatus) -> bool:
 
 def is_memory_only(info: ckptcache.ObjectStatus) -> bool:
     """Whether the daemon will never persist this object (no ``--persist-root`` covers it)."""
-    return not is_persisted(info) and info.persist_state in _MEMORY_ONLY_STATES
+    return not is_persisted(info) and info.persist_state == PersistState.MEMORY_ONLY
 
 
 def wait_persisted(
@@ -87,20 +84,6 @@ def wait_persisted(
     """Block until ``path`` is persisted (phase 2); raises :class:`ckptcache.PersistError`
     when the daemon gave up, rather than pretending the object is durable."""
     (client or ckptcache.api.default_client()).wait(path, timeout=timeout)
-
-
-def atomic_write(path: str, write: Callable[[BinaryIO], None]) -> None:
-    """Write a file the way every checkpoint file is written: temp name, fsync, rename."""
-    tmp = f"{path}.ckptcache-{uuid.uuid4().hex[:8]}.tmp"
-    try:
-        with open(tmp, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
 
 
 def ensure_on_disk(client: ckptcache.Client, info: ckptcache.ObjectStatus) -> None:

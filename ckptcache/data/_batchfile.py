@@ -8,11 +8,12 @@ Encrypted files wrap such a segment image in an envelope::
     offset 8   u64 little-endian: size of the segment image
     offset 16  nonce (12 bytes) || AES-GCM ciphertext of the image || tag (16 bytes)
 
-Write protocol (a reader never sees a partial batch): create ``.tmp-<pid>-<n>`` with
-``O_EXCL``, ``posix_fallocate``, map it shared, copy archive + tensors + manifest, write the
-digest table, write the header (state COMMITTED, digests VALID) last, then ``rename`` to the
-final name. Readers map the final file ``MAP_PRIVATE``: tensors are zero-copy views of the
-one shared copy in tmpfs, and a trainer that writes into a batch only dirties its own pages.
+Write protocol (a reader never sees a partial batch; :func:`ckptcache._atomic.atomic_write`):
+create ``.tmp-<pid>-<n>`` with ``O_EXCL``, ``posix_fallocate``, map it shared, copy archive +
+tensors + manifest, write the digest table, write the header (state COMMITTED, digests VALID)
+last, then ``rename`` to the final name. Readers map the final file ``MAP_PRIVATE``: tensors
+are zero-copy views of the one shared copy in tmpfs, and a trainer that writes into a batch
+only dirties its own pages.
 """
 
 from __future__ import annotations
@@ -22,9 +23,11 @@ import mmap
 import os
 import struct
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, BinaryIO
 
+from ckptcache._atomic import atomic_write
 from ckptcache.data._crypto import NONCE_SIZE, TAG_SIZE, BatchCipher
 from ckptcache.errors import ConfigError, CorruptCheckpoint
 from ckptcache.flatten import Flattened, flatten
@@ -70,27 +73,30 @@ def _fill(mapping: mmap.mmap, plan: ObjectPlan, flat: Flattened) -> None:
         view[off : off + len(table)] = table
         now = time.time_ns()
         header = SegmentHeader(
-            SegmentState.COMMITTED, 0, HEADER_SIZE, plan.archive.size,
-            plan.layout.manifest_offset, len(plan.manifest_bytes), off,
-            len(plan.manifest.storages), DigestState.VALID, now, now,
+            state=SegmentState.COMMITTED, generation=0, payload_offset=HEADER_SIZE,
+            payload_size=plan.archive.size, manifest_offset=plan.layout.manifest_offset,
+            manifest_size=len(plan.manifest_bytes), digest_offset=off,
+            n_storages=len(plan.manifest.storages), digest_state=DigestState.VALID,
+            created_ns=now, committed_ns=now,
         ).pack()  # fmt: skip
         view[: len(header)] = header
     finally:
         view.release()
 
 
-def _create_tmp(directory: str, nbytes: int) -> str:
-    tmp = os.path.join(directory, f"{TMP_PREFIX}{os.getpid()}-{next(_counter)}")
-    fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-    try:
-        # Reserve the pages now: running out of tmpfs fails here, not as SIGBUS in a memcpy.
-        os.posix_fallocate(fd, 0, max(nbytes, 1))
-    except BaseException:
-        os.close(fd)
-        os.unlink(tmp)
-        raise
-    os.close(fd)
-    return tmp
+def _tmp_name(directory: str) -> str:
+    return os.path.join(directory, f"{TMP_PREFIX}{os.getpid()}-{next(_counter)}")
+
+
+def _publish(directory: str, name: str, tmp: str, write: Callable[[BinaryIO], None]) -> None:
+    # Batches live in tmpfs (no disk to fsync) and are private to this user.
+    atomic_write(os.path.join(directory, name), write, tmp=tmp, fsync=False, mode=0o600,
+                 exclusive=True)  # fmt: skip
+
+
+def _reserve(f: BinaryIO, nbytes: int) -> None:
+    # Reserve the pages now: running out of tmpfs fails here, not as SIGBUS in a memcpy.
+    os.posix_fallocate(f.fileno(), 0, max(nbytes, 1))
 
 
 @dataclass(frozen=True)
@@ -116,38 +122,35 @@ def prepare_batch(key: str, obj: Any) -> PreparedBatch:
 def write_batch(directory: str, name: str, batch: PreparedBatch, cipher: BatchCipher | None) -> int:
     """Write ``batch`` as ``directory/name`` atomically; returns the file's size in bytes."""
     key, flat, plan, nbytes = batch.key, batch.flat, batch.plan, batch.nbytes
+    tmp = _tmp_name(directory)
     if cipher is None:
-        tmp = _create_tmp(directory, nbytes)
-        try:
+
+        def fill(f: BinaryIO) -> None:
+            _reserve(f, nbytes)
             mapping = map_shared(tmp, nbytes)
             try:
                 _fill(mapping, plan, flat)
             finally:
                 mapping.close()
-        except BaseException:
-            os.unlink(tmp)
-            raise
-        size = nbytes
-    else:
-        # Build the plaintext image in private memory: only ciphertext ever reaches tmpfs.
-        image = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-        try:
-            _fill(image, plan, flat)
-            with memoryview(image) as view:
-                sealed = cipher.seal(view, key.encode())
-        finally:
-            image.close()
-        blob = _ENVELOPE.pack(_ENVELOPE_MAGIC, nbytes) + sealed
-        tmp = _create_tmp(directory, len(blob))
-        try:
-            with open(tmp, "r+b") as f:
-                f.write(blob)
-        except BaseException:
-            os.unlink(tmp)
-            raise
-        size = len(blob)
-    os.rename(tmp, os.path.join(directory, name))
-    return size
+
+        _publish(directory, name, tmp, fill)
+        return nbytes
+    # Build the plaintext image in private memory: only ciphertext ever reaches tmpfs.
+    image = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    try:
+        _fill(image, plan, flat)
+        with memoryview(image) as view:
+            sealed = cipher.seal(view, key.encode())
+    finally:
+        image.close()
+    blob = _ENVELOPE.pack(_ENVELOPE_MAGIC, nbytes) + sealed
+
+    def put(f: BinaryIO) -> None:
+        _reserve(f, len(blob))
+        f.write(blob)
+
+    _publish(directory, name, tmp, put)
+    return len(blob)
 
 
 def check_batch(path: str, key: str, encrypted: bool) -> bool:

@@ -14,6 +14,8 @@ import threading
 import time
 from dataclasses import dataclass
 
+from ckptcache._atomic import atomic_write
+
 __all__ = ["HEARTBEAT_S", "STALE_AFTER_S", "Heartbeat", "Lease", "pid_alive", "read_lease"]
 
 #: How often the loading rank touches its lease.
@@ -96,9 +98,7 @@ class Lease:
             "pid": self.pid, "start_time": self.start_time,
             "pid_namespace": self.pid_namespace, "host": self.host,
         }  # fmt: skip
-        with open(tmp, "w") as f:
-            json.dump(record, f)
-        os.replace(tmp, path)
+        atomic_write(path, lambda f: f.write(json.dumps(record).encode()), tmp=tmp, fsync=False)
 
 
 def read_lease(path: str) -> Lease | None:

@@ -27,6 +27,7 @@ import shutil
 import time
 from collections.abc import Iterator
 
+from ckptcache._atomic import atomic_write
 from ckptcache.data._batchfile import TMP_PREFIX
 from ckptcache.data._lease import STALE_AFTER_S, Lease, pid_alive, read_lease
 from ckptcache.data._positions import Pos, batch_name, end_name, parse_batch_name, parse_end_name
@@ -64,10 +65,9 @@ def ensure_private_dir(path: str) -> None:
 
 
 def _write_atomic(path: str, text: str) -> None:
-    tmp = f"{path}.{os.getpid()}.tmp"
-    with open(tmp, "w") as f:
-        f.write(text)
-    os.replace(tmp, path)
+    # tmpfs: nothing to fsync.
+    atomic_write(path, lambda f: f.write(text.encode()), tmp=f"{path}.{os.getpid()}.tmp",
+                 fsync=False)  # fmt: skip
 
 
 def _read(path: str) -> str | None:

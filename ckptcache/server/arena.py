@@ -101,8 +101,10 @@ class Segment:
 
 def _empty_header(state: SegmentState) -> SegmentHeader:
     return SegmentHeader(
-        state, 0, HEADER_SIZE, 0, 0, 0, 0, 0, DigestState.PENDING, time.time_ns(), 0
-    )
+        state=state, generation=0, payload_offset=HEADER_SIZE, payload_size=0,
+        manifest_offset=0, manifest_size=0, digest_offset=0, n_storages=0,
+        digest_state=DigestState.PENDING, created_ns=time.time_ns(), committed_ns=0,
+    )  # fmt: skip
 
 
 class Arena:

@@ -68,6 +68,7 @@ from ckptcache.server.transfer import (
     send_object,
 )
 from ckptcache.storage import backend_for
+from ckptcache.wire.states import ClaimRole, Tier
 
 if TYPE_CHECKING:
     from ckptcache.server.core import CacheCore
@@ -92,7 +93,7 @@ def _check_skeleton(view: memoryview, manifest: Manifest, expected: int) -> None
             f"skeleton (pickle) of {manifest.path!r} arrived with digest {digest_hex(got)}, "
             f"expected {digest_hex(expected)}",
             tensor="<skeleton>",
-            tier="peer",
+            tier=Tier.PEER,
         )
 
 
@@ -475,8 +476,10 @@ class Cluster:
             return self._read_storage(namespace, path, started)
         except ValueError as e:  # the end records or the archive are unreadable
             if not isinstance(e, CorruptCheckpoint) or path not in str(e):  # name the file
-                e = CorruptCheckpoint(f"checkpoint file {path!r} is corrupt: {e}", tier="storage")
-            self.core.metrics.corrupt.labels(tier="storage").inc()
+                e = CorruptCheckpoint(
+                    f"checkpoint file {path!r} is corrupt: {e}", tier=Tier.STORAGE
+                )
+            self.core.metrics.corrupt.labels(tier=Tier.STORAGE).inc()
             log.error("not serving %s from storage: %s", path, e)
             raise e from None
 
@@ -523,7 +526,9 @@ class Cluster:
             manifest = manifest_from_archive(parsed, path, namespace, size)
             encoded = manifest.to_json()
             if len(encoded) > capacity:
-                raise CorruptCheckpoint(f"{path!r}: manifest larger than planned", tier="storage")
+                raise CorruptCheckpoint(
+                    f"{path!r}: manifest larger than planned", tier=Tier.STORAGE
+                )
             start = layout.manifest_offset - HEADER_SIZE
             view[start : start + capacity] = encoded.ljust(capacity)
             # Digests of what storage holds (its own integrity is the storage's business).
@@ -625,12 +630,12 @@ class Cluster:
 
     # ----------------------------------------------------------------- elections
 
-    def claim(self, gen: Generation) -> tuple[str, str]:
+    def claim(self, gen: Generation) -> tuple[ClaimRole, str]:
         """Decide this node's role for persisting ``gen``: ``("done", path)``,
         ``("lead", target_path)``, ``("standby", "")`` or ``("retry", "")``."""
         ph, digest = self._announce(gen)
         if self.coord.get(f"persisted/{ph}/{digest}") is not None:
-            return "done", gen.path
+            return ClaimRole.DONE, gen.path
         target = self._conflict_target(gen, ph, digest)
         group = self.coord.scan(f"holders/{ph}/{digest}/")
         live = set(self.node_ids())
@@ -641,15 +646,15 @@ class Cluster:
         if rank:
             time.sleep(min(0.2 * rank, 1.0))  # the preferred node gets a head start
         if not self.coord.elect(f"reps/{ph}/{digest}", {"node": me, "since": time.time()}):
-            return "standby", ""
+            return ClaimRole.STANDBY, ""
         if self.coord.get(f"persisted/{ph}/{digest}") is not None:
             # A previous representative finished (and stepped down) while we waited.
             self._withdraw(f"reps/{ph}/{digest}")
-            return "done", gen.path
+            return ClaimRole.DONE, gen.path
         if not self.coord.elect(f"writer/{ph}", {"node": me, "digest": digest}):
             self.coord.withdraw(f"reps/{ph}/{digest}")
-            return "retry", ""
-        return "lead", self._conflict_target(gen, ph, digest) or target
+            return ClaimRole.RETRY, ""
+        return ClaimRole.LEAD, self._conflict_target(gen, ph, digest) or target
 
     def _conflict_target(self, gen: Generation, ph: str, digest: str) -> str:
         """Where this content goes: the path, or a sidecar when another content of the same
@@ -668,7 +673,7 @@ class Cluster:
             gen.conflict = f"{len(others)} other content(s) saved within {window:g}s: " + ", ".join(
                 sorted(others)
             )
-            self.core.metrics.corrupt.labels(tier="group").inc()
+            self.core.metrics.corrupt.labels(tier=Tier.GROUP).inc()
             log.error("digest disagreement on %s: this node holds %s, others hold %s",
                       gen.path, digest, sorted(others))  # fmt: skip
         persisted = self.coord.scan(f"persisted/{ph}/")

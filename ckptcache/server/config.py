@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import socket
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,7 +19,7 @@ from ckptcache._defaults import ENV_SOCKET, default_shm_dir, default_socket
 from ckptcache._units import parse_bytes
 from ckptcache.errors import ConfigError
 
-__all__ = ["DaemonConfig", "RetentionRule", "load_config"]
+__all__ = ["VALIDATORS", "DaemonConfig", "RetentionRule", "load_config"]
 
 #: Environment variables that override config keys (handy for tests and containers).
 ENV_OVERRIDES = {
@@ -157,91 +157,159 @@ class DaemonConfig:
 _FIELDS = {f.name: f for f in dataclasses.fields(DaemonConfig)}
 
 
+#: Checks one raw value (YAML, environment text or flag) and returns it in the field's type;
+#: raises ``ValueError``/``TypeError`` with what is wrong (the key is named by the caller).
+Validator = Callable[[Any], Any]
+
+
+def _text(value: Any) -> str:
+    if not isinstance(value, str) or not value:
+        raise ValueError("must be a non-empty string")
+    return value
+
+
+def _optional_text(value: Any) -> str | None:
+    return None if value in (None, "") else str(value)
+
+
+def _listen(value: Any) -> str:
+    return "" if value in ("", None) else _text(value)
+
+
+def _coordinator(value: Any) -> str:
+    if not str(value).startswith(("embedded", "etcd://")):
+        raise ValueError("must be embedded:// or etcd://host:port")
+    return _text(value)
+
+
+def _count(minimum: int, message: str = "is too small") -> Validator:
+    def check(value: Any) -> int:
+        count = int(value)
+        if count < minimum:
+            raise ValueError(message)
+        return count
+
+    return check
+
+
+def _seconds(*, zero_ok: bool) -> Validator:
+    def check(value: Any) -> float:
+        number = float(value)
+        if number < 0 or (number == 0 and not zero_ok):
+            raise ValueError("must not be negative" if zero_ok else "must be positive")
+        return number
+
+    return check
+
+
+def _memory_limit(value: Any) -> int:
+    size = parse_bytes(value)
+    if size <= 0:
+        raise ValueError("must be positive")
+    return size
+
+
+def _optional_bytes(value: Any) -> int | None:
+    return None if value in (None, "") else parse_bytes(value)
+
+
+def _s3_part_size(value: Any) -> int:
+    size = parse_bytes(value)
+    if size < 5 << 20:
+        raise ValueError("must be at least 5MiB (the S3 minimum part size)")
+    return size
+
+
+def _persist_roots(value: Any) -> tuple[str, ...]:
+    roots = [value] if isinstance(value, str) else list(value)
+    if not all(isinstance(r, str) and r for r in roots):
+        raise ValueError("must be a list of directories or URL prefixes")
+    return tuple(roots)
+
+
+def _memory_only(value: Any) -> str:
+    if value not in ("allow", "refuse"):
+        raise ValueError("must be 'allow' or 'refuse'")
+    return str(value)
+
+
+def _metrics_port(value: Any) -> int | None:
+    return None if value in (None, "", "none", "off") else int(value)
+
+
+def _retention(value: Any) -> tuple[RetentionRule, ...]:
+    if not isinstance(value, list):
+        raise ValueError("must be a list of {prefix, keep}")
+    rules = []
+    for item in value:
+        if not isinstance(item, Mapping) or set(item) != {"prefix", "keep"}:
+            raise ValueError("each rule needs exactly 'prefix' and 'keep'")
+        if int(item["keep"]) < 1:
+            raise ValueError("keep must be at least 1")
+        rules.append(RetentionRule(str(item["prefix"]), int(item["keep"])))
+    return tuple(rules)
+
+
+def _allowed_uids(value: Any) -> tuple[int, ...]:
+    return tuple(int(u) for u in value)
+
+
+def _log_level(value: Any) -> str:
+    level = str(value).upper()
+    if level not in ("DEBUG", "INFO", "WARNING", "ERROR"):
+        raise ValueError("must be DEBUG, INFO, WARNING or ERROR")
+    return level
+
+
+#: One validator per :class:`DaemonConfig` field (a unit test checks none is missing).
+VALIDATORS: dict[str, Validator] = {
+    "node_id": _text,
+    "shm_dir": _text,
+    "socket": _text,
+    "memory_limit": _memory_limit,
+    "reserve_timeout": _seconds(zero_ok=True),
+    "keep": _count(1, "must be at least 1"),
+    "retention": _retention,
+    "metrics_port": _metrics_port,
+    "metrics_addr": _text,
+    "allowed_uids": _allowed_uids,
+    "log_level": _log_level,
+    "persist_roots": _persist_roots,
+    "memory_only": _memory_only,
+    "persist_workers": _count(1),
+    "s3_endpoint_url": _optional_text,
+    "s3_region": _optional_text,
+    "s3_part_size": _s3_part_size,
+    "s3_max_concurrency": _count(1),
+    "persist_retries": _count(0),
+    "persist_backoff": _seconds(zero_ok=True),
+    "persist_backoff_max": _seconds(zero_ok=True),
+    "coordinator": _coordinator,
+    "cluster": _text,
+    "job": _text,
+    "listen": _listen,
+    "host": _text,
+    "backup": _text,
+    "replicas": _count(1, "must be at least 1"),
+    "secret": _optional_text,
+    "secret_file": _optional_text,
+    "lease_ttl": _seconds(zero_ok=False),
+    "orphan_sweep": _seconds(zero_ok=True),
+    "conflict_window": _seconds(zero_ok=False),
+    "tls_cert": _optional_text,
+    "tls_key": _optional_text,
+    "tls_ca": _optional_text,
+    "handshake_timeout": _seconds(zero_ok=False),
+    "max_peer_connections": _count(1),
+    "max_unauthenticated_peers": _count(1),
+    "pool_bytes": _optional_bytes,
+    "pool_segments": _count(0, "must not be negative"),
+}
+
+
 def _coerce(key: str, value: Any, source: str) -> Any:
     try:
-        if key == "memory_limit":
-            size = parse_bytes(value)
-            if size <= 0:
-                raise ValueError("must be positive")
-            return size
-        if key in ("secret", "secret_file", "tls_cert", "tls_key", "tls_ca"):
-            return None if value in (None, "") else str(value)
-        if key == "pool_bytes":
-            return None if value in (None, "") else parse_bytes(value)
-        if key == "pool_segments":
-            count = int(value)
-            if count < 0:
-                raise ValueError("must not be negative")
-            return count
-        if key == "replicas":
-            count = int(value)
-            if count < 1:
-                raise ValueError("must be at least 1")
-            return count
-        if key in ("lease_ttl", "conflict_window", "handshake_timeout"):
-            number = float(value)
-            if number <= 0:
-                raise ValueError("must be positive")
-            return number
-        if key == "listen" and value in ("", None):
-            return ""
-        if key == "coordinator" and not str(value).startswith(("embedded", "etcd://")):
-            raise ValueError("must be embedded:// or etcd://host:port")
-        if key in ("s3_endpoint_url", "s3_region"):
-            return None if value in (None, "") else str(value)
-        if key in ("s3_part_size",):
-            size = parse_bytes(value)
-            if size < 5 << 20:
-                raise ValueError("must be at least 5MiB (the S3 minimum part size)")
-            return size
-        if key in ("persist_workers", "s3_max_concurrency", "persist_retries",
-                   "max_peer_connections", "max_unauthenticated_peers"):  # fmt: skip
-            count = int(value)
-            if count < (0 if key == "persist_retries" else 1):
-                raise ValueError("is too small")
-            return count
-        if key == "persist_roots":
-            roots = [value] if isinstance(value, str) else list(value)
-            if not all(isinstance(r, str) and r for r in roots):
-                raise ValueError("must be a list of directories or URL prefixes")
-            return tuple(roots)
-        if key == "memory_only":
-            if value not in ("allow", "refuse"):
-                raise ValueError("must be 'allow' or 'refuse'")
-            return value
-        if key in ("reserve_timeout", "persist_backoff", "persist_backoff_max", "orphan_sweep"):
-            number = float(value)
-            if number < 0:
-                raise ValueError("must not be negative")
-            return number
-        if key == "keep":
-            keep = int(value)
-            if keep < 1:
-                raise ValueError("must be at least 1")
-            return keep
-        if key == "metrics_port":
-            return None if value in (None, "", "none", "off") else int(value)
-        if key == "retention":
-            if not isinstance(value, list):
-                raise ValueError("must be a list of {prefix, keep}")
-            rules = []
-            for item in value:
-                if not isinstance(item, Mapping) or set(item) != {"prefix", "keep"}:
-                    raise ValueError("each rule needs exactly 'prefix' and 'keep'")
-                if int(item["keep"]) < 1:
-                    raise ValueError("keep must be at least 1")
-                rules.append(RetentionRule(str(item["prefix"]), int(item["keep"])))
-            return tuple(rules)
-        if key == "allowed_uids":
-            return tuple(int(u) for u in value)
-        if key == "log_level":
-            level = str(value).upper()
-            if level not in ("DEBUG", "INFO", "WARNING", "ERROR"):
-                raise ValueError("must be DEBUG, INFO, WARNING or ERROR")
-            return level
-        if not isinstance(value, str) or not value:
-            raise ValueError("must be a non-empty string")
-        return value
+        return VALIDATORS[key](value)
     except (TypeError, ValueError) as e:
         raise ConfigError(f"invalid {key!r} from {source}: {e} (got {value!r})") from e
 

@@ -60,6 +60,7 @@ from ckptcache.server.pool import SegmentPool
 from ckptcache.server.roots import PersistRoots
 from ckptcache.storage import backend_for
 from ckptcache.wire import messages as m
+from ckptcache.wire.states import PersistState, Tier, WaitState
 
 __all__ = ["CacheCore", "Session"]
 
@@ -195,7 +196,7 @@ class CacheCore:
             # answers "persisted", never "memory-only", for it after a restart).
             gen.needs_persist = self._persistable(gen.path)
             if header.persisted:
-                gen.persisted, gen.persist_state = True, "persisted"
+                gen.persisted, gen.persist_state = True, PersistState.PERSISTED
             if header.digest_state == DigestState.VALID:
                 table = view[header.digest_offset : header.digest_offset + 8 * header.n_storages]
                 gen.digests = unpack_digests(table, header.n_storages)
@@ -256,7 +257,7 @@ class CacheCore:
                     "through or persisted after it)", gen.path, gen.number,
                 )  # fmt: skip
                 if not gen.persisted:
-                    gen.needs_persist, gen.persist_state = False, "superseded"
+                    gen.needs_persist, gen.persist_state = False, PersistState.SUPERSEDED
                 self._retire(gen)
 
     def _persistable(self, path: str) -> bool:
@@ -404,9 +405,12 @@ class CacheCore:
         with self.cond:
             number = self.index.next_number((res.namespace, res.path))
             header = SegmentHeader(
-                SegmentState.COMMITTED, number, header.payload_offset, header.payload_size,
-                header.manifest_offset, header.manifest_size, header.digest_offset,
-                header.n_storages, DigestState.PENDING, header.created_ns, time.time_ns(),
+                state=SegmentState.COMMITTED, generation=number,
+                payload_offset=header.payload_offset, payload_size=header.payload_size,
+                manifest_offset=header.manifest_offset, manifest_size=header.manifest_size,
+                digest_offset=header.digest_offset, n_storages=header.n_storages,
+                digest_state=DigestState.PENDING, created_ns=header.created_ns,
+                committed_ns=time.time_ns(),
             )  # fmt: skip
             if res.saver is not None:
                 ownership.write_record(segment, res.saver)
@@ -491,7 +495,7 @@ class CacheCore:
                     table = digests()
                 elif verify:
                     table = unpack_digests(view[start : start + 8 * n], n)
-                    verify_digests(view, manifest, table, tier="peer")
+                    verify_digests(view, manifest, table, tier=Tier.PEER)
                 else:
                     table = compute_digests(view, manifest)
                     view[start : start + 8 * n] = pack_digests(table)
@@ -529,7 +533,7 @@ class CacheCore:
             gen.origin = origin
             header = gen.segment.read_header()
             if persisted:  # read back from its own storage path: already safe there
-                gen.persisted, gen.persist_state = True, "persisted"
+                gen.persisted, gen.persist_state = True, PersistState.PERSISTED
                 gen.needs_persist = self._persistable(path)  # wait() answers "persisted"
             gen.segment.write_header(
                 replace(header, digest_state=DigestState.VALID, persisted=int(persisted))
@@ -581,9 +585,10 @@ class CacheCore:
         if digest_offset + 8 * n > cap:
             raise CorruptCheckpoint(f"commit of {res.path!r}: digest table outside the segment")
         header = SegmentHeader(
-            SegmentState.WRITING, 0, manifest.payload_offset, manifest.payload_size,
-            req.manifest_offset, req.manifest_size, digest_offset, n, DigestState.PENDING,
-            time.time_ns(), 0,
+            state=SegmentState.WRITING, generation=0, payload_offset=manifest.payload_offset,
+            payload_size=manifest.payload_size, manifest_offset=req.manifest_offset,
+            manifest_size=req.manifest_size, digest_offset=digest_offset, n_storages=n,
+            digest_state=DigestState.PENDING, created_ns=time.time_ns(), committed_ns=0,
         )  # fmt: skip
         return manifest, header
 
@@ -603,8 +608,8 @@ class CacheCore:
         for old in gens[:-1]:
             if old.needs_persist and not old.persisted:
                 old.needs_persist = False
-                if old.persist_state in ("queued", "failed"):
-                    old.persist_state = "superseded"
+                if old.persist_state in (PersistState.QUEUED, PersistState.FAILED):
+                    old.persist_state = PersistState.SUPERSEDED
 
     def apply_retention(self, key: Key) -> None:
         """Retire generations beyond the configured ``keep`` (never an unpersisted one)."""
@@ -634,7 +639,7 @@ class CacheCore:
             gens = self.index.generations((req.namespace, req.path))
             for gen in gens:
                 if not gen.persisted:
-                    gen.needs_persist, gen.persist_state = False, "superseded"
+                    gen.needs_persist, gen.persist_state = False, PersistState.SUPERSEDED
                 self._retire(gen)
             self._update_gauges()
         if gens:
@@ -657,7 +662,7 @@ class CacheCore:
             if gone[gen.anchor]:
                 gen.orphaned, found = True, found + 1
                 if gen.needs_persist and not gen.persisted:
-                    gen.needs_persist, gen.persist_state = False, "dropped"
+                    gen.needs_persist, gen.persist_state = False, PersistState.DROPPED
                     gen.persist_error = removed_reason(gen.anchor)
         return found
 
@@ -730,13 +735,13 @@ class CacheCore:
             raise CorruptCheckpoint(
                 f"{gen.path!r} generation {gen.number} in the memory of node "
                 f"{self.config.node_id!r} is corrupt and is not served: {gen.corrupt}",
-                tier="local",
+                tier=Tier.LOCAL,
             )
 
     def open(self, session: Session, req: m.OpenRequest) -> m.OpenReply:
         """Pin a generation for a load and say where it lies."""
         t0 = time.perf_counter()
-        tier = "local"
+        tier = Tier.LOCAL
         try:
             with self.cond:
                 gen = self._lookup(req.namespace, req.path, req.generation, session, load=True)
@@ -748,7 +753,7 @@ class CacheCore:
             if self.index.generations((req.namespace, req.path)):
                 raise  # held by another user: never replaced by a remote copy for this one
             gen = self._load_remote(req.namespace, req.path, _bounded(120.0, req.timeout))
-            tier = "storage" if gen.origin == "storage" else "peer"
+            tier = Tier.STORAGE if gen.origin == "storage" else Tier.PEER
             with self.cond:
                 if not self._visible(session, gen, True):
                     self._lookup(req.namespace, req.path, None, session, load=True)  # raises
@@ -806,7 +811,7 @@ class CacheCore:
 
     def report_corrupt(self, session: Session, req: m.ReportCorruptRequest) -> None:
         """A client found bad bytes: drop that generation so nobody loads it again."""
-        self.metrics.corrupt.labels(tier="local").inc()
+        self.metrics.corrupt.labels(tier=Tier.LOCAL).inc()
         log.error("corrupt copy of %s generation %d: %s", req.path, req.generation, req.detail)
         with self.cond:
             gen = self.index.get((req.namespace, req.path), req.generation)
@@ -885,13 +890,13 @@ class CacheCore:
             try:
                 verify_meta(
                     view, gen.manifest, header.manifest_offset, header.manifest_size,
-                    (header.skeleton_digest, header.manifest_digest), tier="local",
+                    (header.skeleton_digest, header.manifest_digest), tier=Tier.LOCAL,
                 )  # fmt: skip
-                verify_digests(view, gen.manifest, recorded, tier="local")
+                verify_digests(view, gen.manifest, recorded, tier=Tier.LOCAL)
             finally:
                 del view
         except CorruptCheckpoint as e:
-            self.metrics.corrupt.labels(tier="local").inc()
+            self.metrics.corrupt.labels(tier=Tier.LOCAL).inc()
             return m.VerifyReply(False, gen.number, len(gen.manifest.storages), str(e))
         finally:
             self.unpin(gen)
@@ -990,18 +995,22 @@ class CacheCore:
                                and self._visible(session, g, False)]  # fmt: skip
                 else:
                     pending = [self._lookup(req.namespace, req.path, None, session)]
-                if not req.prefix and pending[0].persist_state == "dropped":
-                    return m.WaitReply(pending[0].number, "dropped", pending[0].persist_error)
-                failed = [g for g in pending if g.persist_state == "failed"]
+                if not req.prefix and pending[0].persist_state == PersistState.DROPPED:
+                    return m.WaitReply(
+                        pending[0].number, WaitState.DROPPED, pending[0].persist_error
+                    )
+                failed = [g for g in pending if g.persist_state == PersistState.FAILED]
                 if failed:
-                    return m.WaitReply(failed[0].number, "failed", failed[0].persist_error)
+                    return m.WaitReply(failed[0].number, WaitState.FAILED, failed[0].persist_error)
                 if all(g.persisted or not g.needs_persist for g in pending):
                     if len(pending) == 1 and not pending[0].needs_persist:
-                        return m.WaitReply(pending[0].number, "memory-only")
-                    return m.WaitReply(max((g.number for g in pending), default=0), "persisted")
+                        return m.WaitReply(pending[0].number, WaitState.MEMORY_ONLY)
+                    return m.WaitReply(
+                        max((g.number for g in pending), default=0), WaitState.PERSISTED
+                    )
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
-                    return m.WaitReply(pending[0].number, "timeout")
+                    return m.WaitReply(pending[0].number, WaitState.TIMEOUT)
                 self.cond.wait(min(remaining, 1.0))
 
     def _visible(self, session: Session, gen: Generation, load: bool) -> bool:

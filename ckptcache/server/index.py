@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from ckptcache.manifest import Manifest
 from ckptcache.server.arena import Segment
 from ckptcache.server.ownership import Saver
+from ckptcache.wire.states import PersistState
 
 __all__ = ["Generation", "Index", "Key"]
 
@@ -47,7 +48,7 @@ class Generation:
     #: Whether this object must reach storage at all (False for memory-only objects).
     needs_persist: bool = False
     #: memory-only | queued | persisting | persisted | failed | superseded | dropped
-    persist_state: str = "memory-only"
+    persist_state: PersistState = PersistState.MEMORY_ONLY
     persist_error: str = ""
     persist_seconds: float = 0.0
     #: Why these bytes are known to be corrupt (found while persisting): never served.

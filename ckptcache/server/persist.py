@@ -1,6 +1,7 @@
 """Phase 2: persist committed generations to storage, in the daemon, at low priority.
 
-States of a generation (``Generation.persist_state``)::
+States of a generation (``Generation.persist_state``, a
+:class:`~ckptcache.wire.states.PersistState`)::
 
     memory-only                       (not under any root: never persisted)
     queued -> persisting -> persisted (the in-memory copy becomes evictable)
@@ -33,6 +34,7 @@ from ckptcache.server.lineage import DirectoryRemoved
 from ckptcache.server.safe_write import persist_write
 from ckptcache.storage import StorageBackend, StorageOptions, backend_for
 from ckptcache.storage.base import NewerObjectExists, Sink
+from ckptcache.wire.states import ClaimRole, PersistState, Tier
 
 if TYPE_CHECKING:
     from ckptcache.server.core import CacheCore
@@ -97,7 +99,7 @@ class Persister:
 
     def submit(self, gen: Generation) -> None:
         """Queue a generation that needs persisting (call under the core lock)."""
-        gen.persist_state = "queued"
+        gen.persist_state = PersistState.QUEUED
         self.queue.append(gen)
         self.core.metrics.persist_queue.set(len(self.queue))
         self.core.cond.notify_all()
@@ -109,9 +111,9 @@ class Persister:
                 while self.queue:
                     gen = self.queue.popleft()
                     self.core.metrics.persist_queue.set(len(self.queue))
-                    if gen.persist_state == "queued":
+                    if gen.persist_state == PersistState.QUEUED:
                         self.core.pin(gen)
-                        gen.persist_state = "persisting"
+                        gen.persist_state = PersistState.PERSISTING
                         return gen
                 cond.wait(1.0)
         return None
@@ -129,7 +131,7 @@ class Persister:
             except Exception:  # a bug: never kill the worker
                 log.exception("persist worker failed on %s", gen.path)
                 with self.core.cond:
-                    gen.persist_state, gen.persist_error = "failed", "internal error"
+                    gen.persist_state, gen.persist_error = PersistState.FAILED, "internal error"
             finally:
                 self.core.unpin(gen)
 
@@ -142,16 +144,16 @@ class Persister:
                 role, target = cluster.claim(gen)
             except CkptCacheError as e:  # coordinator down: try again later
                 log.warning("cannot claim %s: %s", gen.path, e)
-                role = "retry"
-            if role == "done":
+                role = ClaimRole.RETRY
+            if role == ClaimRole.DONE:
                 self.mark_persisted(gen)
                 return
-            if role == "standby":
+            if role == ClaimRole.STANDBY:
                 with self.core.cond:
-                    gen.persist_state = "standby"
+                    gen.persist_state = PersistState.STANDBY
                 cluster.watch(gen)
                 return
-            if role == "retry":
+            if role == ClaimRole.RETRY:
                 threading.Timer(1.0, self._resubmit, args=(gen,)).start()
                 return
         backend = backend_for(target, self.options)
@@ -161,8 +163,11 @@ class Persister:
             with self.core.cond:
                 newest = self.core.index.newest(gen.key)
                 if newest is not None and newest.number > gen.number and newest.needs_persist:
-                    gen.persist_state = "superseded"
-                if gen.persist_state in ("superseded", "dropped"):  # also by a write-through
+                    gen.persist_state = PersistState.SUPERSEDED
+                if gen.persist_state in (
+                    PersistState.SUPERSEDED,
+                    PersistState.DROPPED,
+                ):  # also by a write-through
                     self.core.cond.notify_all()
                     return
             try:
@@ -194,7 +199,7 @@ class Persister:
                 cluster.persisted(gen, target)
             return
         with self.core.cond:
-            gen.persist_state = "failed"
+            gen.persist_state = PersistState.FAILED
             gen.persist_error = (
                 f"gave up after {attempt + 1} attempts: {error}. The checkpoint "
                 "stays in memory; fix the storage and save again"
@@ -206,7 +211,9 @@ class Persister:
 
     def _give_up_stale(self, gen: Generation, why: OSError) -> None:
         """Never write: the user removed the directory, or storage holds a newer object."""
-        state = "dropped" if isinstance(why, DirectoryRemoved) else "superseded"
+        state = (
+            PersistState.DROPPED if isinstance(why, DirectoryRemoved) else PersistState.SUPERSEDED
+        )
         log.warning("not persisting %s generation %d (%s): %s", gen.path, gen.number, state, why)
         with self.core.cond:
             gen.needs_persist, gen.persist_state, gen.persist_error = False, state, str(why)
@@ -250,10 +257,10 @@ class Persister:
     def _corrupt(self, gen: Generation, error: CorruptCheckpoint) -> None:
         """The bytes to persist no longer match their digests: never persist or serve them;
         in a cluster, step down and fetch the group's good copy from a peer."""
-        self.core.metrics.corrupt.labels(tier="local").inc()
+        self.core.metrics.corrupt.labels(tier=Tier.LOCAL).inc()
         log.error("not persisting %s generation %d: %s", gen.path, gen.number, error)
         with self.core.cond:
-            gen.persist_state = "failed"
+            gen.persist_state = PersistState.FAILED
             gen.corrupt = gen.persist_error = f"{error}. Save it again"
             self.core.cond.notify_all()
         if self.core.cluster is not None:
@@ -261,7 +268,7 @@ class Persister:
 
     def _resubmit(self, gen: Generation) -> None:
         with self.core.cond:
-            if gen.persist_state == "persisting":
+            if gen.persist_state == PersistState.PERSISTING:
                 self.submit(gen)
 
     def mark_persisted(self, gen: Generation) -> None:
@@ -276,7 +283,7 @@ class Persister:
             metrics.persist_latency.observe(seconds)
         with self.core.cond:
             gen.persisted = True
-            gen.persist_state = "persisted"
+            gen.persist_state = PersistState.PERSISTED
             gen.persist_error = ""
             gen.persist_seconds = seconds
             header = gen.segment.read_header()

@@ -23,6 +23,7 @@ from ckptcache.errors import CorruptCheckpoint
 from ckptcache.layout import HEADER_SIZE
 from ckptcache.manifest import Manifest, pack_digests, unpack_digests
 from ckptcache.server.dataplane import Channel
+from ckptcache.wire.states import Tier
 
 if TYPE_CHECKING:
     from ckptcache.server.core import CacheCore, Inflight
@@ -115,7 +116,7 @@ def receive_object(
             raise CorruptCheckpoint(
                 f"copy of {manifest.path!r} from a peer is corrupt: tensor {record.name!r} has "
                 f"digest {digest_hex(got)}, expected {digest_hex(want)}",
-                tensor=record.name, tier="peer",
+                tensor=record.name, tier=Tier.PEER,
             )  # fmt: skip
     advance(body + 8 * n)
     return expected

@@ -4,6 +4,6 @@ See :class:`~ckptcache.storage.base.StorageBackend` for the contract every backe
 """
 
 from ckptcache.storage.base import StorageBackend, StorageOptions
-from ckptcache.storage.registry import backend_for, scheme_of
+from ckptcache.storage.registry import backend_for, register_backend, scheme_of
 
-__all__ = ["StorageBackend", "StorageOptions", "backend_for", "scheme_of"]
+__all__ = ["StorageBackend", "StorageOptions", "backend_for", "register_backend", "scheme_of"]

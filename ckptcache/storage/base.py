@@ -24,7 +24,7 @@ Failures raise ``OSError`` subclasses (``PermissionError``, ``FileNotFoundError`
 from __future__ import annotations
 
 import abc
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import BinaryIO
 
@@ -119,6 +119,15 @@ class StorageBackend(abc.ABC):
     @abc.abstractmethod
     def read_into(self, path: str, offset: int, view: memoryview) -> None:
         """Fill ``view`` with the bytes of ``path`` starting at ``offset`` (one ranged read)."""
+
+    def read_ranges(self, path: str, ranges: Sequence[tuple[int, memoryview]]) -> None:
+        """Fill each ``(offset, view)`` of ``ranges`` with the bytes of ``path`` at ``offset``.
+
+        Raises as :meth:`read_into` does (the first failure; the other views are then
+        undefined). Default: one :meth:`read_into` after another; backends where requests
+        are latency-bound (S3) issue them in parallel."""
+        for offset, view in ranges:
+            self.read_into(path, offset, view)
 
     @abc.abstractmethod
     def delete(self, path: str) -> None:

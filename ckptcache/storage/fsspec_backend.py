@@ -6,6 +6,7 @@ import os
 import secrets
 from typing import Any, BinaryIO
 
+from ckptcache._atomic import publish
 from ckptcache.storage.base import StorageBackend
 
 __all__ = ["FsspecBackend"]
@@ -25,19 +26,15 @@ class FsspecBackend(StorageBackend):
         fs, real = self._fs(path)
         head, tail = real.rsplit("/", 1) if "/" in real else ("", real)
         tmp = f"{head}/.{tail}.ckptcache-tmp-{secrets.token_hex(4)}" if head else f".{tail}.tmp"
-        try:
-            if head:
-                fs.makedirs(head, exist_ok=True)
-            with fs.open(tmp, "wb") as f:
+        if head:
+            fs.makedirs(head, exist_ok=True)
+
+        def write(name: str) -> None:
+            with fs.open(name, "wb") as f:
                 for chunk in chunks:
                     f.write(chunk)
-            fs.mv(tmp, real)
-        except BaseException:
-            try:
-                fs.rm(tmp)
-            except Exception:
-                pass
-            raise
+
+        publish(tmp, real, write, fs.mv, fs.rm)
 
     def write(
         self,

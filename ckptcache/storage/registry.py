@@ -1,12 +1,22 @@
-"""Pick a backend by URL scheme; heavy clients are imported only when first used."""
+"""Pick a backend by URL scheme; heavy clients are imported only when first used.
+
+The registry is open (as fsspec's ``register_implementation``): :func:`register_backend` maps
+a scheme to a factory taking the daemon's :class:`StorageOptions`. Built in: plain paths and
+``file://`` (:class:`~ckptcache.storage.fs.FileBackend`), ``s3://``/``s3a://``
+(:class:`~ckptcache.storage.s3.S3Backend`); any other scheme falls back to fsspec.
+"""
 
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 
 from ckptcache.storage.base import StorageBackend, StorageOptions
 
-__all__ = ["backend_for", "scheme_of"]
+__all__ = ["BackendFactory", "backend_for", "register_backend", "scheme_of"]
+
+#: Builds the backend of one scheme from the storage options.
+BackendFactory = Callable[[StorageOptions], StorageBackend]
 
 _lock = threading.Lock()
 _cache: dict[tuple[str, StorageOptions], StorageBackend] = {}
@@ -27,24 +37,47 @@ def backend_for(path: str, options: StorageOptions | None = None) -> StorageBack
     with _lock:
         backend = _cache.get(key)
         if backend is None:
-            backend = _make(scheme, options)
+            factory = _factories.get(scheme)
+            backend = factory(options) if factory else _fsspec(scheme)
             _cache[key] = backend
         return backend
 
 
-def _make(scheme: str, options: StorageOptions) -> StorageBackend:
-    if scheme == "file":
-        from ckptcache.storage.fs import FileBackend
+def register_backend(scheme: str, factory: BackendFactory, *, clobber: bool = False) -> None:
+    """Serve ``scheme://`` paths with the backend ``factory(options)`` builds.
 
-        return FileBackend()
-    if scheme in ("s3", "s3a"):
-        try:
-            import boto3  # noqa: F401
-        except ImportError as e:
-            raise ImportError("s3:// paths need boto3: pip install boto3") from e
-        from ckptcache.storage.s3 import S3Backend
+    Registering a scheme that already has a factory (built-in or registered) raises
+    ``ValueError`` unless ``clobber``; instances already built for the scheme are dropped, so
+    the next :func:`backend_for` uses the new factory. A daemon that should persist to the
+    scheme must register it before it starts (e.g. in a ``sitecustomize`` module)."""
+    scheme = scheme.lower().removesuffix("://")
+    if not scheme or not scheme.replace("+", "").replace("-", "").replace(".", "").isalnum():
+        raise ValueError(f"not a URL scheme: {scheme!r}")
+    with _lock:
+        if scheme in _factories and not clobber:
+            raise ValueError(f"a storage backend for {scheme}:// is already registered")
+        _factories[scheme] = factory
+        for key in [k for k in _cache if k[0] == scheme]:
+            del _cache[key]
 
-        return S3Backend(options)
+
+def _file(options: StorageOptions) -> StorageBackend:
+    from ckptcache.storage.fs import FileBackend
+
+    return FileBackend()
+
+
+def _s3(options: StorageOptions) -> StorageBackend:
+    try:
+        import boto3  # noqa: F401
+    except ImportError as e:
+        raise ImportError("s3:// paths need boto3: pip install boto3") from e
+    from ckptcache.storage.s3 import S3Backend
+
+    return S3Backend(options)
+
+
+def _fsspec(scheme: str) -> StorageBackend:
     try:
         import fsspec  # noqa: F401
     except ImportError as e:
@@ -52,3 +85,6 @@ def _make(scheme: str, options: StorageOptions) -> StorageBackend:
     from ckptcache.storage.fsspec_backend import FsspecBackend
 
     return FsspecBackend()
+
+
+_factories: dict[str, BackendFactory] = {"file": _file, "s3": _s3, "s3a": _s3}

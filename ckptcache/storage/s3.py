@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import io
 import os
+from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, BinaryIO
 
@@ -250,6 +251,22 @@ class S3Backend(StorageBackend):
                 view = view[len(chunk) :]
         finally:
             body.close()
+
+    def read_ranges(self, path: str, ranges: Sequence[tuple[int, memoryview]]) -> None:
+        """One ranged GET per range, at most ``s3_max_concurrency`` in flight."""
+        if len(ranges) <= 1 or self.options.s3_max_concurrency <= 1:
+            super().read_ranges(path, ranges)
+            return
+        workers = min(self.options.s3_max_concurrency, len(ranges))
+        with ThreadPoolExecutor(workers, thread_name_prefix="ckptcache-s3-get") as pool:
+            futures = [pool.submit(self.read_into, path, off, view) for off, view in ranges]
+            try:
+                for future in futures:
+                    future.result()  # the first failure, in range order
+            except BaseException:
+                for future in futures:
+                    future.cancel()  # do not start requests whose result is discarded
+                raise
 
     def delete(self, path: str) -> None:
         bucket, key = split_s3_url(path)

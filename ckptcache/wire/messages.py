@@ -14,6 +14,7 @@ into the segment) -> ``commit`` (or ``abort``). A load: ``open`` -> (client maps
 from __future__ import annotations
 
 import dataclasses
+import enum
 import json
 import types
 import typing
@@ -21,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from ckptcache.errors import ProtocolMismatch
+from ckptcache.wire.states import PersistState, Tier, WaitState
 
 __all__ = [
     "PROTOCOL_VERSION",
@@ -93,6 +95,8 @@ def _type_ok(value: Any, hint: Any) -> bool:
         return isinstance(value, (int, float)) and not isinstance(value, bool)
     if hint is str:
         return isinstance(value, str)
+    if isinstance(hint, type) and issubclass(hint, enum.Enum):
+        return isinstance(value, str) and value in hint._value2member_map_
     origin, args = typing.get_origin(hint), typing.get_args(hint)
     if origin in (typing.Union, types.UnionType):
         return any(_type_ok(value, a) for a in args)
@@ -128,11 +132,14 @@ def _build(cls: type[M], raw: Any) -> M:
             values[name] = tuple(_build(item_type, v) for v in values[name])
         elif isinstance(values[name], list):
             values[name] = tuple(values[name])
-        if not _type_ok(values[name], types_[name]):
-            raise ValueError(
-                f"{cls.__name__}.{name}: must be {_hint_name(types_[name])}, "
-                f"not {type(values[name]).__name__}"
-            )
+        hint = types_[name]
+        is_enum = isinstance(hint, type) and issubclass(hint, enum.Enum)
+        if not _type_ok(values[name], hint):
+            got = values[name]
+            shown = repr(got) if is_enum and isinstance(got, str) else type(got).__name__
+            raise ValueError(f"{cls.__name__}.{name}: must be {_hint_name(hint)}, not {shown}")
+        if is_enum:
+            values[name] = hint(values[name])
     return cls(**values)
 
 
@@ -252,7 +259,7 @@ class OpenReply:
     digest_offset: int
     n_storages: int
     digests_valid: bool
-    tier: str = "local"
+    tier: Tier = Tier.LOCAL
 
 
 @dataclass(frozen=True)
@@ -300,7 +307,7 @@ class PoolReply:
 class PrefetchReply:
     """Which tier the copy came from ("local" if it was already here)."""
 
-    tier: str
+    tier: Tier
     size: int
     generation: int
 
@@ -327,7 +334,7 @@ class ObjectInfo:
     pins: int
     digests_valid: bool
     generations: int = 1
-    persist_state: str = "none"
+    persist_state: PersistState = PersistState.MEMORY_ONLY
     persist_error: str = ""
     persist_seconds: float = 0.0
     replicas: tuple[str, ...] = ()
@@ -407,7 +414,7 @@ class WaitReply:
     """Stage reached (or the last state seen)."""
 
     generation: int
-    state: str
+    state: WaitState
     error: str = ""
 
 

@@ -80,6 +80,41 @@ class Conformance:
             self.backend.open_read(path)
         self.backend.delete(path)  # missing is fine
 
+    def test_size(self):
+        path = self.url("sized/obj.bin")
+        self.backend.write_bytes(path, b"x" * 12345)
+        assert self.backend.size(path) == 12345
+        with pytest.raises(FileNotFoundError):
+            self.backend.size(self.url("never-written.bin"))
+
+    def test_read_into_fills_the_range_and_fails_past_the_end(self):
+        data = os.urandom(1 << 20)
+        path = self.url("ranged/obj.bin")
+        self.backend.write_bytes(path, data)
+        buf = bytearray(4096)
+        self.backend.read_into(path, 1000, memoryview(buf))
+        assert bytes(buf) == data[1000:5096]
+        with pytest.raises(OSError):
+            self.backend.read_into(path, len(data) - 10, memoryview(bytearray(100)))
+        with pytest.raises(FileNotFoundError):
+            self.backend.read_into(self.url("never-written.bin"), 0, memoryview(bytearray(1)))
+
+    def test_read_ranges_fills_every_view(self):
+        data = os.urandom(3 << 20)
+        path = self.url("ranged/many.bin")
+        self.backend.write_bytes(path, data)
+        # Out of order, overlapping, one spanning most of the object.
+        spans = [(2 << 20, 1000), (0, 1), (5, 64 << 10), (100, 3 << 19), (len(data) - 7, 7)]
+        bufs = [bytearray(n) for _, n in spans]
+        self.backend.read_ranges(
+            path, [(o, memoryview(b)) for (o, _), b in zip(spans, bufs, strict=True)]
+        )
+        for (offset, n), buf in zip(spans, bufs, strict=True):
+            assert bytes(buf) == data[offset : offset + n], offset
+        with pytest.raises(OSError):
+            ranges = [(0, memoryview(bytearray(10))), (len(data) - 1, memoryview(bytearray(2)))]
+            self.backend.read_ranges(path, ranges)
+
     def test_delete(self):
         path = self.url("gone.pt")
         self.backend.write_bytes(path, b"x")

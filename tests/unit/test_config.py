@@ -68,3 +68,43 @@ def test_spare_pool_keys():
         load_config(None, {"pool_segments": -1}, environ={})
     with pytest.raises(ConfigError, match="pool_bytes"):
         load_config(None, {"pool_bytes": "lots"}, environ={})
+
+
+def test_every_field_has_a_validator():
+    import dataclasses
+
+    from ckptcache.server.config import VALIDATORS, DaemonConfig
+
+    assert set(VALIDATORS) == {f.name for f in dataclasses.fields(DaemonConfig)}
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "message"),
+    [
+        ("replicas", "0", "must be at least 1"),
+        ("persist_workers", 0, "is too small"),
+        ("persist_retries", -1, "is too small"),
+        ("lease_ttl", 0, "must be positive"),
+        ("persist_backoff", -0.5, "must not be negative"),
+        ("s3_part_size", "1MiB", "at least 5MiB"),
+        ("memory_only", "sometimes", "'allow' or 'refuse'"),
+        ("coordinator", "zk://x", "embedded:// or etcd://"),
+        ("node_id", "", "non-empty string"),
+        ("keep", "many", "invalid literal"),
+    ],
+)
+def test_each_validator_names_the_key_and_the_source(key, value, message):
+    with pytest.raises(ConfigError, match=f"invalid '{key}' from the command line: .*{message}"):
+        load_config(overrides={key: value}, environ={})
+
+
+def test_validators_convert_to_the_field_types():
+    cfg = load_config(
+        overrides={"persist_retries": "0", "reserve_timeout": "0", "listen": "", "secret": "",
+                   "metrics_port": "off", "log_level": "debug", "persist_roots": "/ckpt",
+                   "allowed_uids": ["7"], "retention": [{"prefix": "/a", "keep": "3"}]},
+        environ={},
+    )  # fmt: skip
+    assert (cfg.persist_retries, cfg.reserve_timeout, cfg.listen, cfg.secret) == (0, 0.0, "", None)
+    assert (cfg.metrics_port, cfg.log_level, cfg.persist_roots) == (None, "DEBUG", ("/ckpt",))
+    assert cfg.allowed_uids == (7,) and cfg.retention[0].keep == 3

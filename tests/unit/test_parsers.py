@@ -9,6 +9,7 @@ typed error (a :class:`CkptCacheError`), never anything else.
 from __future__ import annotations
 
 import dataclasses
+import enum
 import io
 import json
 import mmap
@@ -205,8 +206,11 @@ def test_deeply_nested_manifest_is_a_typed_error():
 
 
 def _valid_header() -> bytes:
-    header = SegmentHeader(SegmentState.COMMITTED, 3, HEADER_SIZE, 100, 8192, 50, 9000, 2,
-                           DigestState.VALID, 1, 2, 1)  # fmt: skip
+    header = SegmentHeader(
+        state=SegmentState.COMMITTED, generation=3, payload_offset=HEADER_SIZE,
+        payload_size=100, manifest_offset=8192, manifest_size=50, digest_offset=9000,
+        n_storages=2, digest_state=DigestState.VALID, created_ns=1, committed_ns=2, persisted=1,
+    )  # fmt: skip
     return header.pack()
 
 
@@ -254,6 +258,8 @@ def _sample(cls: type) -> Any:
         text = str(hint)
         if "ObjectInfo" in text:
             values[name] = (_sample(m.ObjectInfo),)
+        elif isinstance(hint, type) and issubclass(hint, enum.Enum):
+            values[name] = next(iter(hint))
         elif "tuple" in text:
             values[name] = (1, 2) if "int" in text else ("a", "b")
         elif hint is bool:
@@ -299,6 +305,8 @@ def _check_types(message: Any) -> None:
             assert value is None or isinstance(value, str), (name, value)
         elif hint is bool:
             assert isinstance(value, bool), (name, value)
+        elif isinstance(hint, type) and issubclass(hint, enum.Enum):
+            assert type(value) is hint, (name, value)
 
 
 def test_deeply_nested_message_is_a_typed_error():
