@@ -148,6 +148,12 @@ def test_writer_and_reader_take_every_stock_argument(client, tmp_path):
         cdcp.CacheWriter(ck, commit_waits="later")
 
 
+@pytest.fixture
+def daemon(daemon_factory):
+    """A daemon without spare segments, so that what a save reserves is all that shows."""
+    return daemon_factory("--memory-limit", "1GiB", "--pool-bytes", "0")
+
+
 def test_many_small_tensors_take_one_segment_per_rank(client, daemon, tmp_path):
     """300 tiny tensors: one cached object (one segment) per rank file, not one per tensor."""
     sd = {f"p{i}": torch.full((16,), float(i)) for i in range(300)}
@@ -178,7 +184,9 @@ def test_dcp_own_reader_works_right_after_save(request, tmp_path, persist):
     packed = torch.load(ck / "__0_0.distcp")  # the persisted object is a torch.save archive
     assert packed.dtype == torch.uint8 and packed.numel() > 0
     info = c.status(ck / "__0_0.distcp")
-    assert info.size == (ck / "__0_0.distcp").stat().st_size
+    size = (ck / "__0_0.distcp").stat().st_size
+    # A persisted file is the cached archive plus its digest record (a member torch ignores).
+    assert size > info.size if persist else size == info.size
     shutil.rmtree(ck)
 
 
