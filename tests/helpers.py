@@ -11,6 +11,7 @@ import sys
 import threading
 import time
 import uuid
+import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -91,7 +92,13 @@ class DaemonProc:
         )
 
     def cleanup(self) -> None:
-        self.kill(signal.SIGTERM)
+        """SIGTERM, escalated to SIGKILL (with a warning) if the daemon is still up after 30 s:
+        a hung shutdown must not turn into an error in an unrelated test's teardown."""
+        try:
+            self.kill(signal.SIGTERM)
+        except subprocess.TimeoutExpired:
+            warnings.warn(f"daemon {self.workdir.name} ignored SIGTERM for 30 s", stacklevel=2)
+            self.kill()
         shutil.rmtree(self.shm_dir, ignore_errors=True)
 
 

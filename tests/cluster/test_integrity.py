@@ -112,7 +112,8 @@ def test_etcd_lost_between_write_and_record(cluster_factory, tmp_path, own_etcd)
     assert [k for k in keys if "/persisted/" in k]
 
 
-def test_etcd_outage_loads_fall_back_to_storage(cluster_factory, tmp_path, own_etcd):
+def test_etcd_outage_loads_fall_back_to_storage(own_etcd, cluster_factory, tmp_path):
+    # own_etcd first: it is torn down after the daemons, which leave it cleanly.
     root = tmp_path / "ckpt"
     nodes = cluster_factory(2, "--persist-root", str(root), etcd=own_etcd)
     path = root / "m.pt"

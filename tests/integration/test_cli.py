@@ -10,6 +10,8 @@ import urllib.request
 
 import torch
 
+from tests.helpers import wait_until
+
 
 def cli(daemon, *args):
     env = {**os.environ, "CKPTCACHE_SOCKET": daemon.socket}
@@ -55,6 +57,7 @@ def test_second_daemon_on_same_shm_dir_is_refused(daemon, tmp_path):
 
 def test_metrics_endpoint(daemon_factory, tmp_path):
     d = daemon_factory("--metrics-port", "0", "--memory-limit", "256MiB")
+    wait_until(lambda: "metrics=:" in d.log(), 30, "the daemon's ready line")
     port = int(d.log().split("metrics=:")[1].split()[0])
     with d.client() as c:
         c.save({"w": torch.zeros(1000)}, str(tmp_path / "a.pt"))
