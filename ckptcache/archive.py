@@ -25,6 +25,7 @@ __all__ = [
     "ARCHIVE_ALIGNMENT",
     "ArchivePlan",
     "ParsedArchive",
+    "ViewReader",
     "central_record",
     "count_records",
     "end_records",
@@ -201,11 +202,16 @@ class ParsedArchive:
     storages: dict[str, tuple[int, int]]
 
 
-class _ViewReader(io.RawIOBase):
-    """A seekable file over a memoryview, so zipfile can parse without copying the archive."""
+class ViewReader(io.RawIOBase):
+    """A seekable file over a memoryview, so zipfile can parse without copying the archive.
 
-    def __init__(self, view: memoryview):
+    The view holds the file's bytes ``[base, base + len(view))``: a read before ``base``
+    raises ``OSError`` (a reader of part of a file, such as the DCP adapter's cached items)."""
+
+    def __init__(self, view: memoryview, base: int = 0):
+        super().__init__()
         self._view = view
+        self._base = base
         self._pos = 0
 
     def readable(self) -> bool:
@@ -218,13 +224,17 @@ class _ViewReader(io.RawIOBase):
         return self._pos
 
     def seek(self, offset: int, whence: int = 0) -> int:
-        base = {0: 0, 1: self._pos, 2: len(self._view)}[whence]
-        self._pos = max(0, base + offset)
+        end = self._base + len(self._view)
+        self._pos = max(0, {0: 0, 1: self._pos, 2: end}[whence] + offset)
         return self._pos
 
     def readinto(self, buf: Any) -> int:
-        chunk = self._view[self._pos : self._pos + len(buf)]
-        buf[: len(chunk)] = chunk
+        start = self._pos - self._base
+        if start < 0:
+            raise OSError(f"offset {self._pos} lies before the bytes held (at {self._base})")
+        out = memoryview(buf).cast("B")
+        chunk = self._view[start : start + len(out)]
+        out[: len(chunk)] = chunk
         self._pos += len(chunk)
         return len(chunk)
 
@@ -249,7 +259,7 @@ def parse_archive(view: memoryview) -> ParsedArchive:
 
 
 def _parse_archive(view: memoryview) -> ParsedArchive:
-    infos = zipfile.ZipFile(io.BufferedReader(_ViewReader(view))).infolist()
+    infos = zipfile.ZipFile(io.BufferedReader(ViewReader(view))).infolist()
     pickle: tuple[int, int] | None = None
     storages: dict[str, tuple[int, int]] = {}
     for info in infos:

@@ -35,7 +35,7 @@ from typing import Any
 import xxhash
 
 from ckptcache._digest import DIGEST_ALGORITHM, digest_hex
-from ckptcache.archive import _ViewReader, central_record, count_records, end_records
+from ckptcache.archive import ViewReader, central_record, count_records, end_records
 from ckptcache.errors import CorruptCheckpoint
 from ckptcache.storage import StorageBackend, backend_for
 
@@ -87,7 +87,7 @@ def list_records(view: memoryview, path: str = "<archive>") -> tuple[list[Archiv
     """The records of the zip archive in ``view`` in file order, and the central directory's
     offset; raises :class:`CorruptCheckpoint` for a truncated or malformed archive."""
     try:
-        infos = zipfile.ZipFile(io.BufferedReader(_ViewReader(view))).infolist()
+        infos = zipfile.ZipFile(io.BufferedReader(ViewReader(view))).infolist()
     except (zipfile.BadZipFile, OSError, EOFError, ValueError) as e:
         raise _corrupt(path, f"{e} (truncated, or not a checkpoint archive)") from e
     infos.sort(key=lambda i: i.header_offset)

@@ -81,6 +81,7 @@ from torch.futures import Future
 import ckptcache
 from ckptcache import packing
 from ckptcache.adapters import _common
+from ckptcache.archive import ViewReader
 
 __all__ = ["CacheReader", "CacheWriter", "disable", "enable", "is_enabled"]
 
@@ -306,39 +307,13 @@ def _restore_tensors(obj: Any, staged: list[torch.Tensor]) -> Any:
 # ---------------------------------------------------------------------- reader
 
 
-class _BlobFile(io.RawIOBase):
+class _BlobFile(ViewReader):
     """A read-only file whose bytes ``[base, base + len(blob))`` are a cached blob: the part of
     the persisted file that DCP's items live in, served from memory without a copy."""
 
     def __init__(self, blob: torch.Tensor, base: int):
-        super().__init__()
-        self._view = blob.numpy().data if blob.numel() else memoryview(b"")
+        super().__init__(blob.numpy().data if blob.numel() else memoryview(b""), base)
         self._blob = blob  # keeps the mapping alive
-        self._base = base
-        self._pos = 0
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self._pos
-
-    def seek(self, offset: int, whence: int = os.SEEK_SET) -> int:
-        end = self._base + len(self._view)
-        self._pos = {os.SEEK_SET: 0, os.SEEK_CUR: self._pos, os.SEEK_END: end}[whence] + offset
-        return self._pos
-
-    def readinto(self, buf: Any) -> int:
-        start = self._pos - self._base
-        if start < 0:
-            raise OSError(f"offset {self._pos} lies before the packed items (at {self._base})")
-        data = self._view[start : start + len(memoryview(buf).cast("B"))]
-        memoryview(buf).cast("B")[: len(data)] = data
-        self._pos += len(data)
-        return len(data)
 
 
 class _CacheFileSystem(FileSystem):  # type: ignore[misc]
