@@ -2,10 +2,12 @@
 
 At save time the daemon records the *anchor* of a local path: its deepest ancestor directory
 that existed then. Every directory between the anchor and the file was missing at save time,
-so a persist may create those, and only those. If the anchor itself is gone later, the user
-removed the directory the checkpoint was saved into (``shutil.rmtree`` of a checkpoint
-directory, an adapter's rotation): the generation is treated as deleted by the user. It is
-never persisted (that would resurrect the directory) and its memory becomes evictable.
+so a persist may create those, and only those (``server.safe_write`` walks the path below
+its root and raises :class:`DirectoryRemoved` for a missing level the anchor covers). If the
+anchor itself is gone later, the user removed the directory the checkpoint was saved into
+(``shutil.rmtree`` of a checkpoint directory, an adapter's rotation): the generation is
+treated as deleted by the user. It is never persisted (that would resurrect the directory)
+and its memory becomes evictable.
 
 URLs (S3 and other object stores) have no directories; their anchor is empty and never gone.
 """
@@ -14,7 +16,7 @@ from __future__ import annotations
 
 import os
 
-__all__ = ["DirectoryRemoved", "anchor_of", "is_orphaned", "make_parents", "removed_reason"]
+__all__ = ["DirectoryRemoved", "anchor_of", "is_orphaned", "removed_reason"]
 
 
 class DirectoryRemoved(OSError):
@@ -49,28 +51,3 @@ def removed_reason(anchor: str) -> str:
         f"directory {anchor} existed at save time and was removed since: treated as deleted "
         "by the user, not persisted"
     )
-
-
-def make_parents(path: str, anchor: str) -> None:
-    """Create the directories between ``anchor`` and ``path``'s parent, one level at a time.
-
-    Raises :class:`DirectoryRemoved` when ``anchor`` (or a level created meanwhile) vanishes:
-    ``os.mkdir`` never creates a missing parent, so a concurrent ``rmtree`` cannot be undone.
-    """
-    if not anchor:
-        return
-    if not os.path.isdir(anchor):
-        raise DirectoryRemoved(removed_reason(anchor))
-    parent = os.path.dirname(path)
-    rel = os.path.relpath(parent, anchor)
-    if rel == ".":
-        return
-    current = anchor
-    for part in rel.split(os.sep):
-        current = os.path.join(current, part)
-        try:
-            os.mkdir(current)
-        except FileExistsError:
-            continue
-        except FileNotFoundError as e:
-            raise DirectoryRemoved(removed_reason(anchor)) from e

@@ -77,10 +77,9 @@ class StorageBackend(abc.ABC):
         size: int,
         *,
         commit_ns: int | None = None,
-        create_parents: bool = True,
     ) -> None:
         """Atomically make ``size`` bytes at ``offset`` of file descriptor ``source`` the
-        content of ``path`` (creating parent directories when ``create_parents``).
+        content of ``path`` (creating missing parent directories).
 
         With ``commit_ns`` (the generation's commit time, wall-clock ns), an object already at
         ``path`` that is newer is never replaced (:class:`NewerObjectExists`), and the new

@@ -123,11 +123,9 @@ class FileBackend(StorageBackend):
         path: str,
         fill: Callable[[int], None],
         commit_ns: int | None = None,
-        create_parents: bool = True,
     ) -> None:
         directory = os.path.dirname(path) or "."
-        if create_parents:
-            os.makedirs(directory, exist_ok=True)
+        os.makedirs(directory, exist_ok=True)
         fd, tmp = _open_temp(directory, path)
         try:
             try:
@@ -160,9 +158,8 @@ class FileBackend(StorageBackend):
         size: int,
         *,
         commit_ns: int | None = None,
-        create_parents: bool = True,
     ) -> None:
-        self._atomic(path, sendfile_fill(source, offset, size), commit_ns, create_parents)
+        self._atomic(path, sendfile_fill(source, offset, size), commit_ns)
 
     def write_bytes(self, path: str, data: bytes | memoryview) -> None:
         self._atomic(path, lambda fd: _write_all(fd, data))

@@ -44,7 +44,6 @@ class FsspecBackend(StorageBackend):
         size: int,
         *,
         commit_ns: int | None = None,
-        create_parents: bool = True,
     ) -> None:
         # Generic file systems record no commit time: commit_ns is not compared here.
         def chunks() -> Any:

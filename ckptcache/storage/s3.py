@@ -91,7 +91,6 @@ class S3Backend(StorageBackend):
         size: int,
         *,
         commit_ns: int | None = None,
-        create_parents: bool = True,
     ) -> None:
         meta = self._commit_metadata(path, commit_ns)
         part = max(self.options.s3_part_size, _MIN_PART)
