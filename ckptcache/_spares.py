@@ -20,7 +20,7 @@ from ckptcache.wire import messages as m
 
 if TYPE_CHECKING:
     from ckptcache.client import Client
-    from ckptcache.shm import Mapping
+    from ckptcache.format.shm import Mapping
 
 __all__ = ["SpareMapper"]
 
@@ -96,7 +96,7 @@ class SpareMapper:
                 return
 
     def _map(self, name: str, capacity: int) -> None:
-        from ckptcache.shm import map_shared  # torch: only where spares are mapped
+        from ckptcache.format.shm import map_shared  # torch: only where spares are mapped
 
         client = self._client
         with client._lock:

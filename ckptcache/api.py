@@ -9,7 +9,7 @@ from typing import Any
 from ckptcache._async import SaveHandle
 from ckptcache._health import CacheStatus, cache_status
 from ckptcache.client import Client
-from ckptcache.flatten import MapLocation
+from ckptcache.format.flatten import MapLocation
 from ckptcache.wire.messages import ObjectInfo
 
 __all__ = [

@@ -17,7 +17,7 @@ from typing import Any
 from ckptcache._units import format_bytes
 from ckptcache.client import normalize_path
 from ckptcache.errors import CheckpointNotFound, CkptCacheError, ConfigError, CorruptCheckpoint
-from ckptcache.persisted import verify_stored
+from ckptcache.format.persisted import verify_stored
 from ckptcache.storage import backend_for
 
 __all__ = ["main"]

@@ -48,9 +48,9 @@ from ckptcache.errors import (
     PersistError,
     PersistTimeout,
 )
-from ckptcache.layout import HEADER_SIZE, SegmentHeader
-from ckptcache.manifest import Manifest, unpack_digests, verify_meta
-from ckptcache.persisted import load_from_storage, stored_archive_complete
+from ckptcache.format.layout import HEADER_SIZE, SegmentHeader
+from ckptcache.format.manifest import Manifest, unpack_digests, verify_meta
+from ckptcache.format.persisted import load_from_storage, stored_archive_complete
 from ckptcache.storage import backend_for
 from ckptcache.wire import messages as m
 from ckptcache.wire.states import PersistState, Tier, WaitState
@@ -59,9 +59,9 @@ from ckptcache.wire.states import PersistState, Tier, WaitState
 # control-plane commands (ckptcache ls, status, ...) start without torch.
 if TYPE_CHECKING:
     from ckptcache._async import SaveHandle, VersionCheck
-    from ckptcache.flatten import Flattened, MapLocation
-    from ckptcache.manifest import ObjectPlan
-    from ckptcache.shm import Mapping
+    from ckptcache.format.flatten import Flattened, MapLocation
+    from ckptcache.format.manifest import ObjectPlan
+    from ckptcache.format.shm import Mapping
 
 __all__ = ["DURABILITY_LEVELS", "Client", "normalize_path"]
 
@@ -261,7 +261,7 @@ class Client:
     def _write_mapping(self, segment: str, capacity: int) -> Mapping:
         """The cached shared mapping of a segment (made once, reused by every later save)."""
         from ckptcache._gpu import unpin
-        from ckptcache.shm import map_shared
+        from ckptcache.format.shm import map_shared
 
         for name in [n for n in self._write_maps if not os.path.exists(self._seg_path(n))]:
             stale = self._write_maps.pop(name)  # the daemon dropped it: free our pages too
@@ -302,8 +302,8 @@ class Client:
         """
         from ckptcache._async import VersionCheck
         from ckptcache._async import submit as submit_save
-        from ckptcache.flatten import flatten
-        from ckptcache.objectio import plan_object
+        from ckptcache.format.flatten import flatten
+        from ckptcache.format.objectio import plan_object
 
         t0 = time.perf_counter()
         path = normalize_path(path)
@@ -345,7 +345,7 @@ class Client:
         check: VersionCheck | None = None,
         copied: Callable[[], None] | None = None,
     ) -> None:
-        from ckptcache.objectio import write_object
+        from ckptcache.format.objectio import write_object
 
         with self._lock:
             try:
@@ -484,8 +484,8 @@ class Client:
         mmap: bool | None,
         verify: bool,
     ) -> Any:
-        from ckptcache.objectio import read_object
-        from ckptcache.shm import map_private
+        from ckptcache.format.objectio import read_object
+        from ckptcache.format.shm import map_private
 
         mapping = map_private(
             self._seg_path(reply.segment), reply.size,

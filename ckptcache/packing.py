@@ -17,9 +17,9 @@ from typing import Any
 
 import torch
 
-from ckptcache.archive import ARCHIVE_ALIGNMENT, ArchivePlan, plan_archive
-from ckptcache.flatten import Flattened, flatten
-from ckptcache.shm import _bytes_of
+from ckptcache.format.archive import ARCHIVE_ALIGNMENT, ArchivePlan, plan_archive
+from ckptcache.format.flatten import Flattened, flatten
+from ckptcache.format.shm import _bytes_of
 
 __all__ = ["Span", "pack", "storage_offsets"]
 

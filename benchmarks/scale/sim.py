@@ -21,7 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from ckptcache._digest import digest_bytes, digest_hex
+from ckptcache.format.digest import digest_bytes, digest_hex
 from ckptcache.server.cluster import path_hash
 from ckptcache.server.coord import NodeInfo, make_coordinator
 from ckptcache.server.coord.etcd import EtcdCoordinator

@@ -81,7 +81,7 @@ from torch.futures import Future
 import ckptcache
 from ckptcache import packing
 from ckptcache.adapters import _common
-from ckptcache.archive import ViewReader
+from ckptcache.format.archive import ViewReader
 
 __all__ = ["CacheReader", "CacheWriter", "disable", "enable", "is_enabled"]
 

@@ -30,17 +30,17 @@ from typing import Any, BinaryIO
 from ckptcache._atomic import atomic_write
 from ckptcache.data._crypto import NONCE_SIZE, TAG_SIZE, BatchCipher
 from ckptcache.errors import ConfigError, CorruptCheckpoint
-from ckptcache.flatten import Flattened, flatten
-from ckptcache.layout import HEADER_SIZE, DigestState, SegmentHeader, SegmentState
-from ckptcache.manifest import (
+from ckptcache.format.flatten import Flattened, flatten
+from ckptcache.format.layout import HEADER_SIZE, DigestState, SegmentHeader, SegmentState
+from ckptcache.format.manifest import (
     Manifest,
     ObjectPlan,
     compute_digests,
     pack_digests,
     unpack_digests,
 )
-from ckptcache.objectio import plan_object, read_object, write_object
-from ckptcache.shm import map_private, map_shared
+from ckptcache.format.objectio import plan_object, read_object, write_object
+from ckptcache.format.shm import map_private, map_shared
 
 __all__ = [
     "NAMESPACE",

@@ -26,7 +26,7 @@ from typing import Literal
 
 import torch
 
-from ckptcache._digest import digest_bytes
+from ckptcache.format.digest import digest_bytes
 from ckptcache.recovery._state import TensorSpec
 
 __all__ = ["DigestMode", "buffer_word", "combine", "fold_words", "state_digests", "tensor_words"]

@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ckptcache._digest import digest_bytes
+from ckptcache.format.digest import digest_bytes
 from ckptcache.recovery._buckets import (
     DEFAULT_BUCKET_BYTES,
     DIRECT_BYTES,

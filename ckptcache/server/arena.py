@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 from ckptcache._secure_fs import check_owned, ensure_private_dir
 from ckptcache.errors import ConfigError
-from ckptcache.layout import (
+from ckptcache.format.layout import (
     HEADER_SIZE,
     SEGMENT_GRANULE,
     DigestState,
@@ -41,7 +41,7 @@ log = logging.getLogger(__name__)
 
 def mapped_by_others(path: str) -> bool:
     """Whether a process holds a load mapping of ``path``: clients hold a shared ``flock`` on
-    the segment file for as long as a load mapping lives (``ckptcache.shm.map_private``)."""
+    the segment file for as long as a load mapping lives (``ckptcache.format.shm.map_private``)."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     except FileNotFoundError:

@@ -31,8 +31,6 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
-from ckptcache._digest import digest_bytes, digest_hex
-from ckptcache.archive import count_records, parse_archive
 from ckptcache.errors import (
     CheckpointNotFound,
     CkptCacheError,
@@ -40,9 +38,11 @@ from ckptcache.errors import (
     CorruptCheckpoint,
     ReplicationError,
 )
-from ckptcache.layout import HEADER_SIZE, plan_segment
-from ckptcache.manifest import Manifest, manifest_from_archive, object_digest, pack_digests
-from ckptcache.persisted import check_archive
+from ckptcache.format.archive import count_records, parse_archive
+from ckptcache.format.digest import digest_bytes, digest_hex
+from ckptcache.format.layout import HEADER_SIZE, plan_segment
+from ckptcache.format.manifest import Manifest, manifest_from_archive, object_digest, pack_digests
+from ckptcache.format.persisted import check_archive
 from ckptcache.server import remote_load
 from ckptcache.server.coord import (
     CoordinatorUnavailable,

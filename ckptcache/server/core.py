@@ -38,8 +38,8 @@ from ckptcache.errors import (
     PathNotAllowed,
     ReplicationError,
 )
-from ckptcache.layout import HEADER_SIZE, DigestState, SegmentHeader, SegmentState, align
-from ckptcache.manifest import (
+from ckptcache.format.layout import HEADER_SIZE, DigestState, SegmentHeader, SegmentState, align
+from ckptcache.format.manifest import (
     Manifest,
     compute_digests,
     meta_digests,

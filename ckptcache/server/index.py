@@ -10,7 +10,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from ckptcache.manifest import Manifest
+from ckptcache.format.manifest import Manifest
 from ckptcache.server.arena import Segment
 from ckptcache.server.ownership import Saver
 from ckptcache.wire.states import PersistState

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING
 
 from ckptcache._units import format_bytes
 from ckptcache.errors import CkptCacheError, CorruptCheckpoint, PathNotAllowed
-from ckptcache.persisted import stream_archive
+from ckptcache.format.persisted import stream_archive
 from ckptcache.server.lineage import DirectoryRemoved
 from ckptcache.server.safe_write import persist_write
 from ckptcache.storage import StorageBackend, StorageOptions, backend_for
@@ -227,7 +227,7 @@ class Persister:
 
     def _copy(self, gen: Generation, backend: StorageBackend, target: str) -> None:
         """Stream the archive to storage, checking every tensor against its recorded digest
-        and writing real zip CRC-32s and the digest record (see :mod:`ckptcache.persisted`)
+        and writing real zip CRC-32s and the digest record (see :mod:`ckptcache.format.persisted`)
         in the same pass; a mismatch raises :class:`CorruptCheckpoint` and nothing becomes
         visible under ``target``."""
         digests = self.core.ensure_digests(gen)  # normally recorded already by the digester

@@ -25,7 +25,7 @@ import logging
 import threading
 import time
 
-from ckptcache.layout import SEGMENT_GRANULE, SegmentState, align
+from ckptcache.format.layout import SEGMENT_GRANULE, SegmentState, align
 from ckptcache.server.arena import Arena, Segment, _empty_header
 from ckptcache.wire import messages as m
 

@@ -18,10 +18,10 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
-from ckptcache._digest import digest_bytes, digest_hex
 from ckptcache.errors import CorruptCheckpoint
-from ckptcache.layout import HEADER_SIZE
-from ckptcache.manifest import Manifest, pack_digests, unpack_digests
+from ckptcache.format.digest import digest_bytes, digest_hex
+from ckptcache.format.layout import HEADER_SIZE
+from ckptcache.format.manifest import Manifest, pack_digests, unpack_digests
 from ckptcache.server.dataplane import Channel
 from ckptcache.wire.states import Tier
 

@@ -213,7 +213,7 @@ def test_packed_items_are_torch_save_archives_at_the_recorded_offsets():
     """The offsets the writer records are where torch.save (the write-through fallback) and
     the daemon's persisted archive put the blob's bytes; each span loads on its own."""
     from ckptcache import packing
-    from ckptcache.archive import parse_archive
+    from ckptcache.format.archive import parse_archive
 
     items = [torch.randn(3, 5), torch.arange(7), b"raw bytes item", torch.zeros(0)]
     blob, spans = packing.pack(items)

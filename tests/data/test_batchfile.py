@@ -11,7 +11,7 @@ import torch
 from ckptcache.data._batchfile import check_batch, prepare_batch, read_batch, write_batch
 from ckptcache.data._crypto import ENV_KEY, BatchCipher
 from ckptcache.errors import ConfigError, CorruptCheckpoint, UnsafeUnpickle
-from ckptcache.layout import HEADER_SIZE, DigestState, SegmentHeader, SegmentState
+from ckptcache.format.layout import HEADER_SIZE, DigestState, SegmentHeader, SegmentState
 
 
 def _write(directory: str, obj: object, key: str = "run/train/b0", cipher=None) -> str:

@@ -9,7 +9,7 @@ import textwrap
 
 import torch
 
-from ckptcache._digest import digest_bytes
+from ckptcache.format.digest import digest_bytes
 
 WRITER = textwrap.dedent(
     """

@@ -21,8 +21,8 @@ def wait_digested(client, path, timeout=30.0):
 def flip_bytes_of(daemon, client, path, tensor_index=1):
     """Overwrite a few bytes of one tensor inside the daemon's segment file."""
     st = client.status(path)
-    from ckptcache.layout import SegmentHeader
-    from ckptcache.manifest import Manifest
+    from ckptcache.format.layout import SegmentHeader
+    from ckptcache.format.manifest import Manifest
 
     seg = os.path.join(daemon.segments_dir, st.segment)
     with open(seg, "r+b") as f:

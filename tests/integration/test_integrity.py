@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from ckptcache.errors import CheckpointNotFound, CorruptCheckpoint, PersistError
-from ckptcache.persisted import DIGESTS_MEMBER
+from ckptcache.format.persisted import DIGESTS_MEMBER
 from ckptcache.storage.fs import TEMP_MARK
 from tests.helpers import assert_same, read_only_dir, wait_until
 from tests.integration.test_corrupt import flip_bytes_of, wait_digested

@@ -151,8 +151,8 @@ def test_malformed_requests_get_typed_errors(daemon):
 
 def test_commit_with_a_bad_manifest_is_refused_and_nothing_is_published(daemon, tmp_path):
     from ckptcache.errors import CorruptCheckpoint
-    from ckptcache.flatten import flatten
-    from ckptcache.objectio import plan_object, write_object
+    from ckptcache.format.flatten import flatten
+    from ckptcache.format.objectio import plan_object, write_object
     from ckptcache.wire import messages as m
 
     path = str(tmp_path / "bad.pt")

@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ckptcache.errors import SerializationError, UnsafeUnpickle
-from ckptcache.flatten import flatten, unflatten
+from ckptcache.format.flatten import flatten, unflatten
 from tests.helpers import assert_same
 
 DTYPES = [

@@ -22,12 +22,12 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ckptcache.archive import ParsedArchive, count_records, parse_archive, plan_archive
 from ckptcache.errors import CorruptCheckpoint, ProtocolMismatch
-from ckptcache.flatten import flatten
-from ckptcache.layout import HEADER_SIZE, DigestState, SegmentHeader, SegmentState
-from ckptcache.manifest import Manifest
-from ckptcache.objectio import plan_object, write_object
+from ckptcache.format.archive import ParsedArchive, count_records, parse_archive, plan_archive
+from ckptcache.format.flatten import flatten
+from ckptcache.format.layout import HEADER_SIZE, DigestState, SegmentHeader, SegmentState
+from ckptcache.format.manifest import Manifest
+from ckptcache.format.objectio import plan_object, write_object
 from ckptcache.wire import messages as m
 from tests.helpers import assert_same
 

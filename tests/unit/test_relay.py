@@ -8,10 +8,10 @@ import uuid
 
 import torch
 
-from ckptcache.flatten import flatten
-from ckptcache.layout import HEADER_SIZE
-from ckptcache.manifest import compute_digests, pack_digests
-from ckptcache.objectio import plan_object, read_object, write_object
+from ckptcache.format.flatten import flatten
+from ckptcache.format.layout import HEADER_SIZE
+from ckptcache.format.manifest import compute_digests, pack_digests
+from ckptcache.format.objectio import plan_object, read_object, write_object
 from ckptcache.server import dataplane
 from ckptcache.server.config import DaemonConfig
 from ckptcache.server.core import CacheCore

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from ckptcache.layout import HEADER_SIZE, DigestState, SegmentHeader, SegmentState
+from ckptcache.format.layout import HEADER_SIZE, DigestState, SegmentHeader, SegmentState
 
 FIELDS = dict(
     state=SegmentState.COMMITTED, generation=3, payload_offset=HEADER_SIZE, payload_size=100,

@@ -34,9 +34,9 @@ from typing import Any
 
 import xxhash
 
-from ckptcache._digest import DIGEST_ALGORITHM, digest_hex
-from ckptcache.archive import ViewReader, central_record, count_records, end_records
 from ckptcache.errors import CorruptCheckpoint
+from ckptcache.format.archive import ViewReader, central_record, count_records, end_records
+from ckptcache.format.digest import DIGEST_ALGORITHM, digest_hex
 from ckptcache.storage import StorageBackend, backend_for
 
 __all__ = [

@@ -14,10 +14,10 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from ckptcache._digest import DIGEST_ALGORITHM, digest_bytes, digest_hex
-from ckptcache.archive import ArchivePlan, ParsedArchive
 from ckptcache.errors import CorruptCheckpoint
-from ckptcache.layout import HEADER_SIZE, SegmentLayout
+from ckptcache.format.archive import ArchivePlan, ParsedArchive
+from ckptcache.format.digest import DIGEST_ALGORITHM, digest_bytes, digest_hex
+from ckptcache.format.layout import HEADER_SIZE, SegmentLayout
 
 __all__ = [
     "MANIFEST_FORMAT",
@@ -116,7 +116,7 @@ class Manifest:
 class ObjectPlan:
     """The complete plan for writing one flattened object into a segment.
 
-    Built on the client side by :func:`ckptcache.objectio.plan_object`.
+    Built on the client side by :func:`ckptcache.format.objectio.plan_object`.
     """
 
     layout: SegmentLayout

@@ -2,8 +2,8 @@
 
 ```
 offset 0       header (HEADER_SIZE bytes): magic, version, state, generation, offsets
-offset 4096    payload: a torch.save-compatible zip archive (see ckptcache.archive)
-manifest_off   manifest: UTF-8 JSON (see ckptcache.manifest), 64-byte aligned
+offset 4096    payload: a torch.save-compatible zip archive (see ckptcache.format.archive)
+manifest_off   manifest: UTF-8 JSON (see ckptcache.format.manifest), 64-byte aligned
 digest_off     digest table: one little-endian u64 xxh3 per storage, filled by the daemon
 ```
 

@@ -14,12 +14,12 @@ from typing import Any
 import torch
 
 from ckptcache._gpu import copy_to_segment, device_target, load_to_device
-from ckptcache.archive import plan_archive
 from ckptcache.errors import CorruptCheckpoint
-from ckptcache.flatten import Flattened, MapLocation, unflatten
-from ckptcache.layout import HEADER_SIZE, plan_segment
-from ckptcache.manifest import Manifest, ObjectPlan, StorageRecord, verify_digests
-from ckptcache.shm import copy_storage_into, storage_copy, storage_view
+from ckptcache.format.archive import plan_archive
+from ckptcache.format.flatten import Flattened, MapLocation, unflatten
+from ckptcache.format.layout import HEADER_SIZE, plan_segment
+from ckptcache.format.manifest import Manifest, ObjectPlan, StorageRecord, verify_digests
+from ckptcache.format.shm import copy_storage_into, storage_copy, storage_view
 
 __all__ = ["plan_object", "read_object", "write_object"]
 
