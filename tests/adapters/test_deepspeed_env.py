@@ -1,0 +1,187 @@
+"""``CKPTCACHE_DEEPSPEED=1``: DeepSpeed through the cache with no line of ckptcache code.
+
+The package is really installed (``pip install`` of this source tree, regular and editable)
+into a fresh virtual environment whose only addition is a path to the installed frameworks;
+its processes start with no ``PYTHONPATH``, so what runs is what ``pip`` put in
+``site-packages``, startup hook included.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.adapters.conftest import SCRIPTS, daemon_env
+from tests.helpers import REPO
+
+pytest.importorskip("deepspeed")
+
+pytestmark = pytest.mark.timeout(900)
+
+PTH = "ckptcache-startup.pth"
+SOURCES = ("pyproject.toml", "setup.py", "MANIFEST.in", "README.md", PTH, "ckptcache")
+TAG = "global_step3"
+
+
+@dataclass(frozen=True)
+class Venv:
+    python: Path
+    site: Path
+
+
+def _pip(*args: str) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "pip", "install", "-q", "--disable-pip-version-check",
+         "--no-deps", "--no-build-isolation", "--no-index", *args],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def _copy_sources(dest: Path) -> Path:
+    dest.mkdir()
+    for name in SOURCES:
+        src = REPO / name
+        if src.is_dir():
+            shutil.copytree(src, dest / name, ignore=shutil.ignore_patterns("__pycache__"))
+        else:
+            shutil.copy(src, dest / name)
+    return dest
+
+
+@pytest.fixture(scope="module")
+def venv(tmp_path_factory: pytest.TempPathFactory) -> Venv:
+    """A fresh venv with ckptcache installed by ``pip install`` (the frameworks it needs are
+    reached through a path entry to the environment running the tests)."""
+    root = tmp_path_factory.mktemp("venv")
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(root / "env")], check=True)
+    python = root / "env" / "bin" / "python"
+    where = subprocess.run(
+        [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+        check=True, capture_output=True, text=True, env=_env(),
+    )  # fmt: skip
+    site = Path(where.stdout.strip())
+    (site / "zz_frameworks.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    _pip("--target", str(site), str(_copy_sources(root / "src")))
+    return Venv(python, site)
+
+
+def _env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "CKPTCACHE_DEEPSPEED")}
+    return {**env, **extra}
+
+
+def _run(venv: Venv, code: str, **env: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [str(venv.python), "-c", code], env=_env(**env), capture_output=True, text=True,
+        timeout=240,
+    )  # fmt: skip
+
+
+LOADED = (
+    "import sys; print(sorted(m for m in sys.modules if m.split('.')[0] in "
+    "('ckptcache', 'torch', 'deepspeed')))"
+)
+
+
+def test_pip_install_puts_the_hook_in_site_packages(venv):
+    assert (venv.site / PTH).read_text() == (REPO / PTH).read_text()
+    record = next(venv.site.glob("ckptcache-*.dist-info")) / "RECORD"
+    assert any(line.split(",")[0] == PTH for line in record.read_text().splitlines())
+
+
+def test_hook_costs_nothing_when_unset(venv):
+    proc = _run(venv, LOADED)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "[]"
+    # Set but DeepSpeed never imported: the small hook module only, no torch.
+    proc = _run(venv, LOADED + "; import ckptcache; print(ckptcache.__file__)",
+                CKPTCACHE_DEEPSPEED="1")  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    loaded, where = proc.stdout.splitlines()
+    assert eval(loaded) == ["ckptcache", "ckptcache._startup", "ckptcache._version",
+                            "ckptcache.errors"]  # fmt: skip
+    assert where.startswith(str(venv.site))  # the installed copy, not the source tree
+    # Off values install nothing either.
+    proc = _run(venv, "import sys; print(any(type(f).__name__ == '_AfterImport' "
+                "for f in sys.meta_path))", CKPTCACHE_DEEPSPEED="0")  # fmt: skip
+    assert proc.stdout.strip() == "False", proc.stderr
+
+
+def test_bad_value_is_a_config_error_at_import_deepspeed(venv):
+    proc = _run(venv, "import deepspeed", CKPTCACHE_DEEPSPEED="maybe")
+    assert proc.returncode != 0
+    assert "ckptcache.errors.ConfigError: $CKPTCACHE_DEEPSPEED='maybe'" in proc.stderr
+    assert "'files'" in proc.stderr  # names what it accepts
+
+
+def test_editable_install_ships_the_hook_too(tmp_path):
+    target = tmp_path / "site"
+    _pip("--target", str(target), "-e", str(_copy_sources(tmp_path / "src")))
+    assert (target / PTH).read_text() == (REPO / PTH).read_text()
+    assert list(target.glob("__editable__.ckptcache-*.pth"))
+
+
+def test_environment_variable_alone_routes_save_and_load(venv, daemon_factory, tmp_path):
+    """Save and load of a script that never imports ckptcache go through the daemon."""
+    d = daemon_factory("--memory-limit", "1GiB")  # memory only: files come from the cache
+    ck, out = tmp_path / "ck", tmp_path / "out"
+    out.mkdir()
+    env = {k: v for k, v in daemon_env(d).items() if k != "PYTHONPATH"}
+    proc = subprocess.run(
+        [str(venv.python), str(SCRIPTS / "ds_env_worker.py"), str(ck), str(out)],
+        env={**env, "CKPTCACHE_DEEPSPEED": "1"}, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-8000:]
+    assert proc.stdout.count("ENGINE CkptCacheCheckpointEngine") == 4  # 2 engines x 2 ranks
+    with d.client() as c:
+        cached = {Path(o.path).name for o in c.list(str(ck / TAG))}
+        assert cached == {
+            "mp_rank_00_model_states.pt",
+            "zero_pp_rank_0_mp_rank_00_optim_states.pt",
+            "zero_pp_rank_1_mp_rank_00_optim_states.pt",
+        }
+        from_cache = c.load(ck / TAG / "mp_rank_00_model_states.pt", weights_only=False)
+    for rank in range(2):
+        saved = torch.load(out / f"saved-rank{rank}.pt")
+        loaded = torch.load(out / f"loaded-rank{rank}.pt")
+        assert saved.keys() == loaded.keys() and saved
+        for k in saved:
+            assert torch.equal(saved[k], loaded[k]), k
+        for name, tensor in from_cache["module"].items():
+            assert torch.equal(tensor, saved[f"/m/{name}"]), name
+
+
+def test_lightning_deepspeed_strategy_with_the_variable_only(venv, daemon_factory, tmp_path):
+    """Lightning builds the engine; ``trainer.save_checkpoint`` and ``fit(ckpt_path=...)`` go
+    through the daemon, and the resumed state equals the saved one."""
+    pytest.importorskip("lightning")
+    d = daemon_factory("--memory-limit", "1GiB")
+    ck, out = tmp_path / "run.ckpt", tmp_path / "out"
+    out.mkdir()
+    env = {k: v for k, v in daemon_env(d).items() if k != "PYTHONPATH"}
+    proc = subprocess.run(
+        [str(venv.python), str(SCRIPTS / "lightning_ds_worker.py"), str(ck), str(out)],
+        env={**env, "CKPTCACHE_DEEPSPEED": "1"}, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-8000:]
+    assert proc.stdout.count("ENGINE CkptCacheCheckpointEngine") == 2
+    with d.client() as c:
+        cached = {Path(o.path).name for o in c.list(str(ck / "checkpoint"))}
+        assert cached == {"mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt"}
+        from_cache = c.load(ck / "checkpoint" / "mp_rank_00_model_states.pt", weights_only=False)
+    assert from_cache["global_step"] == 3  # Lightning's client state, kept by DeepSpeed
+    saved, loaded = torch.load(out / "saved.pt"), torch.load(out / "loaded.pt")
+    assert saved.keys() == loaded.keys() and saved
+    for k in saved:
+        assert torch.equal(saved[k], loaded[k]), k
+    for name, tensor in from_cache["module"].items():
+        assert torch.equal(tensor, saved[f"/m/{name}"]), name
