@@ -38,7 +38,8 @@ payload files *before* it calls ``engine.load``. Hence two decisions:
   from memory; losing the node before persistence ends leaves ``latest`` ahead of storage,
   and tools that open the files right after the save (``torch.load`` of
   ``mp_rank_00_model_states.pt``, ``zero_to_fp32``) must go through the cache
-  (``ckptcache.load``) or wait (``ckptcache.wait(prefix=save_dir)``).
+  (``ckptcache.load``, or ``torch.load(ckptcache.open(path))``) or wait
+  (``ckptcache.wait(prefix=save_dir)``).
   ``commit_waits="persisted"``: each rank waits until its own files are persisted and then
   all ranks meet in a barrier, so ``latest`` is written only once every file is in storage.
   ``commit_waits="files"``: the same, except that files under no persist root are written by
