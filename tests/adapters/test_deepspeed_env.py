@@ -8,6 +8,7 @@ its processes start with no ``PYTHONPATH``, so what runs is what ``pip`` put in
 
 from __future__ import annotations
 
+import importlib
 import os
 import shutil
 import subprocess
@@ -19,6 +20,8 @@ from pathlib import Path
 import pytest
 import torch
 
+import ckptcache
+from ckptcache import _startup
 from tests.adapters.conftest import SCRIPTS, daemon_env
 from tests.helpers import REPO
 
@@ -92,6 +95,36 @@ LOADED = (
 )
 
 
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [(None, None), ("", None), ("0", None), ("Off", None), ("1", ""), (" TRUE ", ""),
+     ("files", "files"), ("persisted", "persisted"), ("local", "local")],
+)  # fmt: skip
+def test_setting_values(value, expected):
+    environ = {} if value is None else {_startup.DEEPSPEED_ENV: value}
+    assert _startup.deepspeed_setting(environ) == expected
+
+
+def test_bad_setting_is_a_config_error():
+    with pytest.raises(ckptcache.ConfigError, match=r"\$CKPTCACHE_DEEPSPEED='sometimes'"):
+        _startup.deepspeed_setting({_startup.DEEPSPEED_ENV: "sometimes"})
+
+
+def test_after_import_hook_runs_once_after_the_module_ran(tmp_path, monkeypatch):
+    (tmp_path / "ckptcache_probe_mod.py").write_text("VALUE = 42\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    seen = []
+    finder = _startup._AfterImport("ckptcache_probe_mod", lambda mod: seen.append(mod.VALUE))
+    monkeypatch.setattr(sys, "meta_path", [finder, *sys.meta_path])
+    import ckptcache_probe_mod  # type: ignore[import-not-found]
+
+    assert seen == [42] and ckptcache_probe_mod.VALUE == 42
+    assert finder not in sys.meta_path  # one-shot
+    importlib.reload(ckptcache_probe_mod)  # a reload works, and is the plain module's
+    assert seen == [42] and ckptcache_probe_mod.VALUE == 42
+    monkeypatch.delitem(sys.modules, "ckptcache_probe_mod")
+
+
 def test_pip_install_puts_the_hook_in_site_packages(venv):
     assert (venv.site / PTH).read_text() == (REPO / PTH).read_text()
     record = next(venv.site.glob("ckptcache-*.dist-info")) / "RECORD"
@@ -121,6 +154,27 @@ def test_bad_value_is_a_config_error_at_import_deepspeed(venv):
     assert proc.returncode != 0
     assert "ckptcache.errors.ConfigError: $CKPTCACHE_DEEPSPEED='maybe'" in proc.stderr
     assert "'files'" in proc.stderr  # names what it accepts
+
+
+ENGINE = (
+    "import deepspeed.runtime.engine as e; c = e.create_checkpoint_engine(config_params=None, "
+    "groups=None, zero_stage=0, has_moe_layers=False, optimize_dp_state=False); "
+    "print(type(c).__name__, getattr(c, 'commit_waits', '-'))"
+)
+
+
+def test_value_picks_commit_waits_and_reachability_is_checked_at_the_first_engine(venv, tmp_path):
+    nowhere = str(tmp_path / "no-daemon.sock")
+    proc = _run(venv, ENGINE, CKPTCACHE_DEEPSPEED="files", CKPTCACHE_SOCKET=nowhere)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines()[-1] == "CkptCacheCheckpointEngine files"
+    assert "DeepSpeed checkpoints: cache NOT reachable" in proc.stderr  # said, not hidden
+    proc = _run(venv, ENGINE, CKPTCACHE_DEEPSPEED="on", CKPTCACHE_SOCKET=nowhere,
+                CKPTCACHE_REQUIRE="1")  # fmt: skip
+    assert proc.returncode != 0
+    assert "ckptcache.errors.DaemonUnavailable: DeepSpeed checkpoints" in proc.stderr
+    proc = _run(venv, ENGINE, CKPTCACHE_DEEPSPEED="off")
+    assert proc.stdout.splitlines()[-1] == "TorchCheckpointEngine -", proc.stderr
 
 
 def test_editable_install_ships_the_hook_too(tmp_path):
