@@ -214,28 +214,37 @@ def test_environment_variable_alone_routes_save_and_load(venv, daemon_factory, t
             assert torch.equal(tensor, saved[f"/m/{name}"]), name
 
 
-def test_lightning_deepspeed_strategy_with_the_variable_only(venv, daemon_factory, tmp_path):
-    """Lightning builds the engine; ``trainer.save_checkpoint`` and ``fit(ckpt_path=...)`` go
-    through the daemon, and the resumed state equals the saved one."""
+@pytest.mark.parametrize("devices", [1, 2])
+def test_lightning_deepspeed_strategy_with_the_variable_only(
+    venv, daemon_factory, tmp_path, devices
+):
+    """Lightning builds the engines (and, with 2 devices, launches the second rank itself);
+    ``trainer.save_checkpoint`` and ``fit(ckpt_path=...)`` go through the daemon, and the
+    resumed state equals the saved one on every rank."""
     pytest.importorskip("lightning")
     d = daemon_factory("--memory-limit", "1GiB")
     ck, out = tmp_path / "run.ckpt", tmp_path / "out"
     out.mkdir()
     env = {k: v for k, v in daemon_env(d).items() if k != "PYTHONPATH"}
     proc = subprocess.run(
-        [str(venv.python), str(SCRIPTS / "lightning_ds_worker.py"), str(ck), str(out)],
+        [str(venv.python), str(SCRIPTS / "lightning_ds_worker.py"), str(ck), str(out),
+         str(devices)],
         env={**env, "CKPTCACHE_DEEPSPEED": "1"}, capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-8000:]
-    assert proc.stdout.count("ENGINE CkptCacheCheckpointEngine") == 2
+    assert proc.stdout.count("ENGINE CkptCacheCheckpointEngine") == 2 * devices
     with d.client() as c:
         cached = {Path(o.path).name for o in c.list(str(ck / "checkpoint"))}
-        assert cached == {"mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt"}
+        assert cached == {"mp_rank_00_model_states.pt"} | {
+            f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in range(devices)
+        }
         from_cache = c.load(ck / "checkpoint" / "mp_rank_00_model_states.pt", weights_only=False)
     assert from_cache["global_step"] == 3  # Lightning's client state, kept by DeepSpeed
-    saved, loaded = torch.load(out / "saved.pt"), torch.load(out / "loaded.pt")
-    assert saved.keys() == loaded.keys() and saved
-    for k in saved:
-        assert torch.equal(saved[k], loaded[k]), k
-    for name, tensor in from_cache["module"].items():
-        assert torch.equal(tensor, saved[f"/m/{name}"]), name
+    for rank in range(devices):
+        saved = torch.load(out / f"saved-rank{rank}.pt")
+        loaded = torch.load(out / f"loaded-rank{rank}.pt")
+        assert saved.keys() == loaded.keys() and saved
+        for k in saved:
+            assert torch.equal(saved[k], loaded[k]), k
+        for name, tensor in from_cache["module"].items():
+            assert torch.equal(tensor, saved[f"/m/{name}"]), name

@@ -1,11 +1,12 @@
 """Lightning's ``DeepSpeedStrategy`` with the cache switched on by ``CKPTCACHE_DEEPSPEED=1``
 alone: Lightning calls ``deepspeed.initialize``; no line here imports ckptcache.
 
-usage: lightning_ds_worker.py CKPT_DIR OUT_DIR
+usage: lightning_ds_worker.py CKPT_DIR OUT_DIR DEVICES
 
-Fits 3 steps, saves with ``trainer.save_checkpoint(CKPT_DIR)`` (DeepSpeed's directory layout),
-writes the live state to ``OUT_DIR/saved.pt``; then a fresh ``Trainer`` resumes with
-``fit(ckpt_path=CKPT_DIR)`` and its restored state goes to ``OUT_DIR/loaded.pt``.
+Fits 3 steps on DEVICES ranks (Lightning launches the others), saves with
+``trainer.save_checkpoint(CKPT_DIR)`` (DeepSpeed's directory layout), writes each rank's live
+state to ``OUT_DIR/saved-rank{r}.pt``; then a fresh ``Trainer`` resumes with
+``fit(ckpt_path=CKPT_DIR)`` and its restored state goes to ``OUT_DIR/loaded-rank{r}.pt``.
 
 ``DeepSpeedStrategy.setup_environment`` accepts only a ``CUDAAccelerator`` (an ``isinstance``
 check), while DeepSpeed itself runs on its CPU accelerator. :class:`CPUStandInForCUDA` is a
@@ -24,7 +25,7 @@ from _dist import deepspeed_without_compiled_ops, tensors_of
 ADAPTER = "ckptcache.adapters.deepspeed"
 
 
-def main(ck: str, out: str) -> None:
+def main(ck: str, out: str, devices: int) -> None:
     assert ADAPTER not in sys.modules
     import lightning as L
     from lightning.pytorch.accelerators import CUDAAccelerator
@@ -86,7 +87,7 @@ def main(ck: str, out: str) -> None:
 
     def trainer() -> L.Trainer:
         return L.Trainer(
-            accelerator=CPUStandInForCUDA(), devices=1,
+            accelerator=CPUStandInForCUDA(), devices=devices,
             strategy=DeepSpeedStrategy(stage=2, process_group_backend="gloo"),
             max_steps=3, logger=False, enable_checkpointing=False, enable_progress_bar=False,
             enable_model_summary=False,
@@ -101,14 +102,14 @@ def main(ck: str, out: str) -> None:
     first = trainer()
     first.fit(Tiny(), torch.utils.data.DataLoader(data, batch_size=4))
     first.save_checkpoint(ck)
-    torch.save(state(first), os.path.join(out, "saved.pt"))
+    torch.save(state(first), os.path.join(out, f"saved-rank{first.global_rank}.pt"))
 
     torch.manual_seed(1)  # different initial weights: only the checkpoint can make them equal
     second = trainer()
     second.fit(Tiny(), torch.utils.data.DataLoader(data, batch_size=4), ckpt_path=ck)
     assert second.global_step == 3, second.global_step
-    torch.save(state(second), os.path.join(out, "loaded.pt"))
+    torch.save(state(second), os.path.join(out, f"loaded-rank{second.global_rank}.pt"))
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    main(sys.argv[1], sys.argv[2], int(sys.argv[3]))
