@@ -17,13 +17,14 @@ never imports DeepSpeed never imports torch on ckptcache's account either.
 
 from __future__ import annotations
 
-import importlib.abc
-import importlib.machinery
 import os
 import sys
-from collections.abc import Callable, Sequence
-from types import ModuleType
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # importlib.abc alone would double the start-up cost of a hooked process
+    from collections.abc import Callable, Sequence
+    from importlib.machinery import ModuleSpec
+    from types import ModuleType
 
 __all__ = ["DEEPSPEED_ENV", "OFF_VALUES", "ON_VALUES", "deepspeed_setting", "install"]
 
@@ -55,10 +56,11 @@ def deepspeed_setting(environ: Any = None) -> str | None:
     )
 
 
-class _AfterImport(importlib.abc.MetaPathFinder):
+class _AfterImport:
     """Runs ``callback(module)`` right after the module ``name`` has executed, once.
 
-    It finds nothing itself: it asks the finders behind it for the spec and wraps the loader.
+    A ``sys.meta_path`` finder (the protocol is one method) that finds nothing itself: it asks
+    the finders behind it for the spec and wraps the loader.
     """
 
     def __init__(self, name: str, callback: Callable[[ModuleType], None]):
@@ -67,7 +69,7 @@ class _AfterImport(importlib.abc.MetaPathFinder):
 
     def find_spec(
         self, fullname: str, path: Sequence[str] | None, target: ModuleType | None = None
-    ) -> importlib.machinery.ModuleSpec | None:
+    ) -> ModuleSpec | None:
         if fullname != self.name:
             return None
         sys.meta_path.remove(self)  # one-shot, and never recursive
@@ -81,14 +83,14 @@ class _AfterImport(importlib.abc.MetaPathFinder):
         return None
 
 
-class _Loader(importlib.abc.Loader):
+class _Loader:
     """The real loader, then the callback (a failing callback fails the import: visibly)."""
 
     def __init__(self, loader: Any, callback: Callable[[ModuleType], None]):
         self._loader = loader
         self._callback = callback
 
-    def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType | None:
+    def create_module(self, spec: ModuleSpec) -> ModuleType | None:
         return self._loader.create_module(spec)  # type: ignore[no-any-return]
 
     def exec_module(self, module: ModuleType) -> None:
