@@ -35,6 +35,8 @@ from ckptcache.errors import (
 if TYPE_CHECKING:
     from ckptcache._async import SaveHandle
     from ckptcache._health import CacheStatus
+    from ckptcache._readthrough import CachedFile
+    from ckptcache._readthrough import open as open  # public, not in __all__ (see below)
     from ckptcache.api import delete, exists, load, prefetch, save, status, wait, warmup
     from ckptcache.client import Client
     from ckptcache.wire.messages import ObjectInfo as ObjectStatus
@@ -42,6 +44,7 @@ if TYPE_CHECKING:
 __all__ = [
     "BudgetExceeded",
     "CacheStatus",
+    "CachedFile",
     "CheckpointDeleted",
     "CheckpointNotFound",
     "CkptCacheError",
@@ -72,6 +75,9 @@ __all__ = [
     "warmup",
 ]
 
+# ``ckptcache.open`` is public but left out of ``__all__``: ``from ckptcache import *`` must
+# not shadow the built-in ``open``.
+
 # Public name -> (module, attribute) for the names that pull in torch.
 _LAZY = {
     **{
@@ -79,6 +85,8 @@ _LAZY = {
         for n in ("delete", "exists", "load", "prefetch", "save", "status", "wait", "warmup")
     },
     "CacheStatus": ("ckptcache._health", "CacheStatus"),
+    "CachedFile": ("ckptcache._readthrough", "CachedFile"),
+    "open": ("ckptcache._readthrough", "open"),
     "SaveHandle": ("ckptcache._async", "SaveHandle"),
     "Client": ("ckptcache.client", "Client"),
     "ObjectStatus": ("ckptcache.wire.messages", "ObjectInfo"),

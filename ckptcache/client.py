@@ -670,3 +670,19 @@ class Client:
     def daemon_status(self) -> m.DaemonStatus:
         """Daemon-wide counters."""
         return self._call("status", m.StatusRequest(), m.DaemonStatus)
+
+    def map_local(self, path: Any) -> tuple[Mapping, m.OpenReply]:
+        """Pin the newest generation of ``path`` and map its segment (read-only for the
+        caller; copy-on-write). The pin lasts until the mapping is garbage. Raises
+        :class:`CheckpointNotFound` when the daemon has no copy (for read-through views,
+        :func:`ckptcache.open`; a loader wants :meth:`load`)."""
+        from ckptcache.format.shm import map_private
+
+        path = normalize_path(path)
+        req = m.OpenRequest(self.namespace, path, timeout=self._server_wait())
+        reply = self._call("open", req, m.OpenReply)
+        mapping = map_private(
+            self._seg_path(reply.segment), reply.size,
+            self._release_later(self._epoch, reply.lease), hold_lock=True,
+        )  # fmt: skip
+        return mapping, reply

@@ -18,6 +18,12 @@ the key); ``"enabled": false`` keeps an engine on DeepSpeed's own writer. Preced
 config, then ``enable(commit_waits=...)``, then ``$CKPTCACHE_COMMIT_WAITS``, then ``"local"``.
 ``enable(engine)`` still switches one existing engine. ``disable()`` removes the hook.
 
+**No code at all:** ``CKPTCACHE_DEEPSPEED=1`` in the environment (or ``=files``, ``=persisted``,
+``=local``: on, with that ``commit_waits``) does what ``enable()`` does, in every process that
+inherits it, as soon as the process imports ``deepspeed``: the installed package puts a
+startup hook (``ckptcache-startup.pth``) in ``site-packages`` that checks the variable at
+interpreter start and costs one lookup when it is unset (see ``ckptcache._startup``).
+
 The files are DeepSpeed's own (``<save_dir>/<tag>/mp_rank_00_model_states.pt``,
 ``zero_pp_rank_*_optim_states.pt``, ``latest``), so DeepSpeed's default engine, ``zero_to_fp32``
 and ``torch.load`` read them once persisted.
@@ -32,7 +38,8 @@ payload files *before* it calls ``engine.load``. Hence two decisions:
   from memory; losing the node before persistence ends leaves ``latest`` ahead of storage,
   and tools that open the files right after the save (``torch.load`` of
   ``mp_rank_00_model_states.pt``, ``zero_to_fp32``) must go through the cache
-  (``ckptcache.load``) or wait (``ckptcache.wait(prefix=save_dir)``).
+  (``ckptcache.load``, or ``torch.load(ckptcache.open(path))``) or wait
+  (``ckptcache.wait(prefix=save_dir)``).
   ``commit_waits="persisted"``: each rank waits until its own files are persisted and then
   all ranks meet in a barrier, so ``latest`` is written only once every file is in storage.
   ``commit_waits="files"``: the same, except that files under no persist root are written by
@@ -61,7 +68,14 @@ from deepspeed.runtime.checkpoint_engine.checkpoint_engine import (
 import ckptcache
 from ckptcache.adapters import _common
 
-__all__ = ["CkptCacheCheckpointEngine", "disable", "enable", "is_enabled", "prepare_load"]
+__all__ = [
+    "CkptCacheCheckpointEngine",
+    "disable",
+    "enable",
+    "enable_from_env",
+    "is_enabled",
+    "prepare_load",
+]
 
 ENGINE_NAME = "CkptCacheCheckpointEngine"
 #: The key inside the DeepSpeed config's ``"checkpoint"`` section that this adapter reads.
@@ -180,7 +194,7 @@ def enable(
     if commit_waits is not None:
         _common.check_commit_waits(commit_waits)
     if engine is None:
-        return _install(commit_waits, client)
+        return cast(ckptcache.CacheStatus, _install(commit_waits, client))
     ckpt_engine = CkptCacheCheckpointEngine(
         getattr(engine, "_config", None), commit_waits=commit_waits or "local", client=client
     )
@@ -215,15 +229,40 @@ def _options(config_params: Any) -> dict[str, Any] | None:
     return None if section.get("enabled", True) is False else section
 
 
-def _install(commit_waits: str | None, client: ckptcache.Client | None) -> ckptcache.CacheStatus:
+def enable_from_env() -> ckptcache.CacheStatus | None:
+    """What ``CKPTCACHE_DEEPSPEED`` asks for (see ``ckptcache._startup``): with it on, the
+    process-wide hook of :func:`enable`, ``commit_waits`` from its value if it names one.
+
+    Called by the startup hook when ``deepspeed`` is imported; reachability is reported when
+    the first engine is built (so importing DeepSpeed never connects to a daemon). Returns
+    ``None`` (and installs nothing) when the variable is off; a bad value raises
+    :class:`ckptcache.ConfigError`.
+    """
+    from ckptcache._startup import deepspeed_setting
+
+    setting = deepspeed_setting()
+    if setting is None:
+        return None
+    return _install(setting or None, None, report=False)
+
+
+def _install(
+    commit_waits: str | None, client: ckptcache.Client | None, *, report: bool = True
+) -> ckptcache.CacheStatus | None:
     import deepspeed.runtime.engine as ds_engine
 
     factory = _HOOK.get("factory", ds_engine.create_checkpoint_engine)
+    unreported = [] if report else [True]
 
     def create_checkpoint_engine(config_params: Any, *args: Any, **kwargs: Any) -> Any:
         options = _options(config_params)
         if options is None:
             return factory(config_params, *args, **kwargs)
+        if unreported:
+            # Enabled from the environment: say once, at the first engine, whether the cache
+            # is reachable (CKPTCACHE_REQUIRE=1 makes an unreachable one an error here).
+            unreported.clear()
+            _common.report_enabled("DeepSpeed", client)
         waits = options.get("commit_waits") or commit_waits or os.environ.get(ENV_COMMIT_WAITS)
         return CkptCacheCheckpointEngine(
             config_params,
@@ -236,7 +275,7 @@ def _install(commit_waits: str | None, client: ckptcache.Client | None) -> ckptc
         _HOOK["load_checkpoint"] = ds_engine.DeepSpeedEngine.load_checkpoint
     cast(Any, ds_engine).create_checkpoint_engine = create_checkpoint_engine
     ds_engine.DeepSpeedEngine.load_checkpoint = _wrap_load(_HOOK["load_checkpoint"])
-    return _common.report_enabled("DeepSpeed", client)
+    return _common.report_enabled("DeepSpeed", client) if report else None
 
 
 def disable() -> None:

@@ -1,0 +1,124 @@
+"""Turn adapters on from the environment, with no change to the training code.
+
+The package ships ``ckptcache-startup.pth`` into ``site-packages``; Python runs its one line at
+interpreter start. The line only looks up :data:`DEEPSPEED_ENV` in ``os.environ`` and imports
+this module when the variable is present, so a process without it pays one dictionary lookup
+and imports nothing of ckptcache (nor torch).
+
+When the variable is on, :func:`install` puts a one-shot finder at the front of
+``sys.meta_path``. It does nothing until ``deepspeed`` is imported (by the user's script, by
+Lightning's ``DeepSpeedStrategy``, by the HF ``Trainer``); once DeepSpeed's ``__init__`` has
+run, it calls :func:`ckptcache.adapters.deepspeed.enable_from_env`, which hooks DeepSpeed's
+checkpoint-engine factory and ``load_checkpoint`` exactly as ``enable()`` does. A process that
+never imports DeepSpeed never imports torch on ckptcache's account either.
+
+``python -S`` (no ``site``) skips every ``.pth`` file: there, call ``enable()`` in code.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # importlib.abc alone would double the start-up cost of a hooked process
+    from collections.abc import Callable, Sequence
+    from importlib.machinery import ModuleSpec
+    from types import ModuleType
+
+__all__ = ["DEEPSPEED_ENV", "OFF_VALUES", "ON_VALUES", "deepspeed_setting", "install"]
+
+#: ``CKPTCACHE_DEEPSPEED=1`` (or a ``commit_waits`` value: ``local``, ``persisted``, ``files``)
+#: routes every DeepSpeed engine of the process through the cache.
+DEEPSPEED_ENV = "CKPTCACHE_DEEPSPEED"
+ON_VALUES = frozenset({"1", "true", "yes", "on"})
+OFF_VALUES = frozenset({"", "0", "false", "no", "off"})
+_COMMIT_WAITS = ("local", "persisted", "files")
+
+
+def deepspeed_setting(environ: Any = None) -> str | None:
+    """What :data:`DEEPSPEED_ENV` asks for: ``None`` (off), ``""`` (on, default
+    ``commit_waits``) or a ``commit_waits`` value. Raises ``ckptcache.ConfigError`` (a
+    ``ValueError``) for anything else, naming the values it accepts."""
+    raw = (os.environ if environ is None else environ).get(DEEPSPEED_ENV)
+    value = (raw or "").strip().lower()
+    if value in OFF_VALUES:
+        return None
+    if value in ON_VALUES:
+        return ""
+    if value in _COMMIT_WAITS:
+        return value
+    from ckptcache.errors import ConfigError
+
+    raise ConfigError(
+        f"${DEEPSPEED_ENV}={raw!r}: expected one of {sorted(ON_VALUES)} (on), "
+        f"{sorted(OFF_VALUES - {''})} (off) or a commit_waits value {list(_COMMIT_WAITS)}"
+    )
+
+
+class _AfterImport:
+    """Runs ``callback(module)`` right after the module ``name`` has executed, once.
+
+    A ``sys.meta_path`` finder (the protocol is one method) that finds nothing itself: it asks
+    the finders behind it for the spec and wraps the loader.
+    """
+
+    def __init__(self, name: str, callback: Callable[[ModuleType], None]):
+        self.name = name
+        self.callback = callback
+
+    def find_spec(
+        self, fullname: str, path: Sequence[str] | None, target: ModuleType | None = None
+    ) -> ModuleSpec | None:
+        if fullname != self.name:
+            return None
+        sys.meta_path.remove(self)  # one-shot, and never recursive
+        for finder in sys.meta_path:
+            find = getattr(finder, "find_spec", None)
+            spec = find(fullname, path, target) if find is not None else None
+            if spec is not None:
+                if spec.loader is not None and hasattr(spec.loader, "exec_module"):
+                    spec.loader = _Loader(spec.loader, self.callback)
+                return spec
+        return None
+
+
+class _Loader:
+    """The real loader, then the callback (a failing callback fails the import: visibly)."""
+
+    def __init__(self, loader: Any, callback: Callable[[ModuleType], None]):
+        self._loader = loader
+        self._callback = callback
+
+    def create_module(self, spec: ModuleSpec) -> ModuleType | None:
+        return self._loader.create_module(spec)  # type: ignore[no-any-return]
+
+    def exec_module(self, module: ModuleType) -> None:
+        self._loader.exec_module(module)
+        self._callback(module)
+
+    def __getattr__(self, name: str) -> Any:
+        # is_package, get_code, get_resource_reader, ...: whatever the real loader offers.
+        return getattr(self._loader, name)
+
+
+def _enable_deepspeed(module: ModuleType) -> None:
+    from ckptcache.adapters import deepspeed as adapter
+
+    adapter.enable_from_env()
+
+
+def install() -> None:
+    """Called by ``ckptcache-startup.pth`` when :data:`DEEPSPEED_ENV` is set: arrange for the
+    DeepSpeed adapter to switch on as soon as ``deepspeed`` is imported (at once if it is
+    already). A bad value is reported when DeepSpeed is imported, as a ``ConfigError``."""
+    try:
+        if deepspeed_setting() is None:
+            return
+    except ValueError:
+        pass  # raised again, with its message, where the user sees it: at `import deepspeed`
+    if "deepspeed" in sys.modules:
+        _enable_deepspeed(sys.modules["deepspeed"])
+        return
+    if not any(isinstance(f, _AfterImport) for f in sys.meta_path):
+        sys.meta_path.insert(0, _AfterImport("deepspeed", _enable_deepspeed))

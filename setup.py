@@ -1,0 +1,40 @@
+"""Build hook: ship ``ckptcache-startup.pth`` into ``site-packages`` (metadata: pyproject.toml).
+
+The file lets ``CKPTCACHE_DEEPSPEED=1`` switch the DeepSpeed adapter on with no code (see
+``ckptcache/_startup.py``). A ``.pth`` file only takes effect at the top of a site directory,
+which no ``pyproject.toml`` key of setuptools can target, hence this ``build_py``: it writes the
+file at the root of a wheel, and of an editable wheel (``pip install -e``).
+"""
+
+from __future__ import annotations
+
+import os
+
+from setuptools import setup
+from setuptools.command.build_py import build_py
+
+PTH = "ckptcache-startup.pth"
+
+
+class BuildPyWithStartupHook(build_py):
+    """``build_py`` that also puts :data:`PTH` at the top of the wheel."""
+
+    def run(self) -> None:
+        super().run()
+        if self.editable_mode:
+            # An editable wheel is made of what lands in install_lib (the unpacked wheel);
+            # build_lib is a scratch directory there.
+            target = self.get_finalized_command("install").install_lib
+        else:
+            target = self.build_lib
+        self.copy_file(os.path.join(os.path.dirname(os.path.abspath(__file__)), PTH),
+                       os.path.join(target, PTH))  # fmt: skip
+
+    def get_outputs(self, include_bytecode: bool = True) -> list[str]:
+        outputs = list(super().get_outputs(include_bytecode))
+        if not self.editable_mode:
+            outputs.append(os.path.join(self.build_lib, PTH))
+        return outputs
+
+
+setup(cmdclass={"build_py": BuildPyWithStartupHook})
