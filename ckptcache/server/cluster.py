@@ -28,7 +28,6 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 from ckptcache.errors import (
@@ -42,7 +41,6 @@ from ckptcache.format.archive import count_records, parse_archive
 from ckptcache.format.digest import digest_bytes, digest_hex
 from ckptcache.format.layout import HEADER_SIZE, plan_segment
 from ckptcache.format.manifest import Manifest, manifest_from_archive, object_digest, pack_digests
-from ckptcache.format.persisted import check_archive
 from ckptcache.server import remote_load
 from ckptcache.server.coord import (
     CoordinatorUnavailable,
@@ -61,6 +59,7 @@ from ckptcache.server.dataplane import (
     recv_msg,
     send_msg,
 )
+from ckptcache.server.storage_read import read_archive
 from ckptcache.server.transfer import (
     receive_object,
     receive_relayed,
@@ -502,26 +501,12 @@ class Cluster:
 
         def fill(view: memoryview, advance: Callable[[int], None]) -> None:
             started()  # registered as in flight here: joiners may chain behind us now
-            # Ranges are read in parallel; relays follow the contiguous prefix that is done.
+            # Ranges are read in parallel, each record's digest (or CRC-32) computed as its
+            # bytes land; relays follow the contiguous prefix that is done. A damaged file
+            # is not served.
             chunk = max(8 << 20, -(-size // (4 * self.config.s3_max_concurrency)))
-            ranges = [(off, min(chunk, size - off)) for off in range(0, size, chunk)]
-            done: set[int] = set()
-            lock = threading.Lock()
-
-            def read(index: int) -> None:
-                off, n = ranges[index]
-                backend.read_into(path, off, view[off : off + n])
-                with lock:
-                    done.add(index)
-                    prefix = 0
-                    while prefix in done:
-                        prefix += 1
-                    advance(ranges[prefix - 1][0] + ranges[prefix - 1][1] if prefix else 0)
-
-            with ThreadPoolExecutor(self.config.s3_max_concurrency) as pool:
-                list(pool.map(read, range(len(ranges))))
-            # Structure and every record's digest (or CRC-32): a damaged file is not served.
-            computed = check_archive(view[:size], path, deep=True)
+            computed = read_archive(backend, path, view[:size], advance=advance, chunk=chunk,
+                                    concurrency=self.config.s3_max_concurrency)  # fmt: skip
             parsed = parse_archive(view[:size])
             manifest = manifest_from_archive(parsed, path, namespace, size)
             encoded = manifest.to_json()
