@@ -344,8 +344,10 @@ class Cluster:
         ready: bool,
         started: Callable[[], None] | None = None,
         saved_at: float | None = None,
+        persisted: bool = False,
     ) -> Generation:
-        """Receive one streamed object (see :mod:`ckptcache.server.transfer`) and commit it."""
+        """Receive one streamed object (see :mod:`ckptcache.server.transfer`) and commit it;
+        ``persisted``: the sender's copy is the one stored at the path (nothing to write)."""
         namespace, path = str(head["namespace"]), str(head["path"])
         nbytes, mo, ms = (
             int(head["nbytes"]),
@@ -365,7 +367,8 @@ class Cluster:
             _check_skeleton(view, manifest, int(head.get("skeleton_digest") or 0))
 
         return self.core.receive(namespace, path, nbytes, mo, ms, fill, origin=origin,
-                                 digests=lambda: verified, saved_at=saved_at)  # fmt: skip
+                                 digests=lambda: verified, saved_at=saved_at,
+                                 persisted=persisted)  # fmt: skip
 
     def _on_fetch(self, conn: Channel, req: dict[str, Any]) -> None:
         try:
@@ -384,7 +387,7 @@ class Cluster:
             send_msg(conn, {
                 "ok": True, "relay": True, "nbytes": flight.nbytes, "namespace": key[0],
                 "path": key[1], "manifest_offset": flight.manifest_offset,
-                "manifest_size": flight.manifest_size,
+                "manifest_size": flight.manifest_size, "persisted": flight.persisted,
             })  # fmt: skip
             relay_in_flight(conn, self.core, flight)
             return
@@ -396,7 +399,7 @@ class Cluster:
                 "manifest_size": header.manifest_size, "generation": gen.number,
                 "namespace": gen.namespace, "path": gen.path,
                 "manifest": gen.manifest.to_json().decode(),
-                "skeleton_digest": header.skeleton_digest,
+                "skeleton_digest": header.skeleton_digest, "persisted": gen.persisted,
             })  # fmt: skip
             send_object(conn, gen, lambda: self.core.ensure_digests(gen))
         finally:
@@ -423,8 +426,10 @@ class Cluster:
                 return self.core.receive(
                     namespace, path, int(head["nbytes"]), int(head["manifest_offset"]),
                     int(head["manifest_size"]), fill, origin=node.node_id,
+                    persisted=head.get("persisted") is True,  # stored bytes: not written back
                 )  # fmt: skip
-            return self._receive(peer.channel, head, node.node_id, ready=False, started=started)
+            return self._receive(peer.channel, head, node.node_id, ready=False, started=started,
+                                 persisted=head.get("persisted") is True)  # fmt: skip
 
     # ----------------------------------------------------------------- tiered load
 
