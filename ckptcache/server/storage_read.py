@@ -72,10 +72,9 @@ class _Follower:
         self._next = 0  # index of the record being hashed
         self._lock = threading.Lock()  # one hasher at a time; others leave their progress
 
-    def follow(self, prefix: int) -> None:
-        """Record that ``[0, prefix)`` has landed, and hash what that completes (unless another
-        thread is hashing: it picks the new prefix up before it stops)."""
-        self.prefix = max(self.prefix, prefix)
+    def follow(self) -> None:
+        """Hash what :attr:`prefix` (set by the caller, under its lock) completes, unless
+        another thread is hashing: that one picks the new prefix up before it stops."""
         while self._lock.acquire(blocking=False):
             try:
                 target = self.prefix
@@ -185,13 +184,15 @@ def read_archive(
             while prefix in done:
                 prefix += 1
             landed = ranges[prefix - 1][0] + ranges[prefix - 1][1] if prefix else 0
+            follower.prefix = landed  # only grows: computed and stored under one lock
             advance(landed)
-        follower.follow(landed)
+        follower.follow()
 
     with ThreadPoolExecutor(max(1, concurrency), thread_name_prefix="storage-read") as pool:
         for future in [pool.submit(read, i) for i in range(len(ranges))]:
             future.result()  # the first failure, in range order
-    follower.follow(size)  # a hasher may have left while the last prefix moved
+    follower.prefix = size
+    follower.follow()  # a hasher may have left while the last prefix moved
 
     computed: dict[int, tuple[int, int | None]] = {}
     for record in records:

@@ -108,3 +108,11 @@ def test_a_file_that_is_not_an_archive_is_refused(tmp_path):
 @given(st.binary(max_size=5000), st.binary(max_size=5000))
 def test_crc32_combine_matches_zlib(a, b):
     assert crc32_combine(zlib.crc32(a), zlib.crc32(b), len(b)) == zlib.crc32(a + b)
+
+
+def test_a_damaged_local_header_is_refused(tmp_path):
+    data = bytearray(torch_archive())
+    record = next(r for r in list_records(memoryview(bytes(data)))[0] if r.name.endswith("/1"))
+    data[record.header_offset : record.header_offset + 4] = b"XXXX"
+    with pytest.raises(CorruptCheckpoint, match="bad local header"):
+        read(tmp_path, bytes(data), concurrency=3, chunk=BLOCK)
