@@ -240,14 +240,14 @@ def check_archive(
     path: str,
     *,
     deep: bool = False,
-    computed: Mapping[int, tuple[int, int | None]] | None = None,
+    computed: Mapping[tuple[int, int], tuple[int, int | None]] | None = None,
 ) -> dict[int, int]:
     """Raise :class:`CorruptCheckpoint` naming ``path`` if the archive is truncated or (with
     ``deep``) any record's bytes differ from its recorded digest or CRC-32. With ``deep``,
     returns the xxh3 of every record by data offset (computed in the checking pass).
 
-    ``computed`` maps record data offsets to ``(xxh3, CRC-32 or None)`` already computed over
-    these bytes (by a reader that hashed while it read, see
+    ``computed`` maps ``(data offset, size)`` of records to ``(xxh3, CRC-32 or None)`` already
+    computed over these bytes (by a reader that hashed while it read, see
     :mod:`ckptcache.server.storage_read`): those records are compared, not hashed again; a
     record it lacks (or lacks the CRC of, when one is needed) is hashed here."""
     if len(view) == 0:
@@ -261,7 +261,7 @@ def check_archive(
         if record.name.endswith("/" + DIGESTS_MEMBER):
             continue
         data = view[record.data_offset : record.data_offset + record.size]
-        known, crc = (computed or {}).get(record.data_offset, (None, None))
+        known, crc = (computed or {}).get((record.data_offset, record.size), (None, None))
         found[record.data_offset] = got = xxhash.xxh3_64_intdigest(data) if known is None else known
         if digests is not None:
             want = digests.get(record.name)

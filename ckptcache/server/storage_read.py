@@ -194,13 +194,15 @@ def read_archive(
     follower.prefix = size
     follower.follow()  # a hasher may have left while the last prefix moved
 
-    computed: dict[int, tuple[int, int | None]] = {}
+    # Keyed by place and length: check_archive compares these only with the records it finds
+    # in the final bytes (a file replaced between the tail and the bulk reads is refused).
+    computed: dict[tuple[int, int], tuple[int, int | None]] = {}
     for record in records:
         digest = follower.digests.get(record.data_offset)
         if digest is None:
             continue  # check_archive hashes (or refuses) it
         crc = _record_crc(view, record.data_offset, record.size, block_crcs) if need_crc else None
-        computed[record.data_offset] = (digest, crc)
+        computed[record.data_offset, record.size] = (digest, crc)
     return check_archive(view, path, deep=True, computed=computed)
 
 
