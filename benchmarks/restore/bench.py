@@ -15,6 +15,7 @@ import contextlib
 import os
 import re
 import shutil
+import statistics
 import tempfile
 import threading
 import time
@@ -73,6 +74,38 @@ def each_reads_storage(n: int, path: Path) -> float:
     return parallel([lambda: torch.load(path, mmap=False) for _ in range(n)])
 
 
+def single_node_rows(nbytes: int, etcd: EtcdServer, root: Path, rounds: int) -> list[Row]:
+    """Item 1 on its own: one node loads an object it has never seen, next to ``torch.load``
+    of the same file, interleaved round by round (fresh files each round: the daemon has no
+    copy; their pages are in the page cache for both sides); medians."""
+    state = make_state(nbytes)
+    direct, private, mapped = [], [], []
+    with cluster(1, etcd, root, 4 * nbytes) as ((client,), _):
+        for r in range(rounds):
+            files = [root / "single" / f"r{r}-{k}.pt" for k in range(2)]
+            files[0].parent.mkdir(exist_ok=True)
+            for f in files:
+                torch.save(state, f)
+            t0 = time.perf_counter()
+            torch.load(files[0], mmap=False)
+            direct.append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            client.load(files[0], mmap=False)
+            private.append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            client.load(files[1])
+            mapped.append(time.perf_counter() - t0)
+            for f in files:
+                client.delete(f)
+                f.unlink()
+    med = statistics.median
+    return [
+        Row("torch.load of the file (private copy, page cache warm)", nbytes, med(direct)),
+        Row("1 node, uncached, private copy (mmap=False)", nbytes, med(private)),
+        Row("1 node, uncached, zero-copy load (maps the segment)", nbytes, med(mapped)),
+    ]
+
+
 def s3_rows(nbytes: int, nodes: list[int], etcd: EtcdServer, work: Path) -> list[Row]:
     """The same race with S3 (moto's server on loopback) as the storage all nodes share."""
     import io
@@ -113,6 +146,8 @@ def main() -> None:
     p.add_argument("--size", default="1GiB")
     p.add_argument("--nodes", nargs="+", type=int, default=[1, 2, 4])
     p.add_argument("--s3-size", default="128MiB", help="object size for the S3 race (0: skip)")
+    p.add_argument("--single-rounds", type=int, default=5,
+                   help="rounds of the single-node uncached load (0: skip)")  # fmt: skip
     args = p.parse_args()
     nbytes = parse_bytes(args.size)
     work = Path(tempfile.mkdtemp(prefix="ckptcache-restore-", dir="/var/tmp"))
@@ -131,7 +166,16 @@ def main() -> None:
                 secs = parallel([lambda c=c, p=path: c.load(p, mmap=False) for c in clients])
                 tiers = sorted(c.status(path).last_load_tier for c in clients)
                 ROUND_TRIPS[f"file system, N = {n}"] = round_trips(handles)
+                if n == 1:  # the same uncached load, the trainer mapping the segment
+                    fresh = root / "n1" / "fresh.pt"
+                    torch.save(state, fresh)
+                    t0 = time.perf_counter()
+                    clients[0].load(fresh)
+                    mapped = time.perf_counter() - t0
             rows.append(Row(f"{n} node(s), broadcast ({'/'.join(tiers)})", nbytes, secs))
+            if n == 1:
+                rows.append(Row("1 node, uncached, zero-copy load (maps the segment)", nbytes,
+                                mapped))  # fmt: skip
             rows.append(Row(f"{n} node(s), each torch.load from storage", nbytes,
                             each_reads_storage(n, path)))  # fmt: skip
         path = root / "tiers.pt"
@@ -152,6 +196,11 @@ def main() -> None:
         rows.append(Row("ckptcache.load from a peer's memory (private copy)", nbytes, peer))
         print(f"\n### restore, {args.size}, file system storage\n")
         print(format_table(rows))
+        if args.single_rounds:
+            single = single_node_rows(nbytes, etcd, root, args.single_rounds)
+            print(f"\n### one node, uncached, {args.size} (medians of {args.single_rounds} "
+                  "interleaved rounds)\n")  # fmt: skip
+            print(format_table(single, limit=single[0], limit_name="torch.load"))
         if parse_bytes(args.s3_size):
             print(f"\n### restore, {args.s3_size}, S3 storage (moto server on loopback)\n")
             print(format_table(s3_rows(parse_bytes(args.s3_size), args.nodes, etcd, work)))

@@ -43,6 +43,7 @@ __all__ = [
     "DIGESTS_FORMAT",
     "DIGESTS_MEMBER",
     "ArchiveRecord",
+    "central_offset",
     "check_archive",
     "list_records",
     "load_from_storage",
@@ -91,7 +92,7 @@ def list_records(view: memoryview, path: str = "<archive>") -> tuple[list[Archiv
     except (zipfile.BadZipFile, OSError, EOFError, ValueError) as e:
         raise _corrupt(path, f"{e} (truncated, or not a checkpoint archive)") from e
     infos.sort(key=lambda i: i.header_offset)
-    cd_offset = _central_offset(view, path)
+    cd_offset = central_offset(view, path)
     records = []
     for n, info in enumerate(infos):
         if info.compress_type != zipfile.ZIP_STORED:
@@ -109,8 +110,9 @@ def list_records(view: memoryview, path: str = "<archive>") -> tuple[list[Archiv
     return records, cd_offset
 
 
-def _central_offset(view: memoryview, path: str) -> int:
-    """Offset of the central directory, from the (zip64) end records."""
+def central_offset(view: memoryview, path: str = "<archive>") -> int:
+    """Offset of the central directory, from the (zip64) end records at the end of ``view``
+    (only the last few dozen bytes need to be in place)."""
     size = len(view)
     eocd = bytes(view[size - 22 : size])
     if size < 22 or eocd[:4] != b"PK\x05\x06":
@@ -233,22 +235,34 @@ def _digest_member(top: str, digests: Mapping[str, int], offset: int) -> _Member
     return _Member(local + name + body, central)
 
 
-def check_archive(view: memoryview, path: str, *, deep: bool = False) -> dict[int, int]:
+def check_archive(
+    view: memoryview,
+    path: str,
+    *,
+    deep: bool = False,
+    computed: Mapping[tuple[int, int], tuple[int, int | None]] | None = None,
+) -> dict[int, int]:
     """Raise :class:`CorruptCheckpoint` naming ``path`` if the archive is truncated or (with
     ``deep``) any record's bytes differ from its recorded digest or CRC-32. With ``deep``,
-    returns the xxh3 of every record by data offset (computed in the checking pass)."""
+    returns the xxh3 of every record by data offset (computed in the checking pass).
+
+    ``computed`` maps ``(data offset, size)`` of records to ``(xxh3, CRC-32 or None)`` already
+    computed over these bytes (by a reader that hashed while it read, see
+    :mod:`ckptcache.server.storage_read`): those records are compared, not hashed again; a
+    record it lacks (or lacks the CRC of, when one is needed) is hashed here."""
     if len(view) == 0:
         raise _corrupt(path, "the file is empty")
     records, _ = list_records(view, path)
     if not deep:
         return {}
     digests = _recorded_digests(view, records, path)
-    computed: dict[int, int] = {}
+    found: dict[int, int] = {}
     for record in records:
         if record.name.endswith("/" + DIGESTS_MEMBER):
             continue
         data = view[record.data_offset : record.data_offset + record.size]
-        computed[record.data_offset] = got = xxhash.xxh3_64_intdigest(data)
+        known, crc = (computed or {}).get((record.data_offset, record.size), (None, None))
+        found[record.data_offset] = got = xxhash.xxh3_64_intdigest(data) if known is None else known
         if digests is not None:
             want = digests.get(record.name)
             if want is None:
@@ -256,7 +270,7 @@ def check_archive(view: memoryview, path: str, *, deep: bool = False) -> dict[in
             if got != want:
                 raise _corrupt(path, f"record {record.name!r} does not match its digest",
                                tensor=record.name)  # fmt: skip
-        elif record.crc and zlib.crc32(data) != record.crc:
+        elif record.crc and (zlib.crc32(data) if crc is None else crc) != record.crc:
             raise _corrupt(path, f"record {record.name!r} does not match its CRC-32",
                            tensor=record.name)  # fmt: skip
     if digests is not None:
@@ -264,7 +278,7 @@ def check_archive(view: memoryview, path: str, *, deep: bool = False) -> dict[in
         missing = sorted(set(digests) - names)
         if missing:
             raise _corrupt(path, f"records {missing} are missing")
-    return computed
+    return found
 
 
 def _recorded_digests(

@@ -28,7 +28,6 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 from ckptcache.errors import (
@@ -42,7 +41,6 @@ from ckptcache.format.archive import count_records, parse_archive
 from ckptcache.format.digest import digest_bytes, digest_hex
 from ckptcache.format.layout import HEADER_SIZE, plan_segment
 from ckptcache.format.manifest import Manifest, manifest_from_archive, object_digest, pack_digests
-from ckptcache.format.persisted import check_archive
 from ckptcache.server import remote_load
 from ckptcache.server.coord import (
     CoordinatorUnavailable,
@@ -61,6 +59,7 @@ from ckptcache.server.dataplane import (
     recv_msg,
     send_msg,
 )
+from ckptcache.server.storage_read import read_archive
 from ckptcache.server.transfer import (
     receive_object,
     receive_relayed,
@@ -345,8 +344,10 @@ class Cluster:
         ready: bool,
         started: Callable[[], None] | None = None,
         saved_at: float | None = None,
+        persisted: bool = False,
     ) -> Generation:
-        """Receive one streamed object (see :mod:`ckptcache.server.transfer`) and commit it."""
+        """Receive one streamed object (see :mod:`ckptcache.server.transfer`) and commit it;
+        ``persisted``: the sender's copy is the one stored at the path (nothing to write)."""
         namespace, path = str(head["namespace"]), str(head["path"])
         nbytes, mo, ms = (
             int(head["nbytes"]),
@@ -366,7 +367,8 @@ class Cluster:
             _check_skeleton(view, manifest, int(head.get("skeleton_digest") or 0))
 
         return self.core.receive(namespace, path, nbytes, mo, ms, fill, origin=origin,
-                                 digests=lambda: verified, saved_at=saved_at)  # fmt: skip
+                                 digests=lambda: verified, saved_at=saved_at,
+                                 persisted=persisted)  # fmt: skip
 
     def _on_fetch(self, conn: Channel, req: dict[str, Any]) -> None:
         try:
@@ -385,7 +387,7 @@ class Cluster:
             send_msg(conn, {
                 "ok": True, "relay": True, "nbytes": flight.nbytes, "namespace": key[0],
                 "path": key[1], "manifest_offset": flight.manifest_offset,
-                "manifest_size": flight.manifest_size,
+                "manifest_size": flight.manifest_size, "persisted": flight.persisted,
             })  # fmt: skip
             relay_in_flight(conn, self.core, flight)
             return
@@ -397,7 +399,7 @@ class Cluster:
                 "manifest_size": header.manifest_size, "generation": gen.number,
                 "namespace": gen.namespace, "path": gen.path,
                 "manifest": gen.manifest.to_json().decode(),
-                "skeleton_digest": header.skeleton_digest,
+                "skeleton_digest": header.skeleton_digest, "persisted": gen.persisted,
             })  # fmt: skip
             send_object(conn, gen, lambda: self.core.ensure_digests(gen))
         finally:
@@ -424,8 +426,10 @@ class Cluster:
                 return self.core.receive(
                     namespace, path, int(head["nbytes"]), int(head["manifest_offset"]),
                     int(head["manifest_size"]), fill, origin=node.node_id,
+                    persisted=head.get("persisted") is True,  # stored bytes: not written back
                 )  # fmt: skip
-            return self._receive(peer.channel, head, node.node_id, ready=False, started=started)
+            return self._receive(peer.channel, head, node.node_id, ready=False, started=started,
+                                 persisted=head.get("persisted") is True)  # fmt: skip
 
     # ----------------------------------------------------------------- tiered load
 
@@ -502,26 +506,12 @@ class Cluster:
 
         def fill(view: memoryview, advance: Callable[[int], None]) -> None:
             started()  # registered as in flight here: joiners may chain behind us now
-            # Ranges are read in parallel; relays follow the contiguous prefix that is done.
+            # Ranges are read in parallel, each record's digest (or CRC-32) computed as its
+            # bytes land; relays follow the contiguous prefix that is done. A damaged file
+            # is not served.
             chunk = max(8 << 20, -(-size // (4 * self.config.s3_max_concurrency)))
-            ranges = [(off, min(chunk, size - off)) for off in range(0, size, chunk)]
-            done: set[int] = set()
-            lock = threading.Lock()
-
-            def read(index: int) -> None:
-                off, n = ranges[index]
-                backend.read_into(path, off, view[off : off + n])
-                with lock:
-                    done.add(index)
-                    prefix = 0
-                    while prefix in done:
-                        prefix += 1
-                    advance(ranges[prefix - 1][0] + ranges[prefix - 1][1] if prefix else 0)
-
-            with ThreadPoolExecutor(self.config.s3_max_concurrency) as pool:
-                list(pool.map(read, range(len(ranges))))
-            # Structure and every record's digest (or CRC-32): a damaged file is not served.
-            computed = check_archive(view[:size], path, deep=True)
+            computed = read_archive(backend, path, view[:size], advance=advance, chunk=chunk,
+                                    concurrency=self.config.s3_max_concurrency)  # fmt: skip
             parsed = parse_archive(view[:size])
             manifest = manifest_from_archive(parsed, path, namespace, size)
             encoded = manifest.to_json()

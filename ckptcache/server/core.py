@@ -96,6 +96,9 @@ class Inflight:
     #: Bytes ``[0, ready)`` of the segment are final (the header page counts as ready).
     ready: int = HEADER_SIZE
     failed: bool = False
+    #: The bytes are those stored at the path (read from storage, or from a copy that was):
+    #: whoever receives them by relay has a persisted copy too.
+    persisted: bool = False
 
 
 @dataclass(eq=False)
@@ -470,7 +473,7 @@ class CacheCore:
         key = (namespace, path)
         with self.cond:
             segment = self.internal.reservations[reply.reservation].segment
-            flight = Inflight(segment, nbytes, manifest_offset, manifest_size)
+            flight = Inflight(segment, nbytes, manifest_offset, manifest_size, persisted=persisted)
             self.inflight.setdefault(key, flight)
 
         def advance(n: int) -> None:

@@ -1,0 +1,118 @@
+"""The storage reader that checks an archive as it lands: same answers as the two-pass check.
+
+Real archives (``torch.save``'s, and the persisted form with its digest record) on a real
+file-system backend, read into a buffer the size of the object with several reader threads
+and ranges that cut records at unaligned places.
+"""
+
+from __future__ import annotations
+
+import io
+import zlib
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ckptcache.errors import CorruptCheckpoint
+from ckptcache.format.crc import crc32_combine
+from ckptcache.format.persisted import check_archive, list_records, stream_archive
+from ckptcache.server.storage_read import BLOCK, read_archive
+from ckptcache.storage import backend_for
+
+
+def torch_archive() -> bytes:
+    """A plain ``torch.save`` archive (CRC-32s, no digest record) whose tensors straddle
+    block and range boundaries."""
+    g = torch.Generator().manual_seed(7)
+    state = {
+        "a": torch.randn(340_000, generator=g),  # 1.3 MiB
+        "b": torch.randn(800_000, generator=g),  # 3.05 MiB
+        "small": torch.arange(10),
+        "c": torch.randn(262_144, generator=g),  # exactly 1 MiB
+        "step": 5,
+    }
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    return buf.getvalue()
+
+
+def persisted_archive() -> bytes:
+    """The same archive in its persisted form (real CRC-32s and the digest record)."""
+    out = bytearray()
+    stream_archive(memoryview(torch_archive()), out.extend, path="mem")
+    return bytes(out)
+
+
+def read(tmp_path, data: bytes, **kwargs) -> tuple[dict[int, int], bytearray, list[int]]:
+    path = tmp_path / "model.pt"
+    path.write_bytes(data)
+    view = bytearray(len(data))
+    landed: list[int] = []
+    digests = read_archive(backend_for(str(path)), str(path), memoryview(view),
+                           advance=landed.append, **kwargs)  # fmt: skip
+    return digests, view, landed
+
+
+@pytest.mark.parametrize("make", [torch_archive, persisted_archive])
+@pytest.mark.parametrize(
+    "concurrency,chunk", [(1, BLOCK), (4, BLOCK), (3, 2 * BLOCK), (2, 64 << 20)]
+)
+def test_same_bytes_and_digests_as_the_two_pass_check(tmp_path, make, concurrency, chunk):
+    data = make()
+    digests, view, landed = read(tmp_path, data, concurrency=concurrency, chunk=chunk)
+    assert bytes(view) == data
+    assert digests == check_archive(memoryview(data), "ref", deep=True)
+    records, _ = list_records(memoryview(data))
+    assert len(digests) == len([r for r in records if "digests.json" not in r.name])
+    assert landed == sorted(landed) and landed[-1] == len(data)
+
+
+@pytest.mark.parametrize("make", [torch_archive, persisted_archive])
+def test_a_flipped_byte_in_a_tensor_is_refused_naming_it(tmp_path, make):
+    data = bytearray(make())
+    record = next(r for r in list_records(memoryview(bytes(data)))[0] if r.name.endswith("/0"))
+    data[record.data_offset + record.size // 2] ^= 0x10
+    against = "CRC-32" if make is torch_archive else "digest"
+    with pytest.raises(CorruptCheckpoint, match=f"does not match its {against}") as info:
+        read(tmp_path, bytes(data), concurrency=4, chunk=BLOCK)
+    assert info.value.tensor == record.name
+
+
+def test_a_flipped_byte_in_a_small_record_is_refused(tmp_path):
+    data = bytearray(torch_archive())
+    record = next(
+        r for r in list_records(memoryview(bytes(data)))[0] if r.name.endswith("data.pkl")
+    )
+    data[record.data_offset + 3] ^= 0x01
+    with pytest.raises(CorruptCheckpoint, match=r"data\.pkl"):
+        read(tmp_path, bytes(data), concurrency=2, chunk=BLOCK)
+
+
+@pytest.mark.parametrize("cut", [1, 22, 1000, BLOCK + 5])
+def test_a_truncated_file_is_refused(tmp_path, cut):
+    data = torch_archive()
+    with pytest.raises(CorruptCheckpoint, match="corrupt"):
+        read(tmp_path, data[:-cut], concurrency=2, chunk=BLOCK)
+
+
+def test_a_file_that_is_not_an_archive_is_refused(tmp_path):
+    with pytest.raises(CorruptCheckpoint, match="corrupt"):
+        read(tmp_path, b"x" * (3 * BLOCK), concurrency=2, chunk=BLOCK)
+    with pytest.raises(CorruptCheckpoint, match="too short"):
+        read(tmp_path, b"PK", concurrency=1)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.binary(max_size=5000), st.binary(max_size=5000))
+def test_crc32_combine_matches_zlib(a, b):
+    assert crc32_combine(zlib.crc32(a), zlib.crc32(b), len(b)) == zlib.crc32(a + b)
+
+
+def test_a_damaged_local_header_is_refused(tmp_path):
+    data = bytearray(torch_archive())
+    record = next(r for r in list_records(memoryview(bytes(data)))[0] if r.name.endswith("/1"))
+    data[record.header_offset : record.header_offset + 4] = b"XXXX"
+    with pytest.raises(CorruptCheckpoint, match="bad local header"):
+        read(tmp_path, bytes(data), concurrency=3, chunk=BLOCK)
