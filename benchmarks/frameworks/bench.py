@@ -17,9 +17,12 @@ For each framework the call that blocks training is timed three ways on the same
     default ``TorchCheckpointIO``.
 
 Every save names a new checkpoint (a new tag, a new directory), as training does. Between two
-saves the run waits, untimed, until the daemon is idle again (digests computed, spare pool
-refilled and mapped by the client: ``warmup()``), as it is minutes apart in training: each
-figure is the steady-state stall, the best of ``--repeats`` saves. The daemon persists in the
+saves the run waits, untimed, until the daemon is idle again (digests computed, persists done,
+spare pool refilled and mapped by the client: ``warmup()``), as it is minutes apart in
+training: each figure is the steady-state stall, the best of ``--repeats`` saves after two
+untimed ones. The memcpy limit is sampled right before every timed save, and each framework's
+own work is measured with a writer that writes nothing. Each framework (each ZeRO stage) gets
+a fresh daemon, as a job has its node's cache to itself. The daemon persists in the
 background into the directory the baselines write to. One process, world size 1.
 
     python benchmarks/frameworks/bench.py --mib 256 --repeats 3
@@ -28,6 +31,8 @@ background into the directory the baselines write to. One process, world size 1.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import functools
 import os
 import shutil
 import tempfile
@@ -44,6 +49,8 @@ from ckptcache.benchmarking import Row, memcpy_seconds, running_daemon
 from ckptcache.wire import messages as m
 
 WIDTH = 1024
+#: Untimed saves before the timed ones, per row.
+WARMUP = 2
 
 
 def model_of(state_mib: int) -> torch.nn.Module:
@@ -98,18 +105,19 @@ def timed(
     client: ckptcache.Client | None = None,
     after: Callable[[Any], None] | None = None,
 ) -> float:
-    """Best time of ``repeats`` calls ``fn(i)`` after one untimed call ``fn(0)`` (first-use
-    costs: a file's creation, the pool's first spare of this size). Untimed before each: the
-    daemon settles (with ``client``: the cache's rows) and ``sec`` samples its memcpy limit;
-    after each, ``after(result)`` (waiting for an upload)."""
+    """Best time of ``repeats`` calls ``fn(i)`` after ``WARMUP`` untimed ones (first-use
+    costs: a file's creation; the daemon's spare pool, whose first spares have a guessed
+    size, learning this job's sizes). Untimed before each: the daemon settles (with
+    ``client``: the cache's rows) and ``sec`` samples its memcpy limit; after each,
+    ``after(result)`` (waiting for an upload)."""
     best = float("inf")
-    for i in range(repeats + 1):
+    for i in range(repeats + WARMUP):
         if client is not None:
             settle(client)
         sec.sample()
         t0 = time.perf_counter()
         result = fn(i)
-        if i:
+        if i >= WARMUP:
             best = min(best, time.perf_counter() - t0)
         if after is not None:
             after(result)
@@ -173,13 +181,15 @@ def _cleanup(client: ckptcache.Client, root: str) -> None:
         client.delete(info.path)
 
 
-def bench_deepspeed(client: ckptcache.Client, mib: int, repeats: int, root: str) -> list[Section]:
+def bench_deepspeed(
+    client: ckptcache.Client, mib: int, repeats: int, root: str, stage: int
+) -> Section:
     import deepspeed
     import deepspeed.ops
 
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False  # gloo is enough on CPU
     deepspeed.init_distributed(dist_backend="gloo")
-    return [_deepspeed_stage(client, stage, mib, repeats, root) for stage in (0, 1, 2)]
+    return _deepspeed_stage(client, stage, mib, repeats, root)
 
 
 def _deepspeed_stage(
@@ -438,18 +448,33 @@ def bench_lightning(client: ckptcache.Client, mib: int, repeats: int, root: str)
     return sec
 
 
-BENCHES = {
-    "deepspeed": bench_deepspeed,
-    "dcp": bench_dcp,
-    "megatron": bench_megatron,
-    "lightning": bench_lightning,
+BENCHES: dict[str, list[Callable[[ckptcache.Client, int, int, str], Section]]] = {
+    "deepspeed": [functools.partial(bench_deepspeed, stage=stage) for stage in (0, 1, 2)],
+    "dcp": [bench_dcp],
+    "megatron": [bench_megatron],
+    "lightning": [bench_lightning],
 }
 
 
-def _sections(client: ckptcache.Client, args: argparse.Namespace, root: str) -> Iterator[Section]:
+@contextlib.contextmanager
+def node(root: str, mib: int) -> Iterator[ckptcache.Client]:
+    """A fresh daemon for one framework, as one job has a node's cache to itself: its spare
+    pool learns that job's checkpoint sizes only (four spares, room for four checkpoints)."""
+    pool = str(4 * mib << 20)
+    args = ("--persist-root", root, "--memory-limit", "6GiB")
+    with running_daemon(*args, "--pool-segments", "4", "--pool-bytes", pool) as d:
+        os.environ["CKPTCACHE_SOCKET"] = d.socket
+        ckptcache.api.set_default_client(None)
+        with ckptcache.Client(d.socket, fallback="raise") as client:
+            client.warmup(wait=True)
+            yield client
+
+
+def _sections(args: argparse.Namespace, root: str) -> Iterator[Section]:
     for name in args.only or list(BENCHES):
-        result = BENCHES[name](client, args.mib, args.repeats, root)
-        yield from result if isinstance(result, list) else [result]
+        for bench in BENCHES[name]:
+            with node(root, args.mib) as client:
+                yield bench(client, args.mib, args.repeats, root)
 
 
 def main() -> None:
@@ -466,13 +491,8 @@ def main() -> None:
     if not torch.distributed.is_initialized():
         torch.distributed.init_process_group("gloo")
     try:
-        with running_daemon("--persist-root", root, "--memory-limit", "6GiB") as d:
-            os.environ["CKPTCACHE_SOCKET"] = d.socket
-            ckptcache.api.set_default_client(None)
-            with ckptcache.Client(d.socket, fallback="raise") as client:
-                client.warmup(wait=True)
-                for section in _sections(client, args, root):
-                    print(section.table(), flush=True)
+        for section in _sections(args, root):
+            print(section.table(), flush=True)
     finally:
         if args.dir is None:
             shutil.rmtree(root, ignore_errors=True)
