@@ -242,9 +242,7 @@ def _persist_rows(client: Client, state: Any, size: int, root: str) -> list[Meas
     return rows
 
 
-def cluster_rows(
-    client: Client, state: Any, size: int, path: str, repeats: int
-) -> list[Measure]:
+def cluster_rows(client: Client, state: Any, size: int, path: str, repeats: int) -> list[Measure]:
     """The backup copy and a load from a peer, next to a raw TCP socket moving the same bytes.
 
     * backup copy: ``save(durability="backup")`` returns once a peer holds a verified copy;
