@@ -25,7 +25,7 @@ own work is measured with a writer that writes nothing. Each framework (each ZeR
 a fresh daemon, as a job has its node's cache to itself. The daemon persists in the
 background into the directory the baselines write to. One process, world size 1.
 
-    python benchmarks/frameworks/bench.py --mib 256 --repeats 3
+    python benchmarks/frameworks/bench.py --mib 256 --repeats 5
 """
 
 from __future__ import annotations
