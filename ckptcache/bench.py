@@ -2,7 +2,8 @@
 
 Every figure is measured against the running daemon, next to its physical limit measured in
 the same run (memcpy for saves and private loads; a raw write + fsync, or a raw upload, of the
-same bytes for persistence) and next to ``torch.save``/``torch.load``. The demo and
+same bytes for persistence; a raw TCP socket for the backup copy and a peer load when the
+daemon is one node of a cluster) and next to ``torch.save``/``torch.load``. The demo and
 ``benchmarks/save_load`` call the same functions, so every published figure is taken one way.
 """
 
@@ -20,12 +21,20 @@ from typing import Any
 
 import torch
 
-from ckptcache.benchmarking import best_of, make_state, memcpy_seconds, torch_save_fast
+from ckptcache.benchmarking import (
+    best_of,
+    make_state,
+    memcpy_seconds,
+    raw_socket_seconds,
+    torch_save_fast,
+)
 from ckptcache.client import Client
+from ckptcache.errors import CheckpointNotFound, ReplicationError
 
 __all__ = [
     "Measure",
     "Progress",
+    "cluster_rows",
     "format_measures",
     "load_stalls",
     "measure_size",
@@ -167,8 +176,10 @@ def measure_size(
     repeats: int = 3,
     root: str | None = None,
     progress: Progress | None = None,
+    cluster: bool = False,
 ) -> dict[str, Any]:
-    """Every figure for one size; ``workdir`` holds the cache paths and torch.save files."""
+    """Every figure for one size; ``workdir`` holds the cache paths and torch.save files;
+    ``cluster``: the daemon has peers, also measure the backup copy and a peer load."""
     tick = progress.step if progress is not None else (lambda label: None)
     state = make_state(nbytes)
     size = sum(t.nbytes for t in state.values())
@@ -204,7 +215,10 @@ def measure_size(
     if root is not None:
         rows += _persist_rows(client, state, size, root)
         tick("persist")
-    for p in (path, path + ".async"):
+    if cluster:
+        rows += cluster_rows(client, state, size, path + ".cluster", repeats)
+        tick("backup copy, peer load")
+    for p in (path, path + ".async", path + ".cluster"):
         with contextlib.suppress(Exception):
             client.delete(p)
     return {"nbytes": size, "matched": matched, "rows": [r.as_dict() for r in rows]}
@@ -226,6 +240,52 @@ def _persist_rows(client: Client, state: Any, size: int, root: str) -> list[Meas
         client.delete(target)
         backend_for(target).delete(target)
     return rows
+
+
+def cluster_rows(client: Client, state: Any, size: int, path: str, repeats: int) -> list[Measure]:
+    """The backup copy and a load from a peer, next to a raw TCP socket moving the same bytes.
+
+    * backup copy: ``save(durability="backup")`` returns once a peer holds a verified copy;
+      its cost is that save's stall minus a local save's (each the best of ``repeats``);
+    * peer load: this node's copy is dropped (``delete`` is local; the peer keeps its backup)
+      and ``load`` fetches it from the peer, checks its digests and maps it.
+
+    Without backup nodes (``--backup none``) only the socket limit is reported.
+    """
+    raw = min(raw_socket_seconds(size) for _ in range(repeats))
+    limit = ("raw socket", raw)
+    rows = [Measure("raw socket, loopback TCP (limit)", size, raw)]
+    local = backup = float("inf")
+    for _ in range(repeats):
+        for durability in ("local", "backup"):
+            with contextlib.suppress(CheckpointNotFound):  # the first save
+                wait_idle(client, path)
+            t0 = time.perf_counter()
+            try:
+                client.save(state, path, durability=durability)
+            except ReplicationError:
+                return rows  # no backup nodes configured: nothing more to measure
+            took = time.perf_counter() - t0
+            if durability == "local":
+                local = min(local, took)
+            else:
+                backup = min(backup, took)
+    peer = float("inf")
+    for _ in range(repeats):
+        client.delete(path)
+        t0 = time.perf_counter()
+        loaded = client.load(path)
+        peer = min(peer, time.perf_counter() - t0)
+        del loaded
+    tier = client.status(path).last_load_tier
+    load = "ckptcache.load from a peer" + ("" if tier == "peer" else f" (served from {tier})")
+    copy = max(backup - local, 1e-9)
+    return [
+        *rows,
+        Measure("ckptcache.save, durability=backup", size, backup, *limit),
+        Measure("backup copy (backup save - local save)", size, copy, *limit),
+        Measure(load, size, peer, *limit),
+    ]
 
 
 def format_measures(results: dict[str, Any]) -> str:
@@ -261,18 +321,22 @@ def run_bench(
 ) -> dict[str, Any]:
     """Measure every size against ``client``'s daemon; returns the JSON-ready results."""
     status = client.daemon_status()
-    bar = Progress(len(sizes) * (6 if root else 5), enabled=progress)
+    cluster = len(status.cluster_nodes) > 1
+    bar = Progress(len(sizes) * (5 + bool(root) + cluster), enabled=progress)
     results: dict[str, Any] = {
         "node": status.node_id, "socket": client.socket_path, "repeats": repeats,
-        "root": root, "torch": torch.__version__, "sizes": [],
+        "root": root, "torch": torch.__version__, "cluster_nodes": list(status.cluster_nodes),
+        "sizes": [],
     }  # fmt: skip
     try:
         with _workdir() as workdir:
             client.warmup(wait=True)  # as a trainer would at start: spares mapped
             for nbytes in sizes:
-                results["sizes"].append(
-                    measure_size(client, nbytes, workdir, repeats=repeats, root=root, progress=bar)
-                )
+                entry = measure_size(
+                    client, nbytes, workdir, repeats=repeats, root=root, progress=bar,
+                    cluster=cluster,
+                )  # fmt: skip
+                results["sizes"].append(entry)
     finally:
         bar.close()
     return results

@@ -28,6 +28,7 @@ __all__ = [
     "free_port",
     "make_state",
     "memcpy_seconds",
+    "raw_socket_seconds",
     "running_cluster",
     "running_daemon",
     "running_s3",
@@ -79,6 +80,48 @@ def memcpy_seconds(state: dict[str, torch.Tensor], repeats: int = 3) -> float:
             dst[k].copy_(v)
 
     return best_of(repeats, copy)
+
+
+def raw_socket_seconds(nbytes: int) -> float:
+    """The network limit on loopback: ``sendfile`` from a tmpfs file into ``recv_into`` of a
+    pre-faulted buffer over TCP (no framing, no authentication, no digest)."""
+    import mmap
+    import socket
+    import threading
+
+    with tempfile.NamedTemporaryFile(dir="/dev/shm") as src:
+        os.posix_fallocate(src.fileno(), 0, nbytes)
+        dst = mmap.mmap(-1, nbytes)
+        for off in range(0, nbytes, mmap.PAGESIZE):  # faulted in, as a reused segment is
+            dst[off] = 0
+        server = socket.create_server(("127.0.0.1", 0))
+
+        def receive() -> None:
+            conn, _ = server.accept()
+            with conn, memoryview(dst) as whole:
+                view = whole
+                while view:
+                    got = conn.recv_into(view)
+                    if not got:
+                        break
+                    view = view[got:]
+                conn.sendall(b"k")
+
+        thread = threading.Thread(target=receive, daemon=True)
+        thread.start()
+        try:
+            with socket.create_connection(server.getsockname()) as s:
+                t0 = time.perf_counter()
+                off = 0
+                while off < nbytes:
+                    off += os.sendfile(s.fileno(), src.fileno(), off, nbytes - off)
+                s.recv(1)
+                seconds = time.perf_counter() - t0
+            thread.join()
+        finally:
+            server.close()
+        dst.close()
+        return seconds
 
 
 def torch_save_fast(obj: object, path: str) -> None:

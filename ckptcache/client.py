@@ -62,6 +62,7 @@ if TYPE_CHECKING:
     from ckptcache.format.flatten import Flattened, MapLocation
     from ckptcache.format.manifest import ObjectPlan
     from ckptcache.format.shm import Mapping
+    from ckptcache.packing import Packed
 
 __all__ = ["DURABILITY_LEVELS", "Client", "normalize_path"]
 
@@ -325,6 +326,30 @@ class Client:
             self._background(),
         )
 
+    def save_packed(self, packed: Packed, path: Any, *, durability: str = "local") -> int:
+        """Save the ``uint8`` blob that ``packed`` lays out (see :mod:`ckptcache.packing`) under
+        ``path``, its items copied straight into the segment: no blob is made, so the stall is
+        one copy of the items' bytes. Returns where the blob's bytes start in the archive
+        persisted at ``path``. Without a daemon the blob is made and written through, as
+        :meth:`save` would write it."""
+        import torch
+
+        from ckptcache.format.flatten import flatten
+        from ckptcache.format.objectio import plan_object
+
+        t0 = time.perf_counter()
+        path = normalize_path(path)
+        if durability not in DURABILITY_LEVELS:
+            raise ValueError(
+                f"durability must be one of {', '.join(DURABILITY_LEVELS)}, not {durability!r}"
+            )
+        # Never written nor read: its storage gives the archive the blob's layout.
+        placeholder = torch.empty(packed.nbytes, dtype=torch.uint8)
+        flat = flatten(placeholder)
+        plan = plan_object(flat, path, self.namespace)
+        self._save_planned(placeholder, flat, plan, path, durability, t0, packed=packed)
+        return plan.manifest.storages[0].offset - plan.manifest.payload_offset
+
     def _background(self) -> ThreadPoolExecutor:
         """The one thread that runs this client's non-blocking saves, in submission order."""
         with self._executor_lock:  # not self._lock: a save in flight may hold that one
@@ -344,6 +369,7 @@ class Client:
         *,
         check: VersionCheck | None = None,
         copied: Callable[[], None] | None = None,
+        packed: Packed | None = None,
     ) -> None:
         from ckptcache.format.objectio import write_object
 
@@ -364,12 +390,16 @@ class Client:
                     m.ReserveReply,
                 )
             except (DaemonUnavailable, BudgetExceeded) as e:
-                self._write_through(obj, path, e)
+                self._write_through(obj if packed is None else packed.materialize(), path, e)
                 if check is not None:
                     check.check()
                 return
             try:
-                write_object(self._write_mapping(reply.segment, reply.capacity), plan, flat)
+                mapping = self._write_mapping(reply.segment, reply.capacity)
+                if packed is None:
+                    write_object(mapping, plan, flat)
+                else:
+                    _write_packed(mapping, plan, packed)
                 if check is not None:
                     check.check()  # torn bytes are never committed: abort below instead
                 if copied is not None:
@@ -384,7 +414,7 @@ class Client:
                 self._saved.add(path)
                 self._spares.refresh()  # map the spare the daemon makes for the next new path
             except DaemonUnavailable as e:
-                self._write_through(obj, path, e)
+                self._write_through(obj if packed is None else packed.materialize(), path, e)
                 return
             except BaseException:
                 if self._conn is not None:
@@ -686,3 +716,21 @@ class Client:
             self._release_later(self._epoch, reply.lease), hold_lock=True,
         )  # fmt: skip
         return mapping, reply
+
+
+def _write_packed(mapping: Mapping, plan: ObjectPlan, packed: Packed) -> None:
+    """``write_object`` for an object whose one storage is ``packed``'s blob: the archive's
+    metadata and the manifest as usual, then the items straight into the storage's place."""
+    import torch
+
+    view = memoryview(mapping)
+    try:
+        plan.archive.write_metadata(view[HEADER_SIZE : HEADER_SIZE + plan.archive.size])
+        offset = plan.layout.manifest_offset
+        view[offset : offset + len(plan.manifest_bytes)] = plan.manifest_bytes
+    finally:
+        view.release()
+    (record,) = plan.manifest.storages
+    if record.nbytes:
+        packed.fill(torch.frombuffer(mapping, dtype=torch.uint8, count=record.nbytes,
+                                     offset=record.offset))  # fmt: skip

@@ -24,11 +24,12 @@ reused segment, not DCP's CPU copy). ``serialization_format=SAFETENSORS`` raises
 ``torch.save`` archive of that tensor, and each bytes item raw, at ``(file, offset, length)``
 recorded in ``.metadata``. The writer makes **one cached object per file** (one per rank by
 default, as DCP writes one file per rank): a ``uint8`` tensor in which the items' archives lie
-back to back (:func:`ckptcache.packing.pack`). The daemon persists an object as exactly the
-``torch.save`` archive of it, so the persisted ``__{rank}_0.distcp`` holds each item's archive
-at a known offset, and ``.metadata`` records those offsets: ``FileSystemReader`` and every DCP
-tool read the persisted directory with no ckptcache installed. Small tensors share one segment
-instead of taking one each.
+back to back (:class:`ckptcache.packing.Packed`), copied straight into the cache's segment
+(:meth:`ckptcache.Client.save_packed`: one copy of the bytes, no intermediate blob). The daemon
+persists an object as exactly the ``torch.save`` archive of it, so the persisted
+``__{rank}_0.distcp`` holds each item's archive at a known offset, and ``.metadata`` records
+those offsets: ``FileSystemReader`` and every DCP tool read the persisted directory with no
+ckptcache installed. Small tensors share one segment instead of taking one each.
 
 **When the files exist (the contract).** ``.metadata`` is written by the coordinator in
 ``finish`` (DCP's own code, temp + rename), after every rank's ``write_data`` returned; a save
@@ -180,18 +181,18 @@ class CacheWriter(FileSystemWriter):  # type: ignore[misc]
         self, name: str, items: list[WriteItem], planner: SavePlanner, saved: list[str]
     ) -> list[WriteResult]:
         payloads = [self._payload(item, planner) for item in items]
-        blob, spans = packing.pack([p for p, _ in payloads])
+        packed = packing.Packed([p for p, _ in payloads])
         path = os.path.join(os.fspath(self.path), name)
-        self.client.save(blob, path)
+        # The items go straight into the cache's segment: one copy, no intermediate blob.
+        base = self.client.save_packed(packed, path)
         saved.append(path)
-        base = packing.storage_offsets(blob)[0]
         return [
             WriteResult(
                 index=item.index,
                 size_in_bytes=span.length,
                 storage_data=_StorageInfo(name, base + span.offset, span.length, descriptors),
             )
-            for item, span, (_, descriptors) in zip(items, spans, payloads, strict=True)
+            for item, span, (_, descriptors) in zip(items, packed.spans, payloads, strict=True)
         ]
 
     def _payload(

@@ -230,6 +230,34 @@ def test_packed_items_are_torch_save_archives_at_the_recorded_offsets():
             assert_same(torch.load(io.BytesIO(chunk)), item)
 
 
+def test_save_packed_writes_the_blob_straight_into_the_cache_and_through_to_a_file(
+    daemon_factory, tmp_path
+):
+    """``Client.save_packed`` stores exactly the blob ``pack`` makes (as a cached ``uint8``
+    tensor, and persisted at the returned offset); without a daemon it writes that same file
+    with torch.save."""
+    from ckptcache import packing
+
+    items = [torch.randn(64, 33), b"some bytes", torch.arange(10)[2:5], torch.zeros(0)]
+    blob, spans = packing.pack(items)
+    d = daemon_factory("--persist-root", str(tmp_path))
+    with d.client() as c:
+        packed = packing.Packed(items)
+        assert packed.spans == spans and packed.nbytes == blob.numel()
+        base = c.save_packed(packed, tmp_path / "rank0.distcp")
+        assert torch.equal(c.load(tmp_path / "rank0.distcp", verify=True), blob)
+        c.wait(tmp_path / "rank0.distcp", timeout=60)
+    raw = (tmp_path / "rank0.distcp").read_bytes()
+    assert raw[base : base + blob.numel()] == blob.numpy().tobytes()
+    assert torch.equal(torch.load(tmp_path / "rank0.distcp"), blob)
+    gone = ckptcache.Client(str(tmp_path / "no-daemon.sock"))
+    with pytest.warns(ckptcache.CkptCacheWarning):
+        assert gone.save_packed(packing.Packed(items), tmp_path / "through.distcp") == base
+    assert torch.equal(torch.load(tmp_path / "through.distcp"), blob)
+    with pytest.raises(ValueError, match="uint8 tensor of"):
+        packing.Packed(items).fill(torch.empty(3, dtype=torch.uint8))
+
+
 def test_write_through_without_a_daemon_is_a_plain_dcp_checkpoint(tmp_path, monkeypatch):
     """No daemon: the rank file is written with torch.save and DCP's own reader loads it."""
     monkeypatch.setenv("CKPTCACHE_SOCKET", "/nonexistent/ckptcache.sock")

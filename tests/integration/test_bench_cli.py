@@ -54,3 +54,35 @@ def test_bench_table_and_bad_sizes(daemon_factory):
     assert "| ckptcache.save, repeated |" in out.stdout and "matched: True" in out.stdout
     bad = _bench(d, "--sizes", "lots")
     assert bad.returncode == 2 and "--sizes" in bad.stderr
+
+
+CLUSTER_ROWS = {
+    "raw socket, loopback TCP (limit)",
+    "ckptcache.save, durability=backup",
+    "backup copy (backup save - local save)",
+    "ckptcache.load from a peer",
+}
+
+
+def test_bench_on_a_cluster_node_measures_the_backup_copy_and_a_peer_load(cluster_factory):
+    """Two real daemons on a real etcd: the bench adds the cluster rows, each next to the raw
+    socket, and the peer load really came from the peer."""
+    a, b = cluster_factory(2)
+    out = _bench(a, "--sizes", "4MiB", "--repeats", "1", "--json")
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout)
+    assert sorted(result["cluster_nodes"]) == ["node0", "node1"]
+    (entry,) = result["sizes"]
+    assert entry["matched"] is True
+    rows = {r["what"]: r for r in entry["rows"]}
+    assert set(rows) == EXPECTED | CLUSTER_ROWS  # "from a peer": no other tier served it
+    for what in CLUSTER_ROWS - {"raw socket, loopback TCP (limit)"}:
+        r = rows[what]
+        assert r["limit"] == "raw socket" and r["seconds"] > 0 and r["vs_limit"] > 0
+        assert r["limit_seconds"] == rows["raw socket, loopback TCP (limit)"]["seconds"] > 0
+        assert r["nbytes"] == entry["nbytes"]
+    assert "6/6" in out.stderr  # five local steps and the cluster's
+    with a.client() as ca, b.client() as cb:
+        assert ca.list() == []  # the bench dropped what it cached on its node
+        # A delete is local: the peer keeps its backup copies until they are evicted.
+        assert {o.origin for o in cb.list()} == {"node0"}
