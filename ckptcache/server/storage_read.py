@@ -1,0 +1,137 @@
+"""Storage reads for a redundancy group: one member reads the persisted archive into its
+memory with parallel ranged reads, checks it, and commits it; the others chain behind it.
+
+Call order: :meth:`StorageReader.in_storage` (planning) -> :meth:`StorageReader.load`
+(``started()`` once the first range is requested: the node announces itself in flight).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+
+from ckptcache.errors import CorruptCheckpoint, PathNotAllowed
+from ckptcache.format.archive import count_records, parse_archive
+from ckptcache.format.layout import HEADER_SIZE, plan_segment
+from ckptcache.format.manifest import manifest_from_archive, pack_digests
+from ckptcache.format.persisted import check_archive
+from ckptcache.server.config import DaemonConfig
+from ckptcache.server.index import Generation
+from ckptcache.server.metrics import Metrics
+from ckptcache.server.roots import PersistRoots
+from ckptcache.storage import StorageOptions, backend_for
+from ckptcache.wire.states import Tier
+
+__all__ = ["StorageReader"]
+
+log = logging.getLogger(__name__)
+
+
+class StorageReader:
+    """Reads a persisted archive into this node's memory for the group."""
+
+    def __init__(
+        self,
+        config: DaemonConfig,
+        metrics: Metrics,
+        *,
+        roots: PersistRoots,
+        options: StorageOptions,
+        receive: Callable[..., Generation],
+    ):
+        self.config = config
+        self.metrics = metrics
+        self.roots = roots
+        self.options = options
+        self.receive = receive
+
+    def in_storage(self, path: str) -> bool:
+        """Whether storage holds ``path`` (read only under this daemon's roots)."""
+        try:
+            if self.roots.root_for(path) is None:
+                return False  # the daemon reads storage only under its roots
+        except PathNotAllowed:
+            return False
+        try:
+            return backend_for(path, self.options).exists(path)
+        except (OSError, ValueError, ImportError):
+            return False
+
+    def load(self, namespace: str, path: str, started: Callable[[], None]) -> Generation:
+        """Read a persisted archive into the arena with parallel ranged reads."""
+        try:
+            return self._read(namespace, path, started)
+        except ValueError as e:  # the end records or the archive are unreadable
+            if not isinstance(e, CorruptCheckpoint) or path not in str(e):  # name the file
+                e = CorruptCheckpoint(
+                    f"checkpoint file {path!r} is corrupt: {e}", tier=Tier.STORAGE
+                )
+            self.metrics.corrupt.labels(tier=Tier.STORAGE).inc()
+            log.error("not serving %s from storage: %s", path, e)
+            raise e from None
+
+    def _read(self, namespace: str, path: str, started: Callable[[], None]) -> Generation:
+        backend = backend_for(path, self.options)
+        size = backend.size(path)
+
+        def read(offset: int, n: int) -> bytes:
+            buf = bytearray(n)
+            backend.read_into(path, offset, memoryview(buf))
+            return bytes(buf)
+
+        log.info("reading %s from storage for the group", path)
+        entries = count_records(size, read)
+        capacity = 256 * entries + 4096  # manifest JSON, padded to this exact size
+        layout = plan_segment(size, capacity, entries)
+        t0 = time.perf_counter()
+
+        table: list[int] = []
+
+        def fill(view: memoryview, advance: Callable[[int], None]) -> None:
+            started()  # registered as in flight here: joiners may chain behind us now
+            # Ranges are read in parallel; relays follow the contiguous prefix that is done.
+            chunk = max(8 << 20, -(-size // (4 * self.config.s3_max_concurrency)))
+            ranges = [(off, min(chunk, size - off)) for off in range(0, size, chunk)]
+            done: set[int] = set()
+            lock = threading.Lock()
+
+            def read(index: int) -> None:
+                off, n = ranges[index]
+                backend.read_into(path, off, view[off : off + n])
+                with lock:
+                    done.add(index)
+                    prefix = 0
+                    while prefix in done:
+                        prefix += 1
+                    advance(ranges[prefix - 1][0] + ranges[prefix - 1][1] if prefix else 0)
+
+            with ThreadPoolExecutor(self.config.s3_max_concurrency) as pool:
+                list(pool.map(read, range(len(ranges))))
+            # Structure and every record's digest (or CRC-32): a damaged file is not served.
+            computed = check_archive(view[:size], path, deep=True)
+            parsed = parse_archive(view[:size])
+            manifest = manifest_from_archive(parsed, path, namespace, size)
+            encoded = manifest.to_json()
+            if len(encoded) > capacity:
+                raise CorruptCheckpoint(
+                    f"{path!r}: manifest larger than planned", tier=Tier.STORAGE
+                )
+            start = layout.manifest_offset - HEADER_SIZE
+            view[start : start + capacity] = encoded.ljust(capacity)
+            # Digests of what storage holds (its own integrity is the storage's business).
+            table.extend(computed[r.offset - HEADER_SIZE] for r in manifest.storages)
+            dstart = layout.digest_offset - HEADER_SIZE
+            view[dstart : dstart + 8 * len(table)] = pack_digests(table)
+            advance(layout.nbytes - HEADER_SIZE)
+
+        gen = self.receive(
+            namespace, path, layout.nbytes, layout.manifest_offset, capacity, fill,
+            origin="storage", persisted=True, digests=lambda: table,
+        )  # fmt: skip
+        self.metrics.storage_reads.inc()
+        log.info("read %s from storage for the group (%.0f MB/s)", path,
+                 size / max(time.perf_counter() - t0, 1e-9) / 1e6)  # fmt: skip
+        return gen
