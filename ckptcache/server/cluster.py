@@ -42,7 +42,6 @@ from ckptcache.server.state import CacheState
 from ckptcache.server.storage_read import StorageReader
 from ckptcache.storage import StorageOptions
 from ckptcache.wire import peer
-from ckptcache.wire.states import ClaimRole
 
 if TYPE_CHECKING:
     from ckptcache.server.config import DaemonConfig
@@ -96,9 +95,9 @@ class Cluster:
     """This node's part in the cluster (see the module docstring for the lifecycle).
 
     Built by the daemon after the local parts; call order: :meth:`start` (join, announce
-    what recovery found), then the hooks :meth:`on_commit` / :meth:`on_retire`, the
-    persister's election calls (:meth:`claim`, :meth:`persisted`, :meth:`failed`,
-    :meth:`replace_corrupt`, :meth:`watch`) and :meth:`load_remote` for loads; :meth:`stop`.
+    what recovery found), then the hooks :meth:`on_commit` / :meth:`on_retire`,
+    :meth:`load_remote` for loads, and the persister's calls to :attr:`election` (a
+    :class:`~ckptcache.server.persist.PersistElection`); :meth:`stop`.
     """
 
     def __init__(self, config: DaemonConfig, state: CacheState, ports: ClusterPorts):
@@ -201,23 +200,3 @@ class Cluster:
         Planned, then executed: :mod:`ckptcache.server.remote_load`.
         """
         return remote_load.load_remote(self.sources, namespace, path, timeout)
-
-    def claim(self, gen: Generation) -> tuple[ClaimRole, str]:
-        """See :meth:`Election.claim`."""
-        return self.election.claim(gen)
-
-    def persisted(self, gen: Generation, target: str) -> None:
-        """See :meth:`Election.persisted`."""
-        self.election.persisted(gen, target)
-
-    def failed(self, gen: Generation) -> None:
-        """See :meth:`Election.failed`."""
-        self.election.failed(gen)
-
-    def replace_corrupt(self, gen: Generation) -> bool:
-        """See :meth:`Election.replace_corrupt`."""
-        return self.election.replace_corrupt(gen)
-
-    def watch(self, gen: Generation) -> None:
-        """See :meth:`Election.watch`."""
-        self.election.watch(gen)

@@ -195,7 +195,7 @@ def build_core(config: DaemonConfig, metrics: Metrics | None = None) -> CacheCor
         saves.on_commit.append(cluster.on_commit)
         state.on_retire.append(cluster.on_retire)
         cluster.start()  # before persisting: elections apply
-    persister.start(cluster)
+    persister.start(cluster.election if cluster is not None else None)
     digester.start()
     retention.start()
     state.metrics.memory_limit.set(config.memory_limit)
