@@ -248,7 +248,7 @@ def check_archive(
 
     ``computed`` maps ``(data offset, size)`` of records to ``(xxh3, CRC-32 or None)`` already
     computed over these bytes (by a reader that hashed while it read, see
-    :mod:`ckptcache.server.storage_read`): those records are compared, not hashed again; a
+    :mod:`ckptcache.server.archive_read`): those records are compared, not hashed again; a
     record it lacks (or lacks the CRC of, when one is needed) is hashed here."""
     if len(view) == 0:
         raise _corrupt(path, "the file is empty")

@@ -1,4 +1,8 @@
-"""The daemon process: lock the shm directory, recover, serve, and shut down cleanly.
+"""The daemon process: lock the shm directory, build the parts, recover, serve, shut down.
+
+:func:`build_core` is the one place where the daemon's parts meet: each gets the narrow
+interface it needs (the state owner, a few callables, a Protocol), none holds a reference back
+to whoever built it.
 
 Shutdown on SIGTERM/SIGINT stops accepting connections, stops workers and leaves every
 committed segment in place for the next start (a restart loses nothing).
@@ -26,7 +30,17 @@ from ckptcache._units import format_bytes
 from ckptcache.errors import ConfigError
 from ckptcache.server.config import DaemonConfig
 from ckptcache.server.core import CacheCore
+from ckptcache.server.digester import Digester
+from ckptcache.server.ingest import Ingest
+from ckptcache.server.loads import Loads
 from ckptcache.server.metrics import Metrics
+from ckptcache.server.persist import Persister
+from ckptcache.server.pool import SegmentPool
+from ckptcache.server.queries import Queries
+from ckptcache.server.recovery import recover
+from ckptcache.server.retention import Retention
+from ckptcache.server.roots import PersistRoots
+from ckptcache.server.saves import Saves
 from ckptcache.server.service import (
     RPC_CONFIG,
     CacheService,
@@ -34,7 +48,7 @@ from ckptcache.server.service import (
     peer_credentials_authenticator,
 )
 
-__all__ = ["Daemon", "run_daemon"]
+__all__ = ["Daemon", "build_core", "run_daemon"]
 
 log = logging.getLogger("ckptcache.daemon")
 
@@ -144,6 +158,59 @@ def _clear_stale_socket(path: str) -> None:
     raise ConfigError(f"a daemon is already listening on {path}; stop it or pick another --socket")
 
 
+def build_core(config: DaemonConfig, metrics: Metrics | None = None) -> CacheCore:
+    """Build and start the daemon's parts in dependency order.
+
+    state -> retention, digester -> persister -> pool -> saves -> ingest -> recovery ->
+    (cluster: joins, announces what recovery found) -> persister workers (with the cluster's
+    election) -> digester, orphan sweep -> loads (with the cluster as remote tier), queries.
+    """
+    from ckptcache.server.state import CacheState
+
+    state = CacheState(config, metrics or Metrics())
+    roots = PersistRoots(config.persist_roots)
+    retention = Retention(config, state)
+    digester = Digester(state)
+    persister = Persister(config, state, roots, digester.ensure, retention)
+    pool = SegmentPool(
+        state.arena, state.locked, state.notify, config.pool_segments, config.pool_size
+    )
+    clustered = bool(config.listen) or not config.coordinator.startswith("embedded")
+    saves = Saves(
+        config, state, pool=pool, persister=persister, retention=retention, digester=digester,
+        roots=roots, backup_ready=clustered and config.backup != "none",
+    )  # fmt: skip
+    ingest = Ingest(state, saves, roots)
+    recover(state, roots, retention, digester, persister)
+    pool.start()
+    cluster = None
+    if clustered:
+        from ckptcache.server.cluster import Cluster, ClusterPorts
+
+        cluster = Cluster(config, state, ClusterPorts(
+            receive=ingest.receive, ensure_digests=digester.ensure,
+            drop_corrupt=retention.drop_corrupt, mark_persisted=persister.mark_persisted,
+            resubmit=persister.submit, roots=roots, options=persister.options,
+        ))  # fmt: skip
+        saves.on_commit.append(cluster.on_commit)
+        state.on_retire.append(cluster.on_retire)
+        cluster.start()  # before persisting: elections apply
+    persister.start(cluster.election if cluster is not None else None)
+    digester.start()
+    retention.start()
+    state.metrics.memory_limit.set(config.memory_limit)
+    state.update_gauges()
+    loads = Loads(config, state, digester=digester, retention=retention, remote=cluster)
+    queries = Queries(
+        config, state, persister=persister, roots=roots, pool=pool,
+        node_ids=cluster.node_ids if cluster is not None else tuple,
+    )  # fmt: skip
+    return CacheCore(
+        config, state, retention, digester, persister, pool, saves, ingest, loads, queries,
+        cluster,
+    )  # fmt: skip
+
+
 class Daemon:
     """A running daemon: core + rpyc server + metrics + process title."""
 
@@ -153,7 +220,7 @@ class Daemon:
         self.open_files = raise_open_file_limit()
         self._lock = _lock_shm_dir(config)
         self.metrics = Metrics()
-        self.core = CacheCore(config, self.metrics)
+        self.core = build_core(config, self.metrics)
         self.metrics_port: int | None = None
         if config.metrics_port is not None:
             self.metrics_port = self.metrics.serve(config.metrics_port, config.metrics_addr)
@@ -177,9 +244,10 @@ class Daemon:
         except ImportError:  # pragma: no cover - dependency missing
             return
         while not self._stop.is_set():
-            with self.core.cond:
-                used = self.core.arena.used
-                objects = len(self.core.index.paths())
+            state = self.core.state
+            with state.locked():
+                used = state.arena.used
+                objects = len(state.index.paths())
             setproctitle(
                 f"ckptcache-daemon node={self.config.node_id} objects={objects} "
                 f"mem={format_bytes(used)}/{format_bytes(self.config.memory_limit)}"

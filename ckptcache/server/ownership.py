@@ -19,8 +19,9 @@ from ckptcache.errors import InvalidPath, PathNotAllowed
 
 if TYPE_CHECKING:
     from ckptcache.server.arena import Segment
-    from ckptcache.server.core import CacheCore, Session
     from ckptcache.server.index import Generation, Key
+    from ckptcache.server.state import CacheState as CacheCore
+    from ckptcache.server.state import Session
     from ckptcache.wire import messages as m
 
 __all__ = [

@@ -11,6 +11,13 @@ States of a generation (``Generation.persist_state``, a
     queued -> dropped                 (the directory it was saved into was removed: deleted by
                                        the user, never recreated)
 
+Call order: :meth:`Persister.submit` (a commit, a recovery, a standby taking over) ->
+:meth:`Persister.start` (with the cluster's :class:`PersistElection`, or None for a node
+alone) -> a worker claims the group's role, copies, and reports the result to the election
+(:meth:`PersistElection.persisted`, :meth:`~PersistElection.failed`,
+:meth:`~PersistElection.replace_corrupt`); :meth:`Persister.mark_persisted` when another member
+of the group wrote identical content.
+
 One persist per path at a time, oldest first, so an older generation can never overwrite a
 newer one under the same name. The queue is bounded only by memory: a queued generation is
 pinned in the arena until it is persisted, which is what applies backpressure to saves.
@@ -25,22 +32,27 @@ import os
 import platform
 import threading
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from dataclasses import replace
+from typing import TYPE_CHECKING, Protocol
 
 from ckptcache._units import format_bytes
 from ckptcache.errors import CkptCacheError, CorruptCheckpoint, PathNotAllowed
 from ckptcache.format.persisted import stream_archive
+from ckptcache.server.config import DaemonConfig
 from ckptcache.server.lineage import DirectoryRemoved
+from ckptcache.server.roots import PersistRoots
 from ckptcache.server.safe_write import persist_write
 from ckptcache.storage import StorageBackend, StorageOptions, backend_for
 from ckptcache.storage.base import NewerObjectExists, Sink
 from ckptcache.wire.states import ClaimRole, PersistState, Tier
 
 if TYPE_CHECKING:
-    from ckptcache.server.core import CacheCore
     from ckptcache.server.index import Generation
+    from ckptcache.server.retention import Retention
+    from ckptcache.server.state import CacheState
 
-__all__ = ["Persister", "lower_thread_priority"]
+__all__ = ["PersistElection", "Persister", "lower_thread_priority", "storage_options"]
 
 log = logging.getLogger(__name__)
 
@@ -66,18 +78,60 @@ def lower_thread_priority(nice: int = 10) -> None:
             pass
 
 
+def storage_options(cfg: DaemonConfig) -> StorageOptions:
+    """The storage settings of a daemon configuration."""
+    return StorageOptions(
+        s3_endpoint_url=cfg.s3_endpoint_url,
+        s3_region=cfg.s3_region,
+        s3_part_size=cfg.s3_part_size,
+        s3_max_concurrency=cfg.s3_max_concurrency,
+    )
+
+
+class PersistElection(Protocol):
+    """Who writes a redundancy group's content (the cluster's persist election).
+
+    Call order per generation: :meth:`claim`; then after a write :meth:`persisted` (success)
+    or :meth:`failed`; :meth:`replace_corrupt` when the bytes no longer match their digests;
+    :meth:`watch` for a standby.
+    """
+
+    def claim(self, gen: Generation) -> tuple[ClaimRole, str]:
+        """This node's role for ``gen`` and the path to write."""
+
+    def watch(self, gen: Generation) -> None:
+        """Watch ``gen``'s group as a standby."""
+
+    def persisted(self, gen: Generation, target: str) -> None:
+        """Record the group's persist of ``gen`` at ``target``."""
+
+    def failed(self, gen: Generation) -> None:
+        """Step down after giving up on ``gen``."""
+
+    def replace_corrupt(self, gen: Generation) -> bool:
+        """Fetch a good copy of ``gen`` from the group; returns whether one was found."""
+
+
 class Persister:
     """Worker threads that move committed generations from the arena to storage."""
 
-    def __init__(self, core: CacheCore):
-        self.core = core
-        cfg = core.config
-        self.options = StorageOptions(
-            s3_endpoint_url=cfg.s3_endpoint_url,
-            s3_region=cfg.s3_region,
-            s3_part_size=cfg.s3_part_size,
-            s3_max_concurrency=cfg.s3_max_concurrency,
-        )
+    def __init__(
+        self,
+        config: DaemonConfig,
+        state: CacheState,
+        roots: PersistRoots,
+        ensure_digests: Callable[[Generation], list[int]],
+        retention: Retention,
+    ):
+        self.config = config
+        self.state = state
+        self.metrics = state.metrics
+        self.roots = roots
+        self.ensure_digests = ensure_digests
+        self.retention = retention
+        self.election: PersistElection | None = None
+        cfg = config
+        self.options = storage_options(cfg)
         self.queue: collections.deque[Generation] = collections.deque()
         self._path_locks: dict[tuple[str, str], threading.Lock] = {}
         self._stop = False
@@ -86,36 +140,39 @@ class Persister:
             for i in range(cfg.persist_workers)
         ]
 
-    def start(self) -> None:
-        """Start the workers (after the index has been recovered)."""
+    def start(self, election: PersistElection | None = None) -> None:
+        """Start the workers (after the index has been recovered); ``election`` decides who
+        writes each group's content (None: this node writes everything it holds)."""
+        self.election = election
         for t in self._threads:
             t.start()
 
     def stop(self) -> None:
         """Stop taking new work; a persist in flight finishes or is redone after restart."""
-        with self.core.cond:
+        with self.state.locked():
             self._stop = True
-            self.core.cond.notify_all()
+        self.state.notify()
 
     def submit(self, gen: Generation) -> None:
-        """Queue a generation that needs persisting (call under the core lock)."""
-        gen.persist_state = PersistState.QUEUED
-        self.queue.append(gen)
-        self.core.metrics.persist_queue.set(len(self.queue))
-        self.core.cond.notify_all()
+        """Queue a generation that needs persisting (takes the state lock, re-entrant)."""
+        with self.state.locked():
+            gen.persist_state = PersistState.QUEUED
+            self.queue.append(gen)
+            self.metrics.persist_queue.set(len(self.queue))
+        self.state.notify()
 
     def _next(self) -> Generation | None:
-        cond = self.core.cond
-        with cond:
+        state = self.state
+        with state.locked():
             while not self._stop:
                 while self.queue:
                     gen = self.queue.popleft()
-                    self.core.metrics.persist_queue.set(len(self.queue))
+                    self.metrics.persist_queue.set(len(self.queue))
                     if gen.persist_state == PersistState.QUEUED:
-                        self.core.pin(gen)
+                        state.pin_locked(gen)
                         gen.persist_state = PersistState.PERSISTING
                         return gen
-                cond.wait(1.0)
+                state.wait(1.0)
         return None
 
     def _run(self) -> None:
@@ -130,14 +187,14 @@ class Persister:
                     self._persist(gen)
             except Exception:  # a bug: never kill the worker
                 log.exception("persist worker failed on %s", gen.path)
-                with self.core.cond:
+                with self.state.locked():
                     gen.persist_state, gen.persist_error = PersistState.FAILED, "internal error"
             finally:
-                self.core.unpin(gen)
+                self.state.unpin(gen)
 
     def _persist(self, gen: Generation) -> None:
-        cfg = self.core.config
-        cluster = self.core.cluster
+        cfg = self.config
+        cluster = self.election
         target = gen.path
         if cluster is not None:
             try:
@@ -149,7 +206,7 @@ class Persister:
                 self.mark_persisted(gen)
                 return
             if role == ClaimRole.STANDBY:
-                with self.core.cond:
+                with self.state.locked():
                     gen.persist_state = PersistState.STANDBY
                 cluster.watch(gen)
                 return
@@ -160,15 +217,15 @@ class Persister:
         t0 = time.perf_counter()
         error = ""
         for attempt in range(cfg.persist_retries + 1):
-            with self.core.cond:
-                newest = self.core.index.newest(gen.key)
+            with self.state.locked():
+                newest = self.state.index.newest(gen.key)
                 if newest is not None and newest.number > gen.number and newest.needs_persist:
                     gen.persist_state = PersistState.SUPERSEDED
                 if gen.persist_state in (
                     PersistState.SUPERSEDED,
                     PersistState.DROPPED,
                 ):  # also by a write-through
-                    self.core.cond.notify_all()
+                    self.state.notify()
                     return
             try:
                 self._copy(gen, backend, target)
@@ -180,12 +237,12 @@ class Persister:
                 return
             except OSError as e:
                 error = f"{type(e).__name__}: {e}"
-                self.core.metrics.persist_errors.inc()
+                self.metrics.persist_errors.inc()
                 log.warning(
                     "persist of %s generation %d failed (attempt %d of %d): %s",
                     gen.path, gen.number, attempt + 1, cfg.persist_retries + 1, error,
                 )  # fmt: skip
-                with self.core.cond:
+                with self.state.locked():
                     gen.persist_error = error
                 if isinstance(e, PathNotAllowed):
                     break  # the tree under the root is not as allowed: retrying cannot help
@@ -198,13 +255,13 @@ class Persister:
             if cluster is not None:
                 cluster.persisted(gen, target)
             return
-        with self.core.cond:
+        with self.state.locked():
             gen.persist_state = PersistState.FAILED
             gen.persist_error = (
                 f"gave up after {attempt + 1} attempts: {error}. The checkpoint "
                 "stays in memory; fix the storage and save again"
             )
-            self.core.cond.notify_all()
+        self.state.notify()
         log.error("persist of %s generation %d failed for good: %s", gen.path, gen.number, error)
         if cluster is not None:
             cluster.failed(gen)
@@ -215,22 +272,22 @@ class Persister:
             PersistState.DROPPED if isinstance(why, DirectoryRemoved) else PersistState.SUPERSEDED
         )
         log.warning("not persisting %s generation %d (%s): %s", gen.path, gen.number, state, why)
-        with self.core.cond:
+        with self.state.locked():
             gen.needs_persist, gen.persist_state, gen.persist_error = False, state, str(why)
             if isinstance(why, DirectoryRemoved):
                 gen.orphaned = True  # evictable now, dropped by the next sweep
             else:  # storage holds the newest save: serving this copy would be stale
-                self.core.retire_older_than(gen.key, gen.committed_ns + 1)
-            self.core.cond.notify_all()
-        if self.core.cluster is not None:
-            self.core.cluster.failed(gen)
+                self.retention.retire_older_than_locked(gen.key, gen.committed_ns + 1)
+        self.state.notify()
+        if self.election is not None:
+            self.election.failed(gen)
 
     def _copy(self, gen: Generation, backend: StorageBackend, target: str) -> None:
         """Stream the archive to storage, checking every tensor against its recorded digest
         and writing real zip CRC-32s and the digest record (see :mod:`ckptcache.format.persisted`)
         in the same pass; a mismatch raises :class:`CorruptCheckpoint` and nothing becomes
         visible under ``target``."""
-        digests = self.core.ensure_digests(gen)  # normally recorded already by the digester
+        digests = self.ensure_digests(gen)  # normally recorded already by the digester
         base = gen.manifest.payload_offset
         expected = {
             record.offset - base: (digest, record.name)
@@ -247,7 +304,7 @@ class Persister:
 
         try:
             persist_write(
-                self.core.roots, backend, target, produce, gen.saver,
+                self.roots, backend, target, produce, gen.saver,
                 commit_ns=gen.committed_ns, anchor=gen.anchor,
             )  # fmt: skip
         finally:
@@ -257,17 +314,17 @@ class Persister:
     def _corrupt(self, gen: Generation, error: CorruptCheckpoint) -> None:
         """The bytes to persist no longer match their digests: never persist or serve them;
         in a cluster, step down and fetch the group's good copy from a peer."""
-        self.core.metrics.corrupt.labels(tier=Tier.LOCAL).inc()
+        self.metrics.corrupt.labels(tier=Tier.LOCAL).inc()
         log.error("not persisting %s generation %d: %s", gen.path, gen.number, error)
-        with self.core.cond:
+        with self.state.locked():
             gen.persist_state = PersistState.FAILED
             gen.corrupt = gen.persist_error = f"{error}. Save it again"
-            self.core.cond.notify_all()
-        if self.core.cluster is not None:
-            self.core.cluster.replace_corrupt(gen)
+        self.state.notify()
+        if self.election is not None:
+            self.election.replace_corrupt(gen)
 
     def _resubmit(self, gen: Generation) -> None:
-        with self.core.cond:
+        with self.state.locked():
             if gen.persist_state == PersistState.PERSISTING:
                 self.submit(gen)
 
@@ -277,21 +334,19 @@ class Persister:
         self._done(gen, 0.0, wrote=False)
 
     def _done(self, gen: Generation, seconds: float, *, wrote: bool = True) -> None:
-        metrics = self.core.metrics
+        metrics = self.metrics
         if wrote:
             metrics.persist_bytes.inc(gen.size)
             metrics.persist_latency.observe(seconds)
-        with self.core.cond:
+        with self.state.locked():
             gen.persisted = True
             gen.persist_state = PersistState.PERSISTED
             gen.persist_error = ""
             gen.persist_seconds = seconds
             header = gen.segment.read_header()
-            from dataclasses import replace
-
             gen.segment.write_header(replace(header, persisted=1))
-            self.core.apply_retention(gen.key)
-            self.core.cond.notify_all()
+            self.retention.apply_locked(gen.key)
+        self.state.notify()
         if wrote:
             log.info(
                 "persisted %s generation %d: %s in %.2fs (%.0f MB/s)",

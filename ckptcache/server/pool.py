@@ -21,9 +21,12 @@ as before (a segment is never handed across users).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
+from collections.abc import Callable
+from typing import Any
 
 from ckptcache.format.layout import SEGMENT_GRANULE, SegmentState, align
 from ckptcache.server.arena import Arena, Segment, _empty_header
@@ -37,13 +40,21 @@ log = logging.getLogger(__name__)
 class SegmentPool:
     """Keeps up to ``segments`` spares totalling at most ``nbytes`` in ``arena``.
 
-    ``take``/``note``/``describe`` run under ``cond`` (the daemon lock); the grower thread
-    takes it only to book and register a spare.
+    ``take``/``note``/``describe`` run under the state lock; the grower thread takes it (with
+    ``locked()``) only to book and register a spare, and wakes waiters with ``notify()``.
     """
 
-    def __init__(self, arena: Arena, cond: threading.Condition, segments: int, nbytes: int):
+    def __init__(
+        self,
+        arena: Arena,
+        locked: Callable[[], contextlib.AbstractContextManager[Any]],
+        notify: Callable[[], None],
+        segments: int,
+        nbytes: int,
+    ):
         self.arena = arena
-        self.cond = cond
+        self._locked = locked
+        self._notify = notify
         self.segments = segments if nbytes > 0 else 0
         self.nbytes = nbytes
         #: Capacity of the next spare: the size of the last save that wanted a new segment
@@ -114,7 +125,7 @@ class SegmentPool:
 
     def _grow_one(self) -> bool:
         arena = self.arena
-        with self.cond:
+        with self._locked():
             live = self._live()
             capacity = min(self.target, self.nbytes)
             if (
@@ -132,12 +143,12 @@ class SegmentPool:
         except OSError as e:
             log.warning("segment pool: cannot allocate a %d-byte spare: %s", capacity, e)
         finally:
-            with self.cond:
+            with self._locked():
                 arena.pending -= capacity
                 self.growing = False
                 if segment is not None:
                     arena.segments[name] = segment
                     arena.release(segment)
                     segment.spare = True
-                self.cond.notify_all()
+                self._notify()
         return segment is not None

@@ -31,12 +31,16 @@ from typing import TYPE_CHECKING
 from ckptcache.errors import CheckpointNotFound, CkptCacheError, CorruptCheckpoint
 from ckptcache.server.coord import NodeInfo
 from ckptcache.server.coord.counting import CountingCoordinator
+from ckptcache.server.fetching import Fetching
+from ckptcache.server.membership import Membership, path_hash
+from ckptcache.server.metrics import Metrics
+from ckptcache.server.state import CacheState
+from ckptcache.server.storage_read import StorageReader
 
 if TYPE_CHECKING:
-    from ckptcache.server.cluster import Cluster
     from ckptcache.server.index import Generation
 
-__all__ = ["BACKOFF_CAP", "MAX_PLANS", "Plan", "execute", "load_remote", "plan"]
+__all__ = ["BACKOFF_CAP", "MAX_PLANS", "Plan", "Sources", "execute", "load_remote", "plan"]
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +63,18 @@ class Plan:
     alone: bool = False
 
 
+@dataclass(frozen=True)
+class Sources:
+    """What a remote load draws on: this node's state, the membership (holders, elections,
+    in-flight announcements), peer fetches and the group's storage read."""
+
+    state: CacheState
+    membership: Membership
+    fetching: Fetching
+    storage: StorageReader
+    metrics: Metrics
+
+
 @dataclass
 class _Load:
     """State of one remote load across its plans."""
@@ -73,49 +89,47 @@ class _Load:
     failures: int = 0
 
 
-def plan(cluster: Cluster, load: _Load) -> Plan:
+def plan(src: Sources, load: _Load) -> Plan:
     """Choose the source of ``load`` from one read of the path's holders."""
-    local = _held_here(cluster, load)
+    local = _held_here(src, load)
     if local is not None:
         return Plan("local")
-    me = cluster.node.node_id
-    holders = [n for n in cluster.holders(load.namespace, load.path)
+    me = src.membership.node.node_id
+    holders = [n for n in src.membership.holders(load.namespace, load.path)
                if n.node_id != me and n.node_id not in load.tried]  # fmt: skip
     if holders:
         return Plan("peer", holders[0])
     if load.in_storage is None:
-        load.in_storage = cluster._in_storage(load.path)
+        load.in_storage = src.storage.in_storage(load.path)
     if not load.in_storage:
         return Plan("none")
-    alone = all(n.node_id == me for n in cluster.live_nodes())
+    alone = all(n.node_id == me for n in src.membership.live_nodes())
     return Plan("storage", alone=alone)
 
 
-def execute(cluster: Cluster, load: _Load, chosen: Plan) -> Generation | None:
+def execute(src: Sources, load: _Load, chosen: Plan) -> Generation | None:
     """Move the bytes as ``chosen`` says; None when the plan must be made again."""
     if chosen.source == "local":
-        return _held_here(cluster, load)
+        return _held_here(src, load)
     if chosen.source == "peer":
         assert chosen.node is not None
-        return _from_peer(cluster, load, chosen.node)
+        return _from_peer(src, load, chosen.node)
     if chosen.source == "storage":
-        return _from_storage(cluster, load, chosen.alone)
+        return _from_storage(src, load, chosen.alone)
     raise CheckpointNotFound(
         f"{load.path!r} is in no peer's memory and could not be read from storage"
     )
 
 
-def load_remote(cluster: Cluster, namespace: str, path: str, timeout: float) -> Generation:
+def load_remote(src: Sources, namespace: str, path: str, timeout: float) -> Generation:
     """Plan, execute, re-plan on failure (bounded); logs the coordinator round trips."""
-    from ckptcache.server.cluster import path_hash
-
     load = _Load(namespace, path, path_hash(namespace, path), time.monotonic() + timeout)
-    with _tally(cluster) as counts:
+    with _tally(src) as counts:
         chosen = Plan("none")
         try:
             while time.monotonic() < load.deadline and load.failures <= MAX_PLANS:
-                chosen = plan(cluster, load)
-                gen = execute(cluster, load, chosen)
+                chosen = plan(src, load)
+                gen = execute(src, load, chosen)
                 if gen is not None:
                     return gen
         finally:
@@ -129,29 +143,24 @@ def load_remote(cluster: Cluster, namespace: str, path: str, timeout: float) -> 
 # ---------------------------------------------------------------------------- execution
 
 
-def _held_here(cluster: Cluster, load: _Load) -> Generation | None:
+def _held_here(src: Sources, load: _Load) -> Generation | None:
     """The copy another request of this daemon brought in meanwhile, if any."""
-    core = cluster.core
-    with core.cond:
-        try:
-            return core._lookup(load.namespace, load.path)
-        except CkptCacheError:
-            return None
+    return src.state.find(load.namespace, load.path)
 
 
-def _from_peer(cluster: Cluster, load: _Load, node: NodeInfo) -> Generation | None:
+def _from_peer(src: Sources, load: _Load, node: NodeInfo) -> Generation | None:
     try:
-        with cluster._in_flight(load.ph) as announce:
-            gen = cluster._fetch_from(node, load.namespace, load.path, announce)
-            cluster._announce(gen)  # before the in-flight key goes: always findable
+        with src.membership.in_flight(load.ph) as announce:
+            gen = src.fetching.fetch_from(node, load.namespace, load.path, announce)
+            src.membership.announce(gen)  # before the in-flight key goes: always findable
         return gen
     except CheckpointNotFound:
-        _wait(cluster, load)  # announced but not receiving yet (or gone): look again
+        _wait(src, load)  # announced but not receiving yet (or gone): look again
         return None
     except CorruptCheckpoint as e:
         log.error("corrupt copy of %s on %s: %s", load.path, node.node_id, e)
-        cluster.core.metrics.corrupt.labels(tier="peer").inc()
-        cluster._report_corrupt(node, load.namespace, load.path, str(e))
+        src.metrics.corrupt.labels(tier="peer").inc()
+        src.fetching.report_corrupt(node, load.namespace, load.path, str(e))
     except (OSError, CkptCacheError) as e:
         log.warning("fetch of %s from %s failed: %s", load.path, node.node_id, e)
     load.tried.add(node.node_id)
@@ -159,37 +168,39 @@ def _from_peer(cluster: Cluster, load: _Load, node: NodeInfo) -> Generation | No
     return None
 
 
-def _from_storage(cluster: Cluster, load: _Load, alone: bool) -> Generation | None:
+def _from_storage(src: Sources, load: _Load, alone: bool) -> Generation | None:
     if alone:
-        gen = cluster._load_from_storage(load.namespace, load.path, lambda: None)
-        cluster._announce(gen)
+        gen = src.storage.load(load.namespace, load.path, lambda: None)
+        src.membership.announce(gen)
         return gen
     key = f"loads/{load.ph}"
-    if not cluster.coord.elect(key, {"node": cluster.node.node_id}):
-        _wait(cluster, load)  # another member reads storage for the group
+    if not src.membership.coord.elect(key, {"node": src.membership.node.node_id}):
+        _wait(src, load)  # another member reads storage for the group
         return None
     try:
-        if any(n.node_id not in load.tried for n in cluster.holders(load.namespace, load.path)):
+        if any(
+            n.node_id not in load.tried for n in src.membership.holders(load.namespace, load.path)
+        ):
             return None  # the previous reader finished (and stepped down) while we planned
-        with cluster._in_flight(load.ph) as announce:
-            gen = cluster._load_from_storage(load.namespace, load.path, announce)
-            cluster._announce(gen)  # before stepping down: joiners find a holder
+        with src.membership.in_flight(load.ph) as announce:
+            gen = src.storage.load(load.namespace, load.path, announce)
+            src.membership.announce(gen)  # before stepping down: joiners find a holder
         return gen
     finally:
-        cluster._withdraw(key)
+        src.membership.withdraw(key)
 
 
-def _wait(cluster: Cluster, load: _Load) -> None:
+def _wait(src: Sources, load: _Load) -> None:
     """Until the coordinator may have changed: full-jitter exponential backoff, capped."""
     bound = min(BACKOFF_CAP, BACKOFF_BASE * 2**load.waits)
     load.waits += 1
     remaining = load.deadline - time.monotonic()
-    cluster.coord.wait_change(min(remaining, random.uniform(0.0, bound)))
+    src.membership.coord.wait_change(min(remaining, random.uniform(0.0, bound)))
 
 
 @contextlib.contextmanager
-def _tally(cluster: Cluster) -> Iterator[dict[str, int]]:
-    coord = cluster.coord
+def _tally(src: Sources) -> Iterator[dict[str, int]]:
+    coord = src.membership.coord
     if isinstance(coord, CountingCoordinator):
         with coord.tally() as counts:
             yield counts

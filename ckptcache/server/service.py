@@ -109,36 +109,21 @@ def peer_credentials_authenticator(allowed_uids: tuple[int, ...]) -> Callable[..
 
 
 class CacheService(rpyc.Service):  # type: ignore[misc]
-    """One instance per client connection."""
+    """One instance per client connection; dispatches each request to the part that owns it
+    (:meth:`ckptcache.server.core.CacheCore.handlers`)."""
 
     def __init__(self, core: CacheCore):
         self._core = core
         self._session: Session | None = None
-        self._handlers: dict[str, tuple[type[Any], Callable[[Session, Any], Any]]] = {
-            "reserve": (m.ReserveRequest, core.reserve),
-            "commit": (m.CommitRequest, core.commit),
-            "abort": (m.AbortRequest, core.abort),
-            "open": (m.OpenRequest, core.open),
-            "release": (m.ReleaseRequest, core.release),
-            "report_corrupt": (m.ReportCorruptRequest, core.report_corrupt),
-            "stat": (m.StatRequest, core.stat),
-            "list": (m.ListRequest, core.list),
-            "delete": (m.DeleteRequest, core.delete),
-            "supersede": (m.SupersedeRequest, core.supersede),
-            "verify": (m.VerifyRequest, core.verify),
-            "status": (m.StatusRequest, core.status),
-            "wait": (m.WaitRequest, core.wait),
-            "prefetch": (m.PrefetchRequest, core.prefetch),
-            "pool": (m.PoolRequest, core.pool_info),
-        }
+        self._handlers = core.handlers()
 
     def on_connect(self, conn: rpyc.Connection) -> None:
         pid, uid, gid = conn._config.get("credentials") or (0, os.getuid(), os.getgid())
-        self._session = self._core.open_session(pid, uid, gid)
+        self._session = self._core.saves.open_session(pid, uid, gid)
 
     def on_disconnect(self, conn: rpyc.Connection) -> None:
         if self._session is not None:
-            self._core.close_session(self._session)
+            self._core.saves.close_session(self._session)
             self._session = None
 
     def _hello(self, body: str) -> str:
@@ -163,7 +148,7 @@ class CacheService(rpyc.Service):  # type: ignore[misc]
         except (ValueError, AttributeError):
             return
         if isinstance(reservation, int) and self._session is not None:
-            self._core.abort(self._session, m.AbortRequest(reservation))
+            self._core.saves.abort(self._session, m.AbortRequest(reservation))
 
     # -- the rpyc surface: one method, nothing else reachable or listed ------------------
 

@@ -22,14 +22,22 @@ from ckptcache.errors import CorruptCheckpoint
 from ckptcache.format.digest import digest_bytes, digest_hex
 from ckptcache.format.layout import HEADER_SIZE
 from ckptcache.format.manifest import Manifest, pack_digests, unpack_digests
-from ckptcache.server.dataplane import Channel
+from ckptcache.server.dataplane import Channel, send_msg
+from ckptcache.wire import peer
 from ckptcache.wire.states import Tier
 
 if TYPE_CHECKING:
-    from ckptcache.server.core import CacheCore, Inflight
     from ckptcache.server.index import Generation
+    from ckptcache.server.state import CacheState, Inflight
 
-__all__ = ["receive_object", "receive_relayed", "relay_in_flight", "send_object"]
+__all__ = [
+    "check_skeleton",
+    "receive_copy",
+    "receive_object",
+    "receive_relayed",
+    "relay_in_flight",
+    "send_object",
+]
 
 
 def send_object(channel: Channel, gen: Generation, digests: Callable[[], list[int]]) -> None:
@@ -53,12 +61,12 @@ class _Hasher(threading.Thread):
         self.received = 0
         self.done = False
         self.error: BaseException | None = None
-        self.cond = threading.Condition()
+        self.progress = threading.Condition()
 
     def advance(self, received: int, *, done: bool = False) -> None:
-        with self.cond:
+        with self.progress:
             self.received, self.done = received, done
-            self.cond.notify()
+            self.progress.notify()
 
     def run(self) -> None:
         try:
@@ -69,9 +77,9 @@ class _Hasher(threading.Thread):
                     record.offset - HEADER_SIZE,
                     record.offset - HEADER_SIZE + record.nbytes,
                 )
-                with self.cond:
+                with self.progress:
                     while self.received < end and not self.done:
-                        self.cond.wait()
+                        self.progress.wait()
                     if self.received < end:
                         return  # the stream ended early; the receiver reports it
                 self.digests[i] = digest_bytes(self.view[start:end])
@@ -122,7 +130,7 @@ def receive_object(
     return expected
 
 
-def relay_in_flight(channel: Channel, core: CacheCore, flight: Inflight) -> None:
+def relay_in_flight(channel: Channel, state: CacheState, flight: Inflight) -> None:
     """Send an object that is still arriving here, chunk by chunk as it lands.
 
     The bytes go out in order; if the copy being received fails, the connection is cut and
@@ -130,12 +138,7 @@ def relay_in_flight(channel: Channel, core: CacheCore, flight: Inflight) -> None
     """
     sent = HEADER_SIZE
     while sent < flight.nbytes:
-        with core.cond:
-            while flight.ready <= sent and not flight.failed:
-                core.cond.wait(1.0)
-            if flight.failed:
-                raise ConnectionError("the upstream copy failed mid-transfer")
-            ready = flight.ready
+        ready = state.wait_ready(flight, sent)
         channel.send_file(flight.segment.path, sent, ready - sent, flight.segment.mapping)
         sent = ready
 
@@ -143,3 +146,48 @@ def relay_in_flight(channel: Channel, core: CacheCore, flight: Inflight) -> None
 def receive_relayed(channel: Channel, view: memoryview, advance: Callable[[int], None]) -> None:
     """Receive a relayed stream (the whole segment body, table last) in order."""
     channel.recv_into(view, advance)
+
+
+def check_skeleton(view: memoryview, manifest: Manifest, expected: int) -> None:
+    """The skeleton that arrived (``view`` starts at the payload) against the sender's digest."""
+    start = manifest.pickle_offset - HEADER_SIZE
+    got = digest_bytes(view[start : start + manifest.pickle_size])
+    if expected and got != expected:
+        raise CorruptCheckpoint(
+            f"skeleton (pickle) of {manifest.path!r} arrived with digest {digest_hex(got)}, "
+            f"expected {digest_hex(expected)}",
+            tensor="<skeleton>",
+            tier=Tier.PEER,
+        )
+
+
+def receive_copy(
+    channel: Channel,
+    head: peer.PushRequest | peer.ObjectHead,
+    receive: Callable[..., Generation],
+    origin: str,
+    *,
+    ready: bool,
+    started: Callable[[], None] | None = None,
+    saved_at: float | None = None,
+    persisted: bool = False,
+) -> Generation:
+    """Receive one committed object announced by ``head`` and commit it here through
+    ``receive`` (:meth:`ckptcache.server.ingest.Ingest.receive`). ``ready``: tell the sender
+    (a push) to stream once room is reserved; ``started()`` runs when the bytes start;
+    ``persisted``: the sender's copy is the one stored at the path (nothing to write)."""
+    manifest = Manifest.from_json(head.manifest.encode(), segment_size=head.nbytes)
+    digest_offset = head.nbytes - 8 * len(manifest.storages)
+    verified: list[int] = []
+
+    def fill(view: memoryview, advance: Callable[[int], None]) -> None:
+        if started is not None:
+            started()
+        if ready:  # reserved: the sender may stream the bytes
+            send_msg(channel, peer.encode(peer.Ack()))
+        verified.extend(receive_object(channel, view, manifest, digest_offset, advance))
+        check_skeleton(view, manifest, head.skeleton_digest)
+
+    return receive(head.namespace, head.path, head.nbytes, head.manifest_offset,
+                   head.manifest_size, fill, origin=origin, digests=lambda: verified,
+                   saved_at=saved_at, persisted=persisted)  # fmt: skip

@@ -54,6 +54,7 @@ __all__ = [
     "VerifyRequest",
     "WaitReply",
     "WaitRequest",
+    "build",
     "decode",
     "encode",
     "error_envelope",
@@ -141,6 +142,15 @@ def _build(cls: type[M], raw: Any) -> M:
         if is_enum:
             values[name] = hint(values[name])
     return cls(**values)
+
+
+def build(cls: type[M], raw: Any) -> M:
+    """Build message ``cls`` from decoded JSON (a dict); raises :class:`ProtocolMismatch`
+    naming the bad field when one is missing, unknown or of the wrong type."""
+    try:
+        return _build(cls, raw)
+    except (TypeError, ValueError, RecursionError) as e:
+        raise ProtocolMismatch(f"malformed {cls.__name__}: {e}") from e
 
 
 def decode(cls: type[M], text: str) -> M:

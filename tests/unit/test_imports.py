@@ -1,9 +1,13 @@
-"""The daemon's modules import each other without a cycle.
+"""The daemon's modules import each other without a cycle, and hold no back-references.
 
 Only imports that run when a module is imported count: module-level statements (also inside
 module-level ``if``/``try``/``with``), but not ``if TYPE_CHECKING:`` blocks (annotations only)
-and not imports inside functions (deferred to call time: ``core`` builds its ``Cluster`` that
-way). A cycle among what is left makes import order matter and breaks partial imports.
+and not imports inside functions (deferred to call time: ``daemon`` builds the ``Cluster``
+that way). A cycle among what is left makes import order matter and breaks partial imports.
+
+The parts meet only in ``daemon.build_core``: the state owner (``state.py``) is the only module
+that touches the condition variable, and no module reaches into another object's private
+attributes.
 """
 
 from __future__ import annotations
@@ -110,9 +114,10 @@ def test_the_graph_sees_real_imports_and_skips_deferred_ones():
     graph = import_graph()
     assert "ckptcache.server.persist" in graph["ckptcache.server.core"]
     assert "ckptcache.server.core" in graph["ckptcache.server.service"]
-    # Deferred: under TYPE_CHECKING (persist -> core) or inside a function (core -> cluster).
-    assert "ckptcache.server.core" not in graph["ckptcache.server.persist"]
-    assert "ckptcache.server.cluster" not in graph["ckptcache.server.core"]
+    assert "ckptcache.server.state" in graph["ckptcache.server.saves"]
+    # Deferred: under TYPE_CHECKING (persist -> state) or inside a function (daemon -> cluster).
+    assert "ckptcache.server.state" not in graph["ckptcache.server.persist"]
+    assert "ckptcache.server.cluster" not in graph["ckptcache.server.daemon"]
 
 
 def test_no_import_cycle_in_the_daemon():
@@ -126,3 +131,66 @@ def test_no_import_cycle_in_the_daemon():
 def test_find_cycle_finds_one():
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert find_cycle({"a": {"b"}, "b": set(), "c": {"a", "b"}}) == []
+
+
+#: The one module that owns the daemon's lock and condition variable.
+STATE_OWNER = "ckptcache.server.state"
+#: Private attributes of other objects a module may use: rpyc's own hooks.
+PRIVATE_ALLOWED = {
+    ("ckptcache.server.service", "_connect"),
+    ("ckptcache.server.service", "_config"),
+}
+
+
+def _attributes(path: Path) -> Iterator[ast.Attribute]:
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Attribute):
+            yield node
+
+
+def _modules() -> dict[str, Path]:
+    return {_module_name(p): p for p in sorted(SOURCE.rglob("*.py"))}
+
+
+def test_only_the_state_owner_uses_the_condition_variable():
+    users = sorted(
+        f"{name}:{a.lineno}"
+        for name, path in _modules().items()
+        if name != STATE_OWNER
+        for a in _attributes(path)
+        if a.attr in ("cond", "_cond")
+    )
+    assert not users, f"the daemon's condition is used outside {STATE_OWNER}: {users}"
+    assert any(a.attr == "_cond" for a in _attributes(_modules()[STATE_OWNER]))
+
+
+def test_no_module_reaches_into_another_objects_private_attributes():
+    found = sorted(
+        f"{name}:{a.lineno} .{a.attr}"
+        for name, path in _modules().items()
+        for a in _attributes(path)
+        if a.attr.startswith("_") and not a.attr.startswith("__")
+        and not (isinstance(a.value, ast.Name) and a.value.id in ("self", "cls"))
+        and (name, a.attr) not in PRIVATE_ALLOWED
+    )  # fmt: skip
+    assert not found, f"private attributes used from outside their object: {found}"
+
+
+def _own_or_config(value: ast.expr) -> bool:
+    """``self.cluster`` (the facade holding its parts) or ``config.cluster`` (a name)."""
+    if isinstance(value, ast.Name):
+        return value.id in ("self", "cfg", "config")
+    return isinstance(value, ast.Attribute) and value.attr == "config"
+
+
+def test_no_back_reference_from_a_part_to_its_builder():
+    """``core.cluster = ...``, ``self.core`` or ``cluster.core``: the ways parts used to reach
+    each other, gone since the daemon composes them."""
+    found = sorted(
+        f"{name}:{a.lineno} .{a.attr}"
+        for name, path in _modules().items()
+        if name not in ("ckptcache.server.daemon", "ckptcache.server.service")
+        for a in _attributes(path)
+        if a.attr == "core" or (a.attr == "cluster" and not _own_or_config(a.value))
+    )  # fmt: skip
+    assert not found, f"back-references: {found}"

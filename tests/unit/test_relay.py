@@ -14,14 +14,14 @@ from ckptcache.format.manifest import compute_digests, pack_digests
 from ckptcache.format.objectio import plan_object, read_object, write_object
 from ckptcache.server import dataplane
 from ckptcache.server.config import DaemonConfig
-from ckptcache.server.core import CacheCore
+from ckptcache.server.daemon import build_core
 from ckptcache.server.dataplane import Channel
 from ckptcache.server.transfer import receive_relayed, relay_in_flight
 
 
 def make_core(tmp_path, name):
     shm = f"/dev/shm/ckptcache-test-{uuid.uuid4().hex[:8]}-{name}"
-    return CacheCore(DaemonConfig(shm_dir=shm, socket=str(tmp_path / f"{name}.sock"),
+    return build_core(DaemonConfig(shm_dir=shm, socket=str(tmp_path / f"{name}.sock"),
                                   memory_limit=64 << 20, node_id=name))  # fmt: skip
 
 
@@ -57,9 +57,9 @@ def test_relay_forwards_bytes_before_the_source_has_them_all(tmp_path, monkeypat
     def relay():
         try:
             key = ("default", "/ckpt/model.pt")
-            while key not in upstream.inflight:
+            while key not in upstream.state.inflight:
                 threading.Event().wait(0.01)
-            relay_in_flight(a, upstream, upstream.inflight[key])
+            relay_in_flight(a, upstream.state, upstream.state.inflight[key])
         except BaseException as e:
             relayed.append(e)
 
@@ -72,14 +72,14 @@ def test_relay_forwards_bytes_before_the_source_has_them_all(tmp_path, monkeypat
 
             receive_relayed(b, view, tracking)
 
-        received.append(downstream.receive("default", "/ckpt/model.pt", plan.layout.nbytes,
+        received.append(downstream.ingest.receive("default", "/ckpt/model.pt", plan.layout.nbytes,
                                            plan.layout.manifest_offset, len(plan.manifest_bytes),
                                            fill, origin="up"))  # fmt: skip
 
     threads = [threading.Thread(target=relay), threading.Thread(target=receive_down)]
     for t in threads:
         t.start()
-    gen_up = upstream.receive("default", "/ckpt/model.pt", plan.layout.nbytes,
+    gen_up = upstream.ingest.receive("default", "/ckpt/model.pt", plan.layout.nbytes,
                               plan.layout.manifest_offset, len(plan.manifest_bytes), slow_fill,
                               origin="storage", verify=True)  # fmt: skip
     for t in threads:
@@ -87,7 +87,7 @@ def test_relay_forwards_bytes_before_the_source_has_them_all(tmp_path, monkeypat
     assert relayed == [] and len(received) == 1
     gen_down = received[0]
     assert gen_up.digests == gen_down.digests == table  # verified on both hops
-    assert "/ckpt/model.pt" not in {k[1] for k in upstream.inflight}
+    assert "/ckpt/model.pt" not in {k[1] for k in upstream.state.inflight}
     out = read_object(gen_down.segment.mapping, gen_down.segment.read_header().manifest_offset,
                       len(plan.manifest_bytes), zero_copy=False)  # fmt: skip
     assert torch.equal(out["a"], obj["a"]) and torch.equal(out["b"], obj["b"])

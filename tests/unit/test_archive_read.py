@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from ckptcache.errors import CorruptCheckpoint
 from ckptcache.format.crc import crc32_combine
 from ckptcache.format.persisted import check_archive, list_records, stream_archive
-from ckptcache.server.storage_read import BLOCK, read_archive
+from ckptcache.server.archive_read import BLOCK, read_archive
 from ckptcache.storage import backend_for
 
 

@@ -1,0 +1,215 @@
+"""Persist election: which member of a redundancy group writes its content to storage.
+
+Lifecycle of a committed generation on a cluster node (called by the persister, see
+:class:`~ckptcache.server.persist.PersistElection`)::
+
+    claim -> persisted record exists  -> done, nothing written
+          -> won the group election   -> representative: persist, then :meth:`persisted`
+          -> lost                     -> standby: :meth:`watch` the group
+    standby -> record appears     -> persisted (nothing written)
+            -> representative gone (lease expired / failed) -> claim again (takeover)
+
+A redundancy group is (path, object digest): the nodes holding identical content of a path.
+Representatives are preferred by rendezvous hash (so groups spread over nodes) and made
+unique by the coordinator's create-if-absent under the node lease. Different contents of one
+path saved within ``conflict_window`` are a digest disagreement: the first persisted content
+takes the path and every other one is persisted beside it as ``<path>.conflict-<digest>``.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from ckptcache.errors import CkptCacheError
+from ckptcache.format.digest import digest_bytes
+from ckptcache.format.manifest import object_digest
+from ckptcache.server.config import DaemonConfig
+from ckptcache.server.coord import CoordinatorUnavailable
+from ckptcache.server.fetching import Fetching
+from ckptcache.server.index import Generation
+from ckptcache.server.membership import Membership, path_hash
+from ckptcache.server.metrics import Metrics
+from ckptcache.server.state import CacheState
+from ckptcache.wire.states import ClaimRole, Tier
+
+__all__ = ["Election"]
+
+log = logging.getLogger(__name__)
+
+
+class Election:
+    """The cluster side of :class:`~ckptcache.server.persist.PersistElection`."""
+
+    def __init__(
+        self,
+        config: DaemonConfig,
+        state: CacheState,
+        membership: Membership,
+        fetching: Fetching,
+        *,
+        metrics: Metrics,
+        protect: Callable[[Generation], None],
+        mark_persisted: Callable[[Generation], None],
+        resubmit: Callable[[Generation], None],
+        stop: threading.Event,
+    ):
+        self.config = config
+        self.state = state
+        self.membership = membership
+        self.fetching = fetching
+        self.metrics = metrics
+        #: Announce and protect a good copy fetched to replace a corrupt one.
+        self.protect = protect
+        #: The persister's: the group persisted a standby's content / take over its persist.
+        self.mark_persisted = mark_persisted
+        self.resubmit = resubmit
+        self._stop = stop
+        self._standby: dict[Generation, tuple[str, str]] = {}
+
+    def claim(self, gen: Generation) -> tuple[ClaimRole, str]:
+        """Decide this node's role for persisting ``gen``: ``("done", path)``,
+        ``("lead", target_path)``, ``("standby", "")`` or ``("retry", "")``."""
+        ph, digest = self.membership.announce(gen)
+        if self.membership.coord.get(f"persisted/{ph}/{digest}") is not None:
+            return ClaimRole.DONE, gen.path
+        target = self._conflict_target(gen, ph, digest)
+        group = self.membership.coord.scan(f"holders/{ph}/{digest}/")
+        live = set(self.membership.node_ids())
+        members = sorted((str(v["node"]) for v in group.values() if v.get("node") in live),
+                         key=lambda n: digest_bytes(f"{ph}{digest}{n}".encode()))  # fmt: skip
+        me = self.membership.node.node_id
+        rank = members.index(me) if me in members else len(members)
+        if rank:
+            time.sleep(min(0.2 * rank, 1.0))  # the preferred node gets a head start
+        if not self.membership.coord.elect(
+            f"reps/{ph}/{digest}", {"node": me, "since": time.time()}
+        ):
+            return ClaimRole.STANDBY, ""
+        if self.membership.coord.get(f"persisted/{ph}/{digest}") is not None:
+            # A previous representative finished (and stepped down) while we waited.
+            self.membership.withdraw(f"reps/{ph}/{digest}")
+            return ClaimRole.DONE, gen.path
+        if not self.membership.coord.elect(f"writer/{ph}", {"node": me, "digest": digest}):
+            self.membership.coord.withdraw(f"reps/{ph}/{digest}")
+            return ClaimRole.RETRY, ""
+        return ClaimRole.LEAD, self._conflict_target(gen, ph, digest) or target
+
+    def _conflict_target(self, gen: Generation, ph: str, digest: str) -> str:
+        """Where this content goes: the path, or a sidecar when another content of the same
+        save already owns it."""
+        window = self.config.conflict_window
+        others: dict[str, float] = {}
+        for key, v in self.membership.coord.scan(f"holders/{ph}/").items():
+            d = key.split("/")[2]
+            if d == "inflight":
+                continue  # a copy still arriving, not a content
+            if d != digest and abs(float(v.get("committed", 0)) - gen.committed) < window:
+                others[d] = float(v.get("committed", 0))
+        if not others:
+            return gen.path
+        if not gen.conflict:
+            gen.conflict = f"{len(others)} other content(s) saved within {window:g}s: " + ", ".join(
+                sorted(others)
+            )
+            self.metrics.corrupt.labels(tier=Tier.GROUP).inc()
+            log.error("digest disagreement on %s: this node holds %s, others hold %s",
+                      gen.path, digest, sorted(others))  # fmt: skip
+        persisted = self.membership.coord.scan(f"persisted/{ph}/")
+        if any(k.split("/")[2] != digest for k in persisted):
+            return f"{gen.path}.conflict-{digest}"
+        return gen.path
+
+    def persisted(self, gen: Generation, target: str) -> None:
+        """Record the group's persist and step down. If the coordinator is unreachable, the
+        record is retried in the background (with backoff) until it answers: the object is
+        already complete on storage, so nothing waits for it but the standbys."""
+        ph, digest = path_hash(gen.namespace, gen.path), object_digest(gen.digests or [])
+        record = {"node": self.membership.node.node_id, "path": target, "time": time.time()}
+        try:
+            self._record_persisted(ph, digest, record)
+        except CoordinatorUnavailable as e:
+            log.warning("cannot record the persist of %s yet (%s); retrying", gen.path, e)
+            threading.Thread(
+                target=self._retry_record, args=(gen.path, ph, digest, record),
+                name="persisted-record", daemon=True,
+            ).start()  # fmt: skip
+
+    def _record_persisted(self, ph: str, digest: str, record: dict[str, Any]) -> None:
+        self.membership.coord.record(f"persisted/{ph}/{digest}", record)
+        for key in (f"writer/{ph}", f"reps/{ph}/{digest}"):
+            self.membership.coord.withdraw(key)
+
+    def _retry_record(self, path: str, ph: str, digest: str, record: dict[str, Any]) -> None:
+        delay = 0.2
+        while not self._stop.wait(delay):
+            try:
+                self._record_persisted(ph, digest, record)
+            except CoordinatorUnavailable:
+                delay = min(delay * 2, 5.0)
+                continue
+            log.info("recorded the persist of %s after a coordinator outage", path)
+            return
+
+    def failed(self, gen: Generation) -> None:
+        """Step down after giving up, so a standby can take over; keep watching the group."""
+        ph, digest = path_hash(gen.namespace, gen.path), object_digest(gen.digests or [])
+        for key in (f"writer/{ph}", f"reps/{ph}/{digest}"):
+            self.membership.withdraw(key)
+        self.watch(gen, resubmit=False)
+
+    def replace_corrupt(self, gen: Generation) -> bool:
+        """This node's copy of ``gen`` is corrupt: leave its redundancy group (so a standby
+        takes over the persist) and fetch a good copy from another member; returns whether
+        one was found. The fetched copy is committed as a newer generation and persisted (or
+        marked persisted) through the normal election."""
+        ph, digest = path_hash(gen.namespace, gen.path), object_digest(gen.digests or [])
+        me = self.membership.node.node_id
+        for key in (f"holders/{ph}/{digest}/{me}", f"writer/{ph}", f"reps/{ph}/{digest}"):
+            self.membership.withdraw(key)
+        try:
+            members = self.membership.coord.scan(f"holders/{ph}/{digest}/")
+            live = {n.node_id: n for n in self.membership.live_nodes()}
+        except CoordinatorUnavailable as e:
+            log.error("cannot look for a good copy of %s: %s", gen.path, e)
+            return False
+        for entry in members.values():
+            node = live.get(str(entry.get("node")))
+            if node is None or node.node_id == me or not node.data_addr:
+                continue
+            try:
+                with self.membership.in_flight(ph) as announce:
+                    good = self.fetching.fetch_from(node, gen.namespace, gen.path, announce)
+            except (OSError, CkptCacheError) as e:
+                log.warning("good copy of %s from %s failed: %s", gen.path, node.node_id, e)
+                continue
+            log.warning("replaced the corrupt copy of %s with the one of %s (generation %d)",
+                        gen.path, node.node_id, good.number)  # fmt: skip
+            self.protect(good)
+            return True
+        log.error("no other node holds a good copy of %s: it cannot be persisted", gen.path)
+        return False
+
+    def watch(self, gen: Generation, *, resubmit: bool = True) -> None:
+        """Watch the group of ``gen`` as a standby (with the state lock held or not)."""
+        ph, digest = path_hash(gen.namespace, gen.path), object_digest(gen.digests or [])
+        self._standby[gen] = (ph, digest if resubmit else f"!{digest}")
+
+    def check_standbys(self) -> None:
+        """Resolve watched groups: persisted by another member, or take over."""
+        coord = self.membership.coord
+        for gen, (ph, tag) in list(self._standby.items()):
+            digest = tag.lstrip("!")
+            if not self.state.is_current(gen):
+                self._standby.pop(gen, None)
+                continue
+            if coord.get(f"persisted/{ph}/{digest}") is not None:
+                self._standby.pop(gen, None)
+                self.mark_persisted(gen)
+            elif not tag.startswith("!") and coord.get(f"reps/{ph}/{digest}") is None:
+                self._standby.pop(gen, None)
+                log.warning("representative of %s is gone: taking over", gen.path)
+                self.resubmit(gen)

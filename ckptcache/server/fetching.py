@@ -1,0 +1,118 @@
+"""Copies between peers on request: serving fetches, fetching, and corruption reports.
+
+Serving (:meth:`Fetching.on_fetch`): a copy still arriving here is relayed as it lands
+(:class:`~ckptcache.wire.peer.RelayHead`), else the newest sound generation is sent, pinned
+(:class:`~ckptcache.wire.peer.ObjectHead`). Fetching (:meth:`Fetching.fetch_from`) receives
+either and commits it here. A fetched copy found corrupt is reported to its holder
+(:meth:`Fetching.report_corrupt` -> :meth:`Fetching.on_corrupt` there), which drops it.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+from ckptcache.errors import CheckpointNotFound, CkptCacheError, ReplicationError
+from ckptcache.server.coord import NodeInfo
+from ckptcache.server.dataplane import Channel, recv_msg, send_msg
+from ckptcache.server.index import Generation
+from ckptcache.server.membership import Membership
+from ckptcache.server.state import CacheState, Inflight
+from ckptcache.server.transfer import receive_copy, receive_relayed, relay_in_flight, send_object
+from ckptcache.wire import peer
+
+__all__ = ["Fetching"]
+
+log = logging.getLogger(__name__)
+
+
+class Fetching:
+    """Peer-to-peer copies on request."""
+
+    def __init__(
+        self,
+        state: CacheState,
+        membership: Membership,
+        *,
+        ensure_digests: Callable[[Generation], list[int]],
+        receive: Callable[..., Generation],
+        drop_corrupt: Callable[[str, str, int, str], None],
+    ):
+        self.state = state
+        self.membership = membership
+        self.ensure_digests = ensure_digests
+        self.receive = receive
+        self.drop_corrupt = drop_corrupt
+
+    def on_fetch(self, conn: Channel, req: peer.FetchRequest) -> None:
+        """Handler of :class:`~ckptcache.wire.peer.FetchRequest`."""
+        key = (req.namespace, req.path)
+        try:
+            served = self.state.flight_or_pinned(key)
+        except CkptCacheError as e:
+            send_msg(conn, peer.refusal(e))
+            return
+        if isinstance(served, Inflight):  # still arriving here: relay it chunk by chunk
+            log.info("relaying %s to a peer while it arrives", key[1])
+            send_msg(conn, peer.encode(peer.RelayHead(
+                namespace=key[0], path=key[1], nbytes=served.nbytes,
+                manifest_offset=served.manifest_offset, manifest_size=served.manifest_size,
+                persisted=served.persisted,
+            )))  # fmt: skip
+            relay_in_flight(conn, self.state, served)
+            return
+        gen = served
+        try:
+            header = gen.segment.read_header()
+            send_msg(conn, peer.encode(peer.ObjectHead(
+                namespace=gen.namespace, path=gen.path,
+                nbytes=header.digest_offset + 8 * header.n_storages,
+                manifest_offset=header.manifest_offset, manifest_size=header.manifest_size,
+                generation=gen.number, manifest=gen.manifest.to_json().decode(),
+                skeleton_digest=header.skeleton_digest, persisted=gen.persisted,
+            )))  # fmt: skip
+            send_object(conn, gen, lambda: self.ensure_digests(gen))
+        finally:
+            self.state.unpin(gen)
+
+    def fetch_from(
+        self, node: NodeInfo, namespace: str, path: str, started: Callable[[], None]
+    ) -> Generation:
+        """Copy ``node``'s newest copy of ``path`` here (``started()`` once bytes land)."""
+        with self.membership.dial(node) as conn:
+            send_msg(conn.channel, peer.encode(peer.FetchRequest(namespace, path)))
+            head = peer.decode_fetch_reply(recv_msg(conn.channel))
+            if isinstance(head, peer.Refused):
+                if head.error == "CheckpointNotFound":
+                    raise CheckpointNotFound(f"{node.node_id}: {head.message}")
+                raise ReplicationError(f"{node.node_id}: {head.message}")
+            if (head.namespace, head.path) != (namespace, path):
+                raise ReplicationError(f"{node.node_id} answered for another path")
+            if isinstance(head, peer.RelayHead):
+
+                def fill(view: memoryview, advance: Callable[[int], None]) -> None:
+                    started()
+                    receive_relayed(conn.channel, view, advance)
+
+                return self.receive(
+                    namespace, path, head.nbytes, head.manifest_offset, head.manifest_size,
+                    fill, origin=node.node_id, persisted=head.persisted,  # not written back
+                )  # fmt: skip
+            return receive_copy(conn.channel, head, self.receive, node.node_id, ready=False,
+                                started=started, persisted=head.persisted)  # fmt: skip
+
+    def report_corrupt(self, node: NodeInfo, namespace: str, path: str, detail: str) -> None:
+        """Tell ``node`` its copy of ``path`` was corrupt (best effort)."""
+        try:
+            with self.membership.dial(node, timeout=10) as conn:
+                send_msg(conn.channel, peer.encode(peer.CorruptReport(namespace, path, detail)))
+                recv_msg(conn.channel)
+        except (OSError, CkptCacheError):
+            pass
+
+    def on_corrupt(self, conn: Channel, req: peer.CorruptReport) -> None:
+        """Handler of :class:`~ckptcache.wire.peer.CorruptReport`: drop the copy served."""
+        gen = self.state.find(req.namespace, req.path)
+        if gen is not None:
+            self.drop_corrupt(gen.namespace, gen.path, gen.number, f"peer found: {req.detail}")
+        send_msg(conn, peer.encode(peer.Ack()))

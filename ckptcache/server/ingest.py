@@ -1,0 +1,134 @@
+"""Ingest: take a copy from a peer or from storage into this node's memory.
+
+Call order of :meth:`Ingest.receive`: refuse a path deleted since the copy was saved ->
+reserve (internal session) -> register the object in flight (peers asking for it are relayed
+its bytes as they land, see :func:`ckptcache.server.transfer.relay_in_flight`) -> ``fill`` ->
+validate the manifest and verify (or compute) every digest -> refuse a delete that came during
+the transfer -> commit as this node's generation -> mark it (origin, persisted).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import replace
+
+from ckptcache.errors import CheckpointNotFound
+from ckptcache.format.layout import HEADER_SIZE, DigestState
+from ckptcache.format.manifest import compute_digests, pack_digests, unpack_digests, verify_digests
+from ckptcache.server.index import Generation
+from ckptcache.server.roots import PersistRoots
+from ckptcache.server.saves import Saves, persistable
+from ckptcache.server.state import CacheState, Inflight
+from ckptcache.wire import messages as m
+from ckptcache.wire.states import PersistState, Tier
+
+__all__ = ["Ingest"]
+
+
+class Ingest:
+    """Backup copies and relays arriving from peers, and copies read from storage."""
+
+    def __init__(self, state: CacheState, saves: Saves, roots: PersistRoots):
+        self.state = state
+        self.saves = saves
+        self.roots = roots
+
+    def receive(
+        self,
+        namespace: str,
+        path: str,
+        nbytes: int,
+        manifest_offset: int,
+        manifest_size: int,
+        fill: Callable[[memoryview, Callable[[int], None]], None],
+        origin: str,
+        *,
+        verify: bool = True,
+        persisted: bool = False,
+        digests: Callable[[], list[int]] | None = None,
+        saved_at: float | None = None,
+    ) -> Generation:
+        """Take a copy from a peer or storage: reserve, ``fill`` the bytes after the header,
+        verify every digest against the table that came with them (``verify``) or compute the
+        table (a copy read from storage), and commit it as this node's generation.
+        ``digests()``, when given, returns the digests ``fill`` already verified.
+
+        ``fill(view, advance)`` calls ``advance(n)`` whenever the first ``n`` bytes of ``view``
+        are final: until the commit, peers asking for the same path are relayed those bytes
+        as they land (see :attr:`CacheState.inflight`), so a broadcast is pipelined hop by hop.
+        ``saved_at``: the origin's commit time of a backup copy; refused if the path was
+        deleted here since (checked before and after the transfer).
+        """
+        state, saves, internal = self.state, self.saves, self.saves.internal
+        self._refuse_deleted(namespace, path, saved_at)
+        reply = saves.reserve(internal, m.ReserveRequest(namespace, path, nbytes))
+        key = (namespace, path)
+        commit = m.CommitRequest(reply.reservation, manifest_offset, manifest_size)
+        with state.locked():
+            segment = internal.reservations[reply.reservation].segment
+            flight = Inflight(segment, nbytes, manifest_offset, manifest_size, persisted=persisted)
+            state.inflight.setdefault(key, flight)
+
+        def advance(n: int) -> None:
+            state.advance(flight, HEADER_SIZE + n)
+
+        try:
+            view = segment.view()
+            try:
+                fill(view[HEADER_SIZE:nbytes], advance)
+            finally:
+                del view
+            manifest, header = saves.validate(
+                segment, internal.reservations[reply.reservation], commit
+            )
+            view = segment.view()
+            try:
+                start, n = header.digest_offset, header.n_storages
+                if digests is not None:
+                    table = digests()
+                elif verify:
+                    table = unpack_digests(view[start : start + 8 * n], n)
+                    verify_digests(view, manifest, table, tier=Tier.PEER)
+                else:
+                    table = compute_digests(view, manifest)
+                    view[start : start + 8 * n] = pack_digests(table)
+            finally:
+                del view
+        except BaseException:
+            state.end_flight(key, flight, failed=True)
+            saves.abort(internal, m.AbortRequest(reply.reservation))
+            raise
+        try:
+            self._refuse_deleted(namespace, path, saved_at)
+        except CheckpointNotFound:
+            state.end_flight(key, flight)
+            saves.abort(internal, m.AbortRequest(reply.reservation))
+            raise
+        with state.locked():
+            state.end_flight(key, flight)  # committed below: later fetches use the index
+            res = internal.reservations[reply.reservation]
+            res.digests = table  # published with the generation: nobody hashes it again
+            if persisted:
+                res.persist = False
+        saves.commit(internal, commit)
+        with state.locked():
+            gen = state.index.newest(key)
+            assert gen is not None
+            gen.origin = origin
+            header = gen.segment.read_header()
+            if persisted:  # read back from its own storage path: already safe there
+                gen.persisted, gen.persist_state = True, PersistState.PERSISTED
+                gen.needs_persist = persistable(self.roots, path)  # wait() answers "persisted"
+            gen.segment.write_header(
+                replace(header, digest_state=DigestState.VALID, persisted=int(persisted))
+            )
+        return gen
+
+    def _refuse_deleted(self, namespace: str, path: str, saved_at: float | None) -> None:
+        with self.state.locked():
+            deleted = self.state.deleted.get((namespace, path))
+        if saved_at is not None and deleted is not None and deleted >= saved_at:
+            raise CheckpointNotFound(
+                f"{path!r} was deleted on node {self.state.config.node_id!r} after this copy "
+                "was saved: backup copy refused"
+            )

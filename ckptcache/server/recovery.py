@@ -1,0 +1,125 @@
+"""Recovery after a restart: rebuild the index from the committed segments left in shm.
+
+Call order (once, before anything is served): :func:`recover` scans the arena, reclaims
+uncommitted or unreadable segments, re-indexes the rest, retires generations older than the
+object on storage (URLs are compared in the background), applies retention, and re-queues
+digests and persists that had not finished.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+from ckptcache._units import format_bytes
+from ckptcache.errors import CorruptCheckpoint, PathNotAllowed
+from ckptcache.format.layout import DigestState, SegmentState
+from ckptcache.format.manifest import Manifest, unpack_digests
+from ckptcache.server import ownership
+from ckptcache.server.digester import Digester
+from ckptcache.server.index import Generation, Key
+from ckptcache.server.lineage import anchor_of
+from ckptcache.server.persist import Persister
+from ckptcache.server.retention import Retention
+from ckptcache.server.roots import PersistRoots
+from ckptcache.server.saves import persistable
+from ckptcache.server.state import CacheState
+from ckptcache.storage import backend_for
+from ckptcache.wire.states import PersistState
+
+__all__ = ["recover"]
+
+log = logging.getLogger(__name__)
+
+
+def recover(
+    state: CacheState,
+    roots: PersistRoots,
+    retention: Retention,
+    digester: Digester,
+    persister: Persister,
+) -> None:
+    """Rebuild the index from committed segments; reclaim everything else."""
+    arena = state.arena
+    for segment, header in arena.scan():
+        if header is None or header.state != SegmentState.COMMITTED:
+            log.info("reclaiming uncommitted segment %s", segment.name)
+            arena.destroy(segment)
+            continue
+        view = segment.view()
+        try:
+            manifest = Manifest.from_json(
+                view[header.manifest_offset : header.manifest_offset + header.manifest_size],
+                segment_size=segment.capacity,
+            )
+        except CorruptCheckpoint as e:
+            log.error("dropping segment %s: %s", segment.name, e)
+            del view
+            arena.destroy(segment)
+            continue
+        gen = Generation(
+            manifest.namespace, manifest.path, header.generation, segment, manifest,
+            size=header.payload_size, committed=header.committed_ns / 1e9,
+            saver=ownership.read_record(segment, arena.uid),
+            committed_ns=header.committed_ns, anchor=anchor_of(manifest.path),
+        )  # fmt: skip
+        # Persisted or not, a path under a root is a persisted kind of object (wait()
+        # answers "persisted", never "memory-only", for it after a restart).
+        gen.needs_persist = persistable(roots, gen.path)
+        if header.persisted:
+            gen.persisted, gen.persist_state = True, PersistState.PERSISTED
+        if header.digest_state == DigestState.VALID:
+            table = view[header.digest_offset : header.digest_offset + 8 * header.n_storages]
+            gen.digests = unpack_digests(table, header.n_storages)
+        del view
+        state.index.add(gen)
+        log.info("recovered %s generation %d (%s)", gen.path, gen.number, format_bytes(gen.size))
+    check = _StorageCheck(state, roots, retention, persister)
+    remote = [k for k in state.index.paths() if "://" in k[1]]
+    for key in state.index.paths():
+        if key not in remote:  # a stat each: before anything is served
+            check.retire_older_than_storage(key)
+    if remote:  # object stores may be slow or down: compare in the background
+        threading.Thread(target=check.run, args=(remote,), name="stale-check", daemon=True).start()
+    with state.locked():
+        for key in state.index.paths():
+            retention.supersede_older_locked(key)
+            retention.apply_locked(key)
+    for gen in state.generations():
+        if gen.digests is None:
+            digester.put(gen)
+        if gen.needs_persist and not gen.persisted:
+            log.info("re-queueing unpersisted %s generation %d", gen.path, gen.number)
+            persister.submit(gen)
+
+
+class _StorageCheck:
+    """Compares recovered generations with the object on storage."""
+
+    def __init__(
+        self, state: CacheState, roots: PersistRoots, retention: Retention, persister: Persister
+    ):
+        self.state, self.roots, self.retention, self.persister = state, roots, retention, persister
+
+    def run(self, keys: list[Key]) -> None:
+        for key in keys:
+            self.retire_older_than_storage(key)
+
+    def retire_older_than_storage(self, key: Key) -> None:
+        """Drop recovered generations older than the object on storage.
+
+        A save written through while this daemon was down (or a newer persist by another
+        node) is the last completed save: an older generation must neither be served nor
+        persisted over it. Commit times are wall-clock ns of the saving node.
+        """
+        path = key[1]
+        try:
+            if self.roots.root_for(path) is None and "://" in path:
+                return  # a URL under no root: storage is none of our business
+            stored = backend_for(path, self.persister.options).commit_time_ns(path)
+        except (OSError, ValueError, ImportError, PathNotAllowed) as e:
+            log.warning("cannot compare %s with storage: %s", path, e)
+            return
+        if stored is not None:
+            with self.state.locked():
+                self.retention.retire_older_than_locked(key, stored)

@@ -1,0 +1,184 @@
+"""Replication: backup copies pushed to peers, received from them, and kept up to count.
+
+Call order: :meth:`Replication.start` (the worker) -> :meth:`Replication.on_commit` for each
+commit (synchronous :meth:`Replication.replicate` for durability ``backup``) and
+:meth:`Replication.protect` for recovered or fetched copies (the worker announces them and
+brings them up to ``replicas`` backup copies) -> :meth:`Replication.check_replicas` from the
+cluster monitor (re-replicates copies on nodes that left) -> :meth:`Replication.stop`.
+A push: :class:`~ckptcache.wire.peer.PushRequest` -> ``Ack`` -> bytes -> ``Pushed``.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+
+from ckptcache.errors import CkptCacheError, ReplicationError
+from ckptcache.server.config import DaemonConfig
+from ckptcache.server.coord import CoordinatorUnavailable, NodeInfo
+from ckptcache.server.dataplane import Channel, recv_msg, send_msg
+from ckptcache.server.index import Generation
+from ckptcache.server.membership import Membership
+from ckptcache.server.state import CacheState
+from ckptcache.server.transfer import receive_copy, send_object
+from ckptcache.wire import peer
+
+__all__ = ["Replication"]
+
+log = logging.getLogger(__name__)
+
+
+class Replication:
+    """Backup copies of this node's saves on other nodes, and copies of theirs here."""
+
+    def __init__(
+        self,
+        config: DaemonConfig,
+        state: CacheState,
+        membership: Membership,
+        *,
+        ensure_digests: Callable[[Generation], list[int]],
+        receive: Callable[..., Generation],
+    ):
+        self.config = config
+        self.state = state
+        self.membership = membership
+        self.ensure_digests = ensure_digests
+        self.receive = receive
+        self._work: queue.Queue[Generation | None] = queue.Queue()
+
+    def start(self) -> None:
+        """Start the worker that announces and protects generations."""
+        threading.Thread(target=self._worker, name="replicate", daemon=True).start()
+
+    def stop(self) -> None:
+        """Stop the worker."""
+        self._work.put(None)
+
+    def protect(self, gen: Generation) -> None:
+        """Announce ``gen`` and (for this node's own saves) bring it up to count, in the
+        background."""
+        self._work.put(gen)
+
+    def on_commit(self, gen: Generation, durability: str) -> None:
+        """A generation was committed here: protect it (synchronously for durability
+        ``backup``)."""
+        if durability == "backup" and not gen.origin:
+            if self.config.backup == "none":
+                raise ReplicationError(
+                    "durability='backup' needs backup nodes: start the daemons with --backup "
+                    "auto (or a list) and a shared --coordinator"
+                )
+            self.replicate(gen)
+        self._work.put(gen)
+
+    def replicate(self, gen: Generation) -> None:
+        """Bring ``gen`` up to the configured number of backup copies (raises when none can be
+        made)."""
+        try:
+            live = {n.node_id for n in self.membership.live_nodes()}
+            with self.state.locked():
+                gen.replicas &= live
+                need = self.config.replicas - len(gen.replicas)
+            if need <= 0:
+                return
+            targets = self.membership.backup_targets(exclude=set(gen.replicas))
+        except CoordinatorUnavailable as e:
+            raise ReplicationError(
+                f"no backup copy of {gen.path!r}: the coordinator is unreachable, so no "
+                f"backup node can be chosen ({e}); the local copy is kept"
+            ) from e
+        if not targets:
+            raise ReplicationError(
+                f"no live backup node for {gen.path!r} (live: {sorted(live)}); the local copy "
+                "is kept"
+            )
+        errors = []
+        for target in targets:
+            if need <= 0:
+                break
+            try:
+                self._push(gen, target)
+            except (OSError, CkptCacheError) as e:
+                errors.append(f"{target.node_id}: {e}")
+                continue
+            with self.state.locked():
+                gen.replicas.add(target.node_id)
+            need -= 1
+        if need > 0:
+            raise ReplicationError(f"backup copy of {gen.path!r} failed: {'; '.join(errors)}")
+
+    def _push(self, gen: Generation, target: NodeInfo) -> None:
+        if not self.state.pin_if_current(gen):
+            return  # retired meanwhile: nothing to protect
+        try:
+            t0 = time.perf_counter()
+            header = gen.segment.read_header()
+            offer = peer.PushRequest(
+                namespace=gen.namespace, path=gen.path,
+                nbytes=header.digest_offset + 8 * header.n_storages,
+                manifest_offset=header.manifest_offset, manifest_size=header.manifest_size,
+                origin=self.membership.node.node_id, manifest=gen.manifest.to_json().decode(),
+                skeleton_digest=header.skeleton_digest, committed=gen.committed,
+            )  # fmt: skip
+            with self.membership.dial(target) as conn:
+                t1 = time.perf_counter()
+                send_msg(conn.channel, peer.encode(offer))
+                ready = peer.decode_ack(recv_msg(conn.channel))
+                if isinstance(ready, peer.Refused):
+                    raise ReplicationError(f"{target.node_id} refused: {ready.message}")
+                t2 = time.perf_counter()
+                send_object(conn.channel, gen, lambda: self.ensure_digests(gen))
+                t3 = time.perf_counter()
+                done = peer.decode_pushed(recv_msg(conn.channel))
+                t4 = time.perf_counter()
+                log.debug("push of %s: connect %.3fs reserve %.3fs send %.3fs commit %.3fs",
+                          gen.path, t1 - t0, t2 - t1, t3 - t2, t4 - t3)  # fmt: skip
+                if isinstance(done, peer.Refused):
+                    raise ReplicationError(f"{target.node_id} rejected: {done.message}")
+            log.info("backup copy of %s generation %d on %s", gen.path, gen.number, target.node_id)
+        finally:
+            self.state.unpin(gen)
+
+    def on_push(self, conn: Channel, req: peer.PushRequest) -> None:
+        """Handler of :class:`~ckptcache.wire.peer.PushRequest`: take a backup copy."""
+        try:
+            saved_at = float(req.committed or time.time())
+            gen = receive_copy(conn, req, self.receive, conn.peer_id,  # the proven sender
+                               ready=True, saved_at=saved_at)  # fmt: skip
+        except (CkptCacheError, ValueError) as e:
+            send_msg(conn, peer.refusal(e))
+            raise ConnectionError(f"push refused: {e}") from e
+        send_msg(conn, peer.encode(peer.Pushed(gen.number)))
+        self._work.put(gen)
+
+    def _worker(self) -> None:
+        while True:
+            gen = self._work.get()
+            if gen is None:
+                return
+            if not self.state.is_current(gen):
+                continue
+            try:
+                self.membership.announce(gen)
+                if not gen.origin and self.config.backup != "none":
+                    self.replicate(gen)
+            except (CkptCacheError, OSError) as e:
+                log.warning("could not protect %s generation %d: %s", gen.path, gen.number, e)
+
+    def check_replicas(self) -> None:
+        """Re-replicate this node's saves whose backup copies were on nodes that left."""
+        if self.config.backup == "none":
+            return
+        live = set(self.membership.node_ids())
+        with self.state.locked():
+            lost = [g for g in self.state.index if not g.origin and g.replicas - live]
+            for gen in lost:
+                log.warning("backup of %s on %s lost; re-replicating", gen.path,
+                            ",".join(sorted(gen.replicas - live)))  # fmt: skip
+                gen.replicas &= live
+        for gen in lost:
+            self._work.put(gen)

@@ -1,0 +1,160 @@
+"""Which generations leave memory, and when: supersede, keep-N retention, orphans, corruption.
+
+Call order: :meth:`Retention.supersede_older_locked` and :meth:`Retention.apply_locked` run
+after every commit and persist (under the state lock); :meth:`Retention.retire_older_than_locked`
+after a restart or when storage holds a newer object; :meth:`Retention.mark_orphans_locked` when
+eviction finds nothing to evict; :meth:`Retention.sweep_orphans` every ``orphan_sweep`` seconds
+from :meth:`Retention.start`; :meth:`Retention.supersede` and :meth:`Retention.drop_corrupt` on
+a client's (or a peer's) request.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+from ckptcache.server.config import DaemonConfig
+from ckptcache.server.index import Generation, Key
+from ckptcache.server.lineage import is_orphaned, removed_reason
+from ckptcache.server.state import CacheState, Session, check_key
+from ckptcache.wire import messages as m
+from ckptcache.wire.states import PersistState, Tier
+
+__all__ = ["Retention"]
+
+log = logging.getLogger(__name__)
+
+
+class Retention:
+    """The rules that retire generations; never an unpersisted newest one."""
+
+    def __init__(self, config: DaemonConfig, state: CacheState):
+        self.config = config
+        self.state = state
+        self._stopping = threading.Event()
+
+    def start(self) -> None:
+        """Start the orphan sweep (when configured)."""
+        if self.config.orphan_sweep > 0:
+            threading.Thread(target=self._sweep_loop, name="orphan-sweep", daemon=True).start()
+
+    def stop(self) -> None:
+        """Stop the orphan sweep."""
+        self._stopping.set()
+
+    def supersede_older_locked(self, key: Key) -> None:
+        """Older unpersisted generations need not reach storage: the newest will."""
+        gens = self.state.index.generations(key)
+        for old in gens[:-1]:
+            if old.needs_persist and not old.persisted:
+                old.needs_persist = False
+                if old.persist_state in (PersistState.QUEUED, PersistState.FAILED):
+                    old.persist_state = PersistState.SUPERSEDED
+
+    def apply_locked(self, key: Key) -> None:
+        """Retire generations beyond the configured ``keep`` (never an unpersisted one)."""
+        for old in self.state.index.superseded(key, self.config.keep_for(key[1])):
+            if old.needs_persist and not old.persisted:
+                continue  # never drop a generation storage has not received yet
+            self.state.retire_locked(old)
+
+    def retire_older_than_locked(self, key: Key, stored_ns: int) -> None:
+        """Retire the generations of ``key`` committed before the object on storage: neither
+        served nor persisted, storage holds a newer save."""
+        for gen in self.state.index.generations(key):
+            if gen.committed_ns < stored_ns:
+                log.warning(
+                    "dropping %s generation %d: storage holds a newer object (written "
+                    "through or persisted after it)", gen.path, gen.number,
+                )  # fmt: skip
+                if not gen.persisted:
+                    gen.needs_persist, gen.persist_state = False, PersistState.SUPERSEDED
+                self.state.retire_locked(gen)
+
+    def supersede(self, session: Session, req: m.SupersedeRequest) -> m.DeleteReply:
+        """A client wrote ``path`` through to storage: every generation in memory is older.
+
+        They are retired (freed once unpinned) and never persisted, so neither a load nor a
+        later persist can bring the older bytes back.
+        """
+        check_key(req.namespace, req.path)
+        state = self.state
+        with state.locked():
+            gens = state.index.generations((req.namespace, req.path))
+            for gen in gens:
+                if not gen.persisted:
+                    gen.needs_persist, gen.persist_state = False, PersistState.SUPERSEDED
+                state.retire_locked(gen)
+            state.update_gauges()
+        if gens:
+            log.info("%s written through: %d older generation(s) retired", req.path, len(gens))
+        return m.DeleteReply(len(gens))
+
+    def delete(self, session: Session, req: m.DeleteRequest) -> m.DeleteReply:
+        """Drop every generation of a path from memory, own and backup copies (storage is
+        untouched); backup copies of earlier saves still in transit are refused."""
+        state = self.state
+        key = (req.namespace, req.path)
+        with state.locked():
+            state.deleted[key] = time.time()
+            gens = [g for g in state.index.generations(key) if state.visible(session, g, False)]
+            if not gens:
+                state.lookup_visible_locked(req.namespace, req.path, None, session)  # raises
+            for gen in gens:
+                state.retire_locked(gen)
+            state.update_gauges()
+        return m.DeleteReply(len(gens))
+
+    def drop_corrupt(self, namespace: str, path: str, number: int, detail: str) -> None:
+        """Bad bytes were found in a generation: drop it so nobody loads it again."""
+        self.state.metrics.corrupt.labels(tier=Tier.LOCAL).inc()
+        log.error("corrupt copy of %s generation %d: %s", path, number, detail)
+        state = self.state
+        with state.locked():
+            gen = state.index.get((namespace, path), number)
+            if gen is not None:
+                state.retire_locked(gen)
+                state.update_gauges()
+
+    def mark_orphans_locked(self) -> int:
+        """Flag generations whose save directory was removed.
+
+        They become evictable and are never persisted (see :mod:`ckptcache.server.lineage`);
+        returns how many were newly flagged.
+        """
+        found = 0
+        gone: dict[str, bool] = {}
+        for gen in list(self.state.index):
+            if gen.orphaned or not gen.anchor:
+                continue
+            if gen.anchor not in gone:
+                gone[gen.anchor] = is_orphaned(gen.anchor)
+            if gone[gen.anchor]:
+                gen.orphaned, found = True, found + 1
+                if gen.needs_persist and not gen.persisted:
+                    gen.needs_persist, gen.persist_state = False, PersistState.DROPPED
+                    gen.persist_error = removed_reason(gen.anchor)
+        return found
+
+    def sweep_orphans(self) -> int:
+        """Drop unpinned generations whose directory was removed; returns how many."""
+        state = self.state
+        with state.locked():
+            self.mark_orphans_locked()
+            victims: list[Generation] = [g for g in state.index if g.orphaned and g.pins == 0]
+            for gen in victims:
+                log.info("dropping %s generation %d: %s", gen.path, gen.number,
+                         "its directory was removed")  # fmt: skip
+                state.retire_locked(gen)
+            if victims:
+                state.update_gauges()
+        return len(victims)
+
+    def _sweep_loop(self) -> None:
+        interval = self.config.orphan_sweep
+        while not self._stopping.wait(interval):
+            try:
+                self.sweep_orphans()
+            except Exception:
+                log.exception("orphan sweep failed")

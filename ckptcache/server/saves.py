@@ -1,0 +1,306 @@
+"""Saves: sessions, reservations within the memory budget, and commit.
+
+Call order (per client connection, see :mod:`ckptcache.wire.messages`)::
+
+    session = saves.open_session(pid, uid)
+    saves.reserve(session, ReserveRequest)  -> segment to copy into (reuse, create, evict, wait)
+    saves.commit(session, CommitRequest)    -> generation published (or saves.abort)
+    saves.close_session(session)            -> everything the connection held is let go
+
+A commit validates the manifest the client wrote, publishes the generation in the index,
+queues it for digests and (under a root) for persistence, applies retention, then runs the
+``on_commit`` hooks outside the lock (the cluster's replication; a hook may raise).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable
+
+from ckptcache._units import format_bytes
+from ckptcache.errors import (
+    BudgetExceeded,
+    CkptCacheError,
+    CorruptCheckpoint,
+    InvalidPath,
+    ObjectTooLarge,
+    PathNotAllowed,
+    ReplicationError,
+)
+from ckptcache.format.layout import HEADER_SIZE, DigestState, SegmentHeader, SegmentState, align
+from ckptcache.format.manifest import Manifest
+from ckptcache.server import ownership
+from ckptcache.server.arena import Arena, Segment
+from ckptcache.server.config import DaemonConfig
+from ckptcache.server.digester import Digester
+from ckptcache.server.index import Generation
+from ckptcache.server.lineage import anchor_of
+from ckptcache.server.ownership import Saver
+from ckptcache.server.persist import Persister
+from ckptcache.server.pool import SegmentPool
+from ckptcache.server.retention import Retention
+from ckptcache.server.roots import PersistRoots
+from ckptcache.server.state import CacheState, Reservation, Session, bounded, check_key
+from ckptcache.wire import messages as m
+
+__all__ = ["Saves", "persistable"]
+
+log = logging.getLogger(__name__)
+
+
+def persistable(roots: PersistRoots, path: str) -> bool:
+    """Whether ``path`` lies under a storage root (a path escaping one is kept in memory)."""
+    try:
+        return roots.root_for(path) is not None
+    except PathNotAllowed as e:
+        log.error("keeping %s in memory only: %s", path, e)
+        return False
+
+
+class Saves:
+    """Reservations within the budget and the commit that publishes a generation."""
+
+    def __init__(
+        self,
+        config: DaemonConfig,
+        state: CacheState,
+        *,
+        pool: SegmentPool,
+        persister: Persister,
+        retention: Retention,
+        digester: Digester,
+        roots: PersistRoots,
+        backup_ready: bool,
+    ):
+        self.config = config
+        self.state = state
+        self.metrics = state.metrics
+        self.pool = pool
+        self.persister = persister
+        self.retention = retention
+        self.digester = digester
+        self.roots = roots
+        #: Whether backup copies can be made (a cluster with backup nodes configured).
+        self.backup_ready = backup_ready
+        #: Called (outside the lock) with each newly committed generation and the durability
+        #: the client asked for; the cluster hooks replication in (and may raise).
+        self.on_commit: list[Callable[[Generation, str], None]] = []
+        #: The daemon's own session: copies received from peers or storage.
+        self.internal = Session(0, os.getpid(), os.getuid())
+
+    # ----------------------------------------------------------------- sessions
+
+    def open_session(self, pid: int, uid: int, gid: int = -1) -> Session:
+        """Register a new client connection."""
+        return Session(self.state.next_id(), pid, uid, gid=gid)
+
+    def close_session(self, session: Session) -> None:
+        """Abort the connection's reservations and drop its pins (a dead trainer holds nothing)."""
+        state = self.state
+        with state.locked():
+            for res in session.reservations.values():
+                log.info("aborting reservation %d of %s (client gone)", res.id, res.path)
+                state.arena.release(res.segment)
+            session.reservations.clear()
+            for gen in session.leases.values():
+                state.unpin_locked(gen)
+            session.leases.clear()
+            state.update_gauges()
+        state.notify()
+
+    # ----------------------------------------------------------------- reserve
+
+    def _classify(self, path: str) -> bool:
+        """Whether a save of ``path`` will be persisted; refuses paths escaping a root."""
+        root = self.roots.root_for(path)
+        if root is None and self.roots and self.config.memory_only == "refuse":
+            raise PathNotAllowed(
+                f"{path!r} is outside every storage root ({', '.join(self.roots)}) and this "
+                "daemon refuses memory-only objects; save under a root or add --persist-root"
+            )
+        return root is not None
+
+    def reserve(self, session: Session, req: m.ReserveRequest) -> m.ReserveReply:
+        """Find room for ``req.nbytes``: reuse, create, evict, then wait up to the timeout."""
+        check_key(req.namespace, req.path)
+        if not isinstance(req.nbytes, int) or req.nbytes <= 0:
+            raise InvalidPath(f"reserve needs a positive byte count, got {req.nbytes!r}")
+        persist = self._classify(req.path)
+        saver = ownership.saver_for(session, req)
+        anchor = anchor_of(req.path)  # which directories exist now (never resurrected later)
+        if req.durability == "backup" and not self.backup_ready:
+            raise ReplicationError(
+                "durability='backup' needs backup nodes: start the daemons with --backup auto "
+                "(or a list of node ids), --listen and a shared --coordinator"
+            )
+        limit = self.config.memory_limit
+        if Arena.capacity_for(req.nbytes) > limit:
+            raise ObjectTooLarge(
+                f"{req.path!r} needs {format_bytes(req.nbytes)}, more than the daemon's whole "
+                f"memory budget of {format_bytes(limit)}; raise --memory-limit or save this "
+                "object without the cache"
+            )
+        deadline = time.monotonic() + bounded(self.config.reserve_timeout, req.timeout)
+        state = self.state
+        with state.locked():
+            ownership.check_may_save(state, session, (req.namespace, req.path))
+            while True:
+                segment = self._try_allocate(req.nbytes, saver)
+                if segment is not None:
+                    break
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    self.metrics.budget_failures.inc()
+                    raise BudgetExceeded(
+                        f"no room for {format_bytes(req.nbytes)} of {req.path!r} within "
+                        f"{self.config.reserve_timeout:g}s: {format_bytes(state.arena.used)} of "
+                        f"{format_bytes(limit)} hold checkpoints that are pinned or not yet "
+                        "safe to drop. Raise --memory-limit, keep fewer generations, or wait "
+                        "for persistence"
+                    )
+                state.wait(min(remaining, 0.5))
+            res = Reservation(
+                state.next_id(), req.namespace, req.path, segment, req.nbytes, req.durability,
+                persist, saver, anchor=anchor,
+            )  # fmt: skip
+            session.reservations[res.id] = res
+            state.update_gauges()
+        return m.ReserveReply(res.id, segment.name, segment.capacity)
+
+    def _try_allocate(self, nbytes: int, saver: Saver | None = None) -> Segment | None:
+        """A segment for ``nbytes`` (under the lock): free list, spare pool, eviction of
+        generations safe to drop, a new segment; None while everything is pinned."""
+        state = self.state
+        arena = state.arena
+        capacity = Arena.capacity_for(nbytes)
+        owner = saver.uid if saver is not None else None
+        segment = arena.take_free(nbytes, tight=arena.used + capacity > arena.limit, owner=owner)
+        if segment is None:
+            segment = self.pool.take(nbytes, arena.uid if owner is None else owner)
+        if segment is not None:
+            return segment
+        arena.shrink_free(capacity)
+        while arena.used + capacity > arena.limit:
+            victims = state.index.eviction_candidates()
+            if not victims and self.retention.mark_orphans_locked():
+                victims = state.index.eviction_candidates()
+            if not victims:
+                return None
+            log.info("evicting %s generation %d", victims[0].path, victims[0].number)
+            self.metrics.evictions.inc()
+            state.retire_locked(victims[0])
+            segment = arena.take_free(nbytes, tight=True, owner=owner)
+            if segment is not None:
+                return segment
+            arena.shrink_free(capacity)
+        try:
+            return arena.create(nbytes, None if saver is None else (saver.uid, saver.gid))
+        except OSError as e:
+            raise BudgetExceeded(
+                f"cannot allocate {format_bytes(capacity)} in {arena.directory}: {e.strerror}. "
+                "The shared-memory file system is fuller than the budget assumes; lower "
+                "--memory-limit or enlarge /dev/shm"
+            ) from e
+
+    # ----------------------------------------------------------------- commit
+
+    def commit(self, session: Session, req: m.CommitRequest) -> m.CommitReply:
+        """Validate the manifest the client wrote and publish the next generation."""
+        state = self.state
+        with state.locked():
+            res = session.reservations.pop(req.reservation, None)
+        if res is None:
+            raise CkptCacheError(
+                f"unknown reservation {req.reservation}: it was already committed or aborted"
+            )
+        segment = res.segment
+        try:
+            manifest, header = self.validate(segment, res, req)
+        except BaseException:
+            # Any refusal (bad manifest, malformed field, a bug) gives the segment back:
+            # a reservation that can never be committed must not hold memory for ever.
+            with state.locked():
+                state.arena.release(segment)
+            state.notify()
+            raise
+        with state.locked():
+            number = state.index.next_number((res.namespace, res.path))
+            header = SegmentHeader(
+                state=SegmentState.COMMITTED, generation=number,
+                payload_offset=header.payload_offset, payload_size=header.payload_size,
+                manifest_offset=header.manifest_offset, manifest_size=header.manifest_size,
+                digest_offset=header.digest_offset, n_storages=header.n_storages,
+                digest_state=DigestState.PENDING, created_ns=header.created_ns,
+                committed_ns=time.time_ns(),
+            )  # fmt: skip
+            if res.saver is not None:
+                ownership.write_record(segment, res.saver)
+            segment.write_header(header)
+            gen = Generation(
+                res.namespace, res.path, number, segment, manifest, size=manifest.payload_size,
+                needs_persist=res.persist, saver=res.saver, committed=header.committed_ns / 1e9,
+                committed_ns=header.committed_ns, anchor=res.anchor,
+            )  # fmt: skip
+            if res.digests is not None:
+                self.digester.record(gen, res.digests)
+            state.index.add(gen)
+            if gen.needs_persist:
+                self.retention.supersede_older_locked(gen.key)
+                self.persister.submit(gen)
+            self.retention.apply_locked(gen.key)
+            self.metrics.saves.inc()
+            self.metrics.bytes_saved.inc(manifest.payload_size)
+            if req.stall_seconds > 0:
+                self.metrics.save_latency.observe(req.stall_seconds)
+            state.update_gauges()
+        state.notify()
+        log.debug("committed %s generation %d", res.path, number)
+        self.digester.put(gen)
+        for hook in self.on_commit:
+            hook(gen, res.durability)
+        return m.CommitReply(number)
+
+    def validate(
+        self, segment: Segment, res: Reservation, req: m.CommitRequest
+    ) -> tuple[Manifest, SegmentHeader]:
+        """Check the manifest written into ``segment`` against the reservation; returns it
+        and the header the commit will write."""
+        cap = segment.capacity
+        if not (HEADER_SIZE <= req.manifest_offset <= cap - req.manifest_size):
+            raise CorruptCheckpoint(f"commit of {res.path!r}: manifest outside the segment")
+        view = segment.view()
+        try:
+            manifest = Manifest.from_json(
+                view[req.manifest_offset : req.manifest_offset + req.manifest_size],
+                segment_size=cap,
+            )
+        finally:
+            del view
+        if (manifest.namespace, manifest.path) != (res.namespace, res.path):
+            raise CorruptCheckpoint(
+                f"commit of {res.path!r}: manifest names {manifest.path!r} instead"
+            )
+        if manifest.payload_offset + manifest.payload_size > req.manifest_offset:
+            raise CorruptCheckpoint(f"commit of {res.path!r}: manifest overlaps the payload")
+        digest_offset = align(req.manifest_offset + req.manifest_size, 64)
+        n = len(manifest.storages)
+        if digest_offset + 8 * n > cap:
+            raise CorruptCheckpoint(f"commit of {res.path!r}: digest table outside the segment")
+        header = SegmentHeader(
+            state=SegmentState.WRITING, generation=0, payload_offset=manifest.payload_offset,
+            payload_size=manifest.payload_size, manifest_offset=req.manifest_offset,
+            manifest_size=req.manifest_size, digest_offset=digest_offset, n_storages=n,
+            digest_state=DigestState.PENDING, created_ns=time.time_ns(), committed_ns=0,
+        )  # fmt: skip
+        return manifest, header
+
+    def abort(self, session: Session, req: m.AbortRequest) -> None:
+        """Give a reservation back."""
+        state = self.state
+        with state.locked():
+            res = session.reservations.pop(req.reservation, None)
+            if res is not None:
+                state.arena.release(res.segment)
+        state.notify()

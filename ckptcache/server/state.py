@@ -1,0 +1,308 @@
+"""The state owner: arena + index + pins + objects in flight, behind the daemon's one lock.
+
+Every other part of the daemon reads or changes this state through :class:`CacheState`; none
+of them sees its condition variable. A part that must change several things at once takes
+:meth:`CacheState.locked` (re-entrant) and calls the ``*_locked`` methods inside; waits go
+through :meth:`CacheState.wait` / :meth:`CacheState.wait_for`, wake-ups through
+:meth:`CacheState.notify`.
+
+Life of a segment as this owner sees it::
+
+    arena.create/take_free (reserved) -> index.add (committed) -> pin/unpin (loads, workers)
+    -> retire_locked (out of the index; freed now, or when the last pin goes)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from ckptcache.errors import CheckpointNotFound, CorruptCheckpoint, InvalidPath
+from ckptcache.format.layout import HEADER_SIZE
+from ckptcache.server import ownership
+from ckptcache.server.arena import Arena, Segment
+from ckptcache.server.config import DaemonConfig
+from ckptcache.server.index import Generation, Index, Key
+from ckptcache.server.metrics import Metrics
+from ckptcache.server.ownership import Saver
+from ckptcache.wire.states import Tier
+
+__all__ = ["CacheState", "Inflight", "Reservation", "Session", "bounded", "check_key"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(eq=False)
+class Reservation:
+    """A segment handed to one connection for one save."""
+
+    id: int
+    namespace: str
+    path: str
+    segment: Segment
+    nbytes: int
+    durability: str
+    persist: bool = False
+    saver: Saver | None = None
+    #: Digests already known (a copy received and verified): recorded at commit.
+    digests: list[int] | None = None
+    #: Deepest ancestor directory that existed at save time (see ckptcache.server.lineage).
+    anchor: str = ""
+
+
+@dataclass(eq=False)
+class Inflight:
+    """An object still arriving (from a peer or storage): peers may relay it as it lands."""
+
+    segment: Segment
+    nbytes: int
+    manifest_offset: int
+    manifest_size: int
+    #: Bytes ``[0, ready)`` of the segment are final (the header page counts as ready).
+    ready: int = HEADER_SIZE
+    failed: bool = False
+    #: The bytes are those stored at the path (read from storage, or from a copy that was):
+    #: whoever receives them by relay has a persisted copy too.
+    persisted: bool = False
+
+
+@dataclass(eq=False)
+class Session:
+    """What one client connection holds; all of it is let go when the connection closes."""
+
+    id: int
+    pid: int
+    uid: int
+    reservations: dict[int, Reservation] = field(default_factory=dict)
+    leases: dict[int, Generation] = field(default_factory=dict)
+    gid: int = -1
+
+
+def bounded(wait: float, client_timeout: float | None) -> float:
+    """A daemon-side wait, never longer than the client waits for the reply: a client that
+    gives up drops its connection (and with it everything the connection held)."""
+    return wait if client_timeout is None else max(0.0, min(wait, client_timeout))
+
+
+def check_key(namespace: str, path: str) -> None:
+    """Refuse a malformed (namespace, path) with :class:`InvalidPath`."""
+    if not isinstance(path, str) or not path or "\x00" in path or len(path) > 4096:
+        raise InvalidPath(f"invalid checkpoint path {path!r}: give a non-empty path string")
+    if not isinstance(namespace, str) or not namespace or len(namespace) > 256:
+        raise InvalidPath(f"invalid namespace {namespace!r}: give a non-empty string")
+
+
+class CacheState:
+    """Owner of the arena, the index, pins, objects in flight and the one lock.
+
+    Methods ending in ``_locked`` expect the caller to hold :meth:`locked`; the others take
+    the lock themselves.
+    """
+
+    def __init__(self, config: DaemonConfig, metrics: Metrics):
+        self.config = config
+        self.metrics = metrics
+        others = set(config.allowed_uids) - {0, os.geteuid()}
+        self.arena = Arena(config.segments_dir, config.memory_limit, 0o711 if others else 0o700)
+        self.index = Index()
+        self._cond = threading.Condition()  # re-entrant (an RLock underneath)
+        self.started = time.time()
+        #: Objects arriving right now, by (namespace, path): relayed to peers as they land.
+        self.inflight: dict[Key, Inflight] = {}
+        #: When each path was last deleted here (wall clock): backup copies of generations
+        #: saved before that are refused, so a delete is not undone by a copy in transit.
+        self.deleted: dict[Key, float] = {}
+        #: Called (under the lock) with each generation leaving the index.
+        self.on_retire: list[Callable[[Generation], None]] = []
+        self._ids = itertools.count(1)
+
+    def next_id(self) -> int:
+        """A fresh id for a session, reservation or lease."""
+        return next(self._ids)
+
+    # ----------------------------------------------------------------- the lock
+
+    def locked(self) -> contextlib.AbstractContextManager[bool]:
+        """Hold the lock (re-entrant) for a change of several things at once."""
+        return self._cond
+
+    def notify(self) -> None:
+        """Wake every waiter: something they may wait for changed."""
+        with self._cond:
+            self._cond.notify_all()
+
+    def wait(self, timeout: float) -> None:
+        """Release the lock (held by the caller) until a :meth:`notify` or ``timeout``."""
+        self._cond.wait(timeout)
+
+    def wait_for(self, predicate: Callable[[], bool], timeout: float) -> bool:
+        """Wait (taking the lock) until ``predicate()`` holds or ``timeout`` passes; returns
+        the last value of ``predicate()``."""
+        with self._cond:
+            return self._cond.wait_for(predicate, timeout)
+
+    # ----------------------------------------------------------------- pins and retirement
+
+    def pin_locked(self, gen: Generation) -> None:
+        """Keep ``gen``'s segment alive."""
+        gen.pins += 1
+
+    def pin(self, gen: Generation) -> None:
+        """Keep ``gen``'s segment alive (takes the lock)."""
+        with self._cond:
+            gen.pins += 1
+
+    def unpin_locked(self, gen: Generation) -> None:
+        """Drop a pin; frees a retired generation's segment with its last pin."""
+        gen.pins -= 1
+        if gen.pins == 0 and gen.retired:
+            gen.retired = False
+            self.arena.release(gen.segment)
+            self._cond.notify_all()
+
+    def unpin(self, gen: Generation) -> None:
+        """Drop a pin taken with :meth:`pin` (takes the lock)."""
+        with self._cond:
+            self.unpin_locked(gen)
+
+    def pin_if_current(self, gen: Generation) -> bool:
+        """Pin ``gen`` if it is still in the index; returns whether it was pinned."""
+        with self._cond:
+            if self.index.get(gen.key, gen.number) is not gen:
+                return False
+            gen.pins += 1
+            return True
+
+    def is_current(self, gen: Generation) -> bool:
+        """Whether ``gen`` is still in the index (not retired meanwhile)."""
+        with self._cond:
+            return self.index.get(gen.key, gen.number) is gen
+
+    def retire_locked(self, gen: Generation) -> None:
+        """Take ``gen`` out of the index; its segment is freed now or with its last pin."""
+        self.index.remove(gen)
+        for hook in self.on_retire:
+            hook(gen)
+        if gen.pins:
+            gen.retired = True
+        else:
+            self.arena.release(gen.segment)
+        self._cond.notify_all()
+
+    # ----------------------------------------------------------------- lookups
+
+    def lookup_locked(self, namespace: str, path: str, number: int | None = None) -> Generation:
+        """The newest (or ``number``) generation, or :class:`CheckpointNotFound`."""
+        check_key(namespace, path)
+        key = (namespace, path)
+        gen = self.index.newest(key) if number is None else self.index.get(key, number)
+        if gen is None:
+            raise self.not_found(namespace, path, number)
+        return gen
+
+    def visible(self, session: Session, gen: Generation, load: bool) -> bool:
+        """Whether ``session`` may see (or, with ``load``, map) ``gen``."""
+        check = ownership.may_load if load else ownership.may_see
+        return check(self, session, gen)
+
+    def lookup_visible_locked(
+        self,
+        namespace: str,
+        path: str,
+        number: int | None,
+        session: Session | None,
+        *,
+        load: bool = False,
+    ) -> Generation:
+        """As :meth:`lookup_locked`; a generation ``session`` may not see (or load) counts
+        as absent for it."""
+        gen = self.lookup_locked(namespace, path, number)
+        if session is not None and not self.visible(session, gen, load):
+            raise self.not_found(namespace, path, number)
+        return gen
+
+    def not_found(self, namespace: str, path: str, number: int | None) -> CheckpointNotFound:
+        """The error for a generation this node does not hold."""
+        what = "is" if number is None else f"generation {number} is"
+        return CheckpointNotFound(
+            f"{path!r} {what} not in the memory of node {self.config.node_id!r} "
+            f"(namespace {namespace!r}); load it from storage or check the path"
+        )
+
+    def find(self, namespace: str, path: str) -> Generation | None:
+        """The newest generation of a path, or None (takes the lock)."""
+        with self._cond:
+            try:
+                return self.lookup_locked(namespace, path)
+            except (CheckpointNotFound, InvalidPath):
+                return None
+
+    def check_not_corrupt(self, gen: Generation) -> None:
+        """Refuse to serve a generation whose bytes were found corrupt."""
+        if gen.corrupt:
+            raise CorruptCheckpoint(
+                f"{gen.path!r} generation {gen.number} in the memory of node "
+                f"{self.config.node_id!r} is corrupt and is not served: {gen.corrupt}",
+                tier=Tier.LOCAL,
+            )
+
+    def lookup_pinned(self, namespace: str, path: str) -> Generation:
+        """The newest sound generation of a path, pinned for the caller (who unpins it)."""
+        with self._cond:
+            gen = self.lookup_locked(namespace, path)
+            self.check_not_corrupt(gen)
+            gen.pins += 1
+            return gen
+
+    def flight_or_pinned(self, key: Key) -> Inflight | Generation:
+        """What a peer asking for ``key`` is served: the copy still arriving here, or the
+        newest sound generation, pinned (the caller unpins it)."""
+        with self._cond:
+            flight = self.inflight.get(key)
+            if flight is not None:
+                return flight
+            return self.lookup_pinned(*key)
+
+    def generations(self) -> list[Generation]:
+        """A snapshot of every generation in the index."""
+        with self._cond:
+            return list(self.index)
+
+    # ----------------------------------------------------------------- objects in flight
+
+    def wait_ready(self, flight: Inflight, sent: int) -> int:
+        """Wait until ``flight`` has more than ``sent`` bytes final; returns how many are.
+        Raises :class:`ConnectionError` when the copy being received failed."""
+        with self._cond:
+            while flight.ready <= sent and not flight.failed:
+                self._cond.wait(1.0)
+            if flight.failed:
+                raise ConnectionError("the upstream copy failed mid-transfer")
+            return flight.ready
+
+    def advance(self, flight: Inflight, ready: int) -> None:
+        """Bytes ``[0, ready)`` of ``flight`` are final: relays may send them."""
+        with self._cond:
+            flight.ready = ready
+            self._cond.notify_all()
+
+    def end_flight(self, key: Key, flight: Inflight, *, failed: bool = False) -> None:
+        """``flight`` is over (committed, or ``failed``): later fetches use the index."""
+        with self._cond:
+            flight.failed = flight.failed or failed
+            if self.inflight.get(key) is flight:
+                del self.inflight[key]
+            self._cond.notify_all()
+
+    # ----------------------------------------------------------------- gauges
+
+    def update_gauges(self) -> None:
+        """Publish the arena's size to the metrics."""
+        self.metrics.segments.set(len(self.arena.segments))
+        self.metrics.memory_used.set(self.arena.used)

@@ -1,0 +1,229 @@
+"""Data-plane messages between daemons: frozen dataclasses carried as JSON records.
+
+Framing and authentication are the data plane's (:mod:`ckptcache.server.dataplane`); this
+module only says what the JSON of each record means. Every request carries its kind in
+``"op"``; a reply carries ``"ok"`` and, when refused, the error type and message.
+
+Exchanges (one connection may carry several, one after the other)::
+
+    push:    PushRequest  -> Ack (reserved: send the bytes) | Refused
+             <segment body, digest table>      -> Pushed | Refused
+    fetch:   FetchRequest -> ObjectHead <segment body, digest table>
+                           | RelayHead  <segment body as it lands here>
+                           | Refused
+    corrupt: CorruptReport -> Ack
+
+Decoding raises :class:`~ckptcache.errors.ProtocolMismatch` naming the bad field; nothing
+else escapes a decoder, whatever the bytes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, ClassVar, TypeVar
+
+from ckptcache.errors import ProtocolMismatch
+from ckptcache.wire.messages import build
+
+__all__ = [
+    "Ack",
+    "CorruptReport",
+    "FetchRequest",
+    "ObjectHead",
+    "PeerRequest",
+    "PushRequest",
+    "Pushed",
+    "Refused",
+    "RelayHead",
+    "decode_ack",
+    "decode_fetch_reply",
+    "decode_pushed",
+    "decode_request",
+    "encode",
+    "refusal",
+]
+
+M = TypeVar("M")
+
+
+def _non_negative(message: Any, *names: str) -> None:
+    for name in names:
+        if getattr(message, name) < 0:
+            raise ValueError(f"{type(message).__name__}.{name}: must be >= 0")
+
+
+@dataclass(frozen=True)
+class PushRequest:
+    """A backup copy offered to a peer; the receiver answers :class:`Ack` once it has
+    reserved room, then :class:`Pushed` once the bytes are verified and committed."""
+
+    OP: ClassVar[str] = "push"
+    namespace: str
+    path: str
+    nbytes: int
+    manifest_offset: int
+    manifest_size: int
+    origin: str
+    manifest: str
+    skeleton_digest: int
+    committed: float
+
+    def __post_init__(self) -> None:
+        _non_negative(self, "nbytes", "manifest_offset", "manifest_size", "skeleton_digest")
+
+
+@dataclass(frozen=True)
+class FetchRequest:
+    """Ask a peer for its newest copy of a path."""
+
+    OP: ClassVar[str] = "fetch"
+    namespace: str
+    path: str
+
+
+@dataclass(frozen=True)
+class CorruptReport:
+    """Tell a peer that the copy it served was corrupt (it drops it)."""
+
+    OP: ClassVar[str] = "corrupt"
+    namespace: str
+    path: str
+    detail: str = ""
+
+
+PeerRequest = PushRequest | FetchRequest | CorruptReport
+_REQUESTS: dict[str, type[Any]] = {c.OP: c for c in (PushRequest, FetchRequest, CorruptReport)}
+
+
+@dataclass(frozen=True)
+class Ack:
+    """Go on (a push may send its bytes; a report was taken)."""
+
+
+@dataclass(frozen=True)
+class Pushed:
+    """A pushed copy was verified and committed as ``generation``."""
+
+    generation: int
+
+
+@dataclass(frozen=True)
+class Refused:
+    """A request refused: ``error`` names a :mod:`ckptcache.errors` type."""
+
+    error: str
+    message: str
+
+
+@dataclass(frozen=True)
+class ObjectHead:
+    """A committed copy follows: the segment body, then its digest table."""
+
+    namespace: str
+    path: str
+    nbytes: int
+    manifest_offset: int
+    manifest_size: int
+    generation: int
+    manifest: str
+    skeleton_digest: int
+    #: The sender's copy is the one stored at the path: the receiver's is persisted too.
+    persisted: bool = False
+
+    def __post_init__(self) -> None:
+        _non_negative(self, "nbytes", "manifest_offset", "manifest_size", "skeleton_digest")
+
+
+@dataclass(frozen=True)
+class RelayHead:
+    """A copy still arriving at the sender follows, relayed in order as it lands."""
+
+    namespace: str
+    path: str
+    nbytes: int
+    manifest_offset: int
+    manifest_size: int
+    #: The bytes are those stored at the path (read from storage, or relayed from a copy
+    #: that was): the receiver's copy is persisted too.
+    persisted: bool = False
+
+    def __post_init__(self) -> None:
+        _non_negative(self, "nbytes", "manifest_offset", "manifest_size")
+
+
+def encode(message: Any) -> dict[str, Any]:
+    """The JSON object of a peer message (requests carry ``op``; replies ``ok``, and
+    ``relay`` for a :class:`RelayHead`)."""
+    body = dataclasses.asdict(message)
+    op = getattr(type(message), "OP", None)
+    if op is not None:
+        return {"op": op, **body}
+    if isinstance(message, Refused):
+        return {"ok": False, **body}
+    if isinstance(message, RelayHead):
+        return {"ok": True, "relay": True, **body}
+    return {"ok": True, **body}
+
+
+def refusal(error: BaseException) -> dict[str, Any]:
+    """The JSON object refusing a request because of ``error``."""
+    return encode(Refused(type(error).__name__, str(error)))
+
+
+def _object(raw: Any, what: str) -> dict[str, Any]:
+    if not isinstance(raw, dict):
+        raise ProtocolMismatch(f"malformed {what}: expected an object, not {type(raw).__name__}")
+    return raw
+
+
+def _fields(raw: dict[str, Any], *drop: str) -> dict[str, Any]:
+    return {k: v for k, v in raw.items() if k not in drop}
+
+
+def decode_request(raw: Any) -> PeerRequest:
+    """A request, by its ``op``."""
+    raw = _object(raw, "peer request")
+    cls = _REQUESTS.get(raw.get("op")) if isinstance(raw.get("op"), str) else None
+    if cls is None:
+        raise ProtocolMismatch(f"malformed peer request: unknown op {raw.get('op')!r}")
+    message: PeerRequest = build(cls, _fields(raw, "op"))
+    return message
+
+
+def _reply(raw: Any, what: str) -> dict[str, Any] | Refused:
+    raw = _object(raw, what)
+    ok = raw.get("ok")
+    if ok is False:
+        refused: Refused = build(Refused, _fields(raw, "ok"))
+        return refused
+    if ok is not True:
+        raise ProtocolMismatch(f"malformed {what}: 'ok' must be true or false, not {ok!r}")
+    return _fields(raw, "ok")
+
+
+def decode_ack(raw: Any) -> Ack | Refused:
+    """The answer to a push's offer (or a corrupt report)."""
+    body = _reply(raw, "Ack")
+    return body if isinstance(body, Refused) else build(Ack, body)
+
+
+def decode_pushed(raw: Any) -> Pushed | Refused:
+    """The answer once a pushed copy is committed."""
+    body = _reply(raw, "Pushed")
+    return body if isinstance(body, Refused) else build(Pushed, body)
+
+
+def decode_fetch_reply(raw: Any) -> ObjectHead | RelayHead | Refused:
+    """The answer to a :class:`FetchRequest`."""
+    body = _reply(raw, "fetch reply")
+    if isinstance(body, Refused):
+        return body
+    relay = body.get("relay", False)
+    if relay is True:
+        relayed: RelayHead = build(RelayHead, _fields(body, "relay"))
+        return relayed
+    if relay is not False:
+        raise ProtocolMismatch(f"malformed fetch reply: 'relay' must be a bool, not {relay!r}")
+    head: ObjectHead = build(ObjectHead, _fields(body, "relay"))
+    return head
