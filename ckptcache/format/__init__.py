@@ -6,7 +6,7 @@ One package for every module that reads or writes checkpoint bytes:
 - ``archive``: the ``torch.save`` zip archive (stored entries, alignment, zip64) that a
   segment's payload and a persisted file both are;
 - ``manifest``: the per-object record of tensors, offsets and digests;
-- ``digest``: the digest algorithm and its helpers;
+- ``digest``: the digest algorithm and its helpers; ``crc``: combining CRC-32s of blocks;
 - ``persisted``: reading and verifying a persisted archive from storage;
 - ``flatten``, ``objectio``, ``shm``: the client side, which turns Python objects with
   tensors into an archive plan and back. Only these three import torch; the daemon and the
