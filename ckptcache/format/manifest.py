@@ -11,7 +11,7 @@ import json
 import struct
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 from ckptcache.errors import CorruptCheckpoint
@@ -49,6 +49,9 @@ class StorageRecord:
     name: str
 
 
+_RECORD_FIELDS = fields(StorageRecord)
+
+
 @dataclass(frozen=True)
 class Manifest:
     """Everything needed to rebuild the object from its segment without parsing the zip."""
@@ -71,7 +74,13 @@ class Manifest:
 
     def to_json(self) -> bytes:
         """Encode as compact UTF-8 JSON."""
-        return json.dumps(asdict(self), separators=(",", ":")).encode()
+        # As dataclasses.asdict (same keys, same order), without its deep copy of every value:
+        # the fields are str, int and float, and a save encodes hundreds of records.
+        raw = {f.name: getattr(self, f.name) for f in fields(self)}
+        raw["storages"] = [
+            {f.name: getattr(s, f.name) for f in _RECORD_FIELDS} for s in self.storages
+        ]
+        return json.dumps(raw, separators=(",", ":")).encode()
 
     @classmethod
     def from_json(cls, data: bytes | memoryview, *, segment_size: int | None = None) -> Manifest:

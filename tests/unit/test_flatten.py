@@ -142,3 +142,68 @@ values = st.recursive(
 def test_property_round_trip(obj):
     _, out = roundtrip(obj)
     assert_same(obj, out)
+
+
+def _varied_state() -> dict:
+    """Tensors that take torch's reduction paths: plain, views, conj/neg bits, requires_grad,
+    a Parameter, a tensor with a Python attribute, new dtypes, empty, shared storage."""
+    base = torch.arange(20, dtype=torch.float32).reshape(4, 5)
+    tagged = torch.ones(3)
+    tagged.note = "kept"  # Python state: torch's own reduction keeps it
+    return {
+        "plain": base,
+        "view": base[:, 1:3],
+        "transposed": base.t(),
+        "conj": torch.randn(3, dtype=torch.complex64).conj(),
+        "neg": torch.randn(3, dtype=torch.complex64).conj().imag,
+        "grad": torch.ones(2, requires_grad=True),
+        "param": torch.nn.Parameter(torch.ones(2)),
+        "tagged": tagged,
+        "u16": torch.zeros(3, dtype=torch.uint16),
+        "empty": torch.empty(0),
+        "scalar": torch.tensor(7.5),
+        "shared": [base.view(-1)[:4], base],
+        **{str(d).removeprefix("torch."): sample(d) for d in DTYPES},
+    }
+
+
+def test_fast_tensor_reduction_writes_torch_own_records(monkeypatch):
+    """flatten's shortcut for plain tensors gives byte-identical skeletons to torch's
+    ``Tensor.__reduce_ex__``, and the result loads back equal (also with torch.load)."""
+    import io
+
+    import ckptcache.format.flatten as flatten_module
+
+    state = _varied_state()
+    fast = flatten(state)
+    monkeypatch.setattr(flatten_module, "_reduce_tensor", lambda obj: NotImplemented)
+    slow = flatten(state)
+    assert fast.skeleton == slow.skeleton
+    assert fast.infos == slow.infos
+    monkeypatch.undo()
+
+    _, back = roundtrip(state, weights_only=False)
+    assert back["tagged"].note == "kept"
+    assert isinstance(back["param"], torch.nn.Parameter)
+    assert back["grad"].requires_grad and not back["plain"].requires_grad
+    assert back["shared"][0].untyped_storage().data_ptr() == back["plain"].untyped_storage(
+    ).data_ptr()  # fmt: skip
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    buf.seek(0)
+    expected = torch.load(buf, weights_only=False)
+    for key in state:
+        assert_same(back[key], expected[key])
+
+
+def test_manifest_json_is_the_dataclass_encoding():
+    """The manifest's hand-built encoding equals ``json.dumps(dataclasses.asdict(...))``."""
+    import dataclasses
+    import json
+
+    from ckptcache.format.objectio import plan_object
+
+    plan = plan_object(flatten(_varied_state()), "/ckpt/a.pt", "ns")
+    expected = json.dumps(dataclasses.asdict(plan.manifest), separators=(",", ":")).encode()
+    assert plan.manifest_bytes == expected
+    assert type(plan.manifest).from_json(plan.manifest_bytes) == plan.manifest
