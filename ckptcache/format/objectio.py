@@ -19,7 +19,12 @@ from ckptcache.format.archive import plan_archive
 from ckptcache.format.flatten import Flattened, MapLocation, unflatten
 from ckptcache.format.layout import HEADER_SIZE, plan_segment
 from ckptcache.format.manifest import Manifest, ObjectPlan, StorageRecord, verify_digests
-from ckptcache.format.shm import copy_storage_into, storage_copy, storage_view
+from ckptcache.format.shm import (
+    copy_storage_into,
+    copy_storages_into,
+    storage_copy,
+    storage_view,
+)
 
 __all__ = ["plan_object", "read_object", "write_object"]
 
@@ -74,8 +79,11 @@ def write_object(mapping: mmap.mmap, plan: ObjectPlan, flat: Flattened) -> None:
     on_device = [(r.offset, s) for r, s in pairs if s.device.type == "cuda"]
     # Device-to-host copies start first (DMA into the pinned segment) and overlap the CPU ones.
     wait = copy_to_segment(mapping, on_device) if on_device else None
+    on_cpu = [(r.offset, s) for r, s in pairs if s.device.type == "cpu"]
+    if on_cpu:  # one parallel copy for every CPU storage
+        copy_storages_into(torch.frombuffer(mapping, dtype=torch.uint8), on_cpu)
     for record, storage in pairs:
-        if storage.device.type != "cuda":
+        if storage.device.type not in ("cpu", "cuda"):
             copy_storage_into(mapping, record.offset, storage)
     if wait is not None:
         wait()

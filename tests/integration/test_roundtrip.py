@@ -171,3 +171,29 @@ def test_commit_with_a_bad_manifest_is_refused_and_nothing_is_published(daemon, 
         assert not c.exists(path)
         st = c.daemon_status()
         assert st.generations == 0 and st.free_segments == st.segments  # segments reclaimed
+
+
+def test_parallel_copy_of_many_storages_round_trips_and_persists(daemon_factory, tmp_path):
+    """A state dict large enough for the save's copy to be cut across threads (storages of
+    uneven sizes, views, shared storage): the cache and the persisted file, read with
+    torch.load, both give back the same tensors, and the daemon's digests check."""
+    root = tmp_path / "ckpt"
+    root.mkdir()
+    d = daemon_factory("--memory-limit", "256MiB", "--persist-root", str(root))
+    g = torch.Generator().manual_seed(3)
+    big = torch.randn(3 << 20, generator=g)  # 12 MiB
+    obj = {
+        "layers": [torch.randn(n, generator=g) for n in (1, 1000, 1 << 20, 77, 3 << 18)],
+        "big": big,
+        "view": big[5:1005],
+        "moments": {"exp_avg": torch.randn(2 << 20, generator=g), "step": torch.tensor(9.0)},
+        "dtypes": {str(dt): sample(dt) for dt in DTYPES},
+    }
+    path = root / "iter_0000007" / "model.pt"
+    with d.client() as c:
+        c.save(obj, path)
+        out = c.load(path, verify=True)
+        assert c.verify(path).ok
+        c.wait(path)
+    assert_same(obj, out)
+    assert_same(obj, torch.load(path))

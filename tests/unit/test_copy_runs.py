@@ -1,0 +1,58 @@
+"""copy_storages_into: many storages into one buffer, cut across threads, checked bounds."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ckptcache.format import shm
+from ckptcache.format.shm import copy_storages_into
+
+
+def _storages(sizes: list[int], seed: int = 0) -> list[torch.UntypedStorage]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g).untyped_storage()
+            for n in sizes]  # fmt: skip
+
+
+def _expected(size: int, runs: list[tuple[int, torch.UntypedStorage]]) -> torch.Tensor:
+    out = torch.full((size,), 7, dtype=torch.uint8)
+    for offset, s in runs:
+        out[offset : offset + s.nbytes()] = torch.empty(0, dtype=torch.uint8).set_(s)
+    return out
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_every_byte_lands_once_whatever_the_split(monkeypatch, threads):
+    """Runs of uneven sizes (empty, odd, larger than a thread's share) with gaps between them:
+    the destination equals one copy per storage, the gaps keep their bytes."""
+    monkeypatch.setattr(shm, "_MIN_BYTES_PER_THREAD", 1)  # split even these small runs
+    monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
+    sizes = [0, 1, 4093, 100_000, 17, 3 << 16, 5]
+    runs, offset = [], 3
+    for s in _storages(sizes):
+        runs.append((offset, s))
+        offset += s.nbytes() + 11  # a gap that must stay untouched
+    dst = torch.full((offset,), 7, dtype=torch.uint8)
+    copy_storages_into(dst, runs)
+    assert torch.equal(dst, _expected(offset, runs))
+
+
+def test_split_cuts_runs_into_equal_shares_in_order():
+    parts = shm._split([(1000, 0, 10), (2000, 50, 5)], 3)
+    assert parts == [[(1000, 0, 5)], [(1005, 5, 5)], [(2000, 50, 5)]]
+    assert shm._split([], 2) == [[], []]
+
+
+def test_runs_outside_the_destination_or_off_the_cpu_are_refused():
+    (s,) = _storages([16])
+    dst = torch.zeros(32, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="outside 32 bytes"):
+        copy_storages_into(dst, [(17, s)])
+    with pytest.raises(ValueError, match="outside 32 bytes"):
+        copy_storages_into(dst, [(-1, s)])
+    with pytest.raises(ValueError, match="not meta"):
+        copy_storages_into(dst, [(0, torch.empty(4, device="meta").untyped_storage())])
+    with pytest.raises(ValueError, match="contiguous CPU uint8"):
+        copy_storages_into(torch.zeros(8), [])
+    assert torch.equal(dst, torch.zeros(32, dtype=torch.uint8))  # nothing written on refusal
