@@ -28,6 +28,8 @@ log = logging.getLogger(__name__)
 
 #: How long the background thread follows a spare the daemon is still creating.
 _FOLLOW_SECONDS = 60.0
+#: How long the thread waits for the next save's request before it ends.
+_IDLE_SECONDS = 120.0
 
 
 class SpareMapper:
@@ -39,25 +41,37 @@ class SpareMapper:
         self._thread: threading.Thread | None = None
         self._again = False
         self._stopped = threading.Event()
+        self._wake = threading.Event()
+        self._done = threading.Event()
+        self._done.set()
         #: Segments being mapped right now: a save that needs one waits instead of mapping twice.
         self.mapping_now: dict[str, threading.Event] = {}
         #: Mappings made, not yet moved into the client's cache.
         self.ready: dict[str, Mapping] = {}
 
-    def refresh(self) -> threading.Thread:
-        """Map new spares in the background (one thread at a time); returns that thread."""
+    def refresh(self) -> threading.Event:
+        """Map new spares in the background; returns an event set once that is done.
+
+        The thread stays for a while after its work (``_IDLE_SECONDS``): a save wakes it with
+        an event instead of starting a thread, whose start waits for the new thread to be
+        scheduled (milliseconds on a busy node, on every save's blocking path)."""
         with self._lock:
             self._stopped.clear()
-            if self._thread is not None and self._thread.is_alive():
-                self._again = True
-                return self._thread
-            self._thread = threading.Thread(target=self._run, name="ckptcache-spares", daemon=True)
-            self._thread.start()
-            return self._thread
+            self._done.clear()
+            self._again = True
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(
+                    target=self._run, name="ckptcache-spares", daemon=True
+                )
+                self._thread.start()
+            else:
+                self._wake.set()
+            return self._done
 
     def stop(self) -> None:
         """No further requests (the client is closing: a request would reconnect it)."""
         self._stopped.set()
+        self._wake.set()
 
     def wait_for(self, segment: str) -> None:
         """If ``segment`` is being mapped now, wait until it is, then cache its mapping."""
@@ -76,8 +90,31 @@ class SpareMapper:
             mapping.close()
 
     def _run(self) -> None:
+        while True:
+            with self._lock:
+                work = self._again
+                if not work:  # nothing asked since the last round: done until woken
+                    self._done.set()
+                    self._wake.clear()
+            if not work and (not self._wake.wait(_IDLE_SECONDS) or self._stopped.is_set()):
+                with self._lock:
+                    if self._wake.is_set() and not self._stopped.is_set():
+                        continue  # woken as the wait ran out: serve it
+                    self._thread = None  # the next refresh starts a new thread
+                    self._done.set()
+                    return
+            if work:
+                try:
+                    self._round()
+                except Exception:  # a failed round only costs page faults on a later save
+                    log.exception("mapping spare segments failed")
+
+    def _round(self) -> None:
+        """Map the daemon's spares until it has none in the making (or asked again)."""
         deadline = time.monotonic() + _FOLLOW_SECONDS
         while True:
+            with self._lock:
+                self._again = False
             try:
                 with self._client._lock:  # close() stops us under this lock
                     if self._stopped.is_set():
@@ -89,10 +126,12 @@ class SpareMapper:
             for name, capacity in zip(reply.segments, reply.capacities, strict=True):
                 self._map(name, capacity)
             with self._lock:
-                again, self._again = self._again, False
-            if not (again or reply.growing) or time.monotonic() > deadline:
+                again = self._again
+            if again:
+                continue
+            if not reply.growing or time.monotonic() > deadline:
                 return
-            if not again and self._stopped.wait(0.05):  # the daemon is still making a spare
+            if self._stopped.wait(0.05):  # the daemon is still making a spare
                 return
 
     def _map(self, name: str, capacity: int) -> None:

@@ -289,9 +289,9 @@ class Client:
         first save of this process runs at memcpy speed (call it when the trainer starts);
         ``wait=True`` blocks until they are mapped."""
         self._call("status", m.StatusRequest(), m.DaemonStatus)
-        thread = self._spares.refresh()
+        done = self._spares.refresh()
         if wait:
-            thread.join()
+            done.wait()
 
     def save(
         self, obj: Any, path: Any, *, durability: str = "local", blocking: bool = True

@@ -100,6 +100,8 @@ def copy_storage_into(mapping: mmap.mmap, offset: int, storage: torch.UntypedSto
 
 #: Below this many bytes per thread a save's copy runs on the calling thread alone.
 _MIN_BYTES_PER_THREAD = 8 << 20
+#: Pieces per thread that the threads share out as they go.
+_PIECES_PER_THREAD = 8
 
 _memmove: Callable[[int, int, int], Any] | None = None
 _copiers: ThreadPoolExecutor | None = None
@@ -170,10 +172,17 @@ def copy_storages_into(dst: torch.Tensor, runs: Sequence[tuple[int, torch.Untype
         for d, s, n in part:
             memmove(d, s, n)
 
-    parts = _split(jobs, threads)
-    others = [_copier_pool(threads - 1).submit(run, p) for p in parts[1:]] if threads > 1 else []
+    # Many more pieces than threads, each thread taking the next one: a thread that the node's
+    # other work (the daemon refilling its pool, say) deschedules holds up one piece, not half.
+    pieces = iter(_split(jobs, threads * _PIECES_PER_THREAD if threads > 1 else 1))
+
+    def work() -> None:
+        for piece in pieces:  # next() on a shared iterator is atomic under the GIL
+            run(piece)
+
+    others = [_copier_pool(threads - 1).submit(work) for _ in range(threads - 1)]
     try:
-        run(parts[0])
+        work()
     finally:
         for future in others:  # the storages must outlive every copy, even on an error
             future.result()

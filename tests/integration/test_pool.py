@@ -69,3 +69,26 @@ def test_pool_disabled_with_zero_bytes(daemon_factory, tmp_path):
     with d.client(fallback="raise") as c:
         c.save(blob(2), str(tmp_path / "a.pt"))
         assert _spares(c).segments == () and not _spares(c).growing
+
+
+def test_one_lingering_thread_maps_the_spares_after_every_save(daemon_factory, tmp_path):
+    """After each save the client maps the daemon's spares with the same thread (woken, not
+    started again: a thread start stalled saves on a busy node); every save lands intact."""
+    d = daemon_factory("--memory-limit", "64MiB", "--pool-segments", "2", "--pool-bytes", "16MiB")
+    with d.client(fallback="raise") as c:
+        wait_until(lambda: len(_spares(c).segments) == 2 and not _spares(c).growing)
+        c.warmup(wait=True)
+        assert all(s in c._write_maps for s in _spares(c).segments)
+        thread = c._spares._thread
+        assert thread is not None and thread.is_alive()
+        for i in range(3):
+            path = str(tmp_path / f"iter_{i}" / "model.pt")
+            state = blob(4, float(i))
+            c.save(state, path)
+            assert torch.equal(c.load(path, mmap=False)["w"], state["w"])
+            wait_until(lambda: not _spares(c).growing)
+            c._spares.refresh().wait()
+            assert all(s in c._write_maps for s in _spares(c).segments)
+            assert c._spares._thread is thread
+    thread.join(5)
+    assert not thread.is_alive()  # close() ended it
