@@ -105,6 +105,7 @@ _PIECES_PER_THREAD = 8
 
 _memmove: Callable[[int, int, int], Any] | None = None
 _copiers: ThreadPoolExecutor | None = None
+_copiers_pid = 0
 _copiers_lock = threading.Lock()
 
 
@@ -119,10 +120,12 @@ def _libc_memmove() -> Callable[[int, int, int], Any]:
 
 
 def _copier_pool(workers: int) -> ThreadPoolExecutor:
-    global _copiers
+    global _copiers, _copiers_pid
     with _copiers_lock:
-        if _copiers is None or _copiers._max_workers < workers:
+        # A forked child inherits the executor but not its threads: it needs its own.
+        if _copiers is None or _copiers._max_workers < workers or _copiers_pid != os.getpid():
             _copiers = ThreadPoolExecutor(workers, thread_name_prefix="ckptcache-copy")
+            _copiers_pid = os.getpid()
         return _copiers
 
 

@@ -56,3 +56,34 @@ def test_runs_outside_the_destination_or_off_the_cpu_are_refused():
     with pytest.raises(ValueError, match="contiguous CPU uint8"):
         copy_storages_into(torch.zeros(8), [])
     assert torch.equal(dst, torch.zeros(32, dtype=torch.uint8))  # nothing written on refusal
+
+
+def test_a_forked_child_copies_with_its_own_threads(monkeypatch):
+    """The copy threads do not survive a fork: a child (a data-loader worker, say) that saves
+    gets its own, and its copy completes with every byte in place. (The child runs no torch
+    kernel: torch's own thread pools are not fork-safe.)"""
+    import ctypes
+    import os
+
+    monkeypatch.setattr(shm, "_MIN_BYTES_PER_THREAD", 1)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    n = 1 << 16
+    (src,) = _storages([n])
+    dst = torch.zeros(n, dtype=torch.uint8)
+    copy_storages_into(torch.zeros(n, dtype=torch.uint8), [(0, src)])  # the parent's threads
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child reports through the pipe
+        ok = False
+        try:
+            copy_storages_into(dst, [(0, src)])
+            ok = ctypes.string_at(dst.data_ptr(), n) == ctypes.string_at(src.data_ptr(), n)
+        finally:
+            os.write(write, b"1" if ok else b"0")
+            os._exit(0)
+    os.close(write)
+    try:
+        assert os.read(read, 1) == b"1"
+    finally:
+        os.waitpid(pid, 0)
+        os.close(read)
