@@ -2,10 +2,21 @@
 at the speed of a repeated one.
 
 A new segment costs a first touch of every page (``fallocate`` zeroing them in tmpfs, then the
-client's page tables): measured here several times a memcpy. The pool pays that in the
-background, after each save that needed a new segment, so the next new path (the next
-iteration's directory, another rank's shard) finds a segment ready. Clients map the spares
-ahead of use (see :class:`ckptcache.client.Client`), so their page tables are warm too.
+page tables of every mapping): measured here several times a memcpy. The pool pays that in the
+background, so the next new path (the next iteration's directory, another rank's shard, a
+backup copy or a storage read arriving) finds a segment ready. The daemon's own mapping of a
+spare is populated when it is made (receives write through it); clients map the spares ahead
+of use (see :class:`ckptcache.client.Client`), so their page tables are warm too.
+
+When it grows: a reservation that takes a spare (through :meth:`SegmentPool.take` or the
+free list, see :meth:`SegmentPool.claim`) or needs a new segment only records the size; the
+grower is woken by :meth:`SegmentPool.refill` once that save is committed or aborted, so it
+never competes with the client's copy for the CPU.
+
+Sizes: each spare is made the size of the last save that wanted a new segment (checkpoints
+of one job repeat their sizes); before any such save, a share of the pool. A spare at most
+twice the size a save needs is handed over whole (trimming the tail would cost the save a
+page-freeing pass); a larger one is trimmed, so a small save never pins a large spare.
 
 Rules that keep it safe:
 
@@ -83,10 +94,22 @@ class SegmentPool:
         return [s for s in self.arena.free.values() if s.spare]
 
     def note(self, capacity: int) -> None:
-        """A save wanted a new segment of ``capacity``: make the next spares that size."""
+        """A save wanted a new segment of ``capacity``: make the next spares that size (grown
+        at the next :meth:`refill`, not now: the save's copy is about to run)."""
         if self.segments and capacity <= self.nbytes:
             self.target = capacity
-        self._wake.set()
+
+    def claim(self, segment: Segment, nbytes: int) -> None:
+        """``segment`` was just taken from the free list for ``nbytes``: if it was a spare, it
+        is one no longer and the pool is one short (refilled at the next :meth:`refill`)."""
+        if segment.spare:
+            segment.spare = False
+            self.note(Arena.capacity_for(nbytes))
+
+    def refill(self) -> None:
+        """Wake the grower (a reservation ended: nobody is copying into what it took)."""
+        if self.segments:
+            self._wake.set()
 
     def take(self, nbytes: int, uid: int) -> Segment | None:
         """The smallest spare that holds ``nbytes``, trimmed to size; ``None`` if none fits."""
@@ -98,7 +121,7 @@ class SegmentPool:
         best = min(fits, key=lambda s: s.capacity)
         best.spare = False
         del self.arena.free[best.name]
-        if best.capacity > capacity:
+        if best.capacity > 2 * capacity:
             try:
                 self.arena.trim(best, capacity)  # give the unneeded tail back to the budget
             except OSError as e:
@@ -139,7 +162,7 @@ class SegmentPool:
             self.growing = True
         segment = None
         try:
-            segment = arena.allocate(name, capacity, arena.uid)
+            segment = arena.allocate(name, capacity, arena.uid, populate=True)
         except OSError as e:
             log.warning("segment pool: cannot allocate a %d-byte spare: %s", capacity, e)
         finally:
