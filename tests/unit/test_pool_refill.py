@@ -141,3 +141,24 @@ def test_the_pool_never_grows_beyond_the_budget(make_core):
         assert used(core) <= limit
     with core.state.locked():
         assert sum(s.capacity for s in core.state.arena.segments.values()) <= limit
+
+
+def test_spares_of_a_size_no_save_has_are_replaced(make_core):
+    limit = 64 * MIB
+    core = make_core(memory_limit=limit, pool_segments=2, pool_bytes=16 * MIB)
+    first = set(wait_until(lambda: settled(core, 2)).segments)
+    assert spares(core).capacities == (8 * MIB, 8 * MIB)  # a share each before any save
+    session = core.saves.open_session(1, 0)
+    value = torch.full((9 * MIB // 4,), 1.0)
+    for i in range(2):  # 10 MiB segments: the 8 MiB spares are too small, made inline
+        assert save(core, session, f"/ckpt/s{i}.pt", value) not in first
+
+    # Both stale spares give way to one of the size the saves have (16 MiB of pool bytes).
+    def replaced() -> m.PoolReply | None:
+        reply = settled(core, 1)
+        return reply if reply is not None and reply.capacities == (10 * MIB,) else None
+
+    reply = wait_until(replaced, what="the stale spares replaced")
+    assert not set(reply.segments) & first
+    assert used(core) <= limit
+    assert save(core, session, "/ckpt/s2.pt", value) == reply.segments[0]
