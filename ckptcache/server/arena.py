@@ -38,6 +38,9 @@ __all__ = ["Arena", "Segment"]
 
 log = logging.getLogger(__name__)
 
+#: Linux only; elsewhere a spare's pages are faulted by their first write instead.
+_MAP_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
+
 
 def mapped_by_others(path: str) -> bool:
     """Whether a process holds a load mapping of ``path``: clients hold a shared ``flock`` on
@@ -192,8 +195,8 @@ class Arena:
             return None
         if not tight and best.capacity > 2 * self.capacity_for(nbytes):
             return None
+        # ``best.spare`` is left for the caller: the pool notes a spare taken (SegmentPool.claim).
         del self.free[best.name]
-        best.spare = False
         best.write_header(_empty_header(SegmentState.WRITING))
         best.last_used = time.monotonic()
         return best
@@ -216,9 +219,15 @@ class Arena:
             self._ensure_owner_dir(uid), f"seg-{self.incarnation}-{self._counter:06d}"
         )
 
-    def allocate(self, name: str, capacity: int, uid: int, gid: int = -1) -> Segment:
+    def allocate(
+        self, name: str, capacity: int, uid: int, gid: int = -1, *, populate: bool = False
+    ) -> Segment:
         """Create and allocate the file ``name`` without registering it: safe outside the
-        lock (the pool grows this way), provided ``name`` came from :meth:`next_name`."""
+        lock (the pool grows this way), provided ``name`` came from :meth:`next_name`.
+
+        ``populate``: fill the daemon's page tables for the whole mapping now (the pool's
+        spares, made in the background), so a receive writing through it takes no faults.
+        """
         path = os.path.join(self.directory, name)
         flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW
         fd = os.open(path, flags, 0o600)
@@ -226,7 +235,8 @@ class Arena:
             if self._owner_dir(uid):
                 os.fchown(fd, uid, gid)
             os.posix_fallocate(fd, 0, capacity)
-            mapping = mmap.mmap(fd, capacity, flags=mmap.MAP_SHARED)
+            flags = mmap.MAP_SHARED | (_MAP_POPULATE if populate else 0)
+            mapping = mmap.mmap(fd, capacity, flags=flags)
             st = os.fstat(fd)
         except OSError:
             os.unlink(path)

@@ -2,10 +2,24 @@
 at the speed of a repeated one.
 
 A new segment costs a first touch of every page (``fallocate`` zeroing them in tmpfs, then the
-client's page tables): measured here several times a memcpy. The pool pays that in the
-background, after each save that needed a new segment, so the next new path (the next
-iteration's directory, another rank's shard) finds a segment ready. Clients map the spares
-ahead of use (see :class:`ckptcache.client.Client`), so their page tables are warm too.
+page tables of every mapping): measured here several times a memcpy. The pool pays that in the
+background, so the next new path (the next iteration's directory, another rank's shard, a
+backup copy or a storage read arriving) finds a segment ready. The daemon's own mapping of a
+spare is populated when it is made (receives write through it); clients map the spares ahead
+of use (see :class:`ckptcache.client.Client`), so their page tables are warm too.
+
+When it grows: a reservation that takes a spare (through :meth:`SegmentPool.take` or the
+free list, see :meth:`SegmentPool.claim`) or needs a new segment only records the size; the
+grower is woken by :meth:`SegmentPool.refill` once that save is committed or aborted, so it
+never competes with the client's copy for the CPU.
+
+Sizes: the pool keeps one spare per recent save that wanted a new segment, each of that
+save's size (checkpoints of one job repeat their sizes, e.g. a model file and an optimizer
+file per step); before the pool has seen such saves, a share of the pool. A spare that serves
+none of those sizes (too small, or more than twice too big) is replaced in the background.
+A spare at most twice the size a save needs is handed over whole (trimming the tail would
+cost the save a page-freeing pass); a larger one is trimmed, so a small save never pins a
+large spare.
 
 Rules that keep it safe:
 
@@ -21,6 +35,7 @@ as before (a segment is never handed across users).
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import logging
 import threading
@@ -57,9 +72,11 @@ class SegmentPool:
         self._notify = notify
         self.segments = segments if nbytes > 0 else 0
         self.nbytes = nbytes
-        #: Capacity of the next spare: the size of the last save that wanted a new segment
-        #: (checkpoints of one job repeat their sizes), first a share of the pool.
-        self.target = align(max(nbytes // max(segments, 1), 1), SEGMENT_GRANULE)
+        #: Capacities of the last saves that wanted a new segment, newest last (checkpoints
+        #: of one job repeat their sizes): the spares the pool keeps (see :meth:`wanted`).
+        self.recent: collections.deque[int] = collections.deque(maxlen=self.segments or 1)
+        #: Capacity of a spare before any save: a share of the pool.
+        self.share = align(max(nbytes // max(segments, 1), 1), SEGMENT_GRANULE)
         self.growing = False
         self._wake = threading.Event()
         self._stop = threading.Event()
@@ -83,10 +100,22 @@ class SegmentPool:
         return [s for s in self.arena.free.values() if s.spare]
 
     def note(self, capacity: int) -> None:
-        """A save wanted a new segment of ``capacity``: make the next spares that size."""
+        """A save wanted a new segment of ``capacity``: make the next spares that size (grown
+        at the next :meth:`refill`, not now: the save's copy is about to run)."""
         if self.segments and capacity <= self.nbytes:
-            self.target = capacity
-        self._wake.set()
+            self.recent.append(capacity)
+
+    def claim(self, segment: Segment, nbytes: int) -> None:
+        """``segment`` was just taken from the free list for ``nbytes``: if it was a spare, it
+        is one no longer and the pool is one short (refilled at the next :meth:`refill`)."""
+        if segment.spare:
+            segment.spare = False
+            self.note(Arena.capacity_for(nbytes))
+
+    def refill(self) -> None:
+        """Wake the grower (a reservation ended: nobody is copying into what it took)."""
+        if self.segments:
+            self._wake.set()
 
     def take(self, nbytes: int, uid: int) -> Segment | None:
         """The smallest spare that holds ``nbytes``, trimmed to size; ``None`` if none fits."""
@@ -98,7 +127,7 @@ class SegmentPool:
         best = min(fits, key=lambda s: s.capacity)
         best.spare = False
         del self.arena.free[best.name]
-        if best.capacity > capacity:
+        if best.capacity > 2 * capacity:
             try:
                 self.arena.trim(best, capacity)  # give the unneeded tail back to the budget
             except OSError as e:
@@ -123,11 +152,46 @@ class SegmentPool:
             while not self._stop.is_set() and self._grow_one():
                 pass
 
+    def wanted(self) -> list[int]:
+        """The capacities of the spares to keep, largest first: one per recent save size,
+        filled up with the first share while the pool has seen fewer saves than spares."""
+        sizes = list(self.recent) + [self.share] * (self.segments - len(self.recent))
+        return sorted(sizes, reverse=True)
+
+    @staticmethod
+    def _serves(spare: int, capacity: int) -> bool:
+        # Within twice the need the spare is handed over whole; beyond, the save would pay a
+        # trim of the tail (Arena.take_free leaves such spares alone unless memory is tight).
+        return capacity <= spare <= 2 * capacity
+
+    def _plan(self, live: list[Segment]) -> tuple[int | None, list[Segment]]:
+        """The next capacity to grow (None: nothing missing) and the live spares that serve
+        no wanted size (stale: made for sizes the saves no longer have)."""
+        unmatched = sorted(live, key=lambda s: s.capacity)
+        missing = None
+        for capacity in self.wanted():
+            match = next((s for s in unmatched if self._serves(s.capacity, capacity)), None)
+            if match is not None:
+                unmatched.remove(match)
+            elif missing is None:
+                missing = capacity
+        return missing, unmatched
+
     def _grow_one(self) -> bool:
         arena = self.arena
         with self._locked():
             live = self._live()
-            capacity = min(self.target, self.nbytes)
+            capacity, stale = self._plan(live)
+            if capacity is None:
+                return False
+            # Replace stale spares (oldest first) while the pool's count or bytes are full.
+            stale.sort(key=lambda s: s.last_used)
+            while stale and (
+                len(live) >= self.segments or sum(s.capacity for s in live) + capacity > self.nbytes
+            ):
+                old = stale.pop(0)
+                live.remove(old)
+                arena.destroy(old)  # a free spare: clients that mapped it keep their pages
             if (
                 len(live) >= self.segments
                 or sum(s.capacity for s in live) + capacity > self.nbytes
@@ -139,7 +203,7 @@ class SegmentPool:
             self.growing = True
         segment = None
         try:
-            segment = arena.allocate(name, capacity, arena.uid)
+            segment = arena.allocate(name, capacity, arena.uid, populate=True)
         except OSError as e:
             log.warning("segment pool: cannot allocate a %d-byte spare: %s", capacity, e)
         finally:

@@ -109,6 +109,7 @@ class Saves:
             session.leases.clear()
             state.update_gauges()
         state.notify()
+        self.pool.refill()
 
     # ----------------------------------------------------------------- reserve
 
@@ -177,7 +178,9 @@ class Saves:
         capacity = Arena.capacity_for(nbytes)
         owner = saver.uid if saver is not None else None
         segment = arena.take_free(nbytes, tight=arena.used + capacity > arena.limit, owner=owner)
-        if segment is None:
+        if segment is not None:
+            self.pool.claim(segment, nbytes)
+        else:
             segment = self.pool.take(nbytes, arena.uid if owner is None else owner)
         if segment is not None:
             return segment
@@ -193,6 +196,7 @@ class Saves:
             state.retire_locked(victims[0])
             segment = arena.take_free(nbytes, tight=True, owner=owner)
             if segment is not None:
+                self.pool.claim(segment, nbytes)
                 return segment
             arena.shrink_free(capacity)
         try:
@@ -224,6 +228,7 @@ class Saves:
             with state.locked():
                 state.arena.release(segment)
             state.notify()
+            self.pool.refill()
             raise
         with state.locked():
             number = state.index.next_number((res.namespace, res.path))
@@ -256,6 +261,8 @@ class Saves:
                 self.metrics.save_latency.observe(req.stall_seconds)
             state.update_gauges()
         state.notify()
+        # Only now: a spare made during the client's copy would take a core from it.
+        self.pool.refill()
         log.debug("committed %s generation %d", res.path, number)
         self.digester.put(gen)
         for hook in self.on_commit:
@@ -304,3 +311,4 @@ class Saves:
             if res is not None:
                 state.arena.release(res.segment)
         state.notify()
+        self.pool.refill()
