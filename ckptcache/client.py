@@ -723,13 +723,9 @@ def _write_packed(mapping: Mapping, plan: ObjectPlan, packed: Packed) -> None:
     metadata and the manifest as usual, then the items straight into the storage's place."""
     import torch
 
-    view = memoryview(mapping)
-    try:
-        plan.archive.write_metadata(view[HEADER_SIZE : HEADER_SIZE + plan.archive.size])
-        offset = plan.layout.manifest_offset
-        view[offset : offset + len(plan.manifest_bytes)] = plan.manifest_bytes
-    finally:
-        view.release()
+    from ckptcache.format.objectio import write_metadata
+
+    write_metadata(mapping, plan)
     (record,) = plan.manifest.storages
     if record.nbytes:
         packed.fill(torch.frombuffer(mapping, dtype=torch.uint8, count=record.nbytes,

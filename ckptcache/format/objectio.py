@@ -26,7 +26,7 @@ from ckptcache.format.shm import (
     storage_view,
 )
 
-__all__ = ["plan_object", "read_object", "write_object"]
+__all__ = ["plan_object", "read_object", "write_metadata", "write_object"]
 
 
 def plan_object(flat: Flattened, path: str, namespace: str) -> ObjectPlan:
@@ -63,11 +63,9 @@ def plan_object(flat: Flattened, path: str, namespace: str) -> ObjectPlan:
     return ObjectPlan(layout, archive, manifest, encoded)
 
 
-def write_object(mapping: mmap.mmap, plan: ObjectPlan, flat: Flattened) -> None:
-    """Copy archive metadata, every storage and the manifest to their places in ``mapping``.
-
-    The header is left alone: whoever owns the segment's state publishes it.
-    """
+def write_metadata(mapping: mmap.mmap, plan: ObjectPlan) -> None:
+    """Write the archive's metadata and the manifest of ``plan`` to their places in
+    ``mapping``; the storages' bytes are the caller's (see :func:`write_object`)."""
     view = memoryview(mapping)
     try:
         plan.archive.write_metadata(view[HEADER_SIZE : HEADER_SIZE + plan.archive.size])
@@ -75,6 +73,14 @@ def write_object(mapping: mmap.mmap, plan: ObjectPlan, flat: Flattened) -> None:
         view[offset : offset + len(plan.manifest_bytes)] = plan.manifest_bytes
     finally:
         view.release()
+
+
+def write_object(mapping: mmap.mmap, plan: ObjectPlan, flat: Flattened) -> None:
+    """Copy archive metadata, every storage and the manifest to their places in ``mapping``.
+
+    The header is left alone: whoever owns the segment's state publishes it.
+    """
+    write_metadata(mapping, plan)
     pairs = list(zip(plan.manifest.storages, flat.storages, strict=True))
     on_device = [(r.offset, s) for r, s in pairs if s.device.type == "cuda"]
     # Device-to-host copies start first (DMA into the pinned segment) and overlap the CPU ones.

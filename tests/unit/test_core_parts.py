@@ -6,56 +6,17 @@ through the same calls the control service makes.
 
 from __future__ import annotations
 
-import shutil
 import threading
-import uuid
 
 import pytest
 import torch
 
 from ckptcache.errors import BudgetExceeded, CheckpointNotFound
-from ckptcache.format.flatten import flatten
-from ckptcache.format.objectio import plan_object, write_object
-from ckptcache.server.config import DaemonConfig
-from ckptcache.server.daemon import build_core
 from ckptcache.wire import messages as m
 from ckptcache.wire.states import WaitState
+from tests.unit.conftest import NS, save_object
 
 MIB = 1 << 20
-NS = "default"
-
-
-@pytest.fixture
-def make_core(tmp_path):
-    made = []
-
-    def make(**options):
-        shm = f"/dev/shm/ckptcache-test-{uuid.uuid4().hex[:8]}"
-        config = DaemonConfig(shm_dir=shm, socket=str(tmp_path / "d.sock"), pool_bytes=0,
-                              node_id="unit", **options)  # fmt: skip
-        core = build_core(config)
-        made.append((core, shm))
-        return core
-
-    yield make
-    for core, shm in made:
-        core.shutdown()
-        shutil.rmtree(shm, ignore_errors=True)
-
-
-def save(core, session, path, value):
-    """Reserve, write and commit ``{"w": value}`` as the client does; returns the generation."""
-    flat = flatten({"w": value})
-    plan = plan_object(flat, path, NS)
-    reply = core.saves.reserve(session, m.ReserveRequest(NS, path, plan.layout.nbytes))
-    view = core.state.arena.segments[reply.segment].view()
-    try:
-        write_object(view[: plan.layout.nbytes], plan, flat)
-    finally:
-        del view
-    commit = m.CommitRequest(reply.reservation, plan.layout.manifest_offset,
-                             len(plan.manifest_bytes))  # fmt: skip
-    return core.saves.commit(session, commit).generation
 
 
 def numbers(core, path):
@@ -64,10 +25,13 @@ def numbers(core, path):
 
 
 def test_retention_keeps_the_newest_generations(make_core):
-    core = make_core(memory_limit=16 * MIB, keep=2)
+    core = make_core(pool_bytes=0, memory_limit=16 * MIB, keep=2)
     session = core.saves.open_session(1, 0)
     for i in range(4):
-        assert save(core, session, "/ckpt/a.pt", torch.full((1000,), float(i))) == i + 1
+        assert (
+            save_object(core, session, "/ckpt/a.pt", torch.full((1000,), float(i))).generation
+            == i + 1
+        )
     assert numbers(core, "/ckpt/a.pt") == [3, 4]
     info = core.queries.stat(session, m.StatRequest(NS, "/ckpt/a.pt"))
     assert (info.generation, info.generations, info.persist_state) == (4, 2, "memory-only")
@@ -80,27 +44,27 @@ def test_retention_keeps_the_newest_generations(make_core):
 
 
 def test_budget_evicts_only_unpinned_superseded_generations(make_core):
-    core = make_core(memory_limit=3 * MIB, keep=2, reserve_timeout=0.2)
+    core = make_core(pool_bytes=0, memory_limit=3 * MIB, keep=2, reserve_timeout=0.2)
     session = core.saves.open_session(1, 0)
-    save(core, session, "/ckpt/a.pt", torch.zeros(1000))
-    save(core, session, "/ckpt/a.pt", torch.ones(1000))
+    save_object(core, session, "/ckpt/a.pt", torch.zeros(1000))
+    save_object(core, session, "/ckpt/a.pt", torch.ones(1000))
     lease = core.loads.open(session, m.OpenRequest(NS, "/ckpt/a.pt", generation=1))
-    save(core, session, "/ckpt/b.pt", torch.ones(1000))
+    save_object(core, session, "/ckpt/b.pt", torch.ones(1000))
     assert core.state.arena.used == 3 * MIB
     # Full: generation 1 of a.pt is pinned and the rest are the newest of their paths.
     with pytest.raises(BudgetExceeded, match=r"no room for .* of '/ckpt/b\.pt'"):
-        save(core, session, "/ckpt/b.pt", torch.full((1000,), 2.0))
+        save_object(core, session, "/ckpt/b.pt", torch.full((1000,), 2.0))
     core.loads.release(session, m.ReleaseRequest((lease.lease,)))
-    assert save(core, session, "/ckpt/b.pt", torch.full((1000,), 2.0)) == 2
+    assert save_object(core, session, "/ckpt/b.pt", torch.full((1000,), 2.0)).generation == 2
     assert numbers(core, "/ckpt/a.pt") == [2]  # evicted: superseded and no longer pinned
     assert numbers(core, "/ckpt/b.pt") == [1, 2]
     assert core.state.arena.used <= 3 * MIB
 
 
 def test_closing_a_session_drops_its_pins_and_reservations(make_core):
-    core = make_core(memory_limit=8 * MIB)
+    core = make_core(pool_bytes=0, memory_limit=8 * MIB)
     session = core.saves.open_session(1, 0)
-    save(core, session, "/ckpt/a.pt", torch.ones(10))
+    save_object(core, session, "/ckpt/a.pt", torch.ones(10))
     core.loads.open(session, m.OpenRequest(NS, "/ckpt/a.pt"))
     core.saves.reserve(session, m.ReserveRequest(NS, "/ckpt/b.pt", 4096))
     with core.state.locked():
@@ -112,7 +76,7 @@ def test_closing_a_session_drops_its_pins_and_reservations(make_core):
 
 
 def test_state_owner_wait_for_wakes_on_notify(make_core):
-    core = make_core(memory_limit=4 * MIB)
+    core = make_core(pool_bytes=0, memory_limit=4 * MIB)
     flag: list[int] = []
 
     def later():

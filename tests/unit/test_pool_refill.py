@@ -6,40 +6,14 @@ Built by :func:`ckptcache.server.daemon.build_core` on a private shm directory.
 
 from __future__ import annotations
 
-import shutil
-import uuid
-
-import pytest
 import torch
 
-from ckptcache.format.flatten import flatten
 from ckptcache.format.layout import HEADER_SIZE
-from ckptcache.format.objectio import plan_object, write_object
-from ckptcache.server.config import DaemonConfig
-from ckptcache.server.daemon import build_core
 from ckptcache.wire import messages as m
 from tests.helpers import wait_until
+from tests.unit.conftest import NS, object_bytes, save_object
 
 MIB = 1 << 20
-NS = "default"
-
-
-@pytest.fixture
-def make_core(tmp_path):
-    made = []
-
-    def make(**options):
-        shm = f"/dev/shm/ckptcache-test-{uuid.uuid4().hex[:8]}"
-        config = DaemonConfig(shm_dir=shm, socket=str(tmp_path / "d.sock"), node_id="unit",
-                              **options)  # fmt: skip
-        core = build_core(config)
-        made.append((core, shm))
-        return core
-
-    yield make
-    for core, shm in made:
-        core.shutdown()
-        shutil.rmtree(shm, ignore_errors=True)
 
 
 def spares(core) -> m.PoolReply:
@@ -58,29 +32,6 @@ def used(core) -> int:
         return core.state.arena.used
 
 
-def object_bytes(path: str, value: torch.Tensor):
-    flat = flatten({"w": value})
-    plan = plan_object(flat, path, NS)
-    buf = bytearray(plan.layout.nbytes)
-    write_object(memoryview(buf), plan, flat)
-    return plan, buf
-
-
-def save(core, session, path, value) -> str:
-    """Reserve, write and commit as the client does; returns the segment's name."""
-    plan, buf = object_bytes(path, value)
-    reply = core.saves.reserve(session, m.ReserveRequest(NS, path, plan.layout.nbytes))
-    view = core.state.arena.segments[reply.segment].view()
-    try:
-        view[: len(buf)] = buf
-    finally:
-        del view
-    commit = m.CommitRequest(reply.reservation, plan.layout.manifest_offset,
-                             len(plan.manifest_bytes))  # fmt: skip
-    core.saves.commit(session, commit)
-    return reply.segment
-
-
 def test_a_spare_taken_through_the_free_list_is_replaced(make_core):
     limit = 64 * MIB
     core = make_core(memory_limit=limit, pool_segments=1, pool_bytes=16 * MIB)
@@ -89,7 +40,7 @@ def test_a_spare_taken_through_the_free_list_is_replaced(make_core):
     # 9 MiB of payload: the 16 MiB spare is within twice the need, so the free list hands
     # it over whole (no trim on the save's path).
     value = torch.full((9 * MIB // 4,), 2.0)
-    assert save(core, session, "/ckpt/a.pt", value) == spare
+    assert save_object(core, session, "/ckpt/a.pt", value).segment == spare
     with core.state.locked():
         assert core.state.arena.segments[spare].capacity == 16 * MIB
     reply = wait_until(lambda: settled(core, 1), what="the pool refilled")
@@ -135,7 +86,7 @@ def test_the_pool_never_grows_beyond_the_budget(make_core):
     session = core.saves.open_session(1, 0)
     for i in range(3):
         # Memory-only paths: the committed generations hold most of the budget.
-        save(core, session, f"/ckpt/p{i}.pt", torch.full((5 * MIB // 4,), float(i)))
+        save_object(core, session, f"/ckpt/p{i}.pt", torch.full((5 * MIB // 4,), float(i)))
         assert used(core) <= limit
         wait_until(lambda: not spares(core).growing)
         assert used(core) <= limit
@@ -151,7 +102,7 @@ def test_spares_of_a_size_no_save_has_are_replaced(make_core):
     session = core.saves.open_session(1, 0)
     value = torch.full((9 * MIB // 4,), 1.0)
     for i in range(2):  # 10 MiB segments: the 8 MiB spares are too small, made inline
-        assert save(core, session, f"/ckpt/s{i}.pt", value) not in first
+        assert save_object(core, session, f"/ckpt/s{i}.pt", value).segment not in first
 
     # Both stale spares give way to one of the size the saves have (16 MiB of pool bytes).
     def replaced() -> m.PoolReply | None:
@@ -161,4 +112,4 @@ def test_spares_of_a_size_no_save_has_are_replaced(make_core):
     reply = wait_until(replaced, what="the stale spares replaced")
     assert not set(reply.segments) & first
     assert used(core) <= limit
-    assert save(core, session, "/ckpt/s2.pt", value) == reply.segments[0]
+    assert save_object(core, session, "/ckpt/s2.pt", value).segment == reply.segments[0]
