@@ -264,17 +264,19 @@ class Client:
         from ckptcache._gpu import unpin
         from ckptcache.format.shm import map_shared
 
-        for name in [n for n in self._write_maps if not os.path.exists(self._seg_path(n))]:
-            stale = self._write_maps.pop(name)  # the daemon dropped it: free our pages too
-            unpin(stale)
-            stale.close()
-        self._spares.wait_for(segment)
-        mapping = self._write_maps.get(segment)
-        # A spare trimmed by the daemon after we mapped it is shorter than our mapping.
-        if mapping is None or len(mapping) < capacity:
-            mapping = map_shared(self._seg_path(segment), capacity)
-            self._write_maps[segment] = mapping
-        return mapping
+        # The spare thread adds to the cache under this (re-entrant) lock; saves hold it too.
+        with self._lock:
+            for name in [n for n in self._write_maps if not os.path.exists(self._seg_path(n))]:
+                stale = self._write_maps.pop(name)  # the daemon dropped it: free our pages too
+                unpin(stale)
+                stale.close()
+            self._spares.wait_for(segment)
+            mapping = self._write_maps.get(segment)
+            # A spare trimmed by the daemon after we mapped it is shorter than our mapping.
+            if mapping is None or len(mapping) < capacity:
+                mapping = map_shared(self._seg_path(segment), capacity)
+                self._write_maps[segment] = mapping
+            return mapping
 
     def _server_wait(self) -> float:
         """How long the daemon may wait inside one request: well inside our own timeout, so
