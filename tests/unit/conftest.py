@@ -1,0 +1,68 @@
+"""Fixtures of the in-process daemon tests: the daemon's parts built by
+:func:`ckptcache.server.daemon.build_core` on a private shm directory, no sockets."""
+
+from __future__ import annotations
+
+import shutil
+import uuid
+from typing import NamedTuple
+
+import pytest
+import torch
+
+from ckptcache.format.flatten import flatten
+from ckptcache.format.manifest import ObjectPlan
+from ckptcache.format.objectio import plan_object, write_object
+from ckptcache.server.config import DaemonConfig
+from ckptcache.server.daemon import build_core
+from ckptcache.wire import messages as m
+
+NS = "default"
+
+
+@pytest.fixture
+def make_core(tmp_path):
+    """``make(**options)``: a core on its own shm directory (``options`` are
+    :class:`DaemonConfig` fields); every core made is shut down and its directory removed."""
+    made = []
+
+    def make(**options):
+        shm = f"/dev/shm/ckptcache-test-{uuid.uuid4().hex[:8]}"
+        config = DaemonConfig(**{"shm_dir": shm, "socket": str(tmp_path / "d.sock"),
+                                 "node_id": "unit", **options})  # fmt: skip
+        core = build_core(config)
+        made.append((core, shm))
+        return core
+
+    yield make
+    for core, shm in made:
+        core.shutdown()
+        shutil.rmtree(shm, ignore_errors=True)
+
+
+def object_bytes(path: str, value: torch.Tensor) -> tuple[ObjectPlan, bytearray]:
+    """The plan and the segment bytes of ``{"w": value}`` saved at ``path``."""
+    flat = flatten({"w": value})
+    plan = plan_object(flat, path, NS)
+    buf = bytearray(plan.layout.nbytes)
+    write_object(memoryview(buf), plan, flat)
+    return plan, buf
+
+
+class Saved(NamedTuple):
+    generation: int
+    segment: str
+
+
+def save_object(core, session, path: str, value: torch.Tensor) -> Saved:
+    """Reserve, write and commit ``{"w": value}`` as the client does."""
+    plan, buf = object_bytes(path, value)
+    reply = core.saves.reserve(session, m.ReserveRequest(NS, path, plan.layout.nbytes))
+    view = core.state.arena.segments[reply.segment].view()
+    try:
+        view[: len(buf)] = buf
+    finally:
+        del view
+    commit = m.CommitRequest(reply.reservation, plan.layout.manifest_offset,
+                             len(plan.manifest_bytes))  # fmt: skip
+    return Saved(core.saves.commit(session, commit).generation, reply.segment)
