@@ -14,6 +14,7 @@ import torch
 from ckptcache.errors import BudgetExceeded, CheckpointNotFound
 from ckptcache.wire import messages as m
 from ckptcache.wire.states import WaitState
+from tests.helpers import wait_until
 from tests.unit.conftest import NS, save_object
 
 MIB = 1 << 20
@@ -35,7 +36,9 @@ def test_retention_keeps_the_newest_generations(make_core):
     assert numbers(core, "/ckpt/a.pt") == [3, 4]
     info = core.queries.stat(session, m.StatRequest(NS, "/ckpt/a.pt"))
     assert (info.generation, info.generations, info.persist_state) == (4, 2, "memory-only")
-    assert len(core.state.arena.segments) == 2 + len(core.state.arena.free)
+    # The retired generations' segments are freed once the background digester unpins them.
+    arena = core.state.arena
+    wait_until(lambda: len(arena.segments) == 2 + len(arena.free), what="retired segments freed")
     wait = core.queries.wait(session, m.WaitRequest(NS, "/ckpt/a.pt", timeout=0.0))
     assert (wait.state, wait.generation) == (WaitState.MEMORY_ONLY, 4)
     assert core.retention.delete(session, m.DeleteRequest(NS, "/ckpt/a.pt")).dropped == 2
