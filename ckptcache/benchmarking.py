@@ -37,6 +37,9 @@ __all__ = [
     "wait_for_socket",
 ]
 
+#: Where benchmark daemons make their shm roots (default ``/dev/shm``).
+ENV_SHM_BASE = "CKPTCACHE_BENCH_SHM_BASE"
+
 
 @dataclass(frozen=True)
 class Row:
@@ -239,9 +242,14 @@ class DaemonHandle:
 
 @contextlib.contextmanager
 def running_daemon(*args: str) -> Iterator[DaemonHandle]:
-    """Start ``ckptcache daemon`` on a private socket and shm root; stop and clean up after."""
+    """Start ``ckptcache daemon`` on a private socket and shm root; stop and clean up after.
+
+    The shm root is made under ``$CKPTCACHE_BENCH_SHM_BASE`` (default ``/dev/shm``; point it
+    at a ``huge=within_size`` tmpfs to measure with huge pages).
+    """
     workdir = tempfile.mkdtemp(prefix="ckptcache-")
-    shm_dir = tempfile.mkdtemp(prefix="ckptcache-", dir="/dev/shm")
+    base = os.environ.get(ENV_SHM_BASE) or "/dev/shm"
+    shm_dir = tempfile.mkdtemp(prefix="ckptcache-", dir=base)
     sock = os.path.join(workdir, "daemon.sock")
     log = open(os.path.join(workdir, "daemon.log"), "wb")  # noqa: SIM115 - child owns it
     cmd = [sys.executable, "-m", "ckptcache.cli", "daemon", "--socket", sock, "--shm-dir", shm_dir]

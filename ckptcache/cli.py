@@ -18,6 +18,7 @@ from ckptcache._units import format_bytes
 from ckptcache.client import normalize_path
 from ckptcache.errors import CheckpointNotFound, CkptCacheError, ConfigError, CorruptCheckpoint
 from ckptcache.format.persisted import verify_stored
+from ckptcache.hugepages import HUGE
 from ckptcache.storage import backend_for
 
 __all__ = ["main"]
@@ -95,6 +96,14 @@ def _cmd_ls(args: argparse.Namespace) -> int:
     return 0
 
 
+def _pages(policy: str) -> str:
+    if policy == "unknown":
+        return "unknown (not a tmpfs, or /proc unreadable)"
+    if policy not in HUGE:
+        return f"4 KiB (tmpfs huge={policy}; README: Huge pages)"
+    return f"2 MiB (tmpfs huge={policy})"
+
+
 def _cmd_status(args: argparse.Namespace) -> int:
     with _client(args) as client:
         st = client.daemon_status()
@@ -102,6 +111,7 @@ def _cmd_status(args: argparse.Namespace) -> int:
     pairs = [
         ("node", st.node_id), ("pid", str(st.pid)), ("version", st.version),
         ("uptime", f"{st.uptime:.0f} s"), ("socket", st.socket), ("shm dir", st.shm_dir),
+        ("pages", _pages(st.shm_huge_pages)),
         ("memory", f"{format_bytes(st.memory_used)} of {format_bytes(st.memory_limit)} reserved, "
                    f"{format_bytes(st.memory_stored)} stored "
                    f"({format_bytes(st.memory_free_pool)} in the free pool)"),

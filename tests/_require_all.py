@@ -1,9 +1,11 @@
-"""pytest plugin: with ``CKPTCACHE_REQUIRE_ALL=1`` a skipped test fails, unless it needs a GPU.
+"""pytest plugin: with ``CKPTCACHE_REQUIRE_ALL=1`` a skipped test fails, unless it needs a GPU
+(or, marked ``privileged``, root and the right to mount).
 
 The suite covers areas that need things installed (etcd, the moto S3 server, DeepSpeed,
 megatron-core, Lightning). Without them those tests would skip and the run would still look
 green; ``scripts/test.sh`` sets the variable so that CI cannot pass with an area missing. Tests
-marked ``gpu`` may still skip on a machine without one (their reason is printed by ``-ra``).
+marked ``gpu`` may still skip on a machine without one, and tests marked ``privileged`` where
+mounting is not allowed (their reason is printed by ``-ra``).
 """
 
 from __future__ import annotations
@@ -36,13 +38,18 @@ def _as_failure(report: Any, what: str) -> None:
     )
 
 
+def _exempt(node: pytest.Item | pytest.Collector) -> bool:
+    """Whether ``node`` needs something no install step can give (a GPU, mount rights)."""
+    return any(node.get_closest_marker(name) is not None for name in ("gpu", "privileged"))
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item: pytest.Item, call: Any) -> Generator[None, Any, None]:
     outcome = yield
     report = outcome.get_result()
-    needs_gpu = item.get_closest_marker("gpu") is not None
+    exempt = _exempt(item)
     # An expected failure (xfail) is reported as skipped too; it is not a missing area.
-    if report.skipped and _required() and not needs_gpu and not hasattr(report, "wasxfail"):
+    if report.skipped and _required() and not exempt and not hasattr(report, "wasxfail"):
         _as_failure(report, item.nodeid)
 
 
@@ -50,5 +57,5 @@ def pytest_runtest_makereport(item: pytest.Item, call: Any) -> Generator[None, A
 def pytest_make_collect_report(collector: pytest.Collector) -> Generator[None, Any, None]:
     outcome = yield
     report = outcome.get_result()
-    if report.skipped and _required() and collector.get_closest_marker("gpu") is None:
+    if report.skipped and _required() and not _exempt(collector):
         _as_failure(report, f"module {collector.nodeid}")

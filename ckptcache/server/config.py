@@ -43,11 +43,15 @@ class RetentionRule:
 _HOSTNAME = socket.gethostname
 
 
-def _default_memory_limit() -> int:
-    """Half the machine's memory, and never more than 90% of the shared-memory file system."""
+def _default_memory_limit(shm_dir: str = "/dev/shm") -> int:
+    """Half the machine's memory, and never more than 90% of the file system of ``shm_dir``
+    (its nearest existing ancestor: the daemon creates the directory later)."""
     total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    existing = os.path.abspath(shm_dir)
+    while not os.path.exists(existing) and existing != os.path.dirname(existing):
+        existing = os.path.dirname(existing)
     try:
-        st = os.statvfs("/dev/shm")
+        st = os.statvfs(existing)
         shm = st.f_frsize * st.f_blocks
     except OSError:
         shm = total
@@ -345,4 +349,6 @@ def load_config(
     env = os.environ if environ is None else environ
     _apply(values, {k: env[v] for v, k in ENV_OVERRIDES.items() if v in env}, "the environment")
     _apply(values, overrides or {}, "the command line")
+    if "memory_limit" not in values and "shm_dir" in values:  # a tmpfs of its own, maybe
+        values["memory_limit"] = _default_memory_limit(values["shm_dir"])
     return DaemonConfig(**values)

@@ -28,6 +28,7 @@ from rpyc.utils.helpers import classpartial
 from ckptcache._secure_fs import ensure_private_dir, open_private_file
 from ckptcache._units import format_bytes
 from ckptcache.errors import ConfigError
+from ckptcache.hugepages import HUGE, huge_policy
 from ckptcache.server.config import DaemonConfig
 from ckptcache.server.core import CacheCore
 from ckptcache.server.digester import Digester
@@ -265,6 +266,12 @@ class Daemon:
             format_bytes(self.config.memory_limit), self.open_files,
             f" metrics=:{self.metrics_port}" if self.metrics_port is not None else "",
         )  # fmt: skip
+        if huge_policy(self.config.shm_dir) not in (*HUGE, "unknown"):
+            log.info(
+                "segments in %s use 4 KiB pages; a tmpfs mounted with huge=within_size makes "
+                "first saves and storage reads several times faster (README: Huge pages)",
+                self.config.shm_dir,
+            )
         self._stop.wait()
         log.info("shutting down")
         self.server.close()

@@ -12,6 +12,7 @@ import time
 from collections.abc import Callable
 
 from ckptcache._version import __version__
+from ckptcache.hugepages import huge_policy
 from ckptcache.server.config import DaemonConfig
 from ckptcache.server.index import Generation
 from ckptcache.server.persist import Persister
@@ -101,6 +102,7 @@ class Queries:
                 cluster_nodes=self.node_ids(), coordinator=self.config.coordinator,
                 memory_stored=sum(g.size for g in gens),
                 spare_segments=len(self.pool.describe(arena.uid).segments),
+                shm_huge_pages=huge_policy(self.config.shm_dir),
             )  # fmt: skip
 
     def wait(self, session: Session, req: m.WaitRequest) -> m.WaitReply:

@@ -460,3 +460,6 @@ class DaemonStatus:
     memory_stored: int = 0
     #: Free segments never used yet, kept pre-faulted for first saves (counted in segments).
     spare_segments: int = 0
+    #: ``huge=`` policy of the tmpfs under ``shm_dir`` (``never``: 4 KiB pages; see
+    #: :mod:`ckptcache.hugepages`), ``unknown`` when it cannot be told.
+    shm_huge_pages: str = "unknown"
