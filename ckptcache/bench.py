@@ -290,7 +290,8 @@ def cluster_rows(client: Client, state: Any, size: int, path: str, repeats: int)
 
 def format_measures(results: dict[str, Any]) -> str:
     """Markdown tables, one per size."""
-    out = []
+    out = [f"node {results['node']}: segments on a tmpfs with huge={results['shm_huge_pages']} "
+           "(README: Huge pages)"]  # fmt: skip
     for entry in results["sizes"]:
         out.append(f"\n### {entry['nbytes'] / 2**20:.0f} MiB (reloaded bytes matched: "
                    f"{entry['matched']})\n")  # fmt: skip
@@ -326,7 +327,7 @@ def run_bench(
     results: dict[str, Any] = {
         "node": status.node_id, "socket": client.socket_path, "repeats": repeats,
         "root": root, "torch": torch.__version__, "cluster_nodes": list(status.cluster_nodes),
-        "sizes": [],
+        "shm_huge_pages": status.shm_huge_pages, "sizes": [],
     }  # fmt: skip
     try:
         with _workdir() as workdir:

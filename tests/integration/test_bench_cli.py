@@ -8,6 +8,8 @@ import os
 import subprocess
 import sys
 
+from ckptcache.hugepages import huge_policy
+
 EXPECTED = {
     "memcpy (limit)",
     "ckptcache.save, first (new path)",
@@ -33,6 +35,7 @@ def test_bench_json_reports_every_figure_and_matching_bytes(daemon_factory, tmp_
     assert out.returncode == 0, out.stderr
     result = json.loads(out.stdout)
     assert result["repeats"] == 1 and result["root"] == str(root)
+    assert result["shm_huge_pages"] == huge_policy(d.shm_dir)  # the page size behind the figures
     (entry,) = result["sizes"]
     assert entry["matched"] is True and entry["nbytes"] >= 8 << 20
     rows = {r["what"]: r for r in entry["rows"]}
@@ -52,6 +55,7 @@ def test_bench_table_and_bad_sizes(daemon_factory):
     out = _bench(d, "--sizes", "4MiB", "--repeats", "1")
     assert out.returncode == 0, out.stderr
     assert "| ckptcache.save, repeated |" in out.stdout and "matched: True" in out.stdout
+    assert f"segments on a tmpfs with huge={huge_policy(d.shm_dir)}" in out.stdout
     bad = _bench(d, "--sizes", "lots")
     assert bad.returncode == 2 and "--sizes" in bad.stderr
 
