@@ -274,13 +274,18 @@ class Daemon:
             )
         self._stop.wait()
         log.info("shutting down")
-        self.server.close()
-        self.core.shutdown()
         try:
-            os.unlink(self.config.socket)
-        except FileNotFoundError:
-            pass
-        self._lock.close()
+            self.server.close()
+            self.core.shutdown()  # bounded: never waits long on the coordinator
+        finally:
+            # Whatever a part did on its way out, the socket and the lock go: the next start
+            # (or an operator) must not find a socket nobody answers on.
+            try:
+                os.unlink(self.config.socket)
+            except FileNotFoundError:
+                pass
+            self._lock.close()
+        log.info("stopped")
 
     def stop(self) -> None:
         """Ask :meth:`serve_forever` to return."""

@@ -211,7 +211,9 @@ class Persister:
                 cluster.watch(gen)
                 return
             if role == ClaimRole.RETRY:
-                threading.Timer(1.0, self._resubmit, args=(gen,)).start()
+                retry = threading.Timer(1.0, self._resubmit, args=(gen,))
+                retry.daemon = True  # a stop must not wait for it: the queue is not persisted
+                retry.start()  # anyway, the next start recovers the generation and claims again
                 return
         backend = backend_for(target, self.options)
         t0 = time.perf_counter()

@@ -33,6 +33,15 @@ __all__ = ["EtcdCoordinator"]
 
 log = logging.getLogger(__name__)
 
+#: Seconds :meth:`EtcdCoordinator.close` gives etcd to answer the lease revoke (per connect
+#: and per read). Short on purpose: a stop must not hang on a dead or hung etcd, and the
+#: revoke is only a courtesy — an unrevoked lease expires on its own after ``ttl``.
+CLOSE_TIMEOUT = 1.0
+#: Seconds :meth:`EtcdCoordinator.close` waits for the keep-alive thread: it may be inside a
+#: request to a hung etcd (up to the client timeout); it is a daemon thread and stops making
+#: requests once closed, so there is no point in waiting it out.
+KEEPALIVE_JOIN_TIMEOUT = 0.5
+
 
 class EtcdCoordinator(Coordinator):
     """Coordinator on a real etcd cluster (``etcd://host:port``)."""
@@ -49,13 +58,18 @@ class EtcdCoordinator(Coordinator):
         self._lease_ok_until = 0.0
         self._announced: dict[str, dict[str, Any]] = {}
         self._lock = threading.RLock()
-        self._stop = threading.Event()
+        self._stop = threading.Event()  # ends the keep-alive thread
+        self._closed = threading.Event()  # set by close(): no request is started after it
         self._thread: threading.Thread | None = None
         self._members: dict[bytes, NodeInfo] = {}
         self._members_rev = 0  # revision of the view; 0: none yet
         self._members_lock = threading.Lock()
 
     def _guard(self, what: str, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        if self._closed.is_set():
+            # Closed (the daemon is stopping): fail at once rather than start a request that
+            # a hung etcd would hold for the full client timeout, and so nothing retries.
+            raise CoordinatorUnavailable(f"etcd {what} refused: the coordinator is closed")
         try:
             return fn(*args, **kwargs)
         except Exception as e:  # etcd3gw raises requests/connection errors of many kinds
@@ -102,6 +116,8 @@ class EtcdCoordinator(Coordinator):
                         raise CoordinatorUnavailable("lease expired")
                     self._lease_ok_until = time.monotonic() + self.ttl
                 except CoordinatorUnavailable as e:
+                    if self._stop.is_set():
+                        return  # stopped while waiting for the lock: no retry, no new lease
                     if time.monotonic() < self._lease_ok_until:
                         log.warning("etcd lease refresh failed (%s); retrying", e)
                         continue
@@ -174,15 +190,34 @@ class EtcdCoordinator(Coordinator):
         return time.monotonic() < self._lease_ok_until
 
     def close(self) -> None:
+        """Revoke the lease (best effort) and stop the keep-alive, in bounded time.
+
+        Runs on the daemon's stop path, so it never waits on etcd for long: other threads may
+        hold ``self._lock`` inside requests to a hung etcd (each up to the client timeout,
+        one after another), so it is not taken; the keep-alive thread is given a moment, not
+        waited out; the revoke gets :data:`CLOSE_TIMEOUT` and one try. If etcd does not
+        answer, the lease — and every announcement and election under it — expires on its
+        own after ``ttl``, as it would had the node crashed. Requests begun after this point
+        fail at once (see :meth:`_guard`).
+        """
+        self._closed.set()
         self._stop.set()
         if self._thread is not None:
-            self._thread.join(timeout=5)
-        with self._lock:
-            if self._lease is not None:
-                try:
-                    self._lease.revoke()
-                except Exception:
-                    pass
+            self._thread.join(timeout=KEEPALIVE_JOIN_TIMEOUT)
+        # Read without the lock: a lease granted by a keep-alive request still in flight is
+        # not revoked here and simply expires (see above).
+        lease = self._lease
+        if lease is None:
+            return
+        client = self._client
+        try:
+            client.session.post(
+                client.get_url("/kv/lease/revoke"), json={"ID": lease.id},
+                timeout=(CLOSE_TIMEOUT, CLOSE_TIMEOUT),
+            )  # fmt: skip
+        except Exception as e:  # etcd down or hung: the lease expires on its own
+            log.info("etcd lease not revoked (%s: %s); it expires within %gs",
+                     type(e).__name__, e, self.ttl)  # fmt: skip
 
 
 def _b64(raw: bytes) -> str:
