@@ -71,6 +71,8 @@ def test_damaged_file_is_not_served_by_the_group(cluster_factory, tmp_path):
     with nodes[0].client() as c:
         c.save(state(2), path, durability="persisted")
     good = path.read_bytes()
+    # "persisted" does not wait for the backup copy: let it land, then clear both memories.
+    wait_until(lambda: all(d.status().objects for d in nodes))
     for d in nodes:
         with d.client() as c:
             c.delete(path)
