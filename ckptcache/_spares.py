@@ -142,12 +142,15 @@ class SpareMapper:
             if name in client._write_maps or name in self.mapping_now or name in self.ready:
                 return
             event = self.mapping_now[name] = threading.Event()
+        mapping: Mapping | None = None
         try:
-            mapping: Mapping | None = map_shared(client._seg_path(name), capacity)
-        except OSError as e:  # taken and dropped meanwhile: nothing to warm
+            mapping = map_shared(client._seg_path(name), capacity)
+        except (OSError, ValueError) as e:
+            # Taken meanwhile, and dropped (OSError) or trimmed below ``capacity`` (ValueError:
+            # mmap refuses a length past the end of the file): nothing to warm.
             log.debug("spare %s went away: %s", name, e)
-            mapping = None
         finally:
+            # Whatever happened, the event is set: a save waiting for this spare goes on.
             # Handed over without the client lock: a save holding it may be waiting for this.
             if mapping is not None and os.getpid() == client._pid:
                 self.ready[name] = mapping

@@ -3,6 +3,8 @@ maps; the pool stays within the budget and never costs a committed generation.""
 
 from __future__ import annotations
 
+import threading
+
 import torch
 
 from ckptcache.wire import messages as m
@@ -92,3 +94,28 @@ def test_one_lingering_thread_maps_the_spares_after_every_save(daemon_factory, t
             assert c._spares._thread is thread
     thread.join(5)
     assert not thread.is_alive()  # close() ended it
+
+
+def test_a_spare_trimmed_before_the_client_maps_it_does_not_stall_the_save(
+    daemon_factory, tmp_path
+):
+    """The daemon may hand a listed spare to a save and trim it before this client's spare
+    thread maps it at the listed size (mmap refuses a length past the end of the file). That
+    spare is skipped, and a save that gets it maps it itself instead of waiting forever for
+    a mapping that never comes."""
+    d = daemon_factory("--memory-limit", "64MiB", "--pool-segments", "1", "--pool-bytes", "16MiB")
+    with d.client(fallback="raise") as c:
+        wait_until(lambda: len(_spares(c).segments) == 1 and not _spares(c).growing)
+        (spare,), (capacity,) = _spares(c).segments, _spares(c).capacities
+        c._spares._map(spare, capacity + 8 * MIB)  # as if trimmed after the listing
+        assert spare not in c._spares.mapping_now and spare not in c._write_maps
+
+        path = str(tmp_path / "iter_1" / "model.pt")
+        state = blob(4, 5.0)
+        done: list[object] = []
+        saver = threading.Thread(target=lambda: done.append(c.save(state, path)), daemon=True)
+        saver.start()
+        saver.join(60)
+        assert done, "the save waited for a spare mapping that never came"
+        assert _segment_of(c, path) == spare
+        assert torch.equal(c.load(path, mmap=False)["w"], state["w"])
