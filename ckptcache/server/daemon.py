@@ -181,7 +181,7 @@ def build_core(config: DaemonConfig, metrics: Metrics | None = None) -> CacheCor
         config, state, pool=pool, persister=persister, retention=retention, digester=digester,
         roots=roots, backup_ready=clustered and config.backup != "none",
     )  # fmt: skip
-    ingest = Ingest(state, saves, roots)
+    ingest = Ingest(state, saves)
     recover(state, roots, retention, digester, persister)
     pool.start()
     cluster = None

@@ -43,6 +43,9 @@ class Generation:
     digests: list[int] | None = None
     #: Removed from the index while pinned: the segment is freed when the last pin goes.
     retired: bool = False
+    #: Out of the index for good (deleted, evicted, superseded, dropped): never pinned
+    #: again, never persisted; its segment may already hold another object.
+    removed: bool = False
     #: Set by persistence; an unpersisted newest generation is never evicted.
     persisted: bool = False
     #: Whether this object must reach storage at all (False for memory-only objects).
@@ -55,6 +58,9 @@ class Generation:
     corrupt: str = ""
     #: For a backup copy: the node it came from ("" for a copy saved on this node).
     origin: str = ""
+    #: When its content was saved (wall clock, s): the origin's commit for a copy, an upper
+    #: bound (the read's start) for a storage read; 0: its commit here (:attr:`committed`).
+    saved_at: float = 0.0
     #: Nodes holding a backup copy of this generation.
     replicas: set[str] = field(default_factory=set)
     #: Set when nodes of the redundancy group disagree on the content of this path.
@@ -64,6 +70,11 @@ class Generation:
     #: Who saved it (uid, gid, umask); None when it came from a peer or from storage.
     saver: Saver | None = None
     digest_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    @property
+    def content_time(self) -> float:
+        """When this generation's content was saved (see :attr:`saved_at`)."""
+        return self.saved_at or self.committed
 
     @property
     def key(self) -> Key:

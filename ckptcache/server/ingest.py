@@ -4,23 +4,24 @@ Call order of :meth:`Ingest.receive`: refuse a path deleted since the copy was s
 reserve (internal session) -> register the object in flight (peers asking for it are relayed
 its bytes as they land, see :func:`ckptcache.server.transfer.relay_in_flight`) -> ``fill`` ->
 validate the manifest and verify (or compute) every digest -> refuse a delete that came during
-the transfer -> commit as this node's generation -> mark it (origin, persisted).
+the transfer -> commit as this node's generation, marked (origin, persisted) in the commit
+itself, unless a save of the same path committed here meanwhile is newer
+(:class:`~ckptcache.server.state.NewerHeld`).
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
-from dataclasses import replace
 
 from ckptcache.errors import CheckpointNotFound
-from ckptcache.format.layout import HEADER_SIZE, DigestState
+from ckptcache.format.layout import HEADER_SIZE
 from ckptcache.format.manifest import compute_digests, pack_digests, unpack_digests, verify_digests
 from ckptcache.server.index import Generation
-from ckptcache.server.roots import PersistRoots
-from ckptcache.server.saves import Saves, persistable
+from ckptcache.server.saves import Saves
 from ckptcache.server.state import CacheState, Inflight
 from ckptcache.wire import messages as m
-from ckptcache.wire.states import PersistState, Tier
+from ckptcache.wire.states import Tier
 
 __all__ = ["Ingest"]
 
@@ -28,10 +29,9 @@ __all__ = ["Ingest"]
 class Ingest:
     """Backup copies and relays arriving from peers, and copies read from storage."""
 
-    def __init__(self, state: CacheState, saves: Saves, roots: PersistRoots):
+    def __init__(self, state: CacheState, saves: Saves):
         self.state = state
         self.saves = saves
-        self.roots = roots
 
     def receive(
         self,
@@ -61,6 +61,7 @@ class Ingest:
         """
         state, saves, internal = self.state, self.saves, self.saves.internal
         self._refuse_deleted(namespace, path, saved_at)
+        started = time.time()  # a copy of unknown age was saved before its read began
         reply = saves.reserve(internal, m.ReserveRequest(namespace, path, nbytes))
         key = (namespace, path)
         commit = m.CommitRequest(reply.reservation, manifest_offset, manifest_size)
@@ -108,21 +109,21 @@ class Ingest:
             state.end_flight(key, flight)  # committed below: later fetches use the index
             res = internal.reservations[reply.reservation]
             res.digests = table  # published with the generation: nobody hashes it again
+            # Marked inside the commit, under the lock that publishes the generation: a
+            # trainer's save of the same path committing meanwhile is never labelled a copy.
+            res.origin, res.saved_at = origin, saved_at or started
             if persisted:
-                res.persist = False
-        saves.commit(internal, commit)
+                res.persist, res.stored = False, True
+        try:
+            number = saves.commit(internal, commit).generation
+        except BaseException:
+            state.end_flight(key, flight, failed=True)  # relays of it stop: segment freed
+            raise
         with state.locked():
-            gen = state.index.newest(key)
-            assert gen is not None
-            gen.origin = origin
-            header = gen.segment.read_header()
-            if persisted:  # read back from its own storage path: already safe there
-                gen.persisted, gen.persist_state = True, PersistState.PERSISTED
-                gen.needs_persist = persistable(self.roots, path)  # wait() answers "persisted"
-            gen.segment.write_header(
-                replace(header, digest_state=DigestState.VALID, persisted=int(persisted))
-            )
-        return gen
+            gen = state.index.get(key, number)
+            if gen is None:  # retired (deleted, evicted) before this line: nothing to serve
+                raise state.not_found(namespace, path, number)
+            return gen
 
     def _refuse_deleted(self, namespace: str, path: str, saved_at: float | None) -> None:
         with self.state.locked():

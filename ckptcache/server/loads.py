@@ -77,6 +77,11 @@ class Loads:
             gen = self._load_remote(req.namespace, req.path, bounded(120.0, req.timeout))
             tier = Tier.STORAGE if gen.origin == "storage" else Tier.PEER
             with state.locked():
+                if gen.removed:  # evicted or replaced since it arrived: serve what is here now
+                    gen = state.lookup_visible_locked(req.namespace, req.path, None, session,
+                                                      load=True)  # fmt: skip
+                    state.check_not_corrupt(gen)
+                    tier = Tier.LOCAL
                 if not state.visible(session, gen, True):
                     raise state.not_found(req.namespace, req.path, None) from None
                 state.pin_locked(gen)

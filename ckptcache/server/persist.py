@@ -20,7 +20,9 @@ of the group wrote identical content.
 
 One persist per path at a time, oldest first, so an older generation can never overwrite a
 newer one under the same name. The queue is bounded only by memory: a queued generation is
-pinned in the arena until it is persisted, which is what applies backpressure to saves.
+never evicted until it is persisted, which is what applies backpressure to saves. Only a
+delete, a corruption report or a newer save takes one out of the queue (its retirement marks
+it dropped or superseded); a worker pins a generation when it takes it and skips retired ones.
 """
 
 from __future__ import annotations
@@ -168,7 +170,9 @@ class Persister:
                 while self.queue:
                     gen = self.queue.popleft()
                     self.metrics.persist_queue.set(len(self.queue))
-                    if gen.persist_state == PersistState.QUEUED:
+                    # A generation retired while queued was marked dropped by its
+                    # retirement; its segment may hold another object by now.
+                    if gen.persist_state == PersistState.QUEUED and not gen.removed:
                         state.pin_locked(gen)
                         gen.persist_state = PersistState.PERSISTING
                         return gen
@@ -327,7 +331,7 @@ class Persister:
 
     def _resubmit(self, gen: Generation) -> None:
         with self.state.locked():
-            if gen.persist_state == PersistState.PERSISTING:
+            if gen.persist_state == PersistState.PERSISTING and not gen.removed:
                 self.submit(gen)
 
     def mark_persisted(self, gen: Generation) -> None:
@@ -345,8 +349,9 @@ class Persister:
             gen.persist_state = PersistState.PERSISTED
             gen.persist_error = ""
             gen.persist_seconds = seconds
-            header = gen.segment.read_header()
-            gen.segment.write_header(replace(header, persisted=1))
+            if not gen.removed or gen.retired:  # a freed segment may hold another object now
+                header = gen.segment.read_header()
+                gen.segment.write_header(replace(header, persisted=1))
             self.retention.apply_locked(gen.key)
         self.state.notify()
         if wrote:

@@ -34,7 +34,7 @@ from ckptcache.server.coord.counting import CountingCoordinator
 from ckptcache.server.fetching import Fetching
 from ckptcache.server.membership import Membership, path_hash
 from ckptcache.server.metrics import Metrics
-from ckptcache.server.state import CacheState
+from ckptcache.server.state import CacheState, NewerHeld
 from ckptcache.server.storage_read import StorageReader
 
 if TYPE_CHECKING:
@@ -129,7 +129,10 @@ def load_remote(src: Sources, namespace: str, path: str, timeout: float) -> Gene
         try:
             while time.monotonic() < load.deadline and load.failures <= MAX_PLANS:
                 chosen = plan(src, load)
-                gen = execute(src, load, chosen)
+                try:
+                    gen = execute(src, load, chosen)
+                except NewerHeld:  # a save here committed while the copy arrived: it wins
+                    gen = _held_here(src, load)
                 if gen is not None:
                     return gen
         finally:
@@ -157,6 +160,8 @@ def _from_peer(src: Sources, load: _Load, node: NodeInfo) -> Generation | None:
     except CheckpointNotFound:
         _wait(src, load)  # announced but not receiving yet (or gone): look again
         return None
+    except NewerHeld:
+        raise
     except CorruptCheckpoint as e:
         log.error("corrupt copy of %s on %s: %s", load.path, node.node_id, e)
         src.metrics.corrupt.labels(tier="peer").inc()

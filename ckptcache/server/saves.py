@@ -18,6 +18,7 @@ import logging
 import os
 import time
 from collections.abc import Callable
+from dataclasses import replace
 
 from ckptcache._units import format_bytes
 from ckptcache.errors import (
@@ -42,8 +43,16 @@ from ckptcache.server.persist import Persister
 from ckptcache.server.pool import SegmentPool
 from ckptcache.server.retention import Retention
 from ckptcache.server.roots import PersistRoots
-from ckptcache.server.state import CacheState, Reservation, Session, bounded, check_key
+from ckptcache.server.state import (
+    CacheState,
+    NewerHeld,
+    Reservation,
+    Session,
+    bounded,
+    check_key,
+)
 from ckptcache.wire import messages as m
+from ckptcache.wire.states import PersistState
 
 __all__ = ["Saves", "persistable"]
 
@@ -231,6 +240,8 @@ class Saves:
             self.pool.refill()
             raise
         with state.locked():
+            if res.origin:
+                self._refuse_older_copy_locked(res)
             number = state.index.next_number((res.namespace, res.path))
             header = SegmentHeader(
                 state=SegmentState.COMMITTED, generation=number,
@@ -246,8 +257,13 @@ class Saves:
             gen = Generation(
                 res.namespace, res.path, number, segment, manifest, size=manifest.payload_size,
                 needs_persist=res.persist, saver=res.saver, committed=header.committed_ns / 1e9,
-                committed_ns=header.committed_ns, anchor=res.anchor,
+                committed_ns=header.committed_ns, anchor=res.anchor, origin=res.origin,
+                saved_at=res.saved_at if res.origin else 0.0,
             )  # fmt: skip
+            if res.stored:  # read back from its own storage path: already safe there
+                gen.persisted, gen.persist_state = True, PersistState.PERSISTED
+                gen.needs_persist = persistable(self.roots, res.path)  # wait(): "persisted"
+                segment.write_header(replace(header, persisted=1))
             if res.digests is not None:
                 self.digester.record(gen, res.digests)
             state.index.add(gen)
@@ -268,6 +284,19 @@ class Saves:
         for hook in self.on_commit:
             hook(gen, res.durability)
         return m.CommitReply(number)
+
+    def _refuse_older_copy_locked(self, res: Reservation) -> None:
+        """A copy from a peer or storage never becomes newer than a generation this node
+        committed while it arrived (a trainer's save of the same path): newest wins."""
+        newest = self.state.index.newest((res.namespace, res.path))
+        if newest is None or newest.content_time <= res.saved_at:
+            return
+        self.state.arena.release(res.segment)
+        self.state.notify()
+        raise NewerHeld(
+            f"copy of {res.path!r} from {res.origin} refused: node {self.config.node_id!r} "
+            f"holds generation {newest.number}, saved after it"
+        )
 
     def validate(
         self, segment: Segment, res: Reservation, req: m.CommitRequest

@@ -21,21 +21,34 @@ import os
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
-from ckptcache.errors import CheckpointNotFound, CorruptCheckpoint, InvalidPath
-from ckptcache.format.layout import HEADER_SIZE
+from ckptcache.errors import CheckpointNotFound, CkptCacheError, CorruptCheckpoint, InvalidPath
+from ckptcache.format.layout import HEADER_SIZE, SegmentState
 from ckptcache.server import ownership
 from ckptcache.server.arena import Arena, Segment
 from ckptcache.server.config import DaemonConfig
 from ckptcache.server.index import Generation, Index, Key
 from ckptcache.server.metrics import Metrics
 from ckptcache.server.ownership import Saver
-from ckptcache.wire.states import Tier
+from ckptcache.wire.states import PersistState, Tier
 
-__all__ = ["CacheState", "Inflight", "Reservation", "Session", "bounded", "check_key"]
+__all__ = [
+    "CacheState",
+    "Inflight",
+    "NewerHeld",
+    "Reservation",
+    "Session",
+    "bounded",
+    "check_key",
+]
 
 log = logging.getLogger(__name__)
+
+
+class NewerHeld(CkptCacheError):
+    """A copy arriving from a peer or storage is older than a generation of the same path
+    committed here meanwhile: it is not published (the newer one stays the newest)."""
 
 
 @dataclass(eq=False)
@@ -54,6 +67,13 @@ class Reservation:
     digests: list[int] | None = None
     #: Deepest ancestor directory that existed at save time (see ckptcache.server.lineage).
     anchor: str = ""
+    #: A copy from a peer or storage: the node it came from ("storage" for a storage read).
+    origin: str = ""
+    #: The copy's bytes are those stored at the path: committed as persisted, never written.
+    stored: bool = False
+    #: When the copy's content was saved (wall clock, s; 0: unknown). A copy older than a
+    #: generation this node committed meanwhile is refused at commit (newest wins).
+    saved_at: float = 0.0
 
 
 @dataclass(eq=False)
@@ -150,13 +170,16 @@ class CacheState:
     # ----------------------------------------------------------------- pins and retirement
 
     def pin_locked(self, gen: Generation) -> None:
-        """Keep ``gen``'s segment alive."""
+        """Keep ``gen``'s segment alive; :class:`CheckpointNotFound` once ``gen`` has left the
+        index (its segment may already hold another object)."""
+        if gen.removed:
+            raise self.not_found(gen.namespace, gen.path, gen.number)
         gen.pins += 1
 
     def pin(self, gen: Generation) -> None:
-        """Keep ``gen``'s segment alive (takes the lock)."""
+        """As :meth:`pin_locked` (takes the lock)."""
         with self._cond:
-            gen.pins += 1
+            self.pin_locked(gen)
 
     def unpin_locked(self, gen: Generation) -> None:
         """Drop a pin; frees a retired generation's segment with its last pin."""
@@ -174,7 +197,7 @@ class CacheState:
     def pin_if_current(self, gen: Generation) -> bool:
         """Pin ``gen`` if it is still in the index; returns whether it was pinned."""
         with self._cond:
-            if self.index.get(gen.key, gen.number) is not gen:
+            if gen.removed or self.index.get(gen.key, gen.number) is not gen:
                 return False
             gen.pins += 1
             return True
@@ -185,12 +208,27 @@ class CacheState:
             return self.index.get(gen.key, gen.number) is gen
 
     def retire_locked(self, gen: Generation) -> None:
-        """Take ``gen`` out of the index; its segment is freed now or with its last pin."""
+        """Take ``gen`` out of the index for good; its segment is freed now or with its last
+        pin.
+
+        A generation still waiting for its persist is dropped from the queue (its segment is
+        about to be reused: persisting it later would write another object's bytes), and a
+        pinned segment's header says FREE at once, so a daemon restarted before the last pin
+        goes does not bring a deleted or corrupt generation back.
+        """
         self.index.remove(gen)
+        gen.removed = True
+        if gen.persist_state in (PersistState.QUEUED, PersistState.STANDBY):
+            gen.needs_persist, gen.persist_state = False, PersistState.DROPPED
+            gen.persist_error = gen.persist_error or (
+                "removed from memory (deleted, found corrupt or evicted) before it was persisted"
+            )
         for hook in self.on_retire:
             hook(gen)
         if gen.pins:
             gen.retired = True
+            header = gen.segment.read_header()
+            gen.segment.write_header(replace(header, state=SegmentState.FREE))
         else:
             self.arena.release(gen.segment)
         self._cond.notify_all()
@@ -257,7 +295,7 @@ class CacheState:
         with self._cond:
             gen = self.lookup_locked(namespace, path)
             self.check_not_corrupt(gen)
-            gen.pins += 1
+            self.pin_locked(gen)
             return gen
 
     def flight_or_pinned(self, key: Key) -> Inflight | Generation:
