@@ -267,7 +267,7 @@ class Saves:
             if res.digests is not None:
                 self.digester.record(gen, res.digests)
             state.index.add(gen)
-            if gen.needs_persist:
+            if gen.needs_persist and not gen.persisted:
                 self.retention.supersede_older_locked(gen.key)
                 self.persister.submit(gen)
             self.retention.apply_locked(gen.key)

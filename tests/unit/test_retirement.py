@@ -128,9 +128,11 @@ def test_an_ingested_copy_never_labels_or_outranks_a_save_committed_meanwhile(ma
     assert newest.segment.read_header().persisted == 0
 
 
-def test_an_ingested_storage_copy_is_marked_persisted_in_its_commit(make_core):
-    core = make_core(pool_bytes=0)
-    path = "/mem/q.pt"
+def test_an_ingested_storage_copy_is_marked_persisted_in_its_commit(make_core, tmp_path):
+    root = str(tmp_path / "store")
+    os.makedirs(root)
+    core = make_core(pool_bytes=0, persist_roots=(root,))
+    path = f"{root}/q.pt"
     plan, buf = object_bytes(path, torch.full((100,), 3.0))
 
     def fill(view, advance):
@@ -145,3 +147,6 @@ def test_an_ingested_storage_copy_is_marked_persisted_in_its_commit(make_core):
     assert gen.persist_state == PersistState.PERSISTED
     header = gen.segment.read_header()
     assert header.persisted == 1 and header.state == SegmentState.COMMITTED
+    wait_until(lambda: _idle(core), what="persister idle")
+    assert gen.persist_seconds == 0 and not os.path.exists(path)  # never written back
+    assert core.queries.wait(None, m.WaitRequest(NS, path, timeout=1)).state == "persisted"
