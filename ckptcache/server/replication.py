@@ -15,14 +15,16 @@ import queue
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import replace
 
 from ckptcache.errors import CkptCacheError, ReplicationError
+from ckptcache.format.manifest import Manifest
 from ckptcache.server.config import DaemonConfig
 from ckptcache.server.coord import CoordinatorUnavailable, NodeInfo
 from ckptcache.server.dataplane import Channel, recv_msg, send_msg
 from ckptcache.server.index import Generation
 from ckptcache.server.membership import Membership
-from ckptcache.server.state import CacheState
+from ckptcache.server.state import CacheState, NewerHeld
 from ckptcache.server.transfer import receive_copy, send_object
 from ckptcache.wire import peer
 
@@ -147,13 +149,31 @@ class Replication:
         """Handler of :class:`~ckptcache.wire.peer.PushRequest`: take a backup copy."""
         try:
             saved_at = float(req.committed or time.time())
-            gen = receive_copy(conn, req, self.receive, conn.peer_id,  # the proven sender
-                               ready=True, saved_at=saved_at)  # fmt: skip
+            try:
+                gen = receive_copy(conn, req, self.receive, conn.peer_id,  # the proven sender
+                                   ready=True, saved_at=saved_at)  # fmt: skip
+            except NewerHeld as e:
+                gen = self._same_content_held(req, e)
         except (CkptCacheError, ValueError) as e:
             send_msg(conn, peer.refusal(e))
             raise ConnectionError(f"push refused: {e}") from e
         send_msg(conn, peer.encode(peer.Pushed(gen.number)))
         self._work.put(gen)
+
+    def _same_content_held(self, req: peer.PushRequest, refused: NewerHeld) -> Generation:
+        """The newer generation this node saved itself, when it holds the pushed content:
+        replicas of a data-parallel group save the same bytes under the same path, and each
+        one's own save backs up the others. Otherwise the push stays refused."""
+        held = self.state.find(req.namespace, req.path)
+        if held is None or refused.digests is None:
+            raise refused
+        pushed = Manifest.from_json(req.manifest.encode(), segment_size=req.nbytes)
+        same_layout = replace(pushed, created=0.0) == replace(held.manifest, created=0.0)
+        if not same_layout or self.ensure_digests(held) != refused.digests:
+            raise refused
+        if held.segment.read_header().skeleton_digest != req.skeleton_digest:
+            raise refused  # same tensors, another skeleton (other non-tensor state)
+        return held
 
     def _worker(self) -> None:
         while True:

@@ -295,7 +295,8 @@ class Saves:
         self.state.notify()
         raise NewerHeld(
             f"copy of {res.path!r} from {res.origin} refused: node {self.config.node_id!r} "
-            f"holds generation {newest.number}, saved after it"
+            f"holds generation {newest.number}, saved after it",
+            res.digests,
         )
 
     def validate(

@@ -48,7 +48,13 @@ log = logging.getLogger(__name__)
 
 class NewerHeld(CkptCacheError):
     """A copy arriving from a peer or storage is older than a generation of the same path
-    committed here meanwhile: it is not published (the newer one stays the newest)."""
+    committed here meanwhile: it is not published (the newer one stays the newest).
+    ``digests``: the copy's verified digest table, to tell whether the newer one holds the
+    same content anyway."""
+
+    def __init__(self, message: str, digests: list[int] | None = None):
+        super().__init__(message)
+        self.digests = digests
 
 
 @dataclass(eq=False)

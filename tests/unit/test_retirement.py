@@ -14,8 +14,11 @@ import torch
 
 from ckptcache.errors import CheckpointNotFound
 from ckptcache.format.layout import HEADER_SIZE, SegmentState
+from ckptcache.format.manifest import compute_digests, meta_digests
+from ckptcache.server.replication import Replication
 from ckptcache.server.state import NewerHeld
 from ckptcache.wire import messages as m
+from ckptcache.wire import peer
 from ckptcache.wire.states import PersistState
 from tests.helpers import wait_until
 from tests.unit.conftest import NS, object_bytes, save_object
@@ -150,3 +153,36 @@ def test_an_ingested_storage_copy_is_marked_persisted_in_its_commit(make_core, t
     wait_until(lambda: _idle(core), what="persister idle")
     assert gen.persist_seconds == 0 and not os.path.exists(path)  # never written back
     assert core.queries.wait(None, m.WaitRequest(NS, path, timeout=1)).state == "persisted"
+
+
+def _push_of(path: str, value: torch.Tensor) -> tuple[peer.PushRequest, list[int]]:
+    """A push of ``{"w": value}`` saved earlier on another node, and its digest table."""
+    plan, buf = object_bytes(path, value)
+    view = memoryview(buf)
+    skeleton, _ = meta_digests(view, plan.manifest, plan.layout.manifest_offset,
+                               len(plan.manifest_bytes))  # fmt: skip
+    request = peer.PushRequest(
+        namespace=NS, path=path, nbytes=plan.layout.nbytes,
+        manifest_offset=plan.layout.manifest_offset, manifest_size=len(plan.manifest_bytes),
+        origin="other", manifest=plan.manifest_bytes.decode(), skeleton_digest=skeleton,
+        committed=1.0,
+    )  # fmt: skip
+    return request, compute_digests(view, plan.manifest)
+
+
+def test_an_older_push_is_acknowledged_only_by_a_newer_save_of_the_same_content(make_core):
+    core = make_core(pool_bytes=0)
+    session = core.saves.open_session(1, os.getuid())
+    path = "/mem/replica.pt"
+    save_object(core, session, path, torch.full((100,), 5.0))  # this replica's own save
+    held = _generation(core, path)
+    replication = Replication(core.config, core.state, None,  # type: ignore[arg-type]
+                              ensure_digests=core.digester.ensure,
+                              receive=core.ingest.receive)  # fmt: skip
+
+    same, table = _push_of(path, torch.full((100,), 5.0))
+    assert replication._same_content_held(same, NewerHeld("older", table)) is held
+
+    other, table = _push_of(path, torch.full((100,), 6.0))
+    with pytest.raises(NewerHeld):
+        replication._same_content_held(other, NewerHeld("older", table))
