@@ -9,10 +9,17 @@ checked after the copy; a changed counter aborts the save with
 :class:`~ckptcache.errors.TensorMutated` (the previous generation stays the newest) instead of
 committing torn bytes. In-place writes that bypass the counter (through ``tensor.data`` or
 numpy views) are not seen.
+
+A handle is held by this module until its save is done, whether or not the caller keeps it:
+``ckptcache.save(sd, p, blocking=False)`` without keeping the result still blocks
+:func:`wait_for_copies`, and a failure of a save whose handle nobody waited on is logged as
+an error once the handle is dropped (as asyncio does for a task's unretrieved exception).
 """
 
 from __future__ import annotations
 
+import logging
+import os
 import threading
 import weakref
 from collections.abc import Callable, Iterator
@@ -23,10 +30,24 @@ import torch
 
 from ckptcache.errors import TensorMutated
 
-__all__ = ["SaveHandle", "VersionCheck", "wait_for_copies"]
+__all__ = ["SaveHandle", "VersionCheck", "pending_saves", "wait_for_copies"]
 
-_pending: weakref.WeakSet[SaveHandle] = weakref.WeakSet()
+log = logging.getLogger(__name__)
+
+#: Every save not done yet, held strongly: a dropped handle must not let its save go unseen.
+_pending: set[SaveHandle] = set()
 _pending_lock = threading.Lock()
+
+
+def _after_fork_in_child() -> None:
+    """The parent's save threads do not exist in a forked child: its handles never finish
+    there, and the lock may have been held by one of them at the fork."""
+    global _pending_lock
+    _pending_lock = threading.Lock()
+    _pending.clear()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def _tensors(obj: Any, prefix: str = "") -> Iterator[tuple[str, torch.Tensor]]:
@@ -60,15 +81,51 @@ class VersionCheck:
                 )
 
 
+class _Seen:
+    """Whether a handle's outcome reached its caller (shared with the handle's finalizer)."""
+
+    def __init__(self) -> None:
+        self.seen = False
+
+
+def _forget(ref: weakref.ref[SaveHandle]) -> None:
+    """Done callback: stop holding the handle (weakly referenced: no cycle through the
+    future, so a dropped handle is freed, and its finalizer runs, right here)."""
+    handle = ref()
+    if handle is not None:
+        with _pending_lock:
+            _pending.discard(handle)
+
+
+def _report_unseen(path: str, future: Future[None], seen: _Seen) -> None:
+    """Finalizer: log the error of a failed save whose handle was dropped without a wait."""
+    if seen.seen or not future.done() or future.cancelled():
+        return
+    error = future.exception()
+    if error is not None:
+        log.error(
+            "non-blocking save of %r failed and its handle was never waited on: %s: %s",
+            path, type(error).__name__, error, exc_info=error,
+        )  # fmt: skip
+
+
 class SaveHandle:
     """A save in flight: :meth:`wait` returns once its bytes are committed (or raises)."""
 
-    def __init__(self, path: str, future: Future[None], copied: threading.Event):
+    def __init__(
+        self, path: str, future: Future[None], copied: threading.Event, owner: object = None
+    ):
         self.path = path
+        #: The client that runs the save (``Client.wait`` waits for its own saves).
+        self.owner = owner
         self._future = future
         self._copied = copied
+        self._seen = _Seen()
         with _pending_lock:
             _pending.add(self)
+        ref = weakref.ref(self)
+        future.add_done_callback(lambda _: _forget(ref))
+        weakref.finalize(self, _report_unseen, path, future, self._seen)
 
     def done(self) -> bool:
         """Whether the save finished (committed or failed)."""
@@ -84,7 +141,11 @@ class SaveHandle:
 
     def wait(self, timeout: float | None = None) -> None:
         """Block until committed; raises the save's error (e.g. :class:`TensorMutated`)."""
-        self._future.result(timeout)
+        try:
+            self._future.result(timeout)
+        finally:
+            if self._future.done():  # the outcome reached the caller: nothing left to log
+                self._seen.seen = True
 
     def __repr__(self) -> str:
         state = "done" if self.done() else "copied" if self.copied() else "copying"
@@ -95,6 +156,7 @@ def submit(
     run: Callable[[Callable[[], None]], None],
     path: str,
     executor: Any,
+    owner: object = None,
 ) -> SaveHandle:
     """Run ``run(on_copied)`` on ``executor``; ``on_copied`` marks the tensors free again."""
     copied = threading.Event()
@@ -105,7 +167,13 @@ def submit(
         finally:
             copied.set()
 
-    return SaveHandle(path, executor.submit(task), copied)
+    return SaveHandle(path, executor.submit(task), copied, owner)
+
+
+def pending_saves(owner: object, match: Callable[[str], bool] = lambda _: True) -> list[SaveHandle]:
+    """The saves of ``owner`` not done yet whose path ``match`` accepts, in no set order."""
+    with _pending_lock:
+        return [h for h in _pending if h.owner is owner and not h.done() and match(h.path)]
 
 
 def wait_for_copies(timeout: float | None = None) -> None:

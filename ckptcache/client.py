@@ -326,6 +326,7 @@ class Client:
             ),
             path,
             self._background(),
+            owner=self,
         )
 
     def save_packed(self, packed: Packed, path: Any, *, durability: str = "local") -> int:
@@ -427,7 +428,8 @@ class Client:
                 raise
 
         if durability == "persisted":
-            self.wait(path)
+            # Not self.wait: on the save thread that would wait for this very save.
+            self._wait_persisted(path, None, None)
 
     def _write_through(self, obj: Any, path: str, reason: errors.CkptCacheError) -> None:
         import torch
@@ -638,14 +640,43 @@ class Client:
 
     def wait(self, path: Any = None, *, prefix: Any = None, timeout: float | None = None) -> None:
         """Block until ``path`` is persisted (or every object under ``prefix``, or with
-        neither, everything this client saved); see :func:`ckptcache.wait`."""
+        neither, everything this client saved); see :func:`ckptcache.wait`.
+
+        This client's non-blocking saves of those paths still running are waited for first
+        (their errors, e.g. :class:`~ckptcache.errors.TensorMutated`, are raised here)."""
         if path is not None and prefix is not None:
             raise ValueError("give path or prefix, not both")
         deadline = None if timeout is None else time.monotonic() + timeout
+        path = None if path is None else normalize_path(path)
+        prefix = None if prefix is None else normalize_path(prefix)
+        self._wait_saves(path, prefix, deadline)
+        self._wait_persisted(path, prefix, deadline)
+
+    def _wait_saves(self, path: str | None, prefix: str | None, deadline: float | None) -> None:
+        """Wait for this client's pending non-blocking saves of ``path`` (under ``prefix``,
+        or all): a save still copying is not in the daemon yet, so it has nothing to wait on."""
+        from concurrent.futures import TimeoutError as FutureTimeout
+
+        from ckptcache._async import pending_saves
+
+        def match(p: str) -> bool:
+            return p == path if path is not None else prefix is None or p.startswith(prefix)
+
+        for handle in pending_saves(self, match):
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            try:
+                handle.wait(left)
+            except FutureTimeout:
+                raise PersistTimeout(
+                    f"the non-blocking save of {handle.path!r} did not finish within the timeout"
+                ) from None
+
+    def _wait_persisted(self, path: str | None, prefix: str | None, deadline: float | None) -> None:
+        """The daemon side of :meth:`wait`."""
         if prefix is not None:
-            self._wait_one(normalize_path(prefix), True, deadline)
+            self._wait_one(prefix, True, deadline)
             return
-        paths = [normalize_path(path)] if path is not None else sorted(self._saved)
+        paths = [path] if path is not None else sorted(self._saved)
         for p in paths:
             self._wait_one(p, False, deadline, strict=path is not None)
 

@@ -3,12 +3,17 @@ the previous generation kept, errors surfaced on wait, StepGuard waits for the c
 
 from __future__ import annotations
 
+import contextlib
+import gc
+import logging
 import threading
+from collections.abc import Iterator
 
 import pytest
 import torch
 
 import ckptcache
+import ckptcache._async
 from ckptcache.errors import ReplicationError, TensorMutated
 from ckptcache.recovery import StepGuard
 
@@ -17,6 +22,32 @@ MIB = 1 << 20
 
 def state(fill: float) -> dict:
     return {"w": torch.full((MIB,), fill), "b": torch.arange(1000.0) + fill, "step": int(fill)}
+
+
+@contextlib.contextmanager
+def copies_held(client: ckptcache.Client) -> Iterator[threading.Event]:
+    """Keep ``client``'s background copies from starting until the yielded event is set."""
+    held, go = threading.Event(), threading.Event()
+
+    def hold_client() -> None:
+        with client._lock:
+            held.set()
+            go.wait()
+
+    holder = threading.Thread(target=hold_client)
+    holder.start()
+    held.wait()
+    try:
+        yield go
+    finally:
+        go.set()
+        holder.join()
+
+
+def drain(client: ckptcache.Client) -> None:
+    """Return once every save submitted so far has finished (done callbacks included): the
+    save thread runs them in order."""
+    client._background().submit(lambda: None).result()
 
 
 def test_non_blocking_save_commits_the_same_bytes(client, tmp_path):
@@ -78,3 +109,58 @@ def test_optimizer_step_waits_for_pending_copies(client, tmp_path):
     holder.join()
     handle.wait()
     assert torch.equal(client.load(str(tmp_path / "g.pt"))["w"], torch.full((MIB,), 3.0))
+
+
+def test_dropped_handle_is_still_waited_for_by_optimizer_step(client, tmp_path):
+    path = str(tmp_path / "d.pt")
+    s = state(3.0)
+    with copies_held(client) as go:
+        ckptcache.save(s, path, blocking=False)  # the handle is not kept
+        gc.collect()
+        assert [h.path for h in ckptcache._async._pending] == [path]
+        go.set()
+        with StepGuard().optimizer_step():
+            s["w"].mul_(2.0)  # safe: the step waited for the copy
+    client.wait()  # waits for the save itself (no persist root: nothing more to wait for)
+    assert not ckptcache._async._pending
+    assert torch.equal(client.load(path, mmap=False)["w"], torch.full((MIB,), 3.0))
+
+
+@pytest.mark.parametrize("with_path", [True, False])
+def test_client_wait_waits_for_pending_saves_and_raises_their_error(client, tmp_path, with_path):
+    path = str(tmp_path / "w.pt")
+    s = state(1.0)
+    with copies_held(client) as go:
+        handle = client.save(s, path, blocking=False)
+        s["w"].add_(1.0)  # broken contract: the save will fail
+        go.set()
+        with pytest.raises(TensorMutated):
+            client.wait(path) if with_path else client.wait()
+    assert handle.done()
+
+
+def test_failed_save_with_dropped_handle_is_logged(client, tmp_path, caplog):
+    path = str(tmp_path / "l.pt")
+    s = state(1.0)
+    with caplog.at_level(logging.ERROR, logger="ckptcache._async"):
+        with copies_held(client):
+            client.save(s, path, blocking=False)
+            s["w"].add_(1.0)
+        drain(client)
+        gc.collect()
+    (record,) = [r for r in caplog.records if "never waited on" in r.getMessage()]
+    assert path in record.getMessage() and "TensorMutated" in record.getMessage()
+
+
+def test_failed_save_waited_on_is_not_logged(client, tmp_path, caplog):
+    path = str(tmp_path / "n.pt")
+    s = state(1.0)
+    with caplog.at_level(logging.ERROR, logger="ckptcache._async"):
+        with copies_held(client):
+            handle = client.save(s, path, blocking=False)
+            s["w"].add_(1.0)
+        with pytest.raises(TensorMutated):
+            handle.wait()
+        del handle
+        gc.collect()
+    assert not [r for r in caplog.records if "never waited on" in r.getMessage()]
