@@ -393,9 +393,10 @@ class Client:
                     m.ReserveReply,
                 )
             except (DaemonUnavailable, BudgetExceeded) as e:
-                self._write_through(obj if packed is None else packed.materialize(), path, e)
-                if check is not None:
-                    check.check()
+                # The trainer is still held (``copied`` not called): torch.save reads the live
+                # object, and ``check`` decides before the file replaces the previous one.
+                obj = obj if packed is None else packed.materialize()
+                self._write_through(obj, path, e, check=check)
                 return
             try:
                 mapping = self._write_mapping(reply.segment, reply.capacity)
@@ -431,8 +432,20 @@ class Client:
             # Not self.wait: on the save thread that would wait for this very save.
             self._wait_persisted(path, None, None)
 
-    def _write_through(self, obj: Any, path: str, reason: errors.CkptCacheError) -> None:
+    def _write_through(
+        self,
+        obj: Any,
+        path: str,
+        reason: errors.CkptCacheError,
+        *,
+        check: VersionCheck | None = None,
+    ) -> None:
+        """Write ``obj`` to ``path`` with ``torch.save``, whole or not at all: a failed write
+        (a crash, a full disk, ``check`` raising :class:`~ckptcache.errors.TensorMutated`)
+        leaves the previous file and the cached generations as they were."""
         import torch
+
+        from ckptcache._atomic import atomic_write
 
         if self.fallback == "raise":
             raise reason
@@ -444,12 +457,19 @@ class Client:
                 CkptCacheWarning,
                 stacklevel=4,
             )
+
+        def write(f: Any) -> None:
+            torch.save(obj, f)
+            if check is not None:
+                check.check()  # before the rename: a torn object never replaces a good one
+
         if _is_url(path):
             buf = io.BytesIO()
-            torch.save(obj, buf)
+            write(buf)
             backend_for(path).write_bytes(path, buf.getbuffer())
         else:
-            torch.save(obj, path)
+            atomic_write(path, write)
+        # Only now that the new file is in place may the older generations go.
         self._supersede(path)
 
     def _supersede(self, path: str) -> None:
