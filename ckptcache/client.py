@@ -398,6 +398,7 @@ class Client:
                 obj = obj if packed is None else packed.materialize()
                 self._write_through(obj, path, e, check=check)
                 return
+            released = False
             try:
                 mapping = self._write_mapping(reply.segment, reply.capacity)
                 if packed is None:
@@ -408,6 +409,7 @@ class Client:
                     check.check()  # torn bytes are never committed: abort below instead
                 if copied is not None:
                     copied()
+                    released = True
                 commit = m.CommitRequest(
                     reply.reservation,
                     plan.layout.manifest_offset,
@@ -418,7 +420,11 @@ class Client:
                 self._saved.add(path)
                 self._spares.refresh()  # map the spare the daemon makes for the next new path
             except DaemonUnavailable as e:
-                self._write_through(obj if packed is None else packed.materialize(), path, e)
+                if released:  # the trainer may have stepped: write what the segment holds
+                    obj = _read_back(mapping, plan)
+                elif packed is not None:
+                    obj = packed.materialize()
+                self._write_through(obj, path, e)
                 return
             except BaseException:
                 if self._conn is not None:
@@ -769,6 +775,21 @@ class Client:
             self._release_later(self._epoch, reply.lease), hold_lock=True,
         )  # fmt: skip
         return mapping, reply
+
+
+def _read_back(mapping: Mapping, plan: ObjectPlan) -> Any:
+    """The object a save copied into ``mapping`` (per ``plan``), as private copies.
+
+    A non-blocking save releases the trainer once its copy is done, before the commit, so
+    that the commit's round trip (and any replication) overlaps training: if the commit then
+    fails, the live tensors may hold the next step already, and only the segment still holds
+    what was saved. Reading it back costs a second copy, on this rare path alone."""
+    from ckptcache.format.objectio import read_object
+
+    return read_object(
+        mapping, plan.layout.manifest_offset, len(plan.manifest_bytes),
+        zero_copy=False, weights_only=False,
+    )  # fmt: skip
 
 
 def _write_packed(mapping: Mapping, plan: ObjectPlan, packed: Packed) -> None:

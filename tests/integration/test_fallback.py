@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import threading
 import warnings
 from typing import Any
 
@@ -90,3 +91,30 @@ def test_failed_write_through_leaves_the_previous_file(tmp_path, monkeypatch):
     monkeypatch.undo()
     assert torch.equal(torch.load(path)["w"], torch.zeros(4))
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith("x.pt")] == ["x.pt"]
+
+
+def test_commit_failure_after_the_copy_writes_what_was_copied(daemon, tmp_path, monkeypatch):
+    path = str(tmp_path / "c.pt")
+    with daemon.client() as c, warnings.catch_warnings():
+        warnings.simplefilter("ignore", CkptCacheWarning)
+        at_commit, stepped = threading.Event(), threading.Event()
+        request = c._request
+
+        def daemon_dies_at_commit(kind: str, *args: Any) -> Any:
+            if kind == "commit":
+                at_commit.set()
+                stepped.wait()
+                daemon.kill()
+            return request(kind, *args)
+
+        monkeypatch.setattr(c, "_request", daemon_dies_at_commit)
+        w = torch.zeros(1 << 20)
+        handle = c.save({"w": w, "step": 1}, path, blocking=False)
+        at_commit.wait()
+        assert handle.copied()
+        w.add_(7.0)  # the optimizer step: allowed once copied
+        stepped.set()
+        handle.wait()  # written through instead
+        assert c.fallbacks == 1
+    saved = torch.load(path)
+    assert torch.equal(saved["w"], torch.zeros(1 << 20)) and saved["step"] == 1
