@@ -19,6 +19,7 @@ import os
 import threading
 import time
 import warnings
+import weakref
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -96,6 +97,28 @@ def _is_url(path: str) -> bool:
     return "://" in path
 
 
+#: Every live client, for the fork handler.
+_clients: weakref.WeakSet[Client] = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    for client in list(_clients):
+        client._after_fork()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def _make_inert(conn: Any) -> None:
+    """Detach a connection inherited through ``fork`` without touching the parent's use of it.
+
+    rpyc closes a connection when it is dropped (``__del__``): a close request sent on the
+    socket the parent still uses, then ``shutdown``, which cuts it for both processes. Marked
+    closed, it is only freed: the socket's descriptor is closed in this process alone."""
+    if conn is not None:
+        conn._closed = True
+
+
 class Client:
     """A connection to the local daemon, with its own namespace, timeouts and fallback policy.
 
@@ -106,7 +129,8 @@ class Client:
     ``"write-through"`` (save to the path with torch.save when the daemon is gone or full) or
     ``"raise"``; unset, ``$CKPTCACHE_REQUIRE=1`` means ``"raise"``. Every write-through is
     counted in ``fallbacks`` and logged (the first, then every ``$CKPTCACHE_FALLBACK_LOG_EVERY``).
-    A client may be shared by threads; after ``fork`` the child reconnects.
+    A client may be shared by threads; after ``fork`` the child reconnects (with its own
+    locks and threads: the parent's save in flight does not hang it).
     """
 
     def __init__(
@@ -144,14 +168,40 @@ class Client:
         self._executor: ThreadPoolExecutor | None = None
         self._executor_pid = 0
         self._executor_lock = threading.Lock()
+        _clients.add(self)
+
+    def _fresh(self) -> Client:
+        """A new client with this one's settings (its own connection and threads)."""
+        return Client(
+            self.socket_path if self._explicit_socket else None,
+            namespace=self.namespace,
+            timeout=self.timeout,
+            fallback=self.fallback,
+            daemon_uid=self.daemon_uid,
+        )
+
+    def _after_fork(self) -> None:
+        """In a forked child (an at-fork handler): new locks, since a thread of the parent
+        (a save in flight, the spare mapper) may have held one at the fork and does not
+        exist here to release it, and none of the parent's threads or connection."""
+        self._lock = threading.RLock()
+        self._executor_lock = threading.Lock()
+        self._executor, self._executor_pid = None, 0
+        self._disown_parent_state()
+
+    def _disown_parent_state(self) -> None:
+        """Forked: the parent's socket and mappings are not ours to use or close, nor are
+        its saves ours to wait for."""
+        _make_inert(self._conn)
+        self._conn, self._write_maps, self._pending_release = None, {}, []
+        self._saved = set()
+        self._pid, self._spares = os.getpid(), SpareMapper(self)
 
     # ----------------------------------------------------------------- connection
 
     def _connect(self) -> Any:
-        if self._pid != os.getpid():
-            # Forked: the parent's socket and mappings are not ours to use or close.
-            self._conn, self._write_maps, self._pending_release = None, {}, []
-            self._pid, self._spares = os.getpid(), SpareMapper(self)
+        if self._pid != os.getpid():  # forked where at-fork handlers did not run (C fork())
+            self._disown_parent_state()
         if self._conn is not None and not self._conn.closed:
             return self._conn
         if not self._explicit_socket:
@@ -240,6 +290,8 @@ class Client:
                     self._flush_releases()
                 except errors.CkptCacheError:
                     pass
+            if self._pid != os.getpid():
+                _make_inert(self._conn)  # the parent's: closing it would cut the parent's too
             self._drop_connection()
             for mapping in list(self._write_maps.values()):
                 from ckptcache._gpu import unpin  # torch is loaded: this client saved

@@ -109,6 +109,14 @@ _copiers_pid = 0
 _copiers_lock = threading.Lock()
 
 
+def _after_fork_in_child() -> None:
+    global _copiers, _copiers_lock
+    _copiers, _copiers_lock = None, threading.Lock()  # the parent's threads are not ours
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
 def _libc_memmove() -> Callable[[int, int, int], Any]:
     global _memmove
     if _memmove is None:
