@@ -22,7 +22,7 @@ import logging
 import os
 import threading
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
 from typing import Any
 
@@ -51,7 +51,8 @@ os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def _tensors(obj: Any, prefix: str = "") -> Iterator[tuple[str, torch.Tensor]]:
-    """Tensors reachable through dicts, lists and tuples, with a readable key."""
+    """Tensors reachable through dicts, lists and tuples, with a readable key (for the
+    benchmarks; a save checks what its flattener pickled, see :class:`VersionCheck`)."""
     if isinstance(obj, torch.Tensor):
         yield prefix or "<root>", obj
     elif isinstance(obj, dict):
@@ -62,23 +63,45 @@ def _tensors(obj: Any, prefix: str = "") -> Iterator[tuple[str, torch.Tensor]]:
             yield from _tensors(v, f"{prefix}[{i}]")
 
 
-class VersionCheck:
-    """The version counters of ``obj``'s tensors at submit; :meth:`check` raises if any moved."""
+def _version(tensor: torch.Tensor) -> int | None:
+    try:
+        return int(tensor._version)
+    except RuntimeError:  # an inference-mode tensor has no version counter to check
+        return None
 
-    def __init__(self, obj: Any, path: str):
+
+class VersionCheck:
+    """The version counters of a save's tensors at submit; :meth:`check` raises if any moved.
+
+    ``tensors`` are the ones the flattener pickled (:attr:`Flattened.tensors`): a walk of
+    ``obj`` would miss those inside Namespaces, dataclasses and other objects."""
+
+    def __init__(self, obj: Any, path: str, tensors: Sequence[torch.Tensor]):
         self.path = path
-        self._seen = [(key, t, t._version) for key, t in _tensors(obj)]
+        self._obj = obj  # for naming a modified tensor, only once one is found
+        seen = ((t, _version(t)) for t in tensors)
+        self._seen = [(t, v) for t, v in seen if v is not None]
 
     def check(self) -> None:
         """Raise :class:`TensorMutated` naming the first tensor modified since submit."""
-        for key, tensor, version in self._seen:
+        for i, (tensor, version) in enumerate(self._seen):
             if tensor._version != version:
                 raise TensorMutated(
-                    f"tensor {key!r} of {self.path!r} was modified in place while a "
-                    "non-blocking save was copying it; the save was aborted and the previous "
-                    "generation kept. Call handle.wait() (or run optimizer steps inside "
-                    "StepGuard.optimizer_step()) before modifying saved tensors"
+                    f"tensor {self._name(tensor, i)!r} of {self.path!r} was modified in place "
+                    "while a non-blocking save was copying it; the save was aborted and the "
+                    "previous generation kept. Call handle.wait() (or run optimizer steps "
+                    "inside StepGuard.optimizer_step()) before modifying saved tensors"
                 )
+
+    def _name(self, tensor: torch.Tensor, index: int) -> str:
+        """The state-dict path of ``tensor`` where a container walk finds it, else a label."""
+        from ckptcache.format.flatten import _tensor_names
+
+        try:
+            name = _tensor_names(self._obj).get(tensor.untyped_storage()._cdata)
+        except (RuntimeError, NotImplementedError):
+            name = None
+        return name or f"<tensor {index} of shape {tuple(tensor.shape)}>"
 
 
 class _Seen:

@@ -3,11 +3,14 @@ the previous generation kept, errors surfaced on wait, StepGuard waits for the c
 
 from __future__ import annotations
 
+import argparse
 import contextlib
+import dataclasses
 import gc
 import logging
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -18,6 +21,20 @@ from ckptcache.errors import ReplicationError, TensorMutated
 from ckptcache.recovery import StepGuard
 
 MIB = 1 << 20
+
+
+@dataclasses.dataclass
+class Holder:
+    """A dataclass carrying a tensor (as training frameworks' state objects do)."""
+
+    w: torch.Tensor
+
+
+class Box:
+    """A plain object carrying tensors in its attributes."""
+
+    def __init__(self, w: torch.Tensor):
+        self.inner = {"w": w}
 
 
 def state(fill: float) -> dict:
@@ -164,3 +181,36 @@ def test_failed_save_waited_on_is_not_logged(client, tmp_path, caplog):
         del handle
         gc.collect()
     assert not [r for r in caplog.records if "never waited on" in r.getMessage()]
+
+
+WRAPPERS: dict[str, Callable[[torch.Tensor], Any]] = {
+    "namespace": lambda t: {"args": argparse.Namespace(w=t)},
+    "dataclass": lambda t: {"holder": Holder(t)},
+    "object": lambda t: [Box(t)],
+    "parameter": lambda t: {"p": torch.nn.Parameter(t)},
+}
+
+
+@pytest.mark.parametrize("kind", sorted(WRAPPERS))
+def test_in_place_change_is_caught_wherever_the_tensor_sits(client, tmp_path, kind):
+    path = str(tmp_path / "o.pt")
+    obj = WRAPPERS[kind](torch.zeros(1024))
+    (tensor,) = _all_tensors(obj)
+    with copies_held(client):
+        handle = client.save(obj, path, blocking=False)
+        with torch.no_grad():
+            tensor.add_(5.0)  # before the copy: a broken contract
+    with pytest.raises(TensorMutated, match="modified in place"):
+        handle.wait()
+    assert not client.exists(path)
+
+
+def _all_tensors(obj: Any) -> list[torch.Tensor]:
+    """The test objects' tensors (each wrapper holds exactly one)."""
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, dict):
+        return [t for v in obj.values() for t in _all_tensors(v)]
+    if isinstance(obj, list):
+        return [t for v in obj for t in _all_tensors(v)]
+    return _all_tensors(vars(obj))
