@@ -22,13 +22,16 @@ import logging
 import os
 import threading
 import weakref
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from ckptcache.errors import TensorMutated
+
+if TYPE_CHECKING:
+    from ckptcache.format.flatten import Flattened
 
 __all__ = ["SaveHandle", "VersionCheck", "pending_saves", "wait_for_copies"]
 
@@ -71,19 +74,24 @@ def _version(tensor: torch.Tensor) -> int | None:
 
 
 class VersionCheck:
-    """The version counters of a save's tensors at submit; :meth:`check` raises if any moved.
+    """The version counters of a save's tensors at submit; :meth:`check` raises if any moved,
+    or if a storage no longer has the size it was planned with.
 
-    ``tensors`` are the ones the flattener pickled (:attr:`Flattened.tensors`): a walk of
-    ``obj`` would miss those inside Namespaces, dataclasses and other objects."""
+    The tensors are the ones the flattener pickled (:attr:`Flattened.tensors`): a walk of
+    ``obj`` would miss those inside Namespaces, dataclasses and other objects. Sizes are
+    checked too because ``untyped_storage().resize_`` leaves the counter alone."""
 
-    def __init__(self, obj: Any, path: str, tensors: Sequence[torch.Tensor]):
+    def __init__(self, obj: Any, path: str, flat: Flattened):
         self.path = path
         self._obj = obj  # for naming a modified tensor, only once one is found
-        seen = ((t, _version(t)) for t in tensors)
+        seen = ((t, _version(t)) for t in flat.tensors)
         self._seen = [(t, v) for t, v in seen if v is not None]
+        self._flat = flat
 
     def check(self) -> None:
         """Raise :class:`TensorMutated` naming the first tensor modified since submit."""
+        from ckptcache.format.shm import checked_nbytes
+
         for i, (tensor, version) in enumerate(self._seen):
             if tensor._version != version:
                 raise TensorMutated(
@@ -92,6 +100,8 @@ class VersionCheck:
                     "previous generation kept. Call handle.wait() (or run optimizer steps "
                     "inside StepGuard.optimizer_step()) before modifying saved tensors"
                 )
+        for info, storage in zip(self._flat.infos, self._flat.storages, strict=True):
+            checked_nbytes(storage, info.nbytes, info.name)
 
     def _name(self, tensor: torch.Tensor, index: int) -> str:
         """The state-dict path of ``tensor`` where a container walk finds it, else a label."""

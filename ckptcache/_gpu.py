@@ -69,16 +69,20 @@ def _side_streams(devices: set[torch.device]) -> dict[torch.device, torch.cuda.S
 
 
 def copy_to_segment(
-    mapping: mmap.mmap, items: Sequence[tuple[int, torch.UntypedStorage]]
+    mapping: mmap.mmap, items: Sequence[tuple[int, torch.UntypedStorage, int]]
 ) -> Callable[[], None]:
-    """Start device-to-host copies of ``(offset, storage)`` CUDA storages into ``mapping``;
-    returns the function that waits for them (call it before the commit)."""
+    """Start device-to-host copies of ``(offset, storage, planned nbytes)`` CUDA storages
+    into ``mapping``; returns the function that waits for them (call it before the commit).
+    A storage resized since it was planned raises :class:`~ckptcache.errors.TensorMutated`."""
+    from ckptcache.format.shm import checked_nbytes
+
     if not items:
         return lambda: None
+    for _, storage, planned in items:  # all checked before the first copy starts
+        checked_nbytes(storage, planned)
     _pin(mapping, _REGISTER_DEFAULT)
-    streams = _side_streams({s.device for _, s in items})
-    for offset, storage in items:
-        nbytes = storage.nbytes()
+    streams = _side_streams({s.device for _, s, _ in items})
+    for offset, storage, nbytes in items:
         if nbytes == 0:
             continue
         dst = torch.frombuffer(mapping, dtype=torch.uint8, count=nbytes, offset=offset)

@@ -371,7 +371,7 @@ class Client:
         if blocking:
             self._save_planned(obj, flat, plan, path, durability, t0)
             return None
-        check = VersionCheck(obj, path, flat.tensors)
+        check = VersionCheck(obj, path, flat)
         return submit_save(
             lambda copied: self._save_planned(
                 obj, flat, plan, path, durability, t0, check=check, copied=copied

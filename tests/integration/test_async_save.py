@@ -214,3 +214,19 @@ def _all_tensors(obj: Any) -> list[torch.Tensor]:
     if isinstance(obj, list):
         return [t for v in obj for t in _all_tensors(v)]
     return _all_tensors(vars(obj))
+
+
+@pytest.mark.parametrize("new_size", [0, 8192])  # freed (FSDP/ZeRO style), or grown
+def test_storage_resized_before_the_copy_aborts_the_save(client, tmp_path, new_size):
+    path = str(tmp_path / "r.pt")
+    old = {"a": torch.full((1024,), 1.0), "b": torch.full((1024,), 2.0)}
+    client.save(old, path)
+    s = {"a": torch.full((1024,), 3.0), "b": torch.full((1024,), 4.0)}
+    with copies_held(client):
+        handle = client.save(s, path, blocking=False)
+        s["a"].untyped_storage().resize_(new_size)  # no version counter bump
+    with pytest.raises(TensorMutated, match=r"storage of 'a' was resized from 4096 to"):
+        handle.wait()
+    assert client.status(path).generation == 1
+    loaded = client.load(path, mmap=False)
+    assert torch.equal(loaded["a"], old["a"]) and torch.equal(loaded["b"], old["b"])
