@@ -60,6 +60,7 @@ from ckptcache.wire.states import PersistState, Tier, WaitState
 # control-plane commands (ckptcache ls, status, ...) start without torch.
 if TYPE_CHECKING:
     from ckptcache._async import SaveHandle, VersionCheck
+    from ckptcache._gpu import Ready
     from ckptcache.format.flatten import Flattened, MapLocation
     from ckptcache.format.manifest import ObjectPlan
     from ckptcache.format.shm import Mapping
@@ -357,6 +358,7 @@ class Client:
         """
         from ckptcache._async import VersionCheck
         from ckptcache._async import submit as submit_save
+        from ckptcache._gpu import record_ready
         from ckptcache.format.flatten import flatten
         from ckptcache.format.objectio import plan_object
 
@@ -372,9 +374,11 @@ class Client:
             self._save_planned(obj, flat, plan, path, durability, t0)
             return None
         check = VersionCheck(obj, path, flat)
+        # The copy runs on the save thread, whose current CUDA stream is not the trainer's.
+        ready = record_ready(flat.storages)
         return submit_save(
             lambda copied: self._save_planned(
-                obj, flat, plan, path, durability, t0, check=check, copied=copied
+                obj, flat, plan, path, durability, t0, check=check, copied=copied, ready=ready
             ),
             path,
             self._background(),
@@ -425,6 +429,7 @@ class Client:
         check: VersionCheck | None = None,
         copied: Callable[[], None] | None = None,
         packed: Packed | None = None,
+        ready: Ready | None = None,
     ) -> None:
         from ckptcache.format.objectio import write_object
 
@@ -454,7 +459,7 @@ class Client:
             try:
                 mapping = self._write_mapping(reply.segment, reply.capacity)
                 if packed is None:
-                    write_object(mapping, plan, flat)
+                    write_object(mapping, plan, flat, ready)
                 else:
                     _write_packed(mapping, plan, packed)
                 if check is not None:

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from ckptcache._gpu import copy_to_segment, device_target, load_to_device
+from ckptcache._gpu import Ready, copy_to_segment, device_target, load_to_device
 from ckptcache.errors import CorruptCheckpoint
 from ckptcache.format.archive import plan_archive
 from ckptcache.format.flatten import Flattened, MapLocation, unflatten
@@ -76,8 +76,13 @@ def write_metadata(mapping: mmap.mmap, plan: ObjectPlan) -> None:
         view.release()
 
 
-def write_object(mapping: mmap.mmap, plan: ObjectPlan, flat: Flattened) -> None:
+def write_object(
+    mapping: mmap.mmap, plan: ObjectPlan, flat: Flattened, ready: Ready | None = None
+) -> None:
     """Copy archive metadata, every storage and the manifest to their places in ``mapping``.
+
+    ``ready``: for a copy on another thread than the one that made the tensors, the CUDA
+    events its device-to-host copies wait for (:func:`~ckptcache._gpu.record_ready`).
 
     The header is left alone: whoever owns the segment's state publishes it. Each storage
     must still have the size it was planned with (else :class:`TensorMutated`, before any
@@ -89,7 +94,7 @@ def write_object(mapping: mmap.mmap, plan: ObjectPlan, flat: Flattened) -> None:
     write_metadata(mapping, plan)
     on_device = [(r.offset, s, r.nbytes) for r, s in pairs if s.device.type == "cuda"]
     # Device-to-host copies start first (DMA into the pinned segment) and overlap the CPU ones.
-    wait = copy_to_segment(mapping, on_device) if on_device else None
+    wait = copy_to_segment(mapping, on_device, ready) if on_device else None
     on_cpu = [(r.offset, s, r.nbytes) for r, s in pairs if s.device.type == "cpu"]
     if on_cpu:  # one parallel copy for every CPU storage
         copy_storages_into(torch.frombuffer(mapping, dtype=torch.uint8), on_cpu)
