@@ -9,28 +9,53 @@ checked after the copy; a changed counter aborts the save with
 :class:`~ckptcache.errors.TensorMutated` (the previous generation stays the newest) instead of
 committing torn bytes. In-place writes that bypass the counter (through ``tensor.data`` or
 numpy views) are not seen.
+
+A handle is held by this module until its save is done, whether or not the caller keeps it:
+``ckptcache.save(sd, p, blocking=False)`` without keeping the result still blocks
+:func:`wait_for_copies`, and a failure of a save whose handle nobody waited on is logged as
+an error once the handle is dropped (as asyncio does for a task's unretrieved exception).
 """
 
 from __future__ import annotations
 
+import logging
+import os
 import threading
 import weakref
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from ckptcache.errors import TensorMutated
 
-__all__ = ["SaveHandle", "VersionCheck", "wait_for_copies"]
+if TYPE_CHECKING:
+    from ckptcache.format.flatten import Flattened
 
-_pending: weakref.WeakSet[SaveHandle] = weakref.WeakSet()
+__all__ = ["SaveHandle", "VersionCheck", "pending_saves", "wait_for_copies"]
+
+log = logging.getLogger(__name__)
+
+#: Every save not done yet, held strongly: a dropped handle must not let its save go unseen.
+_pending: set[SaveHandle] = set()
 _pending_lock = threading.Lock()
 
 
+def _after_fork_in_child() -> None:
+    """The parent's save threads do not exist in a forked child: its handles never finish
+    there, and the lock may have been held by one of them at the fork."""
+    global _pending_lock
+    _pending_lock = threading.Lock()
+    _pending.clear()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
 def _tensors(obj: Any, prefix: str = "") -> Iterator[tuple[str, torch.Tensor]]:
-    """Tensors reachable through dicts, lists and tuples, with a readable key."""
+    """Tensors reachable through dicts, lists and tuples, with a readable key (for the
+    benchmarks; a save checks what its flattener pickled, see :class:`VersionCheck`)."""
     if isinstance(obj, torch.Tensor):
         yield prefix or "<root>", obj
     elif isinstance(obj, dict):
@@ -41,34 +66,99 @@ def _tensors(obj: Any, prefix: str = "") -> Iterator[tuple[str, torch.Tensor]]:
             yield from _tensors(v, f"{prefix}[{i}]")
 
 
-class VersionCheck:
-    """The version counters of ``obj``'s tensors at submit; :meth:`check` raises if any moved."""
+def _version(tensor: torch.Tensor) -> int | None:
+    try:
+        return int(tensor._version)
+    except RuntimeError:  # an inference-mode tensor has no version counter to check
+        return None
 
-    def __init__(self, obj: Any, path: str):
+
+class VersionCheck:
+    """The version counters of a save's tensors at submit; :meth:`check` raises if any moved,
+    or if a storage no longer has the size it was planned with.
+
+    The tensors are the ones the flattener pickled (:attr:`Flattened.tensors`): a walk of
+    ``obj`` would miss those inside Namespaces, dataclasses and other objects. Sizes are
+    checked too because ``untyped_storage().resize_`` leaves the counter alone."""
+
+    def __init__(self, obj: Any, path: str, flat: Flattened):
         self.path = path
-        self._seen = [(key, t, t._version) for key, t in _tensors(obj)]
+        self._obj = obj  # for naming a modified tensor, only once one is found
+        seen = ((t, _version(t)) for t in flat.tensors)
+        self._seen = [(t, v) for t, v in seen if v is not None]
+        self._flat = flat
 
     def check(self) -> None:
         """Raise :class:`TensorMutated` naming the first tensor modified since submit."""
-        for key, tensor, version in self._seen:
+        from ckptcache.format.shm import checked_nbytes
+
+        for i, (tensor, version) in enumerate(self._seen):
             if tensor._version != version:
                 raise TensorMutated(
-                    f"tensor {key!r} of {self.path!r} was modified in place while a "
-                    "non-blocking save was copying it; the save was aborted and the previous "
-                    "generation kept. Call handle.wait() (or run optimizer steps inside "
-                    "StepGuard.optimizer_step()) before modifying saved tensors"
+                    f"tensor {self._name(tensor, i)!r} of {self.path!r} was modified in place "
+                    "while a non-blocking save was copying it; the save was aborted and the "
+                    "previous generation kept. Call handle.wait() (or run optimizer steps "
+                    "inside StepGuard.optimizer_step()) before modifying saved tensors"
                 )
+        for info, storage in zip(self._flat.infos, self._flat.storages, strict=True):
+            checked_nbytes(storage, info.nbytes, info.name)
+
+    def _name(self, tensor: torch.Tensor, index: int) -> str:
+        """The state-dict path of ``tensor`` where a container walk finds it, else a label."""
+        from ckptcache.format.flatten import _tensor_names
+
+        try:
+            name = _tensor_names(self._obj).get(tensor.untyped_storage()._cdata)
+        except (RuntimeError, NotImplementedError):
+            name = None
+        return name or f"<tensor {index} of shape {tuple(tensor.shape)}>"
+
+
+class _Seen:
+    """Whether a handle's outcome reached its caller (shared with the handle's finalizer)."""
+
+    def __init__(self) -> None:
+        self.seen = False
+
+
+def _forget(ref: weakref.ref[SaveHandle]) -> None:
+    """Done callback: stop holding the handle (weakly referenced: no cycle through the
+    future, so a dropped handle is freed, and its finalizer runs, right here)."""
+    handle = ref()
+    if handle is not None:
+        with _pending_lock:
+            _pending.discard(handle)
+
+
+def _report_unseen(path: str, future: Future[None], seen: _Seen) -> None:
+    """Finalizer: log the error of a failed save whose handle was dropped without a wait."""
+    if seen.seen or not future.done() or future.cancelled():
+        return
+    error = future.exception()
+    if error is not None:
+        log.error(
+            "non-blocking save of %r failed and its handle was never waited on: %s: %s",
+            path, type(error).__name__, error, exc_info=error,
+        )  # fmt: skip
 
 
 class SaveHandle:
     """A save in flight: :meth:`wait` returns once its bytes are committed (or raises)."""
 
-    def __init__(self, path: str, future: Future[None], copied: threading.Event):
+    def __init__(
+        self, path: str, future: Future[None], copied: threading.Event, owner: object = None
+    ):
         self.path = path
+        #: The client that runs the save (``Client.wait`` waits for its own saves).
+        self.owner = owner
         self._future = future
         self._copied = copied
+        self._seen = _Seen()
         with _pending_lock:
             _pending.add(self)
+        ref = weakref.ref(self)
+        future.add_done_callback(lambda _: _forget(ref))
+        weakref.finalize(self, _report_unseen, path, future, self._seen)
 
     def done(self) -> bool:
         """Whether the save finished (committed or failed)."""
@@ -84,7 +174,11 @@ class SaveHandle:
 
     def wait(self, timeout: float | None = None) -> None:
         """Block until committed; raises the save's error (e.g. :class:`TensorMutated`)."""
-        self._future.result(timeout)
+        try:
+            self._future.result(timeout)
+        finally:
+            if self._future.done():  # the outcome reached the caller: nothing left to log
+                self._seen.seen = True
 
     def __repr__(self) -> str:
         state = "done" if self.done() else "copied" if self.copied() else "copying"
@@ -95,6 +189,7 @@ def submit(
     run: Callable[[Callable[[], None]], None],
     path: str,
     executor: Any,
+    owner: object = None,
 ) -> SaveHandle:
     """Run ``run(on_copied)`` on ``executor``; ``on_copied`` marks the tensors free again."""
     copied = threading.Event()
@@ -105,7 +200,13 @@ def submit(
         finally:
             copied.set()
 
-    return SaveHandle(path, executor.submit(task), copied)
+    return SaveHandle(path, executor.submit(task), copied, owner)
+
+
+def pending_saves(owner: object, match: Callable[[str], bool] = lambda _: True) -> list[SaveHandle]:
+    """The saves of ``owner`` not done yet whose path ``match`` accepts, in no set order."""
+    with _pending_lock:
+        return [h for h in _pending if h.owner is owner and not h.done() and match(h.path)]
 
 
 def wait_for_copies(timeout: float | None = None) -> None:

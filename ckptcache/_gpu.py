@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-__all__ = ["copy_to_segment", "device_target", "load_to_device", "unpin"]
+__all__ = ["copy_to_segment", "device_target", "load_to_device", "record_ready", "unpin"]
 
 log = logging.getLogger(__name__)
 
@@ -59,26 +59,58 @@ def unpin(mapping: mmap.mmap) -> None:
         torch.cuda.cudart().cudaHostUnregister(address)
 
 
-def _side_streams(devices: set[torch.device]) -> dict[torch.device, torch.cuda.Stream]:
+#: Per device, an event recorded on the saving thread's current stream when the save was
+#: submitted: what the copies must wait for when they run on another thread.
+Ready = dict[torch.device, torch.cuda.Event]
+
+
+def record_ready(storages: Sequence[torch.UntypedStorage]) -> Ready:
+    """Call on the caller's thread at submit: an event per CUDA device of ``storages`` on
+    that thread's current stream (the current stream is per thread, so the background save
+    thread's would not order the copies after the trainer's pending kernels). Empty, and no
+    CUDA call made, when no storage is on a CUDA device."""
+    devices = {s.device for s in storages if s.device.type == "cuda"}
+    ready: Ready = {}
+    for device in devices:
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(device))
+        ready[device] = event
+    return ready
+
+
+def _side_streams(
+    devices: set[torch.device], ready: Ready | None = None
+) -> dict[torch.device, torch.cuda.Stream]:
     streams = {}
     for device in devices:
         stream = torch.cuda.Stream(device)
-        stream.wait_stream(torch.cuda.current_stream(device))  # the trainer's pending writes
+        if ready is not None and device in ready:
+            stream.wait_event(ready[device])  # the submitting thread's pending writes
+        else:
+            stream.wait_stream(torch.cuda.current_stream(device))  # this thread's
         streams[device] = stream
     return streams
 
 
 def copy_to_segment(
-    mapping: mmap.mmap, items: Sequence[tuple[int, torch.UntypedStorage]]
+    mapping: mmap.mmap,
+    items: Sequence[tuple[int, torch.UntypedStorage, int]],
+    ready: Ready | None = None,
 ) -> Callable[[], None]:
-    """Start device-to-host copies of ``(offset, storage)`` CUDA storages into ``mapping``;
-    returns the function that waits for them (call it before the commit)."""
+    """Start device-to-host copies of ``(offset, storage, planned nbytes)`` CUDA storages
+    into ``mapping``, after ``ready``'s events (:func:`record_ready`; without them, after
+    this thread's current streams); returns the function that waits for the copies (call it
+    before the commit). A storage resized since it was planned raises
+    :class:`~ckptcache.errors.TensorMutated`."""
+    from ckptcache.format.shm import checked_nbytes
+
     if not items:
         return lambda: None
+    for _, storage, planned in items:  # all checked before the first copy starts
+        checked_nbytes(storage, planned)
     _pin(mapping, _REGISTER_DEFAULT)
-    streams = _side_streams({s.device for _, s in items})
-    for offset, storage in items:
-        nbytes = storage.nbytes()
+    streams = _side_streams({s.device for _, s, _ in items}, ready)
+    for offset, storage, nbytes in items:
         if nbytes == 0:
             continue
         dst = torch.frombuffer(mapping, dtype=torch.uint8, count=nbytes, offset=offset)

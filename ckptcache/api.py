@@ -27,22 +27,37 @@ __all__ = [
 
 _lock = threading.Lock()
 _default: Client | None = None
+#: The process ``_default`` belongs to: a forked child makes its own.
+_default_pid = 0
+
+
+def _after_fork_in_child() -> None:
+    global _lock
+    _lock = threading.Lock()  # a thread of the parent may have held it at the fork
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def default_client() -> Client:
-    """The process's default :class:`Client` (created on first use, recreated after fork)."""
-    global _default
+    """The process's default :class:`Client` (created on first use, recreated with the same
+    settings in a forked child)."""
+    global _default, _default_pid
     with _lock:
         if _default is None:
             _default = Client()
+        elif _default_pid != os.getpid():
+            # The parent's client is left alone: closing it here could disturb the parent.
+            _default = _default._fresh()
+        _default_pid = os.getpid()
         return _default
 
 
 def set_default_client(client: Client | None) -> None:
     """Replace the default client (``None``: a fresh one from the environment on next use)."""
-    global _default
+    global _default, _default_pid
     with _lock:
-        old, _default = _default, client
+        old, _default, _default_pid = _default, client, os.getpid()
     if old is not None and old is not client:
         old.close()
 

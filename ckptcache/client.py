@@ -19,6 +19,7 @@ import os
 import threading
 import time
 import warnings
+import weakref
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -59,6 +60,7 @@ from ckptcache.wire.states import PersistState, Tier, WaitState
 # control-plane commands (ckptcache ls, status, ...) start without torch.
 if TYPE_CHECKING:
     from ckptcache._async import SaveHandle, VersionCheck
+    from ckptcache._gpu import Ready
     from ckptcache.format.flatten import Flattened, MapLocation
     from ckptcache.format.manifest import ObjectPlan
     from ckptcache.format.shm import Mapping
@@ -96,6 +98,28 @@ def _is_url(path: str) -> bool:
     return "://" in path
 
 
+#: Every live client, for the fork handler.
+_clients: weakref.WeakSet[Client] = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    for client in list(_clients):
+        client._after_fork()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def _make_inert(conn: Any) -> None:
+    """Detach a connection inherited through ``fork`` without touching the parent's use of it.
+
+    rpyc closes a connection when it is dropped (``__del__``): a close request sent on the
+    socket the parent still uses, then ``shutdown``, which cuts it for both processes. Marked
+    closed, it is only freed: the socket's descriptor is closed in this process alone."""
+    if conn is not None:
+        conn._closed = True
+
+
 class Client:
     """A connection to the local daemon, with its own namespace, timeouts and fallback policy.
 
@@ -106,7 +130,8 @@ class Client:
     ``"write-through"`` (save to the path with torch.save when the daemon is gone or full) or
     ``"raise"``; unset, ``$CKPTCACHE_REQUIRE=1`` means ``"raise"``. Every write-through is
     counted in ``fallbacks`` and logged (the first, then every ``$CKPTCACHE_FALLBACK_LOG_EVERY``).
-    A client may be shared by threads; after ``fork`` the child reconnects.
+    A client may be shared by threads; after ``fork`` the child reconnects (with its own
+    locks and threads: the parent's save in flight does not hang it).
     """
 
     def __init__(
@@ -144,14 +169,40 @@ class Client:
         self._executor: ThreadPoolExecutor | None = None
         self._executor_pid = 0
         self._executor_lock = threading.Lock()
+        _clients.add(self)
+
+    def _fresh(self) -> Client:
+        """A new client with this one's settings (its own connection and threads)."""
+        return Client(
+            self.socket_path if self._explicit_socket else None,
+            namespace=self.namespace,
+            timeout=self.timeout,
+            fallback=self.fallback,
+            daemon_uid=self.daemon_uid,
+        )
+
+    def _after_fork(self) -> None:
+        """In a forked child (an at-fork handler): new locks, since a thread of the parent
+        (a save in flight, the spare mapper) may have held one at the fork and does not
+        exist here to release it, and none of the parent's threads or connection."""
+        self._lock = threading.RLock()
+        self._executor_lock = threading.Lock()
+        self._executor, self._executor_pid = None, 0
+        self._disown_parent_state()
+
+    def _disown_parent_state(self) -> None:
+        """Forked: the parent's socket and mappings are not ours to use or close, nor are
+        its saves ours to wait for."""
+        _make_inert(self._conn)
+        self._conn, self._write_maps, self._pending_release = None, {}, []
+        self._saved = set()
+        self._pid, self._spares = os.getpid(), SpareMapper(self)
 
     # ----------------------------------------------------------------- connection
 
     def _connect(self) -> Any:
-        if self._pid != os.getpid():
-            # Forked: the parent's socket and mappings are not ours to use or close.
-            self._conn, self._write_maps, self._pending_release = None, {}, []
-            self._pid, self._spares = os.getpid(), SpareMapper(self)
+        if self._pid != os.getpid():  # forked where at-fork handlers did not run (C fork())
+            self._disown_parent_state()
         if self._conn is not None and not self._conn.closed:
             return self._conn
         if not self._explicit_socket:
@@ -240,6 +291,8 @@ class Client:
                     self._flush_releases()
                 except errors.CkptCacheError:
                     pass
+            if self._pid != os.getpid():
+                _make_inert(self._conn)  # the parent's: closing it would cut the parent's too
             self._drop_connection()
             for mapping in list(self._write_maps.values()):
                 from ckptcache._gpu import unpin  # torch is loaded: this client saved
@@ -305,6 +358,7 @@ class Client:
         """
         from ckptcache._async import VersionCheck
         from ckptcache._async import submit as submit_save
+        from ckptcache._gpu import record_ready
         from ckptcache.format.flatten import flatten
         from ckptcache.format.objectio import plan_object
 
@@ -319,13 +373,16 @@ class Client:
         if blocking:
             self._save_planned(obj, flat, plan, path, durability, t0)
             return None
-        check = VersionCheck(obj, path)
+        check = VersionCheck(obj, path, flat)
+        # The copy runs on the save thread, whose current CUDA stream is not the trainer's.
+        ready = record_ready(flat.storages)
         return submit_save(
             lambda copied: self._save_planned(
-                obj, flat, plan, path, durability, t0, check=check, copied=copied
+                obj, flat, plan, path, durability, t0, check=check, copied=copied, ready=ready
             ),
             path,
             self._background(),
+            owner=self,
         )
 
     def save_packed(self, packed: Packed, path: Any, *, durability: str = "local") -> int:
@@ -372,6 +429,7 @@ class Client:
         check: VersionCheck | None = None,
         copied: Callable[[], None] | None = None,
         packed: Packed | None = None,
+        ready: Ready | None = None,
     ) -> None:
         from ckptcache.format.objectio import write_object
 
@@ -392,20 +450,23 @@ class Client:
                     m.ReserveReply,
                 )
             except (DaemonUnavailable, BudgetExceeded) as e:
-                self._write_through(obj if packed is None else packed.materialize(), path, e)
-                if check is not None:
-                    check.check()
+                # The trainer is still held (``copied`` not called): torch.save reads the live
+                # object, and ``check`` decides before the file replaces the previous one.
+                obj = obj if packed is None else packed.materialize()
+                self._write_through(obj, path, e, check=check)
                 return
+            released = False
             try:
                 mapping = self._write_mapping(reply.segment, reply.capacity)
                 if packed is None:
-                    write_object(mapping, plan, flat)
+                    write_object(mapping, plan, flat, ready)
                 else:
                     _write_packed(mapping, plan, packed)
                 if check is not None:
                     check.check()  # torn bytes are never committed: abort below instead
                 if copied is not None:
                     copied()
+                    released = True
                 commit = m.CommitRequest(
                     reply.reservation,
                     plan.layout.manifest_offset,
@@ -416,7 +477,11 @@ class Client:
                 self._saved.add(path)
                 self._spares.refresh()  # map the spare the daemon makes for the next new path
             except DaemonUnavailable as e:
-                self._write_through(obj if packed is None else packed.materialize(), path, e)
+                if released:  # the trainer may have stepped: write what the segment holds
+                    obj = _read_back(mapping, plan)
+                elif packed is not None:
+                    obj = packed.materialize()
+                self._write_through(obj, path, e)
                 return
             except BaseException:
                 if self._conn is not None:
@@ -427,10 +492,23 @@ class Client:
                 raise
 
         if durability == "persisted":
-            self.wait(path)
+            # Not self.wait: on the save thread that would wait for this very save.
+            self._wait_persisted(path, None, None)
 
-    def _write_through(self, obj: Any, path: str, reason: errors.CkptCacheError) -> None:
+    def _write_through(
+        self,
+        obj: Any,
+        path: str,
+        reason: errors.CkptCacheError,
+        *,
+        check: VersionCheck | None = None,
+    ) -> None:
+        """Write ``obj`` to ``path`` with ``torch.save``, whole or not at all: a failed write
+        (a crash, a full disk, ``check`` raising :class:`~ckptcache.errors.TensorMutated`)
+        leaves the previous file and the cached generations as they were."""
         import torch
+
+        from ckptcache._atomic import atomic_write
 
         if self.fallback == "raise":
             raise reason
@@ -442,12 +520,19 @@ class Client:
                 CkptCacheWarning,
                 stacklevel=4,
             )
+
+        def write(f: Any) -> None:
+            torch.save(obj, f)
+            if check is not None:
+                check.check()  # before the rename: a torn object never replaces a good one
+
         if _is_url(path):
             buf = io.BytesIO()
-            torch.save(obj, buf)
+            write(buf)
             backend_for(path).write_bytes(path, buf.getbuffer())
         else:
-            torch.save(obj, path)
+            atomic_write(path, write)
+        # Only now that the new file is in place may the older generations go.
         self._supersede(path)
 
     def _supersede(self, path: str) -> None:
@@ -638,14 +723,43 @@ class Client:
 
     def wait(self, path: Any = None, *, prefix: Any = None, timeout: float | None = None) -> None:
         """Block until ``path`` is persisted (or every object under ``prefix``, or with
-        neither, everything this client saved); see :func:`ckptcache.wait`."""
+        neither, everything this client saved); see :func:`ckptcache.wait`.
+
+        This client's non-blocking saves of those paths still running are waited for first
+        (their errors, e.g. :class:`~ckptcache.errors.TensorMutated`, are raised here)."""
         if path is not None and prefix is not None:
             raise ValueError("give path or prefix, not both")
         deadline = None if timeout is None else time.monotonic() + timeout
+        path = None if path is None else normalize_path(path)
+        prefix = None if prefix is None else normalize_path(prefix)
+        self._wait_saves(path, prefix, deadline)
+        self._wait_persisted(path, prefix, deadline)
+
+    def _wait_saves(self, path: str | None, prefix: str | None, deadline: float | None) -> None:
+        """Wait for this client's pending non-blocking saves of ``path`` (under ``prefix``,
+        or all): a save still copying is not in the daemon yet, so it has nothing to wait on."""
+        from concurrent.futures import TimeoutError as FutureTimeout
+
+        from ckptcache._async import pending_saves
+
+        def match(p: str) -> bool:
+            return p == path if path is not None else prefix is None or p.startswith(prefix)
+
+        for handle in pending_saves(self, match):
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            try:
+                handle.wait(left)
+            except FutureTimeout:
+                raise PersistTimeout(
+                    f"the non-blocking save of {handle.path!r} did not finish within the timeout"
+                ) from None
+
+    def _wait_persisted(self, path: str | None, prefix: str | None, deadline: float | None) -> None:
+        """The daemon side of :meth:`wait`."""
         if prefix is not None:
-            self._wait_one(normalize_path(prefix), True, deadline)
+            self._wait_one(prefix, True, deadline)
             return
-        paths = [normalize_path(path)] if path is not None else sorted(self._saved)
+        paths = [path] if path is not None else sorted(self._saved)
         for p in paths:
             self._wait_one(p, False, deadline, strict=path is not None)
 
@@ -718,6 +832,21 @@ class Client:
             self._release_later(self._epoch, reply.lease), hold_lock=True,
         )  # fmt: skip
         return mapping, reply
+
+
+def _read_back(mapping: Mapping, plan: ObjectPlan) -> Any:
+    """The object a save copied into ``mapping`` (per ``plan``), as private copies.
+
+    A non-blocking save releases the trainer once its copy is done, before the commit, so
+    that the commit's round trip (and any replication) overlaps training: if the commit then
+    fails, the live tensors may hold the next step already, and only the segment still holds
+    what was saved. Reading it back costs a second copy, on this rare path alone."""
+    from ckptcache.format.objectio import read_object
+
+    return read_object(
+        mapping, plan.layout.manifest_offset, len(plan.manifest_bytes),
+        zero_copy=False, weights_only=False,
+    )  # fmt: skip
 
 
 def _write_packed(mapping: Mapping, plan: ObjectPlan, packed: Packed) -> None:

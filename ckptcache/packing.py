@@ -22,7 +22,7 @@ import torch
 
 from ckptcache.format.archive import ARCHIVE_ALIGNMENT, ArchivePlan, plan_archive
 from ckptcache.format.flatten import flatten
-from ckptcache.format.shm import _bytes_of, copy_storages_into
+from ckptcache.format.shm import _bytes_of, checked_nbytes, copy_storages_into
 
 __all__ = ["Packed", "Span", "pack", "storage_offsets"]
 
@@ -70,8 +70,9 @@ def _plan(item: torch.Tensor | bytes | memoryview) -> tuple[int, Any]:
                 if len(_PLANS) >= _PLANS_MAX:
                     _PLANS.clear()
                 _PLANS[key] = plan
-            return plan.size, (plan, flat.storages)
-        return plan.size, (plan, (item.untyped_storage(),))
+            return plan.size, (plan, flat.storages, tuple(i.nbytes for i in flat.infos))
+        storage = item.untyped_storage()
+        return plan.size, (plan, (storage,), (storage.nbytes(),))  # as in ``key``
     view = memoryview(item).cast("B")
     return view.nbytes, view
 
@@ -104,7 +105,7 @@ class Packed:
             raise ValueError(f"fill needs a CPU uint8 tensor of {self.nbytes} bytes")
         view = dst.numpy().data if dst.numel() else memoryview(b"")
         end = 0
-        runs: list[tuple[int, torch.UntypedStorage]] = []
+        runs: list[tuple[int, torch.UntypedStorage, int]] = []
         for span, (_, what) in zip(self.spans, self._planned, strict=True):
             # The alignment gap: zeros, never stale bytes of a reused buffer.
             view[end : span.offset] = bytes(span.offset - end)
@@ -136,15 +137,18 @@ def _write_archive(
     at: int,
     plan: ArchivePlan,
     storages: tuple[torch.UntypedStorage, ...],
-) -> list[tuple[int, torch.UntypedStorage]]:
+    sizes: tuple[int, ...],
+) -> list[tuple[int, torch.UntypedStorage, int]]:
     """Write an item's archive metadata and its non-CPU storages; returns the CPU storages
-    with their offsets in ``blob``, for the caller to copy all at once."""
+    with their offsets in ``blob`` and planned sizes, for the caller to copy all at once.
+    A storage whose size is no longer the planned one raises
+    :class:`~ckptcache.errors.TensorMutated`: it would not fit its place in ``plan``."""
     plan.write_metadata(view[at : at + plan.size])
-    cpu: list[tuple[int, torch.UntypedStorage]] = []
-    for off, storage in zip(plan.storage_offsets, storages, strict=True):
-        n = storage.nbytes()
+    cpu: list[tuple[int, torch.UntypedStorage, int]] = []
+    for off, storage, planned in zip(plan.storage_offsets, storages, sizes, strict=True):
+        n = checked_nbytes(storage, planned)
         if n and storage.device.type == "cpu":
-            cpu.append((at + off, storage))
+            cpu.append((at + off, storage, n))
         elif n:
             blob[at + off : at + off + n].copy_(_bytes_of(storage))
     return cpu

@@ -60,6 +60,9 @@ class Flattened:
     skeleton: bytes
     infos: tuple[StorageInfo, ...]
     storages: tuple[torch.UntypedStorage, ...]
+    #: Every tensor object pickled, wherever it sat (containers, Namespaces, dataclasses,
+    #: custom objects, a Parameter and its ``.data``): what a non-blocking save checks.
+    tensors: tuple[torch.Tensor, ...] = ()
 
     @property
     def nbytes(self) -> int:
@@ -137,7 +140,15 @@ def _reduce_tensor(obj: Any) -> Any:
 
 
 class _Pickler(pickle.Pickler):
+    def __init__(self, *args: Any, **kw: Any):
+        super().__init__(*args, **kw)
+        self.tensors: list[torch.Tensor] = []
+
     def reducer_override(self, obj: Any) -> Any:
+        # Every object the pickle reaches passes here (builtin scalars and containers aside),
+        # so this sees each tensor whose storage the skeleton records, however it is held.
+        if isinstance(obj, torch.Tensor):
+            self.tensors.append(obj)
         return _reduce_tensor(obj)
 
 
@@ -214,7 +225,7 @@ def flatten(obj: Any) -> Flattened:
             "(tensors, containers, and picklable Python values); convert or drop the "
             "offending value"
         ) from e
-    return Flattened(buf.getvalue(), tuple(infos), tuple(storages))
+    return Flattened(buf.getvalue(), tuple(infos), tuple(storages), tuple(pickler.tensors))
 
 
 def extra_safe_globals() -> list[Any]:

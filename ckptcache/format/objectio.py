@@ -13,13 +13,14 @@ from typing import Any
 
 import torch
 
-from ckptcache._gpu import copy_to_segment, device_target, load_to_device
+from ckptcache._gpu import Ready, copy_to_segment, device_target, load_to_device
 from ckptcache.errors import CorruptCheckpoint
 from ckptcache.format.archive import plan_archive
 from ckptcache.format.flatten import Flattened, MapLocation, unflatten
 from ckptcache.format.layout import HEADER_SIZE, plan_segment
 from ckptcache.format.manifest import Manifest, ObjectPlan, StorageRecord, verify_digests
 from ckptcache.format.shm import (
+    checked_nbytes,
     copy_storage_into,
     copy_storages_into,
     storage_copy,
@@ -75,22 +76,31 @@ def write_metadata(mapping: mmap.mmap, plan: ObjectPlan) -> None:
         view.release()
 
 
-def write_object(mapping: mmap.mmap, plan: ObjectPlan, flat: Flattened) -> None:
+def write_object(
+    mapping: mmap.mmap, plan: ObjectPlan, flat: Flattened, ready: Ready | None = None
+) -> None:
     """Copy archive metadata, every storage and the manifest to their places in ``mapping``.
 
-    The header is left alone: whoever owns the segment's state publishes it.
+    ``ready``: for a copy on another thread than the one that made the tensors, the CUDA
+    events its device-to-host copies wait for (:func:`~ckptcache._gpu.record_ready`).
+
+    The header is left alone: whoever owns the segment's state publishes it. Each storage
+    must still have the size it was planned with (else :class:`TensorMutated`, before any
+    copy: see :func:`~ckptcache.format.shm.checked_nbytes`).
     """
-    write_metadata(mapping, plan)
     pairs = list(zip(plan.manifest.storages, flat.storages, strict=True))
-    on_device = [(r.offset, s) for r, s in pairs if s.device.type == "cuda"]
+    for record, storage in pairs:  # named here; the copies below check again, unnamed
+        checked_nbytes(storage, record.nbytes, record.name)
+    write_metadata(mapping, plan)
+    on_device = [(r.offset, s, r.nbytes) for r, s in pairs if s.device.type == "cuda"]
     # Device-to-host copies start first (DMA into the pinned segment) and overlap the CPU ones.
-    wait = copy_to_segment(mapping, on_device) if on_device else None
-    on_cpu = [(r.offset, s) for r, s in pairs if s.device.type == "cpu"]
+    wait = copy_to_segment(mapping, on_device, ready) if on_device else None
+    on_cpu = [(r.offset, s, r.nbytes) for r, s in pairs if s.device.type == "cpu"]
     if on_cpu:  # one parallel copy for every CPU storage
         copy_storages_into(torch.frombuffer(mapping, dtype=torch.uint8), on_cpu)
     for record, storage in pairs:
         if storage.device.type not in ("cpu", "cuda"):
-            copy_storage_into(mapping, record.offset, storage)
+            copy_storage_into(mapping, record.offset, storage, record.nbytes)
     if wait is not None:
         wait()
 

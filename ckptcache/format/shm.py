@@ -24,8 +24,11 @@ from typing import Any
 
 import torch
 
+from ckptcache.errors import TensorMutated
+
 __all__ = [
     "Mapping",
+    "checked_nbytes",
     "copy_storage_into",
     "copy_storages_into",
     "map_private",
@@ -89,9 +92,32 @@ def _bytes_of(storage: torch.UntypedStorage) -> torch.Tensor:
     return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
 
 
-def copy_storage_into(mapping: mmap.mmap, offset: int, storage: torch.UntypedStorage) -> None:
-    """Copy a storage's bytes (CPU or device) to ``offset`` of ``mapping``."""
+def checked_nbytes(storage: torch.UntypedStorage, planned: int | None, name: str = "") -> int:
+    """``storage``'s size, which must still be ``planned``: the size its place was laid out
+    for. A storage resized since (``untyped_storage().resize_``, as FSDP and ZeRO free
+    parameters; it does not bump the version counter) would put wrong bytes in its record or
+    write over the next one: :class:`TensorMutated` instead. ``None``: nothing planned."""
     nbytes = storage.nbytes()
+    if planned is not None and nbytes != planned:
+        what = f"storage of {name!r}" if name else "a storage"
+        raise TensorMutated(
+            f"{what} was resized from {planned} to {nbytes} bytes after the save was planned; "
+            "the save was aborted rather than store wrong bytes. Do not resize or free the "
+            "storages of saved tensors until the save's copy is done (handle.wait())"
+        )
+    return nbytes
+
+
+#: ``(offset, storage)``, or ``(offset, storage, planned nbytes)`` to have the size checked.
+Run = tuple[int, torch.UntypedStorage] | tuple[int, torch.UntypedStorage, int]
+
+
+def copy_storage_into(
+    mapping: mmap.mmap, offset: int, storage: torch.UntypedStorage, planned: int | None = None
+) -> None:
+    """Copy a storage's bytes (CPU or device) to ``offset`` of ``mapping``; ``planned`` as in
+    :func:`checked_nbytes`."""
+    nbytes = checked_nbytes(storage, planned)
     if nbytes == 0:
         return
     dst = torch.frombuffer(mapping, dtype=torch.uint8, count=nbytes, offset=offset)
@@ -107,6 +133,14 @@ _memmove: Callable[[int, int, int], Any] | None = None
 _copiers: ThreadPoolExecutor | None = None
 _copiers_pid = 0
 _copiers_lock = threading.Lock()
+
+
+def _after_fork_in_child() -> None:
+    global _copiers, _copiers_lock
+    _copiers, _copiers_lock = None, threading.Lock()  # the parent's threads are not ours
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def _libc_memmove() -> Callable[[int, int, int], Any]:
@@ -145,9 +179,11 @@ def _split(runs: list[tuple[int, int, int]], parts: int) -> list[list[tuple[int,
     return out
 
 
-def copy_storages_into(dst: torch.Tensor, runs: Sequence[tuple[int, torch.UntypedStorage]]) -> None:
+def copy_storages_into(dst: torch.Tensor, runs: Sequence[Run]) -> None:
     """Copy each CPU storage of ``runs`` to its byte offset of ``dst`` (a CPU ``uint8``
-    tensor, e.g. a whole mapped segment), with one fork and one join for all of them.
+    tensor, e.g. a whole mapped segment), with one fork and one join for all of them; a run
+    with a planned size raises :class:`TensorMutated` (nothing copied) if the storage's
+    size differs (:func:`checked_nbytes`).
 
     A per-storage ``Tensor.copy_`` opens one intra-op parallel region per storage (hundreds
     per state dict): on a busy machine each waits for a descheduled worker, and a save's copy
@@ -159,10 +195,11 @@ def copy_storages_into(dst: torch.Tensor, runs: Sequence[tuple[int, torch.Untype
         raise ValueError("copy_storages_into needs a contiguous CPU uint8 destination")
     base, size = dst.data_ptr(), dst.numel()
     jobs: list[tuple[int, int, int]] = []
-    for offset, storage in runs:
+    for entry in runs:
+        offset, storage = entry[0], entry[1]
         if storage.device.type != "cpu":
             raise ValueError(f"copy_storages_into copies CPU storages, not {storage.device}")
-        n = storage.nbytes()
+        n = checked_nbytes(storage, entry[2] if len(entry) == 3 else None)
         if offset < 0 or offset + n > size:  # memmove checks nothing: never write outside
             raise ValueError(f"storage of {n} bytes at {offset} is outside {size} bytes")
         if n:

@@ -3,20 +3,68 @@ the previous generation kept, errors surfaced on wait, StepGuard waits for the c
 
 from __future__ import annotations
 
+import argparse
+import contextlib
+import dataclasses
+import gc
+import logging
 import threading
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 import torch
 
 import ckptcache
+import ckptcache._async
 from ckptcache.errors import ReplicationError, TensorMutated
 from ckptcache.recovery import StepGuard
 
 MIB = 1 << 20
 
 
+@dataclasses.dataclass
+class Holder:
+    """A dataclass carrying a tensor (as training frameworks' state objects do)."""
+
+    w: torch.Tensor
+
+
+class Box:
+    """A plain object carrying tensors in its attributes."""
+
+    def __init__(self, w: torch.Tensor):
+        self.inner = {"w": w}
+
+
 def state(fill: float) -> dict:
     return {"w": torch.full((MIB,), fill), "b": torch.arange(1000.0) + fill, "step": int(fill)}
+
+
+@contextlib.contextmanager
+def copies_held(client: ckptcache.Client) -> Iterator[threading.Event]:
+    """Keep ``client``'s background copies from starting until the yielded event is set."""
+    held, go = threading.Event(), threading.Event()
+
+    def hold_client() -> None:
+        with client._lock:
+            held.set()
+            go.wait()
+
+    holder = threading.Thread(target=hold_client)
+    holder.start()
+    held.wait()
+    try:
+        yield go
+    finally:
+        go.set()
+        holder.join()
+
+
+def drain(client: ckptcache.Client) -> None:
+    """Return once every save submitted so far has finished (done callbacks included): the
+    save thread runs them in order."""
+    client._background().submit(lambda: None).result()
 
 
 def test_non_blocking_save_commits_the_same_bytes(client, tmp_path):
@@ -78,3 +126,107 @@ def test_optimizer_step_waits_for_pending_copies(client, tmp_path):
     holder.join()
     handle.wait()
     assert torch.equal(client.load(str(tmp_path / "g.pt"))["w"], torch.full((MIB,), 3.0))
+
+
+def test_dropped_handle_is_still_waited_for_by_optimizer_step(client, tmp_path):
+    path = str(tmp_path / "d.pt")
+    s = state(3.0)
+    with copies_held(client) as go:
+        ckptcache.save(s, path, blocking=False)  # the handle is not kept
+        gc.collect()
+        assert [h.path for h in ckptcache._async._pending] == [path]
+        go.set()
+        with StepGuard().optimizer_step():
+            s["w"].mul_(2.0)  # safe: the step waited for the copy
+    client.wait()  # waits for the save itself (no persist root: nothing more to wait for)
+    assert not ckptcache._async._pending
+    assert torch.equal(client.load(path, mmap=False)["w"], torch.full((MIB,), 3.0))
+
+
+@pytest.mark.parametrize("with_path", [True, False])
+def test_client_wait_waits_for_pending_saves_and_raises_their_error(client, tmp_path, with_path):
+    path = str(tmp_path / "w.pt")
+    s = state(1.0)
+    with copies_held(client) as go:
+        handle = client.save(s, path, blocking=False)
+        s["w"].add_(1.0)  # broken contract: the save will fail
+        go.set()
+        with pytest.raises(TensorMutated):
+            client.wait(path) if with_path else client.wait()
+    assert handle.done()
+
+
+def test_failed_save_with_dropped_handle_is_logged(client, tmp_path, caplog):
+    path = str(tmp_path / "l.pt")
+    s = state(1.0)
+    with caplog.at_level(logging.ERROR, logger="ckptcache._async"):
+        with copies_held(client):
+            client.save(s, path, blocking=False)
+            s["w"].add_(1.0)
+        drain(client)
+        gc.collect()
+    (record,) = [r for r in caplog.records if "never waited on" in r.getMessage()]
+    assert path in record.getMessage() and "TensorMutated" in record.getMessage()
+
+
+def test_failed_save_waited_on_is_not_logged(client, tmp_path, caplog):
+    path = str(tmp_path / "n.pt")
+    s = state(1.0)
+    with caplog.at_level(logging.ERROR, logger="ckptcache._async"):
+        with copies_held(client):
+            handle = client.save(s, path, blocking=False)
+            s["w"].add_(1.0)
+        with pytest.raises(TensorMutated):
+            handle.wait()
+        del handle
+        gc.collect()
+    assert not [r for r in caplog.records if "never waited on" in r.getMessage()]
+
+
+WRAPPERS: dict[str, Callable[[torch.Tensor], Any]] = {
+    "namespace": lambda t: {"args": argparse.Namespace(w=t)},
+    "dataclass": lambda t: {"holder": Holder(t)},
+    "object": lambda t: [Box(t)],
+    "parameter": lambda t: {"p": torch.nn.Parameter(t)},
+}
+
+
+@pytest.mark.parametrize("kind", sorted(WRAPPERS))
+def test_in_place_change_is_caught_wherever_the_tensor_sits(client, tmp_path, kind):
+    path = str(tmp_path / "o.pt")
+    obj = WRAPPERS[kind](torch.zeros(1024))
+    (tensor,) = _all_tensors(obj)
+    with copies_held(client):
+        handle = client.save(obj, path, blocking=False)
+        with torch.no_grad():
+            tensor.add_(5.0)  # before the copy: a broken contract
+    with pytest.raises(TensorMutated, match="modified in place"):
+        handle.wait()
+    assert not client.exists(path)
+
+
+def _all_tensors(obj: Any) -> list[torch.Tensor]:
+    """The test objects' tensors (each wrapper holds exactly one)."""
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, dict):
+        return [t for v in obj.values() for t in _all_tensors(v)]
+    if isinstance(obj, list):
+        return [t for v in obj for t in _all_tensors(v)]
+    return _all_tensors(vars(obj))
+
+
+@pytest.mark.parametrize("new_size", [0, 8192])  # freed (FSDP/ZeRO style), or grown
+def test_storage_resized_before_the_copy_aborts_the_save(client, tmp_path, new_size):
+    path = str(tmp_path / "r.pt")
+    old = {"a": torch.full((1024,), 1.0), "b": torch.full((1024,), 2.0)}
+    client.save(old, path)
+    s = {"a": torch.full((1024,), 3.0), "b": torch.full((1024,), 4.0)}
+    with copies_held(client):
+        handle = client.save(s, path, blocking=False)
+        s["a"].untyped_storage().resize_(new_size)  # no version counter bump
+    with pytest.raises(TensorMutated, match=r"storage of 'a' was resized from 4096 to"):
+        handle.wait()
+    assert client.status(path).generation == 1
+    loaded = client.load(path, mmap=False)
+    assert torch.equal(loaded["a"], old["a"]) and torch.equal(loaded["b"], old["b"])

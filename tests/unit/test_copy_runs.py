@@ -5,6 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from ckptcache import packing
+from ckptcache.errors import TensorMutated
 from ckptcache.format import shm
 from ckptcache.format.shm import copy_storages_into
 
@@ -87,3 +89,22 @@ def test_a_forked_child_copies_with_its_own_threads(monkeypatch):
     finally:
         os.waitpid(pid, 0)
         os.close(read)
+
+
+@pytest.mark.parametrize("planned", [15, 17])
+def test_a_storage_not_of_its_planned_size_is_refused(planned):
+    """A storage resized since its place was planned (``resize_`` bumps no version counter)
+    would leave stale bytes in its record or overwrite the next one: nothing is copied."""
+    first, second = _storages([16, 16])
+    dst = torch.zeros(64, dtype=torch.uint8)
+    with pytest.raises(TensorMutated, match=f"resized from {planned} to 16 bytes"):
+        copy_storages_into(dst, [(0, first, 16), (planned, second, planned)])
+    assert torch.equal(dst, torch.zeros(64, dtype=torch.uint8))
+
+
+def test_packed_item_resized_after_packing_is_refused():
+    items = [torch.full((256,), 1.0), torch.full((256,), 2.0)]
+    packed = packing.Packed(items)
+    items[0].untyped_storage().resize_(2048)
+    with pytest.raises(TensorMutated, match="resized from 1024 to 2048 bytes"):
+        packed.materialize()

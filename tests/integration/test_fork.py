@@ -1,0 +1,72 @@
+"""A process forked while a thread of it holds a client's lock (a non-blocking save copying,
+the spare mapper): the child's ckptcache calls work, and the parent's connection survives."""
+
+from __future__ import annotations
+
+import gc
+import os
+import signal
+import threading
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+import ckptcache
+import ckptcache.api
+
+
+def run_in_child(body: Callable[[], None], report: Path) -> int:
+    """Fork, run ``body`` in the child (a hung child is killed by an alarm) and return the
+    child's exit code; its traceback, if any, goes to ``report``."""
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            signal.alarm(60)
+            body()
+            code = 0
+        except BaseException:
+            report.write_text(traceback.format_exc())
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    return os.waitstatus_to_exitcode(status)
+
+
+def test_child_forked_while_the_client_lock_is_held(client, tmp_path):
+    parent = str(tmp_path / "parent.pt")
+    client.save({"w": torch.arange(8.0)}, parent)
+    held, go = threading.Event(), threading.Event()
+
+    def hold_client() -> None:  # what a save in flight does for the length of its copy
+        with client._lock:
+            held.set()
+            go.wait()
+
+    holder = threading.Thread(target=hold_client)
+    holder.start()
+    held.wait()
+    child = str(tmp_path / "child.pt")
+
+    def body() -> None:
+        assert client.exists(parent)  # the inherited client
+        assert ckptcache.api.default_client() is not client  # one default client per process
+        assert ckptcache.exists(parent)
+        ckptcache.save({"w": torch.ones(8)}, child)
+        assert torch.equal(ckptcache.load(child)["w"], torch.ones(8))
+        ckptcache.api.set_default_client(None)  # closes the child's clients...
+        client.close()
+        gc.collect()  # frees the parent's connection object here (rpyc closes it when freed)
+
+    try:
+        code = run_in_child(body, tmp_path / "child.log")
+    finally:
+        go.set()
+        holder.join()
+    log = tmp_path / "child.log"
+    assert code == 0, log.read_text() if log.exists() else f"child exit {code}"
+    # ... and the parent's connection, which the child shared, still works.
+    assert torch.equal(client.load(parent)["w"], torch.arange(8.0))
+    assert torch.equal(client.load(child)["w"], torch.ones(8))
