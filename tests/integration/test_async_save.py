@@ -107,23 +107,13 @@ def test_errors_surface_on_wait(client, tmp_path):
 
 def test_optimizer_step_waits_for_pending_copies(client, tmp_path):
     guard = StepGuard()
-    held, go = threading.Event(), threading.Event()
-
-    def hold_client() -> None:  # delay the copy until the trainer reaches its step
-        with client._lock:
-            held.set()
-            go.wait()
-
-    holder = threading.Thread(target=hold_client)
-    holder.start()
-    held.wait()
     s = state(3.0)
-    handle = client.save(s, str(tmp_path / "g.pt"), blocking=False)
-    go.set()
-    with guard.optimizer_step():
-        assert handle.copied()
-        s["w"].mul_(2.0)  # safe: the copy is done
-    holder.join()
+    with copies_held(client) as go:  # delay the copy until the trainer reaches its step
+        handle = client.save(s, str(tmp_path / "g.pt"), blocking=False)
+        go.set()
+        with guard.optimizer_step():
+            assert handle.copied()
+            s["w"].mul_(2.0)  # safe: the copy is done
     handle.wait()
     assert torch.equal(client.load(str(tmp_path / "g.pt"))["w"], torch.full((MIB,), 3.0))
 

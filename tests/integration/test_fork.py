@@ -6,7 +6,6 @@ from __future__ import annotations
 import gc
 import os
 import signal
-import threading
 import traceback
 from collections.abc import Callable
 from pathlib import Path
@@ -15,6 +14,7 @@ import torch
 
 import ckptcache
 import ckptcache.api
+from tests.integration.test_async_save import copies_held
 
 
 def run_in_child(body: Callable[[], None], report: Path) -> int:
@@ -38,16 +38,6 @@ def run_in_child(body: Callable[[], None], report: Path) -> int:
 def test_child_forked_while_the_client_lock_is_held(client, tmp_path):
     parent = str(tmp_path / "parent.pt")
     client.save({"w": torch.arange(8.0)}, parent)
-    held, go = threading.Event(), threading.Event()
-
-    def hold_client() -> None:  # what a save in flight does for the length of its copy
-        with client._lock:
-            held.set()
-            go.wait()
-
-    holder = threading.Thread(target=hold_client)
-    holder.start()
-    held.wait()
     child = str(tmp_path / "child.pt")
 
     def body() -> None:
@@ -60,11 +50,8 @@ def test_child_forked_while_the_client_lock_is_held(client, tmp_path):
         client.close()
         gc.collect()  # frees the parent's connection object here (rpyc closes it when freed)
 
-    try:
+    with copies_held(client):  # what a save in flight does for the length of its copy
         code = run_in_child(body, tmp_path / "child.log")
-    finally:
-        go.set()
-        holder.join()
     log = tmp_path / "child.log"
     assert code == 0, log.read_text() if log.exists() else f"child exit {code}"
     # ... and the parent's connection, which the child shared, still works.
