@@ -169,6 +169,9 @@ class Client:
         self._executor: ThreadPoolExecutor | None = None
         self._executor_pid = 0
         self._executor_lock = threading.Lock()
+        #: The connection of requests that block in the daemon (see :meth:`_waiting_client`).
+        self._waiter: Client | None = None
+        self._waiter_lock = threading.Lock()
         _clients.add(self)
 
     def _fresh(self) -> Client:
@@ -188,6 +191,7 @@ class Client:
         self._lock = threading.RLock()
         self._executor_lock = threading.Lock()
         self._executor, self._executor_pid = None, 0
+        self._waiter, self._waiter_lock = None, threading.Lock()  # it forks on its own
         self._disown_parent_state()
 
     def _disown_parent_state(self) -> None:
@@ -260,6 +264,17 @@ class Client:
             self._flush_releases()
             return self._request(kind, message, reply_type)
 
+    def _waiting_client(self) -> Client:
+        """A second connection, for requests that block in the daemon (``wait``, up to 30 s
+        each; ``prefetch``, a remote load). The daemon answers one connection's requests in
+        order and this client's lock serialises its connection: on it, such a request would
+        hold up every save, load and status call of the threads sharing this client."""
+        with self._waiter_lock:
+            if self._waiter is None:
+                self._waiter = self._fresh()
+                self._waiter.fallback = "raise"  # it never saves; errors go to the caller
+            return self._waiter
+
     def _drop_connection(self) -> None:
         conn, self._conn = self._conn, None
         if conn is not None:
@@ -284,6 +299,10 @@ class Client:
         if self._executor is not None and self._executor_pid == os.getpid():
             self._executor.shutdown(wait=True)
             self._executor = None
+        with self._waiter_lock:
+            waiter, self._waiter = self._waiter, None
+        if waiter is not None:
+            waiter.close()
         with self._lock:
             self._spares.stop()
             if self._conn is not None and self._pid == os.getpid():
@@ -773,7 +792,7 @@ class Client:
                 self.namespace, path, prefix, max(0.0, min(left, 30.0, self._server_wait()))
             )
             try:
-                reply = self._call("wait", req, m.WaitReply)
+                reply = self._waiting_client()._call("wait", req, m.WaitReply)
             except CheckpointNotFound:
                 if self._in_storage(path) or not strict:
                     return  # written through, or evicted after it was persisted
@@ -807,7 +826,7 @@ class Client:
         tiers = []
         for i, path in enumerate(items):
             req = m.PrefetchRequest(self.namespace, path, self._server_wait())
-            reply = self._call("prefetch", req, m.PrefetchReply)
+            reply = self._waiting_client()._call("prefetch", req, m.PrefetchReply)
             tiers.append(reply.tier)
             if progress is not None:
                 progress(i + 1, len(items), path, reply.tier)
