@@ -12,8 +12,10 @@ Lifecycle of a committed generation on a cluster node (called by the persister, 
 A redundancy group is (path, object digest): the nodes holding identical content of a path.
 Representatives are preferred by rendezvous hash (so groups spread over nodes) and made
 unique by the coordinator's create-if-absent under the node lease. Different contents of one
-path saved within ``conflict_window`` are a digest disagreement: the first persisted content
-takes the path and every other one is persisted beside it as ``<path>.conflict-<digest>``.
+path saved within ``conflict_window`` by different nodes (each node's newest) are a digest
+disagreement: the first persisted content takes the path and every other one is persisted
+beside it as ``<path>.conflict-<digest>``. A node saving a path again is never a disagreement.
+A ``persisted/`` record counts only while no other content of the path was persisted after it.
 """
 
 from __future__ import annotations
@@ -74,7 +76,7 @@ class Election:
         """Decide this node's role for persisting ``gen``: ``("done", path)``,
         ``("lead", target_path)``, ``("standby", "")`` or ``("retry", "")``."""
         ph, digest = self.membership.announce(gen)
-        if self.membership.coord.get(f"persisted/{ph}/{digest}") is not None:
+        if self._stored(ph, digest):
             return ClaimRole.DONE, gen.path
         target = self._conflict_target(gen, ph, digest)
         group = self.membership.coord.scan(f"holders/{ph}/{digest}/")
@@ -89,7 +91,7 @@ class Election:
             f"reps/{ph}/{digest}", {"node": me, "since": time.time()}
         ):
             return ClaimRole.STANDBY, ""
-        if self.membership.coord.get(f"persisted/{ph}/{digest}") is not None:
+        if self._stored(ph, digest):
             # A previous representative finished (and stepped down) while we waited.
             self.membership.withdraw(f"reps/{ph}/{digest}")
             return ClaimRole.DONE, gen.path
@@ -98,17 +100,48 @@ class Election:
             return ClaimRole.RETRY, ""
         return ClaimRole.LEAD, self._conflict_target(gen, ph, digest) or target
 
+    def _stored(self, ph: str, digest: str) -> bool:
+        """Whether storage holds this content at its path: a persist of it is recorded and no
+        other content of the path was persisted after it (a path saved X, Y, then X again
+        must be written again: storage holds Y)."""
+        records = self.membership.coord.scan(f"persisted/{ph}/")
+        mine = records.get(f"persisted/{ph}/{digest}")
+        if mine is None:
+            return False
+        when = float(mine.get("committed", 0))
+        return all(
+            float(v.get("committed", 0)) <= when
+            for k, v in records.items()
+            if k != f"persisted/{ph}/{digest}" and not str(v.get("path", "")).count(".conflict-")
+        )
+
+    def _concurrent_contents(self, gen: Generation, ph: str, digest: str) -> dict[str, float]:
+        """Other contents of the path that other nodes saved within ``conflict_window`` of
+        ``gen`` and still hold as their newest: a replica group that disagrees. A node's older
+        generation that it saved again since (kept by retention, still announced) is a
+        re-save, not a disagreement, and so is every generation of this node."""
+        window = self.config.conflict_window
+        entries: list[tuple[str, str, float]] = []  # (node, digest, committed)
+        for key, v in self.membership.coord.scan(f"holders/{ph}/").items():
+            d = key.split("/")[2]
+            if d != "inflight":  # a copy still arriving, not a content
+                entries.append((str(v.get("node")), d, float(v.get("committed", 0))))
+        newest: dict[str, float] = {}
+        for node, _, committed in entries:
+            newest[node] = max(newest.get(node, 0.0), committed)
+        me = self.membership.node.node_id
+        return {
+            d: committed
+            for node, d, committed in entries
+            if d != digest and node != me and committed >= newest[node]
+            and abs(committed - gen.committed) < window
+        }  # fmt: skip
+
     def _conflict_target(self, gen: Generation, ph: str, digest: str) -> str:
         """Where this content goes: the path, or a sidecar when another content of the same
         save already owns it."""
         window = self.config.conflict_window
-        others: dict[str, float] = {}
-        for key, v in self.membership.coord.scan(f"holders/{ph}/").items():
-            d = key.split("/")[2]
-            if d == "inflight":
-                continue  # a copy still arriving, not a content
-            if d != digest and abs(float(v.get("committed", 0)) - gen.committed) < window:
-                others[d] = float(v.get("committed", 0))
+        others = self._concurrent_contents(gen, ph, digest)
         if not others:
             return gen.path
         if not gen.conflict:
@@ -119,7 +152,7 @@ class Election:
             log.error("digest disagreement on %s: this node holds %s, others hold %s",
                       gen.path, digest, sorted(others))  # fmt: skip
         persisted = self.membership.coord.scan(f"persisted/{ph}/")
-        if any(k.split("/")[2] != digest for k in persisted):
+        if any(k.split("/")[2] in others for k in persisted):  # a disagreeing content won
             return f"{gen.path}.conflict-{digest}"
         return gen.path
 
@@ -128,7 +161,8 @@ class Election:
         record is retried in the background (with backoff) until it answers: the object is
         already complete on storage, so nothing waits for it but the standbys."""
         ph, digest = path_hash(gen.namespace, gen.path), object_digest(gen.digests or [])
-        record = {"node": self.membership.node.node_id, "path": target, "time": time.time()}
+        record = {"node": self.membership.node.node_id, "path": target, "time": time.time(),
+                  "committed": gen.committed}  # fmt: skip
         try:
             self._record_persisted(ph, digest, record)
         except CoordinatorUnavailable as e:
@@ -156,10 +190,15 @@ class Election:
 
     def failed(self, gen: Generation) -> None:
         """Step down after giving up, so a standby can take over; keep watching the group."""
+        self.step_down(gen)
+        self.watch(gen, resubmit=False)
+
+    def step_down(self, gen: Generation) -> None:
+        """Give up the representative's keys of ``gen`` (superseded, dropped or failed):
+        held, they would keep every later save of the path from being persisted."""
         ph, digest = path_hash(gen.namespace, gen.path), object_digest(gen.digests or [])
         for key in (f"writer/{ph}", f"reps/{ph}/{digest}"):
             self.membership.withdraw(key)
-        self.watch(gen, resubmit=False)
 
     def replace_corrupt(self, gen: Generation) -> bool:
         """This node's copy of ``gen`` is corrupt: leave its redundancy group (so a standby
@@ -206,7 +245,7 @@ class Election:
             if not self.state.is_current(gen):
                 self._standby.pop(gen, None)
                 continue
-            if coord.get(f"persisted/{ph}/{digest}") is not None:
+            if self._stored(ph, digest):
                 self._standby.pop(gen, None)
                 self.mark_persisted(gen)
             elif not tag.startswith("!") and coord.get(f"reps/{ph}/{digest}") is None:

@@ -57,7 +57,7 @@ class Fetching:
             send_msg(conn, peer.encode(peer.RelayHead(
                 namespace=key[0], path=key[1], nbytes=served.nbytes,
                 manifest_offset=served.manifest_offset, manifest_size=served.manifest_size,
-                persisted=served.persisted,
+                persisted=served.persisted, committed=served.saved_at,
             )))  # fmt: skip
             relay_in_flight(conn, self.state, served)
             return
@@ -70,6 +70,7 @@ class Fetching:
                 manifest_offset=header.manifest_offset, manifest_size=header.manifest_size,
                 generation=gen.number, manifest=gen.manifest.to_json().decode(),
                 skeleton_digest=header.skeleton_digest, persisted=gen.persisted,
+                committed=gen.content_time,
             )))  # fmt: skip
             send_object(conn, gen, lambda: self.ensure_digests(gen))
         finally:
@@ -97,9 +98,11 @@ class Fetching:
                 return self.receive(
                     namespace, path, head.nbytes, head.manifest_offset, head.manifest_size,
                     fill, origin=node.node_id, persisted=head.persisted,  # not written back
+                    content_time=head.committed,
                 )  # fmt: skip
             return receive_copy(conn.channel, head, self.receive, node.node_id, ready=False,
-                                started=started, persisted=head.persisted)  # fmt: skip
+                                started=started, persisted=head.persisted,
+                                content_time=head.committed)  # fmt: skip
 
     def report_corrupt(self, node: NodeInfo, namespace: str, path: str, detail: str) -> None:
         """Tell ``node`` its copy of ``path`` was corrupt (best effort)."""

@@ -47,6 +47,7 @@ class Ingest:
         persisted: bool = False,
         digests: Callable[[], list[int]] | None = None,
         saved_at: float | None = None,
+        content_time: float = 0.0,
     ) -> Generation:
         """Take a copy from a peer or storage: reserve, ``fill`` the bytes after the header,
         verify every digest against the table that came with them (``verify``) or compute the
@@ -57,17 +58,22 @@ class Ingest:
         are final: until the commit, peers asking for the same path are relayed those bytes
         as they land (see :attr:`CacheState.inflight`), so a broadcast is pipelined hop by hop.
         ``saved_at``: the origin's commit time of a backup copy; refused if the path was
-        deleted here since (checked before and after the transfer).
+        deleted here since (checked before and after the transfer). ``content_time``: when
+        the sender says a fetched copy's content was saved. The copy keeps the origin's time
+        as its commit time (what "newest wins" compares on storage and in memory), else the
+        time its read began (an upper bound).
         """
         state, saves, internal = self.state, self.saves, self.saves.internal
         self._refuse_deleted(namespace, path, saved_at)
         started = time.time()  # a copy of unknown age was saved before its read began
+        content = saved_at or content_time or started
         reply = saves.reserve(internal, m.ReserveRequest(namespace, path, nbytes))
         key = (namespace, path)
         commit = m.CommitRequest(reply.reservation, manifest_offset, manifest_size)
         with state.locked():
             segment = internal.reservations[reply.reservation].segment
-            flight = Inflight(segment, nbytes, manifest_offset, manifest_size, persisted=persisted)
+            flight = Inflight(segment, nbytes, manifest_offset, manifest_size, persisted=persisted,
+                              saved_at=content)  # fmt: skip
             state.inflight.setdefault(key, flight)
 
         def advance(n: int) -> None:
@@ -111,7 +117,7 @@ class Ingest:
             res.digests = table  # published with the generation: nobody hashes it again
             # Marked inside the commit, under the lock that publishes the generation: a
             # trainer's save of the same path committing meanwhile is never labelled a copy.
-            res.origin, res.saved_at = origin, saved_at or started
+            res.origin, res.saved_at = origin, content
             if persisted:
                 res.persist, res.stored = False, True
         try:

@@ -94,8 +94,9 @@ class PersistElection(Protocol):
     """Who writes a redundancy group's content (the cluster's persist election).
 
     Call order per generation: :meth:`claim`; then after a write :meth:`persisted` (success)
-    or :meth:`failed`; :meth:`replace_corrupt` when the bytes no longer match their digests;
-    :meth:`watch` for a standby.
+    or :meth:`failed`; :meth:`step_down` when a representative stops without writing
+    (superseded, dropped, an internal error); :meth:`replace_corrupt` when the bytes no longer
+    match their digests; :meth:`watch` for a standby.
     """
 
     def claim(self, gen: Generation) -> tuple[ClaimRole, str]:
@@ -109,6 +110,9 @@ class PersistElection(Protocol):
 
     def failed(self, gen: Generation) -> None:
         """Step down after giving up on ``gen``."""
+
+    def step_down(self, gen: Generation) -> None:
+        """Give up the representative's role for ``gen`` without writing it."""
 
     def replace_corrupt(self, gen: Generation) -> bool:
         """Fetch a good copy of ``gen`` from the group; returns whether one was found."""
@@ -193,6 +197,7 @@ class Persister:
                 log.exception("persist worker failed on %s", gen.path)
                 with self.state.locked():
                     gen.persist_state, gen.persist_error = PersistState.FAILED, "internal error"
+                self._step_down(gen)
             finally:
                 self.state.unpin(gen)
 
@@ -227,12 +232,14 @@ class Persister:
                 newest = self.state.index.newest(gen.key)
                 if newest is not None and newest.number > gen.number and newest.needs_persist:
                     gen.persist_state = PersistState.SUPERSEDED
-                if gen.persist_state in (
-                    PersistState.SUPERSEDED,
-                    PersistState.DROPPED,
-                ):  # also by a write-through
-                    self.state.notify()
-                    return
+                if gen.removed and gen.persist_state == PersistState.PERSISTING:
+                    gen.needs_persist, gen.persist_state = False, PersistState.DROPPED
+                    gen.persist_error = "removed from memory before it was persisted"
+                stop = gen.persist_state in (PersistState.SUPERSEDED, PersistState.DROPPED)
+            if stop:  # superseded (also by a write-through), deleted or dropped
+                self.state.notify()
+                self._step_down(gen)
+                return
             try:
                 self._copy(gen, backend, target)
             except (DirectoryRemoved, NewerObjectExists) as e:
@@ -271,6 +278,13 @@ class Persister:
         log.error("persist of %s generation %d failed for good: %s", gen.path, gen.number, error)
         if cluster is not None:
             cluster.failed(gen)
+
+    def _step_down(self, gen: Generation) -> None:
+        if self.election is not None:
+            try:
+                self.election.step_down(gen)
+            except CkptCacheError as e:  # the keys go with the lease
+                log.warning("could not step down for %s: %s", gen.path, e)
 
     def _give_up_stale(self, gen: Generation, why: OSError) -> None:
         """Never write: the user removed the directory, or storage holds a newer object."""

@@ -45,6 +45,7 @@ __all__ = ["BACKOFF_CAP", "MAX_PLANS", "Plan", "Sources", "execute", "load_remot
 log = logging.getLogger(__name__)
 
 MAX_PLANS = 64  # re-plans after failed executions (waits for a reader are not failures)
+MAX_ABSENT = 4  # "not here" answers after which a node's holder entry counts as stale
 BACKOFF_BASE = 0.004  # first wait for a reader to start (seconds, before jitter)
 BACKOFF_CAP = 0.1  # longest wait between two looks at the coordinator
 
@@ -87,6 +88,8 @@ class _Load:
     in_storage: bool | None = None  # asked once per load (a storage request, not the coordinator)
     waits: int = 0
     failures: int = 0
+    #: "Not here" answers per node: a holder entry can outlive its copy (retired meanwhile).
+    absent: dict[str, int] = field(default_factory=dict)
 
 
 def plan(src: Sources, load: _Load) -> Plan:
@@ -158,8 +161,15 @@ def _from_peer(src: Sources, load: _Load, node: NodeInfo) -> Generation | None:
             src.membership.announce(gen)  # before the in-flight key goes: always findable
         return gen
     except CheckpointNotFound:
-        _wait(src, load)  # announced but not receiving yet (or gone): look again
-        return None
+        # Between a copy's arrival and its commit a node answers "not here" for a moment;
+        # an entry that keeps answering it is stale (its copy was retired), and planning it
+        # again would spin until the deadline instead of trying others or storage.
+        load.absent[node.node_id] = load.absent.get(node.node_id, 0) + 1
+        if load.absent[node.node_id] < MAX_ABSENT:
+            _wait(src, load)
+            return None
+        log.warning("%s announces %s but does not hold it: not asking it again", node.node_id,
+                    load.path)  # fmt: skip
     except NewerHeld:
         raise
     except CorruptCheckpoint as e:

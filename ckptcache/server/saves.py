@@ -249,7 +249,9 @@ class Saves:
                 manifest_offset=header.manifest_offset, manifest_size=header.manifest_size,
                 digest_offset=header.digest_offset, n_storages=header.n_storages,
                 digest_state=DigestState.PENDING, created_ns=header.created_ns,
-                committed_ns=time.time_ns(),
+                # A copy keeps its content's time: a later persist of it must not look newer
+                # than what was saved after it elsewhere.
+                committed_ns=int(res.saved_at * 1e9) if res.origin else time.time_ns(),
             )  # fmt: skip
             if res.saver is not None:
                 ownership.write_record(segment, res.saver)

@@ -96,6 +96,8 @@ class Inflight:
     #: The bytes are those stored at the path (read from storage, or from a copy that was):
     #: whoever receives them by relay has a persisted copy too.
     persisted: bool = False
+    #: When the content was saved (see :attr:`Reservation.saved_at`; 0: unknown).
+    saved_at: float = 0.0
 
 
 @dataclass(eq=False)
@@ -177,8 +179,10 @@ class CacheState:
 
     def pin_locked(self, gen: Generation) -> None:
         """Keep ``gen``'s segment alive; :class:`CheckpointNotFound` once ``gen`` has left the
-        index (its segment may already hold another object)."""
-        if gen.removed:
+        index and its segment was freed (it may already hold another object). A generation
+        retired while pinned keeps its segment until the last pin goes: the holder of a pin
+        (a persist in flight) may take another."""
+        if gen.removed and not gen.retired:
             raise self.not_found(gen.namespace, gen.path, gen.number)
         gen.pins += 1
 

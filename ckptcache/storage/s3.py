@@ -114,6 +114,7 @@ class S3Backend(StorageBackend):
         try:
             with ThreadPoolExecutor(self.options.s3_max_concurrency) as pool:
                 parts = list(pool.map(lambda r: put(*r), ranges))
+            self._check_not_newer(path, commit_ns)  # again: a write may have landed meanwhile
             self._call("complete multipart upload", self.client.complete_multipart_upload,
                        Bucket=bucket, Key=key, UploadId=upload,
                        MultipartUpload={"Parts": parts})  # fmt: skip
@@ -172,6 +173,7 @@ class S3Backend(StorageBackend):
             if pending:
                 flush()
             parts = [f.result() for f in futures]
+            self._check_not_newer(path, commit_ns)  # again: a write may have landed meanwhile
             self._call("complete multipart upload", self.client.complete_multipart_upload,
                        Bucket=bucket, Key=key, UploadId=upload[0],
                        MultipartUpload={"Parts": parts})  # fmt: skip
@@ -198,13 +200,21 @@ class S3Backend(StorageBackend):
         """Refuse to replace a newer object; the metadata recording ``commit_ns``."""
         if commit_ns is None:
             return {}
+        self._check_not_newer(path, commit_ns)
+        return {COMMIT_NS_KEY: str(commit_ns)}
+
+    def _check_not_newer(self, path: str, commit_ns: int | None) -> None:
+        """:class:`NewerObjectExists` if storage holds an object committed after ``commit_ns``
+        (checked before an upload starts and again right before it completes, as the file
+        backend checks before its rename: a multipart upload can take minutes)."""
+        if commit_ns is None:
+            return
         existing = self.commit_time_ns(path)
         if existing is not None and existing > commit_ns:
             raise NewerObjectExists(
                 f"{path} is newer on storage ({existing} ns) than this generation "
                 f"(committed {commit_ns} ns)"
             )
-        return {COMMIT_NS_KEY: str(commit_ns)}
 
     def commit_time_ns(self, path: str) -> int | None:
         bucket, key = split_s3_url(path)

@@ -130,6 +130,8 @@ class ObjectHead:
     skeleton_digest: int
     #: The sender's copy is the one stored at the path: the receiver's is persisted too.
     persisted: bool = False
+    #: When its content was saved (wall clock, s; 0: unknown): the receiver's copy keeps it.
+    committed: float = 0.0
 
     def __post_init__(self) -> None:
         _non_negative(self, "nbytes", "manifest_offset", "manifest_size", "skeleton_digest")
@@ -147,6 +149,8 @@ class RelayHead:
     #: The bytes are those stored at the path (read from storage, or relayed from a copy
     #: that was): the receiver's copy is persisted too.
     persisted: bool = False
+    #: When its content was saved (wall clock, s; 0: unknown).
+    committed: float = 0.0
 
     def __post_init__(self) -> None:
         _non_negative(self, "nbytes", "manifest_offset", "manifest_size")

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import os
 import tempfile
+import time
 import uuid
 
 import pytest
 
 from ckptcache.storage import StorageBackend, StorageOptions, backend_for
-from ckptcache.storage.base import NewerObjectExists
+from ckptcache.storage.base import COMMIT_NS_KEY, NewerObjectExists
 from ckptcache.storage.fs import TEMP_MARK
 from tests.helpers import read_only_dir
 
@@ -228,5 +229,33 @@ class TestS3(Conformance):
             os.unlink(name)
         self.backend.cleanup(self.url("partial.pt"))
         assert not self.backend.exists(self.url("partial.pt"))
+        uploads = self.client.list_multipart_uploads(Bucket=self.bucket).get("Uploads", [])
+        assert uploads == []
+
+    def test_a_newer_write_landing_during_a_multipart_upload_is_kept(self):
+        """The commit-time check runs again right before the upload completes: a newer
+        object written meanwhile (a write-through) is not replaced by the older upload."""
+        data = os.urandom(11 << 20)
+        url, t = self.url("raced.pt"), time.time_ns()
+        upload_part = self.backend.client.upload_part
+        newer = {COMMIT_NS_KEY: str(t + 1)}
+
+        def part_then_newer_write(**kwargs):
+            reply = upload_part(**kwargs)
+            if kwargs["PartNumber"] == 1:  # while the upload runs, a newer save lands
+                self.backend.write_bytes(url, b"newer", metadata=newer)
+            return reply
+
+        self.backend.client.upload_part = part_then_newer_write
+        fd, name = source_file(data)
+        try:
+            with pytest.raises(NewerObjectExists):
+                self.backend.write(url, fd, 100, len(data), commit_ns=t)
+        finally:
+            os.close(fd)
+            os.unlink(name)
+            del self.backend.client.upload_part
+        with self.backend.open_read(url) as f:
+            assert f.read() == b"newer"
         uploads = self.client.list_multipart_uploads(Bucket=self.bucket).get("Uploads", [])
         assert uploads == []

@@ -186,3 +186,23 @@ def test_an_older_push_is_acknowledged_only_by_a_newer_save_of_the_same_content(
     other, table = _push_of(path, torch.full((100,), 6.0))
     with pytest.raises(NewerHeld):
         replication._same_content_held(other, NewerHeld("older", table))
+
+
+def test_a_copy_keeps_the_commit_time_of_its_content(make_core):
+    """What "newest wins" compares (a persist against storage, a restart's recovery) is when
+    the content was saved on its origin, not when the copy arrived here."""
+    core = make_core(pool_bytes=0)
+    path = "/mem/backup.pt"
+    plan, buf = object_bytes(path, torch.full((100,), 4.0))
+
+    def fill(view, advance):
+        view[:] = buf[HEADER_SIZE : HEADER_SIZE + len(view)]
+        advance(len(view))
+
+    saved_on_origin = 1_700_000_000.25
+    gen = core.ingest.receive(NS, path, plan.layout.nbytes, plan.layout.manifest_offset,
+                              len(plan.manifest_bytes), fill, "origin-node", verify=False,
+                              saved_at=saved_on_origin)  # fmt: skip
+    assert gen.committed_ns == int(saved_on_origin * 1e9)
+    assert gen.segment.read_header().committed_ns == gen.committed_ns
+    assert gen.content_time == saved_on_origin
