@@ -4,7 +4,8 @@ Serving (:meth:`Fetching.on_fetch`): a copy still arriving here is relayed as it
 (:class:`~ckptcache.wire.peer.RelayHead`), else the newest sound generation is sent, pinned
 (:class:`~ckptcache.wire.peer.ObjectHead`). Fetching (:meth:`Fetching.fetch_from`) receives
 either and commits it here. A fetched copy found corrupt is reported to its holder
-(:meth:`Fetching.report_corrupt` -> :meth:`Fetching.on_corrupt` there), which drops it.
+(:meth:`Fetching.report_corrupt` -> :meth:`Fetching.on_corrupt` there), which drops the
+generation it served.
 """
 
 from __future__ import annotations
@@ -12,7 +13,12 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
-from ckptcache.errors import CheckpointNotFound, CkptCacheError, ReplicationError
+from ckptcache.errors import (
+    CheckpointNotFound,
+    CkptCacheError,
+    CorruptCheckpoint,
+    ReplicationError,
+)
 from ckptcache.server.coord import NodeInfo
 from ckptcache.server.dataplane import Channel, recv_msg, send_msg
 from ckptcache.server.index import Generation
@@ -100,22 +106,31 @@ class Fetching:
                     fill, origin=node.node_id, persisted=head.persisted,  # not written back
                     content_time=head.committed,
                 )  # fmt: skip
-            return receive_copy(conn.channel, head, self.receive, node.node_id, ready=False,
-                                started=started, persisted=head.persisted,
-                                content_time=head.committed)  # fmt: skip
+            try:
+                return receive_copy(conn.channel, head, self.receive, node.node_id,
+                                    ready=False, started=started, persisted=head.persisted,
+                                    content_time=head.committed)  # fmt: skip
+            except CorruptCheckpoint as e:
+                self.report_corrupt(node, namespace, path, str(e), head.generation)
+                raise
 
-    def report_corrupt(self, node: NodeInfo, namespace: str, path: str, detail: str) -> None:
-        """Tell ``node`` its copy of ``path`` was corrupt (best effort)."""
+    def report_corrupt(
+        self, node: NodeInfo, namespace: str, path: str, detail: str, generation: int
+    ) -> None:
+        """Tell ``node`` its ``generation`` of ``path`` was corrupt (best effort)."""
+        report = peer.CorruptReport(namespace, path, detail, generation)
         try:
             with self.membership.dial(node, timeout=10) as conn:
-                send_msg(conn.channel, peer.encode(peer.CorruptReport(namespace, path, detail)))
+                send_msg(conn.channel, peer.encode(report))
                 recv_msg(conn.channel)
         except (OSError, CkptCacheError):
             pass
 
     def on_corrupt(self, conn: Channel, req: peer.CorruptReport) -> None:
         """Handler of :class:`~ckptcache.wire.peer.CorruptReport`: drop the copy served."""
-        gen = self.state.find(req.namespace, req.path)
-        if gen is not None:
-            self.drop_corrupt(gen.namespace, gen.path, gen.number, f"peer found: {req.detail}")
+        # Only the generation that was served: a newer one saved since is another content
+        # (dropping it would lose the newest save); a relay's bytes were checked where they
+        # landed here.
+        if req.generation:
+            self.drop_corrupt(req.namespace, req.path, req.generation, f"peer found: {req.detail}")
         send_msg(conn, peer.encode(peer.Ack()))

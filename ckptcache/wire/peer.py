@@ -84,12 +84,14 @@ class FetchRequest:
 
 @dataclass(frozen=True)
 class CorruptReport:
-    """Tell a peer that the copy it served was corrupt (it drops it)."""
+    """Tell a peer that the copy it served was corrupt (it drops that generation)."""
 
     OP: ClassVar[str] = "corrupt"
     namespace: str
     path: str
     detail: str = ""
+    #: The generation served (0: a relayed copy, verified again where it lands).
+    generation: int = 0
 
 
 PeerRequest = PushRequest | FetchRequest | CorruptReport

@@ -11,10 +11,12 @@ import time
 
 import torch
 
+from ckptcache.server import fetching as fetching_module
 from ckptcache.server import membership as membership_module
 from ckptcache.server.coord.embedded import EmbeddedCoordinator
 from ckptcache.server.membership import path_hash
 from ckptcache.wire import messages as m
+from ckptcache.wire import peer
 from ckptcache.wire.states import ClaimRole, PersistState
 from tests.helpers import wait_until
 from tests.unit.conftest import NS, save_object
@@ -115,3 +117,21 @@ def test_a_stale_holder_entry_does_not_stall_a_load(make_core, tmp_path, monkeyp
     assert reply.tier == "storage"
     gen = loader.state.index.newest((NS, path))
     assert gen is not None and gen.origin == "storage"
+
+
+def test_a_corruption_report_drops_only_the_generation_served(make_core, monkeypatch):
+    """A peer found generation 1 corrupt while this node committed generation 2: only
+    generation 1 goes (the newest save is another content); a report on a relayed copy
+    (no generation) drops nothing here."""
+    core = make_core(listen="127.0.0.1:0", secret="s" * 32, pool_bytes=0)
+    session = core.saves.open_session(1, os.getuid())
+    path = "/mem/c.pt"
+    for value in (1.0, 2.0):
+        save_object(core, session, path, torch.full((64,), value))
+    monkeypatch.setattr(fetching_module, "send_msg", lambda conn, message: None)
+    fetching = core.cluster.fetching  # type: ignore[union-attr]
+
+    fetching.on_corrupt(None, peer.CorruptReport(NS, path, "relayed", generation=0))
+    assert [g.number for g in core.state.index.generations((NS, path))] == [1, 2]
+    fetching.on_corrupt(None, peer.CorruptReport(NS, path, "digest mismatch", generation=1))
+    assert [g.number for g in core.state.index.generations((NS, path))] == [2]
