@@ -9,6 +9,7 @@ import os
 import threading
 import time
 
+import pytest
 import torch
 
 from ckptcache.server import fetching as fetching_module
@@ -27,6 +28,15 @@ def _cluster_core(make_core, root: str, **options):
                      pool_bytes=0, **options)  # fmt: skip
 
 
+@pytest.fixture
+def node(make_core, tmp_path):
+    """A cluster node with a persist root: (core, a session, the root)."""
+    root = str(tmp_path / "store")
+    os.makedirs(root)
+    core = _cluster_core(make_core, root)
+    return core, core.saves.open_session(1, os.getuid()), root
+
+
 def _persisted(core, path: str, number: int) -> bool:
     gen = core.state.index.get((NS, path), number)
     return gen is not None and gen.persist_state == PersistState.PERSISTED
@@ -36,37 +46,31 @@ def _stored(path: str) -> float:
     return float(torch.load(path)["w"][0])
 
 
-def test_saving_a_path_again_is_not_a_disagreement(make_core, tmp_path):
-    root = str(tmp_path / "store")
-    os.makedirs(root)
-    core = _cluster_core(make_core, root)
-    session = core.saves.open_session(1, os.getuid())
+def _save_persisted(core, session, path: str, value: float) -> None:
+    saved = save_object(core, session, path, torch.full((64,), value))
+    wait_until(lambda: _persisted(core, path, saved.generation), what="persisted")
+
+
+def test_saving_a_path_again_is_not_a_disagreement(node):
+    core, session, root = node
     path = f"{root}/m.pt"
     for value in (1.0, 2.0):  # well within the conflict window of 60 s
-        saved = save_object(core, session, path, torch.full((64,), value))
-        wait_until(lambda n=saved.generation: _persisted(core, path, n), what="persisted")
+        _save_persisted(core, session, path, value)
     assert sorted(os.listdir(root)) == ["m.pt"]  # no .conflict- sidecar
     assert _stored(path) == 2.0
     assert core.state.index.newest((NS, path)).conflict == ""
 
 
-def test_content_saved_again_after_another_is_written_again(make_core, tmp_path):
-    root = str(tmp_path / "store")
-    os.makedirs(root)
-    core = _cluster_core(make_core, root)
-    session = core.saves.open_session(1, os.getuid())
+def test_content_saved_again_after_another_is_written_again(node):
+    core, session, root = node
     path = f"{root}/x.pt"
     for value in (1.0, 2.0, 1.0):  # X, Y, X: the record of X's first persist is stale
-        saved = save_object(core, session, path, torch.full((64,), value))
-        wait_until(lambda n=saved.generation: _persisted(core, path, n), what="persisted")
+        _save_persisted(core, session, path, value)
         assert _stored(path) == value
 
 
-def test_a_superseded_representative_hands_its_role_back(make_core, tmp_path):
-    root = str(tmp_path / "store")
-    os.makedirs(root)
-    core = _cluster_core(make_core, root)
-    session = core.saves.open_session(1, os.getuid())
+def test_a_superseded_representative_hands_its_role_back(node):
+    core, session, root = node
     path = f"{root}/r.pt"
     elected, go = threading.Event(), threading.Event()
     election = core.persister.election
