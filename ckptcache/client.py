@@ -115,9 +115,13 @@ def _make_inert(conn: Any) -> None:
 
     rpyc closes a connection when it is dropped (``__del__``): a close request sent on the
     socket the parent still uses, then ``shutdown``, which cuts it for both processes. Marked
-    closed, it is only freed: the socket's descriptor is closed in this process alone."""
+    closed, it is only freed: the socket's descriptor is closed in this process alone. Its
+    proxies (the daemon's root object) send a release of the remote object when they are
+    collected, whatever the connection's state: that would free the parent's root in the
+    daemon, so nothing is ever sent on it from here."""
     if conn is not None:
         conn._closed = True
+        conn._send = lambda *args, **kwargs: None
 
 
 class Client:

@@ -39,6 +39,9 @@ def test_child_forked_while_the_client_lock_is_held(client, tmp_path):
     parent = str(tmp_path / "parent.pt")
     client.save({"w": torch.arange(8.0)}, parent)
     child = str(tmp_path / "child.pt")
+    # What the child inherits of the parent's connection: the connection and its root proxy
+    # (the daemon's service object), whose collection asks the daemon to release the object.
+    inherited = [client._conn, client._conn.root]
 
     def body() -> None:
         assert client.exists(parent)  # the inherited client
@@ -49,6 +52,13 @@ def test_child_forked_while_the_client_lock_is_held(client, tmp_path):
         ckptcache.api.set_default_client(None)  # closes the child's clients...
         client.close()
         gc.collect()  # frees the parent's connection object here (rpyc closes it when freed)
+        # Collected as a cycle, the connection and its root proxy are finalised in either
+        # order; the proxy first, while the connection lives, asks the daemon to release the
+        # parent's root object. Here, that order on purpose.
+        conn, _ = inherited
+        conn._remote_root = None
+        inherited.pop()
+        gc.collect()
 
     with copies_held(client):  # what a save in flight does for the length of its copy
         code = run_in_child(body, tmp_path / "child.log")
