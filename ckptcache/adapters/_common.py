@@ -54,14 +54,24 @@ def check_commit_waits(value: str) -> str:
 
 
 def settle(client: ckptcache.Client | None, paths: list[str], commit_waits: str) -> None:
-    """Wait for what ``commit_waits`` promises about ``paths`` (see :data:`COMMIT_WAITS`)."""
-    if commit_waits == "persisted":
-        for p in paths:
-            wait_persisted(client, p)
-    elif commit_waits == "files":
-        c = client_of(client)
-        for p in paths:
-            ensure_on_disk(c, c.status(p))
+    """Wait for what ``commit_waits`` promises about ``paths`` (see :data:`COMMIT_WAITS`).
+
+    A save the client wrote through to storage because no daemon was reachable (its
+    ``fallback="write-through"``) already is the file both promises are about: no daemon is
+    needed to confirm it, so a missing daemon stops no training unless the client was asked to
+    raise (``CKPTCACHE_REQUIRE=1``)."""
+    if commit_waits == "local":
+        return
+    c = client_of(client)
+    for p in paths:
+        try:
+            if commit_waits == "persisted":
+                wait_persisted(c, p)
+            else:
+                ensure_on_disk(c, c.status(p))
+        except DaemonUnavailable:
+            if c.fallback == "raise" or not c.exists(p):
+                raise
 
 
 def client_of(client: ckptcache.Client | None) -> ckptcache.Client:
