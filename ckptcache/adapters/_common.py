@@ -18,6 +18,7 @@ import ckptcache.api
 from ckptcache import CheckpointNotFound, DaemonUnavailable
 from ckptcache._atomic import atomic_write
 from ckptcache._health import cache_status
+from ckptcache.client import normalize_path
 from ckptcache.wire.states import PersistState
 
 __all__ = [
@@ -156,7 +157,7 @@ def ensure_on_disk(client: ckptcache.Client, info: ckptcache.ObjectStatus) -> No
 
 def cached_under(client: ckptcache.Client, directory: str) -> list[ckptcache.ObjectStatus]:
     """Newest cached generation of every object below ``directory`` (none without a daemon)."""
-    prefix = os.path.join(os.path.abspath(directory), "")
+    prefix = os.path.join(normalize_path(directory), "")
     try:
         return client.list(prefix)
     except DaemonUnavailable:

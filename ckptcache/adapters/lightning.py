@@ -20,12 +20,49 @@ from __future__ import annotations
 
 import importlib
 import os
+import shutil
 from typing import Any
 
 import ckptcache
 from ckptcache.adapters import _common
+from ckptcache.client import normalize_path
+from ckptcache.storage import backend_for
 
 __all__ = ["CkptCacheIO", "PLCkptCacheIO"]  # noqa: F822 - built lazily by __getattr__
+
+
+def _storage_as_loaded(storage: Any, location: str) -> Any:
+    """Lightning's default ``map_location``: every storage stays where it was loaded, on
+    the CPU (a checkpoint saved on GPUs loads on a machine without one)."""
+    return storage
+
+
+def _is_url(path: str) -> bool:
+    return "://" in path
+
+
+def _remove_stored(path: str) -> None:
+    """What ``TorchCheckpointIO.remove_checkpoint`` does: remove ``path`` from its file system,
+    recursively (a directory checkpoint, e.g. ``DeepSpeedStrategy``'s), if it exists. URLs go
+    through fsspec as Lightning's do, or the cache's own storage backend (one object) where
+    fsspec has no implementation installed for the scheme."""
+    if not _is_url(path):
+        if os.path.isdir(path) and not os.path.islink(path):
+            shutil.rmtree(path)
+        elif os.path.lexists(path):
+            os.unlink(path)
+        return
+    try:
+        from fsspec.core import url_to_fs
+
+        fs, _ = url_to_fs(path)
+    except (ImportError, ValueError):
+        backend = backend_for(path)
+        if backend.exists(path):
+            backend.delete(path)
+        return
+    if fs.exists(path):
+        fs.rm(path, recursive=True)
 
 
 class _CacheIOMixin:
@@ -47,15 +84,20 @@ class _CacheIOMixin:
         """Hand ``checkpoint`` to the cache under ``path`` (returns after the memcpy)."""
         if storage_options is not None:
             raise TypeError(f"{type(self).__name__} takes no storage_options")
-        path = os.fspath(path)
-        # The daemon persists into this directory; Lightning expects it to exist afterwards.
-        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        path = normalize_path(path)
+        if not _is_url(path):
+            # The daemon persists into this directory; Lightning expects it to exist afterwards.
+            os.makedirs(os.path.dirname(path), exist_ok=True)
         self.client.save(checkpoint, path, durability=self.durability)
 
     def load_checkpoint(
-        self, path: Any, map_location: Any | None = None, weights_only: bool | None = None
+        self,
+        path: Any,
+        map_location: Any | None = _storage_as_loaded,
+        weights_only: bool | None = None,
     ) -> dict[str, Any]:
-        """Load ``path`` from memory, else from the file; ``weights_only=None`` is torch's
+        """Load ``path`` from memory, else from the file. As ``TorchCheckpointIO``: by default
+        every tensor loads to the CPU, wherever it was saved; ``weights_only=None`` is torch's
         default (``True``), as for Lightning's own local loads."""
         if not self.client.exists(os.fspath(path)):
             raise FileNotFoundError(f"Checkpoint file not found: {path}")
@@ -66,23 +108,26 @@ class _CacheIOMixin:
         )
 
     def remove_checkpoint(self, path: Any) -> None:
-        """Drop ``path`` from the cache and from storage (``ModelCheckpoint``'s top-k pruning).
+        """Drop ``path`` from the cache and from storage (``ModelCheckpoint``'s top-k pruning),
+        as ``TorchCheckpointIO`` does: recursively for a directory checkpoint (every object
+        the cache holds below it too), URLs kept as URLs.
 
         An object whose persist is still running is waited for first: deleting the file
         while the daemon writes it would let the daemon's rename bring it back.
         """
-        path = os.path.abspath(os.fspath(path))
-        info = _common.cached_status(self.client, path)
-        pending = info is not None and not _common.is_persisted(info)
-        if _common.in_memory(info) and pending and not _common.is_memory_only(info):  # type: ignore[arg-type]
-            try:
-                _common.wait_persisted(self._client, path)
-            except ckptcache.CheckpointDeleted:
-                pass  # its directory is already gone: nothing will come back
-        if _common.in_memory(info):
-            self.client.delete(path)
-        if os.path.exists(path):
-            os.unlink(path)
+        path = normalize_path(path)
+        client = self.client
+        info = _common.cached_status(client, path)
+        held = [info] if info is not None and _common.in_memory(info) else []
+        held += _common.cached_under(client, path)  # a directory checkpoint's files
+        for obj in held:
+            if not _common.is_persisted(obj) and not _common.is_memory_only(obj):
+                try:
+                    _common.wait_persisted(client, obj.path)
+                except ckptcache.CheckpointDeleted:
+                    pass  # its directory is already gone: nothing will come back
+            client.delete(obj.path)
+        _remove_stored(path)
 
 
 def _plugin(base_module: str, name: str) -> type:

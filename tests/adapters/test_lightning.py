@@ -43,3 +43,57 @@ def test_remove_checkpoint_drops_cache_and_file(daemon_factory, tmp_path, monkey
     assert not path.exists() and not io.client.exists(path)
     with pytest.raises(FileNotFoundError):
         io.load_checkpoint(path)
+
+
+def test_remove_checkpoint_of_a_directory_removes_it_whole(daemon_factory, tmp_path):
+    """A directory checkpoint (DeepSpeedStrategy's ``<name>.ckpt/checkpoint/...``) is removed
+    recursively, as TorchCheckpointIO does, and the objects the cache holds below it go too."""
+    from ckptcache.adapters.lightning import CkptCacheIO
+
+    d = daemon_factory("--persist-root", str(tmp_path))
+    io = CkptCacheIO(client=d.client())
+    ck = tmp_path / "epoch=0-step=2.ckpt"
+    (ck / "checkpoint").mkdir(parents=True)
+    (ck / "latest").write_text("checkpoint")
+    model = ck / "checkpoint" / "mp_rank_00_model_states.pt"
+    io.client.save({"w": torch.ones(3)}, model)
+    io.remove_checkpoint(ck)
+    assert not ck.exists()
+    assert not io.client.exists(model) and io.client.list(str(ck)) == []
+
+
+def test_url_checkpoints_stay_urls(daemon, s3_bucket, s3_server, tmp_path, monkeypatch):
+    """An ``s3://`` path is a URL end to end: no ``./s3:/<bucket>`` directory appears, and
+    removal drops the cached object and the stored one."""
+    from ckptcache.adapters.lightning import CkptCacheIO
+
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    monkeypatch.chdir(cwd)
+    io = CkptCacheIO(client=daemon.client())
+    path = f"s3://{s3_bucket}/run/epoch=0.ckpt"
+    io.save_checkpoint({"w": torch.ones(3)}, path)
+    assert list(cwd.iterdir()) == []
+    assert torch.equal(io.load_checkpoint(path)["w"], torch.ones(3))
+    io.remove_checkpoint(path)
+    assert not io.client.exists(path)
+    s3 = s3_server.client()
+    s3.put_object(Bucket=s3_bucket, Key="run/stored.ckpt", Body=b"stored")  # type: ignore[attr-defined]
+    io.remove_checkpoint(f"s3://{s3_bucket}/run/stored.ckpt")
+    listed = s3.list_objects_v2(Bucket=s3_bucket, Prefix="run/")  # type: ignore[attr-defined]
+    assert listed.get("KeyCount") == 0
+    assert list(cwd.iterdir()) == []
+
+
+def test_load_checkpoint_maps_to_the_cpu_by_default(client, tmp_path, monkeypatch):
+    """As TorchCheckpointIO (``map_location=lambda storage, loc: storage``): a checkpoint whose
+    tensors were saved on a GPU loads onto the CPU, on a machine with or without one."""
+    from ckptcache.adapters.lightning import CkptCacheIO
+
+    io = CkptCacheIO(client=client)
+    path = tmp_path / "gpu.ckpt"
+    with monkeypatch.context() as m:  # saved as if from cuda:0
+        m.setattr(torch.serialization, "location_tag", lambda storage: "cuda:0")
+        io.save_checkpoint({"w": torch.arange(4.0)}, path)
+    out = io.load_checkpoint(path)
+    assert out["w"].device == torch.device("cpu") and torch.equal(out["w"], torch.arange(4.0))
