@@ -14,6 +14,15 @@ persisted by the daemon) and the read (memory first, then the file). ``CkptCache
 
 ``ckpt_path="last"`` makes Lightning list the checkpoint directory, which only shows persisted
 files: pass the path explicitly to resume before persistence has finished.
+
+``ModelCheckpoint`` picks a free name (``m.ckpt``, then ``m-v1.ckpt``, ...) by checking which
+files exist, and a checkpoint not yet persisted is no file: with a ``filename`` that names no
+epoch or step, kept checkpoints would overwrite each other. ``CkptCacheModelCheckpoint``
+(``PLCkptCacheModelCheckpoint``), a ``ModelCheckpoint`` with the same arguments, also asks the
+cache::
+
+    trainer = lightning.Trainer(..., plugins=[CkptCacheIO()],
+                                callbacks=[CkptCacheModelCheckpoint(filename="m", save_top_k=3)])
 """
 
 from __future__ import annotations
@@ -28,7 +37,12 @@ from ckptcache.adapters import _common
 from ckptcache.client import normalize_path
 from ckptcache.storage import backend_for
 
-__all__ = ["CkptCacheIO", "PLCkptCacheIO"]  # noqa: F822 - built lazily by __getattr__
+__all__ = [  # noqa: F822 - built lazily by __getattr__
+    "CkptCacheIO",
+    "CkptCacheModelCheckpoint",
+    "PLCkptCacheIO",
+    "PLCkptCacheModelCheckpoint",
+]
 
 
 def _storage_as_loaded(storage: Any, location: str) -> Any:
@@ -130,19 +144,54 @@ class _CacheIOMixin:
         _remove_stored(path)
 
 
+class _CacheAwareCheckpointMixin:
+    """``ModelCheckpoint`` whose file-name choice also sees the checkpoints the cache holds and
+    has not persisted yet (``ModelCheckpoint`` picks ``m.ckpt``, ``m-v1.ckpt``, ... by checking
+    which names exist; without this, a name whose file is not written yet looks free and a
+    later save takes it, overwriting a kept top-k checkpoint)."""
+
+    def file_exists(self, filepath: Any, trainer: Any) -> bool:
+        """Lightning's check (rank 0's file system, reduced over the ranks), then rank 0's
+        cache: the same collectives, in the same order, on every rank."""
+        if super().file_exists(filepath, trainer):  # type: ignore[misc]
+            return True
+        held = bool(trainer.is_global_zero) and _client_of_trainer(trainer).exists(
+            os.fspath(filepath)
+        )
+        return bool(trainer.strategy.reduce_boolean_decision(held, all=False))
+
+
+def _client_of_trainer(trainer: Any) -> ckptcache.Client:
+    """The client of the trainer's ``CkptCacheIO`` plugin, else the process's default."""
+    io = getattr(getattr(trainer, "strategy", None), "checkpoint_io", None)
+    return io.client if isinstance(io, _CacheIOMixin) else _common.client_of(None)
+
+
 def _plugin(base_module: str, name: str) -> type:
     base = importlib.import_module(base_module).CheckpointIO
     doc = f"{_CacheIOMixin.__doc__}\n\nA ``{base_module}.CheckpointIO``."
     return type(name, (_CacheIOMixin, base), {"__doc__": doc, "__module__": __name__})
 
 
+def _callback(base_module: str, name: str) -> type:
+    base = importlib.import_module(base_module).ModelCheckpoint
+    doc = f"{_CacheAwareCheckpointMixin.__doc__}\n\nA ``{base_module}.ModelCheckpoint``."
+    return type(name, (_CacheAwareCheckpointMixin, base), {"__doc__": doc, "__module__": __name__})
+
+
+_LAZY = {
+    "CkptCacheIO": (_plugin, "lightning.fabric.plugins"),
+    "PLCkptCacheIO": (_plugin, "lightning_fabric.plugins"),
+    "CkptCacheModelCheckpoint": (_callback, "lightning.pytorch.callbacks"),
+    "PLCkptCacheModelCheckpoint": (_callback, "pytorch_lightning.callbacks"),
+}
+
+
 def __getattr__(name: str) -> Any:
     # Built on first use so that importing this module needs only the flavour you use.
-    if name == "CkptCacheIO":
-        cls = _plugin("lightning.fabric.plugins", name)
-    elif name == "PLCkptCacheIO":
-        cls = _plugin("lightning_fabric.plugins", name)
-    else:
+    if name not in _LAZY:
         raise AttributeError(name)
+    build, module = _LAZY[name]
+    cls = build(module, name)
     globals()[name] = cls
     return cls

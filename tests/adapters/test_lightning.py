@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -97,3 +99,41 @@ def test_load_checkpoint_maps_to_the_cpu_by_default(client, tmp_path, monkeypatc
         io.save_checkpoint({"w": torch.arange(4.0)}, path)
     out = io.load_checkpoint(path)
     assert out["w"].device == torch.device("cpu") and torch.equal(out["w"], torch.arange(4.0))
+
+
+@pytest.mark.parametrize("aware", [False, True], ids=["stock", "cache-aware"])
+def test_model_checkpoint_names_see_cached_checkpoints(client, tmp_path, aware):
+    """Top-3 by a monitored metric, a filename without epoch or step, nothing persisted (a
+    memory-only daemon): the stock ModelCheckpoint sees no file and saves every epoch as
+    m.ckpt, overwriting the checkpoints it means to keep; CkptCacheModelCheckpoint also asks
+    the cache and picks m-v1.ckpt, m-v2.ckpt, as the stock one does when the files exist."""
+    from lightning.pytorch import Trainer
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from lightning.pytorch.demos.boring_classes import BoringModel
+
+    from ckptcache.adapters.lightning import CkptCacheIO, CkptCacheModelCheckpoint
+
+    class Model(BoringModel):
+        def training_step(self, batch, batch_idx):
+            out = super().training_step(batch, batch_idx)
+            self.log("train_loss", out["loss"], on_step=False, on_epoch=True)
+            return out
+
+    ck = tmp_path / "ck"
+    cls = CkptCacheModelCheckpoint if aware else ModelCheckpoint
+    callback = cls(dirpath=ck, filename="m", monitor="train_loss", save_top_k=3)
+    trainer = Trainer(
+        max_epochs=3, limit_train_batches=2, limit_val_batches=0, logger=False,
+        enable_progress_bar=False, enable_model_summary=False, callbacks=[callback],
+        plugins=[CkptCacheIO(client=client)], accelerator="cpu", devices=1,
+    )  # fmt: skip
+    trainer.fit(Model())
+    names = sorted(Path(o.path).name for o in client.list(str(ck)))
+    assert not list(ck.glob("*.ckpt"))  # nothing is a file: the names came from the cache
+    if aware:
+        assert names == ["m-v1.ckpt", "m-v2.ckpt", "m.ckpt"]
+        assert sorted(Path(p).name for p in callback.best_k_models) == names
+        steps = sorted(client.load(ck / n, weights_only=False)["global_step"] for n in names)
+        assert steps == [2, 4, 6]  # three checkpoints kept, none overwritten
+    else:
+        assert names == ["m.ckpt"]  # one name, overwritten each epoch
