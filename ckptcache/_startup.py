@@ -7,16 +7,19 @@ and imports nothing of ckptcache (nor torch).
 
 When the variable is on, :func:`install` puts a one-shot finder at the front of
 ``sys.meta_path``. It does nothing until ``deepspeed`` is imported (by the user's script, by
-Lightning's ``DeepSpeedStrategy``, by the HF ``Trainer``); once DeepSpeed's ``__init__`` has
-run, it calls :func:`ckptcache.adapters.deepspeed.enable_from_env`, which hooks DeepSpeed's
-checkpoint-engine factory and ``load_checkpoint`` exactly as ``enable()`` does. A process that
-never imports DeepSpeed never imports torch on ckptcache's account either.
+Lightning's ``DeepSpeedStrategy``, by the HF ``Trainer``; a lookup alone, such as the
+``importlib.util.find_spec("deepspeed")`` those run first, leaves it in place); once
+DeepSpeed's ``__init__`` has run, it calls
+:func:`ckptcache.adapters.deepspeed.enable_from_env`, which hooks DeepSpeed's checkpoint-engine
+factory and ``load_checkpoint`` exactly as ``enable()`` does, and leaves ``sys.meta_path``. A
+process that never imports DeepSpeed never imports torch on ckptcache's account either.
 
 ``python -S`` (no ``site``) skips every ``.pth`` file: there, call ``enable()`` in code.
 """
 
 from __future__ import annotations
 
+import _thread
 import os
 import sys
 from typing import TYPE_CHECKING, Any
@@ -60,27 +63,48 @@ class _AfterImport:
     """Runs ``callback(module)`` right after the module ``name`` has executed, once.
 
     A ``sys.meta_path`` finder (the protocol is one method) that finds nothing itself: it asks
-    the finders behind it for the spec and wraps the loader.
+    the finders behind it for the spec and wraps the loader. It stays in place until the
+    wrapped loader has run the module and the callback: a mere lookup
+    (``importlib.util.find_spec(name)``, as HF ``transformers``/``accelerate`` probe for
+    DeepSpeed before they import it) must not use it up. A per-thread flag keeps the lookup
+    of the finders behind it from coming back here.
     """
 
     def __init__(self, name: str, callback: Callable[[ModuleType], None]):
         self.name = name
         self.callback = callback
+        self._busy: set[int] = set()  # threads inside find_spec
 
     def find_spec(
         self, fullname: str, path: Sequence[str] | None, target: ModuleType | None = None
     ) -> ModuleSpec | None:
         if fullname != self.name:
             return None
-        sys.meta_path.remove(self)  # one-shot, and never recursive
-        for finder in sys.meta_path:
-            find = getattr(finder, "find_spec", None)
-            spec = find(fullname, path, target) if find is not None else None
-            if spec is not None:
-                if spec.loader is not None and hasattr(spec.loader, "exec_module"):
-                    spec.loader = _Loader(spec.loader, self.callback)
-                return spec
-        return None
+        me = _thread.get_ident()
+        if me in self._busy:
+            return None  # a finder behind us looked the name up again
+        self._busy.add(me)
+        try:
+            for finder in list(sys.meta_path):
+                if finder is self:
+                    continue
+                find = getattr(finder, "find_spec", None)
+                spec = find(fullname, path, target) if find is not None else None
+                if spec is not None:
+                    if spec.loader is not None and hasattr(spec.loader, "exec_module"):
+                        spec.loader = _Loader(spec.loader, self._ran)
+                    return spec
+            return None
+        finally:
+            self._busy.discard(me)
+
+    def _ran(self, module: ModuleType) -> None:
+        """The module was executed: the callback, then this finder is done."""
+        self.callback(module)
+        try:
+            sys.meta_path.remove(self)
+        except ValueError:
+            pass  # removed already (a second import of the module after a reload)
 
 
 class _Loader:

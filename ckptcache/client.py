@@ -605,6 +605,7 @@ class Client:
         try:
             return self._load_segment(reply, map_location, weights_only, mmap, verify)
         except CorruptCheckpoint as e:
+            usable = self._file_not_older_than(path, reply.generation)
             try:
                 self._call(
                     "report_corrupt",
@@ -612,9 +613,38 @@ class Client:
                 )
             except errors.CkptCacheError:
                 pass
-            if os.path.exists(path):
-                return self._load_file(path, map_location, weights_only, mmap, e, verify)
-            raise
+            if not os.path.exists(path):
+                raise
+            if not usable:
+                # An earlier save's file: returning it would silently go back in training.
+                raise CorruptCheckpoint(
+                    f"{e}; the file at {path!r} is older than this generation (an earlier "
+                    "save), so it is not loaded in its place",
+                    tensor=e.tensor, tier=e.tier,
+                ) from e  # fmt: skip
+            return self._load_file(path, map_location, weights_only, mmap, e, verify)
+
+    def _file_not_older_than(self, path: str, generation: int) -> bool:
+        """Whether the file at ``path`` holds generation ``generation`` or a later save, as
+        far as the daemon's record shows: persisted (the daemon never replaces a newer file),
+        or stamped no earlier than the commit (the daemon stamps what it persists with the
+        generation's commit time, as mtime; any later write is newer still). Asked before the
+        generation is reported corrupt (then dropped); unknown means no."""
+        try:
+            info = self._call("stat", m.StatRequest(self.namespace, path), m.ObjectInfo)
+        except errors.CkptCacheError:
+            return False
+        if info.generation < generation:
+            return False  # ours is gone already: its commit time is unknown
+        if info.generation == generation and "persisted" in info.stages:
+            return True
+        # A newer generation committed since is a stricter bound, never a looser one.
+        try:
+            stamp = backend_for(path).commit_time_ns(path)
+        except (OSError, ValueError, ImportError):
+            return False
+        # Commit times travel as float seconds (exact to about 0.2 us at today's dates).
+        return stamp is not None and stamp >= round(info.committed * 1e9) - 1_000
 
     def _load_segment(
         self,

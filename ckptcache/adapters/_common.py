@@ -18,6 +18,7 @@ import ckptcache.api
 from ckptcache import CheckpointNotFound, DaemonUnavailable
 from ckptcache._atomic import atomic_write
 from ckptcache._health import cache_status
+from ckptcache.client import normalize_path
 from ckptcache.wire.states import PersistState
 
 __all__ = [
@@ -27,6 +28,7 @@ __all__ = [
     "check_commit_waits",
     "client_of",
     "ensure_on_disk",
+    "file_is_current",
     "in_memory",
     "is_memory_only",
     "is_persisted",
@@ -53,14 +55,24 @@ def check_commit_waits(value: str) -> str:
 
 
 def settle(client: ckptcache.Client | None, paths: list[str], commit_waits: str) -> None:
-    """Wait for what ``commit_waits`` promises about ``paths`` (see :data:`COMMIT_WAITS`)."""
-    if commit_waits == "persisted":
-        for p in paths:
-            wait_persisted(client, p)
-    elif commit_waits == "files":
-        c = client_of(client)
-        for p in paths:
-            ensure_on_disk(c, c.status(p))
+    """Wait for what ``commit_waits`` promises about ``paths`` (see :data:`COMMIT_WAITS`).
+
+    A save the client wrote through to storage because no daemon was reachable (its
+    ``fallback="write-through"``) already is the file both promises are about: no daemon is
+    needed to confirm it, so a missing daemon stops no training unless the client was asked to
+    raise (``CKPTCACHE_REQUIRE=1``)."""
+    if commit_waits == "local":
+        return
+    c = client_of(client)
+    for p in paths:
+        try:
+            if commit_waits == "persisted":
+                wait_persisted(c, p)
+            else:
+                ensure_on_disk(c, c.status(p))
+        except DaemonUnavailable:
+            if c.fallback == "raise" or not c.exists(p):
+                raise
 
 
 def client_of(client: ckptcache.Client | None) -> ckptcache.Client:
@@ -86,28 +98,66 @@ def wait_persisted(
     (client or ckptcache.api.default_client()).wait(path, timeout=timeout)
 
 
+#: Slack when comparing a file's mtime with a commit time: the daemon reports commit times as
+#: float seconds (exact to about 0.2 us), files carry them in ns.
+_STAMP_SLACK_NS = 1_000
+
+
+def _commit_ns(info: ckptcache.ObjectStatus) -> int:
+    return round(info.committed * 1e9)
+
+
+def file_is_current(info: ckptcache.ObjectStatus) -> bool:
+    """Whether the file at ``info.path`` holds the generation ``info`` describes (or a newer
+    save): a file left by an earlier save of the same path does not count.
+
+    Persisted: the daemon wrote it (it never replaces a newer file). Persist pending: not yet,
+    whatever file is there is older. Memory-only: the file is current when it was written no
+    earlier than the generation's commit; every file written for a generation (the daemon's
+    persists, :func:`ensure_on_disk`) carries that commit time as its mtime.
+    """
+    if is_persisted(info):
+        return os.path.exists(info.path)
+    if not is_memory_only(info):
+        return False
+    try:
+        mtime_ns = os.stat(info.path).st_mtime_ns
+    except FileNotFoundError:
+        return False
+    return mtime_ns >= _commit_ns(info) - _STAMP_SLACK_NS
+
+
 def ensure_on_disk(client: ckptcache.Client, info: ckptcache.ObjectStatus) -> None:
-    """Make the newest generation of ``info.path`` exist as a file, for frameworks whose load
-    path checks ``os.path`` before it calls the (cache-backed) engine.
+    """Make the file at ``info.path`` hold its newest generation, for frameworks (and tools)
+    that read files right after a save, or check ``os.path`` before they call the
+    (cache-backed) engine. A file left by an earlier save of the same path is not enough.
 
     Pending persistence is awaited (the daemon writes the file: exactly one persisted copy);
     a memory-only object is written here with temp + fsync + rename, as ``torch.save`` would
-    have written it, because no daemon ever will. Either way the framework's later load is
-    still served from memory by the adapter.
+    have written it, because no daemon ever will, stamped with the generation's commit time
+    (as the daemon stamps what it persists). Either way the framework's later load is still
+    served from memory by the adapter.
     """
-    if os.path.exists(info.path):
+    if file_is_current(info):
         return
     if not is_memory_only(info):
         wait_persisted(client, info.path)
         if os.path.exists(info.path):
             return
     obj = client.load(info.path, weights_only=False)
-    atomic_write(info.path, lambda f: torch.save(obj, f))
+    stamp = _commit_ns(info)
+
+    def write(f: Any) -> None:
+        torch.save(obj, f)
+        f.flush()
+        os.utime(f.fileno(), ns=(stamp, stamp))
+
+    atomic_write(info.path, write)
 
 
 def cached_under(client: ckptcache.Client, directory: str) -> list[ckptcache.ObjectStatus]:
     """Newest cached generation of every object below ``directory`` (none without a daemon)."""
-    prefix = os.path.join(os.path.abspath(directory), "")
+    prefix = os.path.join(normalize_path(directory), "")
     try:
         return client.list(prefix)
     except DaemonUnavailable:

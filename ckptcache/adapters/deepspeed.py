@@ -43,10 +43,12 @@ payload files *before* it calls ``engine.load``. Hence two decisions:
   ``commit_waits="persisted"``: each rank waits until its own files are persisted and then
   all ranks meet in a barrier, so ``latest`` is written only once every file is in storage.
   ``commit_waits="files"``: the same, except that files under no persist root are written by
-  the adapter (temp + rename): ``save_checkpoint`` returns once every file exists, and every
-  call DeepSpeed's own tests and tools make after a save behaves as without the cache.
+  the adapter (temp + rename): ``save_checkpoint`` returns once every file exists and holds
+  the new save (a fixed tag saved again, as Lightning's ``DeepSpeedStrategy`` does, included),
+  and every call DeepSpeed's own tests and tools make after a save behaves as without the cache.
 * ``enable`` wraps ``engine.load_checkpoint``: before DeepSpeed looks at the directory, every
-  cached object of the tag that is not yet a file is made one, by waiting for the daemon's
+  cached object of the tag whose newest generation is not yet the file (no file, or the file
+  of an earlier save of the tag) is made one, by waiting for the daemon's
   in-flight persist of it (never a second writer), or, for objects outside every persist root,
   by writing it once with temp + rename. The payloads themselves are then still read from
   memory through ``CkptCacheCheckpointEngine.load``. Waiting rather than faking ``os.path``
@@ -146,13 +148,14 @@ def _resolve_tag(load_dir: str, tag: Any, universal: bool) -> str | None:
 
 
 def prepare_load(load_dir: str, tag: str, client: ckptcache.Client | None = None) -> int:
-    """Make every cached object of ``load_dir/tag`` visible as a file; returns how many were
-    not files yet. Called by the wrapped ``load_checkpoint``; usable on its own."""
+    """Make every cached object of ``load_dir/tag`` a file holding its newest generation (a
+    file left by an earlier save of the same tag does not count); returns how many were not.
+    Called by the wrapped ``load_checkpoint``; usable on its own."""
     c = _common.client_of(client)
     missing = [
         info
         for info in _common.cached_under(c, os.path.join(load_dir, tag))
-        if not os.path.exists(info.path)
+        if not _common.file_is_current(info)
     ]
     for info in missing:
         _common.ensure_on_disk(c, info)

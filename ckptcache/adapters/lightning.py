@@ -14,18 +14,69 @@ persisted by the daemon) and the read (memory first, then the file). ``CkptCache
 
 ``ckpt_path="last"`` makes Lightning list the checkpoint directory, which only shows persisted
 files: pass the path explicitly to resume before persistence has finished.
+
+``ModelCheckpoint`` picks a free name (``m.ckpt``, then ``m-v1.ckpt``, ...) by checking which
+files exist, and a checkpoint not yet persisted is no file: with a ``filename`` that names no
+epoch or step, kept checkpoints would overwrite each other. ``CkptCacheModelCheckpoint``
+(``PLCkptCacheModelCheckpoint``), a ``ModelCheckpoint`` with the same arguments, also asks the
+cache::
+
+    trainer = lightning.Trainer(..., plugins=[CkptCacheIO()],
+                                callbacks=[CkptCacheModelCheckpoint(filename="m", save_top_k=3)])
 """
 
 from __future__ import annotations
 
 import importlib
 import os
+import shutil
 from typing import Any
 
 import ckptcache
 from ckptcache.adapters import _common
+from ckptcache.client import normalize_path
+from ckptcache.storage import backend_for
 
-__all__ = ["CkptCacheIO", "PLCkptCacheIO"]  # noqa: F822 - built lazily by __getattr__
+__all__ = [  # noqa: F822 - built lazily by __getattr__
+    "CkptCacheIO",
+    "CkptCacheModelCheckpoint",
+    "PLCkptCacheIO",
+    "PLCkptCacheModelCheckpoint",
+]
+
+
+def _storage_as_loaded(storage: Any, location: str) -> Any:
+    """Lightning's default ``map_location``: every storage stays where it was loaded, on
+    the CPU (a checkpoint saved on GPUs loads on a machine without one)."""
+    return storage
+
+
+def _is_url(path: str) -> bool:
+    return "://" in path
+
+
+def _remove_stored(path: str) -> None:
+    """What ``TorchCheckpointIO.remove_checkpoint`` does: remove ``path`` from its file system,
+    recursively (a directory checkpoint, e.g. ``DeepSpeedStrategy``'s), if it exists. URLs go
+    through fsspec as Lightning's do, or the cache's own storage backend (one object) where
+    fsspec has no implementation installed for the scheme."""
+    if not _is_url(path):
+        if os.path.isdir(path) and not os.path.islink(path):
+            shutil.rmtree(path)
+        elif os.path.lexists(path):
+            os.unlink(path)
+        return
+    try:
+        from fsspec.core import url_to_fs
+
+        fs, _ = url_to_fs(path)
+    except (ImportError, ValueError):
+        backend = backend_for(path)
+        if backend.exists(path):
+            backend.delete(path)
+        return
+    if fs.exists(path):
+        fs.rm(path, recursive=True)
 
 
 class _CacheIOMixin:
@@ -47,15 +98,20 @@ class _CacheIOMixin:
         """Hand ``checkpoint`` to the cache under ``path`` (returns after the memcpy)."""
         if storage_options is not None:
             raise TypeError(f"{type(self).__name__} takes no storage_options")
-        path = os.fspath(path)
-        # The daemon persists into this directory; Lightning expects it to exist afterwards.
-        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        path = normalize_path(path)
+        if not _is_url(path):
+            # The daemon persists into this directory; Lightning expects it to exist afterwards.
+            os.makedirs(os.path.dirname(path), exist_ok=True)
         self.client.save(checkpoint, path, durability=self.durability)
 
     def load_checkpoint(
-        self, path: Any, map_location: Any | None = None, weights_only: bool | None = None
+        self,
+        path: Any,
+        map_location: Any | None = _storage_as_loaded,
+        weights_only: bool | None = None,
     ) -> dict[str, Any]:
-        """Load ``path`` from memory, else from the file; ``weights_only=None`` is torch's
+        """Load ``path`` from memory, else from the file. As ``TorchCheckpointIO``: by default
+        every tensor loads to the CPU, wherever it was saved; ``weights_only=None`` is torch's
         default (``True``), as for Lightning's own local loads."""
         if not self.client.exists(os.fspath(path)):
             raise FileNotFoundError(f"Checkpoint file not found: {path}")
@@ -66,23 +122,49 @@ class _CacheIOMixin:
         )
 
     def remove_checkpoint(self, path: Any) -> None:
-        """Drop ``path`` from the cache and from storage (``ModelCheckpoint``'s top-k pruning).
+        """Drop ``path`` from the cache and from storage (``ModelCheckpoint``'s top-k pruning),
+        as ``TorchCheckpointIO`` does: recursively for a directory checkpoint (every object
+        the cache holds below it too), URLs kept as URLs.
 
         An object whose persist is still running is waited for first: deleting the file
         while the daemon writes it would let the daemon's rename bring it back.
         """
-        path = os.path.abspath(os.fspath(path))
-        info = _common.cached_status(self.client, path)
-        pending = info is not None and not _common.is_persisted(info)
-        if _common.in_memory(info) and pending and not _common.is_memory_only(info):  # type: ignore[arg-type]
-            try:
-                _common.wait_persisted(self._client, path)
-            except ckptcache.CheckpointDeleted:
-                pass  # its directory is already gone: nothing will come back
-        if _common.in_memory(info):
-            self.client.delete(path)
-        if os.path.exists(path):
-            os.unlink(path)
+        path = normalize_path(path)
+        client = self.client
+        info = _common.cached_status(client, path)
+        held = [info] if info is not None and _common.in_memory(info) else []
+        held += _common.cached_under(client, path)  # a directory checkpoint's files
+        for obj in held:
+            if not _common.is_persisted(obj) and not _common.is_memory_only(obj):
+                try:
+                    _common.wait_persisted(client, obj.path)
+                except ckptcache.CheckpointDeleted:
+                    pass  # its directory is already gone: nothing will come back
+            client.delete(obj.path)
+        _remove_stored(path)
+
+
+class _CacheAwareCheckpointMixin:
+    """``ModelCheckpoint`` whose file-name choice also sees the checkpoints the cache holds and
+    has not persisted yet (``ModelCheckpoint`` picks ``m.ckpt``, ``m-v1.ckpt``, ... by checking
+    which names exist; without this, a name whose file is not written yet looks free and a
+    later save takes it, overwriting a kept top-k checkpoint)."""
+
+    def file_exists(self, filepath: Any, trainer: Any) -> bool:
+        """Lightning's check (rank 0's file system, reduced over the ranks), then rank 0's
+        cache: the same collectives, in the same order, on every rank."""
+        if super().file_exists(filepath, trainer):  # type: ignore[misc]
+            return True
+        held = bool(trainer.is_global_zero) and _client_of_trainer(trainer).exists(
+            os.fspath(filepath)
+        )
+        return bool(trainer.strategy.reduce_boolean_decision(held, all=False))
+
+
+def _client_of_trainer(trainer: Any) -> ckptcache.Client:
+    """The client of the trainer's ``CkptCacheIO`` plugin, else the process's default."""
+    io = getattr(getattr(trainer, "strategy", None), "checkpoint_io", None)
+    return io.client if isinstance(io, _CacheIOMixin) else _common.client_of(None)
 
 
 def _plugin(base_module: str, name: str) -> type:
@@ -91,13 +173,25 @@ def _plugin(base_module: str, name: str) -> type:
     return type(name, (_CacheIOMixin, base), {"__doc__": doc, "__module__": __name__})
 
 
+def _callback(base_module: str, name: str) -> type:
+    base = importlib.import_module(base_module).ModelCheckpoint
+    doc = f"{_CacheAwareCheckpointMixin.__doc__}\n\nA ``{base_module}.ModelCheckpoint``."
+    return type(name, (_CacheAwareCheckpointMixin, base), {"__doc__": doc, "__module__": __name__})
+
+
+_LAZY = {
+    "CkptCacheIO": (_plugin, "lightning.fabric.plugins"),
+    "PLCkptCacheIO": (_plugin, "lightning_fabric.plugins"),
+    "CkptCacheModelCheckpoint": (_callback, "lightning.pytorch.callbacks"),
+    "PLCkptCacheModelCheckpoint": (_callback, "pytorch_lightning.callbacks"),
+}
+
+
 def __getattr__(name: str) -> Any:
     # Built on first use so that importing this module needs only the flavour you use.
-    if name == "CkptCacheIO":
-        cls = _plugin("lightning.fabric.plugins", name)
-    elif name == "PLCkptCacheIO":
-        cls = _plugin("lightning_fabric.plugins", name)
-    else:
+    if name not in _LAZY:
         raise AttributeError(name)
+    build, module = _LAZY[name]
+    cls = build(module, name)
     globals()[name] = cls
     return cls

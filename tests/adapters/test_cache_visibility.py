@@ -72,3 +72,63 @@ def test_require_fails_fast_without_a_daemon(no_daemon, tmp_path, monkeypatch):
     with pytest.raises(DaemonUnavailable, match="DCP checkpoints"):
         cdcp.enable()
     assert ckptcache.Client(NO_DAEMON, fallback="write-through").fallback == "write-through"
+
+
+@pytest.mark.parametrize("commit_waits", ["persisted", "files"])
+def test_commit_waits_without_a_daemon_is_a_written_through_checkpoint(
+    no_daemon, tmp_path, commit_waits
+):
+    """No daemon, fallback write-through: every adapter's commit point accepts the file the
+    client wrote through (there is no daemon to ask, and the file exists), so the save
+    completes as a plain checkpoint instead of raising DaemonUnavailable."""
+    import torch.distributed.checkpoint as dcp
+
+    sd = {"w": torch.full((4, 4), 3.0)}
+    ck = tmp_path / "dcp"
+    with pytest.warns(ckptcache.CkptCacheWarning):
+        dcp.save(sd, storage_writer=cdcp.CacheWriter(ck, commit_waits=commit_waits))
+    assert (ck / ".metadata").exists()
+    back = {"w": torch.zeros(4, 4)}
+    dcp.load(back, storage_reader=dcp.FileSystemReader(ck))
+    assert torch.equal(back["w"], sd["w"])
+
+
+@pytest.mark.parametrize("commit_waits", ["persisted", "files"])
+def test_megatron_and_deepspeed_commit_without_a_daemon(no_daemon, tmp_path, commit_waits):
+    """The same for Megatron's legacy torch.save and DeepSpeed's engine commit."""
+    import types
+
+    pytest.importorskip("megatron.core")
+    pytest.importorskip("deepspeed")
+    import ckptcache.adapters.megatron as cmegatron
+    from ckptcache.adapters.deepspeed import CkptCacheCheckpointEngine
+
+    standin = types.ModuleType("standin_checkpointing")
+    standin.torch = torch  # type: ignore[attr-defined]
+    cmegatron.enable(standin, commit_waits=commit_waits)
+    with pytest.warns(ckptcache.CkptCacheWarning):
+        standin.torch.save({"it": torch.tensor(5)}, tmp_path / "model_optim_rng.pt")
+    assert int(torch.load(tmp_path / "model_optim_rng.pt")["it"]) == 5
+
+    engine = CkptCacheCheckpointEngine(None, commit_waits=commit_waits)
+    engine.create(None)
+    engine.save({"w": torch.ones(3)}, str(tmp_path / "mp_rank_00_model_states.pt"))
+    assert engine.commit(None) is True
+    assert torch.equal(torch.load(tmp_path / "mp_rank_00_model_states.pt")["w"], torch.ones(3))
+
+
+def test_commit_waits_persisted_without_a_daemon_raises_when_required(
+    no_daemon, tmp_path, monkeypatch
+):
+    """CKPTCACHE_REQUIRE=1: the save itself raises, nothing is written."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    monkeypatch.setenv("CKPTCACHE_REQUIRE", "1")
+    ckptcache.api.set_default_client(None)
+    ck = tmp_path / "dcp"
+    with pytest.raises(CheckpointException, match="DaemonUnavailable"):
+        dcp.save(
+            {"w": torch.ones(2)}, storage_writer=cdcp.CacheWriter(ck, commit_waits="persisted")
+        )
+    assert not (ck / ".metadata").exists()

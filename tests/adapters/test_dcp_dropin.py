@@ -271,3 +271,20 @@ def test_write_through_without_a_daemon_is_a_plain_dcp_checkpoint(tmp_path, monk
     assert_same(back, sd)
     ckptcache.api.set_default_client(None)
     shutil.rmtree(ck)
+
+
+@pytest.mark.parametrize("persist", [False, True], ids=["memory-only", "persist-root"])
+def test_files_saved_twice_into_one_directory_hold_the_second_save(request, tmp_path, persist):
+    """commit_waits="files", the same directory saved twice: when the second dcp.save returns,
+    the rank file holds the second save (DCP's new ``.metadata`` points into it), not the first
+    one's file left in place."""
+    request.getfixturevalue("persisting_client" if persist else "client")
+    ck = tmp_path / "ck"
+    for w in (1.0, 2.0):
+        dcp.save(
+            {"w": torch.full((4, 4), w)}, storage_writer=cdcp.CacheWriter(ck, commit_waits="files")
+        )
+        back = {"w": torch.zeros(4, 4)}
+        dcp.load(back, storage_reader=dcp.FileSystemReader(ck))
+        assert torch.equal(back["w"], torch.full((4, 4), w))
+    shutil.rmtree(ck)

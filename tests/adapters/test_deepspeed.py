@@ -5,13 +5,14 @@ from __future__ import annotations
 import shutil
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
 import torch
 
 from tests.adapters.conftest import SCRIPTS, daemon_env, run_script
-from tests.helpers import read_only_dir, wait_until
+from tests.helpers import read_only_dir, thread_inside, wait_until
 
 pytest.importorskip("deepspeed")
 
@@ -111,3 +112,67 @@ def test_config_only_engines_and_files_readable_right_after_save(daemon_factory,
         cached = {Path(o.path).name for o in c.list(str(ck / TAG))}
     assert "mp_rank_00_model_states.pt" in cached  # the save went through the cache
     shutil.rmtree(ck)
+
+
+def slow_persist_config(tmp_path: Path) -> Path:
+    """A daemon config that retries a refused persist for ever, quickly."""
+    cfg = tmp_path / "cfg.yaml"
+    cfg.write_text("persist_retries: 100000\npersist_backoff: 0.05\npersist_backoff_max: 0.2\n")
+    return cfg
+
+
+@pytest.mark.parametrize("persist", [False, True], ids=["memory-only", "persist-root"])
+def test_fixed_tag_saved_again_returns_with_the_new_files(daemon_factory, tmp_path, persist):
+    """commit_waits="files" and a tag saved twice (Lightning's DeepSpeedStrategy always uses
+    tag="checkpoint"): commit returns only once the file holds the second save. Under a persist
+    root whose directory refuses files, commit is still waiting for the daemon's persist of
+    the new generation (the first save's file is there); it returns once that is written."""
+    from ckptcache.adapters.deepspeed import CkptCacheCheckpointEngine
+
+    ck = tmp_path / "ck"
+    path = ck / "checkpoint" / "mp_rank_00_model_states.pt"
+    path.parent.mkdir(parents=True)
+    args = ["--persist-root", str(ck), "--config", str(slow_persist_config(tmp_path))]
+    d = daemon_factory(*(args if persist else ["--memory-limit", "1GiB"]))
+    with d.client() as c:
+        engine = CkptCacheCheckpointEngine(None, commit_waits="files", client=c)
+        errors: list[BaseException] = []
+
+        def save(w: float) -> None:
+            try:
+                engine.create(None)
+                engine.save({"w": torch.full((4,), w)}, str(path))
+                engine.commit(None)
+            except BaseException as e:
+                errors.append(e)
+
+        save(1.0)
+        assert torch.equal(torch.load(path)["w"], torch.full((4,), 1.0))
+        if persist:
+            with read_only_dir(path.parent):
+                t = threading.Thread(target=save, args=(2.0,))
+                t.start()
+                wait_until(lambda: thread_inside(t, "wait_persisted") or not t.is_alive())
+                alive = t.is_alive()
+            t.join(120)
+            assert alive, "commit returned while the file still held the first save"
+        else:
+            save(2.0)
+        assert not errors, errors
+        assert torch.equal(torch.load(path)["w"], torch.full((4,), 2.0))
+
+
+def test_prepare_load_rewrites_a_file_left_by_an_earlier_save_of_the_tag(client, tmp_path):
+    """Memory-only: prepare_load makes the file hold the newest generation, also when a file
+    of an earlier save of the same tag is there; a file already current is left alone."""
+    from ckptcache.adapters.deepspeed import prepare_load
+
+    path = tmp_path / "ck" / "checkpoint" / "mp_rank_00_model_states.pt"
+    path.parent.mkdir(parents=True)  # DeepSpeed makes it before it saves
+    client.save({"w": torch.full((4,), 1.0)}, path)
+    assert prepare_load(str(tmp_path / "ck"), "checkpoint", client) == 1
+    assert torch.equal(torch.load(path)["w"], torch.full((4,), 1.0))
+    client.save({"w": torch.full((4,), 2.0)}, path)
+    assert prepare_load(str(tmp_path / "ck"), "checkpoint", client) == 1
+    assert torch.equal(torch.load(path)["w"], torch.full((4,), 2.0))
+    assert prepare_load(str(tmp_path / "ck"), "checkpoint", client) == 0

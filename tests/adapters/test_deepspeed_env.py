@@ -9,6 +9,7 @@ its processes start with no ``PYTHONPATH``, so what runs is what ``pip`` put in
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import os
 import shutil
 import subprocess
@@ -125,6 +126,24 @@ def test_after_import_hook_runs_once_after_the_module_ran(tmp_path, monkeypatch)
     monkeypatch.delitem(sys.modules, "ckptcache_probe_mod")
 
 
+def test_after_import_hook_outlives_a_find_spec_probe(tmp_path, monkeypatch):
+    """A lookup without an import (``importlib.util.find_spec``, as HF transformers and
+    accelerate probe for DeepSpeed) leaves the hook in place for the import that follows."""
+    (tmp_path / "ckptcache_probe_mod2.py").write_text("VALUE = 7\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    seen = []
+    finder = _startup._AfterImport("ckptcache_probe_mod2", lambda mod: seen.append(mod.VALUE))
+    monkeypatch.setattr(sys, "meta_path", [finder, *sys.meta_path])
+    assert importlib.util.find_spec("ckptcache_probe_mod2") is not None
+    assert importlib.util.find_spec("ckptcache_probe_mod2") is not None
+    assert seen == [] and finder in sys.meta_path
+    import ckptcache_probe_mod2  # type: ignore[import-not-found]
+
+    assert seen == [7] and ckptcache_probe_mod2.VALUE == 7
+    assert finder not in sys.meta_path  # done once the module ran
+    monkeypatch.delitem(sys.modules, "ckptcache_probe_mod2")
+
+
 def test_pip_install_puts_the_hook_in_site_packages(venv):
     assert (venv.site / PTH).read_text() == (REPO / PTH).read_text()
     record = next(venv.site.glob("ckptcache-*.dist-info")) / "RECORD"
@@ -175,6 +194,16 @@ def test_value_picks_commit_waits_and_reachability_is_checked_at_the_first_engin
     assert "ckptcache.errors.DaemonUnavailable: DeepSpeed checkpoints" in proc.stderr
     proc = _run(venv, ENGINE, CKPTCACHE_DEEPSPEED="off")
     assert proc.stdout.splitlines()[-1] == "TorchCheckpointEngine -", proc.stderr
+
+
+def test_find_spec_probe_before_import_deepspeed_keeps_the_hook(venv, tmp_path):
+    """HF transformers/accelerate call ``importlib.util.find_spec("deepspeed")`` before they
+    import it: the engines DeepSpeed builds afterwards still go through the cache."""
+    probe = "import importlib.util; assert importlib.util.find_spec('deepspeed'); "
+    nowhere = str(tmp_path / "no-daemon.sock")
+    proc = _run(venv, probe + ENGINE, CKPTCACHE_DEEPSPEED="files", CKPTCACHE_SOCKET=nowhere)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines()[-1] == "CkptCacheCheckpointEngine files"
 
 
 def test_editable_install_ships_the_hook_too(tmp_path):

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from ckptcache.errors import CorruptCheckpoint
-from tests.helpers import wait_until
+from tests.helpers import read_only_dir, wait_until
 
 
 def wait_digested(client, path, timeout=30.0):
@@ -50,16 +50,55 @@ def test_corrupt_tensor_is_named_and_dropped(daemon, tmp_path):
         assert not c.exists(path)  # the bad copy was dropped
 
 
-def test_corrupt_copy_falls_back_to_the_file(daemon, tmp_path):
+def test_corrupt_copy_falls_back_to_the_file(daemon_factory, tmp_path):
+    """The corrupt generation was persisted: the file holds the same save, and is loaded."""
     path = tmp_path / "m.pt"
     good = {"w": torch.arange(1000.0), "v": torch.ones(10)}
-    torch.save(good, path)  # an earlier persisted copy of the same object
-    with daemon.client() as c:
+    d = daemon_factory("--persist-root", str(tmp_path))
+    with d.client() as c:
         c.save(good, path)
+        c.wait(path, timeout=60)
         wait_digested(c, str(path))
-        flip_bytes_of(daemon, c, str(path), 0)
+        flip_bytes_of(d, c, str(path), 0)
         out = c.load(path, verify=True)
         assert torch.equal(out["w"], good["w"])
+
+
+def test_corrupt_copy_never_falls_back_to_an_older_file(daemon_factory, tmp_path):
+    """step1 persisted, step2 cached but not persisted yet (its directory refuses files), then
+    step2's segment corrupt: load(verify=True) raises instead of returning step1's file."""
+    ck = tmp_path / "ck"
+    ck.mkdir()
+    path = ck / "m.pt"
+    cfg = tmp_path / "cfg.yaml"
+    cfg.write_text("persist_retries: 100000\npersist_backoff: 0.05\npersist_backoff_max: 0.2\n")
+    d = daemon_factory("--persist-root", str(tmp_path), "--config", str(cfg))
+    with d.client() as c:
+        c.save({"step": torch.tensor(1), "w": torch.zeros(1000)}, path)
+        c.wait(path, timeout=60)
+        with read_only_dir(ck):
+            c.save({"step": torch.tensor(2), "w": torch.ones(1000)}, path)
+            wait_digested(c, str(path))
+            assert "persisted" not in c.status(path).stages
+            flip_bytes_of(d, c, str(path), 1)
+            with pytest.raises(CorruptCheckpoint, match="older than this generation") as err:
+                c.load(path, verify=True)
+        assert err.value.tensor == "w" and err.value.tier == "local"
+        assert int(torch.load(path)["step"]) == 1  # the file is step1's, left as it was
+
+
+def test_corrupt_copy_falls_back_to_a_file_written_after_it(daemon, tmp_path):
+    """Memory-only: a file written after the save (stamped later than its commit) is newer,
+    so it is what the load returns."""
+    path = tmp_path / "m.pt"
+    with daemon.client() as c:
+        c.save({"step": torch.tensor(1), "w": torch.zeros(1000)}, path)
+        wait_digested(c, str(path))
+        committed_ns = round(c.status(path).committed * 1e9)
+        torch.save({"step": torch.tensor(2), "w": torch.ones(1000)}, path)
+        os.utime(path, ns=(committed_ns + 1_000_000, committed_ns + 1_000_000))
+        flip_bytes_of(daemon, c, str(path), 1)
+        assert int(c.load(path, verify=True)["step"]) == 2
 
 
 def test_inspect_verify_reports_corruption(daemon, tmp_path):
