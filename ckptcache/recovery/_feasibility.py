@@ -17,7 +17,7 @@ __all__ = ["Announcement", "Feasibility", "TransferCheck", "decide", "transfer_p
 
 #: Bumped whenever the announcement layout or the transfer protocol changes.
 #: 2: transfers are verified with per-bucket digests gathered after the transfer.
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 
 _U64 = 1 << 64
 
@@ -43,7 +43,8 @@ class Announcement:
     in_flight: int
     #: Digest of the model's keys, shapes, dtypes and trainability.
     fingerprint: int
-    #: Bit 0 optimizer given, bit 1 scheduler given, bit 2 extra_state given.
+    #: Bit 0 optimizer given, bit 1 scheduler given (bit 2, extra_state, is never set: a
+    #: restarted rank passes none and receives the healthy replicas').
     arguments: int
     #: Digests of this rank's live state (0 when recovering or not computed).
     digest: int
@@ -54,6 +55,9 @@ class Announcement:
     snapshot_frozen_digest: int
     #: 1 when this (recovering) rank already holds the frozen weights.
     has_frozen: int
+    #: Digest of the settings that decide which collectives a rank runs (bucket size, digest
+    #: mode, a global group): ranks that differ would wait on each other for ever.
+    settings: int = 0
 
     def to_tensor(self, device: torch.device) -> torch.Tensor:
         return torch.tensor(astuple(self), dtype=torch.int64, device=device)
@@ -115,6 +119,11 @@ def _structure_problem(anns: Sequence[Announcement], ranks: Sequence[int]) -> st
         return (
             "model structure differs between replicas (state keys, shapes or dtypes; "
             f"fingerprints {_listing(prints)})"
+        )
+    if len({a.settings for a in anns}) > 1:
+        return (
+            "ranks use different PeerRecovery settings (bucket_bytes, digest or global_group "
+            "differ): give every rank the same"
         )
     if len({a.arguments for a in anns}) > 1:
         names = ("optimizer", "scheduler", "extra_state")

@@ -301,7 +301,10 @@ class PeerRecovery:
             step=-1 if lost or step is None else step,
             in_flight=-1 if in_flight is None else in_flight,
             flat=flat,
-            has_frozen=skip or self._holds_frozen,
+            # A rank recovering again may have been rebuilt (frozen weights re-initialised):
+            # only an explicit skip_frozen vouches for them then.
+            has_frozen=skip or (self._holds_frozen and not lost),
+            # extra_state is not compared: a restarted rank passes none and receives it.
             arguments=(optimizer is not None) | (scheduler is not None) << 1,
         )
 
@@ -328,7 +331,10 @@ class PeerRecovery:
             snapshot_digest=to_i64(snap_digest),
             snapshot_frozen_digest=to_i64(snap_frozen),
             has_frozen=int(local.has_frozen),
-        )
+            settings=to_i64(digest_bytes(
+                f"{self.bucket_bytes}|{self.digest}|{self.global_group is not None}".encode()
+            )),
+        )  # fmt: skip
 
     # ------------------------------------------------------------------------- agreement
 
@@ -414,19 +420,25 @@ class PeerRecovery:
         dests: list[torch.Tensor] | None = None
         if plan is not None:
             dests, nbytes, error = self._move(plan, role, local.flat, feas.source_rank, optimizer)
+        if role == "receiver" and error is None:
+            # Applied before the group's last vote: a rank that cannot load what it received
+            # (optimizer or scheduler state, RNG) must take every rank to the fallback with it,
+            # or the replicas would leave recovery at different steps.
+            assert plan is not None and dests is not None
+            try:
+                state = rebuild(plan.skeleton, dests)
+                extra_state = apply_training_state(
+                    model, optimizer, state, scheduler=scheduler, model_in_place=True
+                )
+                self._restore_rng(plan.rng)
+            except Exception as e:
+                error = f"rank {me} cannot apply the state it received: {e!r}"
         final_group = self.global_group if self.global_group is not None else self.replica_group
-        if self.global_group is not None or plan is None:
-            error = self._agree_error(error, final_group)
+        error = self._agree_error(error, final_group)
         if error is not None:
             raise _GroupAbort(error)
         if role == "receiver":
-            assert plan is not None and dests is not None
-            state = rebuild(plan.skeleton, dests)
-            extra_state = apply_training_state(
-                model, optimizer, state, scheduler=scheduler, model_in_place=True
-            )
             self._holds_frozen = True
-            self._restore_rng(plan.rng)
         elif role == "source" and feas.source_kind == "snapshot":
             assert self.snapshot is not None
             self._restore_rng(self.snapshot.rng_state)

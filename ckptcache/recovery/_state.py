@@ -210,12 +210,42 @@ def apply_training_state(
     if model_state is not None and not model_in_place:
         with torch.no_grad():
             module.load_state_dict(model_state, strict=strict)
+    elif model_state is not None:
+        _set_extra_states(module, model_state)
     optim_state = state.get("optimizer")
     if optimizer is not None and optim_state is not None:
         # Tensors that arrived in place are the live state tensors already; load_state_dict's
-        # .to(param.device, param.dtype) returns them unchanged, so this copies nothing big.
+        # .to(param.device, param.dtype) returns them unchanged, so this copies nothing big...
         optimizer.load_state_dict(optim_state)
+        if model_in_place:  # ...unless their dtype differs from the parameter's
+            _keep_received_dtypes(optimizer, optim_state)
     sched_state = state.get("scheduler")
     if scheduler is not None and sched_state is not None:
         scheduler.load_state_dict(sched_state)
     return state.get("extra_state")
+
+
+def _set_extra_states(module: nn.Module, model_state: Mapping[str, Any]) -> None:
+    """Restore every submodule's ``get_extra_state`` entry (FP8 scaling history, ...): the
+    parameters and buffers arrived in place, but extra state lives outside the tensors
+    ``state_dict`` returns, so only ``set_extra_state`` puts it back."""
+    for name, sub in module.named_modules():
+        if type(sub).get_extra_state is nn.Module.get_extra_state:
+            continue
+        key = f"{name}._extra_state" if name else "_extra_state"
+        if key in model_state:
+            sub.set_extra_state(model_state[key])
+
+
+def _keep_received_dtypes(optimizer: torch.optim.Optimizer, received: Mapping[str, Any]) -> None:
+    """``Optimizer.load_state_dict`` casts state to each parameter's dtype; the healthy replicas
+    keep theirs (fp32 moments of bf16 parameters in mixed precision), and so must this rank."""
+    saved_ids = [i for group in received["param_groups"] for i in group["params"]]
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    for saved_id, param in zip(saved_ids, params, strict=False):
+        live = optimizer.state.get(param)
+        for key, value in received["state"].get(saved_id, {}).items():
+            if live is None or not isinstance(value, torch.Tensor) or key not in live:
+                continue
+            if live[key].dtype != value.dtype:
+                live[key] = value

@@ -554,3 +554,89 @@ def _flipping(broadcast: Any, index: int) -> Any:
         return Flipped(work, tensor)
 
     return wrapper
+
+
+# ---------------------------------------------------------------------------- state outside
+# the plain tensors, settings and failures that must take every rank the same way
+
+
+class Scaled(nn.Module):
+    """A layer with scaling state kept through get/set_extra_state (as FP8 layers keep their
+    amax history): a plain attribute, not a parameter or buffer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.amax = torch.zeros(4)
+        self.calls = 0
+
+    def get_extra_state(self) -> dict[str, Any]:
+        return {"amax": self.amax.clone(), "calls": self.calls}
+
+    def set_extra_state(self, state: dict[str, Any]) -> None:
+        self.amax, self.calls = state["amax"].clone(), state["calls"]
+
+
+def extra_state_and_dtypes(rank: int, world: int) -> dict[str, Any]:
+    """Rank 1 recovers a bf16 model whose healthy replica keeps fp32 momentum and module
+    extra state."""
+    torch.manual_seed(0)
+    model = nn.Sequential(Scaled(), nn.Linear(4, 4)).to(torch.bfloat16)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    lost = rank == 1
+    if not lost:
+        model[0].amax.fill_(3.0)
+        model[0].calls = 42
+        for i, p in enumerate(model.parameters()):
+            optimizer.state[p]["momentum_buffer"] = torch.full(p.shape, 1e-3 * (i + 1))
+    result = PeerRecovery(digest="checksum").recover(
+        model, optimizer, step=5, recovering=lost, fallback=lambda: None
+    )
+    moments = [optimizer.state[p]["momentum_buffer"].clone() for p in model.parameters()]
+    return {"source": result.source, "reason": result.reason, "amax": model[0].amax.clone(),
+            "calls": model[0].calls, "moments": moments}  # fmt: skip
+
+
+def frozen_twice(rank: int, world: int) -> dict[str, Any]:
+    """Rank 1 recovers twice with one PeerRecovery, its model rebuilt before each recovery
+    (frozen weights re-initialised): the second recovery must send them again."""
+    r = make_replica(frozen=True)
+    for s in range(FAULT_STEP):
+        train_step(r, s)
+    recovery = PeerRecovery(guard=r.guard, digest=None)
+    lost, frozen = rank == 1, []
+    for attempt in range(2):
+        if lost:
+            r = make_replica(seed=100 + attempt, frozen=True)
+        result = recovery.recover(r.model, r.optimizer, scheduler=r.scheduler, recovering=lost,
+                                  fallback=lambda: None)  # fmt: skip
+        frozen.append((result.source, r.model.embed.weight.detach().clone()))
+    return {"frozen": frozen}
+
+
+def mismatched_settings(rank: int, world: int) -> dict[str, Any]:
+    """The ranks were given different bucket sizes: refused on both, before any transfer."""
+    r = make_replica()
+    recovery = PeerRecovery(bucket_bytes=1024 if rank == 0 else 4096)
+    result = recovery.recover(r.model, r.optimizer, scheduler=r.scheduler, step=3,
+                              recovering=rank == 1, fallback=lambda: None)  # fmt: skip
+    return {"source": result.source, "reason": result.reason}
+
+
+def apply_fails_on_receiver(rank: int, world: int) -> dict[str, Any]:
+    """The receiver cannot load the scheduler state it received: every rank falls back."""
+    r = make_replica()
+    for s in range(FAULT_STEP):
+        train_step(r, s)
+    lost = rank == 1
+    if lost:
+        r = make_replica(seed=7)
+
+        def refuse(state: Any) -> None:
+            raise RuntimeError("scheduler state refused")
+
+        r.scheduler.load_state_dict = refuse  # type: ignore[method-assign]
+    result = PeerRecovery(guard=r.guard).recover(
+        r.model, r.optimizer, scheduler=r.scheduler, recovering=lost, fallback=lambda: None
+    )
+    return {"source": result.source, "reason": result.reason}

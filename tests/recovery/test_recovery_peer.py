@@ -7,11 +7,15 @@ import torch
 from _recovery_dist import run_workers
 from _recovery_workers import (
     FAULT_STEP,
+    apply_fails_on_receiver,
     corrupt_in_flight,
     ddp_recover,
+    extra_state_and_dtypes,
     frozen_and_snapshot,
+    frozen_twice,
     gpu_recover,
     infeasible,
+    mismatched_settings,
     two_shards,
     wipe_and_recover,
 )
@@ -145,3 +149,35 @@ def test_gpu_restarted_rank_recovers_from_peer() -> None:
         assert out["source"] == "peer"
         assert out["step"] == FAULT_STEP
         _assert_matches_reference(out)
+
+
+def test_module_extra_state_and_optimizer_dtypes_arrive_as_the_peer_holds_them() -> None:
+    source, receiver = run_workers(extra_state_and_dtypes, 2)
+    assert source["source"] == receiver["source"] == "peer", receiver["reason"]
+    assert receiver["calls"] == 42 and torch.equal(receiver["amax"], source["amax"])
+    for theirs, mine in zip(source["moments"], receiver["moments"], strict=True):
+        assert mine.dtype == theirs.dtype == torch.float32  # not cast to the bf16 parameter
+        assert torch.equal(mine, theirs)
+
+
+def test_a_rebuilt_rank_gets_its_frozen_weights_again() -> None:
+    source, receiver = run_workers(frozen_twice, 2)
+    for (src_kind, theirs), (rcv_kind, mine) in zip(source["frozen"], receiver["frozen"],
+                                                    strict=True):  # fmt: skip
+        assert src_kind == rcv_kind == "peer"
+        assert torch.equal(mine, theirs)
+
+
+def test_ranks_with_different_settings_refuse_together() -> None:
+    outs = run_workers(mismatched_settings, 2)
+    for out in outs:
+        assert out["source"] == "fallback"
+        assert "different PeerRecovery settings" in out["reason"]
+
+
+def test_a_receiver_that_cannot_apply_takes_every_rank_to_the_fallback() -> None:
+    outs = run_workers(apply_fails_on_receiver, 2)
+    for out in outs:
+        assert out["source"] == "fallback"
+        assert "cannot apply the state it received" in out["reason"]
+        assert "scheduler state refused" in out["reason"]
