@@ -84,12 +84,18 @@ class DaemonProc:
         return self.log_path.read_text(errors="replace")
 
     def segment_bytes(self) -> int:
+        """Bytes of the segment files now (one the daemon unlinks meanwhile, a spare given up
+        for a save, counts as gone)."""
         d = self.segments_dir
-        return (
-            sum(os.path.getsize(os.path.join(d, f)) for f in os.listdir(d))
-            if os.path.isdir(d)
-            else 0
-        )
+        if not os.path.isdir(d):
+            return 0
+        total = 0
+        for name in os.listdir(d):
+            try:
+                total += os.path.getsize(os.path.join(d, name))
+            except FileNotFoundError:
+                continue
+        return total
 
     def cleanup(self) -> None:
         """SIGTERM, escalated to SIGKILL (with a warning) if the daemon is still up after 30 s:
