@@ -22,7 +22,7 @@ import logging
 import os
 import threading
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
@@ -51,19 +51,6 @@ def _after_fork_in_child() -> None:
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
-
-
-def _tensors(obj: Any, prefix: str = "") -> Iterator[tuple[str, torch.Tensor]]:
-    """Tensors reachable through dicts, lists and tuples, with a readable key (for the
-    benchmarks; a save checks what its flattener pickled, see :class:`VersionCheck`)."""
-    if isinstance(obj, torch.Tensor):
-        yield prefix or "<root>", obj
-    elif isinstance(obj, dict):
-        for k, v in obj.items():
-            yield from _tensors(v, f"{prefix}.{k}" if prefix else str(k))
-    elif isinstance(obj, (list, tuple)):
-        for i, v in enumerate(obj):
-            yield from _tensors(v, f"{prefix}[{i}]")
 
 
 def _version(tensor: torch.Tensor) -> int | None:
