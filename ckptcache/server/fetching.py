@@ -76,7 +76,7 @@ class Fetching:
                 manifest_offset=header.manifest_offset, manifest_size=header.manifest_size,
                 generation=gen.number, manifest=gen.manifest.to_json().decode(),
                 skeleton_digest=header.skeleton_digest, persisted=gen.persisted,
-                committed=gen.content_time,
+                committed=gen.committed,
             )))  # fmt: skip
             send_object(conn, gen, lambda: self.ensure_digests(gen))
         finally:

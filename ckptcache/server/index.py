@@ -30,9 +30,11 @@ class Generation:
     segment: Segment
     manifest: Manifest
     size: int
+    #: When its content was committed (wall clock, s): here for a save, on its origin for a
+    #: copy from a peer, the read's start (an upper bound) for a storage read.
     committed: float = field(default_factory=time.time)
-    #: Commit time in ns of this node's wall clock (recorded in the segment header); storage
-    #: objects newer than this are never replaced by this generation.
+    #: The same in ns (recorded in the segment header); storage objects newer than this are
+    #: never replaced by this generation.
     committed_ns: int = 0
     #: Deepest ancestor directory of the path that existed at save time ("" for URLs); see
     #: :mod:`ckptcache.server.lineage`.
@@ -58,9 +60,6 @@ class Generation:
     corrupt: str = ""
     #: For a backup copy: the node it came from ("" for a copy saved on this node).
     origin: str = ""
-    #: When its content was saved (wall clock, s): the origin's commit for a copy, an upper
-    #: bound (the read's start) for a storage read; 0: its commit here (:attr:`committed`).
-    saved_at: float = 0.0
     #: Nodes holding a backup copy of this generation.
     replicas: set[str] = field(default_factory=set)
     #: Set when nodes of the redundancy group disagree on the content of this path.
@@ -70,11 +69,6 @@ class Generation:
     #: Who saved it (uid, gid, umask); None when it came from a peer or from storage.
     saver: Saver | None = None
     digest_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
-
-    @property
-    def content_time(self) -> float:
-        """When this generation's content was saved (see :attr:`saved_at`)."""
-        return self.saved_at or self.committed
 
     @property
     def key(self) -> Key:

@@ -260,7 +260,6 @@ class Saves:
                 res.namespace, res.path, number, segment, manifest, size=manifest.payload_size,
                 needs_persist=res.persist, saver=res.saver, committed=header.committed_ns / 1e9,
                 committed_ns=header.committed_ns, anchor=res.anchor, origin=res.origin,
-                saved_at=res.saved_at if res.origin else 0.0,
             )  # fmt: skip
             if res.stored:  # read back from its own storage path: already safe there
                 gen.persisted, gen.persist_state = True, PersistState.PERSISTED
@@ -291,7 +290,7 @@ class Saves:
         """A copy from a peer or storage never becomes newer than a generation this node
         committed while it arrived (a trainer's save of the same path): newest wins."""
         newest = self.state.index.newest((res.namespace, res.path))
-        if newest is None or newest.content_time <= res.saved_at:
+        if newest is None or newest.committed <= res.saved_at:
             return
         self.state.arena.release(res.segment)
         self.state.notify()

@@ -205,4 +205,4 @@ def test_a_copy_keeps_the_commit_time_of_its_content(make_core):
                               saved_at=saved_on_origin)  # fmt: skip
     assert gen.committed_ns == int(saved_on_origin * 1e9)
     assert gen.segment.read_header().committed_ns == gen.committed_ns
-    assert gen.content_time == saved_on_origin
+    assert gen.committed == pytest.approx(saved_on_origin, abs=1e-6)  # ns, back in seconds
