@@ -20,6 +20,7 @@ else escapes a decoder, whatever the bytes.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Any, ClassVar, TypeVar
 
@@ -53,6 +54,17 @@ def _non_negative(message: Any, *names: str) -> None:
             raise ValueError(f"{type(message).__name__}.{name}: must be >= 0")
 
 
+#: Latest wall-clock time (s) a commit time may name: it is stored in ns in a uint64 header
+#: field (and compared with storage's times), so anything beyond is a bad message.
+_MAX_WALL_CLOCK = (2**63 - 1) / 1e9
+
+
+def _wall_clock(message: Any, name: str) -> None:
+    value = getattr(message, name)
+    if not (math.isfinite(value) and 0 <= value < _MAX_WALL_CLOCK):
+        raise ValueError(f"{type(message).__name__}.{name}: must be a time in seconds >= 0")
+
+
 @dataclass(frozen=True)
 class PushRequest:
     """A backup copy offered to a peer; the receiver answers :class:`Ack` once it has
@@ -71,6 +83,7 @@ class PushRequest:
 
     def __post_init__(self) -> None:
         _non_negative(self, "nbytes", "manifest_offset", "manifest_size", "skeleton_digest")
+        _wall_clock(self, "committed")
 
 
 @dataclass(frozen=True)
@@ -92,6 +105,9 @@ class CorruptReport:
     detail: str = ""
     #: The generation served (0: a relayed copy, verified again where it lands).
     generation: int = 0
+
+    def __post_init__(self) -> None:
+        _non_negative(self, "generation")
 
 
 PeerRequest = PushRequest | FetchRequest | CorruptReport
@@ -137,6 +153,7 @@ class ObjectHead:
 
     def __post_init__(self) -> None:
         _non_negative(self, "nbytes", "manifest_offset", "manifest_size", "skeleton_digest")
+        _wall_clock(self, "committed")
 
 
 @dataclass(frozen=True)
@@ -156,6 +173,7 @@ class RelayHead:
 
     def __post_init__(self) -> None:
         _non_negative(self, "nbytes", "manifest_offset", "manifest_size")
+        _wall_clock(self, "committed")
 
 
 def encode(message: Any) -> dict[str, Any]:

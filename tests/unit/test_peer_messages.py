@@ -61,6 +61,13 @@ def test_wire_format_is_the_one_older_nodes_speak():
         ({"op": "push", **{**peer.encode(PUSH), "nbytes": "9"}}, peer.decode_request, "nbytes"),
         ({**peer.encode(PUSH), "nbytes": -1}, peer.decode_request, "nbytes"),
         ({**peer.encode(PUSH), "committed": True}, peer.decode_request, "committed"),
+        # Commit times become a copy's commit time in ns (a uint64 header field).
+        ({**peer.encode(PUSH), "committed": -1.0}, peer.decode_request, "committed"),
+        ({**peer.encode(PUSH), "committed": 1e300}, peer.decode_request, "committed"),
+        ({**peer.encode(PUSH), "committed": float("nan")}, peer.decode_request, "committed"),
+        ({**peer.encode(OBJECT), "committed": -5}, peer.decode_fetch_reply, "committed"),
+        ({**peer.encode(RELAY), "committed": 1e19}, peer.decode_fetch_reply, "committed"),
+        ({**peer.encode(CORRUPT), "generation": -1}, peer.decode_request, "generation"),
         ({"op": "fetch", "namespace": "d"}, peer.decode_request, "path"),
         ({"op": "fetch", "namespace": "d", "path": "/p", "x": 1}, peer.decode_request, "'x'"),
         ({"op": "erase", "path": "/p"}, peer.decode_request, "'erase'"),
