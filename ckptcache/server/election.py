@@ -93,10 +93,10 @@ class Election:
             return ClaimRole.STANDBY, ""
         if self._stored(ph, digest):
             # A previous representative finished (and stepped down) while we waited.
-            self.membership.withdraw(f"reps/{ph}/{digest}")
+            self.membership.release(f"reps/{ph}/{digest}")
             return ClaimRole.DONE, gen.path
         if not self.membership.coord.elect(f"writer/{ph}", {"node": me, "digest": digest}):
-            self.membership.coord.withdraw(f"reps/{ph}/{digest}")
+            self.membership.coord.release(f"reps/{ph}/{digest}")
             return ClaimRole.RETRY, ""
         return ClaimRole.LEAD, self._conflict_target(gen, ph, digest) or target
 
@@ -175,7 +175,7 @@ class Election:
     def _record_persisted(self, ph: str, digest: str, record: dict[str, Any]) -> None:
         self.membership.coord.record(f"persisted/{ph}/{digest}", record)
         for key in (f"writer/{ph}", f"reps/{ph}/{digest}"):
-            self.membership.coord.withdraw(key)
+            self.membership.coord.release(key)
 
     def _retry_record(self, path: str, ph: str, digest: str, record: dict[str, Any]) -> None:
         delay = 0.2
@@ -197,8 +197,7 @@ class Election:
         """Give up the representative's keys of ``gen`` (superseded, dropped or failed):
         held, they would keep every later save of the path from being persisted."""
         ph, digest = path_hash(gen.namespace, gen.path), object_digest(gen.digests or [])
-        for key in (f"writer/{ph}", f"reps/{ph}/{digest}"):
-            self.membership.withdraw(key)
+        self.membership.release(f"writer/{ph}", f"reps/{ph}/{digest}")
 
     def replace_corrupt(self, gen: Generation) -> bool:
         """This node's copy of ``gen`` is corrupt: leave its redundancy group (so a standby
@@ -207,8 +206,8 @@ class Election:
         marked persisted) through the normal election."""
         ph, digest = path_hash(gen.namespace, gen.path), object_digest(gen.digests or [])
         me = self.membership.node.node_id
-        for key in (f"holders/{ph}/{digest}/{me}", f"writer/{ph}", f"reps/{ph}/{digest}"):
-            self.membership.withdraw(key)
+        self.membership.withdraw(f"holders/{ph}/{digest}/{me}")
+        self.membership.release(f"writer/{ph}", f"reps/{ph}/{digest}")
         try:
             members = self.membership.coord.scan(f"holders/{ph}/{digest}/")
             live = {n.node_id: n for n in self.membership.live_nodes()}

@@ -183,6 +183,15 @@ class Membership:
         except CoordinatorUnavailable:
             pass
 
+    def release(self, *keys: str) -> None:
+        """Give up the roles ``keys`` if this node holds them (never another node's; an
+        unreachable coordinator ends them with the lease)."""
+        for key in keys:
+            try:
+                self.coord.release(key)
+            except CoordinatorUnavailable:
+                pass
+
     def withdraw_holding(self, gen: Generation) -> None:
         """``gen`` left this node: withdraw its holding in the background."""
         digests = gen.digests

@@ -201,7 +201,7 @@ def _from_storage(src: Sources, load: _Load, alone: bool) -> Generation | None:
             src.membership.announce(gen)  # before stepping down: joiners find a holder
         return gen
     finally:
-        src.membership.withdraw(key)
+        src.membership.release(key)
 
 
 def _wait(src: Sources, load: _Load) -> None:

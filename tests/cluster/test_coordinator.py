@@ -40,6 +40,24 @@ class Conformance:
         assert b.elect("reps/x", {"node": "b"}) is True
         b.close()
 
+    def test_only_the_holder_releases_a_role(self):
+        a, b = self.make(), self.make()
+        a.join(NodeInfo("a", "h", ""))
+        b.join(NodeInfo("b", "h", ""))
+        assert a.elect("writer/x", {"node": "a"}) is True
+        assert b.release("writer/x") is False  # not b's: a keeps it
+        assert b.get("writer/x") == {"node": "a"}
+        assert b.release("writer/never") is False
+        assert a.release("writer/x") is True
+        assert a.get("writer/x") is None
+        # b takes the role; a, the former holder, must not take it away from b.
+        assert b.elect("writer/x", {"node": "b"}) is True
+        assert a.release("writer/x") is False
+        assert a.get("writer/x") == {"node": "b"}
+        a.close()  # closing ends a's roles only
+        assert b.get("writer/x") == {"node": "b"}
+        b.close()
+
     def test_records_are_durable_and_scans_are_relative(self):
         a, b = self.make(), self.make()
         a.join(NodeInfo("a", "h", ""))

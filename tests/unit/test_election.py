@@ -139,3 +139,36 @@ def test_a_corruption_report_drops_only_the_generation_served(make_core, monkeyp
     assert [g.number for g in core.state.index.generations((NS, path))] == [1, 2]
     fetching.on_corrupt(None, peer.CorruptReport(NS, path, "digest mismatch", generation=1))
     assert [g.number for g in core.state.index.generations((NS, path))] == [2]
+
+
+def test_stepping_down_never_takes_another_nodes_role(make_core, tmp_path, monkeypatch):
+    """A node stepping down (its copy superseded, dropped, or a worker error, perhaps while
+    it was only a standby) gives up the roles it holds, never those another node holds: a
+    representative that lost its role would otherwise let a second writer start on the path
+    while the first still writes."""
+    shared: dict = {}
+    monkeypatch.setattr(
+        membership_module, "make_coordinator",
+        lambda url, *, cluster, job, ttl: EmbeddedCoordinator(
+            f"/ckptcache/{cluster}/{job}/", ttl, store=shared
+        ),
+    )  # fmt: skip
+    root = str(tmp_path / "store")
+    os.makedirs(root)
+    lead = _cluster_core(make_core, root, node_id="lead")
+    standby = _cluster_core(make_core, root, node_id="standby")
+    path = f"{root}/s.pt"
+    ph = path_hash(NS, path)
+    lead_coord = lead.cluster.membership.coord  # type: ignore[union-attr]
+    assert lead_coord.elect(f"writer/{ph}", {"node": "lead", "digest": "d"})
+    session = standby.saves.open_session(1, os.getuid())
+    save_object(standby, session, path, torch.full((64,), 3.0))
+    gen = standby.state.index.newest((NS, path))
+    assert gen is not None
+    wait_until(lambda: gen.persist_state == PersistState.PERSISTING and gen.digests is not None,
+               what="the standby's claim blocked by the lead's writer role")  # fmt: skip
+    standby.persister.election.step_down(gen)
+    assert lead_coord.get(f"writer/{ph}") == {"node": "lead", "digest": "d"}
+    lead_coord.release(f"writer/{ph}")  # the lead finishes: the standby's persist goes through
+    wait_until(lambda: _persisted(standby, path, gen.number), what="persisted after the lead")
+    assert _stored(path) == 3.0

@@ -113,6 +113,13 @@ class Coordinator(abc.ABC):
         """Create ``key`` under this node's lease if absent; True if this node now holds it."""
 
     @abc.abstractmethod
+    def release(self, key: str) -> bool:
+        """Delete ``key`` only if this node holds it (created under its current lease by
+        :meth:`elect`); True if it was deleted. A role another node holds by now (this node's
+        lease lapsed and another node was elected) is left alone: :meth:`withdraw` would
+        delete it and let a third node take the role while the second still acts on it."""
+
+    @abc.abstractmethod
     def record(self, key: str, value: dict[str, Any]) -> None:
         """Put a durable key (no lease)."""
 

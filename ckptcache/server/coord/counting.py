@@ -72,6 +72,10 @@ class CountingCoordinator(Coordinator):
         self._count("elect")
         return self.inner.elect(key, value)
 
+    def release(self, key: str) -> bool:
+        self._count("release")
+        return self.inner.release(key)
+
     def record(self, key: str, value: dict[str, Any]) -> None:
         self._count("record")
         self.inner.record(key, value)

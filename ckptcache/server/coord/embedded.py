@@ -17,7 +17,9 @@ class EmbeddedCoordinator(Coordinator):
     def __init__(self, prefix: str, ttl: float, store: dict[str, Any] | None = None):
         super().__init__(prefix, ttl)
         self._store: dict[str, Any] = {} if store is None else store
-        self._leased: set[str] = set()
+        # Key -> the value this instance put under its "lease": a key another instance has
+        # since put (after this one withdrew or lost it) is not this instance's to remove.
+        self._leased: dict[str, Any] = {}
         # Instances sharing a store share its lock, a condition: a write wakes every waiter
         # (the key starts with NUL, outside every prefix, so scans never see it).
         self._lock: threading.Condition = self._store.setdefault("\0changed", threading.Condition())
@@ -28,22 +30,29 @@ class EmbeddedCoordinator(Coordinator):
 
     def announce(self, key: str, value: dict[str, Any]) -> None:
         with self._lock:
-            self._store[self.prefix + key] = value
-            self._leased.add(key)
+            self._store[self.prefix + key] = self._leased[key] = value
             self._lock.notify_all()
 
     def withdraw(self, key: str) -> None:
         with self._lock:
             self._store.pop(self.prefix + key, None)
-            self._leased.discard(key)
+            self._leased.pop(key, None)
             self._lock.notify_all()
 
     def elect(self, key: str, value: dict[str, Any]) -> bool:
         with self._lock:
             if self.prefix + key in self._store:
                 return False
-            self._store[self.prefix + key] = value
-            self._leased.add(key)
+            self._store[self.prefix + key] = self._leased[key] = value
+            self._lock.notify_all()
+            return True
+
+    def release(self, key: str) -> bool:
+        with self._lock:
+            value = self._leased.pop(key, None)
+            if value is None or self._store.get(self.prefix + key) is not value:
+                return False
+            del self._store[self.prefix + key]
             self._lock.notify_all()
             return True
 
@@ -69,8 +78,9 @@ class EmbeddedCoordinator(Coordinator):
 
     def close(self) -> None:
         with self._lock:
-            for key in self._leased:
-                self._store.pop(self.prefix + key, None)
+            for key, value in self._leased.items():
+                if self._store.get(self.prefix + key) is value:
+                    del self._store[self.prefix + key]
             self._leased.clear()
             self._lock.notify_all()
 

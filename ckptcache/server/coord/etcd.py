@@ -144,6 +144,21 @@ class EtcdCoordinator(Coordinator):
             return bool(self._under_lease("create", self._client.create, self.prefix + key,
                                           json.dumps(value)))  # fmt: skip
 
+    def release(self, key: str) -> bool:
+        # One transaction: delete the key only if it is attached to this node's lease. A key
+        # created under an earlier lease of this node is gone with that lease already.
+        lease = self._lease  # read without the lock: the keep-alive holds it through requests
+        if lease is None:
+            return False
+        encoded = _b64((self.prefix + key).encode())
+        result = self._guard("release", self._client.transaction, {
+            "compare": [{"key": encoded, "result": "EQUAL", "target": "LEASE",
+                         "lease": str(lease.id)}],
+            "success": [{"request_delete_range": {"key": encoded}}],
+            "failure": [],
+        })  # fmt: skip
+        return bool(result.get("succeeded", False))
+
     def record(self, key: str, value: dict[str, Any]) -> None:
         self._put(key, value, lease=False)
 
