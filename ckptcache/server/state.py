@@ -194,9 +194,12 @@ class CacheState:
     def unpin_locked(self, gen: Generation) -> None:
         """Drop a pin; frees a retired generation's segment with its last pin."""
         gen.pins -= 1
-        if gen.pins == 0 and gen.retired:
-            gen.retired = False
-            self.arena.release(gen.segment)
+        if gen.pins == 0:
+            if gen.retired:
+                gen.retired = False
+                self.arena.release(gen.segment)
+            # Either way the generation may now be freed or evicted: a reserve waiting for
+            # room looks again at once rather than at its next periodic check.
             self._cond.notify_all()
 
     def unpin(self, gen: Generation) -> None:

@@ -91,7 +91,9 @@ class TestEtcd(Conformance):
         self.cluster = uuid.uuid4().hex[:8]
 
     def make(self):
-        return make_coordinator(self.url, cluster=self.cluster, job="j", ttl=1.0)
+        # The daemon's default TTL: a keep-alive starved for a second on a busy host must not
+        # lapse a lease mid-test (closing revokes it; only the cut-off test waits it out).
+        return make_coordinator(self.url, cluster=self.cluster, job="j", ttl=5.0)
 
     def test_membership_reads_carry_only_what_changed(self):
         a, b, c = self.make(), self.make(), self.make()

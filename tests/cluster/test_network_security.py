@@ -219,7 +219,7 @@ def test_relay_cannot_inject_into_a_backup_copy(relayed_pair, tmp_path):
     path, error = save_through(a, relay, tmp_path, 3)
     assert isinstance(error, ReplicationError)
     assert not _has(b, path)  # nothing the relay touched was committed
-    assert "failed authentication" in b.log()
+    wait_until(lambda: "failed authentication" in b.log())  # logged after the refusal is sent
     relay.close()
 
 

@@ -129,6 +129,7 @@ def test_dropped_handle_is_still_waited_for_by_optimizer_step(client, tmp_path):
         with StepGuard().optimizer_step():
             s["w"].mul_(2.0)  # safe: the step waited for the copy
     client.wait()  # waits for the save itself (no persist root: nothing more to wait for)
+    drain(client)  # the handle leaves the pending set in a done callback, after the wait wakes
     assert not ckptcache._async._pending
     assert torch.equal(client.load(path, mmap=False)["w"], torch.full((MIB,), 3.0))
 

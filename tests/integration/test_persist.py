@@ -178,6 +178,8 @@ def test_unpersisted_generations_are_never_evicted(daemon_factory, tmp_path):
             assert {o.path for o in c.list()} == {str(root / "a.pt"), str(root / "b.pt")}
             done.set()
         c.wait(timeout=60)
+        # Persisted, and the workers' pins dropped just after: evictable now.
+        wait_until(lambda: c.daemon_status().pinned == 0, what="the persist pins dropped")
         c.save(blob, root / "d.pt")  # now a persisted generation can be evicted
         assert str(root / "d.pt") in {o.path for o in c.list()}
     assert done.is_set() and (root / "a.pt").exists() and (root / "b.pt").exists()

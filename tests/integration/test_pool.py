@@ -52,7 +52,7 @@ def test_pool_gives_way_to_saves_and_never_evicts_committed(daemon_factory, tmp_
     # Memory-only paths cannot be evicted: every byte of the budget must go to them.
     d = daemon_factory(
         "--memory-limit", "32MiB", "--pool-segments", "2", "--pool-bytes", "16MiB",
-        "--reserve-timeout", "1",
+        "--reserve-timeout", "30",  # a save may wait for the pool's allocation in flight
     )  # fmt: skip
     with d.client(fallback="raise") as c:
         wait_until(lambda: len(_spares(c).segments) == 2)
@@ -88,7 +88,8 @@ def test_one_lingering_thread_maps_the_spares_after_every_save(daemon_factory, t
             state = blob(4, float(i))
             c.save(state, path)
             assert torch.equal(c.load(path, mmap=False)["w"], state["w"])
-            wait_until(lambda: not _spares(c).growing)
+            # Each save takes one spare and the pool grows another: wait for both to stand.
+            wait_until(lambda: len(_spares(c).segments) == 2 and not _spares(c).growing)
             c._spares.refresh().wait()
             assert all(s in c._write_maps for s in _spares(c).segments)
             assert c._spares._thread is thread

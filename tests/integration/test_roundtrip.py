@@ -10,7 +10,7 @@ import torch
 
 import ckptcache
 from ckptcache.errors import CheckpointNotFound, InvalidPath, SerializationError, UnsafeUnpickle
-from tests.helpers import assert_same
+from tests.helpers import assert_same, wait_until
 from tests.unit.test_flatten import DTYPES, Evil, sample
 
 
@@ -115,6 +115,9 @@ def test_repeated_saves_reuse_segments(daemon, tmp_path):
     with daemon.client() as c:
         for i in range(6):
             c.save({"w": torch.full((1 << 18,), float(i))}, path)
+            # The digester pins each new generation while it hashes it: a retired one it still
+            # holds is freed only then, and a save meanwhile would need another segment.
+            wait_until(lambda: c.daemon_status().pinned == 0, what="the digester's pin dropped")
         st = c.daemon_status()
     # keep=2 plus the one being written: reused, never grown (spares stand ready besides)
     assert st.segments - st.spare_segments == 3

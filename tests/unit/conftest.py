@@ -16,6 +16,7 @@ from ckptcache.format.objectio import plan_object, write_object
 from ckptcache.server.config import DaemonConfig
 from ckptcache.server.daemon import build_core
 from ckptcache.wire import messages as m
+from tests.helpers import wait_until
 
 NS = "default"
 
@@ -52,6 +53,13 @@ def object_bytes(path: str, value: torch.Tensor) -> tuple[ObjectPlan, bytearray]
 class Saved(NamedTuple):
     generation: int
     segment: str
+
+
+def digested(gen) -> None:
+    """Wait until the background digester has recorded ``gen``'s digests and dropped its pin
+    (call it while the test holds no pin of its own). The digester pins every new generation
+    while hashing it, so pin counts or frees checked before then race it."""
+    wait_until(lambda: gen.digests is not None and gen.pins == 0, what="the digest recorded")
 
 
 def save_object(core, session, path: str, value: torch.Tensor) -> Saved:

@@ -15,7 +15,7 @@ from ckptcache.errors import BudgetExceeded, CheckpointNotFound
 from ckptcache.wire import messages as m
 from ckptcache.wire.states import WaitState
 from tests.helpers import wait_until
-from tests.unit.conftest import NS, save_object
+from tests.unit.conftest import NS, digested, save_object
 
 MIB = 1 << 20
 
@@ -58,6 +58,12 @@ def test_budget_evicts_only_unpinned_superseded_generations(make_core):
     with pytest.raises(BudgetExceeded, match=r"no room for .* of '/ckpt/b\.pt'"):
         save_object(core, session, "/ckpt/b.pt", torch.full((1000,), 2.0))
     core.loads.release(session, m.ReleaseRequest((lease.lease,)))
+    with core.state.locked():
+        gens = [
+            g for p in ("/ckpt/a.pt", "/ckpt/b.pt") for g in core.state.index.generations((NS, p))
+        ]
+    for gen in gens:
+        digested(gen)  # a digester still hashing generation 1 would keep it from eviction
     assert save_object(core, session, "/ckpt/b.pt", torch.full((1000,), 2.0)).generation == 2
     assert numbers(core, "/ckpt/a.pt") == [2]  # evicted: superseded and no longer pinned
     assert numbers(core, "/ckpt/b.pt") == [1, 2]
@@ -71,9 +77,7 @@ def test_closing_a_session_drops_its_pins_and_reservations(make_core):
     with core.state.locked():
         gen = core.state.index.newest((NS, "/ckpt/a.pt"))
     assert gen is not None
-    # The background digester pins a new generation while it hashes it: let it finish, so
-    # the only pin left to count is the session's lease.
-    wait_until(lambda: gen.digests is not None and gen.pins == 0, what="the digest recorded")
+    digested(gen)  # the only pin left to count is the session's lease
     core.loads.open(session, m.OpenRequest(NS, "/ckpt/a.pt"))
     core.saves.reserve(session, m.ReserveRequest(NS, "/ckpt/b.pt", 4096))
     assert gen.pins == 1

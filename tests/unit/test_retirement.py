@@ -21,7 +21,7 @@ from ckptcache.wire import messages as m
 from ckptcache.wire import peer
 from ckptcache.wire.states import PersistState
 from tests.helpers import wait_until
-from tests.unit.conftest import NS, object_bytes, save_object
+from tests.unit.conftest import NS, digested, object_bytes, save_object
 
 
 def _generation(core, path):
@@ -64,6 +64,7 @@ def test_a_deleted_queued_generation_is_never_persisted_from_its_reused_segment(
     saved_b = save_object(core, session, b, torch.full((1000,), 7.0))  # queued behind a
     gen_b = _generation(core, b)
     assert gen_b.persist_state == PersistState.QUEUED
+    digested(gen_b)  # unpinned (queued is not pinned): the delete frees its segment at once
 
     assert core.retention.delete(session, m.DeleteRequest(NS, b)).dropped == 1
     saved_c = save_object(core, session, c, torch.full((1000,), 42.0))
@@ -83,6 +84,7 @@ def test_a_retired_generation_cannot_be_pinned(make_core):
     session = core.saves.open_session(1, os.getuid())
     save_object(core, session, "/mem/x.pt", torch.ones(10))
     gen = _generation(core, "/mem/x.pt")
+    digested(gen)  # a digester pin would keep the deleted generation retired, not removed
     core.retention.delete(session, m.DeleteRequest(NS, "/mem/x.pt"))
     assert gen.removed
     assert core.state.pin_if_current(gen) is False
