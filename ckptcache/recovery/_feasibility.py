@@ -249,7 +249,8 @@ class TransferCheck:
     """What one rank reports after a transfer (all ints, gathered like an announcement).
 
     ``role``: 0 took no part, 1 source, 2 receiver, 3 bystander (a healthy replica that hashed
-    its own state), 4 bystander lacking some of the source's tensors. ``digest`` covers the
+    its own state), 4 bystander lacking some of the source's tensors, 5 a rank that failed
+    locally during the transfer (its reason follows separately). ``digest`` covers the
     buckets that moved, ``unsent`` the tensors that did not (frozen weights a receiver kept).
     """
 
@@ -265,12 +266,15 @@ class TransferCheck:
         return cls(*(int(v) for v in t.tolist()))
 
 
-SOURCE, RECEIVER, BYSTANDER, BYSTANDER_MISSING = 1, 2, 3, 4
+SOURCE, RECEIVER, BYSTANDER, BYSTANDER_MISSING, FAILED = 1, 2, 3, 4, 5
 
 
 def transfer_problem(checks: Sequence[TransferCheck], ranks: Sequence[int]) -> str | None:
     """Why the transfer must not be used (None when every digest matches the source's)."""
     by_rank = dict(zip(ranks, checks, strict=True))
+    failed = [r for r, c in by_rank.items() if c.role == FAILED]
+    if failed:
+        return f"rank {failed[0]} failed during the transfer"
     source = next((r for r, c in by_rank.items() if c.role == SOURCE), None)
     if source is None:
         return "no rank reported sending the state"

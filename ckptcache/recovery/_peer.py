@@ -50,6 +50,7 @@ from ckptcache.recovery._digests import DigestMode, combine, state_digests, tens
 from ckptcache.recovery._feasibility import (
     BYSTANDER,
     BYSTANDER_MISSING,
+    FAILED,
     PROTOCOL_VERSION,
     RECEIVER,
     SOURCE,
@@ -511,10 +512,17 @@ class PeerRecovery:
                 digest=self.digest,
                 own=own,
             )
+        failure = None
+        if moved.error is not None:
+            failure = f"rank {me} failed during the transfer: {moved.error}"
         if self.digest is None:
-            return dests, moved.nbytes, None
-        check = self._transfer_check(plan, role, flat, dests, own, moved)
-        return dests, moved.nbytes, self._check_transfer(check)
+            return dests, moved.nbytes, failure  # shared by the group's last vote
+        check = (
+            TransferCheck(FAILED, 0, 0)
+            if failure is not None
+            else self._transfer_check(plan, role, flat, dests, own, moved)
+        )
+        return dests, moved.nbytes, self._check_transfer(check, failure)
 
     def _transfer_check(
         self,
@@ -542,13 +550,18 @@ class PeerRecovery:
         code = {"source": SOURCE, "receiver": RECEIVER, "bystander": BYSTANDER}[role]
         return TransferCheck(code, to_i64(moved.digest), to_i64(unsent_digest))
 
-    def _check_transfer(self, check: TransferCheck) -> str | None:
-        """One all_gather of every rank's digests; the same verdict on every rank."""
+    def _check_transfer(self, check: TransferCheck, failure: str | None = None) -> str | None:
+        """One all_gather of every rank's digests; the same verdict on every rank. A rank that
+        failed during the transfer says so in its row, and then every rank (all see the same
+        rows) gathers the failures' reasons."""
         group = self.replica_group
         mine = check.to_tensor(self._control_device(group))
         rows = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
         dist.all_gather(rows, mine, group=group)
-        return transfer_problem([TransferCheck.from_tensor(r) for r in rows], _global_ranks(group))
+        checks = [TransferCheck.from_tensor(r) for r in rows]
+        if any(c.role == FAILED for c in checks):
+            return _gather_reasons(failure, group)
+        return transfer_problem(checks, _global_ranks(group))
 
     def _compare_healthy(self, local: _Local, feas: Feasibility) -> str | None:
         """With nobody to receive, check the healthy replicas agree (one all_gather)."""

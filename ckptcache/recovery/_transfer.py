@@ -5,6 +5,12 @@ Pipeline per bucket: take buffer (or view the tensors in place) -> (source) pack
 next bucket is on the wire -> unpack if it was not received in place -> give buffer back.
 ``depth`` broadcasts are in flight at once so that packing and hashing overlap the wire; the
 memory held is ``depth`` buckets.
+
+A local failure on one rank (a buffer it cannot allocate, a pack, hash or unpack that raises)
+must not leave the others blocked in a broadcast until the process group times out: the rank
+records the error and keeps relaying the remaining buckets through scratch buffers, so every
+rank issues the same collectives; the caller then shares the error and the group falls back
+together. Errors of the broadcasts themselves (a peer gone) still raise: the group is broken.
 """
 
 from __future__ import annotations
@@ -38,6 +44,13 @@ class Transfer:
     nbytes: int = 0
     digest: int | None = None
     words: list[int] = field(default_factory=list)
+    #: This rank's local failure (its result is unusable); None when it went through.
+    error: str | None = None
+
+    def fail(self, e: Exception) -> None:
+        """Record the first local failure; the rest of the transfer only relays."""
+        if self.error is None:
+            self.error = f"{type(e).__name__}: {e}"
 
 
 @dataclass
@@ -72,17 +85,18 @@ def broadcast_buckets(
     pending: deque[_InFlight] = deque()
     out = Transfer(words=[0] * len(buckets) if digest is not None else [])
     for index, bucket in enumerate(buckets):
-        buf, in_place = _buffer(bucket, tensors, device, pool)
-        if role == "source" and not in_place:
-            assert tensors is not None
-            pack(bucket, tensors, buf)
+        buf, in_place = _prepare(bucket, tensors, role, device, pool, out)
         work = dist.broadcast(buf, src=src, group=group, async_op=True)
         pending.append(_InFlight(index, work, bucket, buf, in_place))
         out.nbytes += buf.numel() * buf.element_size()
-        if digest is not None and role == "source":
-            out.words[index] = buffer_word(buf, digest)  # reads while the wire reads
-        elif digest is not None and role == "bystander" and own is not None:
-            out.words[index] = _own_word(bucket, own, device, pool, digest)
+        if digest is not None and out.error is None:
+            try:
+                if role == "source":
+                    out.words[index] = buffer_word(buf, digest)  # reads while the wire reads
+                elif role == "bystander" and own is not None:
+                    out.words[index] = _own_word(bucket, own, device, pool, digest)
+            except Exception as e:
+                out.fail(e)
         while len(pending) >= max(1, depth):
             _finish(pending.popleft(), role, tensors, pool, digest, out)
     while pending:
@@ -90,9 +104,34 @@ def broadcast_buckets(
     if device.type == "cuda":
         # Unpacks into host tensors (Adam's CPU step counters) were queued asynchronously.
         torch.cuda.current_stream(device).synchronize()
-    if digest is not None:
+    if digest is not None and out.error is None:
         out.digest = fold_words(out.words)
     return out
+
+
+def _prepare(
+    bucket: Bucket,
+    tensors: Sequence[torch.Tensor] | None,
+    role: Role,
+    device: torch.device,
+    pool: BufferPool,
+    out: Transfer,
+) -> tuple[torch.Tensor, bool]:
+    """The buffer to broadcast ``bucket`` through (packed on the source); after a local
+    failure, a scratch buffer whose bytes nobody uses."""
+    if out.error is None:
+        buf: torch.Tensor | None = None
+        try:
+            buf, in_place = _buffer(bucket, tensors, device, pool)
+            if role == "source" and not in_place:
+                assert tensors is not None
+                pack(bucket, tensors, buf)
+            return buf, in_place
+        except Exception as e:
+            out.fail(e)
+            if buf is not None:  # taken, then the pack failed: it still serves as scratch
+                return buf, in_place
+    return pool.take(bucket.dtype, bucket.numel), False
 
 
 def _buffer(
@@ -135,12 +174,15 @@ def _finish(
     out: Transfer,
 ) -> None:
     item.work.wait()
-    if role == "receiver" and digest is not None:
-        # The next bucket is already on the wire: hashing this one overlaps it.
-        out.words[item.index] = buffer_word(item.buf, digest)
-    if item.in_place:
-        return
-    if role == "receiver":
-        assert tensors is not None
-        unpack(item.bucket, item.buf, tensors)
-    pool.give(item.buf)
+    if role == "receiver" and out.error is None:
+        try:
+            if digest is not None:
+                # The next bucket is already on the wire: hashing this one overlaps it.
+                out.words[item.index] = buffer_word(item.buf, digest)
+            if not item.in_place:
+                assert tensors is not None
+                unpack(item.bucket, item.buf, tensors)
+        except Exception as e:
+            out.fail(e)
+    if not item.in_place:
+        pool.give(item.buf)

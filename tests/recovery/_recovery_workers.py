@@ -640,3 +640,48 @@ def apply_fails_on_receiver(rank: int, world: int) -> dict[str, Any]:
         r.model, r.optimizer, scheduler=r.scheduler, recovering=lost, fallback=lambda: None
     )
     return {"source": result.source, "reason": result.reason}
+
+
+def fails_mid_transfer(rank: int, world: int) -> dict[str, Any]:
+    """A rank's pack or unpack raises in the middle of the bucketed broadcasts (digests on
+    and off): every rank must leave at once with the same reason and load the fallback, and
+    the group must stay usable (a clean recovery afterwards goes through)."""
+    from ckptcache.recovery import _transfer
+
+    saved = snapshot_tensors(state_of(_trained(1)))
+    out: dict[str, Any] = {}
+    cases = (("unpack", 1, "checksum"), ("unpack", 1, None), ("pack", 0, "checksum"),
+             ("pack", 0, None), ("clean", -1, "checksum"))  # fmt: skip
+    for step_name, failing_rank, digest in cases:
+        calls: list[int] = []
+        r = _trained(2)
+        lost = rank == 1
+        if lost:
+            r = make_replica(seed=7)
+        real = getattr(_transfer, step_name, None)
+        if rank == failing_rank:
+
+            def refuse(*args: Any, _name: str = step_name) -> None:
+                raise RuntimeError(f"{_name} refused on purpose")
+
+            setattr(_transfer, step_name, refuse)
+        try:
+            result = PeerRecovery(guard=r.guard, bucket_bytes=256, digest=digest).recover(
+                r.model,
+                r.optimizer,
+                scheduler=r.scheduler,
+                step=None if lost else 2,
+                recovering=lost,
+                fallback=lambda calls=calls: calls.append(1) or saved,
+            )
+        finally:
+            if rank == failing_rank:
+                setattr(_transfer, step_name, real)
+        out[f"{step_name}-{digest}"] = {
+            "source": result.source,
+            "reason": result.reason,
+            "calls": len(calls),
+            "restored": bitwise_equal(r.model.state_dict(), saved["model"]),
+            "peer_state": bitwise_equal(r.model.state_dict(), state_of(_trained(2))["model"]),
+        }
+    return out

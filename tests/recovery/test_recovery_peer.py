@@ -11,6 +11,7 @@ from _recovery_workers import (
     corrupt_in_flight,
     ddp_recover,
     extra_state_and_dtypes,
+    fails_mid_transfer,
     frozen_and_snapshot,
     frozen_twice,
     gpu_recover,
@@ -181,3 +182,19 @@ def test_a_receiver_that_cannot_apply_takes_every_rank_to_the_fallback() -> None
         assert out["source"] == "fallback"
         assert "cannot apply the state it received" in out["reason"]
         assert "scheduler state refused" in out["reason"]
+
+
+def test_a_rank_failing_mid_transfer_takes_every_rank_to_the_fallback_at_once() -> None:
+    # Before, the failing rank left the broadcasts and the others waited for the process
+    # group's timeout (30 minutes by default).
+    outs = run_workers(fails_mid_transfer, 2, timeout=60)
+    for case, failing in (("unpack", 1), ("pack", 0)):
+        for digest in ("checksum", None):
+            got = [out[f"{case}-{digest}"] for out in outs]
+            want = f"rank {failing} failed during the transfer: RuntimeError: {case} refused"
+            for rank, g in enumerate(got):
+                assert g["source"] == "fallback" and g["reason"].startswith(want), (rank, g)
+                assert g["calls"] == 1 and g["restored"], (rank, case, digest)
+    for out in outs:  # the group is still in step: a clean recovery goes through
+        clean = out["clean-checksum"]
+        assert clean["source"] == "peer" and clean["calls"] == 0 and clean["peer_state"]
