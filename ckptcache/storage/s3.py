@@ -222,6 +222,14 @@ class S3Backend(StorageBackend):
             head = self._call("head object", self.client.head_object, Bucket=bucket, Key=key)
         except FileNotFoundError:
             return None
+        except PermissionError as e:
+            # S3 answers 403, not 404, to a HEAD of a missing key when the caller may not list
+            # the bucket: without that permission a first persist can never tell "absent".
+            raise PermissionError(
+                f"{e}. S3 refuses to say whether {path} exists: ckptcache checks that no newer "
+                f"object is there before each upload, which needs s3:ListBucket on bucket "
+                f"{bucket!r} besides s3:GetObject, s3:PutObject and s3:AbortMultipartUpload"
+            ) from e
         recorded = head.get("Metadata", {}).get(COMMIT_NS_KEY, "")
         if recorded.isdigit():
             return int(recorded)

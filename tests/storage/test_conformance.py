@@ -232,6 +232,25 @@ class TestS3(Conformance):
         uploads = self.client.list_multipart_uploads(Bucket=self.bucket).get("Uploads", [])
         assert uploads == []
 
+    def test_a_head_refused_for_want_of_the_list_permission_says_so(self):
+        """AWS answers 403 to a HEAD of a missing key when the caller may not list the bucket:
+        the persist must fail with a typed error naming the permission, writing nothing."""
+        from botocore.exceptions import ClientError
+
+        def forbidden(**kwargs):
+            raise ClientError({"Error": {"Code": "403", "Message": "Forbidden"}}, "HeadObject")
+
+        self.backend.client.head_object = forbidden
+        fd, name = source_file(b"x" * 1000)
+        try:
+            with pytest.raises(PermissionError, match="needs s3:ListBucket on bucket"):
+                self.backend.write(self.url("f.pt"), fd, 100, 1000, commit_ns=time.time_ns())
+        finally:
+            os.close(fd)
+            os.unlink(name)
+            del self.backend.client.head_object
+        assert not self.backend.exists(self.url("f.pt"))
+
     def test_a_newer_write_landing_during_a_multipart_upload_is_kept(self):
         """The commit-time check runs again right before the upload completes: a newer
         object written meanwhile (a write-through) is not replaced by the older upload."""
