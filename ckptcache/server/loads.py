@@ -137,5 +137,10 @@ class Loads:
                     self.state.unpin_locked(gen)
 
     def report_corrupt(self, session: Session, req: m.ReportCorruptRequest) -> None:
-        """A client found bad bytes: drop that generation so nobody loads it again."""
+        """A client found bad bytes: drop that generation so nobody loads it again. Only a
+        generation the client may load counts: another user's cannot be dropped this way."""
+        with self.state.locked():
+            self.state.lookup_visible_locked(
+                req.namespace, req.path, req.generation, session, load=True
+            )  # raises CheckpointNotFound
         self.retention.drop_corrupt(req.namespace, req.path, req.generation, req.detail)

@@ -76,12 +76,18 @@ class Retention:
         """A client wrote ``path`` through to storage: every generation in memory is older.
 
         They are retired (freed once unpinned) and never persisted, so neither a load nor a
-        later persist can bring the older bytes back.
+        later persist can bring the older bytes back. Only generations the caller may see
+        are touched: the daemon cannot tell that the write really happened, and another
+        user's copies stay (their persist still never replaces a newer object on storage).
         """
         check_key(req.namespace, req.path)
         state = self.state
         with state.locked():
-            gens = state.index.generations((req.namespace, req.path))
+            gens = [
+                g
+                for g in state.index.generations((req.namespace, req.path))
+                if state.visible(session, g, False)
+            ]
             for gen in gens:
                 if not gen.persisted:
                     gen.needs_persist, gen.persist_state = False, PersistState.SUPERSEDED
@@ -97,8 +103,12 @@ class Retention:
         state = self.state
         key = (req.namespace, req.path)
         with state.locked():
-            state.deleted[key] = time.time()
-            gens = [g for g in state.index.generations(key) if state.visible(session, g, False)]
+            held = state.index.generations(key)
+            gens = [g for g in held if state.visible(session, g, False)]
+            if len(gens) == len(held):
+                # The mark refuses backup copies still in transit; never set by a user over
+                # another user's copies (that would refuse the owner's backups here).
+                state.deleted[key] = time.time()
             if not gens:
                 state.lookup_visible_locked(req.namespace, req.path, None, session)  # raises
             for gen in gens:

@@ -297,6 +297,15 @@ def test_admitted_users_use_the_cache_and_see_only_their_own(tmp_path):
                         out[name] = "ok"
                     except Exception as e:
                         out[name] = type(e).__name__
+                # Claims the daemon cannot check: "I wrote it through", "I found it corrupt".
+                superseded = c._call("supersede", m.SupersedeRequest(c.namespace, path),
+                                     m.DeleteReply)  # fmt: skip
+                out["supersede"] = superseded.dropped
+                try:
+                    c._call("report_corrupt", m.ReportCorruptRequest(c.namespace, path, 1, "x"))
+                    out["report_corrupt"] = "ok"
+                except Exception as e:
+                    out["report_corrupt"] = type(e).__name__
             return out
 
         assert run_as(bob, bob_tries) == {
@@ -305,6 +314,8 @@ def test_admitted_users_use_the_cache_and_see_only_their_own(tmp_path):
             "delete": "CheckpointNotFound",
             "save": "PathNotAllowed",
             "read": "PermissionError",
+            "supersede": 0,
+            "report_corrupt": "CheckpointNotFound",
         }
         # Root sees everything, alice's object is intact.
         with d.client() as c:
