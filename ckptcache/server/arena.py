@@ -13,6 +13,7 @@ mapping can never silently point at a different file that reused a name.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import logging
@@ -42,13 +43,20 @@ log = logging.getLogger(__name__)
 _MAP_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
 
 
-def mapped_by_others(path: str) -> bool:
-    """Whether a process holds a load mapping of ``path``: clients hold a shared ``flock`` on
-    the segment file for as long as a load mapping lives (``ckptcache.format.shm.map_private``)."""
+def mapped_by_others(segment: Segment) -> bool:
+    """Whether a process holds a load mapping of ``segment``: clients hold a shared ``flock``
+    on the segment file for as long as a load mapping lives (``ckptcache.format.shm.map_private``).
+
+    A file swapped in under the segment's name (a symlink, a FIFO: an admitted user may write
+    its own segment directory) counts as mapped, so the segment is never reused; the open
+    neither follows nor blocks (it runs under the state lock)."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        fd = segment.open_fd()
     except FileNotFoundError:
         return False
+    except OSError as e:
+        log.warning("not reusing segment %s: %s", segment.name, e)
+        return True
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -87,6 +95,15 @@ class Segment:
             os.close(fd)
             raise OSError(errno.ESTALE, f"segment file {self.path} was replaced")
         return fd
+
+    @contextlib.contextmanager
+    def opened(self) -> Iterator[int]:
+        """:meth:`open_fd`, closed on exit."""
+        fd = self.open_fd()
+        try:
+            yield fd
+        finally:
+            os.close(fd)
 
     def read_header(self) -> SegmentHeader:
         """Decode the header from the daemon's mapping."""
@@ -186,7 +203,7 @@ class Arena:
         while fits:
             # Segments clients already map come before spares, which stay for new segments.
             best = min(fits, key=lambda s: (s.spare, s.capacity))
-            if not mapped_by_others(best.path):
+            if not mapped_by_others(best):
                 break
             # A load mapping outlived its pin (its connection dropped): its zero-copy tensors
             # still read this segment, so it is not reused until the mapping goes.

@@ -214,11 +214,12 @@ class Channel:
         return payload
 
     def send_file(
-        self, path: str, offset: int, count: int, mapping: mmap.mmap | None = None
+        self, source: str | int, offset: int, count: int, mapping: mmap.mmap | None = None
     ) -> None:
-        """Send ``count`` bytes of file ``path`` from ``offset`` by ``sendfile`` (straight from
-        the page cache), each record's tag computed from ``mapping`` (the caller's mapping of
-        the file, already faulted in; else a fresh one) while the record leaves.
+        """Send ``count`` bytes of file ``source`` (a path, or a descriptor the caller opened
+        and keeps) from ``offset`` by ``sendfile`` (straight from the page cache), each
+        record's tag computed from ``mapping`` (the caller's mapping of the file, already
+        faulted in; else a fresh one) while the record leaves.
 
         ``socket.sendfile`` (not ``os.sendfile``): sockets with a timeout are non-blocking
         underneath, and it waits for writability instead of failing with EAGAIN.
@@ -226,7 +227,7 @@ class Channel:
         if count <= 0:
             return
         with contextlib.ExitStack() as stack:
-            f = stack.enter_context(open(path, "rb"))
+            f = stack.enter_context(open(source, "rb", closefd=isinstance(source, str)))
             if mapping is None:
                 flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
                 mapping = stack.enter_context(

@@ -43,9 +43,9 @@ __all__ = [
 def send_object(channel: Channel, gen: Generation, digests: Callable[[], list[int]]) -> None:
     """Send ``gen``'s body while ``digests()`` runs alongside, then its digest table."""
     header = gen.segment.read_header()
-    with ThreadPoolExecutor(1) as pool:
+    with ThreadPoolExecutor(1) as pool, gen.segment.opened() as fd:
         table = pool.submit(digests)
-        channel.send_file(gen.segment.path, HEADER_SIZE, header.digest_offset - HEADER_SIZE,
+        channel.send_file(fd, HEADER_SIZE, header.digest_offset - HEADER_SIZE,
                           gen.segment.mapping)  # fmt: skip
         channel.send_bytes(pack_digests(table.result()))
 
@@ -137,10 +137,11 @@ def relay_in_flight(channel: Channel, state: CacheState, flight: Inflight) -> No
     the downstream node tries another holder (it verifies every digest at the end anyway).
     """
     sent = HEADER_SIZE
-    while sent < flight.nbytes:
-        ready = state.wait_ready(flight, sent)
-        channel.send_file(flight.segment.path, sent, ready - sent, flight.segment.mapping)
-        sent = ready
+    with flight.segment.opened() as fd:
+        while sent < flight.nbytes:
+            ready = state.wait_ready(flight, sent)
+            channel.send_file(fd, sent, ready - sent, flight.segment.mapping)
+            sent = ready
 
 
 def receive_relayed(channel: Channel, view: memoryview, advance: Callable[[int], None]) -> None:

@@ -6,6 +6,7 @@ through the same calls the control service makes.
 
 from __future__ import annotations
 
+import os
 import threading
 
 import pytest
@@ -100,3 +101,39 @@ def test_state_owner_wait_for_wakes_on_notify(make_core):
     assert core.state.wait_for(lambda: bool(flag), timeout=30) is True
     timer.join()
     assert core.state.wait_for(lambda: False, timeout=0.0) is False
+
+
+@pytest.mark.parametrize("planted", ["fifo", "symlink"])
+def test_a_file_planted_under_a_free_segments_name_is_neither_opened_nor_reused(
+    make_core, tmp_path, planted
+):
+    """An admitted user may write its own segment directory: a FIFO swapped in for a free
+    segment made the reuse check block under the state lock (the daemon hung for every
+    user), and a symlink made it open whatever it pointed to."""
+    core = make_core(pool_bytes=0, memory_limit=8 * MIB)
+    session = core.saves.open_session(1, 0)
+    first = save_object(core, session, "/ckpt/a.pt", torch.ones(10))
+    with core.state.locked():
+        gen = core.state.index.newest((NS, "/ckpt/a.pt"))
+    assert gen is not None
+    digested(gen)
+    core.retention.delete(session, m.DeleteRequest(NS, "/ckpt/a.pt"))
+    seg = core.state.arena.segments[first.segment]
+    assert seg.name in core.state.arena.free
+    os.unlink(seg.path)
+    if planted == "fifo":
+        os.mkfifo(seg.path)
+    else:
+        target = tmp_path / "elsewhere"
+        target.write_bytes(b"\0" * 4096)
+        os.symlink(target, seg.path)
+    done: list = []
+    saver = threading.Thread(
+        target=lambda: done.append(save_object(core, session, "/ckpt/b.pt", torch.ones(10))),
+        daemon=True,
+    )
+    saver.start()
+    saver.join(30)
+    assert done, "the save hung on the planted file"
+    assert done[0].segment != first.segment  # not reused
+    assert core.queries.stat(session, m.StatRequest(NS, "/ckpt/b.pt")).generation == 1
