@@ -64,6 +64,29 @@ class _Walker:
                 f"{where} (mode {stat.S_IMODE(st.st_mode):04o}, owner {st.st_uid})"
             )
 
+    def may_replace(self, dir_fd: int, name: str) -> bool:
+        """Whether the saver may replace or remove entry ``name`` of directory ``dir_fd``: in a
+        sticky directory (a shared scratch space) only the entry's owner or the directory's
+        may, whatever the write bits say."""
+        if not self.check_access:
+            return True
+        st = os.fstat(dir_fd)
+        if not st.st_mode & stat.S_ISVTX or st.st_uid == self.saver.uid:
+            return True
+        try:
+            entry = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+        except FileNotFoundError:
+            return True
+        return entry.st_uid == self.saver.uid
+
+    def require_replace(self, dir_fd: int, name: str) -> None:
+        """Refuse unless :meth:`may_replace`."""
+        if not self.may_replace(dir_fd, name):
+            raise PathNotAllowed(
+                f"cannot persist {self.path!r}: it belongs to another user and its directory "
+                f"is sticky; uid {self.saver.uid} may not replace it"
+            )
+
     def adopt(self, fd: int, mode: int) -> None:
         """Give a directory or file we just created the saver's owner and mode."""
         st = os.fstat(fd)
@@ -161,9 +184,10 @@ def _link_new(fd: int, name: str, dir_fd: int) -> bool:
 def _write_in(
     dir_fd: int, name: str, fill: Callable[[int], None], walker: _Walker, commit_ns: int | None
 ) -> None:
+    walker.require_replace(dir_fd, name)
     leftover = f".{name}{TEMP_MARK}"
     for entry in os.listdir(dir_fd):
-        if entry.startswith(leftover):
+        if entry.startswith(leftover) and walker.may_replace(dir_fd, entry):
             try:
                 os.unlink(entry, dir_fd=dir_fd)
             except OSError:
@@ -194,6 +218,7 @@ def _write_in(
             os.close(fd)
         if commit_ns is not None:
             refuse_newer(name, commit_ns, dir_fd=dir_fd)  # compare right before the rename
+        walker.require_replace(dir_fd, name)  # another user's file may have landed meanwhile
         os.rename(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
     except BaseException:
         if named:

@@ -252,6 +252,27 @@ def test_persisted_file_gets_the_savers_owner_and_mode(tmp_path):
             assert e.value.type_name == "PersistError"
             assert f"uid {bob.uid} may not write under" in e.value.message
             assert not (target.parent / "bob.pt").exists()
+
+            # A sticky, world-writable directory (shared scratch): bob may add files, never
+            # replace alice's, as his own rename there would be refused.
+            scratch = root / "scratch"
+            scratch.mkdir(mode=0o1777)
+            scratch.chmod(0o1777)
+            shared = scratch / "model.pt"
+            run_as(alice, lambda: torch.save(_state(4), shared))
+
+            def replace_as_bob() -> None:
+                with d.client(fallback="raise") as c:
+                    c.save(_state(5), str(scratch / "bob.pt"), durability="persisted")
+                    c.save(_state(6), str(shared), durability="persisted")
+
+            with pytest.raises(ChildError) as e:
+                run_as(bob, replace_as_bob)
+            assert e.value.type_name == "PersistError"
+            assert "its directory is sticky" in e.value.message
+            assert (scratch / "bob.pt").stat().st_uid == bob.uid  # a new file is allowed
+            assert shared.stat().st_uid == alice.uid
+            assert_same(torch.load(shared, weights_only=True), _state(4))
     finally:
         shutil.rmtree(root)
 
