@@ -23,6 +23,7 @@ from ckptcache.server.coord import NodeInfo
 from ckptcache.server.dataplane import Channel, recv_msg, send_msg
 from ckptcache.server.index import Generation
 from ckptcache.server.membership import Membership
+from ckptcache.server.ownership import saver_fields
 from ckptcache.server.state import CacheState, Inflight
 from ckptcache.server.transfer import receive_copy, receive_relayed, relay_in_flight, send_object
 from ckptcache.wire import peer
@@ -76,7 +77,7 @@ class Fetching:
                 manifest_offset=header.manifest_offset, manifest_size=header.manifest_size,
                 generation=gen.number, manifest=gen.manifest.to_json().decode(),
                 skeleton_digest=header.skeleton_digest, persisted=gen.persisted,
-                committed=gen.committed,
+                committed=gen.committed, **saver_fields(gen.saver),
             )))  # fmt: skip
             send_object(conn, gen, lambda: self.ensure_digests(gen))
         finally:

@@ -11,13 +11,16 @@ itself, unless a save of the same path committed here meanwhile is newer
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable
+from dataclasses import replace
 
 from ckptcache.errors import CheckpointNotFound
 from ckptcache.format.layout import HEADER_SIZE
 from ckptcache.format.manifest import compute_digests, pack_digests, unpack_digests, verify_digests
 from ckptcache.server.index import Generation
+from ckptcache.server.ownership import Saver
 from ckptcache.server.saves import Saves
 from ckptcache.server.state import CacheState, Inflight
 from ckptcache.wire import messages as m
@@ -48,6 +51,7 @@ class Ingest:
         digests: Callable[[], list[int]] | None = None,
         saved_at: float | None = None,
         content_time: float = 0.0,
+        saver: Saver | None = None,
     ) -> Generation:
         """Take a copy from a peer or storage: reserve, ``fill`` the bytes after the header,
         verify every digest against the table that came with them (``verify``) or compute the
@@ -61,13 +65,17 @@ class Ingest:
         deleted here since (checked before and after the transfer). ``content_time``: when
         the sender says a fetched copy's content was saved. The copy keeps the origin's time
         as its commit time (what "newest wins" compares on storage and in memory), else the
-        time its read began (an upper bound).
+        time its read began (an upper bound). ``saver``: who saved it on the origin; a root
+        daemon holds and persists the copy as that user (else as itself: unknown saver).
         """
         state, saves, internal = self.state, self.saves, self.saves.internal
         self._refuse_deleted(namespace, path, saved_at)
         started = time.time()  # a copy of unknown age was saved before its read began
         content = saved_at or content_time or started
-        reply = saves.reserve(internal, m.ReserveRequest(namespace, path, nbytes))
+        request = m.ReserveRequest(namespace, path, nbytes)
+        if saver is not None and os.geteuid() == 0:  # only root may save on behalf of a user
+            request = replace(request, uid=saver.uid, gid=saver.gid, umask=saver.umask)
+        reply = saves.reserve(internal, request)
         key = (namespace, path)
         commit = m.CommitRequest(reply.reservation, manifest_offset, manifest_size)
         with state.locked():

@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     from ckptcache.server.state import CacheState as CacheCore
     from ckptcache.server.state import Session
     from ckptcache.wire import messages as m
+    from ckptcache.wire import peer
 
 __all__ = [
     "Saver",
@@ -59,6 +60,20 @@ class Saver:
     def dir_mode(self) -> int:
         """What ``os.makedirs`` by the saver would give a new directory."""
         return 0o777 & ~self.umask
+
+
+def saver_fields(saver: Saver | None) -> dict[str, int]:
+    """``saver`` as peer messages carry it (``saver_uid``, ...; nothing when unknown)."""
+    if saver is None:
+        return {}
+    return {"saver_uid": saver.uid, "saver_gid": saver.gid, "saver_umask": saver.umask}
+
+
+def sent_saver(head: peer.PushRequest | peer.ObjectHead) -> Saver | None:
+    """The saver a peer named for a copy (None: unknown)."""
+    if head.saver_uid < 0:
+        return None
+    return Saver(head.saver_uid, head.saver_gid, head.saver_umask)
 
 
 def daemon_saver() -> Saver:

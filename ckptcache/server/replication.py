@@ -24,6 +24,7 @@ from ckptcache.server.coord import CoordinatorUnavailable, NodeInfo
 from ckptcache.server.dataplane import Channel, recv_msg, send_msg
 from ckptcache.server.index import Generation
 from ckptcache.server.membership import Membership
+from ckptcache.server.ownership import saver_fields
 from ckptcache.server.state import CacheState, NewerHeld
 from ckptcache.server.transfer import receive_copy, send_object
 from ckptcache.wire import peer
@@ -125,6 +126,7 @@ class Replication:
                 manifest_offset=header.manifest_offset, manifest_size=header.manifest_size,
                 origin=self.membership.node.node_id, manifest=gen.manifest.to_json().decode(),
                 skeleton_digest=header.skeleton_digest, committed=gen.committed,
+                **saver_fields(gen.saver),
             )  # fmt: skip
             with self.membership.dial(target) as conn:
                 t1 = time.perf_counter()

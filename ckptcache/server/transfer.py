@@ -23,6 +23,7 @@ from ckptcache.format.digest import digest_bytes, digest_hex
 from ckptcache.format.layout import HEADER_SIZE
 from ckptcache.format.manifest import Manifest, pack_digests, unpack_digests
 from ckptcache.server.dataplane import Channel, send_msg
+from ckptcache.server.ownership import sent_saver
 from ckptcache.wire import peer
 from ckptcache.wire.states import Tier
 
@@ -193,5 +194,5 @@ def receive_copy(
 
     return receive(head.namespace, head.path, head.nbytes, head.manifest_offset,
                    head.manifest_size, fill, origin=origin, digests=lambda: verified,
-                   saved_at=saved_at, persisted=persisted,
-                   content_time=content_time)  # fmt: skip
+                   saved_at=saved_at, persisted=persisted, content_time=content_time,
+                   saver=sent_saver(head))  # fmt: skip

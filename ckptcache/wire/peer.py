@@ -65,6 +65,13 @@ def _wall_clock(message: Any, name: str) -> None:
         raise ValueError(f"{type(message).__name__}.{name}: must be a time in seconds >= 0")
 
 
+def _saver(message: Any) -> None:
+    if message.saver_uid < -1 or message.saver_gid < -1:
+        raise ValueError(f"{type(message).__name__}.saver_uid/gid: must be >= -1")
+    if not 0 <= message.saver_umask <= 0o777:
+        raise ValueError(f"{type(message).__name__}.saver_umask: must be 0 to 0o777")
+
+
 @dataclass(frozen=True)
 class PushRequest:
     """A backup copy offered to a peer; the receiver answers :class:`Ack` once it has
@@ -80,10 +87,16 @@ class PushRequest:
     manifest: str
     skeleton_digest: int
     committed: float
+    #: Who saved it on the origin (uid, gid; -1: unknown) and their umask: the copy is held
+    #: and persisted for that user, never as the daemon (uids are the same on every node).
+    saver_uid: int = -1
+    saver_gid: int = -1
+    saver_umask: int = 0o077
 
     def __post_init__(self) -> None:
         _non_negative(self, "nbytes", "manifest_offset", "manifest_size", "skeleton_digest")
         _wall_clock(self, "committed")
+        _saver(self)
 
 
 @dataclass(frozen=True)
@@ -150,10 +163,15 @@ class ObjectHead:
     persisted: bool = False
     #: When its content was saved (wall clock, s; 0: unknown): the receiver's copy keeps it.
     committed: float = 0.0
+    #: Who saved it, as in :class:`PushRequest`.
+    saver_uid: int = -1
+    saver_gid: int = -1
+    saver_umask: int = 0o077
 
     def __post_init__(self) -> None:
         _non_negative(self, "nbytes", "manifest_offset", "manifest_size", "skeleton_digest")
         _wall_clock(self, "committed")
+        _saver(self)
 
 
 @dataclass(frozen=True)

@@ -277,6 +277,44 @@ def test_persisted_file_gets_the_savers_owner_and_mode(tmp_path):
         shutil.rmtree(root)
 
 
+def test_a_backup_copy_is_held_and_persisted_for_its_saver(tmp_path, etcd_server):
+    """A backup node holds a user's copy as that user's (its segment is the user's) and
+    persists it with the user's owner and mode, never as root: it used to write every copy
+    it persisted as root with mode 0600, over files the user could not otherwise replace."""
+    (alice,) = users(1)
+    root = Path(tempfile.mkdtemp(dir="/tmp"))
+    root.chmod(0o777)
+    cfg = tmp_path / "cfg.yaml"
+    cfg.write_text(f"allowed_uids: [{alice.uid}]\npersist_roots: ['{root}']\n"
+                   "secret: s3cret\nlease_ttl: 2\n")  # fmt: skip
+    cluster = f"c{uuid.uuid4().hex[:8]}"
+    common = ("--config", str(cfg), "--coordinator", etcd_server.url, "--cluster", cluster,
+              "--listen", "127.0.0.1:0", "--backup", "auto", "--memory-limit", "256MiB")  # fmt: skip
+    target = root / "alice" / "model.pt"
+    try:
+        with shared_daemon(*common, "--node-id", "node0", "--host", "h0") as a, \
+                shared_daemon(*common, "--node-id", "node1", "--host", "h1") as b:  # fmt: skip
+            wait_until(lambda: all(len(d.status().cluster_nodes) == 2 for d in (a, b)))
+            with a.client() as c:  # warm the client code paths (see above)
+                c.save(_state(), str(root / "warm.pt"), durability="backup")
+                c.load(str(root / "warm.pt"))
+
+            def save_as_alice() -> None:
+                with a.client(fallback="raise") as c:
+                    c.save(_state(8), str(target), durability="backup")
+
+            run_as(alice, save_as_alice, umask=0o027)
+            copy = b.info(target)
+            assert copy.origin == "node0"
+            assert os.stat(os.path.join(b.segments_dir, copy.segment)).st_uid == alice.uid
+            wait_until(lambda: target.exists(), what="persisted")  # by either node
+            st = target.stat()
+            assert (st.st_uid, stat.S_IMODE(st.st_mode)) == (alice.uid, 0o640)
+            assert_same(torch.load(target, weights_only=True), _state(8))
+    finally:
+        shutil.rmtree(root)
+
+
 # ------------------------------------------------------------------ 4. allowed_uids
 
 

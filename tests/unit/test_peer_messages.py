@@ -16,7 +16,8 @@ from ckptcache.wire import peer
 PUSH = peer.PushRequest(
     namespace="default", path="/ckpt/a.pt", nbytes=1 << 20, manifest_offset=4096,
     manifest_size=512, origin="n1", manifest='{"path": "/ckpt/a.pt"}',
-    skeleton_digest=(1 << 64) - 1, committed=1700000000.5,
+    skeleton_digest=(1 << 64) - 1, committed=1700000000.5, saver_uid=1000, saver_gid=100,
+    saver_umask=0o022,
 )  # fmt: skip
 FETCH = peer.FetchRequest("default", "/ckpt/a.pt")
 CORRUPT = peer.CorruptReport("default", "/ckpt/a.pt", "tensor 'w' digest mismatch")
@@ -68,6 +69,8 @@ def test_wire_format_is_the_one_older_nodes_speak():
         ({**peer.encode(OBJECT), "committed": -5}, peer.decode_fetch_reply, "committed"),
         ({**peer.encode(RELAY), "committed": 1e19}, peer.decode_fetch_reply, "committed"),
         ({**peer.encode(CORRUPT), "generation": -1}, peer.decode_request, "generation"),
+        ({**peer.encode(PUSH), "saver_uid": -2}, peer.decode_request, "saver_uid"),
+        ({**peer.encode(OBJECT), "saver_umask": 0o1000}, peer.decode_fetch_reply, "saver_umask"),
         ({"op": "fetch", "namespace": "d"}, peer.decode_request, "path"),
         ({"op": "fetch", "namespace": "d", "path": "/p", "x": 1}, peer.decode_request, "'x'"),
         ({"op": "erase", "path": "/p"}, peer.decode_request, "'erase'"),
