@@ -159,11 +159,25 @@ def read_record(segment: Segment, daemon_uid: int) -> Saver:
     """The saver of a segment adopted at start.
 
     The record lies in bytes the saver could overwrite, so its uid is believed only when it
-    agrees with who owns the file (an admitted user's segments are that user's files); an
-    unbelievable record gives the file's owner with the most private umask.
+    agrees with who owns the file (an admitted user's segments are that user's files), and
+    its gid only when that user is a member of the group (a forged gid would let a root
+    daemon write into that group's directories for the user); an unbelievable record gives
+    the file's owner with the most private umask, an unbelievable gid the user's primary
+    group.
     """
     magic, uid, gid, umask = _RECORD.unpack_from(segment.mapping, _RECORD_OFFSET)
     owner_ok = uid == segment.owner or (segment.owner == daemon_uid and uid == 0)
     if magic != _MAGIC or not owner_ok or not 0 <= umask <= 0o777:
         return Saver(segment.owner, -1, 0o077)
+    if segment.owner != daemon_uid and gid >= 0:
+        primary = _primary(uid)
+        if gid not in groups_of(uid, primary):
+            gid = primary
     return Saver(uid, gid, umask)
+
+
+def _primary(uid: int) -> int:
+    try:
+        return pwd.getpwuid(uid).pw_gid
+    except KeyError:
+        return -1

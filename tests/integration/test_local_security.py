@@ -315,6 +315,25 @@ def test_a_backup_copy_is_held_and_persisted_for_its_saver(tmp_path, etcd_server
         shutil.rmtree(root)
 
 
+def test_a_forged_group_in_a_users_segment_record_is_not_believed_after_a_restart():
+    """The saver record lies in the user's own segment file: a gid the user is not a member
+    of (written there before a daemon restart) falls back to the user's primary group."""
+    import mmap
+
+    from ckptcache.server.arena import Segment
+    from ckptcache.server.ownership import Saver, read_record, write_record
+
+    (alice,) = users(1)
+    mapping = mmap.mmap(-1, 4096)
+    segment = Segment("seg-x", "/nonexistent/seg-x", 4096, mapping, owner=alice.uid)
+    write_record(segment, Saver(alice.uid, alice.gid, 0o022))
+    assert read_record(segment, 0) == Saver(alice.uid, alice.gid, 0o022)
+    write_record(segment, Saver(alice.uid, 4, 0o022))  # adm: alice is not a member
+    assert read_record(segment, 0) == Saver(alice.uid, alice.gid, 0o022)
+    write_record(segment, Saver(0, 0, 0o022))  # root's record in alice's file: not believed
+    assert read_record(segment, 0) == Saver(alice.uid, -1, 0o077)
+
+
 # ------------------------------------------------------------------ 4. allowed_uids
 
 
