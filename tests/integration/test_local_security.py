@@ -206,6 +206,22 @@ def _state(seed: int = 0) -> dict:
     return {"w": torch.randn(64, 64, generator=g), "step": seed}
 
 
+def _warm(d, path: Path, durability: str) -> None:
+    """Warm the client code paths in this process before a child (another user) uses them:
+    the child cannot read modules from root's interpreter directory."""
+    with d.client() as c:
+        c.save(_state(), str(path), durability=durability)
+        c.load(str(path))
+
+
+def _save_as(user, d, seed: int, path: Path, durability: str, umask: int) -> None:
+    def save() -> None:
+        with d.client(fallback="raise") as c:
+            c.save(_state(seed), str(path), durability=durability)
+
+    run_as(user, save, umask=umask)
+
+
 def test_persisted_file_gets_the_savers_owner_and_mode(tmp_path):
     alice, bob = users(2)
     root = Path(tempfile.mkdtemp(dir="/tmp"))
@@ -215,17 +231,8 @@ def test_persisted_file_gets_the_savers_owner_and_mode(tmp_path):
     try:
         with shared_daemon("--config", str(cfg), "--memory-limit", "256MiB") as d:
             target = root / "alice" / "run1" / "model.pt"
-            # Warm the client code paths in this process before the child (as alice) uses
-            # them: the child cannot read modules from root's interpreter directory.
-            with d.client() as c:
-                c.save(_state(), str(root / "warm.pt"), durability="persisted")
-                c.load(str(root / "warm.pt"))
-
-            def save_as_alice() -> None:
-                with d.client(fallback="raise") as c:
-                    c.save(_state(1), str(target), durability="persisted")
-
-            run_as(alice, save_as_alice, umask=0o077)
+            _warm(d, root / "warm.pt", "persisted")
+            _save_as(alice, d, 1, target, "persisted", umask=0o077)
             st = target.stat()
             assert (st.st_uid, st.st_gid, stat.S_IMODE(st.st_mode)) == (alice.uid, alice.gid, 0o600)
             for directory in (target.parent, target.parent.parent):
@@ -295,15 +302,8 @@ def test_a_backup_copy_is_held_and_persisted_for_its_saver(tmp_path, etcd_server
         with shared_daemon(*common, "--node-id", "node0", "--host", "h0") as a, \
                 shared_daemon(*common, "--node-id", "node1", "--host", "h1") as b:  # fmt: skip
             wait_until(lambda: all(len(d.status().cluster_nodes) == 2 for d in (a, b)))
-            with a.client() as c:  # warm the client code paths (see above)
-                c.save(_state(), str(root / "warm.pt"), durability="backup")
-                c.load(str(root / "warm.pt"))
-
-            def save_as_alice() -> None:
-                with a.client(fallback="raise") as c:
-                    c.save(_state(8), str(target), durability="backup")
-
-            run_as(alice, save_as_alice, umask=0o027)
+            _warm(a, root / "warm.pt", "backup")
+            _save_as(alice, a, 8, target, "backup", umask=0o027)
             copy = b.info(target)
             assert copy.origin == "node0"
             assert os.stat(os.path.join(b.segments_dir, copy.segment)).st_uid == alice.uid

@@ -511,24 +511,35 @@ def corrupt_in_flight(rank: int, world: int) -> dict[str, Any]:
             if case != "clean":
                 dist.broadcast = _flipping(real_broadcast, kinds[case])  # type: ignore[assignment]
         try:
-            result = PeerRecovery(guard=r.guard, bucket_bytes=bucket_bytes).recover(
-                r.model,
-                r.optimizer,
-                scheduler=r.scheduler,
-                step=None if lost else 2,
-                recovering=lost,
-                fallback=lambda calls=calls: calls.append(1) or saved,
-            )
+            result = _recover_at_two(r, lost, saved, calls, bucket_bytes=bucket_bytes)
         finally:
             dist.broadcast = real_broadcast  # type: ignore[assignment]
-        out[case] = {
-            "source": result.source,
-            "reason": result.reason,
-            "calls": len(calls),
-            "restored": bitwise_equal(r.model.state_dict(), saved["model"]),
-            "peer_state": bitwise_equal(r.model.state_dict(), state_of(_trained(2))["model"]),
-        }
+        out[case] = _fallback_outcome(r, result, calls, saved)
     return out
+
+
+def _recover_at_two(r: Replica, lost: bool, saved: Any, calls: list[int], **settings: Any) -> Any:
+    """Recover replicas trained 2 steps (``lost``: this one was rebuilt) with ``saved`` as the
+    fallback checkpoint; each fallback call appends to ``calls``."""
+    return PeerRecovery(guard=r.guard, **settings).recover(
+        r.model,
+        r.optimizer,
+        scheduler=r.scheduler,
+        step=None if lost else 2,
+        recovering=lost,
+        fallback=lambda: calls.append(1) or saved,
+    )
+
+
+def _fallback_outcome(r: Replica, result: Any, calls: list[int], saved: Any) -> dict[str, Any]:
+    """Where a recovery of :func:`_recover_at_two` left this replica."""
+    return {
+        "source": result.source,
+        "reason": result.reason,
+        "calls": len(calls),
+        "restored": bitwise_equal(r.model.state_dict(), saved["model"]),
+        "peer_state": bitwise_equal(r.model.state_dict(), state_of(_trained(2))["model"]),
+    }
 
 
 def _flipping(broadcast: Any, index: int) -> Any:
@@ -666,22 +677,9 @@ def fails_mid_transfer(rank: int, world: int) -> dict[str, Any]:
 
             setattr(_transfer, step_name, refuse)
         try:
-            result = PeerRecovery(guard=r.guard, bucket_bytes=256, digest=digest).recover(
-                r.model,
-                r.optimizer,
-                scheduler=r.scheduler,
-                step=None if lost else 2,
-                recovering=lost,
-                fallback=lambda calls=calls: calls.append(1) or saved,
-            )
+            result = _recover_at_two(r, lost, saved, calls, bucket_bytes=256, digest=digest)
         finally:
             if rank == failing_rank:
                 setattr(_transfer, step_name, real)
-        out[f"{step_name}-{digest}"] = {
-            "source": result.source,
-            "reason": result.reason,
-            "calls": len(calls),
-            "restored": bitwise_equal(r.model.state_dict(), saved["model"]),
-            "peer_state": bitwise_equal(r.model.state_dict(), state_of(_trained(2))["model"]),
-        }
+        out[f"{step_name}-{digest}"] = _fallback_outcome(r, result, calls, saved)
     return out

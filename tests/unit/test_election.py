@@ -94,10 +94,10 @@ def test_a_superseded_representative_hands_its_role_back(node):
     assert _stored(path) == 2.0
 
 
-def test_a_stale_holder_entry_does_not_stall_a_load(make_core, tmp_path, monkeypatch):
-    """A node still announced as holding a path it no longer holds (its copy retired, the
-    withdrawal not yet through) answers "not here": after a few such answers the load stops
-    asking it and reads storage, instead of asking it again until its deadline."""
+@pytest.fixture
+def shared_coordinator(monkeypatch):
+    """Cluster cores made after this share one embedded coordinator (they stand in for the
+    nodes of one cluster, in this process)."""
     shared: dict = {}
     monkeypatch.setattr(
         membership_module, "make_coordinator",
@@ -105,6 +105,12 @@ def test_a_stale_holder_entry_does_not_stall_a_load(make_core, tmp_path, monkeyp
             f"/ckptcache/{cluster}/{job}/", ttl, store=shared
         ),
     )  # fmt: skip
+
+
+def test_a_stale_holder_entry_does_not_stall_a_load(make_core, tmp_path, shared_coordinator):
+    """A node still announced as holding a path it no longer holds (its copy retired, the
+    withdrawal not yet through) answers "not here": after a few such answers the load stops
+    asking it and reads storage, instead of asking it again until its deadline."""
     root = str(tmp_path / "store")
     os.makedirs(root)
     loader = _cluster_core(make_core, root, node_id="loader")
@@ -141,18 +147,11 @@ def test_a_corruption_report_drops_only_the_generation_served(make_core, monkeyp
     assert [g.number for g in core.state.index.generations((NS, path))] == [2]
 
 
-def test_stepping_down_never_takes_another_nodes_role(make_core, tmp_path, monkeypatch):
+def test_stepping_down_never_takes_another_nodes_role(make_core, tmp_path, shared_coordinator):
     """A node stepping down (its copy superseded, dropped, or a worker error, perhaps while
     it was only a standby) gives up the roles it holds, never those another node holds: a
     representative that lost its role would otherwise let a second writer start on the path
     while the first still writes."""
-    shared: dict = {}
-    monkeypatch.setattr(
-        membership_module, "make_coordinator",
-        lambda url, *, cluster, job, ttl: EmbeddedCoordinator(
-            f"/ckptcache/{cluster}/{job}/", ttl, store=shared
-        ),
-    )  # fmt: skip
     root = str(tmp_path / "store")
     os.makedirs(root)
     lead = _cluster_core(make_core, root, node_id="lead")
