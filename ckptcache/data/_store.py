@@ -3,6 +3,7 @@
 ```
 <cache_dir>/                     0700, owned by this user
   <run_id>/                      one directory per run: other runs' files are never looked at
+    .ckptcache-data-run          marker: ckptcache created this directory (only such are reclaimed)
     <name>/                      one per wrapped loader and group ("train", "train-g8")
       owner                      lease of the loading rank (pid, start time), touched = heartbeat
       meta                       {"length": n} once the real loader reported a length
@@ -24,6 +25,7 @@ import json
 import os
 import re
 import shutil
+import stat
 import time
 from collections.abc import Iterator
 
@@ -41,6 +43,10 @@ _POS = re.compile(r"^pos-(\d+)$")
 #: A dead run's directory is reclaimed only once its lease is this old: a job that is just
 #: restarting (same run_id, new pids) keeps its batches.
 RECLAIM_AFTER_S = max(30.0, 2 * STALE_AFTER_S)
+#: Written in every run directory ckptcache creates. ``cache_dir`` may be a directory the user
+#: keeps other things in: only directories carrying this file are ever reclaimed. (A name
+#: starting with "." cannot collide with a loader's ``name``.)
+RUN_MARKER = ".ckptcache-data-run"
 
 
 def check_component(value: str, what: str) -> str:
@@ -86,7 +92,18 @@ class BatchDir:
         self.run_dir = os.path.join(cache_dir, check_component(run_id, "run_id"))
         self.path = os.path.join(self.run_dir, check_component(name, "name"))
         ensure_private_dir(cache_dir)
-        os.makedirs(self.path, mode=0o700, exist_ok=True)
+        # mkdir, not makedirs: only the process that creates the run directory marks it.
+        while True:
+            with contextlib.suppress(FileExistsError):
+                os.mkdir(self.run_dir, 0o700)
+                _write_marker(self.run_dir)  # ours: reclaimable once its loaders are dead
+            try:
+                os.mkdir(self.path, 0o700)
+            except FileExistsError:
+                pass
+            except FileNotFoundError:
+                continue  # another loader of this run closed and removed the run directory
+            break
         self.lease_path = os.path.join(self.path, "owner")
 
     # ------------------------------------------------------------------ batches
@@ -207,8 +224,19 @@ class BatchDir:
     def remove(self) -> None:
         """Delete this directory, and the run's directory if nothing else is left in it."""
         shutil.rmtree(self.path, ignore_errors=True)
-        with contextlib.suppress(OSError):
+        try:
+            left = os.listdir(self.run_dir)
+            if left not in ([], [RUN_MARKER]):
+                return  # other loaders of the run (or files that are not ours) remain
+            if left:
+                os.unlink(os.path.join(self.run_dir, RUN_MARKER))
             os.rmdir(self.run_dir)
+        except FileNotFoundError:
+            return  # removed by another loader of the run (or a reclaim) meanwhile
+        except OSError:
+            # Another loader of the run created its directory meanwhile: keep the run marked.
+            with contextlib.suppress(OSError):
+                _write_marker(self.run_dir)
 
     def _entries(self) -> Iterator[os.DirEntry[str]]:
         try:
@@ -216,6 +244,20 @@ class BatchDir:
                 yield from it
         except FileNotFoundError:
             return
+
+
+def _write_marker(run_dir: str) -> None:
+    fd = os.open(os.path.join(run_dir, RUN_MARKER), os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+    os.close(fd)
+
+
+def _is_run_dir(path: str) -> bool:
+    """Whether ckptcache created ``path``: it holds our marker, a regular file of this user."""
+    try:
+        st = os.lstat(os.path.join(path, RUN_MARKER))
+    except OSError:
+        return False
+    return stat.S_ISREG(st.st_mode) and st.st_uid == os.getuid()
 
 
 def _reclaim_tmp(path: str) -> int:
@@ -236,32 +278,44 @@ def _reclaim_tmp(path: str) -> int:
 def reclaim_cache_dir(cache_dir: str, keep_run: str) -> list[str]:
     """Clean up after crashed runs sharing ``cache_dir``; returns the run directories removed.
 
-    Temp files of dead writers go everywhere. A whole run directory (other than ``keep_run``)
-    goes when every loader lease in it names a dead process and is older than
+    Only run directories ckptcache created (they carry :data:`RUN_MARKER`) are looked into;
+    anything else in ``cache_dir`` is never touched, and symbolic links are never followed.
+    Temp files of dead writers go in every run. A whole run directory (other than
+    ``keep_run``) goes when every loader lease in it names a dead process and is older than
     :data:`RECLAIM_AFTER_S` (or no lease exists and the directory is that old).
+
+    Loading ranks of other jobs (or other groups) may reclaim the same directories at the same
+    time: a file or directory that vanishes meanwhile is taken as reclaimed.
     """
     removed: list[str] = []
     try:
-        runs = [e for e in os.scandir(cache_dir) if e.is_dir(follow_symlinks=False)]
+        with os.scandir(cache_dir) as it:
+            runs = [e for e in it if e.is_dir(follow_symlinks=False)]
     except FileNotFoundError:
         return removed
     now = time.time()
     for run in runs:
-        subdirs = [e for e in os.scandir(run.path) if e.is_dir(follow_symlinks=False)]
-        for sub in subdirs:
-            _reclaim_tmp(sub.path)
-        if run.name == keep_run:
-            continue
-        if all(_abandoned(sub.path, now) for sub in subdirs) and (
-            subdirs or now - run.stat().st_mtime > RECLAIM_AFTER_S
-        ):
-            shutil.rmtree(run.path, ignore_errors=True)
-            removed.append(run.path)
+        try:
+            if not _is_run_dir(run.path):
+                continue  # not ours (the user's own directory, or a run of an old version)
+            with os.scandir(run.path) as it:
+                subdirs = [e for e in it if e.is_dir(follow_symlinks=False)]
+            for sub in subdirs:
+                _reclaim_tmp(sub.path)
+            if run.name == keep_run:
+                continue
+            if all(_abandoned(sub.path, now) for sub in subdirs) and (
+                subdirs or now - run.stat(follow_symlinks=False).st_mtime > RECLAIM_AFTER_S
+            ):
+                shutil.rmtree(run.path, ignore_errors=True)
+                removed.append(run.path)
+        except FileNotFoundError:
+            continue  # another rank reclaimed it (or its loader closed) meanwhile
     return removed
 
 
 def _abandoned(path: str, now: float) -> bool:
     # A live loading rank touches its lease every HEARTBEAT_S, so an old heartbeat is enough.
     lease = read_lease(os.path.join(path, "owner"))
-    last = lease.heartbeat if lease is not None else os.stat(path).st_mtime
+    last = lease.heartbeat if lease is not None else os.lstat(path).st_mtime
     return now - last > RECLAIM_AFTER_S

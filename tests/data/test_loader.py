@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import itertools
 import os
+import shutil
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +16,7 @@ import torch
 from ckptcache.data import BatchLoadError, BatchTimeout, CachedDataLoader
 from ckptcache.data._lease import Lease
 from ckptcache.data._positions import Pos, distance
-from ckptcache.data._store import RECLAIM_AFTER_S
+from ckptcache.data._store import RECLAIM_AFTER_S, RUN_MARKER, BatchDir
 from ckptcache.errors import ConfigError
 from tests.data._dataset import SeqLoader, batch_digest, make_batch
 from tests.helpers import wait_until
@@ -157,6 +159,94 @@ def test_stale_runs_are_ignored_and_reclaimed(cache_dir: str) -> None:
         got = list(dl)
         assert not os.path.exists(os.path.join(cache_dir, "old"))  # reclaimed at start
     assert _digests(got) == _reference(1, 6)
+
+
+def _dead_run(cache_dir: str, run_id: str) -> str:
+    """A run directory as ckptcache leaves it after a crash, its loader long dead."""
+    bdir = BatchDir(cache_dir, run_id, "train")
+    dead = Lease(pid=2**22 + 17, start_time=1, pid_namespace=0, host="gone", heartbeat=0)
+    dead.write(bdir.lease_path)
+    past = time.time() - RECLAIM_AFTER_S - 5
+    os.utime(bdir.lease_path, (past, past))
+    return bdir.run_dir
+
+
+def test_directories_ckptcache_did_not_create_are_never_reclaimed(
+    cache_dir: str, tmp_path: Path
+) -> None:
+    os.makedirs(cache_dir, mode=0o700)
+    past = time.time() - RECLAIM_AFTER_S - 5
+    # The user's own files next to the cache (cache_dir is their scratch directory).
+    users = {
+        "datasets/imagenet/train/shard0.tar": "x" * 100,
+        "results/metrics.json": "{}",
+        f"scratch/sub/.tmp-{2**22 + 17}-0": "a dead writer's name, but not ours",
+    }
+    for rel, text in users.items():
+        os.makedirs(os.path.dirname(os.path.join(cache_dir, rel)), exist_ok=True)
+        Path(cache_dir, rel).write_text(text)
+    os.makedirs(os.path.join(cache_dir, "empty"))
+    # Links are never followed: not to a directory that looks like a dead run, nor to a marker.
+    outside = _dead_run(str(tmp_path / "elsewhere"), "looks-dead")
+    os.symlink(outside, os.path.join(cache_dir, "link"))
+    os.makedirs(os.path.join(cache_dir, "fake", "train"))
+    os.symlink(os.path.join(outside, RUN_MARKER), os.path.join(cache_dir, "fake", RUN_MARKER))
+    for root, dirs, _ in os.walk(cache_dir):
+        for d in dirs:
+            os.utime(os.path.join(root, d), (past, past), follow_symlinks=False)
+    ours = _dead_run(cache_dir, "old")  # a dead run ckptcache created: this one goes
+
+    with CachedDataLoader(lambda: SeqLoader(2), cache_dir=cache_dir, run_id="r") as dl:
+        assert _digests(list(dl)) == _reference(1, 2)
+        assert not os.path.exists(ours)
+        for rel, text in users.items():
+            assert Path(cache_dir, rel).read_text() == text
+        for kept in ("empty", "link", "fake/train"):
+            assert os.path.lexists(os.path.join(cache_dir, kept))
+        assert os.path.exists(os.path.join(outside, "train", "owner"))
+    assert sorted(os.listdir(cache_dir)) == ["datasets", "empty", "fake", "link", "results",
+                                             "scratch"]  # fmt: skip
+
+
+class _ListedThenRemoved:
+    """What ``os.scandir`` gives when another rank deletes the directory right after."""
+
+    def __init__(self, entries: list[os.DirEntry[str]]):
+        self.entries = entries
+
+    def __iter__(self) -> Iterator[os.DirEntry[str]]:
+        return iter(self.entries)
+
+    def __enter__(self) -> Iterator[os.DirEntry[str]]:
+        return iter(self.entries)
+
+    def __exit__(self, *exc: object) -> None:
+        pass
+
+
+def test_runs_reclaimed_by_another_rank_meanwhile_do_not_fail_the_start(
+    cache_dir: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    gone_before, gone_after = _dead_run(cache_dir, "old0"), _dead_run(cache_dir, "old1")
+    real_scandir = os.scandir
+
+    def racing(path: Any = ".") -> Any:
+        # Another loading rank reclaims the same dead runs at the same moment.
+        if path == gone_before:
+            shutil.rmtree(path)
+        if path == gone_after:
+            with real_scandir(path) as it:
+                entries = list(it)
+            shutil.rmtree(path)
+            return _ListedThenRemoved(entries)
+        return real_scandir(path)
+
+    with monkeypatch.context() as m:
+        m.setattr(os, "scandir", racing)
+        dl = CachedDataLoader(lambda: SeqLoader(3), cache_dir=cache_dir, run_id="r")
+    with dl:
+        assert _digests(list(dl)) == _reference(1, 3)
+    assert os.listdir(cache_dir) == []
 
 
 def test_a_live_run_is_not_reclaimed(cache_dir: str) -> None:
