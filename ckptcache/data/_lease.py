@@ -3,10 +3,17 @@
 The lease file holds the owner's pid, its start time (so a recycled pid is not mistaken for
 the owner) and its pid namespace (so a reader in another container does not probe an unrelated
 process with the same number). A heartbeat thread touches the file; its mtime is the heartbeat.
+
+The lease says who loads; the lock decides it. Reading and writing the lease cannot stop two
+processes from both finding no live owner and both writing theirs, so the loading rank also
+holds an exclusive ``flock`` on a lock file for its lifetime: the second one is refused, and the
+kernel drops the lock when the holder dies, however it dies.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import os
 import socket
@@ -16,7 +23,16 @@ from dataclasses import dataclass
 
 from ckptcache._atomic import atomic_write
 
-__all__ = ["HEARTBEAT_S", "STALE_AFTER_S", "Heartbeat", "Lease", "pid_alive", "read_lease"]
+__all__ = [
+    "HEARTBEAT_S",
+    "STALE_AFTER_S",
+    "Heartbeat",
+    "Lease",
+    "lock_exclusive",
+    "pid_alive",
+    "read_lease",
+    "unlock",
+]
 
 #: How often the loading rank touches its lease.
 HEARTBEAT_S = 1.0
@@ -113,6 +129,47 @@ def read_lease(path: str) -> Lease | None:
         )  # fmt: skip
     except (OSError, ValueError, KeyError, TypeError):
         return None
+
+
+#: Lock files this process holds. A forked child (a ``DataLoader`` worker) closes its copies at
+#: once: the lock must go with the loading rank, not with the last of its orphaned workers
+#: (a restarted loading rank would be refused until they noticed). ``O_CLOEXEC`` covers exec.
+_held: set[int] = set()
+
+
+def _close_in_child() -> None:
+    for fd in _held:
+        with contextlib.suppress(OSError):
+            os.close(fd)
+    _held.clear()
+
+
+os.register_at_fork(after_in_child=_close_in_child)
+
+
+def lock_exclusive(path: str) -> int | None:
+    """Take a non-blocking exclusive ``flock`` on ``path`` (created 0600, never a link).
+
+    Returns the descriptor to keep open while holding the lock, or ``None`` if another open
+    file holds it (another process, or another loader of this one).
+    """
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        return None
+    except BaseException:
+        os.close(fd)
+        raise
+    _held.add(fd)
+    return fd
+
+
+def unlock(fd: int) -> None:
+    """Release a lock taken by :func:`lock_exclusive`."""
+    _held.discard(fd)
+    os.close(fd)
 
 
 class Heartbeat:

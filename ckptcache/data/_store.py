@@ -6,6 +6,7 @@
     .ckptcache-data-run          marker: ckptcache created this directory (only such are reclaimed)
     <name>/                      one per wrapped loader and group ("train", "train-g8")
       owner                      lease of the loading rank (pid, start time), touched = heartbeat
+      lock                       flock'ed by the loading rank while it lives (one at a time)
       meta                       {"length": n} once the real loader reported a length
       failed                     "<pid> <message>" if the real loader raised
       pos-<pid>                  "<epoch> <step>": next batch that consumer process will take
@@ -105,6 +106,7 @@ class BatchDir:
                 continue  # another loader of this run closed and removed the run directory
             break
         self.lease_path = os.path.join(self.path, "owner")
+        self.lock_path = os.path.join(self.path, "lock")
 
     # ------------------------------------------------------------------ batches
 

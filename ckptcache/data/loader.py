@@ -8,11 +8,11 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any
+from typing import Any, NoReturn
 
 from ckptcache.data._batchfile import read_batch
 from ckptcache.data._crypto import BatchCipher
-from ckptcache.data._lease import Heartbeat, Lease
+from ckptcache.data._lease import Heartbeat, Lease, lock_exclusive, unlock
 from ckptcache.data._positions import Pos
 from ckptcache.data._prefetch import Prefetcher, batch_key
 from ckptcache.data._store import BatchDir, check_component, reclaim_cache_dir
@@ -155,6 +155,8 @@ class CachedDataLoader:
         self._closed = False
         self._prefetcher: Prefetcher | None = None
         self._heartbeat: Heartbeat | None = None
+        self._lock_fd: int | None = None
+        self._dir_key = (0, 0)
         self._seen_alive: set[tuple[int, int]] = set()
         self._lease_checked = 0.0
         self._lock = threading.Lock()
@@ -186,15 +188,33 @@ class CachedDataLoader:
         lease = self._bdir.read_lease()
         mine = Lease.mine()
         if lease is not None and lease.ident != mine.ident and lease.owner_alive():
-            raise ConfigError(
-                f"{self._bdir.path} already has a live loading rank ({lease.describe()}); give "
-                "each group its own group=/name= or make only one rank the loading rank"
-            )
+            self._refuse(lease)
+        # A loader of this process that still loads here was abandoned (an exception left it
+        # unclosed, as Lightning does on a fault): take over, as a restarted process would,
+        # but stop it first, so that one prefetcher at a time writes the directory.
+        st = os.stat(self._bdir.path)
+        self._dir_key = (st.st_dev, st.st_ino)
+        previous = _loading_here.get(self._dir_key)
+        if previous is not None:
+            previous.close(keep_cache=True)
+        # The lock, not the lease, keeps another process out: two processes could both read
+        # "no live owner" and both write their lease, then write the same batch files.
+        self._lock_fd = lock_exclusive(self._bdir.lock_path)
+        if self._lock_fd is None:
+            self._refuse(self._bdir.read_lease())  # the lease may not be written yet
+        _loading_here[self._dir_key] = self
         reclaim_cache_dir(self.cache_dir, keep_run=self.run_id)
         self._bdir.reclaim_tmp()
         self._bdir.clear_failure()
         mine.write(self._bdir.lease_path)
         self._heartbeat = Heartbeat(self._bdir.lease_path)
+
+    def _refuse(self, lease: Lease | None) -> NoReturn:
+        who = lease.describe() if lease is not None else "another process"
+        raise ConfigError(
+            f"{self._bdir.path} already has a live loading rank ({who}); give "
+            "each group its own group=/name= or make only one rank the loading rank"
+        )
 
     # ------------------------------------------------------------------ iteration
 
@@ -411,6 +431,14 @@ class CachedDataLoader:
         self._bdir.withdraw_position()
         if self.is_loading_rank and not keep_cache:
             self._bdir.remove()
+        self._release_lock()  # a restarted loading rank (kept cache) may take over now
+
+    def _release_lock(self) -> None:
+        if self._lock_fd is not None:
+            if _loading_here.get(self._dir_key) is self:
+                del _loading_here[self._dir_key]
+            unlock(self._lock_fd)
+            self._lock_fd = None
 
     def _stop_threads(self) -> None:
         if self._prefetcher is not None:
@@ -424,6 +452,10 @@ class CachedDataLoader:
     def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
         # Leaving on an exception is the restart case: keep the batches for the next run.
         self.close(keep_cache=exc_type is not None)
+
+
+#: The open loading-rank loader of each directory in this process, by (device, inode).
+_loading_here: dict[tuple[int, int], CachedDataLoader] = {}
 
 
 def _release_at_exit(ref: weakref.ref[CachedDataLoader]) -> None:

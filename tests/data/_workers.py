@@ -1,7 +1,8 @@
 """Processes of the multi-process batch-cache tests: ``python -m tests.data._workers ROLE JSON``.
 
 Roles: ``trainer`` (a training loop that checkpoints its data position every step),
-``holder`` (reads batches, keeps them mapped and reports, until a stop file appears) and
+``holder`` (reads batches, keeps them mapped and reports, until a stop file appears; with
+``fork``, also forks a child that sleeps) and
 ``reader`` (iterates until an error and reports it).
 """
 
@@ -64,7 +65,13 @@ def holder(cfg: dict[str, Any]) -> None:
     it = iter(dl)
     held = [next(it) for _ in range(cfg["hold"])]
     total = sum(float(b["x"].sum()) for b in held)
-    _write_json(cfg["report"], {"pid": os.getpid(), "sum": total})
+    child = None
+    if cfg.get("fork"):  # like a DataLoader worker: a forked child that may outlive us a while
+        child = os.fork()
+        if child == 0:
+            time.sleep(300)
+            os._exit(0)
+    _write_json(cfg["report"], {"pid": os.getpid(), "sum": total, "child": child})
     wait_until(lambda: os.path.exists(cfg["stop"]), 300, "the stop signal")
     dl.close(keep_cache=True)
 

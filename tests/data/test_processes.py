@@ -11,7 +11,11 @@ from pathlib import Path
 from subprocess import Popen
 from typing import Any
 
-from tests.data._dataset import batch_digest, make_batch
+import pytest
+
+from ckptcache.data import CachedDataLoader
+from ckptcache.errors import ConfigError
+from tests.data._dataset import SeqLoader, batch_digest, make_batch
 from tests.data._helpers import read_json
 from tests.helpers import wait_until
 
@@ -133,3 +137,33 @@ def test_dead_loading_rank_fails_readers_fast(cache_dir: str, tmp_path: Path, sp
     assert report["pid"] == loading.pid
     assert f"pid {loading.pid}" in report["message"]
     assert report["got"] >= 1
+
+
+def test_a_live_loading_rank_excludes_others_even_before_its_lease_is_seen(
+    cache_dir: str, tmp_path: Path, spawn: Spawn
+) -> None:
+    cfg = {
+        "cache_dir": cache_dir, "run_id": "job", "n": 8, "numel": 8, "prefetch": 2,
+        "hold": 1, "stop": str(tmp_path / "stop"), "report": str(tmp_path / "r.json"),
+        "loading": True, "fork": True,
+    }  # fmt: skip
+    first = spawn("holder", cfg)
+    report = wait_until(lambda: read_json(tmp_path / "r.json"), 60, "the first loading rank")
+    try:
+        # A second loading rank that looked before the first wrote its lease finds none; it
+        # must still be refused (it would otherwise write the same batch files).
+        os.unlink(os.path.join(cache_dir, "job", "train", "owner"))
+        with pytest.raises(ConfigError, match=r"already has a live loading rank \(another"):
+            CachedDataLoader(lambda: SeqLoader(8, 8), cache_dir=cache_dir, run_id="job")
+        # Its death frees the place at once, although its forked child still lives.
+        first.send_signal(signal.SIGKILL)
+        assert first.wait(30) == -signal.SIGKILL
+        os.kill(report["child"], 0)  # (raises if it is gone)
+        with CachedDataLoader(
+            lambda: SeqLoader(8, 8), cache_dir=cache_dir, run_id="job", start_step=0
+        ) as dl:
+            assert [batch_digest(b) for b in dl] == [
+                batch_digest(make_batch(0, i, 8)) for i in range(8)
+            ]
+    finally:
+        os.kill(report["child"], signal.SIGKILL)
