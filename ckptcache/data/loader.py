@@ -310,13 +310,17 @@ class CachedDataLoader:
         if lease is None:
             return
         failure = self._bdir.read_failure()
-        if failure is not None and failure[0] == lease.pid:
+        alive = lease.owner_alive()
+        if alive:
+            self._seen_alive.add(lease.ident)
+        # A failure counts only if it is the current loading rank's: one this reader saw alive
+        # (it may exit right after failing). A dead lease never seen alive may be a previous
+        # incarnation's, whose failure the restarted loading rank clears: wait for that one.
+        if failure is not None and failure[0] == lease.pid and lease.ident in self._seen_alive:
             raise BatchLoadError(
                 f"the loading rank ({lease.describe()}) failed: {failure[1]}; see its log"
             )
-        if lease.owner_alive():
-            self._seen_alive.add(lease.ident)
-        elif lease.ident in self._seen_alive:
+        if not alive and lease.ident in self._seen_alive:
             # Seen alive by this reader, dead now: no one will write the batch. (A lease that
             # was dead from the start may be a previous incarnation's: wait for a new one.)
             raise LoaderDied(

@@ -36,7 +36,8 @@ class SeqLoader:
     """``n`` batches per epoch; shuffles nothing but depends on the epoch via ``set_epoch``.
 
     ``open_delay`` and ``item_delay`` simulate a remote dataset; ``gate`` makes creation block
-    until that file exists (proof that a consumer was served without the real loader).
+    until that file exists (proof that a consumer was served without the real loader);
+    ``fail_at`` makes iteration raise ``OSError`` instead of yielding that batch.
     """
 
     def __init__(
@@ -48,11 +49,12 @@ class SeqLoader:
         item_delay: float = 0.0,
         gate: str | None = None,
         with_skip: bool = False,
+        fail_at: int | None = None,
     ):
         if gate is not None:
             wait_until(lambda: os.path.exists(gate), 30, f"gate {gate} to open")
         time.sleep(open_delay)  # the simulated cost of opening the data set
-        self.n, self.numel, self.item_delay = n, numel, item_delay
+        self.n, self.numel, self.item_delay, self.fail_at = n, numel, item_delay, fail_at
         self.epoch = 0
         self.start = 0
         self.produced: list[tuple[int, int]] = []
@@ -72,5 +74,7 @@ class SeqLoader:
         start, self.start = self.start, 0
         for i in range(start, self.n):
             time.sleep(self.item_delay)
+            if i == self.fail_at:
+                raise OSError(f"transient storage error at batch {i}")
             self.produced.append((self.epoch, i))
             yield make_batch(self.epoch, i, self.numel)

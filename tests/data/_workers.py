@@ -23,7 +23,7 @@ def _loader(cfg: dict[str, Any], *, reading: bool = False) -> CachedDataLoader:
     def make() -> SeqLoader:
         return SeqLoader(
             cfg["n"], cfg.get("numel", 256), item_delay=cfg.get("item_delay", 0.0),
-            gate=cfg.get("gate"),
+            gate=cfg.get("gate"), fail_at=cfg.get("fail_at"),
         )  # fmt: skip
 
     return CachedDataLoader(

@@ -266,6 +266,20 @@ def test_loader_errors_reach_the_consumer(cache_dir: str) -> None:
         assert isinstance(info.value.__cause__, OSError)
 
 
+def test_the_live_loading_ranks_failure_reaches_readers(cache_dir: str) -> None:
+    with CachedDataLoader(
+        lambda: SeqLoader(6, fail_at=2), cache_dir=cache_dir, run_id="r", prefetch=4
+    ) as loading:
+        reader = CachedDataLoader(
+            None, cache_dir=cache_dir, run_id="r", is_loading_rank=False, timeout=30
+        )
+        with pytest.raises(BatchLoadError, match="transient storage error at batch 2"):
+            list(reader)
+        reader.close()
+        with pytest.raises(BatchLoadError):
+            list(loading)
+
+
 def test_reader_without_loader_times_out(cache_dir: str) -> None:
     with (
         CachedDataLoader(

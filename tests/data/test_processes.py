@@ -167,3 +167,34 @@ def test_a_live_loading_rank_excludes_others_even_before_its_lease_is_seen(
             ]
     finally:
         os.kill(report["child"], signal.SIGKILL)
+
+
+def test_a_dead_runs_failure_marker_does_not_fail_the_restart(
+    cache_dir: str, tmp_path: Path, spawn: Spawn
+) -> None:
+    cfg = {"cache_dir": cache_dir, "run_id": "job", "n": 6, "numel": 8, "prefetch": 2}
+    # First incarnation: the real loader raises (a transient error), the process exits.
+    first = spawn(
+        "trainer",
+        {**cfg, "epochs": 1, "fail_at": 3, "log": str(tmp_path / "first.log"),
+         "state": str(tmp_path / "state.json")},
+    )  # fmt: skip
+    assert first.wait(60) != 0
+    assert os.path.exists(os.path.join(cache_dir, "job", "train", "failed"))
+    # Restart: a reader that comes up before the new loading rank waits for it; the old
+    # failure is not its loading rank's.
+    reader = CachedDataLoader(
+        None, cache_dir=cache_dir, run_id="job", is_loading_rank=False, timeout=30
+    )
+    stop = str(tmp_path / "stop")
+    second = spawn(
+        "holder",
+        {**cfg, "loading": True, "hold": 6, "stop": stop, "report": str(tmp_path / "r.json")},
+    )  # fmt: skip
+    try:
+        got = [batch_digest(b) for b in reader]
+    finally:
+        open(stop, "w").close()
+    assert got == [batch_digest(make_batch(0, i, 8)) for i in range(6)]
+    reader.close()
+    assert second.wait(30) == 0
