@@ -18,9 +18,11 @@ only dirties its own pages.
 
 from __future__ import annotations
 
+import errno
 import itertools
 import mmap
 import os
+import stat
 import struct
 import time
 from collections.abc import Callable
@@ -40,7 +42,7 @@ from ckptcache.format.manifest import (
     unpack_digests,
 )
 from ckptcache.format.objectio import plan_object, read_object, write_object
-from ckptcache.format.shm import map_private, map_shared
+from ckptcache.format.shm import Mapping, map_shared
 
 __all__ = [
     "NAMESPACE",
@@ -181,9 +183,38 @@ def check_batch(path: str, key: str, encrypted: bool) -> bool:
     return (manifest.namespace, manifest.path) == (NAMESPACE, key)
 
 
-def _open_sealed(path: str, size: int, key: str, cipher: BatchCipher) -> mmap.mmap:
+def _map_own(path: str) -> mmap.mmap:
+    """Map the batch file ``path`` copy-on-write, after checking (on the opened file, not the
+    name) that it is a regular file of this user that nobody else may write: unpickling a
+    planted file could run its code. ``FileNotFoundError`` if it is not there (yet)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as e:
+        if e.errno != errno.ELOOP:
+            raise
+        raise ConfigError(f"cached batch {path} is a symbolic link: refusing to serve it") from e
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise ConfigError(f"cached batch {path} is not a regular file: refusing to serve it")
+        if st.st_uid != os.getuid() or st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+            raise ConfigError(
+                f"cached batch {path} belongs to uid {st.st_uid} (mode "
+                f"{stat.S_IMODE(st.st_mode):04o}), not to this user (uid {os.getuid()}) "
+                "alone: it could be forged; refusing to serve it"
+            )
+        # PROT_WRITE on a MAP_PRIVATE mapping of a read-only fd: writes stay private.
+        return Mapping(
+            fd, st.st_size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE
+        )
+    finally:
+        os.close(fd)
+
+
+def _open_sealed(path: str, key: str, cipher: BatchCipher) -> mmap.mmap:
     """Decrypt an envelope into a private anonymous mapping."""
-    sealed = map_private(path, size)
+    sealed = _map_own(path)
+    size = len(sealed)
     try:
         with memoryview(sealed) as view:
             magic, nbytes = _ENVELOPE.unpack_from(view)
@@ -213,11 +244,10 @@ def read_batch(
 
     Without encryption the tensors are zero-copy copy-on-write views of the shared file.
     """
-    size = os.stat(path).st_size
     if cipher is not None:
-        mapping: mmap.mmap = _open_sealed(path, size, key, cipher)
+        mapping: mmap.mmap = _open_sealed(path, key, cipher)
     else:
-        mapping = map_private(path, size)
+        mapping = _map_own(path)
     with memoryview(mapping) as view:
         if cipher is None and bytes(view[:8]) == _ENVELOPE_MAGIC:
             raise ConfigError(

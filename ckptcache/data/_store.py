@@ -1,7 +1,7 @@
 """The on-disk (tmpfs) layout of the batch cache, and its hygiene.
 
 ```
-<cache_dir>/                     0700, owned by this user
+<cache_dir>/                     0700, owned by this user (as are all below; never links)
   <run_id>/                      one directory per run: other runs' files are never looked at
     .ckptcache-data-run          marker: ckptcache created this directory (only such are reclaimed)
     <name>/                      one per wrapped loader and group ("train", "train-g8")
@@ -36,7 +36,13 @@ from ckptcache.data._lease import STALE_AFTER_S, Lease, pid_alive, read_lease
 from ckptcache.data._positions import Pos, batch_name, end_name, parse_batch_name, parse_end_name
 from ckptcache.errors import ConfigError
 
-__all__ = ["BatchDir", "check_component", "ensure_private_dir", "reclaim_cache_dir"]
+__all__ = [
+    "BatchDir",
+    "check_component",
+    "check_private",
+    "ensure_private_dir",
+    "reclaim_cache_dir",
+]
 
 _COMPONENT = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.=+-]{0,127}$")
 _TMP = re.compile(rf"^{re.escape(TMP_PREFIX)}(\d+)-\d+$")
@@ -63,11 +69,25 @@ def check_component(value: str, what: str) -> str:
 def ensure_private_dir(path: str) -> None:
     """Create ``path`` (0700) or check that the existing one belongs to this user."""
     os.makedirs(path, mode=0o700, exist_ok=True)
-    st = os.stat(path)
+    check_private(path, "cache directory")
+
+
+def check_private(path: str, what: str) -> None:
+    """Refuse a directory others could plant batches in: a symlink, another user's, or one
+    group or other users may write to (``lstat``: a link is judged, not followed)."""
+    st = os.lstat(path)
+    if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
+        kind = "a symbolic link" if stat.S_ISLNK(st.st_mode) else "not a directory"
+        raise ConfigError(f"{what} {path} is {kind}: choose another cache_dir")
     if st.st_uid != os.getuid():
         raise ConfigError(
-            f"cache directory {path} belongs to uid {st.st_uid}, not to this user "
+            f"{what} {path} belongs to uid {st.st_uid}, not to this user "
             f"(uid {os.getuid()}): batches there could be forged; choose another cache_dir"
+        )
+    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        raise ConfigError(
+            f"{what} {path} is writable by other users (mode {stat.S_IMODE(st.st_mode):04o}): "
+            "batches there could be forged; chmod go-w it or choose another cache_dir"
         )
 
 
@@ -105,6 +125,9 @@ class BatchDir:
             except FileNotFoundError:
                 continue  # another loader of this run closed and removed the run directory
             break
+        # Either may have been created by someone else before this job started.
+        check_private(self.run_dir, "run directory")
+        check_private(self.path, "run directory")
         self.lease_path = os.path.join(self.path, "owner")
         self.lock_path = os.path.join(self.path, "lock")
 

@@ -97,3 +97,28 @@ def test_encrypted_batches(cache_dir: str, monkeypatch: pytest.MonkeyPatch) -> N
     monkeypatch.setenv(ENV_KEY, "short")
     with pytest.raises(ConfigError):
         BatchCipher.from_env()
+
+
+@pytest.mark.parametrize("encrypted", [False, True])
+def test_a_batch_file_that_is_not_ours_alone_is_never_unpickled(
+    cache_dir: str, encrypted: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    os.makedirs(cache_dir)
+    cipher = None
+    if encrypted:
+        pytest.importorskip("cryptography")
+        monkeypatch.setenv(ENV_KEY, "11" * 32)
+        cipher = BatchCipher.from_env()
+    path = _write(cache_dir, {"x": torch.arange(4)}, cipher=cipher)
+    link = os.path.join(cache_dir, "link.batch")
+    os.symlink(path, link)  # a link is refused even to a good batch: names are not trusted
+    with pytest.raises(ConfigError, match="is a symbolic link: refusing to serve it"):
+        read_batch(link, "run/train/b0", cipher)
+    os.chmod(path, 0o622)  # others may write it: it could be swapped under us
+    with pytest.raises(ConfigError, match=r"\(mode 0622\).*refusing to serve it"):
+        read_batch(path, "run/train/b0", cipher)
+    os.chmod(path, 0o600)
+    if os.geteuid() == 0:  # only root can give a file away
+        os.chown(path, 65534, 65534)
+        with pytest.raises(ConfigError, match="belongs to uid 65534"):
+            read_batch(path, "run/train/b0", cipher)

@@ -341,6 +341,49 @@ def test_another_users_directory_is_refused(tmp_path: Path) -> None:
         CachedDataLoader(lambda: [], cache_dir=str(theirs), run_id="r")
 
 
+@pytest.mark.parametrize("loading", [True, False])
+def test_directories_others_could_plant_batches_in_are_refused(
+    cache_dir: str, tmp_path: Path, loading: bool
+) -> None:
+    def make() -> CachedDataLoader:
+        return CachedDataLoader(
+            (lambda: SeqLoader(2)) if loading else None, cache_dir=cache_dir, run_id="r",
+            is_loading_rank=loading,
+        )  # fmt: skip
+
+    os.makedirs(cache_dir, mode=0o700)
+    os.chmod(cache_dir, 0o777)  # ours, but anybody may create the run directory in it
+    with pytest.raises(ConfigError, match=r"cache directory .* writable by other users \(mode"):
+        make()
+    os.chmod(cache_dir, 0o700)
+    run = os.path.join(cache_dir, "r")
+    os.makedirs(os.path.join(run, "train"))
+    os.chmod(os.path.join(run, "train"), 0o777)  # planted before the job started
+    with pytest.raises(ConfigError, match=r"run directory .*/r/train is writable by other"):
+        make()
+    os.chmod(os.path.join(run, "train"), 0o700)
+    if os.geteuid() == 0:  # only root can give a directory away
+        os.chown(run, 65534, 65534)
+        with pytest.raises(ConfigError, match=r"run directory .*/r belongs to uid 65534"):
+            make()
+        os.chown(run, 0, 0)
+    shutil.rmtree(run)
+    os.symlink(str(tmp_path), run)
+    with pytest.raises(ConfigError, match=r"run directory .*/r is a symbolic link"):
+        make()
+    os.unlink(run)
+    real = tmp_path / "real"
+    real.mkdir(mode=0o700)
+    shutil.rmtree(cache_dir)
+    os.symlink(real, cache_dir)
+    with pytest.raises(ConfigError, match=r"cache directory .* is a symbolic link"):
+        make()
+    os.unlink(cache_dir)
+    with make() as dl:  # a private directory is fine
+        if loading:
+            assert _digests(list(dl)) == _reference(1, 2)
+
+
 def test_cache_false_is_a_plain_pass_through(cache_dir: str) -> None:
     dl = CachedDataLoader(lambda: SeqLoader(3), cache_dir=cache_dir, run_id="r", cache=False)
     assert _digests(list(dl)) == _reference(1, 3)
