@@ -25,6 +25,8 @@ __all__ = ["CachedDataLoader", "default_cache_dir"]
 _LEASE_CHECK_S = 0.1
 #: Longest sleep between two looks for a batch file on a reading rank.
 _MAX_POLL_S = 0.01
+#: Longest wait of the loading rank's ``close()`` for reading ranks to reach its position.
+_CLOSE_WAIT_S = 10.0
 
 
 def default_cache_dir() -> str:
@@ -431,11 +433,28 @@ class CachedDataLoader:
             self._closed = True
         if not self.cached:
             return
+        if self.is_loading_rank and not keep_cache:
+            self._wait_for_readers()
         self._stop_threads()
         self._bdir.withdraw_position()
         if self.is_loading_rank and not keep_cache:
             self._bdir.remove()
         self._release_lock()  # a restarted loading rank (kept cache) may take over now
+
+    def _wait_for_readers(self) -> None:
+        """Let reading ranks a few steps behind finish before their batches are deleted.
+
+        Ranks step in lockstep, so at the end of training every reader reaches this rank's
+        position; one still behind it needs batches (or the end-of-epoch marker) from the
+        directory about to go. Wait, prefetching on, for at most ``_CLOSE_WAIT_S`` (a reader
+        that stopped iterating without closing would otherwise hold the close up forever).
+        """
+        deadline = time.monotonic() + min(self.timeout, _CLOSE_WAIT_S)
+        me = os.getpid()
+        while time.monotonic() < deadline:
+            if all(p >= self._pos for pid, p in self._bdir.positions().items() if pid != me):
+                return
+            time.sleep(_MAX_POLL_S)
 
     def _release_lock(self) -> None:
         if self._lock_fd is not None:

@@ -83,8 +83,10 @@ def reader(cfg: dict[str, Any]) -> None:
     try:
         for _ in dl:
             got += 1
-            if got == cfg["ready_after"]:
+            if got == cfg.get("ready_after"):
                 open(cfg["ready"], "w").close()
+            if got == cfg.get("linger_after"):
+                time.sleep(cfg["linger"])  # a last training step slower than the loading rank's
     except Exception as e:
         result = {
             "types": [t.__name__ for t in type(e).__mro__],

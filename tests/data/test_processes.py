@@ -198,3 +198,27 @@ def test_a_dead_runs_failure_marker_does_not_fail_the_restart(
     assert got == [batch_digest(make_batch(0, i, 8)) for i in range(6)]
     reader.close()
     assert second.wait(30) == 0
+
+
+def test_readers_a_little_behind_finish_when_the_loading_rank_closes(
+    cache_dir: str, tmp_path: Path, spawn: Spawn
+) -> None:
+    cfg = {"cache_dir": cache_dir, "run_id": "job", "n": 6, "numel": 8, "timeout": 20.0}
+    # The reader is there first (as when all ranks start together) and lags at the end.
+    reader = spawn(
+        "reader", {**cfg, "report": str(tmp_path / "reader.json"), "linger_after": 6,
+                   "linger": 1.0},
+    )  # fmt: skip
+    wait_until(lambda: os.listdir(os.path.join(cache_dir, "job", "train")), 60, "the reader")
+    loading = spawn(
+        "trainer",
+        {**cfg, "epochs": 1, "log": str(tmp_path / "loading.log"),
+         "state": str(tmp_path / "state.json")},
+    )  # fmt: skip
+    assert loading.wait(60) == 0  # trained its epoch and closed: the normal end of training
+    assert reader.wait(60) == 0
+    assert read_json(tmp_path / "reader.json") == {
+        "types": [], "message": "", "pid": None, "got": 6,
+    }  # fmt: skip
+    assert [row[:2] for row in _log(tmp_path / "loading.log")] == [(0, i) for i in range(6)]
+    assert not os.path.exists(os.path.join(cache_dir, "job"))  # and close() still cleaned up
