@@ -93,6 +93,8 @@ class CachedDataLoader:
             background thread, on the loading rank only (may be ``None`` on reading ranks).
         cache_dir: shared-memory directory (created 0700; must belong to this user).
         run_id: names the run; batches of other run ids are never served and are reclaimed.
+            Must be unique per job (a job reusing another's id is served its leftover
+            batches) and stay the same across the job's restarts.
         prefetch: batches kept ready ahead of the slowest consumer.
         lookback: consumed batches kept (a checkpoint slightly behind still finds its batch).
         start_step, start_epoch: the position to resume from. Prefetching starts once the
