@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import socket
 import threading
-import uuid
 
 import torch
 
@@ -13,19 +12,11 @@ from ckptcache.format.layout import HEADER_SIZE
 from ckptcache.format.manifest import compute_digests, pack_digests
 from ckptcache.format.objectio import plan_object, read_object, write_object
 from ckptcache.server import dataplane
-from ckptcache.server.config import DaemonConfig
-from ckptcache.server.daemon import build_core
 from ckptcache.server.dataplane import Channel
 from ckptcache.server.transfer import receive_relayed, relay_in_flight
 
 
-def make_core(tmp_path, name):
-    shm = f"/dev/shm/ckptcache-test-{uuid.uuid4().hex[:8]}-{name}"
-    return build_core(DaemonConfig(shm_dir=shm, socket=str(tmp_path / f"{name}.sock"),
-                                  memory_limit=64 << 20, node_id=name))  # fmt: skip
-
-
-def test_relay_forwards_bytes_before_the_source_has_them_all(tmp_path, monkeypatch):
+def test_relay_forwards_bytes_before_the_source_has_them_all(make_core, monkeypatch):
     monkeypatch.setattr(dataplane, "RECORD_SIZE", 64 << 10)  # relay granularity small enough to see
     obj = {"a": torch.arange(1 << 18, dtype=torch.float32), "b": torch.ones(1 << 17)}
     flat = flatten(obj)
@@ -38,7 +29,8 @@ def test_relay_forwards_bytes_before_the_source_has_them_all(tmp_path, monkeypat
     )
     body = memoryview(image)[HEADER_SIZE:]
 
-    upstream, downstream = make_core(tmp_path, "up"), make_core(tmp_path, "down")
+    # The fixture's cores are shut down and their shm directories removed after the test.
+    upstream, downstream = (make_core(memory_limit=64 << 20, node_id=n) for n in ("up", "down"))
     downstream_started = threading.Event()
     relayed: list[BaseException] = []
     received: list = []
@@ -91,5 +83,3 @@ def test_relay_forwards_bytes_before_the_source_has_them_all(tmp_path, monkeypat
     out = read_object(gen_down.segment.mapping, gen_down.segment.read_header().manifest_offset,
                       len(plan.manifest_bytes), zero_copy=False)  # fmt: skip
     assert torch.equal(out["a"], obj["a"]) and torch.equal(out["b"], obj["b"])
-    for core in (upstream, downstream):
-        core.shutdown()
