@@ -238,6 +238,8 @@ class Daemon:
         # connect; the credentials check refuses everyone else.
         os.chmod(config.socket, 0o666)
         self._stop = threading.Event()
+        #: Set by a signal handler (see :meth:`signalled`).
+        self._signalled = False
 
     def _title(self) -> None:
         try:
@@ -272,7 +274,13 @@ class Daemon:
                 "first saves and storage reads several times faster (README: Huge pages)",
                 self.config.shm_dir,
             )
-        self._stop.wait()
+        # Woken twice a second: Python runs signal handlers only in the main thread, between
+        # bytecodes, so a SIGTERM the kernel hands to another thread would never end an
+        # unbounded wait; and a handler may not take the event's lock (it may interrupt this
+        # thread while it holds it), so it only raises a flag.
+        while not self._stop.wait(0.5) and not self._signalled:
+            pass
+        self._stop.set()  # for the other loops that watch it
         log.info("shutting down")
         try:
             self.server.close()
@@ -291,6 +299,10 @@ class Daemon:
         """Ask :meth:`serve_forever` to return."""
         self._stop.set()
 
+    def signalled(self) -> None:
+        """:meth:`stop` for a signal handler: takes no lock, acted on within half a second."""
+        self._signalled = True
+
 
 def run_daemon(config: DaemonConfig) -> int:
     """Run a daemon in this process until SIGTERM/SIGINT; returns the exit code."""
@@ -305,6 +317,6 @@ def run_daemon(config: DaemonConfig) -> int:
         log.error("%s", e)
         return 2
     for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: daemon.stop())
+        signal.signal(sig, lambda *_: daemon.signalled())
     daemon.serve_forever()
     return 0

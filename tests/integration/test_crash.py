@@ -105,3 +105,20 @@ def test_trainer_killed_mid_save_leaves_nothing_visible(daemon, tmp_path):
         # which may come after this new client's first request.
         wait_until(lambda: unspared() == (1, 1), what="the reservation freed")  # reusable
         assert unspared() == (1, 1)
+
+
+def test_sigterm_handed_to_any_thread_stops_the_daemon(daemon):
+    """The kernel may hand a process's SIGTERM to any of its threads; Python runs the handler
+    in the main thread only, between bytecodes. A main thread in an unbounded wait then never
+    stopped (seen on a busy machine). Here the signal is sent to one worker thread directly."""
+    import ctypes
+
+    assert daemon.proc is not None
+    pid = daemon.proc.pid
+    workers = sorted(int(t) for t in os.listdir(f"/proc/{pid}/task") if int(t) != pid)
+    assert workers, "the daemon runs worker threads"
+    libc = ctypes.CDLL(None, use_errno=True)
+    assert libc.tgkill(pid, workers[-1], signal.SIGTERM) == 0, os.strerror(ctypes.get_errno())
+    assert daemon.proc.wait(timeout=30) == 0
+    assert "ckptcache.daemon: stopped" in daemon.log()
+    assert not os.path.exists(daemon.socket)
