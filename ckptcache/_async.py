@@ -5,10 +5,18 @@ The contract: tensors of a pending save must not be modified in place until the 
 is done (``handle.wait()``, or :meth:`StepGuard.optimizer_step` which waits for every pending
 copy of the process). A violation is detected where it is cheap to: each tensor's autograd
 version counter (``tensor._version``, bumped by every in-place op) is recorded at submit and
-checked after the copy; a changed counter aborts the save with
+checked after the copy, before the commit; a changed counter aborts the save with
 :class:`~ckptcache.errors.TensorMutated` (the previous generation stays the newest) instead of
-committing torn bytes. In-place writes that bypass the counter (through ``tensor.data`` or
-numpy views) are not seen.
+committing torn bytes.
+
+A storage that no counter watches is copied before ``save()`` returns instead (a snapshot, on
+its device): one of an inference-mode tensor (such tensors have no counter), or one pickled as a
+bare storage with no tensor of it in the object. The background copy reads the snapshot, so a
+later write cannot tear it; the cost is a copy of those storages alone. In-place writes that
+bypass the counter of a counted tensor (through ``tensor.data``, numpy views, DLPack, another
+process's mapping) are not seen: telling such memory apart would take a digest of every tensor,
+and ``Storage.resizable()`` (false for ``from_numpy``) is just as false for every tensor
+``torch.load`` returns, optimizer states resumed from a checkpoint included.
 
 A handle is held by this module until its save is done, whether or not the caller keeps it:
 ``ckptcache.save(sd, p, blocking=False)`` without keeping the result still blocks
@@ -18,6 +26,7 @@ an error once the handle is dropped (as asyncio does for a task's unretrieved ex
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import threading
@@ -60,20 +69,70 @@ def _version(tensor: torch.Tensor) -> int | None:
         return None
 
 
+def _storage_id(tensor: torch.Tensor) -> int | None:
+    """The ``_cdata`` of ``tensor``'s storage, the key ``flatten`` keeps storages by; ``None``
+    for a tensor without one (sparse, nested: their parts are pickled as tensors of their own)."""
+    try:
+        return int(tensor.untyped_storage()._cdata)
+    except (RuntimeError, NotImplementedError):
+        return None
+
+
+def _unwatched(
+    flat: Flattened, versions: list[tuple[torch.Tensor, int | None, int | None]]
+) -> set[int]:
+    """The ``_cdata`` of each storage of ``flat`` whose changes no version counter shows: one
+    that an uncounted (inference-mode) tensor uses, or that no pickled tensor uses at all."""
+    counted = {sid for _, version, sid in versions if version is not None}
+    uncounted = {sid for _, version, sid in versions if version is None}
+    stored = {int(s._cdata) for s in flat.storages}
+    return (stored - counted) | (stored & uncounted)
+
+
+def _snapshot(storage: torch.UntypedStorage) -> torch.UntypedStorage:
+    """A private copy of ``storage``. On a CUDA device it is queued on the current stream (after
+    the trainer's pending writes, before the event the background copy waits for); if the device
+    has no room for it, a host copy serves as well (the record keeps its location)."""
+    if storage.nbytes() == 0 or storage.device.type == "meta":
+        return storage  # no bytes to change
+    try:
+        return storage.clone()
+    except torch.OutOfMemoryError:
+        if storage.device.type == "cpu":
+            raise
+        return storage.cpu()
+
+
+def _keep_location(storage: torch.UntypedStorage, location: str) -> torch.UntypedStorage:
+    """``map_location`` that leaves each storage where it is (a snapshot, or the live one)."""
+    return storage
+
+
 class VersionCheck:
     """The version counters of a save's tensors at submit; :meth:`check` raises if any moved,
     or if a storage no longer has the size it was planned with.
 
     The tensors are the ones the flattener pickled (:attr:`Flattened.tensors`): a walk of
     ``obj`` would miss those inside Namespaces, dataclasses and other objects. Sizes are
-    checked too because ``untyped_storage().resize_`` leaves the counter alone."""
+    checked too because ``untyped_storage().resize_`` leaves the counter alone.
+
+    The storages that no counter watches are copied here, on the submitting thread:
+    :attr:`flat` is the save's :class:`Flattened` with those copies in their places, which
+    the background copy must read instead of the caller's (see the module docstring)."""
 
     def __init__(self, obj: Any, path: str, flat: Flattened):
         self.path = path
         self._obj = obj  # for naming a modified tensor, only once one is found
-        seen = ((t, _version(t)) for t in flat.tensors)
-        self._seen = [(t, v) for t, v in seen if v is not None]
-        self._flat = flat
+        versions = [(t, _version(t), _storage_id(t)) for t in flat.tensors]
+        unwatched = _unwatched(flat, versions)
+        #: ``flat`` with a private copy of each storage no counter watches.
+        self.flat = flat
+        if unwatched:
+            storages = tuple(_snapshot(s) if s._cdata in unwatched else s for s in flat.storages)
+            self.flat = dataclasses.replace(flat, storages=storages)
+        # A counted tensor on a copied storage may change freely: the copy is what is saved.
+        self._seen = [(t, v) for t, v, sid in versions if v is not None and sid not in unwatched]
+        self._copied = bool(unwatched)
 
     def check(self) -> None:
         """Raise :class:`TensorMutated` naming the first tensor modified since submit."""
@@ -87,8 +146,25 @@ class VersionCheck:
                     "previous generation kept. Call handle.wait() (or run optimizer steps "
                     "inside StepGuard.optimizer_step()) before modifying saved tensors"
                 )
-        for info, storage in zip(self._flat.infos, self._flat.storages, strict=True):
+        for info, storage in zip(self.flat.infos, self.flat.storages, strict=True):
             checked_nbytes(storage, info.nbytes, info.name)
+
+    def source(self, obj: Any) -> Any:
+        """The object a write-through of this save must ``torch.save`` in place of ``obj``:
+        ``obj`` itself when nothing was copied at submit, else ``obj`` rebuilt from its
+        skeleton over :attr:`flat`'s storages (the live ones no counter watches may have
+        changed since; the others are still checked by :meth:`check` after the write)."""
+        if not self._copied:
+            return obj
+        from ckptcache.format.flatten import unflatten
+
+        storages = self.flat.storages
+        return unflatten(
+            self.flat.skeleton,
+            lambda key, _nbytes: storages[int(key)],
+            weights_only=False,  # the skeleton was pickled here, from the caller's own object
+            map_location=_keep_location,
+        )
 
     def _name(self, tensor: torch.Tensor, index: int) -> str:
         """The state-dict path of ``tensor`` where a container walk finds it, else a label."""

@@ -15,8 +15,15 @@ What :func:`open` returns, by where the newest generation is:
   the daemon persists it, the archive's zip CRC-32 fields read 0 (the save computes none) and
   the digest record ``.ckptcache/digests.json`` is not there yet; ``torch.load`` and DCP's
   readers check neither, ``zipfile`` checks the CRC-32 when a member is read to its end.
-* persisted, or not held by the daemon: the file in storage, as ``open(path, "rb")`` (or the
-  storage backend, for a URL) gives it.
+* persisted, or not held by the daemon: the file in storage. Its bytes cross a tier, so they
+  are checked (``verify=True``, the default) as they are read into this process's memory,
+  every record against the digest record (or its zip CRC-32) and the zip structure against its
+  digest: damage raises :class:`ckptcache.CorruptCheckpoint` naming the file, the storage tier
+  and the tensor, before the caller reads a byte. The file returned is an
+  ``io.BufferedReader`` over those checked bytes (it holds the whole object in memory until
+  closed). ``verify=False`` returns the stored file itself, unchecked, as
+  ``open(path, "rb")`` (or the storage backend, for a URL) gives it; so does a file that is no
+  zip archive (a legacy ``torch.save`` file: nothing to check it against).
 * neither: :class:`ckptcache.CheckpointNotFound` (a ``FileNotFoundError``).
 
 The view pins its generation: a later save of the same path does not change what an open
@@ -26,6 +33,7 @@ view reads, and the daemon keeps the segment until the view is closed (or collec
 from __future__ import annotations
 
 import builtins
+import io
 import os
 from typing import IO, Any, cast
 
@@ -33,6 +41,7 @@ from ckptcache.client import Client, normalize_path
 from ckptcache.errors import CheckpointNotFound, DaemonUnavailable
 from ckptcache.format.archive import ViewReader
 from ckptcache.format.layout import HEADER_SIZE, SegmentHeader
+from ckptcache.format.persisted import read_verified
 from ckptcache.storage import backend_for
 from ckptcache.wire.messages import ObjectInfo
 
@@ -80,11 +89,16 @@ def _held_unpersisted(client: Client, path: str) -> ObjectInfo | None:
 
 
 def open(  # the name reads like builtins.open, which this module calls as builtins.open
-    path: str | os.PathLike[str], mode: str = "rb", *, client: Client | None = None
+    path: str | os.PathLike[str],
+    mode: str = "rb",
+    *,
+    client: Client | None = None,
+    verify: bool = True,
 ) -> IO[bytes]:
     """Open the newest generation of ``path`` for reading, from memory when it is not yet a
     file (see the module docstring). Only ``mode="rb"`` is supported: the cache stores
-    binary checkpoints and writes go through :func:`ckptcache.save`."""
+    binary checkpoints and writes go through :func:`ckptcache.save`. A stored file is checked
+    as it is read unless ``verify=False`` (this node's memory is served as it is)."""
     if mode not in ("rb", "br"):
         raise ValueError(f"ckptcache.open reads binary files only: mode must be 'rb', not {mode!r}")
     if client is None:
@@ -99,11 +113,30 @@ def open(  # the name reads like builtins.open, which this module calls as built
             pass  # dropped or evicted since: storage is what is left
         else:
             return cast(IO[bytes], CachedFile(name, mapping, reply.generation))
-    return _open_stored(name)
+    return _open_stored(name, verify)
 
 
-def _open_stored(path: str) -> IO[bytes]:
+class _CheckedBytes(ViewReader):
+    """The raw file under the reader :func:`_open_stored` returns: a stored object's bytes,
+    checked, in this process's memory."""
+
+    def __init__(self, path: str, mapping: Any):
+        super().__init__(memoryview(mapping))
+        self.name = path
+        self._mapping = mapping
+
+    def close(self) -> None:
+        if not self.closed:
+            self._view.release()
+            self._mapping.close()
+        super().close()
+
+
+def _open_stored(path: str, verify: bool) -> IO[bytes]:
     try:
+        checked = read_verified(path) if verify else None
+        if checked is not None:
+            return io.BufferedReader(_CheckedBytes(path, checked))
         if "://" not in path:
             return builtins.open(path, "rb")
         return backend_for(path).open_read(path)

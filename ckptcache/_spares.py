@@ -5,6 +5,10 @@ a never-seen segment that costs about as much as the copy itself. The daemon kee
 ready for saves of new paths (:mod:`ckptcache.server.pool`); this maps them in a background
 thread after each save and on :meth:`Client.warmup`, so the save that gets one finds its
 mapping cached like a reused segment's.
+
+The thread is a daemon thread (it never keeps a process from exiting) and ends a moment
+(:data:`ckptcache._workers.LINGER_SECONDS`) after its work: the daemon's spares mapped, or the
+daemon done making them. ``stop()`` on it ends it at once, as thread-leak checks expect.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import time
 from typing import TYPE_CHECKING
 
 from ckptcache import errors
+from ckptcache._workers import LINGER_SECONDS, StoppableThread
 from ckptcache.wire import messages as m
 
 if TYPE_CHECKING:
@@ -28,8 +33,10 @@ log = logging.getLogger(__name__)
 
 #: How long the background thread follows a spare the daemon is still creating.
 _FOLLOW_SECONDS = 60.0
-#: How long the thread waits for the next save's request before it ends.
-_IDLE_SECONDS = 120.0
+#: How long the thread waits for the next save's request before it ends: a moment, so the
+#: files of one checkpoint saved one after the other share the thread, and no idle thread of
+#: ours outlives its work in the training process.
+_IDLE_SECONDS = LINGER_SECONDS
 
 
 class SpareMapper:
@@ -38,7 +45,7 @@ class SpareMapper:
     def __init__(self, client: Client):
         self._client = client
         self._lock = threading.Lock()
-        self._thread: threading.Thread | None = None
+        self._thread: StoppableThread | None = None
         self._again = False
         self._stopped = threading.Event()
         self._wake = threading.Event()
@@ -52,24 +59,23 @@ class SpareMapper:
     def refresh(self) -> threading.Event:
         """Map new spares in the background; returns an event set once that is done.
 
-        The thread stays for a while after its work (``_IDLE_SECONDS``): a save wakes it with
-        an event instead of starting a thread, whose start waits for the new thread to be
-        scheduled (milliseconds on a busy node, on every save's blocking path)."""
+        The thread stays a moment after its work (``_IDLE_SECONDS``): a save in that moment
+        wakes it with an event instead of starting a thread, whose start waits for the new
+        thread to be scheduled (milliseconds on a busy node, on the save's blocking path)."""
         with self._lock:
             self._stopped.clear()
             self._done.clear()
             self._again = True
             if self._thread is None or not self._thread.is_alive():
-                self._thread = threading.Thread(
-                    target=self._run, name="ckptcache-spares", daemon=True
-                )
+                self._thread = StoppableThread(self._run, "ckptcache-spares", self.stop)
                 self._thread.start()
             else:
                 self._wake.set()
             return self._done
 
     def stop(self) -> None:
-        """No further requests (the client is closing: a request would reconnect it)."""
+        """No further requests (the client is closing: a request would reconnect it); the
+        thread ends after the mapping in hand. The next :meth:`refresh` starts again."""
         self._stopped.set()
         self._wake.set()
 

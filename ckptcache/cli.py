@@ -78,6 +78,7 @@ def _cmd_daemon(args: argparse.Namespace) -> int:
         "host": args.host,
         "secret_file": args.secret_file,
         "cluster": args.cluster,
+        "clock_offset_bound": args.clock_offset_bound,
     }
     config = load_config(args.config, {k: v for k, v in overrides.items() if v is not None})
     return run_daemon(config)
@@ -88,10 +89,10 @@ def _cmd_ls(args: argparse.Namespace) -> int:
         objects = client.list(args.prefix, all_namespaces=args.all_namespaces)
     rows = [
         (o.path, o.namespace, str(o.generation), str(o.generations), format_bytes(o.size),
-         ",".join(o.stages), _when(o.committed))
+         ",".join(o.stages), o.persist_state, _when(o.committed))
         for o in objects
     ]  # fmt: skip
-    headers = ("PATH", "NAMESPACE", "GEN", "KEPT", "SIZE", "STAGES", "COMMITTED")
+    headers = ("PATH", "NAMESPACE", "GEN", "KEPT", "SIZE", "STAGES", "PERSIST", "COMMITTED")
     _emit(args, objects, _table(rows, headers) if rows else "(no cached checkpoints)")
     return 0
 
@@ -120,6 +121,7 @@ def _cmd_status(args: argparse.Namespace) -> int:
         ("persist", f"roots: {', '.join(st.persist_roots) or 'none (memory only)'}; "
                     f"{st.persist_queue} queued"),
         ("cluster", f"{st.coordinator} nodes: {', '.join(st.cluster_nodes) or '-'}"),
+        ("clocks", _clocks(st)),
     ]  # fmt: skip
     text = _table(pairs, ("DAEMON", ""))
     if objects:
@@ -136,6 +138,17 @@ def _cmd_status(args: argparse.Namespace) -> int:
         text,
     )
     return 0
+
+
+def _clocks(st: Any) -> str:
+    """Each peer's clock offset (its clock minus this node's), those beyond the bound
+    flagged; "-" before the first measurement or without peers."""
+    bound = st.clock_offset_bound
+    parts = [
+        f"{c.node_id} {c.offset:+.3f} s" + (" (BEYOND BOUND)" if 0 < bound < abs(c.offset) else "")
+        for c in st.clock_offsets
+    ]
+    return f"{'; '.join(parts)} (bound {bound:g} s)" if parts else "-"
 
 
 def _throughput(o: Any) -> str:
@@ -261,8 +274,8 @@ def _parser() -> argparse.ArgumentParser:
     d.add_argument("--node-id", help="name of this node")
     d.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port")
     d.add_argument("--keep", type=int, help="generations kept per path (default 2)")
-    d.add_argument("--pool-segments", type=int, help="spare pre-faulted segments (default 2)")
-    d.add_argument("--pool-bytes", help="size of the spare pool (default: 1/4 of the budget)")
+    d.add_argument("--pool-segments", type=int, help="spares, sized like recent saves (default 2)")
+    d.add_argument("--pool-bytes", help="bound on the spare pool (default: 1/4 of the budget)")
     d.add_argument("--reserve-timeout", type=float, help="seconds a save may wait for memory")
     d.add_argument("--log-level", help="DEBUG, INFO, WARNING or ERROR")
     d.add_argument("--persist-root", action="append", metavar="DIR_OR_URL",
@@ -278,6 +291,10 @@ def _parser() -> argparse.ArgumentParser:
     d.add_argument("--replicas", type=int, help="backup copies per object (default 1)")
     d.add_argument("--host", help="host name used for placement (default: hostname)")
     d.add_argument("--secret-file", help="file with the cluster's shared secret")
+    d.add_argument(
+        "--clock-offset-bound", type=float, metavar="SECONDS",
+        help="warn when a peer's clock is off by more (default 1; 0: never)",
+    )  # fmt: skip
     d.set_defaults(fn=_cmd_daemon)
 
     ls = sub.add_parser("ls", help="list cached checkpoints")

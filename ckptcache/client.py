@@ -42,10 +42,12 @@ from ckptcache.errors import (
     CheckpointDeleted,
     CheckpointNotFound,
     CkptCacheWarning,
+    CoordinatorUnavailable,
     CorruptCheckpoint,
     DaemonUnavailable,
     InvalidPath,
     PathNotAllowed,
+    PersistConflict,
     PersistError,
     PersistTimeout,
 )
@@ -69,7 +71,10 @@ if TYPE_CHECKING:
 __all__ = ["DURABILITY_LEVELS", "Client", "normalize_path"]
 
 #: What ``save`` may wait for before it returns.
-DURABILITY_LEVELS = ("local", "backup", "persisted")
+#: ``memory``: kept in the daemon's memory only, never persisted (an explicit choice; a
+#: path under no storage root is otherwise refused). The others: where the save is when it
+#: returns (this node's memory, also a backup node's, also storage); all are persisted.
+DURABILITY_LEVELS = ("memory", "local", "backup", "persisted")
 
 R = TypeVar("R")
 
@@ -91,11 +96,23 @@ def normalize_path(path: Any) -> str:
         path = path[len("file://") :]
     elif "://" in path:
         return path
+    if ".." in path.split(os.sep):
+        # Refused rather than resolved: which directory ``..`` names depends on symlinks the
+        # lexical resolution would not see, and a checkpoint's name must be one place.
+        raise PathNotAllowed(
+            f"checkpoint path {path!r} contains '..': give the path without it (for example "
+            "os.path.realpath(path))"
+        )
     return os.path.abspath(path)
 
 
 def _is_url(path: str) -> bool:
     return "://" in path
+
+
+def _text(value: Any) -> str | None:
+    """A string field of a daemon's error reply (anything else: absent)."""
+    return value if isinstance(value, str) else None
 
 
 #: Every live client, for the fork handler.
@@ -169,6 +186,9 @@ class Client:
         self.fallbacks = 0
         #: Paths this client saved through the daemon (what ``wait()`` waits for).
         self._saved: set[str] = set()
+        #: Paths whose newest save by this client was written straight to storage: persisted,
+        #: whatever the daemon says (or whether it answers at all).
+        self._written_through: set[str] = set()
         self._spares = SpareMapper(self)
         self._executor: ThreadPoolExecutor | None = None
         self._executor_pid = 0
@@ -204,6 +224,7 @@ class Client:
         _make_inert(self._conn)
         self._conn, self._write_maps, self._pending_release = None, {}, []
         self._saved = set()
+        self._written_through = set()
         self._pid, self._spares = os.getpid(), SpareMapper(self)
 
     # ----------------------------------------------------------------- connection
@@ -258,7 +279,12 @@ class Client:
             cls = getattr(errors, str(err.get("type")), errors.CkptCacheError)
             if not (isinstance(cls, type) and issubclass(cls, errors.CkptCacheError)):
                 cls = errors.CkptCacheError
-            raise cls(err.get("message", "unknown daemon error"))
+            message = err.get("message", "unknown daemon error")
+            if cls is CorruptCheckpoint:  # where the bad copy was, as the daemon saw it
+                raise CorruptCheckpoint(
+                    message, tensor=_text(err.get("tensor")), tier=_text(err.get("tier"))
+                )
+            raise cls(message)
         result = envelope.get("result")
         return m.decode(reply_type, json.dumps(result)) if reply_type is not None else result
 
@@ -397,6 +423,7 @@ class Client:
             self._save_planned(obj, flat, plan, path, durability, t0)
             return None
         check = VersionCheck(obj, path, flat)
+        flat = check.flat  # private copies of the storages no version counter watches
         # The copy runs on the save thread, whose current CUDA stream is not the trainer's.
         ready = record_ready(flat.storages)
         return submit_save(
@@ -474,8 +501,12 @@ class Client:
                 )
             except (DaemonUnavailable, BudgetExceeded) as e:
                 # The trainer is still held (``copied`` not called): torch.save reads the live
-                # object, and ``check`` decides before the file replaces the previous one.
-                obj = obj if packed is None else packed.materialize()
+                # object (over the copies ``check`` took), and ``check`` decides before the file
+                # replaces the previous one.
+                if packed is not None:
+                    obj = packed.materialize()
+                elif check is not None:
+                    obj = check.source(obj)
                 self._write_through(obj, path, e, check=check)
                 return
             released = False
@@ -498,6 +529,7 @@ class Client:
                 )
                 self._call("commit", commit, m.CommitReply)
                 self._saved.add(path)
+                self._written_through.discard(path)
                 self._spares.refresh()  # map the spare the daemon makes for the next new path
             except DaemonUnavailable as e:
                 if released:  # the trainer may have stepped: write what the segment holds
@@ -566,6 +598,7 @@ class Client:
         except DaemonUnavailable:
             pass  # a restarted daemon compares with storage itself (README "Guarantees")
         self._saved.discard(path)
+        self._written_through.add(path)
 
     def _count_fallback(self, path: str, reason: errors.CkptCacheError) -> None:
         """Keep a silent fallback visible: a log line on the first and every N-th one."""
@@ -587,23 +620,29 @@ class Client:
         *,
         weights_only: bool = True,
         mmap: bool | None = None,
-        verify: bool = False,
+        verify: bool | None = None,
     ) -> Any:
-        """Load the newest generation of ``path`` (see :func:`ckptcache.load`)."""
+        """Load the newest generation of ``path`` (see :func:`ckptcache.load`).
+
+        ``verify``: None (the default) checks every byte that crosses a tier (a stored file
+        read here; the daemon checks what it brings in from peers and storage as it lands)
+        and trusts this node's memory; True checks this node's memory too; False checks no
+        digest here (a stored file's structure still is)."""
         path = normalize_path(path)
+        local = verify is True
         try:
             reply = self._call(
                 "open",
                 m.OpenRequest(
-                    self.namespace, path, need_digests=verify, timeout=self._server_wait()
+                    self.namespace, path, need_digests=local, timeout=self._server_wait()
                 ),
                 m.OpenReply,
             )
-        except (CheckpointNotFound, DaemonUnavailable) as e:
+        except (CheckpointNotFound, DaemonUnavailable, CoordinatorUnavailable) as e:
             return self._load_file(path, map_location, weights_only, mmap, e, verify)
         log.debug("load of %s served from the %s tier", path, reply.tier)
         try:
-            return self._load_segment(reply, map_location, weights_only, mmap, verify)
+            return self._load_segment(reply, map_location, weights_only, mmap, local)
         except CorruptCheckpoint as e:
             usable = self._file_not_older_than(path, reply.generation)
             try:
@@ -700,19 +739,22 @@ class Client:
         weights_only: bool,
         mmap: bool | None,
         reason: errors.CkptCacheError,
-        verify: bool = False,
+        verify: bool | None = None,
     ) -> Any:
-
+        """Read the stored file at ``path`` here, checked unless ``verify is False`` (see
+        :meth:`load`); ``reason`` is why the daemon did not serve it."""
         if isinstance(reason, DaemonUnavailable) and self.fallback == "raise":
             raise reason
         if not self._in_storage(path):
+            if isinstance(reason, CoordinatorUnavailable):
+                raise reason  # other nodes may hold it: "not found" would be a wrong answer
             where = "the cache" if isinstance(reason, CheckpointNotFound) else "a reachable cache"
             raise CheckpointNotFound(
                 f"{path!r} is neither in {where} nor in storage; check the path "
                 "(and the namespace, if the job sets one)"
             ) from reason
         return load_from_storage(
-            path, map_location, weights_only=weights_only, mmap=mmap, verify=verify
+            path, map_location, weights_only=weights_only, mmap=mmap, verify=verify is not False
         )
 
     @staticmethod
@@ -825,6 +867,8 @@ class Client:
             req = m.WaitRequest(
                 self.namespace, path, prefix, max(0.0, min(left, 30.0, self._server_wait()))
             )
+            if not prefix and path in self._written_through:
+                return  # its file is complete on storage (fsynced, renamed): persisted
             try:
                 reply = self._waiting_client()._call("wait", req, m.WaitReply)
             except CheckpointNotFound:
@@ -835,6 +879,10 @@ class Client:
                 return
             if reply.state == WaitState.FAILED:
                 raise PersistError(f"persisting {path!r} failed: {reply.error}")
+            if reply.state == WaitState.CONFLICT:
+                raise PersistConflict(f"{path!r} was not persisted: {reply.error}")
+            if reply.state == WaitState.SUPERSEDED:
+                return  # storage holds a write made after this save: nothing left to wait for
             if reply.state == WaitState.DROPPED:
                 if not strict:
                     return  # the user removed its directory: nothing left to wait for
@@ -852,8 +900,11 @@ class Client:
     def prefetch(
         self, paths: Any, progress: Callable[[int, int, str, str], None] | None = None
     ) -> builtins.list[str]:
-        """Warm this node's cache with ``paths`` (from peers or storage); returns the tier
-        each came from. ``progress(done, total, path, tier)`` is called after each path."""
+        """Warm this node's cache with ``paths`` (from peers or storage; a daemon without a
+        cluster reads storage itself), every copy checked by the daemon as it lands; returns
+        the tier each came from. ``progress(done, total, path, tier)`` is called after each
+        path. Raises :class:`CorruptCheckpoint` for a damaged copy (tier and tensor named)
+        and :class:`CoordinatorUnavailable` when etcd is unreachable."""
         items = [
             normalize_path(p) for p in ([paths] if isinstance(paths, (str, os.PathLike)) else paths)
         ]

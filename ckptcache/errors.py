@@ -9,16 +9,22 @@ import pickle
 
 __all__ = [
     "BudgetExceeded",
+    "CannotPersist",
     "CheckpointDeleted",
     "CheckpointNotFound",
     "CkptCacheError",
     "CkptCacheWarning",
     "ConfigError",
+    "CoordinatorUnavailable",
     "CorruptCheckpoint",
     "DaemonUnavailable",
     "InvalidPath",
+    "NameTooLong",
     "ObjectTooLarge",
+    "ParentNotADirectory",
+    "PathIsADirectory",
     "PathNotAllowed",
+    "PersistConflict",
     "PersistError",
     "PersistTimeout",
     "ProtocolMismatch",
@@ -84,6 +90,23 @@ class PathNotAllowed(CkptCacheError, PermissionError):
     """The path lies outside every configured storage root."""
 
 
+class CannotPersist(CkptCacheError, OSError):
+    """The path could never be written (a ``torch.save`` to it would fail the same way): the
+    save is refused before any byte is copied."""
+
+
+class PathIsADirectory(CannotPersist, IsADirectoryError):
+    """The checkpoint path names an existing directory."""
+
+
+class ParentNotADirectory(CannotPersist, NotADirectoryError):
+    """A parent of the checkpoint path is a file."""
+
+
+class NameTooLong(CannotPersist):
+    """A component of the checkpoint path is longer than the file system allows."""
+
+
 class RequestTooLarge(ProtocolMismatch):
     """A request to the daemon exceeded its size cap."""
 
@@ -101,6 +124,12 @@ class CheckpointDeleted(PersistError):
     ckptcache treats it as deleted by the user and never recreates the directory."""
 
 
+class PersistConflict(PersistError):
+    """Another ckptcache writer (a save of the same path on another node) replaced the stored
+    object after this save was made, and only wall clocks could tell which is newer: neither
+    was overwritten. Save again to make one the newest."""
+
+
 class ReplicationError(CkptCacheError, ConnectionError):
     """A backup copy could not be made (``durability="backup"``); the local copy is kept."""
 
@@ -112,3 +141,8 @@ class PersistTimeout(CkptCacheError, TimeoutError):
 class TensorMutated(CkptCacheError, RuntimeError):
     """A tensor of a non-blocking save was modified before its copy finished: the save was
     aborted (the previous generation stays) rather than storing torn bytes."""
+
+
+class CoordinatorUnavailable(CkptCacheError, ConnectionError):
+    """The cluster's coordinator (etcd) cannot be reached, so other nodes' memory cannot be
+    searched: a path this node does not hold may still exist there. Retry when it is back."""

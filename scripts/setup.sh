@@ -16,12 +16,19 @@ python -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '2.13.
 if [ "${1:-}" = "test" ]; then
     # torch is named again so that no framework's requirement can swap the CPU build out.
     DS_BUILD_OPS=0 pip_install -e ".[test,frameworks]" "torch==2.13.0"
-    # The cluster tests start a real etcd (Debian's etcd-server); scripts/test.sh fails without one.
-    if ! command -v etcd >/dev/null 2>&1; then
+    # The cluster tests start a real etcd (Debian's etcd-server) and run a daemon with a
+    # shifted wall clock under libfaketime (Debian's faketime); scripts/test.sh fails without.
+    MISSING=()
+    command -v etcd >/dev/null 2>&1 || MISSING+=(etcd-server)
+    compgen -G "/usr/lib/*/faketime/libfaketime.so.1" >/dev/null || MISSING+=(faketime)
+    # The cluster lab (tests/lab.py): network namespaces, tc shaping, nftables partitions.
+    command -v nft >/dev/null 2>&1 || MISSING+=(nftables)
+    { command -v ip && command -v tc; } >/dev/null 2>&1 || MISSING+=(iproute2)
+    if [ ${#MISSING[@]} -gt 0 ]; then
         SUDO=""
         [ "$(id -u)" = "0" ] || SUDO="sudo -n"
-        ($SUDO apt-get update -qq && $SUDO apt-get install -y -qq etcd-server >/dev/null) \
-            || echo "warning: could not install etcd-server; the cluster tests will fail" >&2
+        ($SUDO apt-get update -qq && $SUDO apt-get install -y -qq "${MISSING[@]}" >/dev/null) \
+            || echo "warning: could not install ${MISSING[*]}; the cluster tests will fail" >&2
     fi
 else
     pip_install -e .

@@ -36,6 +36,8 @@ class DaemonProc:
     proc: subprocess.Popen[bytes] | None = None
     #: Command prefix, e.g. ``["prlimit", "--nofile=256:256", "--"]``.
     wrapper: list[str] = field(default_factory=list)
+    #: Run with the daemon's own defaults (no ``--memory-only allow`` added).
+    defaults: bool = False
 
     @property
     def socket(self) -> str:
@@ -51,12 +53,20 @@ class DaemonProc:
 
     def start(self) -> DaemonProc:
         cmd = [*self.wrapper, sys.executable, "-m", "ckptcache.cli", "daemon",
-               "--socket", self.socket, "--shm-dir", self.shm_dir, *self.args]  # fmt: skip
+               "--socket", self.socket, "--shm-dir", self.shm_dir, *self.daemon_args()]  # fmt: skip
         log = open(self.log_path, "ab")  # noqa: SIM115 - owned by the child
         self.proc = subprocess.Popen(cmd, stdout=log, stderr=log, env={**os.environ, **self.env})
         log.close()
         wait_for_socket(self.socket, self.proc)
         return self
+
+    def daemon_args(self) -> list[str]:
+        """The arguments given, plus ``--memory-only allow`` unless the test chose
+        (``--memory-only``) or names no choice at all (``defaults=True``): most tests save
+        under temporary paths they never mean to persist."""
+        if self.defaults or "--memory-only" in self.args:
+            return list(self.args)
+        return [*self.args, "--memory-only", "allow"]
 
     def kill(self, sig: int = signal.SIGKILL) -> None:
         if self.proc is not None and self.proc.poll() is None:
@@ -108,12 +118,15 @@ class DaemonProc:
         shutil.rmtree(self.shm_dir, ignore_errors=True)
 
 
-def new_daemon(tmp_path: Path, *args: str, env: dict[str, str] | None = None) -> DaemonProc:
-    """A daemon (not started) with a unique shm root under /dev/shm."""
+def new_daemon(
+    tmp_path: Path, *args: str, env: dict[str, str] | None = None, defaults: bool = False
+) -> DaemonProc:
+    """A daemon (not started) with a unique shm root under /dev/shm (``defaults``: see
+    :meth:`DaemonProc.daemon_args`)."""
     workdir = tmp_path / f"node-{uuid.uuid4().hex[:6]}"
     workdir.mkdir()
     shm = f"/dev/shm/ckptcache-test-{uuid.uuid4().hex[:10]}"
-    return DaemonProc(workdir, shm, list(args), env or {})
+    return DaemonProc(workdir, shm, list(args), env or {}, defaults=defaults)
 
 
 def assert_same(a: Any, b: Any) -> None:

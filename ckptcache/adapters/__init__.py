@@ -12,8 +12,12 @@ Each submodule imports its framework, so import only the one you use:
 * ``ckptcache.adapters.lightning``: the ``CkptCacheIO`` plugin.
 
 The files written are the framework's own (names, layout, marker files), so switching the
-cache off, or reading the checkpoint with the framework's tools, keeps working. Adapters use
-only the public client API.
+cache off, or reading the checkpoint with the framework's tools, keeps working. By default
+(``commit_waits="files"``; ``$CKPTCACHE_COMMIT_WAITS`` changes it) the framework's save returns
+once those files exist and hold the save, so its tools read them right away; where the
+framework has an asynchronous protocol (DeepSpeed's decoupled engines, ``dcp.async_save``,
+Lightning's ``AsyncCheckpointIO``) that wait runs off the training loop. Adapters use only the
+public client API.
 """
 
 __all__: list[str] = []

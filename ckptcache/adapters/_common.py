@@ -7,11 +7,11 @@ object visible to a framework that insists on ``os.path`` checks before it loads
 
 from __future__ import annotations
 
+import io
 import logging
 import os
+from collections.abc import Callable
 from typing import Any
-
-import torch
 
 import ckptcache
 import ckptcache.api
@@ -19,10 +19,15 @@ from ckptcache import CheckpointNotFound, DaemonUnavailable
 from ckptcache._atomic import atomic_write
 from ckptcache._health import cache_status
 from ckptcache.client import normalize_path
+from ckptcache.format.layout import HEADER_SIZE, SegmentHeader
+from ckptcache.format.persisted import stream_archive
+from ckptcache.storage import backend_for
 from ckptcache.wire.states import PersistState
 
 __all__ = [
     "COMMIT_WAITS",
+    "DEFAULT_COMMIT_WAITS",
+    "ENV_COMMIT_WAITS",
     "cached_status",
     "cached_under",
     "check_commit_waits",
@@ -32,10 +37,13 @@ __all__ = [
     "in_memory",
     "is_memory_only",
     "is_persisted",
+    "is_url",
     "load_any",
     "report_enabled",
+    "resolve_commit_waits",
     "settle",
     "wait_persisted",
+    "write_from_memory",
 ]
 
 log = logging.getLogger("ckptcache.adapters")
@@ -45,13 +53,33 @@ log = logging.getLogger("ckptcache.adapters")
 #: ``local`` (phase 1, in this node's memory), ``persisted`` (in storage), ``files`` (a file
 #: exists at every path: persisted, or written by the adapter when no persist root covers it).
 COMMIT_WAITS = ("local", "persisted", "files")
+#: Every adapter's default: the frameworks' own tools (DeepSpeed's ``zero_to_fp32``, DCP's
+#: ``format_utils``, Lightning's directory listing, a plain ``torch.load``) read the files
+#: right after the framework's save returns, so the files must be there by then.
+DEFAULT_COMMIT_WAITS = "files"
+#: Environment variable that sets the default ``commit_waits`` of every adapter in a process.
+ENV_COMMIT_WAITS = "CKPTCACHE_COMMIT_WAITS"
 
 
 def check_commit_waits(value: str) -> str:
-    """Validate a ``commit_waits`` argument (``"local"`` or ``"persisted"``)."""
+    """Validate a ``commit_waits`` argument (one of :data:`COMMIT_WAITS`)."""
     if value not in COMMIT_WAITS:
         raise ValueError(f"commit_waits must be one of {', '.join(COMMIT_WAITS)}, not {value!r}")
     return value
+
+
+def resolve_commit_waits(value: str | None) -> str:
+    """``value`` if given, else ``$CKPTCACHE_COMMIT_WAITS``, else :data:`DEFAULT_COMMIT_WAITS`;
+    validated (a bad environment value raises ``ValueError`` naming the variable)."""
+    if value is not None:
+        return check_commit_waits(value)
+    env = os.environ.get(ENV_COMMIT_WAITS, "").strip()
+    if not env:
+        return DEFAULT_COMMIT_WAITS
+    try:
+        return check_commit_waits(env)
+    except ValueError as e:
+        raise ValueError(f"${ENV_COMMIT_WAITS}: {e}") from None
 
 
 def settle(client: ckptcache.Client | None, paths: list[str], commit_waits: str) -> None:
@@ -107,6 +135,11 @@ def _commit_ns(info: ckptcache.ObjectStatus) -> int:
     return round(info.committed * 1e9)
 
 
+def is_url(path: str) -> bool:
+    """Whether ``path`` names an object in a remote store (``s3://...``), not a local file."""
+    return "://" in path
+
+
 def file_is_current(info: ckptcache.ObjectStatus) -> bool:
     """Whether the file at ``info.path`` holds the generation ``info`` describes (or a newer
     save): a file left by an earlier save of the same path does not count.
@@ -114,11 +147,12 @@ def file_is_current(info: ckptcache.ObjectStatus) -> bool:
     Persisted: the daemon wrote it (it never replaces a newer file). Persist pending: not yet,
     whatever file is there is older. Memory-only: the file is current when it was written no
     earlier than the generation's commit; every file written for a generation (the daemon's
-    persists, :func:`ensure_on_disk`) carries that commit time as its mtime.
+    persists, :func:`ensure_on_disk`) carries that commit time as its mtime. A URL carries no
+    such stamp: current only once persisted.
     """
     if is_persisted(info):
-        return os.path.exists(info.path)
-    if not is_memory_only(info):
+        return is_url(info.path) or os.path.exists(info.path)
+    if not is_memory_only(info) or is_url(info.path):
         return False
     try:
         mtime_ns = os.stat(info.path).st_mtime_ns
@@ -133,26 +167,57 @@ def ensure_on_disk(client: ckptcache.Client, info: ckptcache.ObjectStatus) -> No
     (cache-backed) engine. A file left by an earlier save of the same path is not enough.
 
     Pending persistence is awaited (the daemon writes the file: exactly one persisted copy);
-    a memory-only object is written here with temp + fsync + rename, as ``torch.save`` would
-    have written it, because no daemon ever will, stamped with the generation's commit time
-    (as the daemon stamps what it persists). Either way the framework's later load is still
-    served from memory by the adapter.
+    a memory-only object is written here, because no daemon ever will: see
+    :func:`write_from_memory`. Either way the framework's later load is still served from
+    memory by the adapter.
     """
     if file_is_current(info):
         return
     if not is_memory_only(info):
         wait_persisted(client, info.path)
-        if os.path.exists(info.path):
+        if is_url(info.path) or os.path.exists(info.path):
             return
-    obj = client.load(info.path, weights_only=False)
+    write_from_memory(client, info)
+
+
+def _sink(f: Any) -> Callable[[memoryview | bytes], None]:
+    """``f.write`` as the sink :func:`stream_archive` takes (its result dropped)."""
+
+    def write(chunk: memoryview | bytes) -> None:
+        f.write(chunk)
+
+    return write
+
+
+def write_from_memory(client: ckptcache.Client, info: ckptcache.ObjectStatus) -> None:
+    """Write the newest generation of ``info.path`` from the daemon's memory to its file,
+    exactly as the daemon persists it: the segment's ``torch.save`` archive streamed once,
+    with its zip CRC-32s and digest record filled in (no unpickling, no device placement of
+    the tensors, the bytes any later persist would write), temp + fsync + rename, stamped with
+    the generation's commit time as the daemon stamps what it persists. A URL gets one
+    whole-object write (a store has no rename), as the client's write-through does."""
+    mapping, _ = client.map_local(info.path)
+    view = memoryview(mapping)
+    header = SegmentHeader.unpack(view[:HEADER_SIZE])
+    archive = view[header.payload_offset : header.payload_offset + header.payload_size]
     stamp = _commit_ns(info)
+    try:
+        if is_url(info.path):
+            buf = io.BytesIO()
+            stream_archive(archive, _sink(buf), path=info.path)
+            backend_for(info.path).write_bytes(info.path, buf.getbuffer())
+            return
 
-    def write(f: Any) -> None:
-        torch.save(obj, f)
-        f.flush()
-        os.utime(f.fileno(), ns=(stamp, stamp))
+        def write(f: Any) -> None:
+            stream_archive(archive, _sink(f), path=info.path)
+            f.flush()
+            os.utime(f.fileno(), ns=(stamp, stamp))
 
-    atomic_write(info.path, write)
+        atomic_write(info.path, write)
+    finally:
+        archive.release()
+        view.release()
+        del mapping  # the last reference: unmapped, and the daemon's pin released
 
 
 def cached_under(client: ckptcache.Client, directory: str) -> list[ckptcache.ObjectStatus]:

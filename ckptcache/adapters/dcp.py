@@ -36,16 +36,18 @@ ckptcache installed. Small tensors share one segment instead of taking one each.
 that fails in any phase never writes it and drops the objects it handed to the cache.
 ``commit_waits`` says what ``write_data`` waits for, hence what ``.metadata`` implies:
 
-* ``"local"`` (default): the items are in this node's memory. ``CacheReader`` (and
-  ``dcp.load`` after :func:`enable`) reads them at once; the files appear when the daemon has
-  persisted them (:func:`ckptcache.wait`), never, for a directory under no ``--persist-root``.
+* ``"files"`` (default; ``$CKPTCACHE_COMMIT_WAITS`` changes it): every file exists on the file
+  system, persisted by the daemon, or, under no persist root, written here once (temp +
+  rename). DCP's own readers and tools (``FileSystemReader``, ``format_utils``) work right
+  after ``dcp.save`` returns, as without the cache; the price is waiting for storage.
+  With ``dcp.async_save`` that wait runs in DCP's background thread, off the training loop:
+  the stall is the copy into the cache (``stage``), and the future completes once the files
+  and ``.metadata`` are there.
 * ``"persisted"``: every file is in storage (raises ``PathNotAllowed`` when no persist root
   covers the directory).
-* ``"files"``: every file exists on the file system, persisted by the daemon, or, under no
-  persist root, written here once (temp + rename). DCP's own readers and tools work right after
-  ``dcp.save`` returns, as without the cache; the price is waiting for storage.
-
-With ``async_save`` the wait runs in DCP's background thread, off the training loop.
+* ``"local"``: the items are in this node's memory. ``CacheReader`` (and ``dcp.load`` and
+  ``format_utils`` after :func:`enable`) reads them at once; the files appear when the daemon
+  has persisted them (:func:`ckptcache.wait`), never, for a directory under no persist root.
 
 Call order (DCP drives it; see ``torch.distributed.checkpoint.storage``): writer ``reset`` ->
 ``set_up_storage_writer`` -> ``prepare_local_plan`` -> (coordinator) ``prepare_global_plan``
@@ -57,6 +59,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import importlib
 import io
 import os
 import tempfile
@@ -66,7 +69,6 @@ from contextlib import contextmanager
 from typing import Any, cast
 
 import torch
-from torch.distributed.checkpoint import _storage_utils
 from torch.distributed.checkpoint.filesystem import (
     FileSystem,
     FileSystemReader,
@@ -103,7 +105,8 @@ class CacheWriter(FileSystemWriter):  # type: ignore[misc]
     """A DCP ``StorageWriter`` whose files go to the cache (phase 1), persisted by the daemon.
 
     Takes every argument of ``FileSystemWriter`` (see the module docstring for what each does
-    here) plus ``commit_waits`` (``"local"``, ``"persisted"`` or ``"files"``) and ``client``
+    here) plus ``commit_waits`` (``"files"`` by default, ``"persisted"`` or ``"local"``) and
+    ``client``
     (defaults to the process's default client). Also an ``AsyncStager`` (``stage``), so
     ``dcp.async_save`` stages through the cache instead of copying into CPU buffers first.
     """
@@ -115,7 +118,7 @@ class CacheWriter(FileSystemWriter):  # type: ignore[misc]
         self,
         path: str | os.PathLike[str],
         *args: Any,
-        commit_waits: str = "local",
+        commit_waits: str | None = None,
         client: ckptcache.Client | None = None,
         **kwargs: Any,
     ):
@@ -125,7 +128,7 @@ class CacheWriter(FileSystemWriter):  # type: ignore[misc]
                 f"CacheWriter persists torch.save archives; serialization_format="
                 f"{self.serialization_format} needs FileSystemWriter"
             )
-        self.commit_waits = _common.check_commit_waits(commit_waits)
+        self.commit_waits = _common.resolve_commit_waits(commit_waits)
         self._client = client
         self._staged: list[str] = []
         self._rank_hint = 0
@@ -244,7 +247,8 @@ class CacheWriter(FileSystemWriter):  # type: ignore[misc]
         staging = os.path.join(
             tempfile.gettempdir(), f"ckptcache-dcp-staging-{os.getpid()}-{uuid.uuid4().hex}.pt"
         )
-        self.client.save(tensors, staging)
+        # Memory only by choice: a staging copy is never persisted (and is under no root).
+        self.client.save(tensors, staging, durability="memory")
         self._staged.append(staging)
         staged = self.client.load(staging, mmap=True)
         return _restore_tensors(skeleton, staged)  # type: ignore[no-any-return]
@@ -379,22 +383,33 @@ class CacheReader(FileSystemReader):  # type: ignore[misc]
 
 # ---------------------------------------------------------------------- enable / disable
 
-_STOCK: dict[str, type] = {}
+#: (module, name) -> the stock class that :func:`enable` replaced there.
+_STOCK: dict[tuple[str, str], type] = {}
+#: Where DCP builds its file-system classes by name: ``_storage_utils`` for a bare
+#: ``checkpoint_id``, ``format_utils`` for ``dcp_to_torch_save``/``torch_save_to_dcp``.
+_PATCHED_MODULES = (
+    "torch.distributed.checkpoint._storage_utils",
+    "torch.distributed.checkpoint.format_utils",
+)
 
 
 def enable(
-    *, commit_waits: str = "local", client: ckptcache.Client | None = None
+    *, commit_waits: str | None = None, client: ckptcache.Client | None = None
 ) -> ckptcache.CacheStatus:
     """Make ``dcp.save``/``dcp.async_save``/``dcp.load`` called with only ``checkpoint_id=``
-    (a local directory) use :class:`CacheWriter` / :class:`CacheReader`; undone by
+    (a local directory), and DCP's ``format_utils`` converters (``dcp_to_torch_save``,
+    ``torch_save_to_dcp``), use :class:`CacheWriter` / :class:`CacheReader`; undone by
     :func:`disable`. Explicit ``storage_writer``/``storage_reader`` arguments are untouched.
 
     DCP picks its storage for a bare ``checkpoint_id`` from the classes it lists in
-    ``torch.distributed.checkpoint._storage_utils``; this puts the cache's classes there, ahead
-    of fsspec (which keeps URLs). Returns whether the cache is reachable, and logs it, so a
-    missing daemon is visible at once (``CKPTCACHE_REQUIRE=1`` makes it an error).
+    ``torch.distributed.checkpoint._storage_utils`` (and ``format_utils`` builds
+    ``FileSystemReader``/``Writer`` by name); this puts the cache's classes there, ahead of
+    fsspec (which keeps URLs). ``commit_waits`` defaults as for :class:`CacheWriter`. Returns
+    whether the cache is reachable, and logs it, so a missing daemon is visible at once
+    (``CKPTCACHE_REQUIRE=1`` makes it an error).
     """
-    _common.check_commit_waits(commit_waits)
+    if commit_waits is not None:
+        _common.check_commit_waits(commit_waits)
     options = {"commit_waits": commit_waits, "client": client}
 
     class EnabledCacheWriter(CacheWriter):
@@ -405,17 +420,20 @@ def enable(
         def __init__(self, path: str | os.PathLike[str], *args: Any, **kwargs: Any):
             super().__init__(path, *args, **{"client": client, **kwargs})
 
-    _STOCK.setdefault("FileSystemWriter", _storage_utils.FileSystemWriter)
-    _STOCK.setdefault("FileSystemReader", _storage_utils.FileSystemReader)
-    _storage_utils.FileSystemWriter = EnabledCacheWriter  # type: ignore[misc]
-    _storage_utils.FileSystemReader = EnabledCacheReader  # type: ignore[misc]
+    replacements = {"FileSystemWriter": EnabledCacheWriter, "FileSystemReader": EnabledCacheReader}
+    for module_name in _PATCHED_MODULES:
+        module = importlib.import_module(module_name)
+        for name, cls in replacements.items():
+            _STOCK.setdefault((module_name, name), getattr(module, name))
+            setattr(module, name, cls)
     return _common.report_enabled("DCP", client)
 
 
 def disable() -> None:
-    """Give ``checkpoint_id=``-only DCP calls back to DCP's ``FileSystemWriter``/``Reader``."""
-    for name, cls in _STOCK.items():
-        setattr(_storage_utils, name, cls)
+    """Give ``checkpoint_id=``-only DCP calls and ``format_utils`` back to DCP's
+    ``FileSystemWriter``/``Reader``."""
+    for (module_name, name), cls in _STOCK.items():
+        setattr(importlib.import_module(module_name), name, cls)
     _STOCK.clear()
 
 

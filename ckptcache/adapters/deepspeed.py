@@ -4,19 +4,19 @@
 
     import ckptcache.adapters.deepspeed
     ckptcache.adapters.deepspeed.enable()     # once, before any deepspeed.initialize
-    cfg["checkpoint"] = {"ckptcache": {"commit_waits": "local"}}   # optional, per engine
     engine, optimizer, _, _ = deepspeed.initialize(model=model, config=cfg, ...)
-    engine.save_checkpoint(save_dir)          # phase 1 only: a memcpy
+    engine.save_checkpoint(save_dir)          # returns once every file is readable
     engine.load_checkpoint(save_dir)          # from memory after a crash
 
 ``enable()`` without an engine hooks DeepSpeed's checkpoint-engine factory (DeepSpeed 0.19
 picks its engine from its own classes only; there is no plug-in entry), so every engine built
 afterwards, by your code, by Lightning's ``DeepSpeedStrategy`` or by the HF ``Trainer``, saves
 and loads through the cache. Per-engine settings come from the DeepSpeed config:
-``"checkpoint": {"ckptcache": {"enabled": true, "commit_waits": "files"}}`` (DeepSpeed ignores
-the key); ``"enabled": false`` keeps an engine on DeepSpeed's own writer. Precedence:
-config, then ``enable(commit_waits=...)``, then ``$CKPTCACHE_COMMIT_WAITS``, then ``"local"``.
-``enable(engine)`` still switches one existing engine. ``disable()`` removes the hook.
+``"checkpoint": {"ckptcache": {"enabled": true, "commit_waits": "local", "decoupled": true}}``
+(DeepSpeed ignores the key); ``"enabled": false`` keeps an engine on DeepSpeed's own writer.
+Precedence: config, then ``enable(commit_waits=...)``, then ``$CKPTCACHE_COMMIT_WAITS``, then
+``"files"``. ``enable(engine)`` still switches one existing engine. ``disable()`` removes the
+hook.
 
 **No code at all:** ``CKPTCACHE_DEEPSPEED=1`` in the environment (or ``=files``, ``=persisted``,
 ``=local``: on, with that ``commit_waits``) does what ``enable()`` does, in every process that
@@ -26,26 +26,34 @@ interpreter start and costs one lookup when it is unset (see ``ckptcache._startu
 
 The files are DeepSpeed's own (``<save_dir>/<tag>/mp_rank_00_model_states.pt``,
 ``zero_pp_rank_*_optim_states.pt``, ``latest``), so DeepSpeed's default engine, ``zero_to_fp32``
-and ``torch.load`` read them once persisted.
+and ``torch.load`` read them.
 
 How DeepSpeed drives the engine (0.19): ``save_checkpoint`` calls ``makedirs``, ``create(info)``,
 ``save(state_dict, path)`` per file, then ``commit(info)``, and then rank 0 writes ``latest``
-itself with ``open()``. ``load_checkpoint`` reads ``latest`` and globs / ``os.path``-checks the
-payload files *before* it calls ``engine.load``. Hence two decisions:
+itself with ``open()``. A *decoupled* engine (DeepSpeed's own asynchronous protocol,
+``is_decoupled()``) is committed later instead: at the next optimizer step, where DeepSpeed
+calls ``commit`` and only then writes ``latest``. ``load_checkpoint`` reads ``latest`` and
+globs / ``os.path``-checks the payload files *before* it calls ``engine.load``. Hence:
 
-* ``commit_waits="local"`` (default): ``commit`` returns at once (phase 1 done), so ``latest``
-  names the new tag while persistence is still running. A restart on the same node resumes
-  from memory; losing the node before persistence ends leaves ``latest`` ahead of storage,
-  and tools that open the files right after the save (``torch.load`` of
-  ``mp_rank_00_model_states.pt``, ``zero_to_fp32``) must go through the cache
-  (``ckptcache.load``, or ``torch.load(ckptcache.open(path))``) or wait
-  (``ckptcache.wait(prefix=save_dir)``).
-  ``commit_waits="persisted"``: each rank waits until its own files are persisted and then
-  all ranks meet in a barrier, so ``latest`` is written only once every file is in storage.
-  ``commit_waits="files"``: the same, except that files under no persist root are written by
-  the adapter (temp + rename): ``save_checkpoint`` returns once every file exists and holds
-  the new save (a fixed tag saved again, as Lightning's ``DeepSpeedStrategy`` does, included),
-  and every call DeepSpeed's own tests and tools make after a save behaves as without the cache.
+* ``commit_waits="files"`` (default): ``commit`` returns once each of the rank's files exists
+  and holds the new save (persisted by the daemon, or, under no persist root, written by the
+  adapter with temp + rename), then all ranks meet in a barrier, so ``latest`` never names a
+  tag whose files are not all readable. What DeepSpeed's tests and tools do right after
+  ``save_checkpoint`` (``torch.load`` of ``mp_rank_00_model_states.pt``, ``zero_to_fp32``,
+  a fixed tag saved again, as Lightning's ``DeepSpeedStrategy`` does) behaves as without the
+  cache. The stall is the copy plus the wait for storage.
+* ``"decoupled": true`` (or DeepSpeed's own ``"checkpoint": {"writer": {"decoupled": true}}``):
+  ``save_checkpoint`` returns after the copy into the cache, and the wait of ``commit_waits``
+  moves to the next optimizer step, by which time the daemon has usually persisted the files;
+  ``latest`` (written by DeepSpeed after that commit) keeps naming the previous, complete tag
+  until then. This is DeepSpeed's contract for decoupled engines: a tool that reads the new
+  tag's files before the next step must go through the cache (``ckptcache.open``) or wait.
+  :func:`flush` commits a pending save at once (on every rank), e.g. after the last step.
+* ``commit_waits="persisted"``: as ``"files"``, but every file must be in storage (raises
+  ``PathNotAllowed`` under no persist root). ``commit_waits="local"``: ``commit`` returns at
+  once, so ``latest`` names the new tag while persistence is still running: a restart on the
+  same node resumes from memory, but tools that open the files right after the save fail or
+  read an older file.
 * ``enable`` wraps ``engine.load_checkpoint``: before DeepSpeed looks at the directory, every
   cached object of the tag whose newest generation is not yet the file (no file, or the file
   of an earlier save of the tag) is made one, by waiting for the daemon's
@@ -75,6 +83,7 @@ __all__ = [
     "disable",
     "enable",
     "enable_from_env",
+    "flush",
     "is_enabled",
     "prepare_load",
 ]
@@ -82,29 +91,35 @@ __all__ = [
 ENGINE_NAME = "CkptCacheCheckpointEngine"
 #: The key inside the DeepSpeed config's ``"checkpoint"`` section that this adapter reads.
 CONFIG_KEY = "ckptcache"
-#: Default ``commit_waits`` for engines switched on by the process-wide hook.
-ENV_COMMIT_WAITS = "CKPTCACHE_COMMIT_WAITS"
+#: Default ``commit_waits`` of every adapter (see ``_common.resolve_commit_waits``).
+ENV_COMMIT_WAITS = _common.ENV_COMMIT_WAITS
 
 
 class CkptCacheCheckpointEngine(CheckpointEngine):  # type: ignore[misc]
     """A DeepSpeed ``CheckpointEngine`` whose ``save`` is a cache save (phase 1 only).
 
-    ``commit_waits`` is ``"local"``, ``"persisted"`` or ``"files"`` (see the module
-    docstring); ``client`` defaults to the process's default client (``$CKPTCACHE_SOCKET``).
+    ``commit_waits`` is ``"files"`` (default: ``$CKPTCACHE_COMMIT_WAITS`` or ``"files"``),
+    ``"persisted"`` or ``"local"``; ``decoupled`` moves that wait to DeepSpeed's next optimizer
+    step (see the module docstring); ``client`` defaults to the process's default client
+    (``$CKPTCACHE_SOCKET``).
     """
 
     def __init__(
         self,
         config_params: Any = None,
         *,
-        commit_waits: str = "local",
+        commit_waits: str | None = None,
         client: ckptcache.Client | None = None,
+        decoupled: bool = False,
     ):
         super().__init__(config_params)
         self.name = ENGINE_NAME
-        self.commit_waits = _common.check_commit_waits(commit_waits)
+        self.commit_waits = _common.resolve_commit_waits(commit_waits)
+        self.decoupled = decoupled
         self._client = client
         self._saved: list[str] = []
+        #: The save a decoupled engine has not committed yet (DeepSpeed asks at each step).
+        self._pending: CheckpointCommitInfo | None = None
 
     @property
     def client(self) -> ckptcache.Client:
@@ -112,8 +127,10 @@ class CkptCacheCheckpointEngine(CheckpointEngine):  # type: ignore[misc]
         return _common.client_of(self._client)
 
     def create(self, info: CheckpointCommitInfo) -> None:
-        """Start a checkpoint (tag): forget the files of the previous one."""
+        """Start a checkpoint (tag): forget the files of the previous one (a decoupled save
+        never committed is superseded, as DeepSpeed's own decoupled engine does)."""
         self._saved = []
+        self._pending = info if self.decoupled else None
 
     def save(self, state_dict: Any, path: str) -> None:
         """Hand ``state_dict`` to the cache under DeepSpeed's file name (phase 1)."""
@@ -125,8 +142,8 @@ class CkptCacheCheckpointEngine(CheckpointEngine):  # type: ignore[misc]
         return _common.load_any(self.client, path, map_location)
 
     def commit(self, info: CheckpointCommitInfo) -> bool:
-        """All files of ``info.tag`` were handed over; with ``commit_waits="persisted"`` wait
-        until they are in storage on every rank before DeepSpeed writes ``latest``."""
+        """All files of ``info.tag`` were handed over: wait for what ``commit_waits`` promises
+        on every rank before DeepSpeed writes ``latest`` (right after this returns)."""
         if self.commit_waits != "local":
             _common.settle(self._client, self._saved, self.commit_waits)
             # DeepSpeed's rank 0 writes `latest` right after its own commit returns; without
@@ -134,7 +151,39 @@ class CkptCacheCheckpointEngine(CheckpointEngine):  # type: ignore[misc]
             if torch.distributed.is_available() and torch.distributed.is_initialized():
                 torch.distributed.barrier()
         self._saved = []
+        self._pending = None
         return True
+
+    # DeepSpeed's decoupled protocol: save_checkpoint skips commit and `latest`; the engine
+    # commits at the next optimizer step (DeepSpeedEngine._commit_decoupled_checkpoint).
+
+    def is_decoupled(self) -> bool:
+        """Whether DeepSpeed commits this engine's saves at the next step, not in the save."""
+        return self.decoupled
+
+    def get_commit_info(self) -> CheckpointCommitInfo | None:
+        """The save waiting for its commit (``None``: nothing pending)."""
+        return self._pending
+
+    def cleanup(self) -> None:
+        """The engine is destroyed: this rank's files of a pending save are made readable
+        (no barrier and no ``latest``: the other ranks may not be here; as DeepSpeed's own
+        decoupled engine, only a step or :func:`flush` writes ``latest``)."""
+        if self._pending is not None and self.commit_waits != "local":
+            _common.settle(self._client, self._saved, self.commit_waits)
+        self._pending = None
+        self._saved = []
+
+
+def flush(engine: Any) -> bool:
+    """Commit ``engine``'s pending decoupled save now (call on every rank): its files are made
+    readable and rank 0 writes ``latest``, as DeepSpeed does at the next optimizer step.
+    Returns whether a save was pending."""
+    ckpt_engine = getattr(engine, "checkpoint_engine", None)
+    if not isinstance(ckpt_engine, CkptCacheCheckpointEngine) or ckpt_engine._pending is None:
+        return False
+    engine._commit_decoupled_checkpoint()
+    return True
 
 
 def _resolve_tag(load_dir: str, tag: Any, universal: bool) -> str | None:
@@ -185,6 +234,7 @@ def enable(
     *,
     commit_waits: str | None = None,
     client: ckptcache.Client | None = None,
+    decoupled: bool | None = None,
 ) -> CkptCacheCheckpointEngine | ckptcache.CacheStatus:
     """Route ``save_checkpoint``/``load_checkpoint`` through the cache.
 
@@ -193,13 +243,18 @@ def enable(
     the cache is reachable (and logs it; ``CKPTCACHE_REQUIRE=1`` raises
     :class:`ckptcache.DaemonUnavailable` instead). With ``engine``: switch that existing engine
     (call after ``deepspeed.initialize`` on every rank); returns its new checkpoint engine.
+    ``decoupled`` (default: the engine's config) as in the module docstring.
     """
     if commit_waits is not None:
         _common.check_commit_waits(commit_waits)
     if engine is None:
-        return cast(ckptcache.CacheStatus, _install(commit_waits, client))
+        return cast(ckptcache.CacheStatus, _install(commit_waits, client, decoupled=decoupled))
+    config = getattr(engine, "_config", None)
     ckpt_engine = CkptCacheCheckpointEngine(
-        getattr(engine, "_config", None), commit_waits=commit_waits or "local", client=client
+        config,
+        commit_waits=commit_waits,
+        client=client,
+        decoupled=_decoupled(config, _options(config) or {}, decoupled),
     )
     engine.checkpoint_engine = ckpt_engine
     wrapped = _wrap_load(type(engine).load_checkpoint)
@@ -223,13 +278,27 @@ def _options(config_params: Any) -> dict[str, Any] | None:
             f'DeepSpeed config "checkpoint.{CONFIG_KEY}" must be an object or a boolean, '
             f"not {section!r}"
         )
-    unknown = set(section) - {"enabled", "commit_waits"}
+    unknown = set(section) - {"enabled", "commit_waits", "decoupled"}
     if unknown:
         raise ckptcache.ConfigError(
             f'unknown keys in DeepSpeed config "checkpoint.{CONFIG_KEY}": {sorted(unknown)}; '
-            "allowed: enabled, commit_waits"
+            "allowed: enabled, commit_waits, decoupled"
         )
     return None if section.get("enabled", True) is False else section
+
+
+def _decoupled(config_params: Any, options: dict[str, Any], default: bool | None) -> bool:
+    """Whether the engine commits at the next step: the ``ckptcache`` section's
+    ``"decoupled"``, else ``default`` (``enable(decoupled=...)``), else DeepSpeed's own
+    ``"checkpoint": {"writer": {"decoupled": ...}}`` (which asks DeepSpeed's writer for the
+    same protocol)."""
+    if "decoupled" in options:
+        return bool(options["decoupled"])
+    if default is not None:
+        return default
+    raw = getattr(config_params, "_param_dict", None) or {}
+    writer = (raw.get("checkpoint") or {}).get("writer") or {}
+    return bool(writer.get("decoupled", False)) if isinstance(writer, dict) else False
 
 
 def enable_from_env() -> ckptcache.CacheStatus | None:
@@ -250,7 +319,11 @@ def enable_from_env() -> ckptcache.CacheStatus | None:
 
 
 def _install(
-    commit_waits: str | None, client: ckptcache.Client | None, *, report: bool = True
+    commit_waits: str | None,
+    client: ckptcache.Client | None,
+    *,
+    report: bool = True,
+    decoupled: bool | None = None,
 ) -> ckptcache.CacheStatus | None:
     import deepspeed.runtime.engine as ds_engine
 
@@ -266,11 +339,11 @@ def _install(
             # is reachable (CKPTCACHE_REQUIRE=1 makes an unreachable one an error here).
             unreported.clear()
             _common.report_enabled("DeepSpeed", client)
-        waits = options.get("commit_waits") or commit_waits or os.environ.get(ENV_COMMIT_WAITS)
         return CkptCacheCheckpointEngine(
             config_params,
-            commit_waits=_common.check_commit_waits(waits or "local"),
+            commit_waits=options.get("commit_waits") or commit_waits,
             client=client,
+            decoupled=_decoupled(config_params, options, decoupled),
         )
 
     if not _HOOK:

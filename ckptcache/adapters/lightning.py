@@ -12,16 +12,24 @@ persisted by the daemon) and the read (memory first, then the file). ``CkptCache
 ``lightning.fabric``'s ``CheckpointIO``; for the standalone ``pytorch_lightning`` package use
 ``PLCkptCacheIO`` (``lightning_fabric``'s base class), the same plugin.
 
-``ckpt_path="last"`` makes Lightning list the checkpoint directory, which only shows persisted
-files: pass the path explicitly to resume before persistence has finished.
+**When the file exists: ``commit_waits``.** Lightning's own code lists and checks the
+checkpoint directory (``ckpt_path="last"``, ``ModelCheckpoint``'s free-name choice and
+``save_last`` link, a ``torch.load`` in a callback), so by default (``commit_waits="files"``,
+or ``$CKPTCACHE_COMMIT_WAITS``) ``save_checkpoint`` returns once the ``.ckpt`` file exists and
+holds the new save: persisted by the daemon, or, under no persist root, written by the plugin
+(temp + rename). ``"persisted"`` waits for storage (``PathNotAllowed`` under no persist root);
+``"local"`` returns after the copy into the cache, and the file appears when persisted.
+Wrapping the plugin in Lightning's ``AsyncCheckpointIO`` moves that wait (and the copy) to
+Lightning's checkpoint thread: ``AsyncCheckpointIO(CkptCacheIO())``.
 
-``ModelCheckpoint`` picks a free name (``m.ckpt``, then ``m-v1.ckpt``, ...) by checking which
-files exist, and a checkpoint not yet persisted is no file: with a ``filename`` that names no
-epoch or step, kept checkpoints would overwrite each other. ``CkptCacheModelCheckpoint``
-(``PLCkptCacheModelCheckpoint``), a ``ModelCheckpoint`` with the same arguments, also asks the
-cache::
+With ``"local"``, ``ckpt_path="last"`` lists only persisted files: pass the path explicitly to
+resume before persistence has finished. ``ModelCheckpoint`` picks a free name (``m.ckpt``,
+then ``m-v1.ckpt``, ...) by checking which files exist, and a checkpoint not yet persisted is
+no file: with a ``filename`` that names no epoch or step, kept checkpoints would overwrite each
+other. ``CkptCacheModelCheckpoint`` (``PLCkptCacheModelCheckpoint``), a ``ModelCheckpoint``
+with the same arguments, also asks the cache::
 
-    trainer = lightning.Trainer(..., plugins=[CkptCacheIO()],
+    trainer = lightning.Trainer(..., plugins=[CkptCacheIO(commit_waits="local")],
                                 callbacks=[CkptCacheModelCheckpoint(filename="m", save_top_k=3)])
 """
 
@@ -51,8 +59,7 @@ def _storage_as_loaded(storage: Any, location: str) -> Any:
     return storage
 
 
-def _is_url(path: str) -> bool:
-    return "://" in path
+_is_url = _common.is_url
 
 
 def _remove_stored(path: str) -> None:
@@ -82,8 +89,15 @@ def _remove_stored(path: str) -> None:
 class _CacheIOMixin:
     """The plugin's behaviour, shared by the ``lightning`` and ``pytorch_lightning`` classes."""
 
-    def __init__(self, *, durability: str = "local", client: ckptcache.Client | None = None):
+    def __init__(
+        self,
+        *,
+        commit_waits: str | None = None,
+        durability: str = "local",
+        client: ckptcache.Client | None = None,
+    ):
         super().__init__()
+        self.commit_waits = _common.resolve_commit_waits(commit_waits)
         self.durability = durability
         self._client = client
 
@@ -95,7 +109,8 @@ class _CacheIOMixin:
     def save_checkpoint(
         self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None
     ) -> None:
-        """Hand ``checkpoint`` to the cache under ``path`` (returns after the memcpy)."""
+        """Hand ``checkpoint`` to the cache under ``path``; return once ``commit_waits``
+        holds (by default: the file exists and holds this save)."""
         if storage_options is not None:
             raise TypeError(f"{type(self).__name__} takes no storage_options")
         path = normalize_path(path)
@@ -103,6 +118,7 @@ class _CacheIOMixin:
             # The daemon persists into this directory; Lightning expects it to exist afterwards.
             os.makedirs(os.path.dirname(path), exist_ok=True)
         self.client.save(checkpoint, path, durability=self.durability)
+        _common.settle(self._client, [path], self.commit_waits)
 
     def load_checkpoint(
         self,

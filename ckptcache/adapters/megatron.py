@@ -24,11 +24,13 @@ a proxy whose ``save``/``load`` go through the cache (everything else is the rea
 and makes its ``isfile`` see cached files. The tracker ``latest_checkpointed_iteration.txt``
 stays the plain text file Megatron writes after its post-save barrier; it cannot be a cached
 object because the cache persists ``torch.save`` archives. What changes is what it follows:
-with ``commit_waits="local"`` (default) phase 1 on every rank; with ``"persisted"`` every rank's
-``torch.save`` returns only after its file is persisted, so the tracker never names an
-iteration that storage does not fully hold; with ``"files"`` only after its file exists
-(persisted, or written by the adapter when no persist root covers it), so Megatron's own
-tools read the checkpoint right after the save, as without the cache.
+with ``commit_waits="files"`` (default; ``$CKPTCACHE_COMMIT_WAITS`` changes it) every rank's
+``torch.save`` returns only after its file exists and holds the new save (persisted, or
+written by the adapter when no persist root covers it), so the tracker never names an
+iteration whose files are not all readable, and Megatron's own tools (checkpoint converters,
+a plain ``torch.load``) read the checkpoint right after the save, as without the cache; with
+``"persisted"`` only after its file is in storage; with ``"local"`` after phase 1 (the
+tracker may then name an iteration whose files appear later).
 """
 
 from __future__ import annotations
@@ -91,12 +93,12 @@ class CacheSaveShardedStrategy(SaveShardedStrategy):  # type: ignore[misc]
         version: int = BACKEND[1],
         *,
         keep_only_main_replica: bool = True,
-        commit_waits: str = "local",
+        commit_waits: str | None = None,
         client: ckptcache.Client | None = None,
     ):
         super().__init__(backend, version)
         self.keep_only_main_replica = keep_only_main_replica
-        self.commit_waits = _common.check_commit_waits(commit_waits)
+        self.commit_waits = _common.resolve_commit_waits(commit_waits)
         self.client = client
 
     def save(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: Path | str) -> None:
@@ -220,16 +222,17 @@ def _target(module: types.ModuleType | str | None) -> types.ModuleType:
 def enable(
     module: types.ModuleType | str | None = None,
     *,
-    commit_waits: str = "local",
+    commit_waits: str | None = None,
     client: ckptcache.Client | None = None,
 ) -> None:
     """Route Megatron-LM's legacy ``torch.save``/``torch.load`` checkpoints through the cache.
 
     ``module``: the module whose global ``torch`` does the checkpoint I/O (default
-    ``megatron.training.checkpointing``). Idempotent; :func:`disable` undoes it.
+    ``megatron.training.checkpointing``); ``commit_waits`` as in the module docstring.
+    Idempotent; :func:`disable` undoes it.
     """
     mod = _target(module)
-    _common.check_commit_waits(commit_waits)
+    commit_waits = _common.resolve_commit_waits(commit_waits)
     if not isinstance(mod.__dict__.get("torch"), _TorchProxy):
         mod.__dict__["__ckptcache_saved__"] = {
             k: mod.__dict__[k] for k in ("torch", "isfile") if k in mod.__dict__

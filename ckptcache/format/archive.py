@@ -23,6 +23,7 @@ from ckptcache.errors import CorruptCheckpoint
 
 __all__ = [
     "ARCHIVE_ALIGNMENT",
+    "PARSE_ERRORS",
     "ArchivePlan",
     "ParsedArchive",
     "ViewReader",
@@ -240,7 +241,7 @@ class ViewReader(io.RawIOBase):
 
 
 #: What zipfile and struct raise on malformed input (zipfile trusts the sizes it reads).
-_PARSE_ERRORS = (
+PARSE_ERRORS = (
     zipfile.BadZipFile, OSError, EOFError, ValueError, struct.error, NotImplementedError,
     OverflowError, KeyError, IndexError,
 )  # fmt: skip
@@ -254,7 +255,7 @@ def parse_archive(view: memoryview) -> ParsedArchive:
         return _parse_archive(view)
     except CorruptCheckpoint:
         raise
-    except _PARSE_ERRORS as e:
+    except PARSE_ERRORS as e:
         raise CorruptCheckpoint(f"not a torch.save archive: {e}") from e
 
 

@@ -15,7 +15,7 @@ import torch
 
 from ckptcache._gpu import Ready, copy_to_segment, device_target, load_to_device
 from ckptcache.errors import CorruptCheckpoint
-from ckptcache.format.archive import plan_archive
+from ckptcache.format.archive import parse_archive, plan_archive
 from ckptcache.format.flatten import Flattened, MapLocation, unflatten
 from ckptcache.format.layout import HEADER_SIZE, plan_segment
 from ckptcache.format.manifest import Manifest, ObjectPlan, StorageRecord, verify_digests
@@ -27,7 +27,7 @@ from ckptcache.format.shm import (
     storage_view,
 )
 
-__all__ = ["plan_object", "read_object", "write_metadata", "write_object"]
+__all__ = ["plan_object", "read_archive_object", "read_object", "write_metadata", "write_object"]
 
 
 def plan_object(flat: Flattened, path: str, namespace: str) -> ObjectPlan:
@@ -133,22 +133,64 @@ def read_object(
         skeleton = bytes(view[po : po + manifest.pickle_size])
     finally:
         view.release()
-    records = {r.key: r for r in manifest.storages}
+    places = {r.key: (r.offset, r.nbytes) for r in manifest.storages}
+    return _rebuild(
+        mapping, skeleton, places, path=manifest.path, tier=tier, zero_copy=zero_copy,
+        weights_only=weights_only, map_location=map_location,
+    )  # fmt: skip
+
+
+def read_archive_object(
+    mapping: mmap.mmap,
+    *,
+    path: str,
+    weights_only: bool = True,
+    map_location: MapLocation = None,
+) -> Any:
+    """Rebuild the object of the ``torch.save`` archive that fills ``mapping`` (a stored file
+    read into memory, already checked: :func:`ckptcache.format.persisted.read_verified`); the
+    CPU storages are views of ``mapping``, which they keep alive."""
+    view = memoryview(mapping)
+    try:
+        parsed = parse_archive(view)
+        po = parsed.pickle_offset
+        skeleton = bytes(view[po : po + parsed.pickle_size])
+    finally:
+        view.release()
+    return _rebuild(
+        mapping, skeleton, dict(parsed.storages), path=path, tier="storage", zero_copy=True,
+        weights_only=weights_only, map_location=map_location,
+    )  # fmt: skip
+
+
+def _rebuild(
+    mapping: mmap.mmap,
+    skeleton: bytes,
+    places: dict[str, tuple[int, int]],
+    *,
+    path: str,
+    tier: str,
+    zero_copy: bool,
+    weights_only: bool,
+    map_location: MapLocation,
+) -> Any:
+    """Unpickle ``skeleton`` with each storage taken from ``places[key] = (offset, nbytes)``
+    of ``mapping``: a view, a private copy, or a host-to-device copy (``map_location``)."""
     device = device_target(map_location)
     to_device = load_to_device(mapping, device) if device is not None else None
 
     def load_storage(key: str, nbytes: int) -> torch.UntypedStorage:
-        record = records.get(key)
-        if record is None or record.nbytes != nbytes:
+        offset, size = places.get(key, (0, -1))
+        if size != nbytes:
             raise CorruptCheckpoint(
-                f"skeleton of {manifest.path!r} refers to storage {key} that the manifest "
-                "does not hold", tier=tier,
+                f"skeleton of {path!r} refers to storage {key} that the {tier} copy does not "
+                "hold", tier=tier,
             )  # fmt: skip
         if to_device is not None:  # host-to-device from the pinned mapping, no CPU copy
-            return to_device.storage(record.offset, nbytes)
+            return to_device.storage(offset, nbytes)
         if zero_copy:
-            return storage_view(mapping, record.offset, nbytes)
-        return storage_copy(mapping, record.offset, nbytes)
+            return storage_view(mapping, offset, nbytes)
+        return storage_copy(mapping, offset, nbytes)
 
     try:
         return unflatten(

@@ -10,12 +10,20 @@ daemon streams the archive record by record and, in the same pass over each chun
   daemon recorded at commit: a mismatch raises :class:`CorruptCheckpoint` before the object
   becomes visible (the caller's temp file or multipart upload is discarded);
 * appends one extra record, ``<archive>/.ckptcache/digests.json`` (see :data:`DIGESTS_MEMBER`),
-  holding the xxh3 of every other record (skeleton, storages, small records). ``torch.load``
-  ignores records it does not look up, so the file stays an ordinary checkpoint.
+  holding the xxh3 of every other record (skeleton, storages, small records) and, under
+  ``"meta"``, the xxh3 of the zip structure around them (local headers, data descriptors, the
+  central directory entries of those records). ``torch.load`` ignores records it does not look
+  up, so the file stays an ordinary checkpoint.
+
+So every byte of a persisted file is covered: a record's data by its digest, the structure by
+the ``meta`` digest, and the digest record's own headers and the end records are what this
+module writes for that content, compared byte for byte (:func:`check_archive` with ``deep``).
 
 :func:`check_archive` is the reader's side: a cheap structural check (end records, central
 directory, every record inside the file: catches truncation) and, with ``deep=True``, every
-record's digest (or its CRC-32 for archives without the digest record, e.g. ``torch.save``'s).
+record's digest (or its CRC-32 for archives without the digest record, e.g. ``torch.save``'s)
+and the structure. :func:`read_verified` reads a stored file into memory with those checks made
+while the bytes arrive; :func:`load_from_storage` builds the object over them.
 """
 
 from __future__ import annotations
@@ -35,8 +43,15 @@ from typing import Any
 import xxhash
 
 from ckptcache.errors import CorruptCheckpoint
-from ckptcache.format.archive import ViewReader, central_record, count_records, end_records
+from ckptcache.format.archive import (
+    PARSE_ERRORS,
+    ViewReader,
+    central_record,
+    count_records,
+    end_records,
+)
 from ckptcache.format.digest import DIGEST_ALGORITHM, digest_hex
+from ckptcache.format.names import storage_names
 from ckptcache.storage import StorageBackend, backend_for
 
 __all__ = [
@@ -47,6 +62,7 @@ __all__ = [
     "check_archive",
     "list_records",
     "load_from_storage",
+    "read_verified",
     "stored_archive_complete",
     "stream_archive",
     "verify_stored",
@@ -61,6 +77,12 @@ _CHUNK = 8 << 20  # hash-then-write granule: stays in cache between the hash and
 _LOCAL = struct.Struct("<IHHHHHIIIHH")
 _CENTRAL_FIXED = 46
 _DESCRIPTOR_SIG = b"PK\x07\x08"
+#: Bytes of the end records :func:`~ckptcache.format.archive.end_records` writes (zip64 end
+#: record, its locator, end of central directory): how every persisted archive ends.
+_END_SIZE = 56 + 20 + 22
+#: Reader threads of :func:`read_verified` (ranged reads, CRC-32s in parallel).
+_READERS = 4
+_ANONYMOUS = mmap_module.MAP_PRIVATE | mmap_module.MAP_ANONYMOUS
 
 Sink = Callable[[memoryview | bytes], None]
 
@@ -80,17 +102,32 @@ class ArchiveRecord:
 
 def _corrupt(path: str, what: str, *, tensor: str | None = None) -> CorruptCheckpoint:
     return CorruptCheckpoint(
-        f"checkpoint file {path!r} is corrupt: {what}", tensor=tensor, tier="storage"
-    )
+        f"checkpoint file {path!r} is corrupt in the storage tier: {what}",
+        tensor=tensor, tier="storage",
+    )  # fmt: skip
 
 
 def list_records(view: memoryview, path: str = "<archive>") -> tuple[list[ArchiveRecord], int]:
     """The records of the zip archive in ``view`` in file order, and the central directory's
-    offset; raises :class:`CorruptCheckpoint` for a truncated or malformed archive."""
+    offset; raises :class:`CorruptCheckpoint` for a truncated or malformed archive, or one whose
+    central directory disagrees with its end record (count) or local headers (names)."""
     try:
-        infos = zipfile.ZipFile(io.BufferedReader(ViewReader(view))).infolist()
-    except (zipfile.BadZipFile, OSError, EOFError, ValueError) as e:
+        return _list_records(view, path)
+    except CorruptCheckpoint:
+        raise
+    except PARSE_ERRORS as e:  # zipfile trusts the sizes and versions it reads
         raise _corrupt(path, f"{e} (truncated, or not a checkpoint archive)") from e
+
+
+def _list_records(view: memoryview, path: str) -> tuple[list[ArchiveRecord], int]:
+    infos = zipfile.ZipFile(io.BufferedReader(ViewReader(view))).infolist()
+    try:
+        listed = count_records(len(view), lambda offset, n: bytes(view[offset : offset + n]))
+    except ValueError as e:
+        raise _corrupt(path, str(e)) from e
+    if listed != len(infos):  # an entry's lengths changed: it swallowed or split others
+        raise _corrupt(path, f"the end record counts {listed} records, the central directory "
+                             f"{len(infos)}")  # fmt: skip
     infos.sort(key=lambda i: i.header_offset)
     cd_offset = central_offset(view, path)
     records = []
@@ -102,6 +139,10 @@ def list_records(view: memoryview, path: str = "<archive>") -> tuple[list[Archiv
         if len(local) < _LOCAL.size or local[:4] != b"PK\x03\x04":
             raise _corrupt(path, f"bad local header of record {info.filename!r}")
         fields = _LOCAL.unpack(local)
+        name = bytes(view[start + _LOCAL.size : start + _LOCAL.size + fields[9]])
+        if name != info.orig_filename.encode("utf-8" if info.flag_bits & 0x800 else "cp437"):
+            raise _corrupt(path, f"the local header of record {info.filename!r} names "
+                                 f"{name!r}")  # fmt: skip
         data = start + _LOCAL.size + fields[9] + fields[10]
         end = infos[n + 1].header_offset if n + 1 < len(infos) else cd_offset
         if data + info.file_size > end:
@@ -194,7 +235,9 @@ def stream_archive(
     records, cd_offset = list_records(view, path)
     digests: dict[str, int] = {}
     crcs: dict[int, int] = {}
+    meta = xxhash.xxh3_64()  # the structure around the records: a few bytes per record
     for record in records:
+        meta.update(view[record.header_offset : record.data_offset])
         crc, digest = _stream_record(view, record, sink)
         want = (expected or {}).get(record.data_offset)
         if want is not None and want[0] != digest:
@@ -205,12 +248,16 @@ def stream_archive(
                 tensor=want[1],
                 tier="local",
             )
-        sink(_descriptor(view, record, crc))
+        descriptor = _descriptor(view, record, crc)
+        meta.update(descriptor)
+        sink(descriptor)
         crcs[record.header_offset] = crc
         digests[record.name] = digest
-    member = _digest_member(_top_folder(records), digests, cd_offset)
+    original_central = _patched_central(view, cd_offset, len(records), crcs)
+    meta.update(original_central)
+    member = _member(_top_folder(records), _digest_body(digests, meta.intdigest()), cd_offset)
     sink(member.local)
-    central = _patched_central(view, cd_offset, len(records), crcs) + member.central
+    central = original_central + member.central
     new_cd = cd_offset + len(member.local)
     sink(central + end_records(len(records) + 1, new_cd, len(central)))
     return digests
@@ -222,12 +269,17 @@ class _Member:
     central: bytes
 
 
-def _digest_member(top: str, digests: Mapping[str, int], offset: int) -> _Member:
-    """The digest record (local header + JSON, sizes known up front) and its central entry."""
-    body = json.dumps({
-        "format": DIGESTS_FORMAT, "algorithm": DIGEST_ALGORITHM,
+def _digest_body(digests: Mapping[str, int], meta: int) -> bytes:
+    """The digest record's JSON: every record's xxh3, and ``meta`` (the structure's)."""
+    return json.dumps({
+        "format": DIGESTS_FORMAT, "algorithm": DIGEST_ALGORITHM, "meta": digest_hex(meta),
         "records": {name: digest_hex(d) for name, d in digests.items()},
     }, separators=(",", ":"), sort_keys=True).encode()  # fmt: skip
+
+
+def _member(top: str, body: bytes, offset: int) -> _Member:
+    """The digest record at ``offset`` (local header + ``body``, sizes known up front) and
+    its central entry."""
     name = f"{top}/{DIGESTS_MEMBER}".encode()
     crc = zlib.crc32(body)
     local = _LOCAL.pack(0x04034B50, 20, 0x0800, 0, 0, 0, crc, len(body), len(body), len(name), 0)
@@ -243,22 +295,26 @@ def check_archive(
     computed: Mapping[tuple[int, int], tuple[int, int | None]] | None = None,
 ) -> dict[int, int]:
     """Raise :class:`CorruptCheckpoint` naming ``path`` if the archive is truncated or (with
-    ``deep``) any record's bytes differ from its recorded digest or CRC-32. With ``deep``,
-    returns the xxh3 of every record by data offset (computed in the checking pass).
+    ``deep``) any record's bytes differ from its recorded digest or CRC-32, or (archives this
+    module wrote) any byte of the zip structure changed. With ``deep``, returns the xxh3 of
+    every record by data offset (computed in the checking pass). A damaged tensor is named by
+    its state-dict path (read from the skeleton, which is checked first: it comes first).
 
     ``computed`` maps ``(data offset, size)`` of records to ``(xxh3, CRC-32 or None)`` already
     computed over these bytes (by a reader that hashed while it read, see
-    :mod:`ckptcache.server.archive_read`): those records are compared, not hashed again; a
+    :mod:`ckptcache.format.archive_read`): those records are compared, not hashed again; a
     record it lacks (or lacks the CRC of, when one is needed) is hashed here."""
     if len(view) == 0:
         raise _corrupt(path, "the file is empty")
-    records, _ = list_records(view, path)
+    records, cd_offset = list_records(view, path)
     if not deep:
         return {}
-    digests = _recorded_digests(view, records, path)
+    member = next((r for r in records if r.name.endswith("/" + DIGESTS_MEMBER)), None)
+    table = _recorded_table(view, member, path) if member is not None else None
+    digests = table.records if table is not None else None
     found: dict[int, int] = {}
     for record in records:
-        if record.name.endswith("/" + DIGESTS_MEMBER):
+        if record is member:
             continue
         data = view[record.data_offset : record.data_offset + record.size]
         known, crc = (computed or {}).get((record.data_offset, record.size), (None, None))
@@ -268,25 +324,92 @@ def check_archive(
             if want is None:
                 raise _corrupt(path, f"record {record.name!r} is not in the digest record")
             if got != want:
-                raise _corrupt(path, f"record {record.name!r} does not match its digest",
-                               tensor=record.name)  # fmt: skip
+                raise _record_corrupt(view, records, record, path, "digest")
         elif record.crc and (zlib.crc32(data) if crc is None else crc) != record.crc:
-            raise _corrupt(path, f"record {record.name!r} does not match its CRC-32",
-                           tensor=record.name)  # fmt: skip
+            raise _record_corrupt(view, records, record, path, "CRC-32")
     if digests is not None:
         names = {r.name for r in records}
         missing = sorted(set(digests) - names)
         if missing:
             raise _corrupt(path, f"records {missing} are missing")
+    if table is not None and table.meta is not None:
+        assert member is not None
+        _check_structure(view, records, member, cd_offset, table.meta, path)
     return found
 
 
-def _recorded_digests(
-    view: memoryview, records: list[ArchiveRecord], path: str
-) -> dict[str, int] | None:
-    member = next((r for r in records if r.name.endswith("/" + DIGESTS_MEMBER)), None)
-    if member is None:
-        return None
+def _record_corrupt(
+    view: memoryview, records: list[ArchiveRecord], record: ArchiveRecord, path: str, check: str
+) -> CorruptCheckpoint:
+    """The error for a record whose bytes do not match its ``check`` (digest or CRC-32),
+    naming the tensor it holds where the skeleton says which."""
+    name = record.name.split("/", 1)[-1]
+    if name == "data.pkl":
+        what, tensor = f"the pickle skeleton (record {record.name!r})", "<skeleton>"
+    elif name.startswith("data/"):
+        key = name[len("data/") :]
+        tensor = _tensor_names(view, records).get(key, f"<storage {key}>")
+        what = f"tensor {tensor!r} (record {record.name!r})"
+    else:
+        what, tensor = f"record {record.name!r}", None
+    return _corrupt(path, f"{what} does not match its {check}", tensor=tensor)
+
+
+def _tensor_names(view: memoryview, records: list[ArchiveRecord]) -> dict[str, str]:
+    """Storage key -> tensor name, from the archive's skeleton (on the error path only)."""
+    top = _top_folder(records)
+    skeleton = next((r for r in records if r.name == f"{top}/data.pkl"), None)
+    if skeleton is None:
+        return {}
+    return storage_names(view[skeleton.data_offset : skeleton.data_offset + skeleton.size])
+
+
+def _check_structure(
+    view: memoryview,
+    records: list[ArchiveRecord],
+    member: ArchiveRecord,
+    cd_offset: int,
+    meta: int,
+    path: str,
+) -> None:
+    """Every byte that is not a record's data, against what :func:`stream_archive` wrote: the
+    original records' local headers, descriptors and central entries by the ``meta`` digest;
+    the digest record's own headers and the end records rebuilt and compared."""
+    size = len(view)
+    top = member.name[: -len(DIGESTS_MEMBER) - 1]
+    body = view[member.data_offset : member.data_offset + member.size]
+    rebuilt = _member(top, bytes(body), member.header_offset)
+    central_end = size - _END_SIZE
+    member_central = central_end - len(rebuilt.central)
+    if records[-1] is not member or member_central < cd_offset:
+        raise _corrupt(path, "the digest record is not where it was written")
+    expected_end = end_records(len(records), cd_offset, central_end - cd_offset)
+    if bytes(view[member.header_offset : member.data_offset + member.size]) != rebuilt.local:
+        raise _corrupt(path, "the digest record's local header was changed")
+    if bytes(view[member_central:central_end]) != rebuilt.central:
+        raise _corrupt(path, "the digest record's central directory entry was changed")
+    if bytes(view[central_end:]) != expected_end:
+        raise _corrupt(path, "the zip end records were changed")
+    hasher = xxhash.xxh3_64()
+    for record in records[:-1]:
+        hasher.update(view[record.header_offset : record.data_offset])
+        hasher.update(view[record.data_offset + record.size : record.end])
+    hasher.update(view[cd_offset:member_central])
+    if hasher.intdigest() != meta:
+        raise _corrupt(path, "the zip structure (local headers, data descriptors or central "
+                             "directory) does not match its digest")  # fmt: skip
+
+
+@dataclass(frozen=True)
+class _DigestTable:
+    """The digest record's content: every record's xxh3 by name, and the structure's
+    (None in files written before it was recorded)."""
+
+    records: dict[str, int]
+    meta: int | None
+
+
+def _recorded_table(view: memoryview, member: ArchiveRecord, path: str) -> _DigestTable:
     data = bytes(view[member.data_offset : member.data_offset + member.size])
     if zlib.crc32(data) != member.crc:
         raise _corrupt(path, "the digest record does not match its CRC-32")
@@ -294,7 +417,9 @@ def _recorded_digests(
         table = json.loads(data)
         if table.get("format") != DIGESTS_FORMAT or table.get("algorithm") != DIGEST_ALGORITHM:
             raise ValueError(f"unknown digest record format {table.get('format')!r}")
-        return {str(k): int(v, 16) for k, v in table["records"].items()}
+        records = {str(k): int(v, 16) for k, v in table["records"].items()}
+        meta = table.get("meta")
+        return _DigestTable(records, None if meta is None else int(meta, 16))
     except (ValueError, KeyError, TypeError, AttributeError) as e:
         raise _corrupt(path, f"unreadable digest record: {e}") from e
 
@@ -353,14 +478,34 @@ def load_from_storage(
     *,
     weights_only: bool = True,
     mmap: bool | None = None,
-    verify: bool = False,
+    verify: bool = True,
 ) -> Any:
-    """``torch.load`` of a stored checkpoint, after :func:`check_archive` (structure always,
-    digests with ``verify``); damage raises :class:`CorruptCheckpoint` naming ``path``."""
+    """Load a stored checkpoint as ``torch.load`` would; damage raises
+    :class:`CorruptCheckpoint` naming ``path``, the storage tier and the tensor.
+
+    ``verify`` (the default): every record is checked against the digest record (or its
+    CRC-32) and the zip structure against its digest while the file is read into memory
+    (:func:`read_verified`: one pass), then the object is built over those bytes without
+    another copy (``mmap=True``: over a private mapping of the file, which the check reads
+    through). ``verify=False`` checks the structure only (truncation), then ``torch.load``.
+    """
+    if verify:
+        mapping = read_verified(path, mapped=mmap is True)
+        if mapping is not None:
+            from ckptcache.format.objectio import read_archive_object  # torch: client side only
+
+            return read_archive_object(
+                mapping, path=path, weights_only=weights_only, map_location=map_location
+            )
+    return _torch_load(path, map_location, weights_only, mmap)
+
+
+def _torch_load(path: str, map_location: Any, weights_only: bool, mmap: bool | None) -> Any:
+    """``torch.load`` after the structural check (and for files that are no zip archive)."""
     import torch
 
     with _stored_view(path) as (view, data):
-        _check_stored(view, path, verify)
+        _check_stored(view, path, False)
     source: Any = path if data is None else io.BytesIO(data)
     kwargs: dict[str, Any] = {"mmap": mmap} if data is None else {}
     try:
@@ -369,8 +514,84 @@ def load_from_storage(
         raise _corrupt(path, f"{type(e).__name__}: {e}") from e
 
 
+def read_verified(path: str, *, mapped: bool = False) -> mmap_module.mmap | None:
+    """The object stored at ``path`` in this process's memory, checked as
+    :func:`check_archive` with ``deep`` checks it, the hashing done as the bytes arrive: ranged
+    reads on a few threads into private anonymous memory
+    (:func:`~ckptcache.format.archive_read.read_archive`), or with ``mapped`` (a local file) a
+    private mapping of the file whose pages the check itself reads in. None when the object is
+    no zip archive (a legacy ``torch.save`` file: nothing to check it against).
+
+    Raises :class:`CorruptCheckpoint` for any damage, ``FileNotFoundError`` if it is absent.
+    """
+    from ckptcache.format.archive_read import read_archive  # it builds on this module
+
+    backend = backend_for(path)
+    size = backend.size(path)
+    if size == 0:
+        raise _corrupt(path, "the file is empty")
+    if not _is_zip(backend, path, size):
+        return None
+    if mapped and "://" not in path:
+        return _mapped_verified(path, size)
+    mapping = _private_memory(size)
+    view = memoryview(mapping)
+    try:
+        read_archive(backend, path, view, concurrency=_READERS, advance=_ignore)
+    finally:
+        view.release()
+    return mapping
+
+
+def _ignore(_: int) -> None:
+    """Progress of a read nobody relays."""
+
+
+def _private_memory(size: int) -> mmap_module.mmap:
+    """Anonymous, private, writable memory for ``size`` bytes: the loaded tensors' storage.
+
+    Asked for in 2 MiB pages where the kernel offers them on request (transparent huge pages
+    in ``madvise`` mode, the usual default): a fresh buffer is faulted in as the reads land,
+    and 4 KiB pages cost one fault each, which was most of the time of a load from a
+    page-cached file (measured: 0.26 s for 256 MiB, 0.06-0.10 s with huge pages). Unlike a
+    save, a load from storage is no stall of training's steps, so the compaction a huge
+    page may cost is acceptable here."""
+    mapping = mmap_module.mmap(-1, size, flags=_ANONYMOUS)
+    with contextlib.suppress(OSError, AttributeError):  # no THP: 4 KiB pages, still correct
+        mapping.madvise(mmap_module.MADV_HUGEPAGE)
+    return mapping
+
+
+def _mapped_verified(path: str, size: int) -> mmap_module.mmap:
+    """A private (copy-on-write) mapping of the local file ``path``, checked through."""
+    with open(path, "rb") as f:
+        mapping = mmap_module.mmap(f.fileno(), size, flags=mmap_module.MAP_PRIVATE,
+                                   prot=mmap_module.PROT_READ | mmap_module.PROT_WRITE)  # fmt: skip
+    view = memoryview(mapping)
+    try:
+        check_archive(view, path, deep=True)
+    finally:
+        view.release()
+    return mapping
+
+
+def _is_zip(backend: StorageBackend, path: str, size: int) -> bool:
+    """Whether the object is a zip archive (``torch.save``'s format since torch 1.6): it
+    starts with a local header or ends with an end-of-central-directory record. Either may be
+    damaged, so one of the two is enough; a legacy pickle file has neither."""
+    head = bytearray(min(size, 4))
+    backend.read_into(path, 0, memoryview(head))
+    tail = bytearray(min(size, 22))
+    backend.read_into(path, size - len(tail), memoryview(tail))
+    return _zip_marks(bytes(head), bytes(tail))
+
+
+def _zip_marks(head: bytes, tail: bytes) -> bool:
+    return head[:4] == b"PK\x03\x04" or (len(tail) == 22 and tail[:4] == b"PK\x05\x06")
+
+
 def _check_stored(view: memoryview, path: str, deep: bool) -> None:
     if len(view) == 0:
         raise _corrupt(path, "the file is empty")
-    if bytes(view[:4]) == b"PK\x03\x04":  # torch.save's zip format (legacy files: torch checks)
+    if _zip_marks(bytes(view[:4]), bytes(view[-22:])):  # legacy files: torch checks
         check_archive(view, path, deep=deep)

@@ -19,11 +19,11 @@ import os
 import threading
 import weakref
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
 
+from ckptcache._workers import LingeringPool
 from ckptcache.errors import TensorMutated
 
 __all__ = [
@@ -130,7 +130,9 @@ _MIN_BYTES_PER_THREAD = 8 << 20
 _PIECES_PER_THREAD = 8
 
 _memmove: Callable[[int, int, int], Any] | None = None
-_copiers: ThreadPoolExecutor | None = None
+#: Copy threads: daemon threads that end a moment after the last save's copy (a training
+#: process must not keep idle threads of ours, see ``ckptcache._workers``).
+_copiers: LingeringPool | None = None
 _copiers_pid = 0
 _copiers_lock = threading.Lock()
 
@@ -153,12 +155,12 @@ def _libc_memmove() -> Callable[[int, int, int], Any]:
     return _memmove
 
 
-def _copier_pool(workers: int) -> ThreadPoolExecutor:
+def _copier_pool(workers: int) -> LingeringPool:
     global _copiers, _copiers_pid
     with _copiers_lock:
-        # A forked child inherits the executor but not its threads: it needs its own.
-        if _copiers is None or _copiers._max_workers < workers or _copiers_pid != os.getpid():
-            _copiers = ThreadPoolExecutor(workers, thread_name_prefix="ckptcache-copy")
+        # A forked child inherits the pool but not its threads: it needs its own.
+        if _copiers is None or _copiers.max_workers < workers or _copiers_pid != os.getpid():
+            _copiers = LingeringPool(workers, "ckptcache-copy")
             _copiers_pid = os.getpid()
         return _copiers
 

@@ -4,7 +4,8 @@ group's storage read, remote load and the persist election.
 Lifecycle of a committed generation on a cluster node::
 
     committed -> digested -> holding announced (holders/<path>/<digest>/<node>)
-              -> pushed to backup nodes (sync for durability="backup", else in background)
+              -> pushed to backup nodes (sync for durability="backup", else in background);
+                 a backup node announces its holding before it acknowledges the push
               -> persister claims: persisted record exists  -> done, nothing written
                                    won the group election   -> representative: persist, record
                                    lost                      -> standby: watch the group
@@ -30,7 +31,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ckptcache.errors import ProtocolMismatch
-from ckptcache.server import remote_load
+from ckptcache.server import clock, remote_load
 from ckptcache.server.coord import CoordinatorUnavailable
 from ckptcache.server.dataplane import Channel, ConnectionLimits, DataPlaneServer, send_msg
 from ckptcache.server.election import Election
@@ -126,6 +127,10 @@ class Cluster:
         self.sources = remote_load.Sources(
             state, self.membership, self.fetching, self.storage, state.metrics
         )
+        self.clocks = clock.ClockWatch(
+            self.membership, state.metrics, bound=cfg.clock_offset_bound,
+            interval=cfg.clock_check_interval, stop=self._stop,
+        )  # fmt: skip
         self.server: DataPlaneServer | None = None
         if cfg.listen:
             secret = self.membership.secret
@@ -135,6 +140,7 @@ class Cluster:
                     peer.PushRequest.OP: _typed(peer.PushRequest, self.replication.on_push),
                     peer.FetchRequest.OP: _typed(peer.FetchRequest, self.fetching.on_fetch),
                     peer.CorruptReport.OP: _typed(peer.CorruptReport, self.fetching.on_corrupt),
+                    clock.OP: clock.on_probe,
                 },
                 tls=self.membership.tls, node_id=cfg.node_id,
                 limits=ConnectionLimits(cfg.handshake_timeout, cfg.max_peer_connections,
@@ -151,6 +157,8 @@ class Cluster:
         self.membership.join()
         self.replication.start()
         threading.Thread(target=self._monitor, name="cluster-monitor", daemon=True).start()
+        if self.server is not None:  # peers are dialled over the data plane: none without
+            self.clocks.start()
         # Recovered after a restart: announce and re-protect them.
         for gen in self.state.generations():
             self.replication.protect(gen)

@@ -70,8 +70,9 @@ class DaemonConfig:
     reserve_timeout: float = 10.0
     #: Generations kept per path unless a retention rule says otherwise.
     keep: int = 2
-    #: Spare pre-faulted segments kept ready for first saves of new paths, and their total
-    #: size (None: a quarter of memory_limit; 0 disables the pool).
+    #: Spare pre-faulted segments kept ready for first saves of new paths, sized like the
+    #: last saves (none before a save), and the bound on their total size (None: a quarter
+    #: of memory_limit; 0 disables the pool).
     pool_segments: int = 2
     pool_bytes: int | None = None
     retention: tuple[RetentionRule, ...] = ()
@@ -83,8 +84,10 @@ class DaemonConfig:
     log_level: str = "INFO"
     #: Storage roots (directories or URL prefixes) the daemon persists under.
     persist_roots: tuple[str, ...] = ()
-    #: "allow": paths under no root are cached in memory only; "refuse": such saves fail.
-    memory_only: str = "allow"
+    #: "refuse" (default): a save under no root fails at once; "allow": it is cached in
+    #: memory only (never persisted). A save can also ask for memory only itself
+    #: (``durability="memory"``).
+    memory_only: str = "refuse"
     persist_workers: int = 2
     #: Retries after the first failed attempt, with exponential backoff between them.
     persist_retries: int = 5
@@ -123,6 +126,10 @@ class DaemonConfig:
     max_peer_connections: int = 256
     #: Of those, connections still in the handshake; the oldest is dropped to admit a new one.
     max_unauthenticated_peers: int = 32
+    #: Seconds a peer's clock may be off this node's before a warning names it (0: never).
+    clock_offset_bound: float = 1.0
+    #: Seconds between two measurements of a peer's clock offset (0: not measured).
+    clock_check_interval: float = 60.0
 
     def cluster_secret(self) -> bytes | None:
         """The shared secret, from ``secret``, ``secret_file`` or $CKPTCACHE_CLUSTER_SECRET."""
@@ -306,6 +313,8 @@ VALIDATORS: dict[str, Validator] = {
     "handshake_timeout": _seconds(zero_ok=False),
     "max_peer_connections": _count(1),
     "max_unauthenticated_peers": _count(1),
+    "clock_offset_bound": _seconds(zero_ok=True),
+    "clock_check_interval": _seconds(zero_ok=True),
     "pool_bytes": _optional_bytes,
     "pool_segments": _count(0, "must not be negative"),
 }

@@ -29,6 +29,7 @@ from ckptcache._secure_fs import ensure_private_dir, open_private_file
 from ckptcache._units import format_bytes
 from ckptcache.errors import ConfigError
 from ckptcache.hugepages import HUGE, huge_policy
+from ckptcache.server import logsafe
 from ckptcache.server.config import DaemonConfig
 from ckptcache.server.core import CacheCore
 from ckptcache.server.digester import Digester
@@ -48,6 +49,7 @@ from ckptcache.server.service import (
     CappedThreadedServer,
     peer_credentials_authenticator,
 )
+from ckptcache.server.storage_read import StorageReader
 
 __all__ = ["Daemon", "build_core", "run_daemon"]
 
@@ -169,7 +171,13 @@ def build_core(config: DaemonConfig, metrics: Metrics | None = None) -> CacheCor
     from ckptcache.server.state import CacheState
 
     state = CacheState(config, metrics or Metrics())
-    roots = PersistRoots(config.persist_roots)
+    roots = PersistRoots.for_daemon(config.persist_roots, os.geteuid())
+    log.info("persisting under: %s", roots.describe())
+    if config.memory_only == "allow":
+        log.warning(
+            "memory-only saves allowed (--memory-only allow): a save under no storage root "
+            "is kept in memory only and never persisted"
+        )
     retention = Retention(config, state)
     digester = Digester(state)
     persister = Persister(config, state, roots, digester.ensure, retention)
@@ -201,10 +209,17 @@ def build_core(config: DaemonConfig, metrics: Metrics | None = None) -> CacheCor
     retention.start()
     state.metrics.memory_limit.set(config.memory_limit)
     state.update_gauges()
-    loads = Loads(config, state, digester=digester, retention=retention, remote=cluster)
+    # Without a cluster, a prefetch this node misses is read from storage by the daemon itself.
+    alone = None if cluster is not None else StorageReader(
+        config, state.metrics, roots=roots, options=persister.options, receive=ingest.receive
+    )  # fmt: skip
+    loads = Loads(
+        config, state, digester=digester, retention=retention, remote=cluster, storage=alone
+    )
     queries = Queries(
         config, state, persister=persister, roots=roots, pool=pool,
         node_ids=cluster.node_ids if cluster is not None else tuple,
+        clock_offsets=cluster.clocks.offsets if cluster is not None else tuple,
     )  # fmt: skip
     return CacheCore(
         config, state, retention, digester, persister, pool, saves, ingest, loads, queries,
@@ -306,11 +321,9 @@ class Daemon:
 
 def run_daemon(config: DaemonConfig) -> int:
     """Run a daemon in this process until SIGTERM/SIGINT; returns the exit code."""
-    logging.basicConfig(
-        level=config.log_level,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
+    # Paths and peers' strings reach the log: the formatter escapes line breaks and other
+    # control characters in every record, so no record can forge another line.
+    logsafe.install(config.log_level, sys.stderr)
     try:
         daemon = Daemon(config)
     except ConfigError as e:

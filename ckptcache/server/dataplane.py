@@ -124,8 +124,23 @@ def recv_exact_into(sock: socket.socket, view: memoryview, deadline: float | Non
         view = view[n:]
 
 
+#: Seconds a peer may leave our bytes (or keep-alive probes, sent after 2 s of quiet)
+#: unacknowledged before its connection fails (``TCP_USER_TIMEOUT``). A peer cut off by a
+#: partition, or whose host died, is found in this time rather than after the 300 s socket
+#: timeout, which held a ``durability="backup"`` save past its client's timeout; a slow but
+#: live peer keeps acknowledging and never trips it.
+DEAD_PEER_SECONDS = 10
+
+
 def _tune(sock: socket.socket) -> None:
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, 2)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, 2)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, DEAD_PEER_SECONDS * 1000)
+    except (OSError, AttributeError):  # not Linux: the socket timeout still bounds the wait
+        pass
     for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
         try:
             sock.setsockopt(socket.SOL_SOCKET, opt, 4 << 20)
@@ -594,7 +609,12 @@ class DataPlaneClient:
     ):
         host, _, port = address.rpartition(":")
         self.address = address
-        self.sock = socket.create_connection((host, int(port)), timeout=timeout)
+        # A peer cut off by a partition never answers the SYN: give up on it as on a silent
+        # connection (the kernel would retry for minutes), then use the caller's timeout.
+        self.sock = socket.create_connection(
+            (host, int(port)), timeout=min(timeout, DEAD_PEER_SECONDS)
+        )
+        self.sock.settimeout(timeout)
         _tune(self.sock)
         client_nonce, own_id = secrets.token_bytes(16), _node_id_bytes(node_id)
         try:

@@ -24,6 +24,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, fields
 from typing import Any
 
 from ckptcache.errors import CkptCacheError
@@ -35,12 +36,37 @@ from ckptcache.server.fetching import Fetching
 from ckptcache.server.index import Generation
 from ckptcache.server.membership import Membership, path_hash
 from ckptcache.server.metrics import Metrics
+from ckptcache.server.persist import Deposed
 from ckptcache.server.state import CacheState
+from ckptcache.storage.base import StoredVersion, WriteGuard
 from ckptcache.wire.states import ClaimRole, Tier
 
-__all__ = ["Election"]
+__all__ = ["Election", "FencedGuard"]
 
 log = logging.getLogger(__name__)
+
+
+#: Lease time a write must still have left to land on the strength of the lease alone: the
+#: last steps (a rename, a multipart completion) run after the check.
+_FENCE_MARGIN = 1.0
+
+
+def _no_fence() -> None:
+    return None
+
+
+@dataclass(frozen=True)
+class FencedGuard(WriteGuard):
+    """A :class:`WriteGuard` that first runs ``still_writer`` (raising :class:`Deposed`) each
+    time the backend consults it: before the upload and right before the object becomes
+    visible. A representative cut off mid-write past its lease thus abandons its upload when
+    the link heals instead of landing it after its successor's."""
+
+    still_writer: Callable[[], None] = _no_fence
+
+    def check(self, path: str, current: StoredVersion | None) -> None:
+        self.still_writer()
+        super().check(path, current)
 
 
 class Election:
@@ -100,6 +126,30 @@ class Election:
             return ClaimRole.RETRY, ""
         return ClaimRole.LEAD, self._conflict_target(gen, ph, digest) or target
 
+    def fence(self, gen: Generation, guard: WriteGuard) -> WriteGuard:
+        """``guard`` fenced by this node's writer role for ``gen`` (see :class:`FencedGuard`):
+        one coordinator read each time it is consulted. While the coordinator cannot be
+        reached, the role still holds as long as this node's lease is known to be alive (no
+        successor can be elected before it lapses, so a persist completes through an etcd
+        outage); past that, the node counts as deposed and never writes for its group."""
+        ph, digest = path_hash(gen.namespace, gen.path), object_digest(gen.digests or [])
+        me = self.membership.node.node_id
+        coord = self.membership.coord
+
+        def still_writer() -> None:
+            try:
+                holder = coord.get(f"writer/{ph}")
+            except CoordinatorUnavailable as e:
+                if coord.lease_remaining() > _FENCE_MARGIN:
+                    return
+                raise Deposed(f"cannot confirm the writer role: {e}") from e
+            if not holder or holder.get("node") != me or holder.get("digest") != digest:
+                who = holder.get("node") if holder else "nobody"
+                raise Deposed(f"the writer role is no longer this node's (held by {who})")
+
+        kept = {f.name: getattr(guard, f.name) for f in fields(WriteGuard)}
+        return FencedGuard(**kept, still_writer=still_writer)
+
     def _stored(self, ph: str, digest: str) -> bool:
         """Whether storage holds this content at its path: a persist of it is recorded and no
         other content of the path was persisted after it (a path saved X, Y, then X again
@@ -121,11 +171,14 @@ class Election:
         generation that it saved again since (kept by retention, still announced) is a
         re-save, not a disagreement, and so is every generation of this node."""
         window = self.config.conflict_window
-        entries: list[tuple[str, str, float]] = []  # (node, digest, committed)
+        entries: list[tuple[str, str, float]] = []  # (saving node, digest, committed)
         for key, v in self.membership.coord.scan(f"holders/{ph}/").items():
             d = key.split("/")[2]
             if d != "inflight":  # a copy still arriving, not a content
-                entries.append((str(v.get("node")), d, float(v.get("committed", 0))))
+                # A backup copy is its origin's save: this node's own older generation held
+                # by its backup node is a re-save, not a rival content.
+                saver = str(v.get("origin") or v.get("node"))
+                entries.append((saver, d, float(v.get("committed", 0))))
         newest: dict[str, float] = {}
         for node, _, committed in entries:
             newest[node] = max(newest.get(node, 0.0), committed)

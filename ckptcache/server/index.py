@@ -39,6 +39,15 @@ class Generation:
     #: Deepest ancestor directory of the path that existed at save time ("" for URLs); see
     #: :mod:`ckptcache.server.lineage`.
     anchor: str = ""
+    #: Identity of the object on storage when this generation was saved ("" none, None not
+    #: known); see :class:`ckptcache.storage.base.WriteGuard`.
+    base: str | None = None
+    #: An object-store path whose base is taken when its persist starts (a HEAD is too slow
+    #: for the save itself).
+    observe_base: bool = False
+    #: Identity of the object this generation wrote to storage (files; "" unknown): a
+    #: different one there later means another node replaced it, and loads read storage.
+    stored: str = ""
     #: The directory the path was saved into was removed since: evictable, never persisted.
     orphaned: bool = False
     pins: int = 0

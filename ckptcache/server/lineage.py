@@ -16,7 +16,20 @@ from __future__ import annotations
 
 import os
 
-__all__ = ["DirectoryRemoved", "anchor_of", "is_orphaned", "removed_reason"]
+from ckptcache.errors import NameTooLong, ParentNotADirectory, PathIsADirectory
+from ckptcache.storage.fs import file_version
+
+#: The longest name a component may have on common Linux file systems (ext4, xfs, tmpfs, NFS).
+_NAME_MAX = 255
+
+__all__ = [
+    "DirectoryRemoved",
+    "anchor_of",
+    "check_persistable",
+    "is_orphaned",
+    "observe_base",
+    "removed_reason",
+]
 
 
 class DirectoryRemoved(OSError):
@@ -38,6 +51,42 @@ def anchor_of(path: str) -> str:
             break
         head = parent
     return head or "/"
+
+
+def observe_base(path: str) -> tuple[str | None, int]:
+    """The file on storage at ``path`` when a save of it is made: its identity ("" when there
+    is none) and stamp (see :class:`ckptcache.storage.base.WriteGuard`). One ``stat`` and a
+    read of the file's last page; ``(None, 0)`` (not known) for URLs, whose persist takes the
+    base when it starts, and for a file that cannot be inspected."""
+    if _is_url(path):
+        return None, 0
+    try:
+        version = file_version(path, inspect=False)
+    except OSError:
+        return None, 0
+    return ("", 0) if version is None else (version.identity, version.stamp_ns)
+
+
+def check_persistable(path: str) -> None:
+    """Refuse, before any byte is copied, a local path that could never be written: what a
+    ``torch.save`` to it would raise (a directory there, a file as a parent, a name over
+    ``NAME_MAX``). A few ``stat`` calls; anything else is found by the persist itself."""
+    for part in path.split("/"):
+        if len(part.encode()) > _NAME_MAX:
+            raise NameTooLong(
+                f"cannot save {path!r}: the name {part[:40]!r}... is {len(part.encode())} bytes, "
+                f"more than the {_NAME_MAX} a file system allows"
+            )
+    if os.path.isdir(path):
+        raise PathIsADirectory(f"cannot save {path!r}: it is an existing directory")
+    head = os.path.dirname(path)
+    while head and not os.path.isdir(head):
+        if os.path.lexists(head):
+            raise ParentNotADirectory(f"cannot save {path!r}: {head!r} is not a directory")
+        parent = os.path.dirname(head)
+        if parent == head:
+            break
+        head = parent
 
 
 def is_orphaned(anchor: str) -> bool:

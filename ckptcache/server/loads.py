@@ -6,25 +6,35 @@ Call order (per load, see :mod:`ckptcache.wire.messages`)::
     loads.release(session, ReleaseRequest)  -> pin dropped
     loads.prefetch(session, PrefetchRequest) = open + release (warms this node's memory)
 
-A miss goes to the :class:`RemoteTier` (the cluster's remote load), when there is one.
+A miss goes to the :class:`RemoteTier` (the cluster's remote load), when there is one. A daemon
+outside a cluster has none: a load it misses is read by the client itself, and a prefetch it
+misses is read from storage by this daemon (:class:`StorageTier`, checked as it lands), so that
+``prefetch`` warms this node's memory from storage as it does on a cluster.
+
+During a coordinator outage a miss raises :class:`~ckptcache.errors.CoordinatorUnavailable`
+(a ``ConnectionError``): other nodes' memory cannot be searched, so "not found" would be a
+wrong answer. The client then reads storage itself if the path is stored there; a prefetch
+does not warm this node from storage meanwhile (a peer may hold a newer save).
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
+from collections.abc import Callable
 from typing import Protocol
 
-from ckptcache.errors import CheckpointNotFound
+from ckptcache.errors import CheckpointNotFound, CoordinatorUnavailable
 from ckptcache.server.config import DaemonConfig
 from ckptcache.server.digester import Digester
 from ckptcache.server.index import Generation
 from ckptcache.server.retention import Retention
-from ckptcache.server.state import CacheState, Session, bounded
+from ckptcache.server.state import CacheState, NewerHeld, Session, bounded
 from ckptcache.wire import messages as m
 from ckptcache.wire.states import Tier
 
-__all__ = ["Loads", "RemoteTier"]
+__all__ = ["Loads", "RemoteTier", "StorageTier"]
 
 log = logging.getLogger(__name__)
 
@@ -34,6 +44,21 @@ class RemoteTier(Protocol):
 
     def load_remote(self, namespace: str, path: str, timeout: float) -> Generation:
         """Bring ``path`` into this node's memory (raises :class:`CheckpointNotFound`)."""
+
+
+class StorageTier(Protocol):
+    """This node's own read of storage (:class:`~ckptcache.server.storage_read.StorageReader`)."""
+
+    def in_storage(self, path: str) -> bool:
+        """Whether storage holds ``path`` (under this daemon's roots)."""
+
+    def load(self, namespace: str, path: str, started: Callable[[], None]) -> Generation:
+        """Read ``path`` into this node's memory, checked as it lands."""
+
+
+#: Storage reads of one path by prefetches on a daemon without a cluster run one at a time
+#: (the second finds the first's copy); paths share these locks by hash.
+_READ_LOCKS = 16
 
 
 class Loads:
@@ -47,6 +72,7 @@ class Loads:
         digester: Digester,
         retention: Retention,
         remote: RemoteTier | None,
+        storage: StorageTier | None = None,
     ):
         self.config = config
         self.state = state
@@ -54,12 +80,17 @@ class Loads:
         self.digester = digester
         self.retention = retention
         self.remote = remote
+        #: Without a remote tier: where a prefetch this node misses is read from.
+        self.storage = storage
+        self._read_locks = [threading.Lock() for _ in range(_READ_LOCKS)]
 
-    def open(self, session: Session, req: m.OpenRequest) -> m.OpenReply:
-        """Pin a generation for a load and say where it lies."""
+    def open(self, session: Session, req: m.OpenRequest, *, warm: bool = False) -> m.OpenReply:
+        """Pin a generation for a load and say where it lies (``warm``: for a prefetch)."""
         state = self.state
         t0 = time.perf_counter()
         tier = Tier.LOCAL
+        if req.generation is None:
+            self.retention.forget_replaced((req.namespace, req.path))
         try:
             with state.locked():
                 gen = state.lookup_visible_locked(
@@ -68,14 +99,16 @@ class Loads:
                 state.check_not_corrupt(gen)
                 state.pin_locked(gen)
         except CheckpointNotFound:
-            if self.remote is None or req.generation is not None:
+            if req.generation is not None or (self.remote is None and not warm):
+                raise
+            if self.remote is None and self.storage is None:
                 raise
             with state.locked():
                 held = state.index.generations((req.namespace, req.path))
             if held:
                 raise  # held by another user: never replaced by a remote copy for this one
             gen = self._load_remote(req.namespace, req.path, bounded(120.0, req.timeout))
-            tier = Tier.STORAGE if gen.origin == "storage" else Tier.PEER
+            tier = _tier_of(gen)
             with state.locked():
                 if gen.removed:  # evicted or replaced since it arrived: serve what is here now
                     gen = state.lookup_visible_locked(req.namespace, req.path, None, session,
@@ -107,22 +140,48 @@ class Loads:
         )  # fmt: skip
 
     def _load_remote(self, namespace: str, path: str, timeout: float) -> Generation:
-        """A peer's copy or the group's storage read; without a coordinator neither can be
-        found, and the client reads storage itself (CheckpointNotFound says so)."""
-        from ckptcache.server.coord import CoordinatorUnavailable
+        """A peer's copy or the group's storage read; without a cluster, this node's own
+        storage read. Without a coordinator no holder can be found: CoordinatorUnavailable
+        says so (the client reads storage itself when the path is stored there)."""
+        from ckptcache.server.coord import CoordinatorUnavailable as Unreachable
 
-        assert self.remote is not None
+        if self.remote is None:
+            return self._read_storage(namespace, path)
         try:
             return self.remote.load_remote(namespace, path, timeout=timeout)
-        except CoordinatorUnavailable as e:
-            raise CheckpointNotFound(
-                f"{path!r} is not in the memory of node {self.config.node_id!r} and the "
-                f"coordinator is unreachable ({e}): read it from storage"
+        except Unreachable as e:
+            raise CoordinatorUnavailable(
+                f"{path!r} is not in the memory of node {self.config.node_id!r}, and the "
+                f"coordinator is unreachable ({e}), so other nodes' memory cannot be searched "
+                "for it; retry once the coordinator is back (a load reads it from storage if it "
+                "was persisted)"
             ) from e
+
+    def _read_storage(self, namespace: str, path: str) -> Generation:
+        """Read ``path`` from storage into this node's memory (a daemon without a cluster),
+        verified as it lands; one read per path at a time."""
+        assert self.storage is not None
+        with self._read_locks[hash((namespace, path)) % _READ_LOCKS]:
+            held = self.state.find(namespace, path)
+            if held is not None:
+                return held  # a read (or a save) that finished while this one waited
+            if not self.storage.in_storage(path):
+                raise CheckpointNotFound(
+                    f"{path!r} is neither in the memory of node {self.config.node_id!r} nor in "
+                    "storage under its persist roots; check the path"
+                )
+            try:
+                return self.storage.load(namespace, path, lambda: None)
+            except NewerHeld:  # a save committed here while the copy arrived: it wins
+                newer = self.state.find(namespace, path)
+                if newer is None:
+                    raise
+                return newer
 
     def prefetch(self, session: Session, req: m.PrefetchRequest) -> m.PrefetchReply:
         """Warm this node's memory with ``path`` (peer or storage) without pinning it."""
-        reply = self.open(session, m.OpenRequest(req.namespace, req.path, timeout=req.timeout))
+        request = m.OpenRequest(req.namespace, req.path, timeout=req.timeout)
+        reply = self.open(session, request, warm=True)
         self.release(session, m.ReleaseRequest((reply.lease,)))
         with self.state.locked():
             gen = self.state.lookup_visible_locked(req.namespace, req.path, None, session)
@@ -144,3 +203,11 @@ class Loads:
                 req.namespace, req.path, req.generation, session, load=True
             )  # raises CheckpointNotFound
         self.retention.drop_corrupt(req.namespace, req.path, req.generation, req.detail)
+
+
+def _tier_of(gen: Generation) -> Tier:
+    """The tier a generation brought in by a remote load came from (one saved here while
+    the load waited counts as local)."""
+    if gen.origin == "storage":
+        return Tier.STORAGE
+    return Tier.PEER if gen.origin else Tier.LOCAL

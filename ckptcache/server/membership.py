@@ -158,6 +158,10 @@ class Membership:
         ph = path_hash(namespace, path)
         entries = self.coord.scan(f"holders/{ph}/")
         live = {n.node_id: n for n in self.live_nodes()}
+        if any(str(v.get("node")) not in live for v in entries.values()):
+            # A holder that joined after this node's cached view was read (up to max_age
+            # ago) would be skipped although its copy is acknowledged: read the view anew.
+            live = {n.node_id: n for n in self.live_nodes(max_age=0.0)}
         ranked = sorted(entries.values(), key=lambda v: -float(v.get("committed", 0)))
         seen: list[NodeInfo] = []
         for v in ranked:
@@ -172,7 +176,7 @@ class Membership:
         ph = path_hash(gen.namespace, gen.path)
         self.coord.announce(f"holders/{ph}/{digest}/{self.node.node_id}", {
             "node": self.node.node_id, "path": gen.path, "generation": gen.number,
-            "committed": gen.committed,
+            "committed": gen.committed, "origin": gen.origin,  # a copy: whose save it is
         })  # fmt: skip
         return ph, digest
 

@@ -56,6 +56,10 @@ class Metrics:
         self.persist_queue = Gauge(
             "ckptcache_persist_queue", "Objects waiting to persist", registry=r
         )
+        self.peer_clock_offset = Gauge(
+            "ckptcache_peer_clock_offset_seconds",
+            "A peer's wall clock minus this node's, as last measured", ["peer"], registry=r,
+        )  # fmt: skip
 
     def serve(self, port: int, addr: str) -> int:
         """Start the HTTP endpoint; returns the bound port (useful with port 0)."""

@@ -6,6 +6,9 @@ States of a generation (``Generation.persist_state``, a
     memory-only                       (not under any root: never persisted)
     queued -> persisting -> persisted (the in-memory copy becomes evictable)
                          -> failed    (retries ran out; kept in memory, reported)
+                         -> conflict  (another ckptcache writer replaced the stored object
+                                       after this save; only clocks could order them: kept
+                                       in memory, reported, nothing overwritten)
     queued -> superseded              (a newer generation of the same path will persist, or
                                        storage already holds a newer object: never replaced)
     queued -> dropped                 (the directory it was saved into was removed: deleted by
@@ -43,10 +46,12 @@ from ckptcache.errors import CkptCacheError, CorruptCheckpoint, PathNotAllowed
 from ckptcache.format.persisted import stream_archive
 from ckptcache.server.config import DaemonConfig
 from ckptcache.server.lineage import DirectoryRemoved
+from ckptcache.server.provenance import Provenance, write_provenance
 from ckptcache.server.roots import PersistRoots
 from ckptcache.server.safe_write import persist_write
 from ckptcache.storage import StorageBackend, StorageOptions, backend_for
-from ckptcache.storage.base import NewerObjectExists, Sink
+from ckptcache.storage.base import NewerObjectExists, Sink, StorageConflict, WriteGuard
+from ckptcache.storage.fs import FileBackend, file_version
 from ckptcache.wire.states import ClaimRole, PersistState, Tier
 
 if TYPE_CHECKING:
@@ -54,7 +59,7 @@ if TYPE_CHECKING:
     from ckptcache.server.retention import Retention
     from ckptcache.server.state import CacheState
 
-__all__ = ["PersistElection", "Persister", "lower_thread_priority", "storage_options"]
+__all__ = ["Deposed", "PersistElection", "Persister", "lower_thread_priority", "storage_options"]
 
 log = logging.getLogger(__name__)
 
@@ -117,6 +122,16 @@ class PersistElection(Protocol):
     def replace_corrupt(self, gen: Generation) -> bool:
         """Fetch a good copy of ``gen`` from the group; returns whether one was found."""
 
+    def fence(self, gen: Generation, guard: WriteGuard) -> WriteGuard:
+        """``guard``, also raising :class:`Deposed` whenever it is consulted (before the
+        upload, again right before the object becomes visible) once this node no longer
+        holds ``gen``'s writer role."""
+
+
+class Deposed(CkptCacheError):
+    """This node lost the group's writer role while writing (cut off past its lease): the
+    write is abandoned before it becomes visible, so it never lands after the successor's."""
+
 
 class Persister:
     """Worker threads that move committed generations from the arena to storage."""
@@ -140,6 +155,9 @@ class Persister:
         self.options = storage_options(cfg)
         self.queue: collections.deque[Generation] = collections.deque()
         self._path_locks: dict[tuple[str, str], threading.Lock] = {}
+        #: Stamps this daemon wrote per path (the last few): its own older writes, which a
+        #: newer generation replaces whatever base it recorded.
+        self._written: dict[tuple[str, str], collections.deque[int]] = {}
         self._stop = False
         self._threads = [
             threading.Thread(target=self._run, name=f"persist-{i}", daemon=True)
@@ -220,9 +238,7 @@ class Persister:
                 cluster.watch(gen)
                 return
             if role == ClaimRole.RETRY:
-                retry = threading.Timer(1.0, self._resubmit, args=(gen,))
-                retry.daemon = True  # a stop must not wait for it: the queue is not persisted
-                retry.start()  # anyway, the next start recovers the generation and claims again
+                self._retry_claim(gen)
                 return
         backend = backend_for(target, self.options)
         t0 = time.perf_counter()
@@ -241,9 +257,20 @@ class Persister:
                 self._step_down(gen)
                 return
             try:
-                self._copy(gen, backend, target)
+                guard = self._guard(gen, backend, target)
+                if cluster is not None:
+                    guard = cluster.fence(gen, guard)
+                self._copy(gen, backend, target, guard)
+            except Deposed as e:  # the group's record, or a new election, decides now
+                log.warning("abandoned the persist of %s generation %d: %s",
+                            gen.path, gen.number, e)  # fmt: skip
+                self._retry_claim(gen)
+                return
             except (DirectoryRemoved, NewerObjectExists) as e:
                 self._give_up_stale(gen, e)
+                return
+            except StorageConflict as e:
+                self._conflict(gen, e)
                 return
             except CorruptCheckpoint as e:
                 self._corrupt(gen, e)
@@ -264,6 +291,9 @@ class Persister:
                 continue
             # The object is complete on storage: persisted now, whatever the coordinator says;
             # the group's record follows (retried in the background through an etcd outage).
+            if isinstance(backend, FileBackend):
+                version = file_version(target, inspect=False)
+                gen.stored = "" if version is None else version.identity
             self._done(gen, time.perf_counter() - t0)
             if cluster is not None:
                 cluster.persisted(gen, target)
@@ -279,6 +309,12 @@ class Persister:
         if cluster is not None:
             cluster.failed(gen)
 
+    def _retry_claim(self, gen: Generation) -> None:
+        """Claim ``gen`` again in a second."""
+        retry = threading.Timer(1.0, self._resubmit, args=(gen,))
+        retry.daemon = True  # a stop must not wait for it: the queue is not persisted
+        retry.start()  # anyway, the next start recovers the generation and claims again
+
     def _step_down(self, gen: Generation) -> None:
         if self.election is not None:
             try:
@@ -293,6 +329,10 @@ class Persister:
         )
         log.warning("not persisting %s generation %d (%s): %s", gen.path, gen.number, state, why)
         with self.state.locked():
+            if isinstance(why, DirectoryRemoved) and not gen.removed:
+                # Durable before it is reported or acted on: a crash now must not bring
+                # the deleted checkpoint back.
+                write_provenance(gen.segment, Provenance(gen.base, gen.anchor, dropped=True))
             gen.needs_persist, gen.persist_state, gen.persist_error = False, state, str(why)
             if isinstance(why, DirectoryRemoved):
                 gen.orphaned = True  # evictable now, dropped by the next sweep
@@ -302,7 +342,44 @@ class Persister:
         if self.election is not None:
             self.election.failed(gen)
 
-    def _copy(self, gen: Generation, backend: StorageBackend, target: str) -> None:
+    def _conflict(self, gen: Generation, why: StorageConflict) -> None:
+        """Another ckptcache writer replaced the object after this save: neither is
+        overwritten, the generation stays in memory and ``wait()`` raises."""
+        log.error("not persisting %s generation %d: %s", gen.path, gen.number, why)
+        with self.state.locked():
+            gen.persist_state, gen.persist_error = PersistState.CONFLICT, str(why)
+        self.state.notify()
+        if self.election is not None:
+            self.election.failed(gen)
+
+    def _guard(self, gen: Generation, backend: StorageBackend, target: str) -> WriteGuard:
+        """What ``gen`` may replace on storage (see :class:`WriteGuard`); an object-store
+        save takes its base now, on the first attempt (one HEAD)."""
+        if target != gen.path:  # a group's sidecar for disagreeing content: stamps decide
+            return WriteGuard(gen.committed_ns)
+        if gen.observe_base:
+            version = backend.version(target)
+            with self.state.locked():
+                gen.base, gen.observe_base = ("" if version is None else version.identity), False
+                if version is not None and version.stamp_ns >= gen.committed_ns:
+                    gen.committed_ns = version.stamp_ns + 1  # after what it replaces
+                    header = gen.segment.read_header()
+                    gen.segment.write_header(replace(header, committed_ns=gen.committed_ns))
+                write_provenance(gen.segment, Provenance(gen.base, gen.anchor))
+        with self.state.locked():
+            return self.guard_locked(gen)
+
+    def guard_locked(self, gen: Generation) -> WriteGuard:
+        """What ``gen`` may replace on storage, from what it recorded (under the lock)."""
+        gens = self.state.index.generations(gen.key)
+        own = {g.committed_ns for g in gens if g.number < gen.number}
+        newer = {g.committed_ns for g in gens if g.number > gen.number}
+        own.update(self._written.get(gen.key, ()))
+        return WriteGuard(gen.committed_ns, gen.base, frozenset(own), frozenset(newer))
+
+    def _copy(
+        self, gen: Generation, backend: StorageBackend, target: str, guard: WriteGuard
+    ) -> None:
         """Stream the archive to storage, checking every tensor against its recorded digest
         and writing real zip CRC-32s and the digest record (see :mod:`ckptcache.format.persisted`)
         in the same pass; a mismatch raises :class:`CorruptCheckpoint` and nothing becomes
@@ -324,8 +401,7 @@ class Persister:
 
         try:
             persist_write(
-                self.roots, backend, target, produce, gen.saver,
-                commit_ns=gen.committed_ns, anchor=gen.anchor,
+                self.roots, backend, target, produce, gen.saver, guard=guard, anchor=gen.anchor,
             )  # fmt: skip
         finally:
             payload.release()
@@ -359,6 +435,9 @@ class Persister:
             metrics.persist_bytes.inc(gen.size)
             metrics.persist_latency.observe(seconds)
         with self.state.locked():
+            if wrote:  # storage holds this stamp now: newer generations may replace it
+                written = self._written.setdefault(gen.key, collections.deque(maxlen=8))
+                written.append(gen.committed_ns)
             gen.persisted = True
             gen.persist_state = PersistState.PERSISTED
             gen.persist_error = ""

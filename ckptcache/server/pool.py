@@ -13,13 +13,18 @@ free list, see :meth:`SegmentPool.claim`) or needs a new segment only records th
 grower is woken by :meth:`SegmentPool.refill` once that save is committed or aborted, so it
 never competes with the client's copy for the CPU.
 
-Sizes: the pool keeps one spare per recent save that wanted a new segment, each of that
-save's size (checkpoints of one job repeat their sizes, e.g. a model file and an optimizer
-file per step); before the pool has seen such saves, a share of the pool. A spare that serves
-none of those sizes (too small, or more than twice too big) is replaced in the background.
-A spare at most twice the size a save needs is handed over whole (trimming the tail would
-cost the save a page-freeing pass); a larger one is trimmed, so a small save never pins a
-large spare.
+Sizes come from what is saved: the pool keeps one spare per recent save that wanted a new
+segment (at most ``segments`` of them), each of that save's size (checkpoints of one job repeat
+their sizes, e.g. a model file and an optimizer file per step), and none before the first such
+save: a daemon that nobody saves to holds no spare. ``nbytes`` (``--pool-bytes``) only bounds
+the total; a save larger than it is never pre-made. A spare that serves none of the recent
+sizes (too small, or more than twice too big) is replaced in the background. A spare at most
+twice the size a save needs is handed over whole (trimming the tail would cost the save a
+page-freeing pass); a larger one is trimmed, so a small save never pins a large spare.
+
+A clean stop (:meth:`SegmentPool.stop`) unlinks the spares, every other free segment and a
+spare still being made: the segment directory keeps only committed generations (and saves in
+flight), which the next incarnation adopts.
 
 Rules that keep it safe:
 
@@ -38,12 +43,13 @@ from __future__ import annotations
 import collections
 import contextlib
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable
 from typing import Any
 
-from ckptcache.format.layout import SEGMENT_GRANULE, SegmentState, align
+from ckptcache.format.layout import SegmentState
 from ckptcache.server.arena import Arena, Segment, _empty_header
 from ckptcache.wire import messages as m
 
@@ -53,7 +59,8 @@ log = logging.getLogger(__name__)
 
 
 class SegmentPool:
-    """Keeps up to ``segments`` spares totalling at most ``nbytes`` in ``arena``.
+    """Keeps up to ``segments`` spares, sized like the recent saves, totalling at most
+    ``nbytes`` in ``arena``.
 
     ``take``/``note``/``describe`` run under the state lock; the grower thread takes it (with
     ``locked()``) only to book and register a spare, and wakes waiters with ``notify()``.
@@ -75,25 +82,33 @@ class SegmentPool:
         #: Capacities of the last saves that wanted a new segment, newest last (checkpoints
         #: of one job repeat their sizes): the spares the pool keeps (see :meth:`wanted`).
         self.recent: collections.deque[int] = collections.deque(maxlen=self.segments or 1)
-        #: Capacity of a spare before any save: a share of the pool.
-        self.share = align(max(nbytes // max(segments, 1), 1), SEGMENT_GRANULE)
         self.growing = False
+        #: Name of the spare being allocated outside the lock (unlinked by :meth:`stop`).
+        self._making: str | None = None
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="segment-pool", daemon=True)
 
     def start(self) -> None:
-        """Start growing the pool in the background."""
+        """Start the grower; it makes spares once saves have shown their sizes."""
         if self.segments:
-            self._wake.set()
             self._thread.start()
 
     def stop(self) -> None:
-        """Stop the grower (spares stay as free segments). Not joined: an allocation in
-        flight on a busy machine must not hold up shutdown, and a half-made spare is
-        reclaimed by the next start like any uncommitted segment."""
+        """Stop the grower and unlink every free segment (spares included) and the spare
+        being made, if any: they hold no data, and a clean stop leaves nothing in the shm
+        directory but committed generations. The grower is not joined (an allocation in
+        flight on a busy machine must not hold up shutdown): its file is unlinked here, and
+        the grower drops the segment itself if it finishes first (see :meth:`_grow_one`)."""
         self._stop.set()
         self._wake.set()
+        arena = self.arena
+        with self._locked():
+            for segment in list(arena.free.values()):
+                arena.destroy(segment)  # clients that mapped it keep their pages until unmapped
+            if self._making is not None:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(os.path.join(arena.directory, self._making))
 
     def _live(self) -> list[Segment]:
         """The spares still free (a save, the free-list reuse or a shrink may have taken one)."""
@@ -153,10 +168,9 @@ class SegmentPool:
                 pass
 
     def wanted(self) -> list[int]:
-        """The capacities of the spares to keep, largest first: one per recent save size,
-        filled up with the first share while the pool has seen fewer saves than spares."""
-        sizes = list(self.recent) + [self.share] * (self.segments - len(self.recent))
-        return sorted(sizes, reverse=True)
+        """The capacities of the spares to keep, largest first: one per recent save size
+        (none before the first save that wanted a new segment)."""
+        return sorted(self.recent, reverse=True)
 
     @staticmethod
     def _serves(spare: int, capacity: int) -> bool:
@@ -201,6 +215,7 @@ class SegmentPool:
             name = arena.next_name(arena.uid)
             arena.pending += capacity
             self.growing = True
+            self._making = name
         segment = None
         try:
             segment = arena.allocate(name, capacity, arena.uid, populate=True)
@@ -210,9 +225,14 @@ class SegmentPool:
             with self._locked():
                 arena.pending -= capacity
                 self.growing = False
+                self._making = None
                 if segment is not None:
                     arena.segments[name] = segment
-                    arena.release(segment)
-                    segment.spare = True
+                    if self._stop.is_set():  # stopped meanwhile: nothing may stay behind
+                        arena.destroy(segment)
+                        segment = None
+                    else:
+                        arena.release(segment)
+                        segment.spare = True
                 self._notify()
         return segment is not None

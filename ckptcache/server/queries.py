@@ -37,6 +37,7 @@ class Queries:
         roots: PersistRoots,
         pool: SegmentPool,
         node_ids: Callable[[], tuple[str, ...]],
+        clock_offsets: Callable[[], tuple[m.PeerClock, ...]] = tuple,
     ):
         self.config = config
         self.state = state
@@ -45,6 +46,8 @@ class Queries:
         self.pool = pool
         #: Live cluster node ids (empty for a node alone).
         self.node_ids = node_ids
+        #: The peers' clock offsets as last measured (empty for a node alone).
+        self.clock_offsets = clock_offsets
 
     def info(self, gen: Generation) -> m.ObjectInfo:
         """Describe one generation (call under the state lock)."""
@@ -103,14 +106,17 @@ class Queries:
                 memory_stored=sum(g.size for g in gens),
                 spare_segments=len(self.pool.describe(arena.uid).segments),
                 shm_huge_pages=huge_policy(self.config.shm_dir),
+                clock_offsets=self.clock_offsets(),
+                clock_offset_bound=self.config.clock_offset_bound,
             )  # fmt: skip
 
     def wait(self, session: Session, req: m.WaitRequest) -> m.WaitReply:
         """Block until ``path`` (or everything under a prefix) is persisted, failed, or timed out.
 
         The reply's state is ``persisted``, ``memory-only``, ``failed`` (with the error),
-        ``dropped`` (its directory was removed: deleted by the user) or ``timeout``; a prefix
-        wait ignores memory-only objects.
+        ``dropped`` (its directory was removed: deleted by the user), ``conflict`` (another
+        writer's object could not be ordered against it), ``superseded`` (storage holds a
+        write made after it) or ``timeout``; a prefix wait ignores memory-only objects.
         """
         state = self.state
         deadline = time.monotonic() + max(0.0, req.timeout)
@@ -142,6 +148,12 @@ class Queries:
         failed = [g for g in pending if g.persist_state == PersistState.FAILED]
         if failed:
             return m.WaitReply(failed[0].number, WaitState.FAILED, failed[0].persist_error)
+        clash = [g for g in pending if g.persist_state == PersistState.CONFLICT]
+        if clash:
+            return m.WaitReply(clash[0].number, WaitState.CONFLICT, clash[0].persist_error)
+        if not req.prefix and pending[0].persist_state == PersistState.SUPERSEDED:
+            # Storage holds a write made after this save: never reported as persisted.
+            return m.WaitReply(pending[0].number, WaitState.SUPERSEDED, pending[0].persist_error)
         if all(g.persisted or not g.needs_persist for g in pending):
             if len(pending) == 1 and not pending[0].needs_persist:
                 return m.WaitReply(pending[0].number, WaitState.MEMORY_ONLY)

@@ -18,13 +18,15 @@ from ckptcache.format.manifest import Manifest, unpack_digests
 from ckptcache.server import ownership
 from ckptcache.server.digester import Digester
 from ckptcache.server.index import Generation, Key
-from ckptcache.server.lineage import anchor_of
+from ckptcache.server.lineage import anchor_of, is_orphaned, removed_reason
 from ckptcache.server.persist import Persister
+from ckptcache.server.provenance import Provenance, read_provenance, write_provenance
 from ckptcache.server.retention import Retention
 from ckptcache.server.roots import PersistRoots
 from ckptcache.server.saves import persistable
 from ckptcache.server.state import CacheState
 from ckptcache.storage import backend_for
+from ckptcache.storage.base import NewerObjectExists, StorageConflict
 from ckptcache.wire.states import PersistState
 
 __all__ = ["recover"]
@@ -57,17 +59,26 @@ def recover(
             del view
             arena.destroy(segment)
             continue
+        record = read_provenance(segment)
+        anchor = record.anchor if record is not None else None
         gen = Generation(
             manifest.namespace, manifest.path, header.generation, segment, manifest,
             size=header.payload_size, committed=header.committed_ns / 1e9,
             saver=ownership.read_record(segment, arena.uid),
-            committed_ns=header.committed_ns, anchor=anchor_of(manifest.path),
+            committed_ns=header.committed_ns,
+            # Recorded at save time; recomputing it now would take a directory the user
+            # removed while the daemon was down for one that never existed.
+            anchor=anchor if anchor is not None else anchor_of(manifest.path),
+            base=record.base if record is not None else None,
         )  # fmt: skip
         # Persisted or not, a path under a root is a persisted kind of object (wait()
         # answers "persisted", never "memory-only", for it after a restart).
-        gen.needs_persist = persistable(roots, gen.path)
+        chosen = record is not None and record.memory_only  # durability="memory"
+        gen.needs_persist = not chosen and persistable(roots, gen.path)
         if header.persisted:
             gen.persisted, gen.persist_state = True, PersistState.PERSISTED
+        elif gen.needs_persist:
+            _keep_deleted(gen, dropped=record is not None and record.dropped)
         if header.digest_state == DigestState.VALID:
             table = view[header.digest_offset : header.digest_offset + 8 * header.n_storages]
             gen.digests = unpack_digests(table, header.n_storages)
@@ -88,7 +99,7 @@ def recover(
     for gen in state.generations():
         if gen.digests is None:
             digester.put(gen)
-        if gen.needs_persist and not gen.persisted:
+        if gen.needs_persist and not gen.persisted and gen.persist_state != PersistState.CONFLICT:
             log.info("re-queueing unpersisted %s generation %d", gen.path, gen.number)
             persister.submit(gen)
 
@@ -110,16 +121,48 @@ class _StorageCheck:
 
         A save written through while this daemon was down (or a newer persist by another
         node) is the last completed save: an older generation must neither be served nor
-        persisted over it. Commit times are wall-clock ns of the saving node.
+        persisted over it. Each generation is compared as its persist would be
+        (:class:`~ckptcache.storage.base.WriteGuard`: the object on storage against the one
+        there when it was saved), not by wall clocks; one that only clocks could order
+        against the stored object is kept and reported as a conflict.
         """
         path = key[1]
         try:
             if self.roots.root_for(path) is None and "://" in path:
                 return  # a URL under no root: storage is none of our business
-            stored = backend_for(path, self.persister.options).commit_time_ns(path)
+            stored = backend_for(path, self.persister.options).version(path)
         except (OSError, ValueError, ImportError, PathNotAllowed) as e:
             log.warning("cannot compare %s with storage: %s", path, e)
             return
-        if stored is not None:
-            with self.state.locked():
-                self.retention.retire_older_than_locked(key, stored)
+        if stored is None:
+            return
+        with self.state.locked():
+            for gen in list(self.state.index.generations(key)):
+                try:
+                    self.persister.guard_locked(gen).check(path, stored)
+                except NewerObjectExists:
+                    log.warning(
+                        "dropping %s generation %d: storage holds a newer object (written "
+                        "through or persisted after it)", path, gen.number,
+                    )  # fmt: skip
+                    if not gen.persisted:
+                        gen.needs_persist, gen.persist_state = False, PersistState.SUPERSEDED
+                    self.state.retire_locked(gen)
+                except StorageConflict as e:
+                    if gen.persisted:  # storage holds another writer's object now
+                        self.state.retire_locked(gen)
+                    else:
+                        gen.persist_state, gen.persist_error = PersistState.CONFLICT, str(e)
+                        log.error("not persisting %s generation %d: %s", path, gen.number, e)
+
+
+def _keep_deleted(gen: Generation, *, dropped: bool) -> None:
+    """A recovered generation whose directory the user removed stays deleted: never persisted
+    (the mark is made durable first if the removal happened while the daemon was down)."""
+    if not dropped and not is_orphaned(gen.anchor):
+        return
+    if not dropped:
+        write_provenance(gen.segment, Provenance(gen.base, gen.anchor, dropped=True))
+    gen.needs_persist, gen.persist_state = False, PersistState.DROPPED
+    gen.persist_error, gen.orphaned = removed_reason(gen.anchor), True
+    log.info("%s generation %d stays deleted: %s", gen.path, gen.number, gen.persist_error)

@@ -90,6 +90,16 @@ class _Load:
     failures: int = 0
     #: "Not here" answers per node: a holder entry can outlive its copy (retired meanwhile).
     absent: dict[str, int] = field(default_factory=dict)
+    #: The last corrupt copy a peer sent: what the load reports if no other tier has it.
+    corrupt: CorruptCheckpoint | None = None
+
+    def missing(self, what: str) -> CkptCacheError:
+        """The error of a load that found no sound copy: the corrupt one it met, if any
+        ("not found" would hide that a copy exists and is damaged), else not found."""
+        if self.corrupt is not None:
+            e = self.corrupt
+            return CorruptCheckpoint(f"{e}; {what}", tensor=e.tensor, tier=e.tier)
+        return CheckpointNotFound(f"{self.path!r} {what}")
 
 
 def plan(src: Sources, load: _Load) -> Plan:
@@ -119,9 +129,7 @@ def execute(src: Sources, load: _Load, chosen: Plan) -> Generation | None:
         return _from_peer(src, load, chosen.node)
     if chosen.source == "storage":
         return _from_storage(src, load, chosen.alone)
-    raise CheckpointNotFound(
-        f"{load.path!r} is in no peer's memory and could not be read from storage"
-    )
+    raise load.missing("is in no peer's memory and could not be read from storage")
 
 
 def load_remote(src: Sources, namespace: str, path: str, timeout: float) -> Generation:
@@ -141,9 +149,7 @@ def load_remote(src: Sources, namespace: str, path: str, timeout: float) -> Gene
         finally:
             log.info("remote load of %s: %s, %d coordinator round trips", path,
                      chosen.source, sum(counts.values()))  # fmt: skip
-    raise CheckpointNotFound(
-        f"{path!r} is in no peer's memory and could not be read from storage in time"
-    )
+    raise load.missing("is in no peer's memory and could not be read from storage in time")
 
 
 # ---------------------------------------------------------------------------- execution
@@ -175,6 +181,7 @@ def _from_peer(src: Sources, load: _Load, node: NodeInfo) -> Generation | None:
     except CorruptCheckpoint as e:
         log.error("corrupt copy of %s on %s: %s", load.path, node.node_id, e)  # reported to it
         src.metrics.corrupt.labels(tier="peer").inc()
+        load.corrupt = e
     except (OSError, CkptCacheError) as e:
         log.warning("fetch of %s from %s failed: %s", load.path, node.node_id, e)
     load.tried.add(node.node_id)

@@ -5,7 +5,9 @@ commit (synchronous :meth:`Replication.replicate` for durability ``backup``) and
 :meth:`Replication.protect` for recovered or fetched copies (the worker announces them and
 brings them up to ``replicas`` backup copies) -> :meth:`Replication.check_replicas` from the
 cluster monitor (re-replicates copies on nodes that left) -> :meth:`Replication.stop`.
-A push: :class:`~ckptcache.wire.peer.PushRequest` -> ``Ack`` -> bytes -> ``Pushed``.
+A push: :class:`~ckptcache.wire.peer.PushRequest` -> ``Ack`` -> bytes -> (the receiver
+commits the copy and announces itself as a holder) -> ``Pushed``: once a push is acknowledged,
+every node finds the copy.
 """
 
 from __future__ import annotations
@@ -148,7 +150,8 @@ class Replication:
             self.state.unpin(gen)
 
     def on_push(self, conn: Channel, req: peer.PushRequest) -> None:
-        """Handler of :class:`~ckptcache.wire.peer.PushRequest`: take a backup copy."""
+        """Handler of :class:`~ckptcache.wire.peer.PushRequest`: take a backup copy, announce
+        it, then acknowledge it (see :meth:`_announce_before_ack`)."""
         try:
             saved_at = float(req.committed or time.time())
             try:
@@ -156,11 +159,33 @@ class Replication:
                                    ready=True, saved_at=saved_at)  # fmt: skip
             except NewerHeld as e:
                 gen = self._same_content_held(req, e)
+            self._announce_before_ack(gen)
         except (CkptCacheError, ValueError) as e:
             send_msg(conn, peer.refusal(e))
             raise ConnectionError(f"push refused: {e}") from e
         send_msg(conn, peer.encode(peer.Pushed(gen.number)))
         self._work.put(gen)
+
+    def _announce_before_ack(self, gen: Generation) -> None:
+        """Register this node as a holder of ``gen`` before the push is acknowledged.
+
+        The acknowledgement ends a ``durability="backup"`` save on the origin, and from then
+        on every node must find a holder (the origin may drop its copy or die at once). A
+        coordinator that cannot take the holding fails the push: the origin then reports the
+        backup as not made instead of safe. The copy is kept and the worker announces it
+        later. A generation already superseded here needs no announcement (the newer one
+        is announced by its own push or save).
+        """
+        if not self.state.is_current(gen):
+            return
+        try:
+            self.membership.announce(gen)
+        except CoordinatorUnavailable as e:
+            self._work.put(gen)
+            raise ReplicationError(
+                f"copy of {gen.path!r} kept on {self.membership.node.node_id} but not "
+                f"announced, so no node could find it: {e}"
+            ) from e
 
     def _same_content_held(self, req: peer.PushRequest, refused: NewerHeld) -> Generation:
         """The newer generation this node saved itself, when it holds the pushed content:

@@ -17,7 +17,9 @@ import time
 from ckptcache.server.config import DaemonConfig
 from ckptcache.server.index import Generation, Key
 from ckptcache.server.lineage import is_orphaned, removed_reason
+from ckptcache.server.provenance import Provenance, write_provenance
 from ckptcache.server.state import CacheState, Session, check_key
+from ckptcache.storage.fs import file_version
 from ckptcache.wire import messages as m
 from ckptcache.wire.states import PersistState, Tier
 
@@ -49,7 +51,11 @@ class Retention:
         for old in gens[:-1]:
             if old.needs_persist and not old.persisted:
                 old.needs_persist = False
-                if old.persist_state in (PersistState.QUEUED, PersistState.FAILED):
+                if old.persist_state in (
+                    PersistState.QUEUED,
+                    PersistState.FAILED,
+                    PersistState.CONFLICT,
+                ):
                     old.persist_state = PersistState.SUPERSEDED
 
     def apply_locked(self, key: Key) -> None:
@@ -71,6 +77,29 @@ class Retention:
                 if not gen.persisted:
                     gen.needs_persist, gen.persist_state = False, PersistState.SUPERSEDED
                 self.state.retire_locked(gen)
+
+    def forget_replaced(self, key: Key) -> None:
+        """Retire the persisted copies of ``key`` once the file they wrote was replaced on
+        storage (a newer save by another daemon sharing the storage): a load then reads the
+        newer file, never the older cached copy. One ``stat``; files only (an object store
+        would cost a HEAD per load). A file removed by the user leaves the copies served."""
+        path = key[1]
+        state = self.state
+        with state.locked():
+            newest = state.index.newest(key)
+            if newest is None or not newest.persisted or not newest.stored or "://" in path:
+                return
+        version = file_version(path, inspect=False)
+        if version is None or version.identity == newest.stored:
+            return
+        with state.locked():
+            if state.index.newest(key) is not newest:
+                return  # a save came meanwhile: it is newer than either
+            for gen in [g for g in state.index.generations(key) if g.persisted]:
+                log.info("%s was replaced on storage: cached generation %d retired",
+                         path, gen.number)  # fmt: skip
+                state.retire_locked(gen)
+            state.update_gauges()
 
     def supersede(self, session: Session, req: m.SupersedeRequest) -> m.DeleteReply:
         """A client wrote ``path`` through to storage: every generation in memory is older.
@@ -143,6 +172,8 @@ class Retention:
             if gone[gen.anchor]:
                 gen.orphaned, found = True, found + 1
                 if gen.needs_persist and not gen.persisted:
+                    # Durable before it is acted on: a crash must not bring it back.
+                    write_provenance(gen.segment, Provenance(gen.base, gen.anchor, dropped=True))
                     gen.needs_persist, gen.persist_state = False, PersistState.DROPPED
                     gen.persist_error = removed_reason(gen.anchor)
         return found

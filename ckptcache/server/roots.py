@@ -2,6 +2,11 @@
 
 A path is judged after normalisation *and* after resolving the symlinks of the part of it
 that exists, so neither ``..`` nor a symlinked directory can carry a write out of a root.
+
+A daemon running as an ordinary user with no root configured has an *implicit* root: every
+absolute local path (the kernel checks that user's permissions on each write, as for the
+user's own ``torch.save``). A root daemon never has one: it acts for other users, so it
+writes only under the roots its administrator named.
 """
 
 from __future__ import annotations
@@ -37,9 +42,11 @@ def _under(path: str, root: str) -> bool:
 class PersistRoots:
     """The configured roots: local directories (symlinks resolved) and URL prefixes."""
 
-    def __init__(self, roots: Iterable[str]):
+    def __init__(self, roots: Iterable[str], *, implicit: bool = False):
         self.local: list[str] = []
         self.urls: list[str] = []
+        #: No root configured and the daemon is an ordinary user: every local path persists.
+        self.implicit = implicit
         for root in roots:
             if _is_url(root):
                 self.urls.append(root.rstrip("/") + "/")
@@ -47,7 +54,19 @@ class PersistRoots:
                 self.local.append(os.path.realpath(os.path.abspath(root)))
 
     def __bool__(self) -> bool:
-        return bool(self.local or self.urls)
+        return bool(self.local or self.urls or self.implicit)
+
+    @classmethod
+    def for_daemon(cls, roots: Iterable[str], euid: int) -> PersistRoots:
+        """The roots of a daemon running as ``euid`` (see the module docstring)."""
+        configured = tuple(roots)
+        return cls(configured, implicit=not configured and euid != 0)
+
+    def describe(self) -> str:
+        """The roots for a log line or an error message."""
+        if self.implicit:
+            return "every local path (implicit root of a daemon running as a user)"
+        return ", ".join(self) or "none"
 
     def __iter__(self) -> Iterator[str]:
         return iter([*self.local, *self.urls])
@@ -56,6 +75,8 @@ class PersistRoots:
         """The local root ``path`` lies under by name alone (no symlink resolved): the
         directory a write resolves ``path`` from, component by component."""
         lexical = os.path.normpath(path)
+        if self.implicit:
+            return "/"
         return next((r for r in self.local if _under(lexical, r)), None)
 
     def root_for(self, path: str) -> str | None:
@@ -72,6 +93,8 @@ class PersistRoots:
         lexical = os.path.normpath(path)
         if lexical != path.rstrip("/") or "/../" in f"{path}/":
             raise PathNotAllowed(f"{path!r} is not a normalised absolute path ('..' refused)")
+        if self.implicit:
+            return "/"
         claimed = next((r for r in self.local if _under(lexical, r)), None)
         resolved = _resolve_existing(lexical)
         actual = next((r for r in self.local if _under(resolved, r)), None)

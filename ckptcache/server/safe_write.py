@@ -22,13 +22,13 @@ from ckptcache.errors import PathNotAllowed
 from ckptcache.server.lineage import DirectoryRemoved, removed_reason
 from ckptcache.server.ownership import Saver, daemon_saver, groups_of
 from ckptcache.server.roots import PersistRoots
-from ckptcache.storage.base import Producer, StorageBackend
+from ckptcache.storage.base import Producer, StorageBackend, WriteGuard
 from ckptcache.storage.fs import (
     TEMP_MARK,
     FileBackend,
+    check_guard,
     link_unnamed,
     open_unnamed,
-    refuse_newer,
     stream_fill,
 )
 
@@ -139,24 +139,30 @@ def write_beneath(
     fill: Callable[[int], None],
     saver: Saver,
     *,
-    commit_ns: int | None = None,
+    guard: WriteGuard | None = None,
     anchor: str = "",
+    create_root: bool = True,
 ) -> None:
     """Atomically write ``path`` (lexically under ``root``) with ``fill(fd)``: temp file,
     fsync, rename and directory fsync, all relative to directory fds below ``root``.
 
     ``anchor`` is the deepest directory that existed at save time: directories below it are
-    created, and it or an ancestor gone raises :class:`DirectoryRemoved`. With ``commit_ns``
-    the file's mtime is the commit time and a newer file already there raises
-    :class:`NewerObjectExists` (checked right before the rename)."""
+    created, and it or an ancestor gone raises :class:`DirectoryRemoved`. With a ``guard``
+    the file's mtime is its stamp, and the file already there is replaced only if the guard
+    allows it (checked before the bytes move and again right before the rename)."""
     rel = os.path.relpath(path, root)
     parts = rel.split("/")
     if rel.startswith("..") or any(p in ("", ".", "..") for p in parts):
         raise PathNotAllowed(f"cannot persist {path!r}: not below the storage root {root!r}")
     walker = _Walker(root, path, saver, anchor)
-    # The root itself is configured by the administrator: create it as the daemon if missing.
-    os.makedirs(root, exist_ok=True)
-    fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    if create_root:  # configured by the administrator: create it as the daemon if missing
+        os.makedirs(root, exist_ok=True)
+    try:
+        fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except FileNotFoundError as e:
+        if create_root:
+            raise
+        raise DirectoryRemoved(removed_reason(anchor or root)) from e
     try:
         where = root
         for part in parts[:-1]:
@@ -166,7 +172,7 @@ def write_beneath(
             os.close(fd)
             fd = child
         walker.require(fd, 0o3, where)
-        _write_in(fd, parts[-1], fill, walker, commit_ns)
+        _write_in(fd, parts[-1], fill, walker, guard)
     finally:
         os.close(fd)
 
@@ -182,9 +188,10 @@ def _link_new(fd: int, name: str, dir_fd: int) -> bool:
 
 
 def _write_in(
-    dir_fd: int, name: str, fill: Callable[[int], None], walker: _Walker, commit_ns: int | None
+    dir_fd: int, name: str, fill: Callable[[int], None], walker: _Walker, guard: WriteGuard | None
 ) -> None:
     walker.require_replace(dir_fd, name)
+    check_guard(name, guard, dir_fd=dir_fd)
     leftover = f".{name}{TEMP_MARK}"
     for entry in os.listdir(dir_fd):
         if entry.startswith(leftover) and walker.may_replace(dir_fd, entry):
@@ -205,8 +212,8 @@ def _write_in(
                 os.fchown(fd, walker.saver.uid, gid)
             os.fchmod(fd, walker.saver.file_mode)
             fill(fd)
-            if commit_ns is not None:
-                os.utime(fd, ns=(commit_ns, commit_ns))
+            if guard is not None:
+                os.utime(fd, ns=(guard.stamp_ns, guard.stamp_ns))
             os.fsync(fd)
             if not named:  # unnamed until complete
                 if _link_new(fd, name, dir_fd):
@@ -216,8 +223,7 @@ def _write_in(
                 named = True
         finally:
             os.close(fd)
-        if commit_ns is not None:
-            refuse_newer(name, commit_ns, dir_fd=dir_fd)  # compare right before the rename
+        check_guard(name, guard, dir_fd=dir_fd)  # again right before the rename
         walker.require_replace(dir_fd, name)  # another user's file may have landed meanwhile
         os.rename(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
     except BaseException:
@@ -237,17 +243,31 @@ def persist_write(
     produce: Producer,
     saver: Saver | None,
     *,
-    commit_ns: int | None = None,
+    guard: WriteGuard | None = None,
     anchor: str = "",
 ) -> None:
     """Write one object to storage: local files through :func:`write_beneath` (resolved
     below their root at write time), everything else through its backend."""
     if not isinstance(backend, FileBackend):
         backend.cleanup(target)
-        backend.write_stream(target, produce, commit_ns=commit_ns)
+        backend.write_stream(target, produce, guard=guard)
         return
     root = roots.local_root(target)
     if root is None:
         raise PathNotAllowed(f"cannot persist {target!r}: it is under no storage root")
     fill = stream_fill(produce)
-    write_beneath(root, target, fill, saver or daemon_saver(), commit_ns=commit_ns, anchor=anchor)
+    if roots.implicit:
+        # A daemon running as the user writes wherever the user could: symlinks the user
+        # made above the save's directory are followed (not refused as leaving a root), and
+        # only the directories missing at save time are created below it.
+        root, target, anchor = _below_anchor(target, anchor)
+    write_beneath(root, target, fill, saver or daemon_saver(), guard=guard, anchor=anchor,
+                  create_root=not roots.implicit)  # fmt: skip
+
+
+def _below_anchor(target: str, anchor: str) -> tuple[str, str, str]:
+    """``(root, target, anchor)`` rebased on the resolved directory the save found."""
+    if not anchor or not os.path.isdir(anchor):
+        raise DirectoryRemoved(removed_reason(anchor or os.path.dirname(target)))
+    real = os.path.realpath(anchor)
+    return real, os.path.join(real, os.path.relpath(target, anchor)), real

@@ -37,10 +37,11 @@ from ckptcache.server.arena import Arena, Segment
 from ckptcache.server.config import DaemonConfig
 from ckptcache.server.digester import Digester
 from ckptcache.server.index import Generation
-from ckptcache.server.lineage import anchor_of
+from ckptcache.server.lineage import anchor_of, check_persistable, observe_base
 from ckptcache.server.ownership import Saver
 from ckptcache.server.persist import Persister
 from ckptcache.server.pool import SegmentPool
+from ckptcache.server.provenance import Provenance, write_provenance
 from ckptcache.server.retention import Retention
 from ckptcache.server.roots import PersistRoots
 from ckptcache.server.state import (
@@ -55,6 +56,8 @@ from ckptcache.wire import messages as m
 from ckptcache.wire.states import PersistState
 
 __all__ = ["Saves", "persistable"]
+
+_DURABILITIES = ("memory", "local", "backup", "persisted")
 
 log = logging.getLogger(__name__)
 
@@ -122,14 +125,33 @@ class Saves:
 
     # ----------------------------------------------------------------- reserve
 
-    def _classify(self, path: str) -> bool:
-        """Whether a save of ``path`` will be persisted; refuses paths escaping a root."""
-        root = self.roots.root_for(path)
-        if root is None and self.roots and self.config.memory_only == "refuse":
-            raise PathNotAllowed(
-                f"{path!r} is outside every storage root ({', '.join(self.roots)}) and this "
-                "daemon refuses memory-only objects; save under a root or add --persist-root"
+    def _classify(self, path: str, durability: str) -> bool:
+        """Whether a save of ``path`` will be persisted; refuses paths escaping a root, and
+        paths under no root unless memory-only was chosen (per save, or by the daemon's
+        ``--memory-only allow``): never a save that silently stays in memory."""
+        if durability not in _DURABILITIES:
+            raise InvalidPath(
+                f"durability must be one of {', '.join(_DURABILITIES)}, not {durability!r}"
             )
+        root = self.roots.root_for(path)
+        if durability == "memory":
+            return False
+        if root is None and self.config.memory_only != "allow":
+            raise PathNotAllowed(
+                f"{path!r} is under no storage root of this daemon (roots: "
+                f"{self.roots.describe()}), so it could never be persisted. Save under a "
+                "root, start the daemon with --persist-root covering it, or choose memory "
+                "only explicitly: durability='memory' for this save, or --memory-only allow "
+                "on the daemon"
+            )
+        if root is not None and "://" not in path:
+            check_persistable(path)
+            if self.roots.implicit:  # this daemon is the user: the kernel's answer is theirs
+                anchor = anchor_of(path)
+                if not os.access(anchor, os.W_OK | os.X_OK):
+                    raise PathNotAllowed(
+                        f"cannot save {path!r}: uid {os.geteuid()} may not write in {anchor}"
+                    )
         return root is not None
 
     def reserve(self, session: Session, req: m.ReserveRequest) -> m.ReserveReply:
@@ -137,9 +159,10 @@ class Saves:
         check_key(req.namespace, req.path)
         if not isinstance(req.nbytes, int) or req.nbytes <= 0:
             raise InvalidPath(f"reserve needs a positive byte count, got {req.nbytes!r}")
-        persist = self._classify(req.path)
+        persist = self._classify(req.path, req.durability)
         saver = ownership.saver_for(session, req)
         anchor = anchor_of(req.path)  # which directories exist now (never resurrected later)
+        base, base_stamp = observe_base(req.path) if persist else (None, 0)
         if req.durability == "backup" and not self.backup_ready:
             raise ReplicationError(
                 "durability='backup' needs backup nodes: start the daemons with --backup auto "
@@ -161,23 +184,57 @@ class Saves:
                 if segment is not None:
                     break
                 remaining = deadline - time.monotonic()
-                if remaining <= 0:
+                held, stuck = self._held_locked(Arena.capacity_for(req.nbytes))
+                if remaining <= 0 or stuck:
                     self.metrics.budget_failures.inc()
+                    waited = "" if stuck else f" within {self.config.reserve_timeout:g}s"
                     raise BudgetExceeded(
-                        f"no room for {format_bytes(req.nbytes)} of {req.path!r} within "
-                        f"{self.config.reserve_timeout:g}s: {format_bytes(state.arena.used)} of "
-                        f"{format_bytes(limit)} hold checkpoints that are pinned or not yet "
-                        "safe to drop. Raise --memory-limit, keep fewer generations, or wait "
-                        "for persistence"
+                        f"no room for {format_bytes(req.nbytes)} of {req.path!r}{waited}: "
+                        f"{format_bytes(state.arena.used)} of {format_bytes(limit)} in use; "
+                        f"{held}"
                     )
                 state.wait(min(remaining, 0.5))
             res = Reservation(
                 state.next_id(), req.namespace, req.path, segment, req.nbytes, req.durability,
-                persist, saver, anchor=anchor,
+                persist, saver, anchor=anchor, base=base, base_stamp=base_stamp,
             )  # fmt: skip
             session.reservations[res.id] = res
             state.update_gauges()
         return m.ReserveReply(res.id, segment.name, segment.capacity)
+
+    def _held_locked(self, capacity: int) -> tuple[str, bool]:
+        """What holds the budget and what to do, and whether waiting can help (nothing is
+        pinned or on its way to storage, and saves in flight cannot explain the shortfall):
+        a budget full of checkpoints that can never be persisted fails at once."""
+        kinds: dict[str, list[Generation]] = {}
+        for gen in self.state.index:
+            if gen.pins:
+                kind = "pinned by loads"
+            elif gen.persisted or not gen.needs_persist:
+                kind = "persisted" if gen.persisted else "memory-only (never persisted)"
+            elif gen.persist_state in (PersistState.FAILED, PersistState.CONFLICT):
+                kind = f"{gen.persist_state} persists"
+            else:
+                kind = "waiting for their persist"
+            kinds.setdefault(kind, []).append(gen)
+        parts = [
+            f"{format_bytes(sum(g.segment.capacity for g in gens))} in {len(gens)} "
+            f"{kind} (e.g. {gens[0].path!r})"
+            for kind, gens in sorted(kinds.items())
+        ]
+        held = sum(g.segment.capacity for g in self.state.index)
+        stuck = (
+            not kinds.get("pinned by loads")
+            and not kinds.get("waiting for their persist")
+            and held + capacity > self.state.arena.limit
+        )
+        advice = (
+            "Delete what is not needed (ckptcache rm PATH), save under a --persist-root, or "
+            "raise --memory-limit"
+            if stuck
+            else "Raise --memory-limit, keep fewer generations, or wait for persistence"
+        )
+        return f"held: {'; '.join(parts) or 'nothing committed'}. {advice}", bool(stuck)
 
     def _try_allocate(self, nbytes: int, saver: Saver | None = None) -> Segment | None:
         """A segment for ``nbytes`` (under the lock): free list, spare pool, eviction of
@@ -251,15 +308,17 @@ class Saves:
                 digest_state=DigestState.PENDING, created_ns=header.created_ns,
                 # A copy keeps its content's time: a later persist of it must not look newer
                 # than what was saved after it elsewhere.
-                committed_ns=int(res.saved_at * 1e9) if res.origin else time.time_ns(),
+                committed_ns=int(res.saved_at * 1e9) if res.origin else self._stamp_locked(res),
             )  # fmt: skip
             if res.saver is not None:
                 ownership.write_record(segment, res.saver)
+            write_provenance(segment, Provenance(res.base, res.anchor, memory_only=not res.persist))
             segment.write_header(header)
             gen = Generation(
                 res.namespace, res.path, number, segment, manifest, size=manifest.payload_size,
                 needs_persist=res.persist, saver=res.saver, committed=header.committed_ns / 1e9,
                 committed_ns=header.committed_ns, anchor=res.anchor, origin=res.origin,
+                base=res.base, observe_base=res.persist and res.base is None and "://" in res.path,
             )  # fmt: skip
             if res.stored:  # read back from its own storage path: already safe there
                 gen.persisted, gen.persist_state = True, PersistState.PERSISTED
@@ -285,6 +344,15 @@ class Saves:
         for hook in self.on_commit:
             hook(gen, res.durability)
         return m.CommitReply(number)
+
+    def _stamp_locked(self, res: Reservation) -> int:
+        """The commit stamp of a save: the wall clock, but always after the object that was on
+        storage when the save was made and after this node's last save of the path (a hybrid
+        logical clock), so a node whose clock is behind still stamps its save as the newer
+        one and a clock stepped back never reorders one node's saves."""
+        newest = self.state.index.newest((res.namespace, res.path))
+        last = newest.committed_ns if newest is not None else 0
+        return max(time.time_ns(), res.base_stamp + 1, last + 1)
 
     def _refuse_older_copy_locked(self, res: Reservation) -> None:
         """A copy from a peer or storage never becomes newer than a generation this node

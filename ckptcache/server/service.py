@@ -196,7 +196,9 @@ class CacheService(rpyc.Service):  # type: ignore[misc]
             result = fn(self._session, request)
             return m.ok_envelope(result if result is not None else {})
         except errors.CkptCacheError as e:
-            return m.error_envelope(type(e).__name__, str(e))
+            # Where a corrupt copy was found travels with the error (CorruptCheckpoint).
+            return m.error_envelope(type(e).__name__, str(e), tensor=getattr(e, "tensor", None),
+                                    tier=getattr(e, "tier", None))  # fmt: skip
         except ValueError as e:
             if kind == "commit":
                 self._abort_raw(body)

@@ -73,6 +73,10 @@ class Reservation:
     digests: list[int] | None = None
     #: Deepest ancestor directory that existed at save time (see ckptcache.server.lineage).
     anchor: str = ""
+    #: The object on storage when the save was made: its identity ("" none, None not known)
+    #: and its stamp (ns; 0 none).
+    base: str | None = None
+    base_stamp: int = 0
     #: A copy from a peer or storage: the node it came from ("storage" for a storage read).
     origin: str = ""
     #: The copy's bytes are those stored at the path: committed as persisted, never written.

@@ -1,5 +1,8 @@
 """Storage reads for a redundancy group: one member reads the persisted archive into its
-memory with parallel ranged reads, checks it, and commits it; the others chain behind it.
+memory with parallel ranged reads, checks it as it lands (every record against the digest
+record or its CRC-32, and the zip structure: nothing damaged is ever committed, whatever the
+load's ``verify``), and commits it; the others chain behind it. A daemon without a cluster
+uses the same reader, alone, for prefetches (:class:`ckptcache.server.loads.Loads`).
 
 Call order: :meth:`StorageReader.in_storage` (planning) -> :meth:`StorageReader.load`
 (``started()`` once the first range is requested: the node announces itself in flight).
@@ -65,7 +68,8 @@ class StorageReader:
         except ValueError as e:  # the end records or the archive are unreadable
             if not isinstance(e, CorruptCheckpoint) or path not in str(e):  # name the file
                 e = CorruptCheckpoint(
-                    f"checkpoint file {path!r} is corrupt: {e}", tier=Tier.STORAGE
+                    f"checkpoint file {path!r} is corrupt in the storage tier: {e}",
+                    tier=Tier.STORAGE,
                 )
             self.metrics.corrupt.labels(tier=Tier.STORAGE).inc()
             log.error("not serving %s from storage: %s", path, e)

@@ -29,12 +29,16 @@ from dataclasses import dataclass
 from typing import BinaryIO
 
 __all__ = [
+    "CKPTCACHE_RECORD",
     "COMMIT_NS_KEY",
     "NewerObjectExists",
     "Producer",
     "Sink",
     "StorageBackend",
+    "StorageConflict",
     "StorageOptions",
+    "StoredVersion",
+    "WriteGuard",
 ]
 
 #: User-metadata key (S3) recording the commit time, in ns of the saving node's wall clock,
@@ -42,9 +46,86 @@ __all__ = [
 COMMIT_NS_KEY = "ckptcache-commit-ns"
 
 
+#: The record every archive ckptcache persists carries (``format.persisted`` writes it): its
+#: name in a file's zip directory tells a ckptcache persist from a foreign write.
+CKPTCACHE_RECORD = ".ckptcache/digests.json"
+
+
 class NewerObjectExists(OSError):
     """The object on storage is newer than the generation being written: it is never replaced
     (not retried: the generation is superseded)."""
+
+
+class StorageConflict(OSError):
+    """Another ckptcache writer replaced the object after this generation was saved, and
+    nothing but wall clocks could tell which save is newer: neither is overwritten (not
+    retried; reported to the user as a conflict)."""
+
+
+@dataclass(frozen=True)
+class StoredVersion:
+    """What a backend knows of the object now at a path, cheaply (a ``stat``, a ``HEAD``)."""
+
+    #: The commit stamp ckptcache recorded (files: the mtime it set; S3: user metadata), else
+    #: the modification time; ns.
+    stamp_ns: int
+    #: Changes whenever the object is replaced: ``dev:ino:size:mtime`` of a file, an ETag.
+    identity: str
+    #: Whether a ckptcache persist wrote it (its digest record or metadata is there).
+    by_ckptcache: bool = False
+    #: What a conditional write names to replace only this object (an S3 ETag; "" none).
+    token: str = ""
+
+
+@dataclass(frozen=True)
+class WriteGuard:
+    """When a generation may replace the object on storage: newest wins without trusting
+    wall clocks.
+
+    ``base`` is the identity of the object that was on storage when the generation was saved
+    (``""``: none; ``None``: not known, as for segments written by older versions). An object
+    still equal to ``base`` is older than the save (it was there before): replace it. One
+    written by this daemon for an older generation of the path (its stamp is in ``own``), or
+    by an earlier attempt of this very generation (same stamp), is older too. Anything else
+    was written after the save was made: a foreign write (a ``torch.save`` written through,
+    the user) is the newer one and wins (:class:`NewerObjectExists`); another ckptcache
+    writer's persist is a conflict only clocks could order (:class:`StorageConflict`).
+    Without a ``base`` the stamps decide, as clocks allow.
+    """
+
+    stamp_ns: int
+    base: str | None = None
+    own: frozenset[int] = frozenset()
+    #: Stamps of newer generations of the path this daemon holds: one of them on storage
+    #: makes this generation the older one.
+    newer: frozenset[int] = frozenset()
+
+    def check(self, path: str, current: StoredVersion | None) -> None:
+        """Raise unless the generation may replace ``current`` (``None``: nothing there)."""
+        if current is None or current.identity == self.base:
+            return
+        if current.stamp_ns == self.stamp_ns or current.stamp_ns in self.own:
+            return
+        if current.stamp_ns in self.newer:
+            raise NewerObjectExists(f"{path} holds a newer generation saved on this node")
+        if self.base is None:
+            if current.stamp_ns > self.stamp_ns:
+                raise NewerObjectExists(
+                    f"{path} is newer on storage (stamped {current.stamp_ns} ns) than this "
+                    f"generation ({self.stamp_ns} ns)"
+                )
+            return
+        if current.by_ckptcache:
+            raise StorageConflict(
+                f"{path} was persisted by another ckptcache writer after this save was made "
+                "(a save of the same path on another node, or by another daemon); only wall "
+                "clocks could tell which is newer, so neither replaces the other. Save it "
+                "again to make one the newest"
+            )
+        raise NewerObjectExists(
+            f"{path} was replaced on storage after this save was made (by a write outside "
+            "the cache, such as a save written through): that write is the newer one"
+        )
 
 
 #: Takes the next piece of an object being streamed to storage (in order).
@@ -76,14 +157,20 @@ class StorageBackend(abc.ABC):
         offset: int,
         size: int,
         *,
-        commit_ns: int | None = None,
+        guard: WriteGuard | None = None,
     ) -> None:
         """Atomically make ``size`` bytes at ``offset`` of file descriptor ``source`` the
         content of ``path`` (creating missing parent directories).
 
-        With ``commit_ns`` (the generation's commit time, wall-clock ns), an object already at
-        ``path`` that is newer is never replaced (:class:`NewerObjectExists`), and the new
-        object records ``commit_ns`` (see :meth:`commit_time_ns`)."""
+        With a ``guard``, the object already at ``path`` is replaced only if
+        :meth:`WriteGuard.check` allows it (checked before the write and again right before
+        it becomes visible), and the new object records ``guard.stamp_ns`` (see
+        :meth:`commit_time_ns`)."""
+
+    def version(self, path: str) -> StoredVersion | None:
+        """The object now at ``path`` (``None`` when absent), for :class:`WriteGuard`.
+        Backends that cannot tell (generic fsspec) return ``None``."""
+        return None
 
     def commit_time_ns(self, path: str) -> int | None:
         """When the object at ``path`` was committed (ns), ``None`` when absent or unknown:
@@ -94,11 +181,13 @@ class StorageBackend(abc.ABC):
     def write_bytes(self, path: str, data: bytes | memoryview) -> None:
         """Atomically store ``data`` at ``path``."""
 
-    def write_stream(self, path: str, produce: Producer, *, commit_ns: int | None = None) -> None:
+    def write_stream(
+        self, path: str, produce: Producer, *, guard: WriteGuard | None = None
+    ) -> None:
         """Atomically store what ``produce`` feeds its sink, in order; if ``produce`` raises,
-        nothing becomes visible under ``path``. Backends that record commit times (files,
-        S3) stamp ``commit_ns`` and raise :class:`NewerObjectExists` instead of replacing a
-        newer object. (Default: collect, then :meth:`write_bytes`; no commit time.)"""
+        nothing becomes visible under ``path``. Backends that record commit stamps (files,
+        S3) honour ``guard`` as :meth:`write` does. (Default: collect, then
+        :meth:`write_bytes`; no guard.)"""
         buf = bytearray()
         produce(buf.extend)
         self.write_bytes(path, memoryview(buf))

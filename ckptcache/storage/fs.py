@@ -6,17 +6,25 @@ import errno
 import glob
 import os
 import secrets
+import stat
 from collections.abc import Callable
 from typing import BinaryIO
 
-from ckptcache.storage.base import NewerObjectExists, Producer, StorageBackend
+from ckptcache.storage.base import (
+    CKPTCACHE_RECORD,
+    Producer,
+    StorageBackend,
+    StoredVersion,
+    WriteGuard,
+)
 
 __all__ = [
     "TEMP_MARK",
     "FileBackend",
+    "check_guard",
+    "file_version",
     "link_unnamed",
     "open_unnamed",
-    "refuse_newer",
     "sendfile_fill",
     "stream_fill",
 ]
@@ -25,6 +33,9 @@ __all__ = [
 #: checkpoint name a framework would look for.
 TEMP_MARK = ".ckptcache-tmp-"
 _CHUNK = 1 << 30  # sendfile moves at most ~2 GiB per call
+#: The digest record is the last member of a ckptcache archive: its name sits in the last
+#: central-directory entry, within this many bytes of the end (zip64 records included).
+_TAIL = 4096
 
 
 def _temp_name(path: str) -> str:
@@ -90,18 +101,35 @@ def link_unnamed(fd: int, name: str, *, dir_fd: int | None = None) -> None:
             os.close(anchor)
 
 
-def refuse_newer(path: str, commit_ns: int, *, dir_fd: int | None = None) -> None:
-    """Raise :class:`NewerObjectExists` if ``path`` (relative to ``dir_fd`` when given) was
-    modified after ``commit_ns``: storage already holds a newer save than this generation."""
+def file_version(
+    path: str, *, dir_fd: int | None = None, inspect: bool = True
+) -> StoredVersion | None:
+    """The file at ``path`` (relative to ``dir_fd`` when given) as a :class:`StoredVersion`,
+    ``None`` when absent; ``inspect=False`` skips reading its last page (``by_ckptcache``
+    is then False). The identity leaves out ``ctime`` on purpose: a ``chmod`` or ``chown``
+    by the user does not make the file a newer checkpoint."""
     try:
-        existing = os.stat(path, dir_fd=dir_fd, follow_symlinks=False).st_mtime_ns
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC,
+                     dir_fd=dir_fd)  # fmt: skip
     except FileNotFoundError:
-        return
-    if existing > commit_ns:
-        raise NewerObjectExists(
-            f"{path} is newer on storage (modified {existing} ns) than this generation "
-            f"(committed {commit_ns} ns)"
-        )
+        return None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            return None  # no object: whatever sits there (a directory) fails the write itself
+        identity = f"{st.st_dev}:{st.st_ino}:{st.st_size}:{st.st_mtime_ns}"
+        tail = b""
+        if inspect and st.st_size:
+            tail = os.pread(fd, min(_TAIL, st.st_size), max(0, st.st_size - _TAIL))
+        return StoredVersion(st.st_mtime_ns, identity, CKPTCACHE_RECORD.encode() in tail)
+    finally:
+        os.close(fd)
+
+
+def check_guard(path: str, guard: WriteGuard | None, *, dir_fd: int | None = None) -> None:
+    """Raise unless ``guard`` allows replacing the file at ``path`` (see :class:`WriteGuard`)."""
+    if guard is not None:
+        guard.check(path, file_version(path, dir_fd=dir_fd))
 
 
 def stream_fill(produce: Producer) -> Callable[[int], None]:
@@ -122,24 +150,24 @@ class FileBackend(StorageBackend):
         self,
         path: str,
         fill: Callable[[int], None],
-        commit_ns: int | None = None,
+        guard: WriteGuard | None = None,
     ) -> None:
+        check_guard(path, guard)  # before the bytes move: a refused write costs nothing
         directory = os.path.dirname(path) or "."
         os.makedirs(directory, exist_ok=True)
         fd, tmp = _open_temp(directory, path)
         try:
             try:
                 fill(fd)
-                if commit_ns is not None:
-                    os.utime(fd, ns=(commit_ns, commit_ns))
+                if guard is not None:
+                    os.utime(fd, ns=(guard.stamp_ns, guard.stamp_ns))
                 os.fsync(fd)
                 if tmp is None:  # unnamed until complete: named only for the rename
                     tmp = _temp_name(path)
                     link_unnamed(fd, tmp)
             finally:
                 os.close(fd)
-            if commit_ns is not None:
-                refuse_newer(path, commit_ns)  # compare right before the rename
+            check_guard(path, guard)  # again right before the rename
             os.rename(tmp, path)
         except BaseException:
             try:
@@ -157,15 +185,20 @@ class FileBackend(StorageBackend):
         offset: int,
         size: int,
         *,
-        commit_ns: int | None = None,
+        guard: WriteGuard | None = None,
     ) -> None:
-        self._atomic(path, sendfile_fill(source, offset, size), commit_ns)
+        self._atomic(path, sendfile_fill(source, offset, size), guard)
 
     def write_bytes(self, path: str, data: bytes | memoryview) -> None:
         self._atomic(path, lambda fd: _write_all(fd, data))
 
-    def write_stream(self, path: str, produce: Producer, *, commit_ns: int | None = None) -> None:
-        self._atomic(path, stream_fill(produce), commit_ns)
+    def write_stream(
+        self, path: str, produce: Producer, *, guard: WriteGuard | None = None
+    ) -> None:
+        self._atomic(path, stream_fill(produce), guard)
+
+    def version(self, path: str) -> StoredVersion | None:
+        return file_version(path)
 
     def exists(self, path: str) -> bool:
         return os.path.isfile(path)

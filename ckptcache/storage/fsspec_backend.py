@@ -7,7 +7,7 @@ import secrets
 from typing import Any, BinaryIO
 
 from ckptcache._atomic import publish
-from ckptcache.storage.base import StorageBackend
+from ckptcache.storage.base import StorageBackend, WriteGuard
 
 __all__ = ["FsspecBackend"]
 
@@ -43,9 +43,9 @@ class FsspecBackend(StorageBackend):
         offset: int,
         size: int,
         *,
-        commit_ns: int | None = None,
+        guard: WriteGuard | None = None,
     ) -> None:
-        # Generic file systems record no commit time: commit_ns is not compared here.
+        # Generic file systems record no commit stamp: the guard is not checked here.
         def chunks() -> Any:
             done = 0
             while done < size:

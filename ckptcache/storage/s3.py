@@ -15,10 +15,11 @@ from typing import Any, BinaryIO
 
 from ckptcache.storage.base import (
     COMMIT_NS_KEY,
-    NewerObjectExists,
     Producer,
     StorageBackend,
     StorageOptions,
+    StoredVersion,
+    WriteGuard,
 )
 
 __all__ = ["S3Backend", "split_s3_url"]
@@ -36,6 +37,10 @@ def split_s3_url(path: str) -> tuple[str, str]:
     return bucket, key
 
 
+def _modified_ns(head: dict[str, Any]) -> int:
+    return int(head["LastModified"].timestamp() * 1e9)
+
+
 def _as_oserror(e: Exception, what: str) -> OSError:
     """botocore errors are not OSErrors; the persister classifies OSErrors."""
     code = getattr(e, "response", {}).get("Error", {}).get("Code", "")
@@ -43,7 +48,13 @@ def _as_oserror(e: Exception, what: str) -> OSError:
         return PermissionError(f"{what}: {e}")
     if code in ("NoSuchKey", "404", "NoSuchBucket"):
         return FileNotFoundError(f"{what}: {e}")
+    if code in ("PreconditionFailed", "412", "ConditionalRequestConflict", "409"):
+        return _Changed(f"{what}: the object changed while it was written ({code})")
     return OSError(f"{what}: {type(e).__name__}: {e}")
+
+
+class _Changed(OSError):
+    """A conditional write found another object than the one its guard allowed replacing."""
 
 
 class S3Backend(StorageBackend):
@@ -90,12 +101,13 @@ class S3Backend(StorageBackend):
         offset: int,
         size: int,
         *,
-        commit_ns: int | None = None,
+        guard: WriteGuard | None = None,
     ) -> None:
-        meta = self._commit_metadata(path, commit_ns)
+        meta, condition = self._commit_metadata(path, guard)
         part = max(self.options.s3_part_size, _MIN_PART)
         if size <= part:
-            self.write_bytes(path, os.pread(source, size, offset), metadata=meta)
+            body = os.pread(source, size, offset)
+            self._put_guarded(path, body, meta, condition, guard)
             return
         bucket, key = split_s3_url(path)
         upload = self._call("create multipart upload", self.client.create_multipart_upload,
@@ -114,10 +126,7 @@ class S3Backend(StorageBackend):
         try:
             with ThreadPoolExecutor(self.options.s3_max_concurrency) as pool:
                 parts = list(pool.map(lambda r: put(*r), ranges))
-            self._check_not_newer(path, commit_ns)  # again: a write may have landed meanwhile
-            self._call("complete multipart upload", self.client.complete_multipart_upload,
-                       Bucket=bucket, Key=key, UploadId=upload,
-                       MultipartUpload={"Parts": parts})  # fmt: skip
+            self._complete_guarded(path, upload, parts, guard)
         except BaseException:
             try:
                 self.client.abort_multipart_upload(Bucket=bucket, Key=key, UploadId=upload)
@@ -125,12 +134,14 @@ class S3Backend(StorageBackend):
                 pass  # cleanup() aborts it before the next attempt
             raise
 
-    def write_stream(self, path: str, produce: Producer, *, commit_ns: int | None = None) -> None:
+    def write_stream(
+        self, path: str, produce: Producer, *, guard: WriteGuard | None = None
+    ) -> None:
         """Parts are cut from the stream as it comes (each the next pieces joined once they
         reach the part size) and uploaded in parallel, at most ``s3_max_concurrency`` in
         flight; an object smaller than one part is a single PUT. The pieces are only
         referenced until their part is joined (the producer keeps its source alive)."""
-        meta = self._commit_metadata(path, commit_ns)
+        meta, condition = self._commit_metadata(path, guard)
         part = max(self.options.s3_part_size, _MIN_PART)
         bucket, key = split_s3_url(path)
         pending: list[bytes | memoryview] = []
@@ -168,15 +179,12 @@ class S3Backend(StorageBackend):
         try:
             produce(sink)
             if not upload:
-                self.write_bytes(path, b"".join(pending), metadata=meta)
+                self._put_guarded(path, b"".join(pending), meta, condition, guard)
                 return
             if pending:
                 flush()
             parts = [f.result() for f in futures]
-            self._check_not_newer(path, commit_ns)  # again: a write may have landed meanwhile
-            self._call("complete multipart upload", self.client.complete_multipart_upload,
-                       Bucket=bucket, Key=key, UploadId=upload[0],
-                       MultipartUpload={"Parts": parts})  # fmt: skip
+            self._complete_guarded(path, upload[0], parts, guard)
         except BaseException:
             for f in futures:
                 f.cancel()
@@ -190,36 +198,84 @@ class S3Backend(StorageBackend):
             pool.shutdown(wait=True)
 
     def write_bytes(
-        self, path: str, data: bytes | memoryview, *, metadata: dict[str, str] | None = None
+        self,
+        path: str,
+        data: bytes | memoryview,
+        *,
+        metadata: dict[str, str] | None = None,
+        condition: dict[str, str] | None = None,
     ) -> None:
+        """One PUT; ``condition`` (``IfMatch``/``IfNoneMatch``) makes S3 refuse it with 412
+        if the object is not the one the caller checked."""
         bucket, key = split_s3_url(path)
         self._call("put object", self.client.put_object, Bucket=bucket, Key=key,
-                   Body=bytes(data), Metadata=metadata or {})  # fmt: skip
+                   Body=bytes(data), Metadata=metadata or {}, **(condition or {}))  # fmt: skip
 
-    def _commit_metadata(self, path: str, commit_ns: int | None) -> dict[str, str]:
-        """Refuse to replace a newer object; the metadata recording ``commit_ns``."""
-        if commit_ns is None:
+    def _put_guarded(
+        self, path: str, body: bytes, meta: dict[str, str], condition: dict[str, str],
+        guard: WriteGuard | None,
+    ) -> None:  # fmt: skip
+        """A single PUT made conditional on the object the guard allowed replacing: the
+        check and the write are one step on S3's side (a compare-and-swap on the ETag)."""
+        try:
+            self.write_bytes(path, body, metadata=meta, condition=condition)
+        except _Changed:
+            self._check_guard(path, guard)  # says why (newer, conflict), else retried
+            raise
+
+    def _complete_guarded(
+        self, path: str, upload: str, parts: list[dict[str, Any]], guard: WriteGuard | None
+    ) -> None:
+        """Complete a multipart upload if the guard still allows it, conditional on the
+        object it checked (a write may have landed while the parts went up)."""
+        bucket, key = split_s3_url(path)
+        condition = self._check_guard(path, guard)
+        try:
+            self._call("complete multipart upload", self.client.complete_multipart_upload,
+                       Bucket=bucket, Key=key, UploadId=upload,
+                       MultipartUpload={"Parts": parts}, **condition)  # fmt: skip
+        except _Changed:
+            self._check_guard(path, guard)
+            raise
+
+    def _commit_metadata(
+        self, path: str, guard: WriteGuard | None
+    ) -> tuple[dict[str, str], dict[str, str]]:
+        """Refuse what ``guard`` refuses; the metadata recording its stamp, and the condition
+        of a write that replaces only the object checked."""
+        if guard is None:
+            return {}, {}
+        condition = self._check_guard(path, guard)
+        return {COMMIT_NS_KEY: str(guard.stamp_ns)}, condition
+
+    def _check_guard(self, path: str, guard: WriteGuard | None) -> dict[str, str]:
+        """Raise unless ``guard`` allows replacing the object (checked before an upload starts
+        and again right before it completes, as the file backend checks before its rename: a
+        multipart upload can take minutes); returns the S3 condition naming the object
+        checked (``IfMatch`` its ETag, ``IfNoneMatch: *`` when there was none)."""
+        if guard is None:
             return {}
-        self._check_not_newer(path, commit_ns)
-        return {COMMIT_NS_KEY: str(commit_ns)}
+        version = self.version(path)
+        guard.check(path, version)
+        if version is None:
+            return {"IfNoneMatch": "*"}
+        return {"IfMatch": version.token} if version.token else {}
 
-    def _check_not_newer(self, path: str, commit_ns: int | None) -> None:
-        """:class:`NewerObjectExists` if storage holds an object committed after ``commit_ns``
-        (checked before an upload starts and again right before it completes, as the file
-        backend checks before its rename: a multipart upload can take minutes)."""
-        if commit_ns is None:
-            return
-        existing = self.commit_time_ns(path)
-        if existing is not None and existing > commit_ns:
-            raise NewerObjectExists(
-                f"{path} is newer on storage ({existing} ns) than this generation "
-                f"(committed {commit_ns} ns)"
-            )
+    def version(self, path: str) -> StoredVersion | None:
+        head = self._head(path)
+        if head is None:
+            return None
+        recorded = head.get("Metadata", {}).get(COMMIT_NS_KEY, "")
+        stamp = int(recorded) if recorded.isdigit() else _modified_ns(head)
+        etag = str(head.get("ETag", ""))
+        identity = f"{etag}:{head.get('VersionId', '')}:{_modified_ns(head)}"
+        return StoredVersion(stamp, identity, recorded.isdigit(), token=etag)
 
-    def commit_time_ns(self, path: str) -> int | None:
+    def _head(self, path: str) -> dict[str, Any] | None:
+        """The object's HEAD reply, ``None`` when absent."""
         bucket, key = split_s3_url(path)
         try:
-            head = self._call("head object", self.client.head_object, Bucket=bucket, Key=key)
+            return self._call("head object", self.client.head_object, Bucket=bucket, Key=key)
         except FileNotFoundError:
             return None
         except PermissionError as e:
@@ -230,10 +286,10 @@ class S3Backend(StorageBackend):
                 f"object is there before each upload, which needs s3:ListBucket on bucket "
                 f"{bucket!r} besides s3:GetObject, s3:PutObject and s3:AbortMultipartUpload"
             ) from e
-        recorded = head.get("Metadata", {}).get(COMMIT_NS_KEY, "")
-        if recorded.isdigit():
-            return int(recorded)
-        return int(head["LastModified"].timestamp() * 1e9)
+
+    def commit_time_ns(self, path: str) -> int | None:
+        version = self.version(path)
+        return None if version is None else version.stamp_ns
 
     def exists(self, path: str) -> bool:
         bucket, key = split_s3_url(path)

@@ -39,6 +39,7 @@ __all__ = [
     "ObjectInfo",
     "OpenReply",
     "OpenRequest",
+    "PeerClock",
     "PoolReply",
     "PoolRequest",
     "PrefetchReply",
@@ -169,9 +170,13 @@ def ok_envelope(result: Any) -> str:
     return json.dumps({"ok": True, "result": body}, separators=(",", ":"))
 
 
-def error_envelope(error_type: str, message: str) -> str:
-    """Wrap an error reply naming a :mod:`ckptcache.errors` type."""
-    return json.dumps({"ok": False, "error": {"type": error_type, "message": message}})
+def error_envelope(error_type: str, message: str, **fields: str | None) -> str:
+    """Wrap an error reply naming a :mod:`ckptcache.errors` type; ``fields`` are the error's
+    attributes the client restores (a :class:`~ckptcache.errors.CorruptCheckpoint`'s
+    ``tensor`` and ``tier``), those that are None left out."""
+    error: dict[str, str] = {"type": error_type, "message": message}
+    error.update({k: v for k, v in fields.items() if isinstance(v, str)})
+    return json.dumps({"ok": False, "error": error})
 
 
 @dataclass(frozen=True)
@@ -434,6 +439,18 @@ class StatusRequest:
 
 
 @dataclass(frozen=True)
+class PeerClock:
+    """How far a peer's wall clock is from this daemon's, as last measured over the data
+    plane: ``offset`` seconds ahead (negative: behind), within half the round trip
+    ``delay``; ``checked`` is when (this daemon's clock)."""
+
+    node_id: str
+    offset: float
+    delay: float
+    checked: float
+
+
+@dataclass(frozen=True)
 class DaemonStatus:
     """Daemon-wide counters for ``ckptcache status``."""
 
@@ -463,3 +480,7 @@ class DaemonStatus:
     #: ``huge=`` policy of the tmpfs under ``shm_dir`` (``never``: 4 KiB pages; see
     #: :mod:`ckptcache.hugepages`), ``unknown`` when it cannot be told.
     shm_huge_pages: str = "unknown"
+    #: Clock offsets of the live peers (empty for a node alone or before the first check).
+    clock_offsets: tuple[PeerClock, ...] = field(default=(), metadata={"items": PeerClock})
+    #: Offsets beyond this many seconds are logged as warnings (0: never).
+    clock_offset_bound: float = 0.0

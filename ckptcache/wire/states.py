@@ -26,8 +26,10 @@ class PersistState(_StrEnum):
     """Phase 2 state of one generation (``Generation.persist_state``, ``ObjectInfo``).
 
     ``memory-only`` -> never persisted (no root covers it); ``queued -> persisting ->
-    persisted | failed``; ``queued -> superseded | dropped``; ``standby`` while another node
-    of the replica group persists the same content.
+    persisted | failed | conflict``; ``queued -> superseded | dropped``; ``standby`` while
+    another node of the replica group persists the same content. ``conflict``: another
+    ckptcache writer replaced the stored object after this save was made, and only wall
+    clocks could order the two; neither was overwritten (kept in memory, reported).
     """
 
     MEMORY_ONLY = "memory-only"
@@ -38,6 +40,7 @@ class PersistState(_StrEnum):
     FAILED = "failed"
     SUPERSEDED = "superseded"
     DROPPED = "dropped"
+    CONFLICT = "conflict"
 
 
 class WaitState(_StrEnum):
@@ -47,6 +50,10 @@ class WaitState(_StrEnum):
     MEMORY_ONLY = "memory-only"
     FAILED = "failed"
     DROPPED = "dropped"
+    CONFLICT = "conflict"
+    #: Storage holds a write made after this save (a save written through, another writer):
+    #: this save's bytes were not written, and need not be.
+    SUPERSEDED = "superseded"
     TIMEOUT = "timeout"
 
 

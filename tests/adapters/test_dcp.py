@@ -15,7 +15,8 @@ def dcp_run(mode, ck, world, daemon=None):
     return proc
 
 
-def test_save_at_4_load_at_2_from_memory(daemon_factory, tmp_path):
+def test_save_at_4_load_at_2_from_memory(daemon_factory, tmp_path, monkeypatch):
+    monkeypatch.setenv("CKPTCACHE_COMMIT_WAITS", "local")  # the writers return after phase 1
     d = daemon_factory("--memory-limit", "1GiB")  # memory only: nothing but .metadata on disk
     ck = tmp_path / "ck"
     dcp_run("save", ck, 4, d)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import inspect
 import io
 import shutil
+import zipfile
 from typing import IO
 
 import pytest
@@ -96,8 +97,9 @@ def test_enable_routes_checkpoint_id_calls_through_the_cache(dcp_enabled, tmp_pa
     ck = tmp_path / "ck"
     sd = state(1)
     dcp.save(sd, checkpoint_id=ck)
-    # Memory-only daemon: the item file is a cached object, only the commit marker is on disk.
-    assert sorted(p.name for p in ck.iterdir()) == [".metadata"]
+    # Memory-only daemon: the item file is a cached object, and (commit_waits="files", the
+    # default) also written next to the commit marker by the adapter.
+    assert sorted(p.name for p in ck.iterdir()) == [".metadata", "__0_0.distcp"]
     assert [o.path for o in dcp_enabled.list(str(ck))] == [str(ck / "__0_0.distcp")]
     back = empty_like(sd)
     dcp.load(back, checkpoint_id=ck)
@@ -185,8 +187,11 @@ def test_dcp_own_reader_works_right_after_save(request, tmp_path, persist):
     assert packed.dtype == torch.uint8 and packed.numel() > 0
     info = c.status(ck / "__0_0.distcp")
     size = (ck / "__0_0.distcp").stat().st_size
-    # A persisted file is the cached archive plus its digest record (a member torch ignores).
-    assert size > info.size if persist else size == info.size
+    # Persisted by the daemon or written by the adapter (memory only), the file is the cached
+    # archive plus its digest record (a member torch ignores), CRC-32s filled in.
+    assert size > info.size
+    with zipfile.ZipFile(ck / "__0_0.distcp") as z:
+        assert z.testzip() is None
     shutil.rmtree(ck)
 
 
@@ -288,3 +293,56 @@ def test_files_saved_twice_into_one_directory_hold_the_second_save(request, tmp_
         dcp.load(back, storage_reader=dcp.FileSystemReader(ck))
         assert torch.equal(back["w"], torch.full((4, 4), w))
     shutil.rmtree(ck)
+
+
+def converted(ck, out) -> dict:
+    """What DCP's own ``format_utils.dcp_to_torch_save`` makes of the checkpoint in ``ck``
+    (it reads with the ``FileSystemReader`` it builds itself)."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    dcp_to_torch_save(ck, out)
+    return torch.load(out, weights_only=False)
+
+
+def reference(sd: dict, tmp_path) -> dict:
+    """``converted`` of the same state saved by DCP's own ``FileSystemWriter``."""
+    ref = tmp_path / "reference"
+    dcp.save(sd, storage_writer=dcp.FileSystemWriter(ref))
+    return converted(ref, tmp_path / "reference.pt")
+
+
+def test_default_commit_waits_lets_dcp_tools_read_right_after_save(client, tmp_path):
+    """No ``commit_waits`` given, a memory-only daemon: DCP's ``format_utils`` converter (the
+    stock reader, which no ``enable()`` reaches) reads the directory right after ``dcp.save``,
+    and right after ``dcp.async_save``'s future, as with DCP's own writer."""
+    sd = state(7)
+    expected = reference(sd, tmp_path)
+    ck = tmp_path / "ck"
+    dcp.save(sd, storage_writer=cdcp.CacheWriter(ck))
+    assert_same(converted(ck, tmp_path / "out.pt"), expected)
+    assert [o.path for o in client.list(str(ck))] == [str(ck / "__0_0.distcp")]  # cached too
+
+    later = tmp_path / "async"
+    dcp.async_save(sd, storage_writer=cdcp.CacheWriter(later)).result()
+    assert_same(converted(later, tmp_path / "async.pt"), expected)
+    shutil.rmtree(ck)
+
+
+def test_enable_also_covers_format_utils(client, tmp_path):
+    """After ``enable()``, DCP's converters build the cache's reader: with
+    ``commit_waits="local"`` the rank file is only in memory and ``dcp_to_torch_save`` still
+    converts the checkpoint; ``disable()`` gives ``format_utils`` its stock classes back."""
+    from torch.distributed.checkpoint import format_utils
+
+    sd = state(8)
+    expected = reference(sd, tmp_path)
+    cdcp.enable(commit_waits="local")
+    try:
+        ck = tmp_path / "ck"
+        dcp.save(sd, checkpoint_id=ck)
+        assert sorted(p.name for p in ck.iterdir()) == [".metadata"]  # the items: in memory
+        assert_same(converted(ck, tmp_path / "out.pt"), expected)
+    finally:
+        cdcp.disable()
+    assert format_utils.FileSystemReader is dcp.FileSystemReader
+    assert format_utils.FileSystemWriter is dcp.FileSystemWriter

@@ -38,8 +38,17 @@ def ds(mode: str, stage: int, ck: Path, out: Path, daemon=None, **kw):
     return run_script("ds_trainer.py", mode, str(stage), str(ck), str(out), daemon=daemon, **kw)
 
 
+@pytest.fixture
+def local_commit(monkeypatch):
+    """The trainers' engines commit after phase 1 (``commit_waits="local"``): what memory
+    alone serves is what these tests check."""
+    monkeypatch.setenv("CKPTCACHE_COMMIT_WAITS", "local")
+
+
 @pytest.mark.parametrize("stage", [0, 2, 3])
-def test_crash_then_resume_from_memory(daemon_factory, tmp_path, stage, torch_extensions_dir):
+def test_crash_then_resume_from_memory(
+    daemon_factory, tmp_path, stage, torch_extensions_dir, local_commit
+):
     """Memory-only daemon: nothing is ever persisted, the resume still finds its checkpoint."""
     d = daemon_factory("--memory-limit", "1GiB")
     ck, out = tmp_path / "ck", tmp_path / "out"
@@ -60,7 +69,7 @@ def test_crash_then_resume_from_memory(daemon_factory, tmp_path, stage, torch_ex
     assert list(torch_extensions_dir.iterdir()) == []  # no op was compiled at test time
 
 
-def test_resume_while_persist_is_pending_then_cache_off(daemon_factory, tmp_path):
+def test_resume_while_persist_is_pending_then_cache_off(daemon_factory, tmp_path, local_commit):
     """Persist root configured but the tag directory refuses files until after the crash: the
     resume waits for the daemon's persist, and the persisted files are DeepSpeed's own."""
     ck, out = tmp_path / "ck", tmp_path / "out"
@@ -98,15 +107,22 @@ def test_resume_while_persist_is_pending_then_cache_off(daemon_factory, tmp_path
     assert_states_equal(states(out, "plainresume"), states(out, "reference"))
 
 
-@pytest.mark.parametrize("persist", [False, True], ids=["memory-only", "persist-root"])
-def test_config_only_engines_and_files_readable_right_after_save(daemon_factory, tmp_path, persist):
+@pytest.mark.parametrize(
+    ("config", "persist"),
+    [("files", False), ("files", True), ("default", False)],
+    ids=["files-memory-only", "files-persist-root", "defaults-memory-only"],
+)
+def test_config_only_engines_and_files_readable_right_after_save(
+    daemon_factory, tmp_path, config, persist
+):
     """Engines switched on by the process-wide hook and the DeepSpeed config; with
-    commit_waits="files" DeepSpeed's own checks right after save_checkpoint (torch.load,
-    os.path.getsize, zero_to_fp32) pass with or without a persist root; then the directory is
-    deleted as DeepSpeed's tests do."""
+    commit_waits="files", which is also what an engine gets with no ckptcache key at all,
+    DeepSpeed's own checks right after save_checkpoint (torch.load, os.path.getsize,
+    zero_to_fp32) pass with or without a persist root; then the directory is deleted as
+    DeepSpeed's tests do."""
     ck = tmp_path / "ck"
     d = daemon_factory(*(["--persist-root", str(ck)] if persist else ["--memory-limit", "1GiB"]))
-    proc = run_script("ds_tools_worker.py", str(ck), daemon=d)
+    proc = run_script("ds_tools_worker.py", str(ck), config, daemon=d)
     assert "DSTOOLS-OK" in proc.stdout
     with d.client() as c:
         cached = {Path(o.path).name for o in c.list(str(ck / TAG))}
@@ -176,3 +192,32 @@ def test_prepare_load_rewrites_a_file_left_by_an_earlier_save_of_the_tag(client,
     assert prepare_load(str(tmp_path / "ck"), "checkpoint", client) == 1
     assert torch.equal(torch.load(path)["w"], torch.full((4,), 2.0))
     assert prepare_load(str(tmp_path / "ck"), "checkpoint", client) == 0
+
+
+def test_decoupled_engine_defers_latest_until_the_files_are_there(daemon_factory, tmp_path):
+    """``"decoupled": true``: save_checkpoint returns before the files exist (memory-only
+    daemon: only the adapter writes them, at the commit), ``latest`` is written at the next
+    optimizer step once they do, and zero_to_fp32 then reads the tag (see the worker)."""
+    ck = tmp_path / "ck"
+    d = daemon_factory("--memory-limit", "1GiB")
+    proc = run_script("ds_decoupled_worker.py", str(ck), daemon=d)
+    assert "DECOUPLED-OK" in proc.stdout
+    assert (ck / "latest").read_text() == "global_step4"
+
+
+def test_decoupled_follows_deepspeeds_own_writer_setting():
+    """DeepSpeed's ``"checkpoint": {"writer": {"decoupled": true}}`` asks for the same protocol;
+    the ckptcache key and ``enable(decoupled=...)`` decide before it."""
+    from types import SimpleNamespace
+
+    from ckptcache.adapters.deepspeed import _decoupled
+
+    def config(checkpoint: dict) -> SimpleNamespace:
+        return SimpleNamespace(_param_dict={"checkpoint": checkpoint})
+
+    writer = config({"writer": {"decoupled": True}})
+    assert _decoupled(writer, {}, None) is True
+    assert _decoupled(writer, {"decoupled": False}, None) is False
+    assert _decoupled(config({}), {}, True) is True
+    assert _decoupled(config({}), {}, None) is False
+    assert _decoupled(None, {}, None) is False

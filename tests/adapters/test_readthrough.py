@@ -104,7 +104,7 @@ def test_stock_dcp_reader_offsets_work_through_open(client, tmp_path):
     """A DCP tool that reads an item at (file, offset, length) from ``.metadata`` works on the
     cached rank file before it exists."""
     sd = {"a": torch.randn(16, 8), "b": torch.arange(40)}
-    dcp.save(sd, storage_writer=cdcp.CacheWriter(tmp_path))
+    dcp.save(sd, storage_writer=cdcp.CacheWriter(tmp_path, commit_waits="local"))
     md = dcp.FileSystemReader(str(tmp_path)).read_metadata()
     for fqn, tensor in sd.items():
         info = md.storage_data[MetadataIndex(fqn, (0,) * tensor.dim())]

@@ -9,7 +9,8 @@ import dataclasses
 import gc
 import logging
 import threading
-from collections.abc import Callable, Iterator
+import warnings
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import pytest
@@ -17,7 +18,10 @@ import torch
 
 import ckptcache
 import ckptcache._async
-from ckptcache.errors import ReplicationError, TensorMutated
+from ckptcache._async import VersionCheck
+from ckptcache.errors import CkptCacheWarning, ReplicationError, TensorMutated
+from ckptcache.format import objectio
+from ckptcache.format.flatten import flatten
 from ckptcache.recovery import StepGuard
 
 MIB = 1 << 20
@@ -221,3 +225,141 @@ def test_storage_resized_before_the_copy_aborts_the_save(client, tmp_path, new_s
     assert client.status(path).generation == 1
     loaded = client.load(path, mmap=False)
     assert torch.equal(loaded["a"], old["a"]) and torch.equal(loaded["b"], old["b"])
+
+
+def inference_state(fill: float) -> dict:
+    """``state(fill)`` made under ``torch.inference_mode()``: tensors without version counters."""
+    with torch.inference_mode():
+        return state(fill)
+
+
+def bump(tensor: torch.Tensor) -> None:
+    """An optimizer-style in-place step; inference tensors only take one in inference mode."""
+    with torch.inference_mode():
+        tensor.add_(1.0)
+
+
+def copy_stepping_midway(step: Callable[[], None]) -> Callable[..., None]:
+    """A stand-in for the segment copier (``copy_storages_into``) that copies the first half of
+    the first storage's bytes, runs ``step`` (the trainer's in-place update racing the copy),
+    then copies the rest: the torn copy of the issue, made deterministic."""
+
+    def copy(dst: torch.Tensor, runs: Sequence[tuple[int, torch.UntypedStorage, int]]) -> None:
+        pending = [step]
+        for offset, storage, nbytes in runs:
+            src = torch.empty(0, dtype=torch.uint8).set_(storage)
+            half = nbytes // 2
+            dst[offset : offset + half].copy_(src[:half])
+            while pending:
+                pending.pop()()
+            dst[offset + half : offset + nbytes].copy_(src[half:nbytes])
+
+    return copy
+
+
+def test_inference_tensor_changed_during_the_copy_never_commits_torn_bytes(
+    client, tmp_path, monkeypatch
+):
+    path = str(tmp_path / "i.pt")
+    s = inference_state(2.0)
+    monkeypatch.setattr(objectio, "copy_storages_into", copy_stepping_midway(lambda: bump(s["w"])))
+    handle = client.save(s, path, blocking=False)
+    handle.wait()
+    assert torch.equal(s["w"], torch.full((MIB,), 3.0))  # the step did run during the copy
+    loaded = client.load(path, mmap=False, verify=True)
+    # What save() was handed, whole: not half 2.0, half 3.0.
+    assert torch.equal(loaded["w"], torch.full((MIB,), 2.0))
+    assert torch.equal(loaded["b"], torch.arange(1000.0) + 2.0) and loaded["step"] == 2
+
+
+@pytest.mark.parametrize("where", ["before", "during"])
+def test_counted_tensor_beside_inference_tensors_is_still_checked_before_commit(
+    client, tmp_path, monkeypatch, where
+):
+    path = str(tmp_path / "c.pt")
+    old = state(1.0)
+    client.save(old, path)
+    s = {**inference_state(2.0), "counted": torch.full((MIB,), 2.0)}
+    if where == "during":
+        step = lambda: s["counted"].add_(1.0)  # noqa: E731
+        monkeypatch.setattr(objectio, "copy_storages_into", copy_stepping_midway(step))
+        handle = client.save(s, path, blocking=False)
+    else:
+        with copies_held(client):
+            handle = client.save(s, path, blocking=False)
+            s["counted"].add_(1.0)  # a broken contract on a tensor the counter watches
+    with pytest.raises(TensorMutated, match=r"'counted'.*modified in place"):
+        handle.wait()
+    assert client.status(path).generation == 1
+    loaded = client.load(path, mmap=False, verify=True)
+    assert torch.equal(loaded["w"], old["w"]) and "counted" not in loaded
+
+
+def floats(storage: torch.UntypedStorage) -> torch.Tensor:
+    """``storage``'s bytes as float32 values."""
+    return torch.empty(0, dtype=torch.uint8).set_(storage).view(torch.float32)
+
+
+def storage_state(fill: float) -> tuple[dict, torch.Tensor]:
+    """An object holding a bare storage (no tensor of it pickled: no counter watches it) and
+    the tensor that writes to that storage."""
+    t = torch.full((MIB,), fill)
+    return {"s": t.untyped_storage(), "step": int(fill)}, t
+
+
+@pytest.mark.parametrize("kind", ["inference", "bare storage"])
+def test_unwatched_storage_changed_before_the_copy_commits_the_submitted_values(
+    client, tmp_path, kind
+):
+    path = str(tmp_path / "u.pt")
+    if kind == "inference":
+        s = inference_state(2.0)
+        live = s["w"]
+    else:
+        s, live = storage_state(2.0)
+    with copies_held(client):
+        handle = client.save(s, path, blocking=False)
+        bump(live)  # a broken contract that no version counter can see
+    handle.wait()
+    loaded = client.load(path, mmap=False, verify=True)
+    got = loaded["w"] if kind == "inference" else floats(loaded["s"])
+    assert torch.equal(got, torch.full((MIB,), 2.0)) and loaded["step"] == 2
+
+
+def test_write_through_of_inference_tensors_writes_the_submitted_values(tmp_path):
+    path = tmp_path / "t.pt"
+    s = {**inference_state(2.0), "counted": torch.full((4,), 2.0)}
+    with ckptcache.Client(str(tmp_path / "nobody.sock")) as c, warnings.catch_warnings():
+        warnings.simplefilter("ignore", CkptCacheWarning)
+        with c._lock:  # the write-through cannot start before the trainer "steps"
+            handle = c.save(s, path, blocking=False)
+            bump(s["w"])
+        assert handle is not None
+        handle.wait()
+        assert c.fallbacks == 1
+    saved = torch.load(path)
+    assert torch.equal(saved["w"], torch.full((MIB,), 2.0))
+    assert torch.equal(saved["counted"], torch.full((4,), 2.0)) and saved["step"] == 2
+
+
+def test_only_the_storages_no_counter_watches_are_copied_at_submit():
+    counted = torch.zeros(8)
+    with torch.inference_mode():
+        uncounted = torch.zeros(8)
+    bare = torch.zeros(8)
+    obj = {
+        "counted": counted,
+        "view": counted[2:],
+        "uncounted": uncounted,
+        "bare": bare.untyped_storage(),
+    }
+    check = VersionCheck(obj, "x.pt", flatten(obj))
+    originals = [counted, uncounted, bare]
+    same = [
+        s._cdata == t.untyped_storage()._cdata
+        for s, t in zip(check.flat.storages, originals, strict=True)
+    ]
+    assert same == [True, False, False]  # the counted storage is used in place, once
+    bump(uncounted)
+    bare.fill_(5.0)
+    assert all(torch.equal(floats(s), torch.zeros(8)) for s in check.flat.storages[1:])

@@ -71,7 +71,9 @@ CLUSTER_ROWS = {
 def test_bench_on_a_cluster_node_measures_the_backup_copy_and_a_peer_load(cluster_factory):
     """Two real daemons on a real etcd: the bench adds the cluster rows, each next to the raw
     socket, and the peer load really came from the peer."""
-    a, b = cluster_factory(2)
+    # No orphan sweep: the bench removes its work directory when it ends, and a sweep on the
+    # peer would then drop the backup copies whose survival the last line checks.
+    a, b = cluster_factory(2, config="orphan_sweep: 0\n")
     out = _bench(a, "--sizes", "4MiB", "--repeats", "1", "--json")
     assert out.returncode == 0, out.stderr
     result = json.loads(out.stdout)

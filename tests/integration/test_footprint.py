@@ -1,4 +1,5 @@
-"""The daemon and the control-plane commands run without torch (start-up time and memory)."""
+"""The daemon and the control-plane commands run without torch (start-up time and memory), and
+an idle daemon holds only what was saved (the spare pool is sized from the saves)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,9 @@ import pytest
 import torch
 
 from ckptcache.wire import messages as m
-from tests.helpers import REPO
+from tests.helpers import REPO, wait_until
+
+MIB = 1 << 20
 
 # Runs the CLI entry point in a fresh interpreter, then reports whether torch got imported.
 _CLI_DRIVER = textwrap.dedent(
@@ -73,3 +76,28 @@ def test_cli_commands_and_daemon_run_without_torch(daemon_factory, tmp_path):
     assert d.proc is not None and not _torch_mapped(d.proc.pid)
     assert (root / "iter_1" / "model.pt").exists()
     assert d.status().objects == 0
+
+
+def _rss(pid: int) -> int:
+    """Resident bytes of process ``pid`` (shared memory it touched included)."""
+    with open(f"/proc/{pid}/status") as f:
+        kib = next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
+    return kib * 1024
+
+
+def test_the_spare_pool_is_sized_from_the_saves_not_the_budget(daemon_factory, tmp_path):
+    """A 2 GiB budget and the pool at its defaults (bounded by a quarter of the budget): after
+    one tiny save the daemon holds that object and one spare of its size, 1 MiB each (not
+    shares of the bound made at start), and stays as small as an idle daemon."""
+    d = daemon_factory("--memory-limit", "2GiB")
+    with d.client(fallback="raise") as c:
+        c.save({"w": torch.arange(256)}, str(tmp_path / "tiny.pt"))
+
+        def settled() -> bool:
+            reply = c._call("pool", m.PoolRequest(), m.PoolReply)
+            return reply.capacities == (MIB,) and not reply.growing
+
+        wait_until(settled, what="one 1 MiB spare")
+        assert d.segment_bytes() == 2 * MIB
+        assert c.daemon_status().memory_used == 2 * MIB
+    assert d.proc is not None and _rss(d.proc.pid) < 150 * MIB

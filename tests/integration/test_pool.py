@@ -1,8 +1,11 @@
 """The spare pool: first saves of new paths land in pre-faulted segments the client already
-maps; the pool stays within the budget and never costs a committed generation."""
+maps; the pool is sized from the saves, stays within the budget, never costs a committed
+generation, and a clean stop leaves only committed generations in the shm directory."""
 
 from __future__ import annotations
 
+import os
+import signal
 import threading
 
 import torch
@@ -21,29 +24,40 @@ def _spares(c) -> m.PoolReply:
     return c._call("pool", m.PoolRequest(), m.PoolReply)
 
 
+def _settled(c, count: int) -> m.PoolReply | None:
+    reply = _spares(c)
+    return reply if len(reply.segments) == count and not reply.growing else None
+
+
 def _segment_of(c, path: str) -> str:
     reply = c._call("open", m.OpenRequest(c.namespace, path), m.OpenReply)
     c._call("release", m.ReleaseRequest((reply.lease,)))
     return reply.segment
 
 
+def _teach(c, tmp_path, *mibs: int) -> m.PoolReply:
+    """Saves of these sizes under paths of their own (a trainer's first checkpoint): the
+    pool then holds a spare of each size."""
+    for i, mib in enumerate(mibs):
+        c.save(blob(mib, 9.0), str(tmp_path / "first" / f"{i}.pt"))
+    return wait_until(lambda: _settled(c, len(mibs)), what="the pool sized by the saves")
+
+
 def test_first_save_of_a_new_path_uses_a_spare_the_client_mapped(daemon_factory, tmp_path):
     d = daemon_factory("--memory-limit", "64MiB", "--pool-segments", "1", "--pool-bytes", "16MiB")
     with d.client(fallback="raise") as c:
-        wait_until(lambda: len(_spares(c).segments) == 1)
-        (spare,) = _spares(c).segments
+        (spare,) = _teach(c, tmp_path, 4).segments  # the first checkpoint: 4 MiB
         c.warmup(wait=True)
         assert spare in c._write_maps  # mapped before any save needed it
 
-        path = str(tmp_path / "iter_1" / "model.pt")
+        path = str(tmp_path / "iter_1" / "model.pt")  # the next checkpoint: a new path
         state = blob(4, 3.0)
         c.save(state, path)
         assert _segment_of(c, path) == spare
         assert torch.equal(c.load(path, mmap=False)["w"], state["w"])
 
-        # The next spare is sized like the save that used one (trimmed: 4 MiB + header).
-        wait_until(lambda: len(_spares(c).segments) == 1 and not _spares(c).growing)
-        reply = _spares(c)
+        # The next spare is sized like the save that used one (4 MiB + header).
+        reply = wait_until(lambda: _settled(c, 1))
         assert reply.segments[0] != spare and reply.capacities == (5 * MIB,)
         assert d.segment_bytes() <= 64 * MIB
 
@@ -55,7 +69,9 @@ def test_pool_gives_way_to_saves_and_never_evicts_committed(daemon_factory, tmp_
         "--reserve-timeout", "30",  # a save may wait for the pool's allocation in flight
     )  # fmt: skip
     with d.client(fallback="raise") as c:
-        wait_until(lambda: len(_spares(c).segments) == 2)
+        _teach(c, tmp_path, 7, 7)  # two 8 MiB spares, then the objects that sized them go
+        for i in range(2):
+            c.delete(str(tmp_path / "first" / f"{i}.pt"))
         paths = [str(tmp_path / f"p{i}.pt") for i in range(3)]
         for i, path in enumerate(paths):
             c.save(blob(9, i), path)  # 10 MiB segments: the 8 MiB spares are too small
@@ -73,28 +89,34 @@ def test_pool_disabled_with_zero_bytes(daemon_factory, tmp_path):
         assert _spares(c).segments == () and not _spares(c).growing
 
 
-def test_one_lingering_thread_maps_the_spares_after_every_save(daemon_factory, tmp_path):
-    """After each save the client maps the daemon's spares with the same thread (woken, not
-    started again: a thread start stalled saves on a busy node); every save lands intact."""
+def test_the_spare_thread_maps_the_spares_after_every_save_and_then_ends(daemon_factory, tmp_path):
+    """After each save the client maps the daemon's spares in its background thread; every
+    save lands intact; the thread ends by itself once that is done (none of the client's
+    threads outlives its work), and ``close()`` ends one still running."""
     d = daemon_factory("--memory-limit", "64MiB", "--pool-segments", "2", "--pool-bytes", "16MiB")
     with d.client(fallback="raise") as c:
-        wait_until(lambda: len(_spares(c).segments) == 2 and not _spares(c).growing)
+        _teach(c, tmp_path, 4, 4)
         c.warmup(wait=True)
         assert all(s in c._write_maps for s in _spares(c).segments)
-        thread = c._spares._thread
-        assert thread is not None and thread.is_alive()
         for i in range(3):
             path = str(tmp_path / f"iter_{i}" / "model.pt")
             state = blob(4, float(i))
             c.save(state, path)
             assert torch.equal(c.load(path, mmap=False)["w"], state["w"])
             # Each save takes one spare and the pool grows another: wait for both to stand.
-            wait_until(lambda: len(_spares(c).segments) == 2 and not _spares(c).growing)
+            wait_until(lambda: _settled(c, 2))
             c._spares.refresh().wait()
             assert all(s in c._write_maps for s in _spares(c).segments)
-            assert c._spares._thread is thread
-    thread.join(5)
-    assert not thread.is_alive()  # close() ended it
+        wait_until(lambda: not _spare_threads(), what="the spare thread to end")
+        c.save(blob(4, 7.0), str(tmp_path / "last.pt"))  # starts it again
+        running = _spare_threads()
+    for thread in running:
+        thread.join(5)
+        assert not thread.is_alive()  # close() ended it
+
+
+def _spare_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name == "ckptcache-spares" and t.is_alive()]
 
 
 def test_a_spare_trimmed_before_the_client_maps_it_does_not_stall_the_save(
@@ -105,9 +127,10 @@ def test_a_spare_trimmed_before_the_client_maps_it_does_not_stall_the_save(
     spare is skipped, and a save that gets it maps it itself instead of waiting forever for
     a mapping that never comes."""
     d = daemon_factory("--memory-limit", "64MiB", "--pool-segments", "1", "--pool-bytes", "16MiB")
+    with d.client(fallback="raise") as teacher:  # its spare thread, not c's, may map the spare
+        reply = _teach(teacher, tmp_path, 4)
     with d.client(fallback="raise") as c:
-        wait_until(lambda: len(_spares(c).segments) == 1 and not _spares(c).growing)
-        (spare,), (capacity,) = _spares(c).segments, _spares(c).capacities
+        (spare,), (capacity,) = reply.segments, reply.capacities
         c._spares._map(spare, capacity + 8 * MIB)  # as if trimmed after the listing
         assert spare not in c._spares.mapping_now and spare not in c._write_maps
 
@@ -120,3 +143,23 @@ def test_a_spare_trimmed_before_the_client_maps_it_does_not_stall_the_save(
         assert done, "the save waited for a spare mapping that never came"
         assert _segment_of(c, path) == spare
         assert torch.equal(c.load(path, mmap=False)["w"], state["w"])
+
+
+def test_a_clean_stop_leaves_only_committed_generations(daemon_factory, tmp_path):
+    """SIGTERM: the spares and the free segments (no data in them) are unlinked; the committed
+    generation stays in the shm directory and a restarted daemon serves it."""
+    d = daemon_factory("--memory-limit", "64MiB", "--pool-segments", "2", "--pool-bytes", "16MiB")
+    kept, gone = str(tmp_path / "kept.pt"), str(tmp_path / "gone.pt")
+    with d.client(fallback="raise") as c:
+        c.save(blob(2, 1.0), kept)
+        c.save(blob(4, 2.0), gone)
+        wait_until(lambda: _settled(c, 2))
+        c.delete(gone)  # its segment goes to the free list
+        segment = os.path.basename(_segment_of(c, kept))
+        assert c.daemon_status().free_segments >= 3  # the spares and the deleted object's
+    d.kill(signal.SIGTERM)
+    assert d.proc is not None and d.proc.returncode == 0, d.log()[-3000:]
+    assert [n for n in os.listdir(d.segments_dir) if n.startswith("seg-")] == [segment]
+    d.start()
+    with d.client(fallback="raise") as c:
+        assert torch.equal(c.load(kept, mmap=False)["w"], blob(2, 1.0)["w"])

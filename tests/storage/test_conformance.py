@@ -10,7 +10,7 @@ import uuid
 import pytest
 
 from ckptcache.storage import StorageBackend, StorageOptions, backend_for
-from ckptcache.storage.base import COMMIT_NS_KEY, NewerObjectExists
+from ckptcache.storage.base import COMMIT_NS_KEY, NewerObjectExists, StorageConflict, WriteGuard
 from ckptcache.storage.fs import TEMP_MARK
 from tests.helpers import read_only_dir
 
@@ -122,28 +122,44 @@ class Conformance:
         self.backend.delete(path)
         assert not self.backend.exists(path)
 
-    def test_newest_commit_wins(self):
+    def test_newest_wins_by_what_was_there_not_by_clocks(self):
+        """A guarded write replaces the object only if it is the one that was there when the
+        save was made (its base), whatever the stamps say; without a base the stamps decide."""
         data = os.urandom(6 << 20)  # above S3's test part size: the multipart path
         fd, name = source_file(data)
         path, t = self.url("stamped/obj.pt"), 2_000_000_000_123_456_789
         try:
-            self.backend.write(path, fd, 100, len(data), commit_ns=t)
+            self.backend.write(path, fd, 100, len(data), guard=WriteGuard(t, base=""))
             if not self.records_commit_time:
                 assert self.backend.commit_time_ns(path) is None
+                assert self.backend.version(path) is None
                 return
             assert self.backend.commit_time_ns(path) == t
-            with pytest.raises(NewerObjectExists):  # an older generation never replaces it
-                self.backend.write(path, fd, 100, 1000, commit_ns=t - 1)
-            with self.backend.open_read(path) as f:
-                assert f.read() == data
-            self.backend.write(path, fd, 100, 1000, commit_ns=t + 1)  # a newer one does
+            first = self.backend.version(path)
+            assert first is not None and first.stamp_ns == t
+            with pytest.raises(NewerObjectExists):  # no base: an older stamp never replaces
+                self.backend.write(path, fd, 100, 1000, guard=WriteGuard(t - 1))
+            # A save made while ``first`` was there replaces it, even stamped an hour earlier
+            # (its node's clock is behind).
+            behind = t - 3600 * 10**9
+            self.backend.write(path, fd, 100, 1000, guard=WriteGuard(behind, base=first.identity))
             with self.backend.open_read(path) as f:
                 assert f.read() == data[:1000]
-            assert self.backend.commit_time_ns(path) == t + 1
+            assert self.backend.commit_time_ns(path) == behind
+            # A save made while ``first`` was there, after which another save replaced it, is
+            # never written, even stamped an hour later (its node's clock is ahead).
+            ahead = t + 3600 * 10**9
+            with pytest.raises((NewerObjectExists, StorageConflict)):
+                self.backend.write(
+                    path, fd, 200, 1000, guard=WriteGuard(ahead, base=first.identity)
+                )
+            with self.backend.open_read(path) as f:
+                assert f.read() == data[:1000]
         finally:
             os.close(fd)
             os.unlink(name)
         assert self.backend.commit_time_ns(self.url("never-written.pt")) is None
+        assert self.backend.version(self.url("never-written.pt")) is None
 
     def test_short_source_fails_and_leaves_nothing(self):
         fd, name = source_file(b"only-a-few-bytes", prefix=b"")
@@ -244,20 +260,51 @@ class TestS3(Conformance):
         fd, name = source_file(b"x" * 1000)
         try:
             with pytest.raises(PermissionError, match="needs s3:ListBucket on bucket"):
-                self.backend.write(self.url("f.pt"), fd, 100, 1000, commit_ns=time.time_ns())
+                self.backend.write(
+                    self.url("f.pt"), fd, 100, 1000, guard=WriteGuard(time.time_ns())
+                )
         finally:
             os.close(fd)
             os.unlink(name)
             del self.backend.client.head_object
         assert not self.backend.exists(self.url("f.pt"))
 
+    @pytest.mark.parametrize("by_ckptcache", [False, True], ids=["foreign", "ckptcache"])
+    def test_a_write_landing_between_the_check_and_a_single_put_is_kept(self, by_ckptcache):
+        """The single PUT is conditional on the object the guard checked (If-None-Match /
+        If-Match): S3 itself refuses it once another write landed, so the check and the write
+        are one step (a fenced representative's PUT in flight can no longer land late)."""
+        url, t = self.url("put-raced.pt"), time.time_ns()
+        put_object = self.backend.client.put_object
+        other = {COMMIT_NS_KEY: str(t - 5)} if by_ckptcache else {}
+
+        def newer_write_first(**kwargs):
+            if kwargs.get("Body") != b"other":  # the guarded PUT: another write lands first
+                put_object(Bucket=kwargs["Bucket"], Key=kwargs["Key"], Body=b"other",
+                           Metadata=other)  # fmt: skip
+            return put_object(**kwargs)
+
+        self.backend.client.put_object = newer_write_first
+        fd, name = source_file(b"x" * 1000)
+        try:
+            expected = StorageConflict if by_ckptcache else NewerObjectExists
+            with pytest.raises(expected):
+                self.backend.write(url, fd, 100, 1000, guard=WriteGuard(t, base=""))
+        finally:
+            os.close(fd)
+            os.unlink(name)
+            del self.backend.client.put_object
+        with self.backend.open_read(url) as f:
+            assert f.read() == b"other"
+
     def test_a_newer_write_landing_during_a_multipart_upload_is_kept(self):
-        """The commit-time check runs again right before the upload completes: a newer
-        object written meanwhile (a write-through) is not replaced by the older upload."""
+        """The guard is checked again right before the upload completes: an object written
+        meanwhile (a write-through) is not replaced by the upload of an earlier save, and
+        another ckptcache writer's is reported as a conflict."""
         data = os.urandom(11 << 20)
         url, t = self.url("raced.pt"), time.time_ns()
         upload_part = self.backend.client.upload_part
-        newer = {COMMIT_NS_KEY: str(t + 1)}
+        newer: dict[str, str] = {}
 
         def part_then_newer_write(**kwargs):
             reply = upload_part(**kwargs)
@@ -269,7 +316,7 @@ class TestS3(Conformance):
         fd, name = source_file(data)
         try:
             with pytest.raises(NewerObjectExists):
-                self.backend.write(url, fd, 100, len(data), commit_ns=t)
+                self.backend.write(url, fd, 100, len(data), guard=WriteGuard(t, base=""))
         finally:
             os.close(fd)
             os.unlink(name)

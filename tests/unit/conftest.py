@@ -29,8 +29,9 @@ def make_core(tmp_path):
 
     def make(**options):
         shm = f"/dev/shm/ckptcache-test-{uuid.uuid4().hex[:8]}"
+        # Memory only is a choice; these parts are tested on temporary paths.
         config = DaemonConfig(**{"shm_dir": shm, "socket": str(tmp_path / "d.sock"),
-                                 "node_id": "unit", **options})  # fmt: skip
+                                 "node_id": "unit", "memory_only": "allow", **options})  # fmt: skip
         core = build_core(config)
         made.append((core, shm))
         return core

@@ -256,8 +256,9 @@ def _sample(cls: type) -> Any:
     values: dict[str, Any] = {}
     for name, hint in typing.get_type_hints(cls).items():
         text = str(hint)
-        if "ObjectInfo" in text:
-            values[name] = (_sample(m.ObjectInfo),)
+        nested = [c for c in ("ObjectInfo", "PeerClock") if c in text]
+        if nested:  # a tuple of nested messages
+            values[name] = (_sample(getattr(m, nested[0])),)
         elif isinstance(hint, type) and issubclass(hint, enum.Enum):
             values[name] = next(iter(hint))
         elif "tuple" in text:

@@ -40,13 +40,14 @@ import time
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
-from ckptcache.errors import CkptCacheError
+from ckptcache import errors as _errors
 
 __all__ = ["Coordinator", "CoordinatorUnavailable", "NodeInfo", "sign_node", "verify_node"]
 
 
-class CoordinatorUnavailable(CkptCacheError, ConnectionError):
-    """The coordinator (etcd) cannot be reached; cluster features pause until it returns."""
+#: The coordinator (etcd) cannot be reached; cluster features pause until it returns. One
+#: class with the public error, so a client sees the same type the daemon raised.
+CoordinatorUnavailable = _errors.CoordinatorUnavailable
 
 
 @dataclass(frozen=True)
@@ -134,6 +135,12 @@ class Coordinator(abc.ABC):
     @abc.abstractmethod
     def healthy(self) -> bool:
         """Whether this node's lease is known to be alive (False while cut off)."""
+
+    def lease_remaining(self) -> float:
+        """Seconds this node's lease is known to stay alive (counted from the last refresh
+        etcd answered, on this node's monotonic clock): no other node can take a role this
+        node holds before then. An embedded coordinator's lease never lapses."""
+        return float("inf")
 
     @abc.abstractmethod
     def close(self) -> None:

@@ -204,6 +204,9 @@ class EtcdCoordinator(Coordinator):
     def healthy(self) -> bool:
         return time.monotonic() < self._lease_ok_until
 
+    def lease_remaining(self) -> float:
+        return max(0.0, self._lease_ok_until - time.monotonic())
+
     def close(self) -> None:
         """Revoke the lease (best effort) and stop the keep-alive, in bounded time.
 

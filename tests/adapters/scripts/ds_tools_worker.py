@@ -1,12 +1,13 @@
 """DeepSpeed switched to the cache by configuration only, checked the way DeepSpeed's own
 checkpoint tests check a save: the files are read back right after ``save_checkpoint``.
 
-usage: ds_tools_worker.py CKPT_DIR
+usage: ds_tools_worker.py CKPT_DIR [CONFIG]
 
 Every rank calls ``ckptcache.adapters.deepspeed.enable()`` once, before any engine exists (as a
 script under Lightning or the HF Trainer would); engines are then built by plain
-``deepspeed.initialize`` with ``"checkpoint": {"ckptcache": {"commit_waits": "files"}}`` and
-never touched by ckptcache code.
+``deepspeed.initialize`` and never touched by ckptcache code. CONFIG: ``files`` (default:
+``"checkpoint": {"ckptcache": {"commit_waits": "files"}}``) or ``default`` (no ckptcache key
+in the DeepSpeed config: the adapter's defaults).
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ def build(seed: int, checkpoint: dict) -> object:
     return engine
 
 
-def run(rank: int, world: int, ck: str) -> None:
+def run(rank: int, world: int, ck: str, config: str) -> None:
     import deepspeed
     from deepspeed.runtime.checkpoint_engine import TorchCheckpointEngine
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
@@ -53,7 +54,7 @@ def run(rank: int, world: int, ck: str) -> None:
     deepspeed_without_compiled_ops()
     assert ds_cache.enable().reachable  # the one process-wide line
     deepspeed.init_distributed(dist_backend="gloo")
-    cached = {"ckptcache": {"commit_waits": "files"}}
+    cached = {"ckptcache": {"commit_waits": "files"}} if config == "files" else {}
     engine = build(0, cached)
     assert isinstance(engine.checkpoint_engine, ds_cache.CkptCacheCheckpointEngine)
     for step in range(3):
@@ -96,4 +97,4 @@ def run(rank: int, world: int, ck: str) -> None:
 
 
 if __name__ == "__main__":
-    launch(run, 2, sys.argv[1])
+    launch(run, 2, sys.argv[1], sys.argv[2] if len(sys.argv) > 2 else "files")

@@ -1,0 +1,247 @@
+"""Restore at scale and backup copies in the cluster lab (tests/lab.py): real daemons in
+network namespaces with shaped links, so the links, not this machine's cores, bound them.
+
+    python benchmarks/cluster/bench.py --size 128MiB --nodes 1 2 4 8 \\
+        --node-mbit 400 --storage-mbit 800
+
+* restore: N nodes restarting together load one object only storage holds, through the cache
+  (one storage read per group, peers relay) and directly (each node GETs it and
+  ``torch.load``s it), from trainer processes inside the node namespaces;
+* backup copy: a ``durability="backup"`` save on one node, less the same save with
+  ``durability="local"``, against the node link;
+* 8 nodes saving with ``durability="backup"`` at once.
+
+Every row shows the CPU the lab's processes (daemons, etcd, the S3 server, trainers) used per
+second of the run: below the machine's cores, the links bound the run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))  # the lab lives with the tests (tests/lab.py)
+
+import torch  # noqa: E402
+
+from ckptcache._units import parse_bytes  # noqa: E402
+from ckptcache.benchmarking import make_state  # noqa: E402
+from ckptcache.client import Client  # noqa: E402
+from tests.lab import Lab, LabNode  # noqa: E402
+
+WORKER = str(Path(__file__).resolve().parent / "worker.py")
+MB = 1e6
+
+
+@dataclass(frozen=True)
+class Run:
+    """One measured run: wall seconds, the lab's CPU seconds in it, what it moved."""
+
+    what: str
+    seconds: float
+    cpu_seconds: float
+    nbytes: int
+    note: str = ""
+
+    @property
+    def cores(self) -> float:
+        return self.cpu_seconds / self.seconds if self.seconds > 0 else 0.0
+
+    @property
+    def mbit(self) -> float:
+        return self.nbytes * 8 / self.seconds / MB if self.seconds > 0 else 0.0
+
+
+def _proc_cpu(pid: int) -> float:
+    """utime + stime of ``pid`` in seconds (0 if it is gone)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def lab_cpu(lab: Lab, exclude: frozenset[int] = frozenset()) -> float:
+    """CPU seconds used so far by the lab's long-lived processes (daemons, etcd, S3 server):
+    every process in its namespaces but ``exclude`` (trainers, which report their own)."""
+    total = 0.0
+    for ns in lab._namespaces:
+        out = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True)
+        total += sum(_proc_cpu(int(p)) for p in out.stdout.split() if int(p) not in exclude)
+    return total
+
+
+def fresh_object(lab: Lab, url: str, nbytes: int, seed: int) -> dict[str, torch.Tensor]:
+    """Store an object written by plain ``torch.save`` at ``url`` (no daemon has it)."""
+    obj = make_state(nbytes, seed=seed)
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    lab.put(url, buf.getvalue())
+    return obj
+
+
+def start_workers(lab: Lab, nodes: list[LabNode], mode: str, url: str) -> list[subprocess.Popen]:
+    """One trainer per node, imports done, waiting for the start line."""
+    procs = []
+    for node in nodes:
+        where = node.socket if mode == "cache" else lab.s3_endpoint
+        argv = node.exec_argv(sys.executable, WORKER, mode, where, url)
+        procs.append(subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                      text=True))  # fmt: skip
+    for p in procs:
+        assert p.stdout is not None and p.stdout.readline().strip() == "ready"
+    return procs
+
+
+def restore(lab: Lab, n: int, mode: str, nbytes: int, seed: int) -> Run:
+    """N nodes load one uncached object at the same moment; until the last has it."""
+    url = f"s3://lab/run/restore-{mode}-{n}-{seed}.pt"
+    fresh_object(lab, url, nbytes, seed)
+    nodes = lab.nodes[:n]
+    procs = start_workers(lab, nodes, mode, url)
+    trainers = frozenset(p.pid for p in procs)
+    cpu0 = lab_cpu(lab, trainers)  # the daemons, etcd and the S3 server
+    t0 = time.time()
+    for p in procs:
+        assert p.stdin is not None
+        p.stdin.write("go\n")
+        p.stdin.flush()
+    reports = []
+    for p in procs:
+        out, _ = p.communicate(timeout=600)
+        reports.append(json.loads(out.strip().splitlines()[-1]))
+    seconds = max(r["end"] for r in reports) - t0
+    cpu = lab_cpu(lab, trainers) - cpu0 + sum(r["cpu"] for r in reports)
+    tiers = sorted(r["tier"] for r in reports)
+    note = ", ".join(f"{tiers.count(t)} x {t}" for t in sorted(set(tiers)))
+    if mode == "cache":
+        for node in nodes:  # uncached again for the next run
+            with Client(node.socket) as c:
+                c.delete(url)
+    return Run(f"{n} node(s), {'through the cache' if mode == 'cache' else 'direct'}",
+               seconds, cpu, nbytes * n, note)  # fmt: skip
+
+
+def timed_save(node: LabNode, obj: object, path: str, durability: str) -> float:
+    with Client(node.socket, fallback="raise", timeout=600) as c:
+        t0 = time.perf_counter()
+        c.save(obj, path, durability=durability)
+        return time.perf_counter() - t0
+
+
+def backup_copy(lab: Lab, nbytes: int) -> Run:
+    """One node's backup push alone on its link: a memory-only path (nothing persists over the
+    same uplink); the ``local`` save of the same bytes is subtracted."""
+    a = lab.nodes[0]
+    obj = make_state(nbytes, seed=7)
+    local = min(timed_save(a, obj, f"/mem/local-{i}.pt", "local") for i in range(2))
+    cpu0 = lab_cpu(lab)
+    backup = timed_save(a, obj, "/mem/backup.pt", "backup")
+    push = backup - local
+    with Client(a.socket) as c:  # room for the waves
+        for path in ("/mem/local-0.pt", "/mem/local-1.pt", "/mem/backup.pt"):
+            c.delete(path)
+    return Run("backup copy, 1 node (backup save - local save)", push, lab_cpu(lab) - cpu0,
+               nbytes, f"backup save {backup:.2f} s, local save {local:.3f} s")  # fmt: skip
+
+
+def backup_wave(lab: Lab, nbytes: int, persist: bool) -> Run:
+    """Every node saves its own object with ``durability="backup"`` at once (a ring: each
+    uplink carries one push, each downlink one), under the persist root or memory-only."""
+    objs = [make_state(nbytes, seed=100 + i) for i in range(len(lab.nodes))]
+    times: list[float] = [0.0] * len(lab.nodes)
+
+    errors: list[str] = []
+
+    def one(i: int) -> None:
+        path = f"s3://lab/run/wave-{i}.pt" if persist else f"/mem/wave-{i}.pt"
+        try:
+            times[i] = timed_save(lab.nodes[i], objs[i], path, "backup")
+        except Exception as e:  # reported in the row, never dropped
+            errors.append(f"node{i}: {type(e).__name__}")
+
+    cpu0 = lab_cpu(lab)
+    t0 = time.perf_counter()
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(lab.nodes))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    seconds = time.perf_counter() - t0
+    what = f"{len(lab.nodes)} nodes save with durability=backup at once" + (
+        " (persisting meanwhile)" if persist else " (memory-only paths)"
+    )
+    note = f"per node {min(times):.2f}-{max(times):.2f} s" + (
+        f"; failed: {', '.join(errors)}" if errors else ""
+    )
+    return Run(what, seconds, lab_cpu(lab) - cpu0, nbytes * len(lab.nodes), note)
+
+
+def model_seconds(n: int, nbytes: int, node_mbit: float, storage_mbit: float, mode: str) -> float:
+    """The chain model (cache) or the shared-storage model (direct), in seconds."""
+    link, storage = node_mbit * MB / 8, storage_mbit * MB / 8
+    if mode == "direct":  # every node reads its own copy through the shared storage link
+        return max(nbytes / link, n * nbytes / storage)
+    first = max(8 << 20, nbytes // 16)  # the storage reader's range (4 x 4 threads)
+    record = 4 << 20  # one data-plane record per later hop
+    return nbytes / min(link, storage) + first / link + (n - 1) * record / link
+
+
+def table(runs: list[Run], models: dict[str, float]) -> str:
+    lines = [
+        "| run | time (s) | model (s) | Mbit/s | lab CPU (cores) | note |",
+        "|---|---:|---:|---:|---:|---|",
+    ]
+    for r in runs:
+        model = models.get(r.what)
+        m = f"{model:.2f}" if model else "-"
+        lines.append(f"| {r.what} | {r.seconds:.2f} | {m} | {r.mbit:.0f} | {r.cores:.2f} | "
+                     f"{r.note} |")  # fmt: skip
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--size", default="128MiB")
+    parser.add_argument("--nodes", type=int, nargs="+", default=[1, 2, 4, 8])
+    parser.add_argument("--node-mbit", type=float, default=400.0)
+    parser.add_argument("--storage-mbit", type=float, default=800.0)
+    parser.add_argument("--skip-restore", action="store_true")
+    args = parser.parse_args()
+    nbytes = parse_bytes(args.size)
+    n_max = max(args.nodes)
+    runs: list[Run] = []
+    models: dict[str, float] = {}
+    budget = f"{max(512, 4 * nbytes >> 20)}MiB"
+    with Lab(n_max, node_mbit=args.node_mbit, storage_mbit=args.storage_mbit, lease_ttl=5.0,
+             memory_limit=budget, daemon_args=("--memory-only", "allow")) as lab:  # fmt: skip
+        print(lab.describe(), flush=True)
+        if not args.skip_restore:
+            for n in args.nodes:
+                for mode in ("cache", "direct"):
+                    run = restore(lab, n, mode, nbytes, seed=n)
+                    models[run.what] = model_seconds(n, nbytes, args.node_mbit,
+                                                     args.storage_mbit, mode)  # fmt: skip
+                    runs.append(run)
+                    print(table([run], models).splitlines()[-1], flush=True)
+        for run in (backup_copy(lab, nbytes), backup_wave(lab, nbytes // 2, persist=False),
+                    backup_wave(lab, nbytes // 2, persist=True)):  # fmt: skip
+            runs.append(run)
+            print(table([run], models).splitlines()[-1], flush=True)
+    print()
+    print(f"{args.size}, nodes at {args.node_mbit:g} Mbit/s, storage {args.storage_mbit:g} "
+          f"Mbit/s shared, {os.cpu_count()} cores")  # fmt: skip
+    print(table(runs, models))
+
+
+if __name__ == "__main__":
+    main()

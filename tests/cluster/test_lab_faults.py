@@ -1,0 +1,414 @@
+"""Network faults on real daemons in network namespaces (tests/lab.py): partitions, one-way
+partitions, a coordinator cut off from half the nodes, a link slowed to a trickle.
+
+Every test checks the same four promises:
+
+* no acknowledged checkpoint is lost (a save that returned is loadable, and persisted);
+* storage is written once per content (the bucket is versioned: every write is a version);
+* every load returns the newest acknowledged bytes or a typed error (``CkptCacheError``),
+  within a bound (:data:`BOUND`), never a hang;
+* the cluster recovers once the fault is gone.
+
+All tests share one lab (module scope); each uses its own paths, and the ``lab`` fixture heals
+every link, restores every rate and restarts every killed daemon after it. Faults are injected
+at points the test waits for (a log line, a persist state), or, where no such point is
+visible, a fixed delay into a transfer that a throttled link stretches to several seconds.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import torch
+
+from ckptcache.errors import CkptCacheError
+from tests.helpers import assert_same, wait_until
+from tests.lab import S3_ENV, Lab, LabNode, in_netns, lab_available
+
+pytestmark = pytest.mark.timeout(180)
+
+#: A client's request timeout here: the daemon must answer (or fail typed) within it.
+CLIENT_TIMEOUT = 30.0
+#: The longest any single operation may take under a fault before it counts as a hang.
+BOUND = CLIENT_TIMEOUT + 15.0
+NODE_MBIT = 200.0
+STORAGE_MBIT = 400.0
+TTL = 2.0
+#: S3's smallest part: objects of a few parts are multipart uploads, whose completion is
+#: fenced by the writer role (a single PUT in flight is not: see the README's Guarantees).
+PART_MIB = 5
+
+
+def state(seed: int, mib: int = 4) -> dict[str, Any]:
+    g = torch.Generator().manual_seed(seed)
+    return {"w": torch.randn(mib << 18, generator=g), "step": seed}
+
+
+@pytest.fixture(scope="module")
+def shared_lab(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Lab]:
+    why = lab_available()
+    if why:
+        pytest.skip(why)
+    env = {**S3_ENV, "AWS_ENDPOINT_URL_S3": "http://10.213.0.3:5000"}  # for client reads
+    with pytest.MonkeyPatch.context() as mp:
+        for k, v in env.items():
+            mp.setenv(k, v)
+        yield from _lab(tmp_path_factory)
+
+
+def _lab(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Lab]:
+    lab = Lab(4, node_mbit=NODE_MBIT, storage_mbit=STORAGE_MBIT, lease_ttl=TTL,
+              workdir=tmp_path_factory.mktemp("lab"), memory_limit="256MiB",
+              config=f"s3_part_size: {PART_MIB}MiB\n")  # fmt: skip
+    with lab:
+        yield lab
+
+
+@pytest.fixture
+def lab(shared_lab: Lab) -> Iterator[Lab]:
+    """The shared lab, made whole again after the test (healed, rates back, daemons up)."""
+    yield shared_lab
+    shared_lab.heal()
+    shared_lab.throttle_storage(STORAGE_MBIT)
+    for node in shared_lab.nodes:
+        if node.mbit != NODE_MBIT:
+            shared_lab.throttle(node, NODE_MBIT)
+        proc = node.daemon.proc
+        if proc is None or proc.poll() is not None:
+            node.daemon.start()
+    shared_lab.wait_formed()
+
+
+@pytest.fixture
+def url(request: pytest.FixtureRequest) -> str:
+    """A path of this test's own in the lab's bucket."""
+    return f"s3://lab/run/{request.node.name}/model.pt"
+
+
+def bounded(fn: Callable[[], Any], bound: float = BOUND) -> Any:
+    """``fn()``'s result or exception, asserting it came back within ``bound`` seconds."""
+    box: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            box["value"] = fn()
+        except BaseException as e:
+            box["error"] = e
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(bound)
+    assert not thread.is_alive(), f"{fn} hung for more than {bound}s"
+    return box.get("error", box.get("value"))
+
+
+def load(node: LabNode, path: str, timeout: float = CLIENT_TIMEOUT) -> Any:
+    """Load ``path`` as a trainer on ``node`` does: through its daemon, from inside the node's
+    namespace (a read the client makes of storage itself goes over the node's link). The
+    object, or the exception it raised."""
+
+    def run() -> Any:
+        with node.daemon.client(fallback="raise", timeout=timeout) as c:
+            return c.load(path, mmap=False)
+
+    return bounded(lambda: in_netns(node.ns, run), timeout + 15)
+
+
+def assert_newest_or_typed(result: Any, expected: Any) -> None:
+    """A load's outcome: the newest acknowledged bytes, or a typed ckptcache error."""
+    if isinstance(result, BaseException):
+        assert isinstance(result, CkptCacheError), repr(result)
+    else:
+        assert_same(expected, result)
+
+
+def save(node: LabNode, obj: Any, path: str, durability: str = "local") -> Any:
+    """Save through ``node``'s daemon; the generation number, or the exception."""
+
+    def run() -> Any:
+        with node.daemon.client(fallback="raise", timeout=CLIENT_TIMEOUT) as c:
+            return c.save(obj, path, durability=durability)
+
+    return bounded(run)
+
+
+def info(node: LabNode, path: str) -> Any:
+    return node.daemon.info(path)
+
+
+def persisted_everywhere(lab: Lab, nodes: list[LabNode], path: str) -> None:
+    """Every listed node holding ``path`` reports it persisted, and storage has it."""
+    wait_until(lambda: lab.versions(path) >= 1, timeout=BOUND, what=f"{path} on storage")
+    wait_until(
+        lambda: all(info(n, path).persist_state in ("persisted", "") for n in nodes),
+        timeout=BOUND, what=f"{path} persisted on every holder",
+    )  # fmt: skip
+
+
+def stored_object(lab: Lab, path: str) -> Any:
+    import io
+
+    return torch.load(io.BytesIO(lab.get(path)), weights_only=True)
+
+
+def settle_and_count(lab: Lab, path: str, quiet: float = 2 * TTL) -> int:
+    """The number of writes of ``path`` once nothing has written it for ``quiet`` seconds (a
+    deposed representative's late write would land in that window)."""
+    last, since = lab.versions(path), time.monotonic()
+    while time.monotonic() - since < quiet:
+        time.sleep(0.25)
+        now = lab.versions(path)
+        if now != last:
+            last, since = now, time.monotonic()
+    return last
+
+
+# ---- the scenarios -------------------------------------------------------------------------
+
+
+def test_partition_during_backup_push(lab: Lab, url: str) -> None:
+    """The saver is cut off while it pushes the backup copy: the save returns or fails typed
+    within the bound; once healed, the object is persisted once and every node loads it."""
+    a = lab.nodes[0]
+    lab.throttle(a, 16)  # ~4 s for the 8 MiB push
+    obj = state(1, mib=8)
+    box: dict[str, Any] = {}
+    saver = threading.Thread(target=lambda: box.update(r=save(a, obj, url, "backup")))
+    saver.start()
+    time.sleep(1.0)  # the push is under way (a fixed point: no log line marks its middle)
+    lab.partition(a)
+    saver.join(BOUND + 5)
+    assert not saver.is_alive()
+    result = box["r"]
+    if isinstance(result, BaseException):
+        assert isinstance(result, CkptCacheError), repr(result)
+    assert_same(obj, load(a, url))  # the local copy is there either way
+    lab.heal(a)
+    lab.throttle(a, NODE_MBIT)
+    persisted_everywhere(lab, [a], url)
+    for n in lab.nodes:
+        assert_same(obj, load(n, url))
+    assert settle_and_count(lab, url) == 1
+
+
+def _representative(lab: Lab, path: str) -> LabNode:
+    return wait_until(
+        lambda: next((n for n in lab.nodes if info(n, path).persist_state == "persisting"), None),
+        timeout=BOUND, interval=0.02, what="a representative persisting",
+    )  # fmt: skip
+
+
+def test_short_partition_of_the_representative_mid_persist(lab: Lab, url: str) -> None:
+    """The representative is cut off for less than its lease while it uploads: it keeps the
+    role, finishes, and storage is written once."""
+    a = lab.nodes[0]
+    lab.throttle_storage(16)  # the upload takes seconds
+    obj = state(2, mib=3 * PART_MIB)
+    assert not isinstance(save(a, obj, url, "backup"), BaseException)
+    rep = _representative(lab, url)
+    lab.partition(rep)
+    time.sleep(TTL / 3)  # shorter than the lease: one missed keep-alive at most
+    lab.heal(rep)
+    lab.throttle_storage(STORAGE_MBIT)
+    holders = [a, *[n for n in lab.nodes if n.node_id in info(a, url).replicas]]
+    persisted_everywhere(lab, holders, url)
+    assert settle_and_count(lab, url) == 1
+    assert_same(obj, stored_object(lab, url))
+    for n in lab.nodes:
+        assert_same(obj, load(n, url))
+
+
+def test_partition_of_the_representative_healed_after_its_lease_expired(lab: Lab, url: str) -> None:
+    """The representative is cut off mid-upload until a standby has taken over and written the
+    object; after the heal the old representative must not write it again."""
+    a = lab.nodes[0]
+    lab.throttle_storage(16)
+    obj = state(3, mib=3 * PART_MIB)
+    assert not isinstance(save(a, obj, url, "backup"), BaseException)
+    rep = _representative(lab, url)
+    lab.partition(rep)
+    lab.throttle_storage(STORAGE_MBIT)
+    others = [n for n in lab.nodes if n is not rep]
+    wait_until(lambda: lab.versions(url) >= 1, timeout=BOUND, what="the standby's write")
+    for n in others:  # loads elsewhere meanwhile: the stored (newest) bytes
+        assert_same(obj, load(n, url))
+    assert_newest_or_typed(load(rep, url), obj)  # its own memory copy, still
+    lab.heal(rep)
+    assert settle_and_count(lab, url, quiet=4 * TTL) == 1
+    assert_same(obj, stored_object(lab, url))
+    wait_until(lambda: info(rep, url).persist_state == "persisted", timeout=BOUND,
+               what="the old representative learning of the new one's write")  # fmt: skip
+
+
+def _group_load(lab: Lab, path: str) -> tuple[list[Any], list[threading.Thread]]:
+    results: list[Any] = [None] * len(lab.nodes)
+    threads = [
+        threading.Thread(target=lambda i=i: results.__setitem__(i, load(lab.nodes[i], path)))
+        for i in range(len(lab.nodes))
+    ]
+    for t in threads:
+        t.start()
+    return results, threads
+
+
+def _log_with(lab: Lab, text: str) -> LabNode:
+    return wait_until(
+        lambda: next((n for n in lab.nodes if text in n.daemon.log()), None),
+        timeout=BOUND, interval=0.02, what=text,
+    )  # fmt: skip
+
+
+def _seed_storage(lab: Lab, path: str, obj: Any) -> None:
+    import io
+
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    lab.put(path, buf.getvalue())
+
+
+def test_partition_of_the_group_reader_mid_broadcast(lab: Lab, url: str) -> None:
+    """Every node restarts and loads an object only storage holds; the node reading it for the
+    group is cut off mid-read. The others get the bytes (another reads once the reader's lease
+    is gone); the reader gets them or a typed error; nothing is written to storage."""
+    obj = state(4, mib=8)
+    _seed_storage(lab, url, obj)
+    lab.throttle_storage(24)  # ~3 s for the read
+    results, threads = _group_load(lab, url)
+    reader = _log_with(lab, f"reading {url} from storage")
+    lab.partition(reader)
+    lab.throttle_storage(STORAGE_MBIT)
+    for n, t in zip(lab.nodes, threads, strict=True):
+        if n is not reader:  # served by the rest of the group meanwhile
+            t.join(BOUND + 10)
+            assert not isinstance(results[n.index], BaseException), (n.node_id, results)
+            assert_same(obj, results[n.index])
+    lab.heal(reader)
+    threads[reader.index].join(BOUND + 10)  # the cut-off node: bytes or a typed error
+    assert not threads[reader.index].is_alive()
+    assert_newest_or_typed(results[reader.index], obj)
+    assert_same(obj, load(reader, url))
+    assert settle_and_count(lab, url) == 1  # the seeded write only
+
+
+def test_partition_of_a_relay_mid_broadcast(lab: Lab, url: str) -> None:
+    """A node relaying the group's object while it still arrives is cut off: the nodes
+    downstream of it get the bytes from another member within the bound."""
+    obj = state(5, mib=8)
+    _seed_storage(lab, url, obj)
+    lab.throttle_storage(24)
+    results, threads = _group_load(lab, url)
+    relay = _log_with(lab, f"relaying {url} to a peer while it arrives")
+    lab.partition(relay)
+    lab.throttle_storage(STORAGE_MBIT)
+    for n, t in zip(lab.nodes, threads, strict=True):
+        if n is not relay:  # served by the rest of the group meanwhile
+            t.join(BOUND + 10)
+            assert not isinstance(results[n.index], BaseException), (n.node_id, results)
+            assert_same(obj, results[n.index])
+    lab.heal(relay)
+    threads[relay.index].join(BOUND + 10)  # the cut-off node: bytes or a typed error
+    assert not threads[relay.index].is_alive()
+    assert_newest_or_typed(results[relay.index], obj)
+    assert settle_and_count(lab, url) == 1
+
+
+def test_one_way_partition_of_a_saver(lab: Lab, url: str) -> None:
+    """A node that can send but hears nothing (its keep-alives may still reach etcd) holds a
+    checkpoint it saved and backed up before: the group still persists it once, other nodes
+    load it, and its own loads answer from memory or fail typed."""
+    a = lab.nodes[0]
+    obj = state(6, mib=3 * PART_MIB)
+    assert not isinstance(save(a, obj, url, "backup"), BaseException)
+    lab.partition(a, direction="in")
+    others = [n for n in lab.nodes if n is not a]
+    wait_until(lambda: lab.versions(url) >= 1, timeout=BOUND, what="a write of the group")
+    for n in others:
+        assert_same(obj, load(n, url))
+    assert_newest_or_typed(load(a, url), obj)
+    lab.heal(a)
+    assert settle_and_count(lab, url) == 1
+    assert_same(obj, stored_object(lab, url))
+
+
+def test_one_way_partition_the_other_way(lab: Lab, url: str) -> None:
+    """Nothing a node sends arrives (it still hears everyone): a save it acknowledges locally
+    during the cut is persisted once after the heal, and its next save replaces it
+    everywhere (a newer save of the path on another node within ``conflict_window`` would be
+    a digest disagreement, kept beside it: README, Many nodes)."""
+    a = lab.nodes[0]
+    lab.partition(a, direction="out")
+    old = state(7)
+    assert not isinstance(save(a, old, url), BaseException)  # durability local: acknowledged
+    assert_same(old, load(a, url))
+    lab.heal(a)
+    persisted_everywhere(lab, [a], url)
+    assert settle_and_count(lab, url) == 1
+    new = state(8)
+    assert not isinstance(save(a, new, url, "persisted"), BaseException)
+    for n in lab.nodes:
+        assert_same(new, load(n, url))
+    assert_same(new, stored_object(lab, url))
+    assert settle_and_count(lab, url) == 2  # each generation written once
+
+
+def test_coordinator_cut_off_from_half_the_nodes(lab: Lab, url: str) -> None:
+    """etcd is unreachable from nodes 0 and 1: they keep saving and loading from memory; the
+    other half persists what it saves; once healed, the cut-off nodes' saves are persisted
+    once and every node loads the newest."""
+    cut, whole = lab.nodes[:2], lab.nodes[2:]
+    lab.partition_coordinator(cut)
+    mine = url.replace("model.pt", "cut.pt")
+    obj_cut, obj_whole = state(9), state(10)
+    assert not isinstance(save(cut[0], obj_cut, mine), BaseException)
+    assert_same(obj_cut, load(cut[0], mine))
+    assert not isinstance(save(whole[0], obj_whole, url, "persisted"), BaseException)
+    for n in lab.nodes:  # whole half: through storage or peers; cut half: maybe typed error
+        r = load(n, url)
+        if n in whole:
+            assert_same(obj_whole, r)
+        else:
+            assert_newest_or_typed(r, obj_whole)
+    lab.heal()
+    persisted_everywhere(lab, [cut[0]], mine)
+    assert settle_and_count(lab, mine) == 1
+    for n in lab.nodes:
+        assert_same(obj_cut, load(n, mine))
+
+
+def test_link_throttled_to_a_trickle_mid_transfer(lab: Lab, url: str) -> None:
+    """A peer load whose source's link drops to a trickle mid-transfer and recovers: the load
+    finishes with the right bytes; the object is persisted once."""
+    a, b = lab.nodes[0], lab.nodes[1]
+    obj = state(11, mib=8)
+    assert not isinstance(save(a, obj, url, "persisted"), BaseException)
+    lab.throttle(a, 20)  # ~3.5 s for 8 MiB
+    box: dict[str, Any] = {}
+    loader = threading.Thread(target=lambda: box.update(r=load(b, url)))
+    loader.start()
+    time.sleep(1.0)
+    lab.throttle(a, 0.5)  # a trickle: 64 KB/s
+    time.sleep(3.0)
+    lab.throttle(a, NODE_MBIT)
+    loader.join(BOUND + 10)
+    assert not loader.is_alive()
+    assert not isinstance(box["r"], BaseException), box["r"]
+    assert_same(obj, box["r"])
+    assert settle_and_count(lab, url) == 1
+
+
+def test_kill_of_the_saver_loses_no_backed_up_checkpoint(lab: Lab, url: str) -> None:
+    """kill -9 of a node right after a ``durability="backup"`` save: the backup node persists
+    it once and serves it."""
+    a = lab.nodes[0]
+    obj = state(12)
+    assert not isinstance(save(a, obj, url, "backup"), BaseException)
+    lab.kill(a)
+    others = [n for n in lab.nodes if n is not a]
+    for n in others:
+        assert_same(obj, load(n, url))
+    wait_until(lambda: lab.versions(url) >= 1, timeout=BOUND, what="the backup node's persist")
+    assert settle_and_count(lab, url) == 1
