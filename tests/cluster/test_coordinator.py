@@ -7,7 +7,12 @@ import uuid
 
 import pytest
 
-from ckptcache.server.coord import EmbeddedCoordinator, NodeInfo, make_coordinator
+from ckptcache.server.coord import (
+    CoordinatorUnavailable,
+    EmbeddedCoordinator,
+    NodeInfo,
+    make_coordinator,
+)
 from ckptcache.server.coord.counting import CountingCoordinator
 from tests.helpers import wait_until
 
@@ -199,3 +204,33 @@ def test_counting_coordinator_counts_each_request_in_total_and_per_scope():
     assert coord.get("loads/p") == {"node": "a"} and coord.prefix == inner.prefix
     coord.close()
     assert inner.scan("") == {}  # closing the wrapper closed the coordinator (lease ended)
+
+
+def test_an_announcement_made_while_etcd_is_down_lands_once_it_is_back(tmp_path):
+    """A holder announced during a short etcd outage (its put fails) is put by the
+    keep-alive once etcd answers again, under the same lease: peers find the holder without
+    the node announcing anything anew (a lost announcement left a copy nobody could find)."""
+    from ckptcache.benchmarking import EtcdServer
+
+    (tmp_path / "etcd").mkdir()
+    etcd = EtcdServer(tmp_path / "etcd" / "data").start()
+    url, cluster = f"etcd://127.0.0.1:{etcd.client_port}", f"t{uuid.uuid4().hex[:8]}"
+    # A TTL longer than the outage: the lease survives it, so nothing is re-taken.
+    a = make_coordinator(url, cluster=cluster, job="j", ttl=10.0)
+    b = make_coordinator(url, cluster=cluster, job="j", ttl=10.0)
+    try:
+        a.join(NodeInfo("a", "h", ""))
+        b.join(NodeInfo("b", "h", ""))
+        lease = a._lease.id
+        etcd.stop()
+        with pytest.raises(CoordinatorUnavailable):
+            a.announce("holders/p/d/a", {"node": "a"})
+        etcd.start()
+        wait_until(lambda: b.get("holders/p/d/a") == {"node": "a"}, what="the late put")
+        assert a._lease.id == lease
+        a.withdraw("holders/p/d/a")  # a withdrawn key is not sent again
+        assert b.get("holders/p/d/a") is None
+    finally:
+        a.close()
+        b.close()
+        etcd.stop()

@@ -103,7 +103,8 @@ class Coordinator(abc.ABC):
 
     @abc.abstractmethod
     def announce(self, key: str, value: dict[str, Any]) -> None:
-        """Put ``key`` under this node's lease (re-announced if the lease had to be renewed)."""
+        """Put ``key`` under this node's lease (re-announced if the lease had to be renewed,
+        and put later if this put fails: it raises, but the announcement is not lost)."""
 
     @abc.abstractmethod
     def withdraw(self, key: str) -> None:

@@ -1,6 +1,7 @@
 """etcd v3 through its JSON gateway (etcd3gw): leases, transactions, prefix scans.
 
-The node's lease is refreshed every ``ttl/3`` by a background thread. If etcd is unreachable
+The node's lease is refreshed every ``ttl/3`` by a background thread (never queued behind
+other requests: a slow put must not let the lease lapse). If etcd is unreachable
 for longer than ``ttl`` the lease is gone: the node reports unhealthy (its representative roles
 are lost, so it must not start new persists) and, once etcd answers again, it takes a new
 lease and re-announces everything it had announced — an etcd restart is survived without a
@@ -57,6 +58,8 @@ class EtcdCoordinator(Coordinator):
         self._lease: Any = None
         self._lease_ok_until = 0.0
         self._announced: dict[str, dict[str, Any]] = {}
+        #: Announced keys etcd may not have (their put failed): sent again by the keep-alive.
+        self._unsent: set[str] = set()
         self._lock = threading.RLock()
         self._stop = threading.Event()  # ends the keep-alive thread
         self._closed = threading.Event()  # set by close(): no request is started after it
@@ -78,8 +81,17 @@ class EtcdCoordinator(Coordinator):
     def _new_lease(self) -> None:
         self._lease = self._guard("lease grant", self._client.lease, max(1, int(self.ttl)))
         self._lease_ok_until = time.monotonic() + self.ttl
-        for key, value in self._announced.items():
-            self._put(key, value, lease=True)
+        self._unsent = set(self._announced)
+        self._send_unsent()
+
+    def _send_unsent(self) -> None:
+        """Put every announced key etcd may be missing (call with ``self._lock`` held); a
+        key stays pending until its put succeeds."""
+        for key in sorted(self._unsent):
+            value = self._announced.get(key)
+            if value is not None:
+                self._put(key, value, lease=True)
+            self._unsent.discard(key)
 
     def _put(self, key: str, value: dict[str, Any], *, lease: bool) -> None:
         self._guard("put", self._client.put, self.prefix + key, json.dumps(value),
@@ -109,32 +121,75 @@ class EtcdCoordinator(Coordinator):
 
     def _keepalive(self) -> None:
         while not self._stop.wait(max(0.2, self.ttl / 3)):
-            with self._lock:
-                try:
-                    remaining = self._guard("lease refresh", self._lease.refresh)
-                    if remaining is not None and int(remaining) <= 0:
-                        raise CoordinatorUnavailable("lease expired")
+            # The refresh runs without ``self._lock``: announcements hold it through their
+            # requests, and an etcd slow to answer puts (or a queue of them) must not hold
+            # the refresh back until the lease lapses and the node looks dead to the others.
+            lease = self._lease
+            try:
+                remaining = self._guard("lease refresh", lease.refresh)
+                if remaining is not None and int(remaining) <= 0:
+                    raise CoordinatorUnavailable("lease expired")
+                # Nor is the lock taken to record it. A lease replaced meanwhile got its own
+                # deadline from _new_lease, just now: setting it again changes nothing.
+                if self._lease is lease:
                     self._lease_ok_until = time.monotonic() + self.ttl
-                except CoordinatorUnavailable as e:
-                    if self._stop.is_set():
-                        return  # stopped while waiting for the lock: no retry, no new lease
-                    if time.monotonic() < self._lease_ok_until:
-                        log.warning("etcd lease refresh failed (%s); retrying", e)
-                        continue
-                    try:
-                        self._new_lease()
-                        log.warning("etcd lease was lost; took a new one and re-announced")
-                    except CoordinatorUnavailable as e2:
-                        log.warning("etcd unreachable: %s", e2)
+            except CoordinatorUnavailable as e:
+                self._refresh_failed(lease, e)
+                continue
+            if self._unsent:
+                self._resend()
+
+    def _resend(self) -> None:
+        """etcd answers again: put the announcements whose puts failed meanwhile. Left to
+        the next round while a request holds the lock (the refresh must never wait on it)."""
+        if not self._lock.acquire(blocking=False):
+            return
+        try:
+            if self._stop.is_set():
+                return
+            pending = len(self._unsent)
+            try:
+                self._send_unsent()
+            except CoordinatorUnavailable as e:
+                log.debug("announcements still pending (%d): %s", len(self._unsent), e)
+                return
+        finally:
+            self._lock.release()
+        log.info("etcd answers again: re-sent %d announcement(s) it had missed", pending)
+
+    def _refresh_failed(self, lease: Any, error: CoordinatorUnavailable) -> None:
+        """Retry while the lease may still be alive; past its TTL take a new one (and
+        re-announce), unless another request already did."""
+        with self._lock:
+            if self._stop.is_set():
+                return  # stopped while waiting for the lock: no retry, no new lease
+            if self._lease is not lease:
+                return  # a request found it gone and took a new one meanwhile
+            if time.monotonic() < self._lease_ok_until:
+                log.warning("etcd lease refresh failed (%s); retrying", error)
+                return
+            try:
+                self._new_lease()
+                log.warning("etcd lease was lost; took a new one and re-announced")
+            except CoordinatorUnavailable as e2:
+                log.warning("etcd unreachable: %s", e2)
 
     def announce(self, key: str, value: dict[str, Any]) -> None:
+        """Put ``key`` under the lease. If the put fails (etcd unreachable for a moment) the
+        error is raised and the key stays pending: the keep-alive puts it once etcd answers
+        again, so an announcement is never lost to an outage shorter than the lease."""
         with self._lock:
             self._announced[key] = value
-            self._under_lease("put", self._client.put, self.prefix + key, json.dumps(value))
+            try:
+                self._under_lease("put", self._client.put, self.prefix + key, json.dumps(value))
+            except CoordinatorUnavailable:
+                self._unsent.add(key)
+                raise
 
     def withdraw(self, key: str) -> None:
         with self._lock:
             self._announced.pop(key, None)
+            self._unsent.discard(key)
         self._guard("delete", self._client.delete, self.prefix + key)
 
     def elect(self, key: str, value: dict[str, Any]) -> bool:
