@@ -108,16 +108,22 @@ _LAZY = {
 
 
 # Submodules that importing this package used to load as a side effect: code that does
-# ``import ckptcache`` and then uses ``ckptcache.api.…`` keeps working.
-_SUBMODULES = frozenset(
-    {"api", "archive", "client", "flatten", "layout", "manifest", "objectio", "shm", "storage",
-     "wire"}
-)  # fmt: skip
+# ``import ckptcache`` and then uses ``ckptcache.api.…`` keeps working. The format modules
+# moved into ``ckptcache.format``; their old names lead there.
+_SUBMODULES = {
+    "api": "ckptcache.api",
+    "client": "ckptcache.client",
+    "storage": "ckptcache.storage",
+    "wire": "ckptcache.wire",
+    **{n: f"ckptcache.format.{n}"
+       for n in ("archive", "flatten", "layout", "manifest", "objectio", "shm")},
+}  # fmt: skip
 
 
 def __getattr__(name: str) -> Any:
-    if name in _SUBMODULES:
-        return importlib.import_module(f"{__name__}.{name}")
+    module = _SUBMODULES.get(name)
+    if module is not None:
+        return importlib.import_module(module)
     target = _LAZY.get(name)
     if target is None:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

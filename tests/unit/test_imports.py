@@ -194,3 +194,14 @@ def test_no_back_reference_from_a_part_to_its_builder():
         if a.attr == "core" or (a.attr == "cluster" and not _own_or_config(a.value))
     )  # fmt: skip
     assert not found, f"back-references: {found}"
+
+
+def test_every_listed_submodule_name_imports_its_module():
+    """``ckptcache.<name>`` for each name kept for old code leads to a module that exists
+    (the format modules moved into ``ckptcache.format``)."""
+    import importlib
+
+    for name, module in ckptcache._SUBMODULES.items():
+        assert getattr(ckptcache, name) is importlib.import_module(module), name
+    assert ckptcache.layout.__name__ == "ckptcache.format.layout"
+    assert hasattr(ckptcache, "manifest") and not hasattr(ckptcache, "no_such_module")
