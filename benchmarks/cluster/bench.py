@@ -36,6 +36,10 @@ import torch  # noqa: E402
 from ckptcache._units import parse_bytes  # noqa: E402
 from ckptcache.benchmarking import make_state  # noqa: E402
 from ckptcache.client import Client  # noqa: E402
+from ckptcache.server.config import DaemonConfig  # noqa: E402
+from ckptcache.server.storage_read import read_chunk  # noqa: E402
+from ckptcache.server.transfer import RELAY_RECORD  # noqa: E402
+from tests.helpers import wait_until  # noqa: E402
 from tests.lab import Lab, LabNode  # noqa: E402
 
 WORKER = str(Path(__file__).resolve().parent / "worker.py")
@@ -144,6 +148,12 @@ def backup_copy(lab: Lab, nbytes: int) -> Run:
     a = lab.nodes[0]
     obj = make_state(nbytes, seed=7)
     local = min(timed_save(a, obj, f"/mem/local-{i}.pt", "local") for i in range(2))
+    # A local save is copied to the backup node in the background (--backup auto): timed
+    # while those copies still ran, the push shared its uplink with them.
+    with Client(a.socket) as c:
+        for i in range(2):
+            wait_until(lambda i=i: bool(c.status(f"/mem/local-{i}.pt").replicas), timeout=600,
+                       what="the local saves' background copies")  # fmt: skip
     cpu0 = lab_cpu(lab)
     backup = timed_save(a, obj, "/mem/backup.pt", "backup")
     push = backup - local
@@ -191,9 +201,11 @@ def model_seconds(n: int, nbytes: int, node_mbit: float, storage_mbit: float, mo
     link, storage = node_mbit * MB / 8, storage_mbit * MB / 8
     if mode == "direct":  # every node reads its own copy through the shared storage link
         return max(nbytes / link, n * nbytes / storage)
-    first = max(8 << 20, nbytes // 16)  # the storage reader's range (4 x 4 threads)
-    record = 4 << 20  # one data-plane record per later hop
-    return nbytes / min(link, storage) + first / link + (n - 1) * record / link
+    # Joiners trail the reader by the ranges in flight at once (they share its link), and
+    # each later hop by one relay record.
+    threads = DaemonConfig().s3_max_concurrency
+    first = threads * read_chunk(nbytes, threads)
+    return nbytes / min(link, storage) + first / link + (n - 1) * RELAY_RECORD / link
 
 
 def table(runs: list[Run], models: dict[str, float]) -> str:

@@ -229,12 +229,19 @@ class Channel:
         return payload
 
     def send_file(
-        self, source: str | int, offset: int, count: int, mapping: mmap.mmap | None = None
+        self,
+        source: str | int,
+        offset: int,
+        count: int,
+        mapping: mmap.mmap | None = None,
+        *,
+        record: int = RECORD_SIZE,
     ) -> None:
         """Send ``count`` bytes of file ``source`` (a path, or a descriptor the caller opened
         and keeps) from ``offset`` by ``sendfile`` (straight from the page cache), each
         record's tag computed from ``mapping`` (the caller's mapping of the file, already
-        faulted in; else a fresh one) while the record leaves.
+        faulted in; else a fresh one) while the record leaves, in records of at most
+        ``record`` bytes.
 
         ``socket.sendfile`` (not ``os.sendfile``): sockets with a timeout are non-blocking
         underneath, and it waits for writability instead of failing with EAGAIN.
@@ -256,7 +263,7 @@ class Channel:
 
             pos, end = offset, offset + count
             while pos < end:
-                n = min(RECORD_SIZE, end - pos)
+                n = min(record, end - pos)
                 head = _LEN.pack(n)
                 tag = self._helper().submit(tag_of, self._next_send(), head, pos, n)
                 try:
@@ -271,9 +278,25 @@ class Channel:
 
     def recv_into(self, view: memoryview, progress: Callable[[int], None] | None = None) -> None:
         """Fill ``view`` from records. Each record's tag is checked while the next one arrives;
-        ``progress(n)`` reports each time the first ``n`` bytes are in place *and* verified."""
+        ``progress(n)`` reports each time the first ``n`` bytes are in place *and* verified:
+        as soon as the check ends (from the checking thread), not when the next record is in,
+        so a relay forwards a record one record's time sooner."""
         pos = 0
-        pending: tuple[Future[None], int] | None = None
+        pending: Future[None] | None = None
+        failed: list[BaseException] = []  # a check or a progress report that failed
+
+        def reported(end: int) -> Callable[[Future[None]], None]:
+            def done(check: Future[None]) -> None:
+                # Checks run in order on one thread: no report past a failed one.
+                if failed or check.exception() is not None or progress is None:
+                    return
+                try:
+                    progress(end)
+                except BaseException as e:  # raised by the receiving thread below
+                    failed.append(e)
+
+            return done
+
         try:
             while pos < len(view):
                 head = _recv_exact(self.sock, _LEN.size)
@@ -287,27 +310,28 @@ class Channel:
                 tag = _recv_exact(self.sock, _TAG)
                 check = self._helper().submit(self._check_region, self._next_recv(), head,
                                               view, pos, n, tag)  # fmt: skip
+                pos += n
+                if pos < len(view):  # the last one is reported below, once all are done
+                    check.add_done_callback(reported(pos))
                 if pending is not None:
-                    self._settle(pending, progress)
-                pending, pos = (check, pos + n), pos + n
+                    pending.result()  # an earlier record's error, raised here
+                pending = check
             if pending is not None:
-                self._settle(pending, progress)
-                pending = None
+                check, pending = pending, None
+                check.result()  # in order: every earlier check and its report are done
+                if failed:
+                    raise failed[0]
+                if progress is not None:
+                    progress(pos)
         finally:
             if pending is not None:
-                wait([pending[0]])  # an earlier error is propagating; never leave a check behind
+                wait([pending])  # an earlier error is propagating; never leave a check behind
 
     def _check_region(
         self, seq: int, head: bytes, view: memoryview, start: int, n: int, tag: bytes
     ) -> None:
         with view[start : start + n] as part:  # released before the caller may unmap ``view``
             self._check(seq, head, part, tag)
-
-    @staticmethod
-    def _settle(pending: tuple[Future[None], int], progress: Callable[[int], None] | None) -> None:
-        pending[0].result()
-        if progress is not None:
-            progress(pending[1])
 
     def close(self) -> None:
         """Close the connection (and the tag helper)."""

@@ -31,8 +31,8 @@ from ckptcache.errors import CkptCacheError
 from ckptcache.format.digest import digest_bytes
 from ckptcache.format.manifest import object_digest
 from ckptcache.server.config import DaemonConfig
-from ckptcache.server.coord import CoordinatorUnavailable
-from ckptcache.server.fetching import Fetching
+from ckptcache.server.coord import CoordinatorUnavailable, NodeInfo
+from ckptcache.server.fetching import Fetching, PeerBusy
 from ckptcache.server.index import Generation
 from ckptcache.server.membership import Membership, path_hash
 from ckptcache.server.metrics import Metrics
@@ -49,6 +49,9 @@ log = logging.getLogger(__name__)
 #: Lease time a write must still have left to land on the strength of the lease alone: the
 #: last steps (a rename, a multipart completion) run after the check.
 _FENCE_MARGIN = 1.0
+
+#: How long a good copy is asked for again from a peer busy sending it to others (seconds).
+BUSY_PATIENCE = 10.0
 
 
 def _no_fence() -> None:
@@ -272,8 +275,7 @@ class Election:
             if node is None or node.node_id == me or not node.data_addr:
                 continue
             try:
-                with self.membership.in_flight(ph) as announce:
-                    good = self.fetching.fetch_from(node, gen.namespace, gen.path, announce)
+                good = self._fetch_good(node, gen, ph)
             except (OSError, CkptCacheError) as e:
                 log.warning("good copy of %s from %s failed: %s", gen.path, node.node_id, e)
                 continue
@@ -283,6 +285,19 @@ class Election:
             return True
         log.error("no other node holds a good copy of %s: it cannot be persisted", gen.path)
         return False
+
+    def _fetch_good(self, node: NodeInfo, gen: Generation, ph: str) -> Generation:
+        """``node``'s copy of ``gen``'s path, asked again while it answers busy (sending
+        it to other peers: a group restore), for at most :data:`BUSY_PATIENCE` seconds."""
+        deadline = time.monotonic() + BUSY_PATIENCE
+        while True:
+            try:
+                with self.membership.in_flight(ph) as announce:
+                    return self.fetching.fetch_from(node, gen.namespace, gen.path, announce)
+            except PeerBusy:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.1)
 
     def watch(self, gen: Generation, *, resubmit: bool = True) -> None:
         """Watch the group of ``gen`` as a standby (with the state lock held or not)."""

@@ -2,16 +2,23 @@
 
 Serving (:meth:`Fetching.on_fetch`): a copy still arriving here is relayed as it lands
 (:class:`~ckptcache.wire.peer.RelayHead`), else the newest sound generation is sent, pinned
-(:class:`~ckptcache.wire.peer.ObjectHead`). Fetching (:meth:`Fetching.fetch_from`) receives
-either and commits it here. A fetched copy found corrupt is reported to its holder
-(:meth:`Fetching.report_corrupt` -> :meth:`Fetching.on_corrupt` there), which drops the
-generation it served.
+(:class:`~ckptcache.wire.peer.ObjectHead`). A node sends one object to at most
+:data:`FANOUT` peers at a time and refuses more with :class:`PeerBusy`: the refused peer
+chains behind one that is receiving it (it relays as the bytes land), so N nodes restoring
+together form a chain in which every uplink carries the object once, instead of a star in
+which the first holder's uplink carries it N - 1 times.
+
+Fetching (:meth:`Fetching.fetch_from`) receives either and commits it here. A fetched copy
+found corrupt is reported to its holder (:meth:`Fetching.report_corrupt` ->
+:meth:`Fetching.on_corrupt` there), which drops the generation it served.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
 
 from ckptcache.errors import (
     CheckpointNotFound,
@@ -28,9 +35,39 @@ from ckptcache.server.state import CacheState, Inflight
 from ckptcache.server.transfer import receive_copy, receive_relayed, relay_in_flight, send_object
 from ckptcache.wire import peer
 
-__all__ = ["Fetching"]
+__all__ = ["FANOUT", "Fetching", "PeerBusy"]
 
 log = logging.getLogger(__name__)
+
+#: Peers one object is sent to at once from this node. One: a chain moves each object over
+#: each uplink once, and relaying as the bytes land keeps its depth to one record per hop.
+FANOUT = 1
+
+
+class PeerBusy(ReplicationError):
+    """The peer is already sending this object to :data:`FANOUT` others: ask one of them."""
+
+
+class _Sends:
+    """Sends in progress per object (``key``), bounded by :data:`FANOUT`."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._count: dict[tuple[str, str], int] = {}
+
+    @contextlib.contextmanager
+    def slot(self, key: tuple[str, str]) -> Iterator[None]:
+        with self._lock:
+            if self._count.get(key, 0) >= FANOUT:
+                raise PeerBusy(f"already sending {key[1]!r} to {FANOUT} peer(s)")
+            self._count[key] = self._count.get(key, 0) + 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._count[key] -= 1
+                if not self._count[key]:
+                    del self._count[key]
 
 
 class Fetching:
@@ -50,10 +87,18 @@ class Fetching:
         self.ensure_digests = ensure_digests
         self.receive = receive
         self.drop_corrupt = drop_corrupt
+        self._sends = _Sends()
 
     def on_fetch(self, conn: Channel, req: peer.FetchRequest) -> None:
         """Handler of :class:`~ckptcache.wire.peer.FetchRequest`."""
         key = (req.namespace, req.path)
+        try:
+            with self._sends.slot(key):
+                self._serve(conn, key)
+        except PeerBusy as e:
+            send_msg(conn, peer.refusal(e))
+
+    def _serve(self, conn: Channel, key: tuple[str, str]) -> None:
         try:
             served = self.state.flight_or_pinned(key)
         except CkptCacheError as e:
@@ -93,6 +138,8 @@ class Fetching:
             if isinstance(head, peer.Refused):
                 if head.error == "CheckpointNotFound":
                     raise CheckpointNotFound(f"{node.node_id}: {head.message}")
+                if head.error == "PeerBusy":
+                    raise PeerBusy(f"{node.node_id}: {head.message}")
                 raise ReplicationError(f"{node.node_id}: {head.message}")
             if (head.namespace, head.path) != (namespace, path):
                 raise ReplicationError(f"{node.node_id} answered for another path")

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING
 from ckptcache.errors import CheckpointNotFound, CkptCacheError, CorruptCheckpoint
 from ckptcache.server.coord import NodeInfo
 from ckptcache.server.coord.counting import CountingCoordinator
-from ckptcache.server.fetching import Fetching
+from ckptcache.server.fetching import Fetching, PeerBusy
 from ckptcache.server.membership import Membership, path_hash
 from ckptcache.server.metrics import Metrics
 from ckptcache.server.state import CacheState, NewerHeld
@@ -48,6 +48,9 @@ MAX_PLANS = 64  # re-plans after failed executions (waits for a reader are not f
 MAX_ABSENT = 4  # "not here" answers after which a node's holder entry counts as stale
 BACKOFF_BASE = 0.004  # first wait for a reader to start (seconds, before jitter)
 BACKOFF_CAP = 0.1  # longest wait between two looks at the coordinator
+#: How long a holder that answered "busy" is passed over for the others (seconds): long
+#: enough for the peer it is sending to to announce itself in flight.
+BUSY_FOR = 0.5
 
 
 @dataclass(frozen=True)
@@ -55,8 +58,10 @@ class Plan:
     """Where this load's bytes come from.
 
     ``source``: ``"local"`` (another request of this daemon landed it), ``"peer"`` (``node``
-    holds it or relays it while it arrives), ``"storage"`` (read it, after winning the group's
-    election unless ``alone``), or ``"none"`` (no peer holds it and storage does not have it).
+    holds it or relays it while it arrives), ``"busy"`` (every holder is sending it to others
+    already: wait for one of those to announce itself in flight), ``"storage"`` (read it,
+    after winning the group's election unless ``alone``), or ``"none"`` (no peer holds it and
+    storage does not have it).
     """
 
     source: str
@@ -90,6 +95,8 @@ class _Load:
     failures: int = 0
     #: "Not here" answers per node: a holder entry can outlive its copy (retired meanwhile).
     absent: dict[str, int] = field(default_factory=dict)
+    #: When each holder last answered "busy" (monotonic): passed over for :data:`BUSY_FOR`.
+    busy: dict[str, float] = field(default_factory=dict)
     #: The last corrupt copy a peer sent: what the load reports if no other tier has it.
     corrupt: CorruptCheckpoint | None = None
 
@@ -111,7 +118,9 @@ def plan(src: Sources, load: _Load) -> Plan:
     holders = [n for n in src.membership.holders(load.namespace, load.path)
                if n.node_id != me and n.node_id not in load.tried]  # fmt: skip
     if holders:
-        return Plan("peer", holders[0])
+        now = time.monotonic()
+        free = [n for n in holders if load.busy.get(n.node_id, 0.0) <= now - BUSY_FOR]
+        return Plan("peer", free[0]) if free else Plan("busy")
     if load.in_storage is None:
         load.in_storage = src.storage.in_storage(load.path)
     if not load.in_storage:
@@ -127,6 +136,9 @@ def execute(src: Sources, load: _Load, chosen: Plan) -> Generation | None:
     if chosen.source == "peer":
         assert chosen.node is not None
         return _from_peer(src, load, chosen.node)
+    if chosen.source == "busy":
+        _wait(src, load)
+        return None
     if chosen.source == "storage":
         return _from_storage(src, load, chosen.alone)
     raise load.missing("is in no peer's memory and could not be read from storage")
@@ -176,6 +188,11 @@ def _from_peer(src: Sources, load: _Load, node: NodeInfo) -> Generation | None:
             return None
         log.warning("%s announces %s but does not hold it: not asking it again", node.node_id,
                     load.path)  # fmt: skip
+    except PeerBusy:
+        # Sending it to others already: one of them relays it soon (not a failure).
+        load.busy[node.node_id] = time.monotonic()
+        _wait(src, load)
+        return None
     except NewerHeld:
         raise
     except CorruptCheckpoint as e:

@@ -31,6 +31,17 @@ __all__ = ["StorageReader"]
 log = logging.getLogger(__name__)
 
 
+def read_chunk(size: int, concurrency: int) -> int:
+    """The range size of a group's storage read of ``size`` bytes on ``concurrency`` threads.
+
+    Relays follow the contiguous prefix that has landed, and the ranges in flight share the
+    storage link, so joiners trail the reader by about ``concurrency`` ranges: at most 8 MiB
+    each (a quarter of the object split over the threads, at least one 1 MiB block) keeps
+    that lag a small part of the read without a request per few bytes.
+    """
+    return max(1 << 20, min(8 << 20, size // (4 * max(1, concurrency))))
+
+
 class StorageReader:
     """Reads a persisted archive into this node's memory for the group."""
 
@@ -97,7 +108,7 @@ class StorageReader:
             # Ranges are read in parallel, each record's digest (or CRC-32) computed as its
             # bytes land; relays follow the contiguous prefix that is done. A damaged file
             # is not served.
-            chunk = max(8 << 20, -(-size // (4 * self.config.s3_max_concurrency)))
+            chunk = read_chunk(size, self.config.s3_max_concurrency)
             computed = read_archive(backend, path, view[:size], advance=advance, chunk=chunk,
                                     concurrency=self.config.s3_max_concurrency)  # fmt: skip
             parsed = parse_archive(view[:size])

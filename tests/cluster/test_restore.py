@@ -69,6 +69,10 @@ def test_four_nodes_read_storage_once(cluster_factory, tmp_path):
     assert tiers == ["peer", "peer", "peer", "storage"]
     reads = sum(d.log().count(f"read {path} from storage for the group") for d in nodes)
     assert reads == 1
+    # A chain, not a star: no node relays the arriving object to more than one peer (the
+    # others are refused as busy and chain behind the one it sends to).
+    relays = [d.log().count(f"relaying {path} to a peer while it arrives") for d in nodes]
+    assert max(relays) <= 1, relays
     # Each load was planned and executed once, at a bounded count of coordinator requests.
     pattern = rf"remote load of {re.escape(str(path))}: (\w+), (\d+) coordinator round trips"
     loads = [m for d in nodes for m in re.finditer(pattern, d.log())]

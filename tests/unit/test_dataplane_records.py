@@ -206,3 +206,40 @@ def test_a_cut_stream_is_an_error_not_a_short_copy(tmp_path):
     assert landed in ([], [RECORD_SIZE])  # never a byte of the cut record
     client.close()
     capture.close()
+
+
+def test_a_record_is_reported_landed_before_the_next_one_arrives(tmp_path):
+    """A relay forwards what has landed: each record is released once it is in and checked,
+    not when the next record is in (the sender here waits for that report before it sends
+    the next one; holding reports back until then would stall the stream)."""
+    record = 64 << 10
+    data = os.urandom(3 * record)
+    src = tmp_path / "src"
+    src.write_bytes(data)
+    client, server = ends()
+    landed: list[int] = []
+    released = threading.Condition()
+
+    def report(n: int) -> None:
+        with released:
+            landed.append(n)
+            released.notify_all()
+
+    def send() -> None:
+        for i in range(3):
+            client.send_file(str(src), i * record, record, record=record)
+            with released:  # the next record only once the receiver released this one
+                if not released.wait_for(lambda i=i: len(landed) > i, timeout=20):
+                    client.sock.shutdown(socket.SHUT_RDWR)  # held back: end the stream
+                    return
+
+    sender = threading.Thread(target=send)
+    sender.start()
+    try:
+        server.recv_into(memoryview(bytearray(len(data))), report)
+    except ConnectionError:
+        pass  # asserted below: what was released before the stream ended
+    sender.join()
+    assert landed == [record, 2 * record, 3 * record]
+    client.close()
+    server.close()

@@ -11,13 +11,13 @@ from ckptcache.format.flatten import flatten
 from ckptcache.format.layout import HEADER_SIZE
 from ckptcache.format.manifest import compute_digests, pack_digests
 from ckptcache.format.objectio import plan_object, read_object, write_object
-from ckptcache.server import dataplane
+from ckptcache.server import transfer
 from ckptcache.server.dataplane import Channel
 from ckptcache.server.transfer import receive_relayed, relay_in_flight
 
 
 def test_relay_forwards_bytes_before_the_source_has_them_all(make_core, monkeypatch):
-    monkeypatch.setattr(dataplane, "RECORD_SIZE", 64 << 10)  # relay granularity small enough to see
+    monkeypatch.setattr(transfer, "RELAY_RECORD", 64 << 10)  # relay granularity small enough to see
     obj = {"a": torch.arange(1 << 18, dtype=torch.float32), "b": torch.ones(1 << 17)}
     flat = flatten(obj)
     plan = plan_object(flat, "/ckpt/model.pt", "default")
