@@ -380,7 +380,7 @@ def cluster_rows(client: Client, state: Any, size: int, path: str, repeats: int)
 def format_measures(results: dict[str, Any]) -> str:
     """Markdown tables, one per size."""
     out = [f"node {results['node']}: segments on a tmpfs with huge={results['shm_huge_pages']} "
-           "(README: Huge pages)"]  # fmt: skip
+           "(docs/tuning.md, Huge pages)"]  # fmt: skip
     for entry in results["sizes"]:
         out.append(f"\n### {entry['nbytes'] / 2**20:.0f} MiB (reloaded bytes matched: "
                    f"{entry['matched']})\n")  # fmt: skip

@@ -97,7 +97,7 @@ def _pages(policy: str) -> str:
     if policy == "unknown":
         return "unknown (not a tmpfs, or /proc unreadable)"
     if policy not in HUGE:
-        return f"4 KiB (tmpfs huge={policy}; README: Huge pages)"
+        return f"4 KiB (tmpfs huge={policy}; docs/tuning.md, Huge pages)"
     return f"2 MiB (tmpfs huge={policy})"
 
 

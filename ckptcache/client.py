@@ -145,7 +145,7 @@ class Client:
     """A connection to the local daemon, with its own namespace, timeouts and fallback policy.
 
     ``socket_path`` defaults to ``$CKPTCACHE_SOCKET``, else this user's daemon, else the node's
-    root daemon (README "Configuration"); the daemon must run as root, this user or
+    root daemon (docs/daemon.md, Configuration); the daemon must run as root, this user or
     ``daemon_uid`` (``$CKPTCACHE_DAEMON_UID``), which is checked before a byte is sent.
     ``namespace`` to ``$CKPTCACHE_NAMESPACE`` or ``default``. ``fallback`` is
     ``"write-through"`` (save to the path with torch.save when the daemon is gone or full) or
@@ -604,7 +604,7 @@ class Client:
         try:
             self._call("supersede", m.SupersedeRequest(self.namespace, path), m.DeleteReply)
         except DaemonUnavailable:
-            pass  # a restarted daemon compares with storage itself (README "Guarantees")
+            pass  # a restarted daemon compares with storage itself (docs/guarantees.md)
         self._saved.discard(path)
         self._written_through.add(path)
 

@@ -296,7 +296,7 @@ class Daemon:
         if huge_policy(self.config.shm_dir) not in (*HUGE, "unknown"):
             log.info(
                 "segments in %s use 4 KiB pages; a tmpfs mounted with huge=within_size makes "
-                "first saves and storage reads several times faster (README: Huge pages)",
+                "first saves and storage reads several times faster (docs/tuning.md, Huge pages)",
                 self.config.shm_dir,
             )
         # Woken twice a second: Python runs signal handlers only in the main thread, between
