@@ -1,4 +1,4 @@
-"""Defaults shared by the client and the daemon (documented in README: "Configuration")."""
+"""Defaults shared by the client and the daemon (documented in docs/daemon.md and docs/api.md)."""
 
 from __future__ import annotations
 

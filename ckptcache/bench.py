@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from ckptcache._units import format_bytes
 from ckptcache.benchmarking import (
     best_of,
     make_state,
@@ -29,8 +30,9 @@ from ckptcache.benchmarking import (
     torch_save_fast,
 )
 from ckptcache.client import Client
-from ckptcache.errors import CheckpointNotFound, ReplicationError
+from ckptcache.errors import CheckpointNotFound, ConfigError, PathNotAllowed, ReplicationError
 from ckptcache.wire import messages as m
+from ckptcache.wire.states import PersistState
 
 __all__ = [
     "Measure",
@@ -40,6 +42,7 @@ __all__ = [
     "load_stalls",
     "measure_size",
     "persist_seconds",
+    "preflight",
     "raw_write_seconds",
     "run_bench",
     "save_stalls",
@@ -101,9 +104,11 @@ def wait_idle(client: Client, path: str, timeout: float = 60.0) -> None:
         time.sleep(0.01)
 
 
-def save_stalls(client: Client, state: Any, path: str, repeats: int) -> tuple[float, float]:
+def save_stalls(
+    client: Client, state: Any, path: str, repeats: int, *, durability: str = "local"
+) -> tuple[float, float]:
     """(first, repeated): the stall of the first save of a new ``path``, then the best of
-    ``repeats`` saves of it (each once the daemon is idle again).
+    ``repeats`` saves of it (each once the daemon is idle again), each with ``durability``.
 
     The first save is timed as a trainer's next checkpoint (a new directory) meets it: the
     daemon's spare pool is sized from the saves it has seen, so an untimed save of the same
@@ -115,7 +120,7 @@ def save_stalls(client: Client, state: Any, path: str, repeats: int) -> tuple[fl
         _wait_for_spare(client, client.status(sizing).size)
         client.warmup(wait=True)
         t0 = time.perf_counter()
-        client.save(state, path)
+        client.save(state, path, durability=durability)
         first = time.perf_counter() - t0
     finally:
         with contextlib.suppress(Exception):
@@ -124,7 +129,7 @@ def save_stalls(client: Client, state: Any, path: str, repeats: int) -> tuple[fl
     for _ in range(repeats):
         wait_idle(client, path)
         t0 = time.perf_counter()
-        client.save(state, path)
+        client.save(state, path, durability=durability)
         repeated = min(repeated, time.perf_counter() - t0)
     return first, repeated
 
@@ -193,9 +198,63 @@ def persist_seconds(client: Client, state: Any, path: str) -> float:
     return time.perf_counter() - t0
 
 
-def _under_root(client: Client, root: str) -> bool:
-    roots = client.daemon_status().persist_roots
-    return any(root.rstrip("/").startswith(r.rstrip("/")) for r in roots)
+#: Copies of one state the bench holds at once: the first timed save next to the untimed
+#: sizing save, a repeated save next to the generation it replaces, the non-blocking save
+#: next to the saved path.
+BENCH_COPIES = 2
+
+
+def preflight(client: Client, sizes: list[int], root: str | None) -> None:
+    """Refuse at once what the bench could only fail at after minutes: a size whose copies do
+    not fit the daemon's budget, or a ``root`` the daemon would never persist to (the
+    persist row would be missing). Raises :class:`ConfigError` saying what to change."""
+    status = client.daemon_status()
+    room = status.memory_limit - status.memory_used + status.memory_free_pool
+    for nbytes in sizes:
+        need = BENCH_COPIES * _segment_bytes(nbytes)
+        if need > room:
+            raise ConfigError(
+                f"--sizes {format_bytes(nbytes)}: the bench holds {BENCH_COPIES} copies of a "
+                f"state at once ({format_bytes(need)}), more than the daemon has room for "
+                f"({format_bytes(room)} of its {format_bytes(status.memory_limit)} budget); "
+                f"pick a size of at most {format_bytes(room // BENCH_COPIES)}, or start the "
+                f"daemon with a larger --memory-limit"
+            )
+    if root is not None:
+        _check_root(client, root, status.persist_roots)
+
+
+def _segment_bytes(nbytes: int) -> int:
+    """Bytes of the segment a state of ``nbytes`` takes (payload rounded up, header)."""
+    from ckptcache.format.layout import HEADER_SIZE, SEGMENT_GRANULE, align
+
+    return align(nbytes + HEADER_SIZE, SEGMENT_GRANULE)
+
+
+def _check_root(client: Client, root: str, roots: tuple[str, ...]) -> None:
+    """Ask the daemon itself whether it persists under ``root`` (a tiny probe save it either
+    queues for storage, keeps in memory only, or refuses), then remove the probe."""
+    from ckptcache.storage import backend_for
+
+    probe = f"{root.rstrip('/')}/ckptcache-bench-probe-{os.getpid()}.pt"
+    hint = (
+        f"--root {root}: the daemon does not persist there (its persist roots: "
+        f"{', '.join(roots) or 'none'}), so the persist figure could not be measured; pass a "
+        "directory under one of its roots, or start the daemon with --persist-root covering it"
+    )
+    try:
+        client.save({"probe": torch.zeros(1)}, probe)
+    except PathNotAllowed as e:
+        raise ConfigError(hint) from e
+    try:
+        if client.status(probe).persist_state == PersistState.MEMORY_ONLY:
+            raise ConfigError(hint)
+        client.wait(probe)
+    finally:
+        with contextlib.suppress(Exception):
+            client.delete(probe)
+        with contextlib.suppress(Exception):
+            backend_for(probe).delete(probe)
 
 
 def measure_size(
@@ -216,10 +275,12 @@ def measure_size(
     memcpy = memcpy_seconds(state, repeats)
     tick("memcpy")
     path = os.path.join(workdir, f"bench-{size}", "model.pt")
-    first, repeated = save_stalls(client, state, path, repeats)
+    # Memory only, chosen explicitly: the stall is the same copy, and no persist of the
+    # bench's own saves competes with what it measures.
+    first, repeated = save_stalls(client, state, path, repeats, durability="memory")
     tick("ckptcache.save")
     handle_t0 = time.perf_counter()
-    handle = client.save(state, path + ".async", blocking=False)
+    handle = client.save(state, path + ".async", durability="memory", blocking=False)
     submit = time.perf_counter() - handle_t0
     if handle is not None:
         handle.wait()
@@ -236,8 +297,10 @@ def measure_size(
         Measure("memcpy (limit)", size, memcpy),
         Measure("ckptcache.save, first (new path)", size, first, *lim),
         Measure("ckptcache.save, repeated", size, repeated, *lim),
-        Measure("ckptcache.save, non-blocking (returns)", size, submit, *lim),
-        Measure("ckptcache.load, zero-copy", size, zero_copy, *lim),
+        # The time save() takes to return; the copy runs after it: no copy's limit applies.
+        Measure("ckptcache.save, non-blocking (returns)", size, submit),
+        # Maps the segment and copies nothing: no copy's limit applies to it.
+        Measure("ckptcache.load, zero-copy", size, zero_copy),
         Measure("ckptcache.load, private copy", size, private, *lim),
         Measure("torch.save (local file, CRC off)", size, t_save, *lim),
         Measure("torch.load (local file)", size, t_load, *lim),
@@ -259,9 +322,7 @@ def _persist_rows(client: Client, state: Any, size: int, root: str) -> list[Meas
     raw = raw_write_seconds(state, base + "-raw.bin")
     limit = ("raw write + fsync" if "://" not in root else "raw upload", raw)
     rows = [Measure(f"{limit[0]} (limit)", size, raw)]
-    if not _under_root(client, root):
-        return rows  # the daemon would never persist there: nothing more to measure
-    target = base + ".pt"
+    target = base + ".pt"  # under a root the daemon persists to: checked by preflight
     rows.append(Measure("ckptcache persist (after save returns)", size,
                         persist_seconds(client, state, target), *limit))  # fmt: skip
     from ckptcache.storage import backend_for
@@ -321,7 +382,7 @@ def cluster_rows(client: Client, state: Any, size: int, path: str, repeats: int)
 def format_measures(results: dict[str, Any]) -> str:
     """Markdown tables, one per size."""
     out = [f"node {results['node']}: segments on a tmpfs with huge={results['shm_huge_pages']} "
-           "(README: Huge pages)"]  # fmt: skip
+           "(docs/tuning.md, Huge pages)"]  # fmt: skip
     for entry in results["sizes"]:
         out.append(f"\n### {entry['nbytes'] / 2**20:.0f} MiB (reloaded bytes matched: "
                    f"{entry['matched']})\n")  # fmt: skip
@@ -350,7 +411,11 @@ def run_bench(
     root: str | None = None,
     progress: bool = True,
 ) -> dict[str, Any]:
-    """Measure every size against ``client``'s daemon; returns the JSON-ready results."""
+    """Measure every size against ``client``'s daemon; returns the JSON-ready results.
+
+    Raises :class:`ConfigError` at once for a size or a ``root`` the bench cannot measure
+    (see :func:`preflight`)."""
+    preflight(client, sizes, root)
     status = client.daemon_status()
     cluster = len(status.cluster_nodes) > 1
     bar = Progress(len(sizes) * (5 + bool(root) + cluster), enabled=progress)

@@ -1,49 +1,32 @@
 """The ``ckptcache`` command: run the daemon, inspect and manage what it holds, run the demo.
 
 Exit codes: 0 success, 1 operation failed (not found, corrupt, daemon gone), 2 bad usage or
-configuration.
+configuration, 130 interrupted, 141 the reader of the output went away (``| head``), as for a
+command stopped by SIGPIPE. With ``--json`` an error is a JSON object on stdout,
+``{"error": {"type", "message", "exit_code"}}``, never a traceback.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
+import functools
 import json
+import os
 import sys
+import zipfile
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NoReturn
 
+from ckptcache._cli_output import emit, emit_error, plain, table, when
 from ckptcache._units import format_bytes
 from ckptcache.client import normalize_path
 from ckptcache.errors import CheckpointNotFound, CkptCacheError, ConfigError, CorruptCheckpoint
-from ckptcache.format.persisted import verify_stored
+from ckptcache.format.persisted import DIGESTS_MEMBER, verify_stored
 from ckptcache.hugepages import HUGE
 from ckptcache.storage import backend_for
 
 __all__ = ["main"]
-
-
-def _table(rows: Sequence[Sequence[str]], headers: Sequence[str]) -> str:
-    widths = [max(len(str(x)) for x in col) for col in zip(headers, *rows, strict=False)]
-    lines = ["  ".join(str(h).ljust(w) for h, w in zip(headers, widths, strict=True))]
-    lines += ["  ".join(str(c).ljust(w) for c, w in zip(r, widths, strict=True)) for r in rows]
-    return "\n".join(line.rstrip() for line in lines)
-
-
-def _when(ts: float) -> str:
-    return datetime.datetime.fromtimestamp(ts).strftime("%Y-%m-%d %H:%M:%S") if ts else "-"
-
-
-def _emit(args: argparse.Namespace, data: Any, text: str) -> None:
-    if args.json:
-        if dataclasses.is_dataclass(data) and not isinstance(data, type):
-            data = dataclasses.asdict(data)
-        elif isinstance(data, list):
-            data = [dataclasses.asdict(d) for d in data]
-        print(json.dumps(data, indent=2, default=str))
-    else:
-        print(text)
 
 
 def _client(args: argparse.Namespace) -> Any:
@@ -84,16 +67,29 @@ def _cmd_daemon(args: argparse.Namespace) -> int:
     return run_daemon(config)
 
 
+def _prefix(raw: str) -> str:
+    """``ls``'s prefix resolved as ``inspect`` and ``rm`` resolve a path (relative to the
+    working directory), keeping a trailing ``/`` that limits it to a directory."""
+    if not raw:
+        return ""
+    resolved = normalize_path(raw)
+    if raw.endswith("/") and not resolved.endswith("/"):
+        resolved += "/"
+    return resolved
+
+
 def _cmd_ls(args: argparse.Namespace) -> int:
+    prefix = _prefix(args.prefix)
     with _client(args) as client:
-        objects = client.list(args.prefix, all_namespaces=args.all_namespaces)
+        objects = client.list(prefix, all_namespaces=args.all_namespaces)
     rows = [
         (o.path, o.namespace, str(o.generation), str(o.generations), format_bytes(o.size),
-         ",".join(o.stages), o.persist_state, _when(o.committed))
+         ",".join(o.stages), o.persist_state, when(o.committed))
         for o in objects
     ]  # fmt: skip
     headers = ("PATH", "NAMESPACE", "GEN", "KEPT", "SIZE", "STAGES", "PERSIST", "COMMITTED")
-    _emit(args, objects, _table(rows, headers) if rows else "(no cached checkpoints)")
+    none = f"(no cached checkpoints under {prefix})" if prefix else "(no cached checkpoints)"
+    emit(args.json, objects, table(rows, headers) if rows else none)
     return 0
 
 
@@ -101,7 +97,7 @@ def _pages(policy: str) -> str:
     if policy == "unknown":
         return "unknown (not a tmpfs, or /proc unreadable)"
     if policy not in HUGE:
-        return f"4 KiB (tmpfs huge={policy}; README: Huge pages)"
+        return f"4 KiB (tmpfs huge={policy}; docs/tuning.md, Huge pages)"
     return f"2 MiB (tmpfs huge={policy})"
 
 
@@ -118,12 +114,12 @@ def _cmd_status(args: argparse.Namespace) -> int:
                    f"({format_bytes(st.memory_free_pool)} in the free pool)"),
         ("segments", f"{st.segments} ({st.free_segments} free)"),
         ("objects", f"{st.objects} paths, {st.generations} generations, {st.pinned} pinned"),
-        ("persist", f"roots: {', '.join(st.persist_roots) or 'none (memory only)'}; "
+        ("persist", f"roots: {', '.join(st.persist_roots) or 'none'}; "
                     f"{st.persist_queue} queued"),
         ("cluster", f"{st.coordinator} nodes: {', '.join(st.cluster_nodes) or '-'}"),
         ("clocks", _clocks(st)),
     ]  # fmt: skip
-    text = _table(pairs, ("DAEMON", ""))
+    text = table(pairs, ("DAEMON", ""))
     if objects:
         rows = [
             (o.path, str(o.generation), format_bytes(o.size), ",".join(o.stages),
@@ -131,9 +127,9 @@ def _cmd_status(args: argparse.Namespace) -> int:
             for o in objects
         ]  # fmt: skip
         headers = ("PATH", "GEN", "SIZE", "STAGES", "PERSIST", "THROUGHPUT", "LAST ERROR")
-        text += "\n\n" + _table(rows, headers)
-    _emit(
-        args,
+        text += "\n\n" + table(rows, headers)
+    emit(
+        args.json,
         {"daemon": dataclasses.asdict(st), "objects": [dataclasses.asdict(o) for o in objects]},
         text,
     )
@@ -171,26 +167,68 @@ def _verify_stored(path: str) -> str:
     return ""
 
 
+def _stored_facts(path: str) -> dict[str, Any]:
+    """What storage says of ``path``: its size, when it was written (local files) and whether
+    it carries ckptcache's digest record (local files; ``None``: not looked at)."""
+    facts: dict[str, Any] = {"path": path, "size": backend_for(path).size(path),
+                             "modified": 0.0, "digest_record": None}  # fmt: skip
+    if "://" not in path:
+        facts["modified"] = os.path.getmtime(path)
+        try:
+            with zipfile.ZipFile(path) as z:
+                facts["digest_record"] = any(n.endswith(f"/{DIGESTS_MEMBER}") for n in z.namelist())
+        except (OSError, zipfile.BadZipFile):
+            facts["digest_record"] = False  # not a zip: --verify says what it is
+    return facts
+
+
+def _inspect_stored(args: argparse.Namespace, path: str) -> int:
+    """``inspect`` of a checkpoint that only storage holds: what the stored file is, never
+    generation or digest fields that describe a cached copy."""
+    facts = _stored_facts(path)
+    record = facts["digest_record"]
+    pairs = [
+        ("path", path),
+        ("where", "on storage only (not in this node's memory)"),
+        ("size", format_bytes(facts["size"])),
+        ("modified", when(facts["modified"])),
+        ("digest record", "-" if record is None else "yes" if record else
+                          "no (zip CRC-32 only: not written by ckptcache)"),
+    ]  # fmt: skip
+    data: dict[str, Any] = {"stored": facts}
+    problem = None
+    if args.verify:
+        problem = _verify_stored(path)
+        pairs.append(("verify storage", f"CORRUPT: {problem}" if problem else "ok"))
+        data["storage_verify"] = problem
+    emit(args.json, data, table(pairs, ("STORED", "")))
+    return 1 if problem else 0
+
+
 def _cmd_inspect(args: argparse.Namespace) -> int:
+    path = normalize_path(args.path)
     with _client(args) as client:
         try:
-            info = client.status(args.path)
+            info = client.status(path)
         except CheckpointNotFound:
-            if not (args.verify and _stored(normalize_path(args.path))):
+            if not (args.verify and _stored(path)):
                 raise
-            problem = _verify_stored(args.path)  # stored, but not a complete checkpoint
-            _emit(args, {"storage_verify": problem}, f"storage: CORRUPT: {problem}")
+            problem = _verify_stored(path)  # stored, but not a complete checkpoint
+            emit(args.json, {"storage_verify": problem}, f"storage: CORRUPT: {problem}")
             return 1
-        in_memory = "local" in info.stages
-        verify = client.verify(args.path) if args.verify and in_memory else None
+        if "local" not in info.stages:  # the daemon knows no generation: storage answered
+            return _inspect_stored(args, path)
+        verify = client.verify(path) if args.verify else None
     stored_problem = None
-    on_storage = "persisted" in info.stages or "storage" in info.stages
-    if args.verify and on_storage and _stored(info.path):
+    if args.verify and "persisted" in info.stages and _stored(info.path):
         stored_problem = _verify_stored(info.path)
     pairs = [
-        ("path", info.path), ("namespace", info.namespace), ("generation", str(info.generation)),
+        ("path", info.path), ("namespace", info.namespace),
+        ("where", "in this node's memory" + (" and on storage" if "persisted" in info.stages
+                                             else "")),
+        ("generation", str(info.generation)),
         ("generations kept", str(info.generations)), ("size", format_bytes(info.size)),
-        ("stages", ",".join(info.stages)), ("committed", _when(info.committed)),
+        ("stages", ",".join(info.stages)), ("committed", when(info.committed)),
         ("segment", info.segment or "-"), ("pins", str(info.pins)),
         ("digests", "recorded" if info.digests_valid else "pending"),
         ("persist", f"{info.persist_state} {_throughput(info)}"),
@@ -208,14 +246,16 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
         data["verify"] = dataclasses.asdict(verify)
     if stored_problem is not None:
         data["storage_verify"] = stored_problem
-    _emit(args, data, _table(pairs, ("OBJECT", "")))
+    emit(args.json, data, table(pairs, ("OBJECT", "")))
     return 0 if (verify is None or verify.ok) and not stored_problem else 1
 
 
 def _cmd_rm(args: argparse.Namespace) -> int:
+    path = normalize_path(args.path)
     with _client(args) as client:
-        dropped = client.delete(args.path)
-    _emit(args, {"dropped": dropped}, f"dropped {dropped} generation(s) of {args.path}")
+        dropped = client.delete(path)
+    emit(args.json, {"path": path, "dropped": dropped},
+         f"dropped {dropped} generation(s) of {path}")  # fmt: skip
     return 0
 
 
@@ -228,10 +268,11 @@ def _cmd_prefetch(args: argparse.Namespace) -> int:
         print(f"\r[{'#' * filled}{'-' * (width - filled)}] {done}/{total} {tier:<7} {path}",
               end="\n" if done == total else "", flush=True)  # fmt: skip
 
+    paths = [normalize_path(p) for p in args.paths]
     with _client(args) as client:
-        tiers = client.prefetch(args.paths, progress=bar)
+        tiers = client.prefetch(paths, progress=bar)
     if args.json:
-        print(json.dumps(dict(zip(args.paths, tiers, strict=True)), indent=2))
+        print(json.dumps(dict(zip(paths, tiers, strict=True)), indent=2))
     return 0
 
 
@@ -257,16 +298,39 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     return run_demo(size_mib=args.size_mib)
 
 
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="ckptcache", description=__doc__.splitlines()[0])
-    sub = p.add_subparsers(dest="command", required=True)
+class _Parser(argparse.ArgumentParser):
+    """argparse, with usage errors as JSON when the command line asks for ``--json``."""
+
+    def __init__(self, *args: Any, json_errors: bool = False, **kw: Any):
+        if "description" in kw:
+            kw["description"] = plain(kw["description"])
+        super().__init__(*args, **kw)
+        self.json_errors = json_errors
+
+    def add_argument(self, *args: Any, **kw: Any) -> Any:
+        if kw.get("help"):
+            kw["help"] = plain(kw["help"])
+        return super().add_argument(*args, **kw)
+
+    def error(self, message: str) -> NoReturn:
+        if not self.json_errors:
+            super().error(message)
+        emit_error(True, f"{self.prog}: {message}", 2)
+        sys.exit(2)
+
+
+def _parser(json_errors: bool = False) -> argparse.ArgumentParser:
+    p = _Parser(prog="ckptcache", description=__doc__.split("\n\n")[0], json_errors=json_errors,
+                epilog=plain(__doc__.split("\n\n", 1)[1]))  # fmt: skip
+    sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    add = functools.partial(sub.add_parser, json_errors=json_errors)
 
     def client_opts(sp: argparse.ArgumentParser) -> None:
         sp.add_argument("--socket", help="daemon socket (default: $CKPTCACHE_SOCKET)")
         sp.add_argument("--namespace", help="job namespace (default: $CKPTCACHE_NAMESPACE)")
         sp.add_argument("--json", action="store_true", help="machine-readable output")
 
-    d = sub.add_parser("daemon", help="run the cache daemon in the foreground")
+    d = add("daemon", help="run the cache daemon in the foreground")
     d.add_argument("--config", help="YAML config file")
     d.add_argument("--memory-limit", help="memory budget, e.g. 8GiB")
     d.add_argument("--shm-dir", help="directory for segment files (on tmpfs)")
@@ -297,40 +361,40 @@ def _parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     d.set_defaults(fn=_cmd_daemon)
 
-    ls = sub.add_parser("ls", help="list cached checkpoints")
+    ls = add("ls", help="list cached checkpoints")
     ls.add_argument("prefix", nargs="?", default="")
     ls.add_argument("--all-namespaces", action="store_true")
     client_opts(ls)
     ls.set_defaults(fn=_cmd_ls)
 
-    st = sub.add_parser("status", help="daemon status and every cached object")
+    st = add("status", help="daemon status and every cached object")
     client_opts(st)
     st.set_defaults(fn=_cmd_status)
 
-    ins = sub.add_parser("inspect", help="details of one checkpoint")
+    ins = add("inspect", help="details of one checkpoint")
     ins.add_argument("path")
     ins.add_argument("--verify", action="store_true", help="recompute and check digests")
     client_opts(ins)
     ins.set_defaults(fn=_cmd_inspect)
 
-    rm = sub.add_parser("rm", help="drop a checkpoint from memory (storage is untouched)")
+    rm = add("rm", help="drop a checkpoint from memory (storage is untouched)")
     rm.add_argument("path")
     client_opts(rm)
     rm.set_defaults(fn=_cmd_rm)
 
-    pf = sub.add_parser("prefetch", help="warm this node's cache (from peers or storage)")
+    pf = add("prefetch", help="warm this node's cache (from peers or storage)")
     pf.add_argument("paths", nargs="+")
     client_opts(pf)
     pf.set_defaults(fn=_cmd_prefetch)
 
-    bench = sub.add_parser("bench", help="measure save/load/persist speed on this node")
+    bench = add("bench", help="measure save/load/persist speed on this node")
     bench.add_argument("--sizes", nargs="+", default=["256MiB"], help="state sizes (256MiB)")
     bench.add_argument("--repeats", type=int, default=3, help="best of N (default 3)")
     bench.add_argument("--root", help="also persist to this directory or s3:// URL")
     client_opts(bench)
     bench.set_defaults(fn=_cmd_bench)
 
-    demo = sub.add_parser("demo", help="start a daemon, save, kill the saver, reload, benchmark")
+    demo = add("demo", help="start a daemon, save, kill the saver, reload, benchmark")
     demo.add_argument("--size-mib", type=int, default=512, help="state dict size (default 512)")
     demo.set_defaults(fn=_cmd_demo)
     return p
@@ -338,14 +402,29 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``ckptcache`` console script."""
-    args = _parser().parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    as_json = "--json" in argv
+    args = _parser(json_errors=as_json).parse_args(argv)
     try:
-        return int(args.fn(args))
+        code = int(args.fn(args))
+        sys.stdout.flush()  # here, so that a reader gone away is seen below
+        return code
+    except BrokenPipeError:
+        # The reader left (``| head``): not an error of ours. Python flushes stdout again at
+        # exit, which would raise once more, so stdout now points at /dev/null.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+        return 141
+    except KeyboardInterrupt:
+        return 130
     except ConfigError as e:
-        print(f"ckptcache: {e}", file=sys.stderr)
+        emit_error(as_json, e, 2)
         return 2
-    except CkptCacheError as e:
-        print(f"ckptcache: {e}", file=sys.stderr)
+    except (CkptCacheError, OSError) as e:
+        # OSError: the failures a user can act on (a missing file, no permission, a full
+        # disk), said in one line like the errors of our own.
+        emit_error(as_json, e, 1)
         return 1
 
 

@@ -145,12 +145,13 @@ class Client:
     """A connection to the local daemon, with its own namespace, timeouts and fallback policy.
 
     ``socket_path`` defaults to ``$CKPTCACHE_SOCKET``, else this user's daemon, else the node's
-    root daemon (README "Configuration"); the daemon must run as root, this user or
+    root daemon (docs/daemon.md, Configuration); the daemon must run as root, this user or
     ``daemon_uid`` (``$CKPTCACHE_DAEMON_UID``), which is checked before a byte is sent.
     ``namespace`` to ``$CKPTCACHE_NAMESPACE`` or ``default``. ``fallback`` is
     ``"write-through"`` (save to the path with torch.save when the daemon is gone or full) or
     ``"raise"``; unset, ``$CKPTCACHE_REQUIRE=1`` means ``"raise"``. Every write-through is
-    counted in ``fallbacks`` and logged (the first, then every ``$CKPTCACHE_FALLBACK_LOG_EVERY``).
+    counted in ``fallbacks`` and reported once: a warning for the first of each cause, a log
+    line for every ``$CKPTCACHE_FALLBACK_LOG_EVERY``-th.
     A client may be shared by threads; after ``fork`` the child reconnects (with its own
     locks and threads: the parent's save in flight does not hang it).
     """
@@ -567,14 +568,21 @@ class Client:
 
         if self.fallback == "raise":
             raise reason
-        self._count_fallback(path, reason)
+        self.fallbacks += 1
+        # One message per event, never a warning and a log line for the same write: the
+        # first of each cause is a CkptCacheWarning (aimed at the script's author: it names
+        # their line, and -W error::ckptcache.CkptCacheWarning turns it into a failure); the
+        # repeats, which a warning filter would hide, are counted in a log line.
         if type(reason).__name__ not in self._warned:  # once per client and cause
             self._warned.add(type(reason).__name__)
             warnings.warn(
-                f"ckptcache: writing {path!r} straight to storage with torch.save ({reason})",
+                f"ckptcache: writing {path!r} straight to storage with torch.save ({reason}); "
+                "set CKPTCACHE_REQUIRE=1 to fail instead",
                 CkptCacheWarning,
                 stacklevel=4,
             )
+        else:
+            self._log_fallback(path, reason)
 
         def write(f: Any) -> None:
             torch.save(obj, f)
@@ -596,15 +604,13 @@ class Client:
         try:
             self._call("supersede", m.SupersedeRequest(self.namespace, path), m.DeleteReply)
         except DaemonUnavailable:
-            pass  # a restarted daemon compares with storage itself (README "Guarantees")
+            pass  # a restarted daemon compares with storage itself (docs/guarantees.md)
         self._saved.discard(path)
         self._written_through.add(path)
 
-    def _count_fallback(self, path: str, reason: errors.CkptCacheError) -> None:
-        """Keep a silent fallback visible: a log line on the first and every N-th one."""
-        self.fallbacks += 1
-        every = fallback_log_every()
-        if self.fallbacks == 1 or self.fallbacks % every == 0:
+    def _log_fallback(self, path: str, reason: errors.CkptCacheError) -> None:
+        """Keep repeated fallbacks visible: a log line on every N-th one."""
+        if self.fallbacks % fallback_log_every() == 0:
             log.warning(
                 "ckptcache: %d save(s) written through to storage without the cache, last %r "
                 "(%s); set CKPTCACHE_REQUIRE=1 to fail instead",

@@ -87,7 +87,9 @@ def run_demo(size_mib: int = 512) -> int:
         ]
         rows += torch_baselines(expected, nbytes, {"/dev/shm": "/dev/shm", "local file": tmp})
         rows += [
-            Row("ckptcache.load, zero-copy", nbytes, zero_copy),
+            Row(
+                "ckptcache.load, zero-copy (maps, copies nothing)", nbytes, zero_copy, copies=False
+            ),
             Row("ckptcache.load, private copy", nbytes, private),
             Row("ckptcache.load, private copy + verify", nbytes, verified),
         ]

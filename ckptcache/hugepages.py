@@ -4,7 +4,7 @@ On a tmpfs mounted without ``huge=`` (``/dev/shm`` on most distributions) every 
 made of 4 KiB pages: allocating 1 GiB zeroes and maps 262,144 of them, and every copy into a
 fresh mapping takes a page fault per 4 KiB. On a tmpfs mounted with ``huge=within_size`` (or
 ``always``) the same gigabyte is 512 huge pages: allocation and first writes run several
-times faster (README, "Huge pages"). The daemon reports the policy in ``ckptcache status``
+times faster (docs/tuning.md, "Huge pages"). The daemon reports the policy in ``ckptcache status``
 and suggests the mount when it is off; it never mounts anything itself, nor asks for huge
 pages with ``madvise`` (see :data:`HUGE`).
 

@@ -8,6 +8,9 @@ bash scripts/setup.sh test
 ruff check ckptcache tests benchmarks
 ruff format --check ckptcache tests benchmarks
 mypy
+# The docs site: --strict makes a broken link or anchor fail the build (never pass -q: it
+# hides the warnings that strict mode counts).
+mkdocs build --strict
 # A skipped test fails the run (tests/_require_all.py): every area must really run here, only
 # tests marked gpu may skip (their reasons are listed by -ra).
 CKPTCACHE_REQUIRE_ALL=1 python -m pytest -p no:cacheprovider "$@"

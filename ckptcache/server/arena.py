@@ -364,6 +364,11 @@ class Arena:
                 log.error("removing %s: replaced while being adopted", path)
                 os.unlink(path)
                 return None
+            if st.st_size == 0:
+                # Created, never allocated: the daemon stopped between the two (not damage).
+                log.info("removing empty segment %s left by an allocation cut short", name)
+                os.unlink(path)
+                return None
             if st.st_size < HEADER_SIZE:
                 log.error("removing segment %s: truncated to %d bytes", name, st.st_size)
                 os.unlink(path)
@@ -377,6 +382,9 @@ class Arena:
         try:
             header: SegmentHeader | None = segment.read_header()
         except ValueError as e:
-            log.error("segment %s has an unreadable header (%s)", name, e)
+            if any(segment.mapping[:HEADER_SIZE]):
+                log.error("segment %s has an unreadable header (%s)", name, e)
+            else:  # allocated, never written: the daemon stopped in between (not damage)
+                log.info("reclaiming segment %s: allocated but never written", name)
             header = None
         return segment, header

@@ -60,7 +60,7 @@ def _default_memory_limit(shm_dir: str = "/dev/shm") -> int:
 
 @dataclass(frozen=True)
 class DaemonConfig:
-    """Everything the daemon needs; see README "Daemon configuration" for each key."""
+    """Everything the daemon needs; see docs/daemon.md, Configuration, for each key."""
 
     node_id: str = field(default_factory=socket.gethostname)
     shm_dir: str = field(default_factory=default_shm_dir)

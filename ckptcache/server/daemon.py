@@ -141,6 +141,16 @@ class ControlServer(CappedThreadedServer):
             time.sleep(self._backoff)
 
 
+class _ConnectionLog(logging.LoggerAdapter):  # type: ignore[type-arg]
+    """The rpc server's logger with its per-connection INFO lines ("accepted", "authenticated
+    successfully", two for every client) at DEBUG: a daemon serving many short clients (each
+    ``ckptcache`` command, each trainer) would otherwise log little else. Warnings and errors
+    keep their level; a refused client is logged at WARNING by the authenticator itself."""
+
+    def info(self, msg: object, *args: object, **kwargs: object) -> None:
+        self.debug(msg, *args, **kwargs)  # type: ignore[arg-type]
+
+
 def _clear_stale_socket(path: str) -> None:
     try:
         st = os.lstat(path)
@@ -247,7 +257,7 @@ class Daemon:
             socket_path=config.socket,
             authenticator=peer_credentials_authenticator(config.allowed_uids),
             protocol_config=RPC_CONFIG,
-            logger=logging.getLogger("ckptcache.rpc"),
+            logger=_ConnectionLog(logging.getLogger("ckptcache.rpc"), {}),
         )
         # Access is decided by peer credentials, not file modes, so other allowed users can
         # connect; the credentials check refuses everyone else.
@@ -286,7 +296,7 @@ class Daemon:
         if huge_policy(self.config.shm_dir) not in (*HUGE, "unknown"):
             log.info(
                 "segments in %s use 4 KiB pages; a tmpfs mounted with huge=within_size makes "
-                "first saves and storage reads several times faster (README: Huge pages)",
+                "first saves and storage reads several times faster (docs/tuning.md, Huge pages)",
                 self.config.shm_dir,
             )
         # Woken twice a second: Python runs signal handlers only in the main thread, between

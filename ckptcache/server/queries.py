@@ -101,7 +101,7 @@ class Queries:
                 objects=len(state.index.paths()), generations=len(gens),
                 pinned=sum(1 for g in gens if g.pins), reservations=0,
                 shm_dir=self.config.shm_dir, socket=self.config.socket,
-                persist_queue=len(self.persister.queue), persist_roots=tuple(self.roots),
+                persist_queue=len(self.persister.queue), persist_roots=self._roots(),
                 cluster_nodes=self.node_ids(), coordinator=self.config.coordinator,
                 memory_stored=sum(g.size for g in gens),
                 spare_segments=len(self.pool.describe(arena.uid).segments),
@@ -109,6 +109,11 @@ class Queries:
                 clock_offsets=self.clock_offsets(),
                 clock_offset_bound=self.config.clock_offset_bound,
             )  # fmt: skip
+
+    def _roots(self) -> tuple[str, ...]:
+        """The roots as reported: ``/`` for the implicit root of a daemon run as a user
+        (every local path persists), never an empty list that would read as "none"."""
+        return tuple(self.roots) or (("/",) if self.roots.implicit else ())
 
     def wait(self, session: Session, req: m.WaitRequest) -> m.WaitReply:
         """Block until ``path`` (or everything under a prefix) is persisted, failed, or timed out.

@@ -45,7 +45,8 @@ def recover(
     arena = state.arena
     for segment, header in arena.scan():
         if header is None or header.state != SegmentState.COMMITTED:
-            log.info("reclaiming uncommitted segment %s", segment.name)
+            if header is not None:  # an unreadable one was reported by the scan
+                log.info("reclaiming uncommitted segment %s", segment.name)
             arena.destroy(segment)
             continue
         view = segment.view()

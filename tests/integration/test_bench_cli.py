@@ -30,7 +30,9 @@ def _bench(daemon, *args: str) -> subprocess.CompletedProcess[str]:
 def test_bench_json_reports_every_figure_and_matching_bytes(daemon_factory, tmp_path):
     root = tmp_path / "store"
     root.mkdir()
-    d = daemon_factory("--memory-limit", "256MiB", "--persist-root", str(root))
+    # The daemon's own defaults: saves under no root are refused, so the bench's cache paths
+    # must be memory-only by choice (they are: durability="memory").
+    d = daemon_factory("--memory-limit", "256MiB", "--persist-root", str(root), defaults=True)
     out = _bench(d, "--sizes", "8MiB", "--repeats", "1", "--json", "--root", str(root))
     assert out.returncode == 0, out.stderr
     result = json.loads(out.stdout)
@@ -58,6 +60,32 @@ def test_bench_table_and_bad_sizes(daemon_factory):
     assert f"segments on a tmpfs with huge={huge_policy(d.shm_dir)}" in out.stdout
     bad = _bench(d, "--sizes", "lots")
     assert bad.returncode == 2 and "--sizes" in bad.stderr
+
+
+def test_bench_refuses_at_once_what_it_could_not_measure(daemon_factory, tmp_path):
+    """A --root the daemon does not persist to, or a size over its budget: a clear error
+    before any measurement, never a table without the persist row."""
+    root, elsewhere = tmp_path / "store", tmp_path / "elsewhere"
+    root.mkdir()
+    elsewhere.mkdir()
+    d = daemon_factory("--memory-limit", "64MiB", "--persist-root", str(root), defaults=True)
+    out = _bench(d, "--sizes", "1MiB", "--root", str(elsewhere))
+    assert out.returncode == 2 and out.stdout == ""
+    assert f"--root {elsewhere}: the daemon does not persist there" in out.stderr
+    assert f"its persist roots: {root}" in out.stderr and "\r[" not in out.stderr  # no bar
+    assert os.listdir(elsewhere) == [] and os.listdir(root) == []
+    with d.client() as c:
+        assert c.list() == []  # the probe is gone
+    big = _bench(d, "--sizes", "48MiB", "--json")
+    error = json.loads(big.stdout)["error"]
+    assert big.returncode == 2 and error["type"] == "ConfigError"
+    assert error["message"].startswith("--sizes 48.0 MiB: the bench holds 2 copies")
+    assert "64.0 MiB budget" in error["message"] and "\r[" not in big.stderr
+    # A daemon that keeps the path in memory only (--memory-only allow) is refused as well.
+    m = daemon_factory("--memory-limit", "64MiB", "--memory-only", "allow")
+    out = _bench(m, "--sizes", "1MiB", "--root", str(elsewhere))
+    assert out.returncode == 2 and "the daemon does not persist there" in out.stderr
+    assert "its persist roots: none" in out.stderr and os.listdir(elsewhere) == []
 
 
 CLUSTER_ROWS = {

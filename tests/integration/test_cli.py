@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import urllib.request
@@ -68,3 +69,144 @@ def test_metrics_endpoint(daemon_factory, tmp_path):
     assert float(samples['ckptcache_loads_total{tier="local"}']) == 1
     assert float(samples["ckptcache_memory_limit_bytes"]) == 256 << 20
     assert float(samples["ckptcache_save_stall_seconds_count"]) == 1
+
+
+def test_a_reader_that_goes_away_is_no_error(daemon, tmp_path):
+    """``ckptcache inspect ... | head``: the reader closes the pipe before the command
+    writes; the command stops quietly (141, as SIGPIPE would) with no traceback."""
+    path = str(tmp_path / "a.pt")
+    with daemon.client() as c:
+        c.save({"w": torch.zeros(8)}, path)
+    for args in (("inspect", path), ("ls",), ("status",), ("ls", "--json")):
+        env = {**os.environ, "CKPTCACHE_SOCKET": daemon.socket}
+        proc = subprocess.Popen([sys.executable, "-m", "ckptcache.cli", *args], env=env,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE)  # fmt: skip
+        assert proc.stdout is not None and proc.stderr is not None
+        proc.stdout.close()  # gone before the first byte
+        err = proc.stderr.read().decode()
+        assert proc.wait(timeout=60) == 141, err
+        assert err == "", err
+
+
+def _json_error(out: subprocess.CompletedProcess[str]) -> dict[str, object]:
+    body = json.loads(out.stdout)["error"]
+    assert body["exit_code"] == out.returncode != 0 and out.stderr == ""
+    return body  # type: ignore[no-any-return]
+
+
+def test_json_errors_are_json_with_a_non_zero_exit(daemon, tmp_path):
+    missing = _json_error(cli(daemon, "inspect", str(tmp_path / "missing.pt"), "--json"))
+    assert missing["type"] == "CheckpointNotFound" and "missing.pt" in str(missing["message"])
+    assert _json_error(cli(daemon, "rm", "a/../b.pt", "--json"))["type"] == "PathNotAllowed"
+    assert _json_error(cli(daemon, "prefetch", "--json", str(tmp_path / "none.pt")))["type"] == (
+        "CheckpointNotFound"
+    )
+    usage = _json_error(cli(daemon, "inspect", "--json"))
+    assert usage["type"] == "UsageError" and usage["exit_code"] == 2
+    assert "required: path" in str(usage["message"])
+    bad = _json_error(cli(daemon, "bench", "--sizes", "lots", "--json"))
+    assert bad["type"] == "ConfigError" and bad["exit_code"] == 2
+    env = {**os.environ, "CKPTCACHE_SOCKET": str(tmp_path / "nobody.sock")}
+    gone = subprocess.run([sys.executable, "-m", "ckptcache.cli", "status", "--json"], env=env,
+                          capture_output=True, text=True)  # fmt: skip
+    assert _json_error(gone)["type"] == "DaemonUnavailable"
+    # Without --json: one line on stderr, nothing on stdout, the same exit codes.
+    plain = cli(daemon, "inspect", str(tmp_path / "missing.pt"))
+    assert plain.returncode == 1 and plain.stdout == ""
+    assert plain.stderr.startswith("ckptcache: ") and plain.stderr.count("\n") == 1
+
+
+def test_ls_resolves_a_relative_prefix_like_inspect_and_rm(daemon, tmp_path):
+    a, b = tmp_path / "run" / "a.pt", tmp_path / "run2" / "b.pt"
+    with daemon.client() as c:
+        for p in (a, b):
+            c.save({"w": torch.zeros(4)}, p)
+    env = {**os.environ, "CKPTCACHE_SOCKET": daemon.socket}
+
+    def ls(*args: str) -> list[str]:
+        out = subprocess.run([sys.executable, "-m", "ckptcache.cli", "ls", *args, "--json"],
+                             env=env, cwd=tmp_path, capture_output=True, text=True)  # fmt: skip
+        assert out.returncode == 0, out.stderr
+        return [o["path"] for o in json.loads(out.stdout)]
+
+    assert ls("run") == [str(a), str(b)]  # a prefix of names, as for an absolute one
+    assert ls("run/") == [str(a)]  # the trailing slash keeps to the directory
+    assert ls("./run2") == [str(b)]
+    assert ls(str(tmp_path / "run") + "/") == [str(a)]
+    assert "no cached checkpoints under" in subprocess.run(
+        [sys.executable, "-m", "ckptcache.cli", "ls", "nothing"], env=env, cwd=tmp_path,
+        capture_output=True, text=True,
+    ).stdout  # fmt: skip
+    rm = subprocess.run([sys.executable, "-m", "ckptcache.cli", "rm", "run/a.pt"], env=env,
+                        cwd=tmp_path, capture_output=True, text=True)  # fmt: skip
+    assert rm.stdout.strip() == f"dropped 1 generation(s) of {a}"
+
+
+def test_inspect_of_a_stored_only_checkpoint_shows_what_storage_holds(daemon_factory, tmp_path):
+    root = tmp_path / "store"
+    root.mkdir()
+    d = daemon_factory("--memory-limit", "256MiB", "--persist-root", str(root))
+    path = str(root / "iter_1" / "model.pt")
+    with d.client() as c:
+        c.save({"w": torch.arange(1000.0)}, path)
+        c.wait(path)
+        c.delete(path)  # storage only from here on
+    text = cli(d, "inspect", path)
+    assert text.returncode == 0, text.stderr
+    assert "on storage only" in text.stdout and "digest record  yes" in text.stdout
+    for untrue in ("generation", "saved here", "pending", "segment"):
+        assert untrue not in text.stdout
+    data = json.loads(cli(d, "inspect", path, "--verify", "--json").stdout)
+    assert "object" not in data and data["storage_verify"] == ""
+    stored = data["stored"]
+    assert stored["path"] == path and stored["size"] == os.path.getsize(path)
+    assert stored["digest_record"] is True and stored["modified"] == os.path.getmtime(path)
+    # A plain torch.save file: storage only, no digest record.
+    plain_file = root / "plain.pt"
+    torch.save({"w": torch.ones(3)}, plain_file)
+    assert "digest record  no" in cli(d, "inspect", str(plain_file)).stdout
+    # Cached and persisted: where it is, then the cached generation's facts.
+    with d.client() as c:
+        c.save({"w": torch.arange(10.0)}, path)
+        c.wait(path)
+    cached = cli(d, "inspect", path).stdout
+    assert "in this node's memory and on storage" in cached and "\ngeneration " in cached
+
+
+def test_help_shows_no_markup():
+    for command in ("", "daemon", "ls", "status", "inspect", "rm", "prefetch", "bench", "demo"):
+        out = subprocess.run([sys.executable, "-m", "ckptcache.cli", *command.split(), "--help"],
+                             capture_output=True, text=True)  # fmt: skip
+        assert out.returncode == 0 and "usage: ckptcache" in out.stdout
+        assert "``" not in out.stdout and ":func:" not in out.stdout, (command, out.stdout)
+
+
+def test_daemon_logs_no_line_per_connection_at_info(daemon, tmp_path):
+    with daemon.client() as c:
+        c.save({"w": torch.zeros(4)}, tmp_path / "a.pt")
+    for _ in range(3):
+        assert cli(daemon, "ls").returncode == 0
+    log = daemon.log()
+    assert "ckptcache daemon ready" in log  # INFO is on
+    per_connection = [line for line in log.splitlines() if "ckptcache.rpc" in line]
+    assert per_connection == [], per_connection
+
+
+def test_restart_over_empty_leftover_segments_logs_no_error(daemon_factory):
+    """A daemon stopped between creating a segment file and allocating or writing it leaves
+    an empty file, or one of zeros: the next start removes them and says so, as INFO."""
+    d = daemon_factory("--memory-limit", "64MiB")
+    d.kill(signal.SIGTERM)
+    segs = d.segments_dir
+    empty = os.path.join(segs, "seg-0abc-000001")
+    zeros = os.path.join(segs, "seg-0abc-000002")
+    for name, size in ((empty, 0), (zeros, 1 << 20)):
+        fd = os.open(name, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
+        os.ftruncate(fd, size)
+        os.close(fd)
+    d.start()
+    log = d.log()
+    assert " ERROR " not in log, log
+    assert "removing empty segment seg-0abc-000001 left by an allocation cut short" in log
+    assert "reclaiming segment seg-0abc-000002: allocated but never written" in log
+    assert not os.path.exists(empty) and not os.path.exists(zeros)

@@ -103,7 +103,7 @@ def test_a_tmpfs_without_huge_pages_is_reported_with_the_fix(tmpfs, daemon_on, t
         [sys.executable, "-m", "ckptcache.cli", "status", "--socket", d.socket],
         capture_output=True, text=True, check=True,
     ).stdout  # fmt: skip
-    assert "4 KiB (tmpfs huge=never; README: Huge pages)" in status
+    assert "4 KiB (tmpfs huge=never; docs/tuning.md, Huge pages)" in status
 
 
 def test_the_default_budget_fits_the_tmpfs_under_shm_dir(tmpfs):
