@@ -64,6 +64,8 @@ S3_IP = f"{SUBNET}.3"
 ETCD_PORT = 2379
 S3_PORT = 5000
 DATA_PORT = 7070
+#: Traffic a shaped link queues before it drops (seconds): see _shape.
+LINK_QUEUE = 0.01
 PREFIX = "ckl"
 BUCKET = "lab"
 _NAME = re.compile(rf"^{PREFIX}-(\d+)-([0-9a-f]+)-")
@@ -546,11 +548,18 @@ def _nft(ns: str, rule: str, check: bool = True) -> None:
 def _shape(ns: str, dev: str, mbit: float, verb: str) -> None:
     """tbf at ``mbit`` on egress of ``dev`` in ``ns``. The bucket holds ~4 ms of traffic and at
     least 64 KiB: a veth hands tbf whole 64 KiB GSO packets, and a bucket smaller than one
-    would make tbf split (or drop) them."""
+    would make tbf split (or drop) them.
+
+    The queue holds ``LINK_QUEUE`` of traffic, at least two such packets. A Linux host's own
+    queue (fq_codel, which this kernel lacks) keeps each flow's delay near 5 ms and ACKs out
+    of bulk data's way; one deep FIFO would hold a node's ACKs behind its own upload, so a
+    node that relays while it receives would receive well below its link rate.
+    """
     rate_bytes = mbit * 1e6 / 8
     burst = max(64 << 10, int(rate_bytes * 0.004))
+    limit = max(2 * burst, int(rate_bytes * LINK_QUEUE))
     _run("tc", "-n", ns, "qdisc", verb, "dev", dev, "root", "tbf", "rate", f"{mbit:g}mbit",
-         "burst", str(burst), "latency", "50ms")  # fmt: skip
+         "burst", str(burst), "limit", str(limit))  # fmt: skip
 
 
 def _wait_http(ns: str, url: str, proc: subprocess.Popen[bytes], timeout: float = 60) -> None:

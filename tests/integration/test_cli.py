@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -210,3 +211,16 @@ def test_restart_over_empty_leftover_segments_logs_no_error(daemon_factory):
     assert "removing empty segment seg-0abc-000001 left by an allocation cut short" in log
     assert "reclaiming segment seg-0abc-000002: allocated but never written" in log
     assert not os.path.exists(empty) and not os.path.exists(zeros)
+
+
+def test_demo_persists_the_save_of_a_trainer_killed_after_it():
+    """The main job's demo: the daemon persists (phase 2 runs after the trainer's SIGKILL),
+    the reload is bit-identical, and the table holds the memcpy limit."""
+    out = subprocess.run([sys.executable, "-m", "ckptcache.cli", "demo", "--size-mib", "16"],
+                         capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "persisting under" in out.stdout
+    assert re.search(r"persisted: \S+model_optim_rng\.pt \(16 MiB, a plain torch\.save file\)",
+                     out.stdout), out.stdout  # fmt: skip
+    assert "reloaded state is bit-identical: True" in out.stdout
+    assert "memcpy (physical limit)" in out.stdout
