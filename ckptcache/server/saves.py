@@ -194,6 +194,8 @@ class Saves:
                         f"{held}"
                     )
                 state.wait(min(remaining, 0.5))
+            if segment.sealable and session is not self.internal:
+                self._unseal_locked(segment)
             res = Reservation(
                 state.next_id(), req.namespace, req.path, segment, req.nbytes, req.durability,
                 persist, saver, anchor=anchor, base=base, base_stamp=base_stamp,
@@ -201,6 +203,14 @@ class Saves:
             session.reservations[res.id] = res
             state.update_gauges()
         return m.ReserveReply(res.id, segment.name, segment.capacity)
+
+    def _unseal_locked(self, segment: Segment) -> None:
+        """Let an admitted user's trainer open its segment for writing, until the commit."""
+        try:
+            segment.unseal()
+        except OSError as e:
+            self.state.arena.release(segment)
+            raise CkptCacheError(f"cannot hand segment {segment.name} to its user: {e}") from e
 
     def _held_locked(self, capacity: int) -> tuple[str, bool]:
         """What holds the budget and what to do, and whether waiting can help (nothing is
@@ -287,6 +297,8 @@ class Saves:
             )
         segment = res.segment
         try:
+            if segment.sealable and not segment.sealed:
+                self._seal_for_commit(segment, res)
             manifest, header = self.validate(segment, res, req)
         except BaseException:
             # Any refusal (bad manifest, malformed field, a bug) gives the segment back:
@@ -367,6 +379,22 @@ class Saves:
             f"holds generation {newest.number}, saved after it",
             res.digests,
         )
+
+    @staticmethod
+    def _seal_for_commit(segment: Segment, res: Reservation) -> None:
+        """Seal the segment its user wrote before reading a byte of it (see
+        :mod:`ckptcache.server.sealing`); a file cut meanwhile is refused."""
+        try:
+            size = segment.seal()
+        except OSError as e:
+            raise CorruptCheckpoint(
+                f"commit of {res.path!r}: its segment {segment.name} cannot be sealed ({e})"
+            ) from e
+        if size < segment.capacity:
+            raise CorruptCheckpoint(
+                f"commit of {res.path!r}: its segment file was truncated to {size} of "
+                f"{segment.capacity} bytes before the commit; save it again"
+            )
 
     def validate(
         self, segment: Segment, res: Reservation, req: m.CommitRequest
