@@ -38,7 +38,7 @@ from ckptcache.format.layout import (
     SegmentState,
     align,
 )
-from ckptcache.server import sealing
+from ckptcache.server import records, sealing
 
 __all__ = ["Arena", "Segment"]
 
@@ -96,6 +96,8 @@ class Segment:
     sealed: bool = False
     #: The header the daemon last wrote: what it believes, whatever the file says now.
     header: SegmentHeader | None = None
+    #: The daemon's own record of what the segment holds (see :mod:`ckptcache.server.records`).
+    record_path: str | None = None
 
     def open_fd(self) -> int:
         """Open the segment file read-only, refusing a symlink or a file swapped in under its
@@ -124,10 +126,19 @@ class Segment:
         return self.header
 
     def write_header(self, header: SegmentHeader) -> None:
-        """Write the header; the state field lands last in one store of the packed struct."""
+        """Write the header; the state field lands last in one store of the packed struct.
+
+        The daemon's record follows: written after the page when committed (a commit is
+        acknowledged only once both are), dropped before it otherwise (a crash between the
+        two never brings a freed generation back)."""
         packed = header.pack()
+        committed = header.state == SegmentState.COMMITTED
+        if not committed:
+            records.drop(self)
         self.mapping[: len(packed)] = packed
         self.header = header
+        if committed:
+            records.write(self, 0, packed)
 
     def seal(self) -> int:
         """Seal an admitted user's segment (see :func:`ckptcache.server.sealing.seal`);
@@ -178,6 +189,12 @@ class Arena:
         self.pending = 0
         self.uid = os.geteuid()
         os.close(ensure_private_dir(directory, mode, "segments dir"))
+        #: The daemon's records of committed segments (0700, ours: see server/records.py).
+        self.records_dir = os.path.join(directory, ".records")
+        os.close(ensure_private_dir(self.records_dir, 0o700, "records dir"))
+
+    def _record_path(self, name: str) -> str:
+        return os.path.join(self.records_dir, os.path.basename(name))
 
     def untrusted(self, owner: int) -> bool:
         """Whether segments of ``owner`` are files another user can write (sealed)."""
@@ -309,6 +326,7 @@ class Arena:
         segment = Segment(name, path, capacity, mapping, owner=uid)
         segment.sealable = segment.sealed = sealable
         segment.identity = (st.st_dev, st.st_ino)
+        segment.record_path = self._record_path(name)
         segment.write_header(_empty_header(SegmentState.WRITING))
         return segment
 
@@ -353,6 +371,7 @@ class Arena:
         """Unlink a segment and forget it."""
         self.segments.pop(segment.name, None)
         self.free.pop(segment.name, None)
+        records.drop(segment)
         try:
             segment.mapping.close()
         except BufferError:
@@ -397,6 +416,11 @@ class Arena:
             adopted = self._adopt(name, path, self.uid)
             if adopted is not None:
                 yield adopted
+        # Records of segments that are gone (destroyed by a crash's predecessor, or unlinked).
+        kept = {os.path.basename(name) for name in self.segments}
+        for name in os.listdir(self.records_dir):
+            if name not in kept:
+                os.unlink(os.path.join(self.records_dir, name))
 
     def _scan_user(self, sub: str, uid: int) -> Iterator[tuple[Segment, SegmentHeader | None]]:
         for entry in sorted(os.listdir(os.path.join(self.directory, sub))):
@@ -447,6 +471,7 @@ class Arena:
         segment = Segment(name, path, st.st_size, mapping, inherited=True, owner=owner)
         segment.sealable = segment.sealed = sealable
         segment.identity = (st.st_dev, st.st_ino)
+        segment.record_path = self._record_path(name)
         self.segments[name] = segment
         try:
             header: SegmentHeader | None = segment.read_header()

@@ -32,7 +32,7 @@ from ckptcache.errors import (
 )
 from ckptcache.format.layout import HEADER_SIZE, DigestState, SegmentHeader, SegmentState, align
 from ckptcache.format.manifest import Manifest
-from ckptcache.server import ownership
+from ckptcache.server import ownership, records
 from ckptcache.server.arena import Arena, Segment
 from ckptcache.server.config import DaemonConfig
 from ckptcache.server.digester import Digester
@@ -322,6 +322,7 @@ class Saves:
                 # than what was saved after it elsewhere.
                 committed_ns=int(res.saved_at * 1e9) if res.origin else self._stamp_locked(res),
             )  # fmt: skip
+            records.write_key(segment, res.namespace, res.path)
             if res.saver is not None:
                 ownership.write_record(segment, res.saver)
             write_provenance(segment, Provenance(res.base, res.anchor, memory_only=not res.persist))
