@@ -11,6 +11,7 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import Any, NoReturn
 
 from ckptcache.data._batchfile import read_batch
+from ckptcache.data._cachedir import default_cache_dir
 from ckptcache.data._crypto import BatchCipher
 from ckptcache.data._lease import Heartbeat, Lease, lock_exclusive, unlock
 from ckptcache.data._positions import Pos
@@ -27,11 +28,6 @@ _LEASE_CHECK_S = 0.1
 _MAX_POLL_S = 0.01
 #: Longest wait of the loading rank's ``close()`` for reading ranks to reach its position.
 _CLOSE_WAIT_S = 10.0
-
-
-def default_cache_dir() -> str:
-    """``/dev/shm/ckptcache-data-<uid>``: tmpfs, so batches outlive the process, not the node."""
-    return f"/dev/shm/ckptcache-data-{os.getuid()}"
 
 
 def _group_suffix(group: Any) -> str:

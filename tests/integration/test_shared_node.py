@@ -318,24 +318,22 @@ def test_a_user_cannot_rewrite_its_saver_record_before_a_restart(tmp_path):
 # ------------------------------------------------------------------ 4. data cache directory
 
 
-def test_a_squatted_data_cache_default_dir_does_not_stop_the_run(tmp_path):
+def test_a_squatted_data_cache_default_dir_does_not_stop_the_run():
     """Another user who creates ``/dev/shm/ckptcache-data-<uid>`` first used to stop the
     victim's loader at start; the victim now gets a directory nobody could plant, finds it
     again after a restart, and never uses the planted one."""
     attacker, victim = users(2)
     planted = f"/dev/shm/ckptcache-data-{victim.uid}"
-    state_home = tmp_path / "victim-home"
-    state_home.mkdir()
-    os.chown(state_home, victim.uid, victim.gid)
-    os.chmod(tmp_path, 0o755)
+    home = Path(tempfile.mkdtemp(dir="/tmp"))
+    os.chown(home, victim.uid, victim.gid)
     shutil.rmtree(planted, ignore_errors=True)
     try:
         run_as(attacker, lambda: (os.mkdir(planted, 0o777), os.chmod(planted, 0o777)))
 
         def victim_runs() -> list:
             os.environ.pop("XDG_RUNTIME_DIR", None)
-            os.environ["HOME"] = str(state_home)
             os.environ.pop("XDG_STATE_HOME", None)
+            os.environ["HOME"] = str(home)
             found = []
             for _ in range(2):  # a run, then its restart
                 cache_dir = default_cache_dir()
@@ -347,30 +345,37 @@ def test_a_squatted_data_cache_default_dir_does_not_stop_the_run(tmp_path):
         first, again = run_as(victim, victim_runs)
         assert first == again  # the restart finds the same directory
         assert first[0] != planted and first[1:] == [victim.uid, 0o700]
-        assert "ckptcache-data" in first[0]
+        assert first[0].startswith(f"/dev/shm/ckptcache-data-{victim.uid}-")
         assert os.lstat(planted).st_uid == attacker.uid and os.listdir(planted) == []
 
-        # A directory planted under the recorded name is refused, never used.
+        # A planted directory is still refused where it is named.
         with pytest.raises(ChildError) as e:
             run_as(victim, lambda: BatchDir(planted, "run1", "train"))
         assert e.value.type_name == ConfigError.__name__
     finally:
         shutil.rmtree(planted, ignore_errors=True)
+        shutil.rmtree(home, ignore_errors=True)
         for entry in Path("/dev/shm").glob(f"ckptcache-data-{victim.uid}-*"):
             shutil.rmtree(entry, ignore_errors=True)
 
 
-def test_a_private_runtime_dir_is_preferred(tmp_path):
+def test_a_private_runtime_dir_is_preferred():
     (victim,) = users(1)
-    runtime = tmp_path / "run-user"
-    runtime.mkdir(mode=0o700)
+    runtime = Path(tempfile.mkdtemp(dir="/tmp"))
     os.chown(runtime, victim.uid, victim.gid)
-    os.chmod(tmp_path, 0o755)
+    home = Path(tempfile.mkdtemp(dir="/tmp"))
+    os.chown(home, victim.uid, victim.gid)
 
     def victim_default() -> str:
         os.environ["XDG_RUNTIME_DIR"] = str(runtime)
+        os.environ["HOME"] = str(home)
         return default_cache_dir()
 
-    assert run_as(victim, victim_default) == str(runtime / "ckptcache-data")
-    runtime.chmod(0o755)  # not private: not used
-    assert run_as(victim, victim_default) != str(runtime / "ckptcache-data")
+    try:
+        assert run_as(victim, victim_default) == str(runtime / "ckptcache-data")
+        runtime.chmod(0o755)  # not private: not used
+        assert run_as(victim, victim_default) != str(runtime / "ckptcache-data")
+    finally:
+        shutil.rmtree(runtime, ignore_errors=True)
+        shutil.rmtree(home, ignore_errors=True)
+        shutil.rmtree(f"/dev/shm/ckptcache-data-{victim.uid}", ignore_errors=True)
