@@ -81,7 +81,7 @@ def _errno_of(op) -> str:
 def _punch(fd: int) -> None:
     libc = ctypes.CDLL(None, use_errno=True)
     libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_long]
-    if libc.fallocate(fd, _FALLOC_PUNCH_HOLE, 0, 8192) != 0:
+    if libc.fallocate(fd, _FALLOC_PUNCH_HOLE, 8192, 8192) != 0:
         raise OSError(ctypes.get_errno(), "fallocate(PUNCH_HOLE)")
 
 
@@ -268,6 +268,42 @@ def test_a_configured_share_is_enforced_for_a_user_alone(tmp_path):
         got = run_as(alice, alice_saves)
         assert got.startswith("BudgetExceeded") and "16.0 MiB" in got, got
         assert "user_share 0.25" in got, got
+
+
+def test_no_save_evicts_another_users_unpersisted_generations(tmp_path):
+    """Bob's older generations are safe to drop for bob, not for anyone else: a budget
+    full of them refuses the next saver (root here) rather than dropping them."""
+    alice, bob = users(2)
+    cfg = _config(tmp_path, alice.uid, bob.uid, extra="reserve_timeout: 1\n")
+    with shared_daemon("--config", cfg, "--memory-limit", "64MiB", "--pool-bytes", "0") as d:
+        _warm(d)
+
+        def fill(who: str, paths: tuple[str, ...], seeds: tuple[int, ...]) -> str:
+            with d.client(fallback="raise") as c:
+                for name in paths:
+                    for seed in seeds:
+                        try:
+                            c.save(_state(seed, mib=6), f"/nonexistent-ckptcache/{who}/{name}.pt",
+                                   durability="memory")  # fmt: skip
+                        except Exception as e:
+                            return type(e).__name__
+            return "saved"
+
+        def generations() -> list[int]:
+            with d.client(fallback="raise") as c:
+                return [c.status(f"/nonexistent-ckptcache/bob/{n}.pt").generations
+                        for n in ("p", "q")]  # fmt: skip
+
+        # 7 MiB a save: bob and alice hold 28 MiB each (within a fair half), bob's in two
+        # generations of each path: the older ones are his to drop, and nobody else's.
+        assert run_as(bob, lambda: fill("bob", ("p", "q"), (1, 2))) == "saved"
+        assert run_as(bob, generations) == [2, 2]
+        assert run_as(alice, lambda: fill("alice", ("a", "b", "c", "d"), (1,))) == "saved"
+        assert fill("root", ("r", "s", "t"), (1,)) == "BudgetExceeded"
+        assert run_as(bob, generations) == [2, 2]
+        assert run_as(bob, lambda: assert_same(
+            d.client(fallback="raise").load("/nonexistent-ckptcache/bob/p.pt"), _state(2, mib=6)
+        ) or True)  # fmt: skip
 
 
 # ------------------------------------------------------------------ 3. saver record
