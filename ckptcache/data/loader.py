@@ -87,7 +87,8 @@ class CachedDataLoader:
     Args:
         make_loader: returns a fresh real loader (any iterable of batches); called in a
             background thread, on the loading rank only (may be ``None`` on reading ranks).
-        cache_dir: shared-memory directory (created 0700; must belong to this user).
+        cache_dir: shared-memory directory (created 0700; must belong to this user); by
+            default one no other user can create first (:func:`default_cache_dir`).
         run_id: names the run; batches of other run ids are never served and are reclaimed.
             Must be unique per job (a job reusing another's id is served its leftover
             batches) and stay the same across the job's restarts.
