@@ -81,6 +81,9 @@ def _as_user(socket_path: str, nbytes: int, repeats: int, uid: int, gid: int) ->
         c.load(warm)
         c.status(warm)
         c.delete(warm)
+    if uid == 0:  # --saver root: the daemon's own user, whose segments are never sealed
+        print(json.dumps(_child(socket_path, nbytes, repeats)))
+        return
     read, write = os.pipe()
     pid = os.fork()
     if pid == 0:
@@ -100,10 +103,12 @@ def _as_user(socket_path: str, nbytes: int, repeats: int, uid: int, gid: int) ->
     print(data)
 
 
-def _measure(tree: str, nbytes: int, repeats: int) -> dict[str, float]:
+def _measure(tree: str, nbytes: int, repeats: int, saver: str) -> dict[str, float]:
     """Start a root daemon from ``tree`` admitting the bench user, run :func:`_child` as that
-    user (a fresh interpreter importing ``tree``), and return its figures."""
+    user, or as root (``saver``; a fresh interpreter importing ``tree``), and return its
+    figures."""
     uid, gid = _user()
+    saver_uid, saver_gid = (uid, gid) if saver == "user" else (0, 0)
     env = {**os.environ, "PYTHONPATH": os.path.abspath(tree)}
     work = tempfile.mkdtemp(prefix="ckptcache-bench-", dir="/tmp")
     os.chmod(work, 0o755)
@@ -129,7 +134,7 @@ def _measure(tree: str, nbytes: int, repeats: int) -> dict[str, float]:
         # A root interpreter importing ``tree`` measures, as the user, in a forked child.
         proc = subprocess.run(
             [sys.executable, os.path.abspath(__file__), "--child", sock, str(nbytes),
-             str(repeats), str(uid), str(gid)],
+             str(repeats), str(saver_uid), str(saver_gid)],
             env=env, capture_output=True, text=True, check=True, cwd="/",
         )  # fmt: skip
         return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -150,6 +155,12 @@ def main() -> None:
     p.add_argument("--sizes", nargs="+", default=["256MiB", "1GiB"])
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--trees", nargs="+", default=["this=."], help="NAME=DIR source checkouts")
+    p.add_argument(
+        "--saver",
+        choices=("user", "root"),
+        default="user",
+        help="who saves: the admitted user (sealed segments) or root",
+    )
     args = p.parse_args()
     from ckptcache._units import format_bytes, parse_bytes
 
@@ -159,7 +170,7 @@ def main() -> None:
     for size in args.sizes:
         nbytes = parse_bytes(size)
         for name, tree in trees:
-            r = _measure(tree, nbytes, args.repeats)
+            r = _measure(tree, nbytes, args.repeats, args.saver)
             ratio = r["memcpy"] / r["save, repeated"]
             print(f"| {format_bytes(nbytes)} | {name} | {r['memcpy']:.3f} s | "
                   f"{r['save, repeated']:.3f} s | {ratio:.2f}x | "
