@@ -101,6 +101,8 @@ class DaemonProc:
             return 0
         total = 0
         for name in os.listdir(d):
+            if name.startswith("."):  # the daemon's records of its segments, not segments
+                continue
             try:
                 total += os.path.getsize(os.path.join(d, name))
             except FileNotFoundError:
