@@ -14,6 +14,7 @@ import os
 import shutil
 import stat
 import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
@@ -205,6 +206,27 @@ def test_a_segment_truncated_before_its_commit_is_refused(tmp_path):
             assert [o.path for o in c.list()] == []
             c.save(_state(2), "/nonexistent-ckptcache/root.pt", durability="memory")
             assert_same(c.load("/nonexistent-ckptcache/root.pt"), _state(2))
+
+
+def test_a_daemon_that_cannot_seal_refuses_admitted_users(tmp_path):
+    """Without CAP_LINUX_IMMUTABLE (a container's default) segments could not be sealed: a
+    daemon with admitted users stops at start rather than run where a user can kill it."""
+    (alice,) = users(1)
+    if shutil.which("capsh") is None:
+        pytest.skip("needs capsh (libcap2-bin) to drop one capability")
+    shm_dir = f"/dev/shm/ckptcache-test-{os.urandom(5).hex()}"
+    cmd = (f"{sys.executable} -m ckptcache.cli daemon --shm-dir {shm_dir} "
+           f"--socket {tmp_path / 'd.sock'} --memory-limit 64MiB "
+           f"--config {_config(tmp_path, alice.uid)}")  # fmt: skip
+    try:
+        proc = subprocess.run(["capsh", "--drop=cap_linux_immutable", "--", "-c", cmd],
+                              capture_output=True, text=True, timeout=120)  # fmt: skip
+    finally:
+        shutil.rmtree(shm_dir, ignore_errors=True)
+    assert proc.returncode == 2, proc.stderr
+    assert "allowed_uids needs segments sealed" in proc.stderr
+    assert "lacks CAP_LINUX_IMMUTABLE" in proc.stderr
+    assert not (tmp_path / "d.sock").exists()
 
 
 # ------------------------------------------------------------------ 2. per-user budget
