@@ -101,6 +101,8 @@ class DaemonProc:
             return 0
         total = 0
         for name in os.listdir(d):
+            if name.startswith("."):  # the daemon's records of its segments, not segments
+                continue
             try:
                 total += os.path.getsize(os.path.join(d, name))
             except FileNotFoundError:
@@ -115,6 +117,10 @@ class DaemonProc:
         except subprocess.TimeoutExpired:
             warnings.warn(f"daemon {self.workdir.name} ignored SIGTERM for 30 s", stacklevel=2)
             self.kill()
+        if os.path.isdir(self.shm_dir):
+            from ckptcache.server.sealing import unseal_tree
+
+            unseal_tree(self.shm_dir)  # admitted users' segments are sealed (chattr +a)
         shutil.rmtree(self.shm_dir, ignore_errors=True)
 
 

@@ -11,6 +11,7 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import Any, NoReturn
 
 from ckptcache.data._batchfile import read_batch
+from ckptcache.data._cachedir import default_cache_dir
 from ckptcache.data._crypto import BatchCipher
 from ckptcache.data._lease import Heartbeat, Lease, lock_exclusive, unlock
 from ckptcache.data._positions import Pos
@@ -27,11 +28,6 @@ _LEASE_CHECK_S = 0.1
 _MAX_POLL_S = 0.01
 #: Longest wait of the loading rank's ``close()`` for reading ranks to reach its position.
 _CLOSE_WAIT_S = 10.0
-
-
-def default_cache_dir() -> str:
-    """``/dev/shm/ckptcache-data-<uid>``: tmpfs, so batches outlive the process, not the node."""
-    return f"/dev/shm/ckptcache-data-{os.getuid()}"
 
 
 def _group_suffix(group: Any) -> str:
@@ -91,7 +87,8 @@ class CachedDataLoader:
     Args:
         make_loader: returns a fresh real loader (any iterable of batches); called in a
             background thread, on the loading rank only (may be ``None`` on reading ranks).
-        cache_dir: shared-memory directory (created 0700; must belong to this user).
+        cache_dir: shared-memory directory (created 0700; must belong to this user); by
+            default one no other user can create first (:func:`default_cache_dir`).
         run_id: names the run; batches of other run ids are never served and are reclaimed.
             Must be unique per job (a job reusing another's id is served its leftover
             batches) and stay the same across the job's restarts.

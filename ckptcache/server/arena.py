@@ -9,6 +9,10 @@ own; the daemon core calls it under its lock.
 
 Names are unique per daemon incarnation (``<incarnation>-<counter>``) so that a client's cached
 mapping can never silently point at a different file that reused a name.
+
+Segments of admitted users are those users' files: the daemon touches its mapping of one only
+while it is sealed against truncation (:mod:`ckptcache.server.sealing`), and never believes a
+header it did not write itself (:attr:`Segment.read_header` returns the daemon's own copy).
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ from ckptcache.format.layout import (
     SegmentState,
     align,
 )
+from ckptcache.server import records, sealing
 
 __all__ = ["Arena", "Segment"]
 
@@ -85,6 +90,14 @@ class Segment:
     identity: tuple[int, int] = (0, 0)
     #: Never used since it was pre-faulted for the spare pool (see ``server/pool.py``).
     spare: bool = False
+    #: The file belongs to an admitted user (not root, not the daemon): the daemon reads its
+    #: mapping only while :attr:`sealed` (see :mod:`ckptcache.server.sealing`).
+    sealable: bool = False
+    sealed: bool = False
+    #: The header the daemon last wrote: what it believes, whatever the file says now.
+    header: SegmentHeader | None = None
+    #: The daemon's own record of what the segment holds (see :mod:`ckptcache.server.records`).
+    record_path: str | None = None
 
     def open_fd(self) -> int:
         """Open the segment file read-only, refusing a symlink or a file swapped in under its
@@ -106,13 +119,47 @@ class Segment:
             os.close(fd)
 
     def read_header(self) -> SegmentHeader:
-        """Decode the header from the daemon's mapping."""
-        return SegmentHeader.unpack(memoryview(self.mapping)[:HEADER_SIZE])
+        """The header the daemon last wrote (decoded from the mapping only at adoption): the
+        page is writable by the segment's clients, so it is never read back."""
+        if self.header is None:
+            self.header = SegmentHeader.unpack(memoryview(self.mapping)[:HEADER_SIZE])
+        return self.header
 
     def write_header(self, header: SegmentHeader) -> None:
-        """Write the header; the state field lands last in one store of the packed struct."""
+        """Write the header; the state field lands last in one store of the packed struct.
+
+        The daemon's record follows: written after the page when committed (a commit is
+        acknowledged only once both are), dropped before it otherwise (a crash between the
+        two never brings a freed generation back)."""
         packed = header.pack()
+        committed = header.state == SegmentState.COMMITTED
+        if not committed:
+            records.drop(self)
         self.mapping[: len(packed)] = packed
+        self.header = header
+        if committed:
+            records.write(self, 0, packed)
+
+    def seal(self) -> int:
+        """Seal an admitted user's segment (see :func:`ckptcache.server.sealing.seal`);
+        returns the size the file had once sealed (below :attr:`capacity`: it was cut)."""
+        flags = os.O_RDWR | os.O_APPEND | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK
+        fd = os.open(self.path, flags)
+        try:
+            st = os.fstat(fd)
+            if (st.st_dev, st.st_ino) != self.identity:
+                raise OSError(errno.ESTALE, f"segment file {self.path} was replaced")
+            size = sealing.seal(fd, self.capacity)
+        finally:
+            os.close(fd)
+        self.sealed = True
+        return size
+
+    def unseal(self) -> None:
+        """Let the owner open the segment for writing again (a save of its own)."""
+        with self.opened() as fd:
+            sealing.set_sealed(fd, False)
+        self.sealed = False
 
     def view(self) -> memoryview:
         """A memoryview of the whole segment (zero copy)."""
@@ -142,6 +189,16 @@ class Arena:
         self.pending = 0
         self.uid = os.geteuid()
         os.close(ensure_private_dir(directory, mode, "segments dir"))
+        #: The daemon's records of committed segments (0700, ours: see server/records.py).
+        self.records_dir = os.path.join(directory, ".records")
+        os.close(ensure_private_dir(self.records_dir, 0o700, "records dir"))
+
+    def _record_path(self, name: str) -> str:
+        return os.path.join(self.records_dir, os.path.basename(name))
+
+    def untrusted(self, owner: int) -> bool:
+        """Whether segments of ``owner`` are files another user can write (sealed)."""
+        return owner not in (0, self.uid)
 
     def _owner_dir(self, owner: int) -> str:
         """Relative directory of ``owner``'s segments: ours at the top, others' in ``u<uid>``."""
@@ -248,20 +305,28 @@ class Arena:
         path = os.path.join(self.directory, name)
         flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW
         fd = os.open(path, flags, 0o600)
+        sealable = self.untrusted(uid)
         try:
             if self._owner_dir(uid):
                 os.fchown(fd, uid, gid)
             os.posix_fallocate(fd, 0, capacity)
             flags = mmap.MAP_SHARED | (_MAP_POPULATE if populate else 0)
+            # Mapped before the seal: a sealed file refuses new writable mappings.
             mapping = mmap.mmap(fd, capacity, flags=flags)
+            if sealable:
+                sealing.seal(fd, capacity)
             st = os.fstat(fd)
         except OSError:
+            with contextlib.suppress(OSError):
+                sealing.set_sealed(fd, False)
             os.unlink(path)
             raise
         finally:
             os.close(fd)
         segment = Segment(name, path, capacity, mapping, owner=uid)
+        segment.sealable = segment.sealed = sealable
         segment.identity = (st.st_dev, st.st_ino)
+        segment.record_path = self._record_path(name)
         segment.write_header(_empty_header(SegmentState.WRITING))
         return segment
 
@@ -291,6 +356,13 @@ class Arena:
         if segment.inherited:
             self.destroy(segment)
             return
+        if segment.sealable and not segment.sealed:
+            try:
+                segment.seal()  # its user wrote it until now: nothing is read before this
+            except OSError as e:
+                log.warning("dropping segment %s: cannot seal it (%s)", segment.name, e)
+                self.destroy(segment)
+                return
         segment.write_header(_empty_header(SegmentState.FREE))
         segment.last_used = time.monotonic()
         self.free[segment.name] = segment
@@ -299,11 +371,15 @@ class Arena:
         """Unlink a segment and forget it."""
         self.segments.pop(segment.name, None)
         self.free.pop(segment.name, None)
+        records.drop(segment)
         try:
             segment.mapping.close()
         except BufferError:
             # A memoryview still exports it (a persist in flight); the GC closes it later.
             pass
+        if segment.sealable:
+            with contextlib.suppress(OSError), segment.opened() as fd:
+                sealing.set_sealed(fd, False)  # a sealed file cannot be unlinked
         try:
             os.unlink(segment.path)
         except FileNotFoundError:
@@ -340,6 +416,11 @@ class Arena:
             adopted = self._adopt(name, path, self.uid)
             if adopted is not None:
                 yield adopted
+        # Records of segments that are gone (destroyed by a crash's predecessor, or unlinked).
+        kept = {os.path.basename(name) for name in self.segments}
+        for name in os.listdir(self.records_dir):
+            if name not in kept:
+                os.unlink(os.path.join(self.records_dir, name))
 
     def _scan_user(self, sub: str, uid: int) -> Iterator[tuple[Segment, SegmentHeader | None]]:
         for entry in sorted(os.listdir(os.path.join(self.directory, sub))):
@@ -357,13 +438,16 @@ class Arena:
     def _adopt(
         self, name: str, path: str, owner: int
     ) -> tuple[Segment, SegmentHeader | None] | None:
-        fd = os.open(path, os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
+        sealable = self.untrusted(owner)
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
         try:
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode) or st.st_uid != owner:
                 log.error("removing %s: replaced while being adopted", path)
                 os.unlink(path)
                 return None
+            if sealable:  # sealed by the last incarnation: reopened writable below
+                sealing.set_sealed(fd, False)
             if st.st_size == 0:
                 # Created, never allocated: the daemon stopped between the two (not damage).
                 log.info("removing empty segment %s left by an allocation cut short", name)
@@ -373,11 +457,26 @@ class Arena:
                 log.error("removing segment %s: truncated to %d bytes", name, st.st_size)
                 os.unlink(path)
                 return None
-            mapping = mmap.mmap(fd, st.st_size, flags=mmap.MAP_SHARED)
+            # The same inode, writable (its path could have been swapped meanwhile).
+            rw = os.open(f"/proc/self/fd/{fd}", os.O_RDWR | os.O_CLOEXEC)
+            try:
+                mapping = mmap.mmap(rw, st.st_size, flags=mmap.MAP_SHARED)
+                # Sealed again before the mapping is read; a cut made while the seal was
+                # off is restored with zeros and counts as damage.
+                if sealable and sealing.seal(rw, st.st_size) < st.st_size:
+                    log.error("removing segment %s: truncated while being adopted", name)
+                    mapping.close()
+                    sealing.set_sealed(rw, False)
+                    os.unlink(path)
+                    return None
+            finally:
+                os.close(rw)
         finally:
             os.close(fd)
         segment = Segment(name, path, st.st_size, mapping, inherited=True, owner=owner)
+        segment.sealable = segment.sealed = sealable
         segment.identity = (st.st_dev, st.st_ino)
+        segment.record_path = self._record_path(name)
         self.segments[name] = segment
         try:
             header: SegmentHeader | None = segment.read_header()

@@ -81,6 +81,10 @@ class DaemonConfig:
     metrics_addr: str = "127.0.0.1"
     #: Users (besides the daemon's own and root) whose processes may use the socket.
     allowed_uids: tuple[int, ...] = ()
+    #: With admitted users: the part of memory_limit each user may hold (root and the
+    #: daemon's uid count as one user). None ("fair"): an equal share among the users holding
+    #: memory now, the saver included; a fraction (0, 1]: that part, whoever else is active.
+    user_share: float | None = None
     log_level: str = "INFO"
     #: Storage roots (directories or URL prefixes) the daemon persists under.
     persist_roots: tuple[str, ...] = ()
@@ -261,6 +265,15 @@ def _retention(value: Any) -> tuple[RetentionRule, ...]:
     return tuple(rules)
 
 
+def _user_share(value: Any) -> float | None:
+    if value in (None, "fair"):
+        return None
+    share = float(value)
+    if not 0 < share <= 1:
+        raise ValueError("must be 'fair' or a fraction of memory_limit in (0, 1]")
+    return share
+
+
 def _allowed_uids(value: Any) -> tuple[int, ...]:
     return tuple(int(u) for u in value)
 
@@ -284,6 +297,7 @@ VALIDATORS: dict[str, Validator] = {
     "metrics_port": _metrics_port,
     "metrics_addr": _text,
     "allowed_uids": _allowed_uids,
+    "user_share": _user_share,
     "log_level": _log_level,
     "persist_roots": _persist_roots,
     "memory_only": _memory_only,

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 
 from ckptcache._secure_fs import current_umask
 from ckptcache.errors import InvalidPath, PathNotAllowed
+from ckptcache.server import records
 
 if TYPE_CHECKING:
     from ckptcache.server.arena import Segment
@@ -37,7 +38,7 @@ __all__ = [
     "write_record",
 ]
 
-#: The saver record sits in the header page, past the header struct, written by the daemon.
+#: The saver record's place in the daemon's record of a segment (see server/records.py).
 _RECORD_OFFSET = 3072
 _RECORD = struct.Struct("<8siii")
 _MAGIC = b"CKPTOWN\x00"
@@ -149,23 +150,25 @@ def check_may_save(core: CacheCore, session: Session, key: Key) -> None:
 
 
 def write_record(segment: Segment, saver: Saver) -> None:
-    """Keep the saver in the segment's header page so a restarted daemon still knows it."""
-    segment.mapping[_RECORD_OFFSET : _RECORD_OFFSET + _RECORD.size] = _RECORD.pack(
-        _MAGIC, saver.uid, saver.gid, saver.umask
-    )
+    """Keep the saver where a restarted daemon finds it and no client can write it."""
+    records.write(segment, _RECORD_OFFSET, _RECORD.pack(_MAGIC, saver.uid, saver.gid, saver.umask))
 
 
 def read_record(segment: Segment, daemon_uid: int) -> Saver:
     """The saver of a segment adopted at start.
 
-    The record lies in bytes the saver could overwrite, so its uid is believed only when it
-    agrees with who owns the file (an admitted user's segments are that user's files), and
-    its gid only when that user is a member of the group (a forged gid would let a root
-    daemon write into that group's directories for the user); an unbelievable record gives
-    the file's owner with the most private umask, an unbelievable gid the user's primary
-    group.
+    The record is the daemon's own (:mod:`ckptcache.server.records`); it is checked all the
+    same, as a segment of an older version kept it in bytes the saver could overwrite: its
+    uid is believed only when it agrees with who owns the file (an admitted user's segments
+    are that user's files), and its gid only when that user is a member of the group (a
+    forged gid would let a root daemon write into that group's directories for the user); an
+    unbelievable or missing record gives the file's owner with the most private umask, an
+    unbelievable gid the user's primary group.
     """
-    magic, uid, gid, umask = _RECORD.unpack_from(segment.mapping, _RECORD_OFFSET)
+    page = records.page(segment)
+    if page is None:
+        return Saver(segment.owner, -1, 0o077)
+    magic, uid, gid, umask = _RECORD.unpack_from(page, _RECORD_OFFSET)
     owner_ok = uid == segment.owner or (segment.owner == daemon_uid and uid == 0)
     if magic != _MAGIC or not owner_ok or not 0 <= umask <= 0o777:
         return Saver(segment.owner, -1, 0o077)

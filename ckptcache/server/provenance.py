@@ -1,8 +1,9 @@
 """What a restarted daemon must know of a generation to never persist it wrongly.
 
-A daemon killed with ``-9`` keeps nothing but the segments in shared memory, so three facts of
-each generation live in its header page, written by the daemon (beside the saver record of
-:mod:`ckptcache.server.ownership`):
+A daemon killed with ``-9`` keeps nothing but the segments in shared memory and its own
+records of them, so these facts of each generation live in the daemon's record of its segment
+(:mod:`ckptcache.server.records`, beside the saver record of :mod:`ckptcache.server.ownership`),
+never in the segment itself, which an admitted user may rewrite:
 
 * the **anchor**, the deepest directory of the path that existed at save time
   (:mod:`ckptcache.server.lineage`). Recomputing it after a restart would take a directory
@@ -25,6 +26,8 @@ from __future__ import annotations
 import struct
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
+
+from ckptcache.server import records
 
 if TYPE_CHECKING:
     from ckptcache.server.arena import Segment
@@ -56,8 +59,8 @@ class Provenance:
 
 
 def write_provenance(segment: Segment, record: Provenance) -> None:
-    """Record ``record`` in ``segment``'s header page (before the generation is published or
-    its new state reported)."""
+    """Record ``record`` in the daemon's record of ``segment`` (before the generation is
+    published or its new state reported)."""
     base = (record.base or "").encode()
     anchor = (record.anchor or "").encode()
     room = _END - _OFFSET - _HEAD.size
@@ -71,18 +74,21 @@ def write_provenance(segment: Segment, record: Provenance) -> None:
     flags = (_DROPPED if record.dropped else 0) | (_ANCHOR_KEPT if kept else 0)
     flags |= _MEMORY_ONLY if record.memory_only else 0
     packed = _HEAD.pack(_MAGIC, flags, state, len(base), len(anchor)) + base + anchor
-    segment.mapping[_OFFSET : _OFFSET + len(packed)] = packed
+    records.write(segment, _OFFSET, packed)
 
 
 def read_provenance(segment: Segment) -> Provenance | None:
     """The record of a segment adopted at start; ``None`` when there is none (or it is torn)."""
-    magic, flags, state, n_base, n_anchor = _HEAD.unpack_from(segment.mapping, _OFFSET)
+    page = records.page(segment)
+    if page is None:
+        return None
+    magic, flags, state, n_base, n_anchor = _HEAD.unpack_from(page, _OFFSET)
     if magic != _MAGIC or state > _PRESENT or _HEAD.size + n_base + n_anchor > _END - _OFFSET:
         return None
     start = _OFFSET + _HEAD.size
     try:
-        base = bytes(segment.mapping[start : start + n_base]).decode()
-        anchor = bytes(segment.mapping[start + n_base : start + n_base + n_anchor]).decode()
+        base = bytes(page[start : start + n_base]).decode()
+        anchor = bytes(page[start + n_base : start + n_base + n_anchor]).decode()
     except UnicodeDecodeError:
         return None
     return Provenance(

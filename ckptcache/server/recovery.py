@@ -13,9 +13,10 @@ import threading
 
 from ckptcache._units import format_bytes
 from ckptcache.errors import CorruptCheckpoint, PathNotAllowed
-from ckptcache.format.layout import DigestState, SegmentState
+from ckptcache.format.layout import HEADER_SIZE, DigestState, SegmentHeader, SegmentState
 from ckptcache.format.manifest import Manifest, unpack_digests
-from ckptcache.server import ownership
+from ckptcache.server import ownership, records
+from ckptcache.server.arena import Segment
 from ckptcache.server.digester import Digester
 from ckptcache.server.index import Generation, Key
 from ckptcache.server.lineage import anchor_of, is_orphaned, removed_reason
@@ -44,6 +45,10 @@ def recover(
     """Rebuild the index from committed segments; reclaim everything else."""
     arena = state.arena
     for segment, header in arena.scan():
+        page = records.page(segment) if segment.sealable else None
+        if segment.sealable:
+            # An admitted user's file: only the daemon's own record says what it holds.
+            header = _recorded_header(segment, page)
         if header is None or header.state != SegmentState.COMMITTED:
             if header is not None:  # an unreadable one was reported by the scan
                 log.info("reclaiming uncommitted segment %s", segment.name)
@@ -55,6 +60,10 @@ def recover(
                 view[header.manifest_offset : header.manifest_offset + header.manifest_size],
                 segment_size=segment.capacity,
             )
+            if page is not None and records.read_key(page) != (manifest.namespace, manifest.path):
+                raise CorruptCheckpoint(
+                    f"its manifest names {manifest.path!r}, not the path the daemon committed"
+                )
         except CorruptCheckpoint as e:
             log.error("dropping segment %s: %s", segment.name, e)
             del view
@@ -80,7 +89,8 @@ def recover(
             gen.persisted, gen.persist_state = True, PersistState.PERSISTED
         elif gen.needs_persist:
             _keep_deleted(gen, dropped=record is not None and record.dropped)
-        if header.digest_state == DigestState.VALID:
+        # A user's digest table lies in its own file: computed again rather than believed.
+        if header.digest_state == DigestState.VALID and not segment.sealable:
             table = view[header.digest_offset : header.digest_offset + 8 * header.n_storages]
             gen.digests = unpack_digests(table, header.n_storages)
         del view
@@ -155,6 +165,20 @@ class _StorageCheck:
                     else:
                         gen.persist_state, gen.persist_error = PersistState.CONFLICT, str(e)
                         log.error("not persisting %s generation %d: %s", path, gen.number, e)
+
+
+def _recorded_header(segment: Segment, page: bytes | memoryview | None) -> SegmentHeader | None:
+    """The header the daemon recorded for an admitted user's segment; None without one (a
+    segment of an older version, or one its user wrote a header into)."""
+    if page is None:
+        log.error("segment %s has no record of the daemon's: not adopted", segment.name)
+        return None
+    try:
+        header = SegmentHeader.unpack(page[:HEADER_SIZE])
+    except ValueError:
+        return None
+    segment.header = header
+    return header
 
 
 def _keep_deleted(gen: Generation, *, dropped: bool) -> None:

@@ -32,7 +32,7 @@ from ckptcache.errors import (
 )
 from ckptcache.format.layout import HEADER_SIZE, DigestState, SegmentHeader, SegmentState, align
 from ckptcache.format.manifest import Manifest
-from ckptcache.server import ownership
+from ckptcache.server import ownership, records
 from ckptcache.server.arena import Arena, Segment
 from ckptcache.server.config import DaemonConfig
 from ckptcache.server.digester import Digester
@@ -44,6 +44,7 @@ from ckptcache.server.pool import SegmentPool
 from ckptcache.server.provenance import Provenance, write_provenance
 from ckptcache.server.retention import Retention
 from ckptcache.server.roots import PersistRoots
+from ckptcache.server.shares import Shares, Verdict
 from ckptcache.server.state import (
     CacheState,
     NewerHeld,
@@ -101,6 +102,8 @@ class Saves:
         self.on_commit: list[Callable[[Generation, str], None]] = []
         #: The daemon's own session: copies received from peers or storage.
         self.internal = Session(0, os.getpid(), os.getuid())
+        #: Each admitted user's share of the budget (see server/shares.py).
+        self.shares = Shares(state.arena, config.user_share, config.allowed_uids)
 
     # ----------------------------------------------------------------- sessions
 
@@ -177,9 +180,17 @@ class Saves:
             )
         deadline = time.monotonic() + bounded(self.config.reserve_timeout, req.timeout)
         state = self.state
+        what = f"{format_bytes(req.nbytes)} of {req.path!r}"
         with state.locked():
             ownership.check_may_save(state, session, (req.namespace, req.path))
             while True:
+                share = self._fit_share_locked(saver.uid, Arena.capacity_for(req.nbytes), what)
+                if not share.fits:
+                    if deadline <= time.monotonic() or not self._own_pending_locked(saver.uid):
+                        self.metrics.budget_failures.inc()
+                        raise BudgetExceeded(share.message)
+                    state.wait(min(deadline - time.monotonic(), 0.5))
+                    continue
                 segment = self._try_allocate(req.nbytes, saver)
                 if segment is not None:
                     break
@@ -194,6 +205,8 @@ class Saves:
                         f"{held}"
                     )
                 state.wait(min(remaining, 0.5))
+            if segment.sealable and session is not self.internal:
+                self._unseal_locked(segment)
             res = Reservation(
                 state.next_id(), req.namespace, req.path, segment, req.nbytes, req.durability,
                 persist, saver, anchor=anchor, base=base, base_stamp=base_stamp,
@@ -201,6 +214,44 @@ class Saves:
             session.reservations[res.id] = res
             state.update_gauges()
         return m.ReserveReply(res.id, segment.name, segment.capacity)
+
+    def _fit_share_locked(self, uid: int, capacity: int, what: str) -> Verdict:
+        """Whether ``uid`` may take ``capacity`` more bytes; evicts its own generations that
+        are safe to drop (never another user's) until it may, if it can."""
+        shares = self.shares
+        while True:
+            verdict = shares.check(uid, capacity, what)
+            if verdict.fits:
+                return verdict
+            user = shares.user_of(uid)
+            own = [g for g in self.state.index.eviction_candidates() if shares.owner(g) == user]
+            if not own:
+                return verdict
+            log.info("evicting %s generation %d (its user's share is full)", own[0].path,
+                     own[0].number)  # fmt: skip
+            self.metrics.evictions.inc()
+            self.state.retire_locked(own[0])
+
+    def _own_pending_locked(self, uid: int) -> bool:
+        """Whether waiting can bring ``uid`` under its share: some of its generations are
+        pinned by loads or on their way to storage (then evictable)."""
+        user = self.shares.user_of(uid)
+        for gen in self.state.index:
+            if self.shares.owner(gen) != user:
+                continue
+            waiting = gen.needs_persist and not gen.persisted and gen.persist_state not in (
+                PersistState.FAILED, PersistState.CONFLICT)  # fmt: skip
+            if gen.pins or waiting:
+                return True
+        return False
+
+    def _unseal_locked(self, segment: Segment) -> None:
+        """Let an admitted user's trainer open its segment for writing, until the commit."""
+        try:
+            segment.unseal()
+        except OSError as e:
+            self.state.arena.release(segment)
+            raise CkptCacheError(f"cannot hand segment {segment.name} to its user: {e}") from e
 
     def _held_locked(self, capacity: int) -> tuple[str, bool]:
         """What holds the budget and what to do, and whether waiting can help (nothing is
@@ -251,10 +302,11 @@ class Saves:
         if segment is not None:
             return segment
         arena.shrink_free(capacity)
+        uid = arena.uid if owner is None else owner
         while arena.used + capacity > arena.limit:
-            victims = state.index.eviction_candidates()
+            victims = self._victims_locked(uid)
             if not victims and self.retention.mark_orphans_locked():
-                victims = state.index.eviction_candidates()
+                victims = self._victims_locked(uid)
             if not victims:
                 return None
             log.info("evicting %s generation %d", victims[0].path, victims[0].number)
@@ -274,6 +326,10 @@ class Saves:
                 "--memory-limit or enlarge /dev/shm"
             ) from e
 
+    def _victims_locked(self, uid: int) -> list[Generation]:
+        """What a save of ``uid`` may evict: never another user's unpersisted generation."""
+        return [g for g in self.state.index.eviction_candidates() if self.shares.may_evict(g, uid)]
+
     # ----------------------------------------------------------------- commit
 
     def commit(self, session: Session, req: m.CommitRequest) -> m.CommitReply:
@@ -287,6 +343,8 @@ class Saves:
             )
         segment = res.segment
         try:
+            if segment.sealable and not segment.sealed:
+                self._seal_for_commit(segment, res)
             manifest, header = self.validate(segment, res, req)
         except BaseException:
             # Any refusal (bad manifest, malformed field, a bug) gives the segment back:
@@ -310,6 +368,7 @@ class Saves:
                 # than what was saved after it elsewhere.
                 committed_ns=int(res.saved_at * 1e9) if res.origin else self._stamp_locked(res),
             )  # fmt: skip
+            records.write_key(segment, res.namespace, res.path)
             if res.saver is not None:
                 ownership.write_record(segment, res.saver)
             write_provenance(segment, Provenance(res.base, res.anchor, memory_only=not res.persist))
@@ -367,6 +426,22 @@ class Saves:
             f"holds generation {newest.number}, saved after it",
             res.digests,
         )
+
+    @staticmethod
+    def _seal_for_commit(segment: Segment, res: Reservation) -> None:
+        """Seal the segment its user wrote before reading a byte of it (see
+        :mod:`ckptcache.server.sealing`); a file cut meanwhile is refused."""
+        try:
+            size = segment.seal()
+        except OSError as e:
+            raise CorruptCheckpoint(
+                f"commit of {res.path!r}: its segment {segment.name} cannot be sealed ({e})"
+            ) from e
+        if size < segment.capacity:
+            raise CorruptCheckpoint(
+                f"commit of {res.path!r}: its segment file was truncated to {size} of "
+                f"{segment.capacity} bytes before the commit; save it again"
+            )
 
     def validate(
         self, segment: Segment, res: Reservation, req: m.CommitRequest

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field, replace
 
 from ckptcache.errors import CheckpointNotFound, CkptCacheError, CorruptCheckpoint, InvalidPath
 from ckptcache.format.layout import HEADER_SIZE, SegmentState
-from ckptcache.server import ownership
+from ckptcache.server import ownership, sealing
 from ckptcache.server.arena import Arena, Segment
 from ckptcache.server.config import DaemonConfig
 from ckptcache.server.index import Generation, Index, Key
@@ -142,6 +142,8 @@ class CacheState:
         self.metrics = metrics
         others = set(config.allowed_uids) - {0, os.geteuid()}
         self.arena = Arena(config.segments_dir, config.memory_limit, 0o711 if others else 0o700)
+        if others:  # their segments are their files: sealed, or the daemon could be killed
+            sealing.check_sealing(config.segments_dir)
         self.index = Index()
         self._cond = threading.Condition()  # re-entrant (an RLock underneath)
         self.started = time.time()

@@ -91,6 +91,8 @@ def test_every_field_has_a_validator():
         ("coordinator", "zk://x", "embedded:// or etcd://"),
         ("node_id", "", "non-empty string"),
         ("keep", "many", "invalid literal"),
+        ("user_share", "0", "'fair' or a fraction"),
+        ("user_share", 1.5, "'fair' or a fraction"),
     ],
 )
 def test_each_validator_names_the_key_and_the_source(key, value, message):
@@ -108,3 +110,9 @@ def test_validators_convert_to_the_field_types():
     assert (cfg.persist_retries, cfg.reserve_timeout, cfg.listen, cfg.secret) == (0, 0.0, "", None)
     assert (cfg.metrics_port, cfg.log_level, cfg.persist_roots) == (None, "DEBUG", ("/ckpt",))
     assert cfg.allowed_uids == (7,) and cfg.retention[0].keep == 3
+
+
+def test_user_share_is_fair_by_default_or_a_fraction():
+    assert load_config(environ={}).user_share is None
+    assert load_config(overrides={"user_share": "fair"}, environ={}).user_share is None
+    assert load_config(overrides={"user_share": "0.25"}, environ={}).user_share == 0.25

@@ -66,6 +66,8 @@ def test_file_version_tells_a_ckptcache_archive_from_a_foreign_file(tmp_path):
 @dataclass
 class _Segment:
     mapping: mmap.mmap
+    record_path: str | None = None  # no daemon record: the page itself (server/records.py)
+    sealable: bool = False
 
 
 @pytest.mark.parametrize(
