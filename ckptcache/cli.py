@@ -394,8 +394,9 @@ def _parser(json_errors: bool = False) -> argparse.ArgumentParser:
     client_opts(bench)
     bench.set_defaults(fn=_cmd_bench)
 
-    demo = add("demo", help="start a daemon, save, kill the saver, see it persisted, reload, "
-                            "benchmark")
+    demo = add(
+        "demo", help="start a daemon, save, kill the saver, see it persisted, reload, benchmark"
+    )
     demo.add_argument("--size-mib", type=int, default=512, help="state dict size (default 512)")
     demo.set_defaults(fn=_cmd_demo)
     return p
