@@ -148,10 +148,6 @@ PRIVATE_ALLOWED: dict[tuple[str, str], str] = {
         "non-blocking saves name a mutated tensor: a public name in format/",
     ("ckptcache.packing", "ckptcache.format.shm._bytes_of"):
         "packing copies a storage's bytes: packing moves into format/ beside shm",
-    ("ckptcache.data.lightning", "ckptcache.data.loader._default_loading_rank"):
-        "the data module shares the loader's default: a public name",
-    ("ckptcache.server.pool", "ckptcache.server.arena._empty_header"):
-        "the pool writes the arena's empty header: a public name",
 }  # fmt: skip
 
 #: Private names that are not ours to fix: other projects' internals the package relies on
