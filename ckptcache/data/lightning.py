@@ -20,7 +20,7 @@ except ImportError:
             "(or use ckptcache.data.CachedDataLoader directly)"
         ) from e
 
-from ckptcache.data.loader import CachedDataLoader, _default_loading_rank
+from ckptcache.data.loader import CachedDataLoader, default_loading_rank
 
 __all__ = ["CachedDataModule"]
 
@@ -58,7 +58,7 @@ class CachedDataModule(LightningDataModule):  # type: ignore[misc]
         self.run_id = run_id
         self.group = group
         self.is_loading_rank = (
-            _default_loading_rank(group) if is_loading_rank is None else is_loading_rank
+            default_loading_rank(group) if is_loading_rank is None else is_loading_rank
         )
         self.loader_kwargs = loader_kwargs
         self.train_loader: CachedDataLoader | None = None

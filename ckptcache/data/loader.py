@@ -20,7 +20,7 @@ from ckptcache.data._store import BatchDir, check_component, reclaim_cache_dir
 from ckptcache.data.errors import BatchLoadError, BatchTimeout, LoaderDied
 from ckptcache.errors import CkptCacheError, ConfigError, CorruptCheckpoint
 
-__all__ = ["CachedDataLoader", "default_cache_dir"]
+__all__ = ["CachedDataLoader", "default_cache_dir", "default_loading_rank"]
 
 #: How often a waiting reader re-reads the loading rank's lease.
 _LEASE_CHECK_S = 0.1
@@ -41,7 +41,9 @@ def _group_suffix(group: Any) -> str:
     return f"-g{min(dist.get_process_group_ranks(group))}"
 
 
-def _default_loading_rank(group: Any) -> bool:
+def default_loading_rank(group: Any) -> bool:
+    """Whether this process loads for ``group`` when the caller does not say: its rank 0
+    (every process, without a group)."""
     if group is None or isinstance(group, str):
         return True
     import torch.distributed as dist
@@ -142,7 +144,7 @@ class CachedDataLoader:
         self.name = check_component(name, "name") + _group_suffix(group)
         self.cache_dir = cache_dir or default_cache_dir()
         self.is_loading_rank = (
-            _default_loading_rank(group) if is_loading_rank is None else bool(is_loading_rank)
+            default_loading_rank(group) if is_loading_rank is None else bool(is_loading_rank)
         )
         if self.is_loading_rank and make_loader is None:
             raise ConfigError("the loading rank needs make_loader")

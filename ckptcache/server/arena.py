@@ -40,7 +40,7 @@ from ckptcache.format.layout import (
 )
 from ckptcache.server import records, sealing
 
-__all__ = ["Arena", "Segment"]
+__all__ = ["Arena", "Segment", "empty_header"]
 
 log = logging.getLogger(__name__)
 
@@ -166,7 +166,8 @@ class Segment:
         return memoryview(self.mapping)
 
 
-def _empty_header(state: SegmentState) -> SegmentHeader:
+def empty_header(state: SegmentState) -> SegmentHeader:
+    """The header of a segment that holds no object (``FREE``, or ``WRITING`` for a new one)."""
     return SegmentHeader(
         state=state, generation=0, payload_offset=HEADER_SIZE, payload_size=0,
         manifest_offset=0, manifest_size=0, digest_offset=0, n_storages=0,
@@ -271,7 +272,7 @@ class Arena:
             return None
         # ``best.spare`` is left for the caller: the pool notes a spare taken (SegmentPool.claim).
         del self.free[best.name]
-        best.write_header(_empty_header(SegmentState.WRITING))
+        best.write_header(empty_header(SegmentState.WRITING))
         best.last_used = time.monotonic()
         return best
 
@@ -327,7 +328,7 @@ class Arena:
         segment.sealable = segment.sealed = sealable
         segment.identity = (st.st_dev, st.st_ino)
         segment.record_path = self._record_path(name)
-        segment.write_header(_empty_header(SegmentState.WRITING))
+        segment.write_header(empty_header(SegmentState.WRITING))
         return segment
 
     def trim(self, segment: Segment, capacity: int) -> None:
@@ -363,7 +364,7 @@ class Arena:
                 log.warning("dropping segment %s: cannot seal it (%s)", segment.name, e)
                 self.destroy(segment)
                 return
-        segment.write_header(_empty_header(SegmentState.FREE))
+        segment.write_header(empty_header(SegmentState.FREE))
         segment.last_used = time.monotonic()
         self.free[segment.name] = segment
 

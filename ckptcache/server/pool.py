@@ -50,7 +50,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ckptcache.format.layout import SegmentState
-from ckptcache.server.arena import Arena, Segment, _empty_header
+from ckptcache.server.arena import Arena, Segment, empty_header
 from ckptcache.wire import messages as m
 
 __all__ = ["SegmentPool"]
@@ -147,7 +147,7 @@ class SegmentPool:
                 self.arena.trim(best, capacity)  # give the unneeded tail back to the budget
             except OSError as e:
                 log.warning("could not trim spare %s: %s", best.name, e)
-        best.write_header(_empty_header(SegmentState.WRITING))
+        best.write_header(empty_header(SegmentState.WRITING))
         best.last_used = time.monotonic()
         return best
 
