@@ -65,6 +65,7 @@ if TYPE_CHECKING:
     from ckptcache._gpu import Ready
     from ckptcache.format.flatten import Flattened, MapLocation
     from ckptcache.format.manifest import ObjectPlan
+    from ckptcache.format.plancache import PlanCache
     from ckptcache.format.shm import Mapping
     from ckptcache.packing import Packed
 
@@ -196,6 +197,8 @@ class Client:
         #: The connection of requests that block in the daemon (see :meth:`_waiting_client`).
         self._waiter: Client | None = None
         self._waiter_lock = threading.Lock()
+        #: Save plans by structure (made at the first save: it needs torch).
+        self._plans: PlanCache | None = None
         _clients.add(self)
 
     def _fresh(self) -> Client:
@@ -216,6 +219,7 @@ class Client:
         self._executor_lock = threading.Lock()
         self._executor, self._executor_pid = None, 0
         self._waiter, self._waiter_lock = None, threading.Lock()  # it forks on its own
+        self._plans = None  # its lock may have been held at the fork
         self._disown_parent_state()
 
     def _disown_parent_state(self) -> None:
@@ -408,8 +412,6 @@ class Client:
         from ckptcache._async import VersionCheck
         from ckptcache._async import submit as submit_save
         from ckptcache._gpu import record_ready
-        from ckptcache.format.flatten import flatten
-        from ckptcache.format.objectio import plan_object
 
         t0 = time.perf_counter()
         path = normalize_path(path)
@@ -417,8 +419,7 @@ class Client:
             raise ValueError(
                 f"durability must be one of {', '.join(DURABILITY_LEVELS)}, not {durability!r}"
             )
-        flat = flatten(obj)
-        plan = plan_object(flat, path, self.namespace)
+        flat, plan = self._plan_cache().prepare(obj, path, self.namespace)
         if blocking:
             self._save_planned(obj, flat, plan, path, durability, t0)
             return None
@@ -434,6 +435,14 @@ class Client:
             self._background(),
             owner=self,
         )
+
+    def _plan_cache(self) -> PlanCache:
+        """This client's save plans by structure (see :mod:`ckptcache.format.plancache`)."""
+        from ckptcache.format.plancache import PlanCache
+
+        if self._plans is None:
+            self._plans = PlanCache()
+        return self._plans
 
     def save_packed(self, packed: Packed, path: Any, *, durability: str = "local") -> int:
         """Save the ``uint8`` blob that ``packed`` lays out (see :mod:`ckptcache.packing`) under

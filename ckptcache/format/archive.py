@@ -11,6 +11,7 @@ Because every size is known up front, the layout is computed once as a list of m
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import struct
 import sys
@@ -57,6 +58,18 @@ class ArchivePlan:
     storage_offsets: tuple[int, ...]
     pickle_offset: int
     pickle_size: int
+    #: Index in ``pieces`` of the ``.data/serialization_id`` record's bytes (-1: none).
+    id_piece: int = -1
+
+    def with_serialization_id(self, serialization_id: str) -> ArchivePlan:
+        """This plan for an archive that differs only by its serialization id (as long)."""
+        offset, old = self.pieces[self.id_piece]
+        new = serialization_id.encode()
+        if self.id_piece < 0 or len(new) != len(old):
+            raise ValueError("the serialization id must keep its length")
+        pieces = list(self.pieces)
+        pieces[self.id_piece] = (offset, new)
+        return dataclasses.replace(self, pieces=tuple(pieces))
 
     def write_metadata(self, buf: memoryview) -> None:
         """Write every metadata piece into ``buf`` (a writable view of the archive's bytes)."""
@@ -159,6 +172,7 @@ def plan_archive(
     pieces: list[tuple[int, bytes]] = []
     entries: list[_Entry] = []
     offset = 0
+    id_piece = -1
     for name, content in records:
         full_name = f"{archive_name}/{name}".encode()
         extra = _padding_extra(offset, len(full_name), alignment)
@@ -171,6 +185,8 @@ def plan_archive(
         entry = _Entry(full_name, offset, data_offset, size)
         entries.append(entry)
         if not isinstance(content, int):
+            if name == ".data/serialization_id":
+                id_piece = len(pieces)
             pieces.append((data_offset, content))
         # miniz writes a data descriptor only after non-empty records.
         descriptor = _descriptor(entry) if size > 0 else b""
@@ -190,6 +206,7 @@ def plan_archive(
         storage_offsets=storage_offsets,
         pickle_offset=entries[0].data_offset,
         pickle_size=len(pickle_bytes),
+        id_piece=id_piece,
     )
 
 

@@ -6,6 +6,7 @@ in ckptcache has one layout (header, torch.save-compatible archive, manifest, di
 
 from __future__ import annotations
 
+import dataclasses
 import mmap
 import time
 from collections.abc import Sequence
@@ -18,7 +19,13 @@ from ckptcache.errors import CorruptCheckpoint
 from ckptcache.format.archive import parse_archive, plan_archive
 from ckptcache.format.flatten import Flattened, MapLocation, unflatten
 from ckptcache.format.layout import HEADER_SIZE, plan_segment
-from ckptcache.format.manifest import Manifest, ObjectPlan, StorageRecord, verify_digests
+from ckptcache.format.manifest import (
+    Manifest,
+    ObjectPlan,
+    encode_records,
+    make_record,
+    verify_digests,
+)
 from ckptcache.format.shm import (
     checked_nbytes,
     copy_storage_into,
@@ -27,28 +34,29 @@ from ckptcache.format.shm import (
     storage_view,
 )
 
-__all__ = ["plan_object", "read_archive_object", "read_object", "write_metadata", "write_object"]
+__all__ = [
+    "plan_object",
+    "read_archive_object",
+    "read_object",
+    "replan",
+    "write_metadata",
+    "write_object",
+]
 
 
 def plan_object(flat: Flattened, path: str, namespace: str) -> ObjectPlan:
     """Compute the archive, the manifest and the segment layout for ``flat``."""
     created = time.time()
+    infos = flat.infos
     archive = plan_archive(
-        flat.skeleton,
-        [i.nbytes for i in flat.infos],
-        serialization_id=f"{int(created * 1e9):040d}",
+        flat.skeleton, [i.nbytes for i in infos], serialization_id=_serialization_id(created)
     )
-    records = tuple(
-        StorageRecord(
-            key=info.key,
-            offset=HEADER_SIZE + off,
-            nbytes=info.nbytes,
-            dtype=info.dtype,
-            location=info.location,
-            name=info.name,
-        )
-        for info, off in zip(flat.infos, archive.storage_offsets, strict=True)
-    )
+    offsets = [HEADER_SIZE + off for off in archive.storage_offsets]
+    columns = (
+        [i.key for i in infos], offsets, [i.nbytes for i in infos], [i.dtype for i in infos],
+        [i.location for i in infos], [i.name for i in infos],
+    )  # fmt: skip
+    records = tuple(map(make_record, zip(*columns, strict=True)))
     manifest = Manifest(
         path=path,
         namespace=namespace,
@@ -59,9 +67,26 @@ def plan_object(flat: Flattened, path: str, namespace: str) -> ObjectPlan:
         storages=records,
         created=created,
     )
-    encoded = manifest.to_json()
+    encoded_records = encode_records(records)
+    encoded = manifest.to_json(encoded_records)
     layout = plan_segment(archive.size, len(encoded), len(records))
-    return ObjectPlan(layout, archive, manifest, encoded)
+    return ObjectPlan(layout, archive, manifest, encoded, encoded_records)
+
+
+def replan(plan: ObjectPlan, path: str, namespace: str) -> ObjectPlan:
+    """``plan`` for another save of the same structure: the same archive (but for its
+    serialization id) and records, stamped with this save's time, path and namespace. No
+    per-storage work: what a repeated save of a state dict of thousands of tensors needs."""
+    created = time.time()
+    archive = plan.archive.with_serialization_id(_serialization_id(created))
+    manifest = dataclasses.replace(plan.manifest, path=path, namespace=namespace, created=created)
+    encoded = manifest.to_json(plan.records_json or None)
+    layout = plan_segment(archive.size, len(encoded), len(manifest.storages))
+    return ObjectPlan(layout, archive, manifest, encoded, plan.records_json)
+
+
+def _serialization_id(created: float) -> str:
+    return f"{int(created * 1e9):040d}"
 
 
 def write_metadata(mapping: mmap.mmap, plan: ObjectPlan) -> None:

@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 
 from ckptcache.errors import SerializationError, UnsafeUnpickle
 from ckptcache.format.flatten import flatten, unflatten
+from ckptcache.format.manifest import Manifest, StorageRecord
 from tests.helpers import assert_same
 
 DTYPES = [
@@ -196,14 +197,22 @@ def test_fast_tensor_reduction_writes_torch_own_records(monkeypatch):
         assert_same(back[key], expected[key])
 
 
-def test_manifest_json_is_the_dataclass_encoding():
-    """The manifest's hand-built encoding equals ``json.dumps(dataclasses.asdict(...))``."""
+def test_manifest_json_stores_records_as_columns_and_reads_format_1():
+    """Format 2 encodes the storage records as one JSON list per field (the other fields as
+    ``dataclasses.asdict``); a format 1 manifest (one object per record) still decodes."""
     import dataclasses
     import json
 
     from ckptcache.format.objectio import plan_object
 
     plan = plan_object(flatten(_varied_state()), "/ckpt/a.pt", "ns")
-    expected = json.dumps(dataclasses.asdict(plan.manifest), separators=(",", ":")).encode()
-    assert plan.manifest_bytes == expected
-    assert type(plan.manifest).from_json(plan.manifest_bytes) == plan.manifest
+    raw = json.loads(plan.manifest_bytes)
+    expected = dataclasses.asdict(plan.manifest)
+    records = expected.pop("storages")
+    assert raw.pop("storages") == {
+        field: [list(r)[i] for r in records] for i, field in enumerate(StorageRecord._fields)
+    }
+    assert raw == expected and raw["format"] == 2
+    assert Manifest.from_json(plan.manifest_bytes) == plan.manifest
+    old = {**expected, "format": 1, "storages": [r._asdict() for r in plan.manifest.storages]}
+    assert Manifest.from_json(json.dumps(old).encode()) == plan.manifest
