@@ -199,6 +199,8 @@ class Client:
         self._waiter_lock = threading.Lock()
         #: Save plans by structure (made at the first save: it needs torch).
         self._plans: PlanCache | None = None
+        #: Whether the spares were asked for already (:meth:`warmup`, or a first contact).
+        self._warmed = False
         _clients.add(self)
 
     def _fresh(self) -> Client:
@@ -230,6 +232,7 @@ class Client:
         self._saved = set()
         self._written_through = set()
         self._pid, self._spares = os.getpid(), SpareMapper(self)
+        self._warmed = False
 
     # ----------------------------------------------------------------- connection
 
@@ -397,9 +400,25 @@ class Client:
         first save of this process runs at memcpy speed (call it when the trainer starts);
         ``wait=True`` blocks until they are mapped."""
         self._call("status", m.StatusRequest(), m.DaemonStatus)
+        self._warmed = True
         done = self._spares.refresh()
         if wait:
             done.wait()
+
+    def _warm_on_first_contact(self) -> None:
+        """What :meth:`warmup` does, started by the first save, load or ``exists`` of a
+        client that never called it: a trainer that checks for a checkpoint to resume from,
+        or loads one, then finds its first save's segment mapped. (Control-plane calls do not
+        start it: a short-lived ``ckptcache ls`` has no use for mapped segments.)"""
+        if self._warmed:
+            return
+        self._warmed = True
+        try:
+            with self._lock:
+                self._connect()
+        except (errors.CkptCacheError, OSError):
+            return  # the caller's own request meets the same failure, and handles it
+        self._spares.refresh()
 
     def save(
         self, obj: Any, path: Any, *, durability: str = "local", blocking: bool = True
@@ -419,6 +438,7 @@ class Client:
             raise ValueError(
                 f"durability must be one of {', '.join(DURABILITY_LEVELS)}, not {durability!r}"
             )
+        self._warm_on_first_contact()
         flat, plan = self._plan_cache().prepare(obj, path, self.namespace)
         if blocking:
             self._save_planned(obj, flat, plan, path, durability, t0)
@@ -461,6 +481,7 @@ class Client:
             raise ValueError(
                 f"durability must be one of {', '.join(DURABILITY_LEVELS)}, not {durability!r}"
             )
+        self._warm_on_first_contact()
         # Never written nor read: its storage gives the archive the blob's layout.
         placeholder = torch.empty(packed.nbytes, dtype=torch.uint8)
         flat = flatten(placeholder)
@@ -639,6 +660,7 @@ class Client:
         digest here (a stored file's structure still is)."""
         path = normalize_path(path)
         local = verify is True
+        self._warm_on_first_contact()
         try:
             reply = self._call(
                 "open",
@@ -801,6 +823,7 @@ class Client:
 
     def exists(self, path: Any) -> bool:
         """Whether ``path`` can be loaded from the cache or from storage."""
+        self._warm_on_first_contact()
         try:
             self.status(path)
         except (CheckpointNotFound, DaemonUnavailable):

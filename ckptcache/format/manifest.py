@@ -65,7 +65,7 @@ make_record = functools.partial(tuple.__new__, StorageRecord)
 def encode_records(records: Sequence[StorageRecord]) -> bytes:
     """The ``storages`` value of a format 2 manifest: one JSON list per field."""
     if not records:
-        return json.dumps(dict.fromkeys(_RECORD_FIELDS, []), separators=(",", ":")).encode()
+        return json.dumps({key: [] for key in _RECORD_FIELDS}, separators=(",", ":")).encode()
     columns = dict(zip(_RECORD_FIELDS, map(list, zip(*records, strict=True)), strict=True))
     return json.dumps(columns, separators=(",", ":")).encode()
 

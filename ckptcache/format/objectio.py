@@ -12,6 +12,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
 from ckptcache._gpu import Ready, copy_to_segment, device_target, load_to_device
@@ -158,7 +159,8 @@ def read_object(
         skeleton = bytes(view[po : po + manifest.pickle_size])
     finally:
         view.release()
-    places = {r.key: (r.offset, r.nbytes) for r in manifest.storages}
+    columns = list(zip(*manifest.storages, strict=True)) or [(), (), ()]  # key, offset, nbytes
+    places = dict(zip(columns[0], zip(columns[1], columns[2], strict=True), strict=True))
     return _rebuild(
         mapping, skeleton, places, path=manifest.path, tier=tier, zero_copy=zero_copy,
         weights_only=weights_only, map_location=map_location,
@@ -203,6 +205,11 @@ def _rebuild(
     of ``mapping``: a view, a private copy, or a host-to-device copy (``map_location``)."""
     device = device_target(map_location)
     to_device = load_to_device(mapping, device) if device is not None else None
+    # One array over the whole mapping; each storage a slice of it: a tenth of the cost of
+    # torch.frombuffer per storage, and the same result (a storage over the mapping's bytes
+    # that keeps the mapping alive).
+    whole = np.frombuffer(mapping, dtype=np.uint8) if zero_copy and to_device is None else None
+    from_numpy = torch.from_numpy
 
     def load_storage(key: str, nbytes: int) -> torch.UntypedStorage:
         offset, size = places.get(key, (0, -1))
@@ -213,6 +220,11 @@ def _rebuild(
             )  # fmt: skip
         if to_device is not None:  # host-to-device from the pinned mapping, no CPU copy
             return to_device.storage(offset, nbytes)
+        if whole is not None and nbytes:
+            if offset < 0 or offset + nbytes > len(whole):  # a slice would be cut short
+                raise CorruptCheckpoint(f"storage {key} of {path!r} lies outside the {tier} copy",
+                                        tier=tier)  # fmt: skip
+            return from_numpy(whole[offset : offset + nbytes]).untyped_storage()
         if zero_copy:
             return storage_view(mapping, offset, nbytes)
         return storage_copy(mapping, offset, nbytes)

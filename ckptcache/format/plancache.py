@@ -142,9 +142,14 @@ def describe(obj: Any) -> Structure | None:
     try:
         with gc_paused():
             visit(obj)
+        return Structure(tuple(key), tuple(tensors), tuple(storages))
     except (_NotPlain, RecursionError, RuntimeError, NotImplementedError):
         return None
-    return Structure(tuple(key), tuple(tensors), tuple(storages))
+    finally:
+        # ``visit`` refers to itself (a cycle only the collector frees): what its closure
+        # holds must not wait for that, or the caller's tensors would outlive their use.
+        for held in (keep, seen, tensors, storages, key):
+            held.clear()
 
 
 @dataclass(frozen=True)
