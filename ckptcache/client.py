@@ -413,11 +413,8 @@ class Client:
         if self._warmed:
             return
         self._warmed = True
-        try:
-            with self._lock:
-                self._connect()
-        except (errors.CkptCacheError, OSError):
-            return  # the caller's own request meets the same failure, and handles it
+        # On the spare thread, which connects by itself: never on the caller's, which a
+        # non-blocking save must not hold up behind a save in flight (it holds the lock).
         self._spares.refresh()
 
     def save(

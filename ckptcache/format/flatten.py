@@ -66,6 +66,9 @@ class Flattened:
     #: Every tensor object pickled, wherever it sat (containers, Namespaces, dataclasses,
     #: custom objects, a Parameter and its ``.data``): what a non-blocking save checks.
     tensors: tuple[torch.Tensor, ...] = ()
+    #: Per tensor of :attr:`tensors`: (tensor, version counter or ``None``, storage
+    #: ``_cdata``), where the walk that found them took them already (empty: not taken).
+    versions: tuple[tuple[torch.Tensor, int | None, int], ...] = ()
 
     @property
     def nbytes(self) -> int:
@@ -150,9 +153,17 @@ class _Pickler(pickle.Pickler):
     def reducer_override(self, obj: Any) -> Any:
         # Every object the pickle reaches passes here (builtin scalars and containers aside),
         # so this sees each tensor whose storage the skeleton records, however it is held.
+        if type(obj) is collections.OrderedDict and not obj and not obj.__dict__:
+            # Each tensor's (empty) hooks: OrderedDict's own reduction asks copyreg for the
+            # class's slot names every time (a builtin type cannot cache them), a third of a
+            # save's pickling. This writes the same records.
+            return _EMPTY_ORDERED_DICT
         if isinstance(obj, torch.Tensor):
             self.tensors.append(obj)
         return _reduce_tensor(obj)
+
+
+_EMPTY_ORDERED_DICT = (collections.OrderedDict, ())
 
 
 @functools.cache

@@ -52,6 +52,9 @@ class Structure:
     tensors: tuple[torch.Tensor, ...]
     #: Every storage, in the order ``flatten`` numbers them (``data/0``, ``data/1``, ...).
     storages: tuple[torch.UntypedStorage, ...]
+    #: Per tensor: its version counter (``None`` for an inference-mode tensor, which has
+    #: none) and its storage's ``_cdata``, as a non-blocking save's check records them.
+    versions: tuple[tuple[torch.Tensor, int | None, int], ...] = ()
 
 
 def describe(obj: Any) -> Structure | None:
@@ -65,6 +68,7 @@ def describe(obj: Any) -> Structure | None:
     ptr_dtypes: dict[int, torch.dtype] = {}
     seen: dict[int, int] = {}  # id() of a tensor, dict or list -> index of its first visit
     keep: list[Any] = []  # what ``seen`` names by id() stays alive while it is in use
+    versions: list[tuple[torch.Tensor, int | None, int]] = []
     add = key.append
     v3 = _v3_dtypes()
 
@@ -97,6 +101,10 @@ def describe(obj: Any) -> Structure | None:
         elif storage_dtypes[index] != dtype:
             raise _NotPlain
         tensors.append(t)
+        try:
+            versions.append((t, t._version, cdata))
+        except RuntimeError:  # an inference-mode tensor: no counter
+            versions.append((t, None, cdata))
         add((dtype, t.shape, t.stride(), t.storage_offset(), index, t.requires_grad,
              t.get_device()))  # fmt: skip
 
@@ -142,13 +150,13 @@ def describe(obj: Any) -> Structure | None:
     try:
         with gc_paused():
             visit(obj)
-        return Structure(tuple(key), tuple(tensors), tuple(storages))
+        return Structure(tuple(key), tuple(tensors), tuple(storages), tuple(versions))
     except (_NotPlain, RecursionError, RuntimeError, NotImplementedError):
         return None
     finally:
         # ``visit`` refers to itself (a cycle only the collector frees): what its closure
         # holds must not wait for that, or the caller's tensors would outlive their use.
-        for held in (keep, seen, tensors, storages, key):
+        for held in (keep, seen, tensors, storages, key, versions):
             held.clear()
 
 
@@ -184,8 +192,9 @@ class PlanCache:
                     self.hits += 1
             if entry is not None:
                 flat = Flattened(
-                    entry.flat.skeleton, entry.flat.infos, structure.storages, structure.tensors
-                )
+                    entry.flat.skeleton, entry.flat.infos, structure.storages, structure.tensors,
+                    structure.versions,
+                )  # fmt: skip
                 return flat, replan(entry.plan, path, namespace)
         flat = flatten(obj)
         plan = plan_object(flat, path, namespace)

@@ -212,3 +212,29 @@ def test_the_cache_keeps_no_tensor_alive_and_evicts_the_oldest():
     assert cache.hits == 1
     cache.prepare({"t": torch.ones(1)}, "/ckpt/a.pt", "ns")  # evicted
     assert cache.hits == 1
+
+
+def test_a_reused_plan_carries_what_a_non_blocking_save_checks():
+    """The walk records each tensor's version counter and storage, as the check of a
+    non-blocking save needs them (an inference-mode tensor has no counter: ``None``), so a
+    tensor modified after the submit of a save with a reused plan is still caught."""
+    from ckptcache._async import VersionCheck
+    from ckptcache.errors import TensorMutated
+
+    with torch.inference_mode():
+        frozen = torch.ones(2)
+    cache = PlanCache()
+    state = {"w": torch.ones(3), "frozen": frozen}
+    cache.prepare(state, "/ckpt/a.pt", "ns")
+    state["w"].add_(1)
+    flat, _ = cache.prepare(state, "/ckpt/a.pt", "ns")
+    assert cache.hits == 1
+    assert [(t is s, v, sid) for (t, v, sid), s in zip(flat.versions, state.values())] == [
+        (True, state["w"]._version, state["w"].untyped_storage()._cdata),
+        (True, None, frozen.untyped_storage()._cdata),
+    ]
+    check = VersionCheck(state, "/ckpt/a.pt", flat)
+    assert check.flat.storages[1]._cdata != frozen.untyped_storage()._cdata  # snapshot taken
+    state["w"].mul_(2)
+    with pytest.raises(TensorMutated, match="'w'"):
+        check.check()
