@@ -123,7 +123,11 @@ class VersionCheck:
     def __init__(self, obj: Any, path: str, flat: Flattened):
         self.path = path
         self._obj = obj  # for naming a modified tensor, only once one is found
-        versions = flat.versions or [(t, _version(t), _storage_id(t)) for t in flat.tensors]
+        versions: Sequence[tuple[torch.Tensor, int | None, int | None]] = (
+            list(zip(flat.tensors, flat.versions, flat.storage_ids, strict=True))
+            if flat.versions
+            else [(t, _version(t), _storage_id(t)) for t in flat.tensors]
+        )
         unwatched = _unwatched(flat, versions)
         #: ``flat`` with a private copy of each storage no counter watches.
         self.flat = flat

@@ -66,9 +66,10 @@ class Flattened:
     #: Every tensor object pickled, wherever it sat (containers, Namespaces, dataclasses,
     #: custom objects, a Parameter and its ``.data``): what a non-blocking save checks.
     tensors: tuple[torch.Tensor, ...] = ()
-    #: Per tensor of :attr:`tensors`: (tensor, version counter or ``None``, storage
-    #: ``_cdata``), where the walk that found them took them already (empty: not taken).
-    versions: tuple[tuple[torch.Tensor, int | None, int], ...] = ()
+    #: Per tensor of :attr:`tensors`, where the walk that found them took them already
+    #: (empty: not taken): its version counter (``None``: it has none) and storage ``_cdata``.
+    versions: tuple[int | None, ...] = ()
+    storage_ids: tuple[int, ...] = ()
 
     @property
     def nbytes(self) -> int:

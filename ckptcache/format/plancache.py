@@ -35,6 +35,7 @@ __all__ = ["PlanCache", "Structure", "describe"]
 _Tensor = torch.Tensor
 _OrderedDict = collections.OrderedDict
 _SCALARS = frozenset({int, bool, str, bytes, type(None)})
+_REF = object()  # in a key: "the container or tensor first seen at index ..." follows
 _strided = torch.strided
 
 
@@ -53,8 +54,9 @@ class Structure:
     #: Every storage, in the order ``flatten`` numbers them (``data/0``, ``data/1``, ...).
     storages: tuple[torch.UntypedStorage, ...]
     #: Per tensor: its version counter (``None`` for an inference-mode tensor, which has
-    #: none) and its storage's ``_cdata``, as a non-blocking save's check records them.
-    versions: tuple[tuple[torch.Tensor, int | None, int], ...] = ()
+    #: none), and its storage's ``_cdata``, as a non-blocking save's check records them.
+    versions: tuple[int | None, ...] = ()
+    storage_ids: tuple[int, ...] = ()
 
 
 def describe(obj: Any) -> Structure | None:
@@ -68,8 +70,10 @@ def describe(obj: Any) -> Structure | None:
     ptr_dtypes: dict[int, torch.dtype] = {}
     seen: dict[int, int] = {}  # id() of a tensor, dict or list -> index of its first visit
     keep: list[Any] = []  # what ``seen`` names by id() stays alive while it is in use
-    versions: list[tuple[torch.Tensor, int | None, int]] = []
+    versions: list[int | None] = []
+    cdatas: list[int] = []
     add = key.append
+    extend = key.extend
     v3 = _v3_dtypes()
 
     def tensor(t: torch.Tensor) -> None:
@@ -101,12 +105,21 @@ def describe(obj: Any) -> Structure | None:
         elif storage_dtypes[index] != dtype:
             raise _NotPlain
         tensors.append(t)
+        cdatas.append(cdata)
         try:
-            versions.append((t, t._version, cdata))
+            versions.append(t._version)
         except RuntimeError:  # an inference-mode tensor: no counter
-            versions.append((t, None, cdata))
-        add((dtype, t.shape, t.stride(), t.storage_offset(), index, t.requires_grad,
-             t.get_device()))  # fmt: skip
+            versions.append(None)
+        # Flat, of atoms only (the rank first, so the sizes and strides cannot run into the
+        # next fields): no container per tensor for the cyclic collector to track and scan.
+        add(dtype)
+        add(t.dim())
+        extend(t.shape)
+        extend(t.stride())
+        add(t.storage_offset())
+        add(index)
+        add(t.requires_grad)
+        add(t.get_device())
 
     def visit(value: Any) -> None:
         kind = type(value)
@@ -123,7 +136,8 @@ def describe(obj: Any) -> Structure | None:
         if kind is _Tensor or kind is dict or kind is list or kind is _OrderedDict:
             first = seen.get(id(value))
             if first is not None:
-                add(("ref", first))
+                add(_REF)
+                add(first)
                 return
             seen[id(value)] = len(key)
             keep.append(value)
@@ -150,13 +164,15 @@ def describe(obj: Any) -> Structure | None:
     try:
         with gc_paused():
             visit(obj)
-        return Structure(tuple(key), tuple(tensors), tuple(storages), tuple(versions))
+        return Structure(
+            tuple(key), tuple(tensors), tuple(storages), tuple(versions), tuple(cdatas)
+        )
     except (_NotPlain, RecursionError, RuntimeError, NotImplementedError):
         return None
     finally:
         # ``visit`` refers to itself (a cycle only the collector frees): what its closure
         # holds must not wait for that, or the caller's tensors would outlive their use.
-        for held in (keep, seen, tensors, storages, key, versions):
+        for held in (keep, seen, tensors, storages, key, versions, cdatas):
             held.clear()
 
 
@@ -172,7 +188,9 @@ class PlanCache:
 
     def __init__(self, size: int = 8):
         self._size = size
-        self._entries: collections.OrderedDict[tuple[Any, ...], _Entry] = _OrderedDict()
+        # Newest last. Found by equality alone: a key is tens of thousands of items long, and
+        # hashing it costs as much as comparing it (keys of other lengths differ at once).
+        self._entries: list[tuple[tuple[Any, ...], _Entry]] = []
         self._lock = threading.Lock()
         #: Saves that reused a plan, and saves that flattened afresh (for tests and tuning).
         self.hits = 0
@@ -186,14 +204,17 @@ class PlanCache:
         structure = describe(obj)
         if structure is not None:
             with self._lock:
-                entry = self._entries.get(structure.key)
-                if entry is not None:
-                    self._entries.move_to_end(structure.key)
-                    self.hits += 1
+                entry = None
+                for i, (key, known) in enumerate(self._entries):
+                    if key == structure.key:
+                        entry = known
+                        self._entries.append(self._entries.pop(i))
+                        self.hits += 1
+                        break
             if entry is not None:
                 flat = Flattened(
                     entry.flat.skeleton, entry.flat.infos, structure.storages, structure.tensors,
-                    structure.versions,
+                    structure.versions, structure.storage_ids,
                 )  # fmt: skip
                 return flat, replan(entry.plan, path, namespace)
         flat = flatten(obj)
@@ -202,11 +223,9 @@ class PlanCache:
             self.misses += 1
             if structure is not None and _agrees(structure, flat):
                 # Only the skeleton and plan are kept: no reference to the caller's tensors.
-                self._entries[structure.key] = _Entry(
-                    Flattened(flat.skeleton, flat.infos, (), ()), plan
-                )
-                while len(self._entries) > self._size:
-                    self._entries.popitem(last=False)
+                entry = _Entry(Flattened(flat.skeleton, flat.infos, (), ()), plan)
+                self._entries.append((structure.key, entry))
+                del self._entries[: -self._size]
         return flat, plan
 
     def clear(self) -> None:

@@ -229,9 +229,8 @@ def test_a_reused_plan_carries_what_a_non_blocking_save_checks():
     state["w"].add_(1)
     flat, _ = cache.prepare(state, "/ckpt/a.pt", "ns")
     assert cache.hits == 1
-    assert [
-        (t is s, v, sid) for (t, v, sid), s in zip(flat.versions, state.values(), strict=True)
-    ] == [
+    rows = zip(flat.tensors, flat.versions, flat.storage_ids, state.values(), strict=True)
+    assert [(t is s, v, sid) for t, v, sid, s in rows] == [
         (True, state["w"]._version, state["w"].untyped_storage()._cdata),
         (True, None, frozen.untyped_storage()._cdata),
     ]
