@@ -97,7 +97,7 @@ def test_a_record_that_changed_is_refused_and_the_hashing_thread_ends():
                 for o, r in records.items()}  # fmt: skip
     expected[offset] = (expected[offset][0] ^ 1, "small.7")
     before = {t.name for t in threading.enumerate()}
-    with pytest.raises(CorruptCheckpoint, match="'small.7'") as err:
+    with pytest.raises(CorruptCheckpoint, match=r"'small\.7'") as err:
         stream_archive(view, lambda piece: None, path="mem", expected=expected)
     assert err.value.tensor == "small.7" and err.value.tier == "local"
     assert {t.name for t in threading.enumerate()} <= before
