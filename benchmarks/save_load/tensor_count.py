@@ -30,32 +30,18 @@ import torch
 
 from ckptcache._units import format_bytes, parse_bytes
 from ckptcache.bench import _wait_for_spare, wait_idle
-from ckptcache.benchmarking import memcpy_seconds, running_daemon
+from ckptcache.benchmarking import make_state, memcpy_seconds, mixed_state, running_daemon
 from ckptcache.client import Client
-
-_BIG = 16 << 20
-_SMALL = 64 << 10
 
 
 def make_states(nbytes: int) -> dict[str, dict[str, torch.Tensor]]:
     """The three states of ``nbytes``: few, mix and many tensors."""
-    n_big = int(nbytes * 0.75) // _BIG
-    n_small = (nbytes - n_big * _BIG) // _SMALL
-    mix_sizes = [_BIG] * n_big + [_SMALL] * n_small
-    n_many = 4 * len(mix_sizes)
-    shapes = {
-        "few": [nbytes // 32] * 32,
-        "mix": mix_sizes,
-        "many": [nbytes // n_many // 64 * 64] * n_many,
-    }
-    states = {}
-    for name, sizes in shapes.items():
-        state = {}
-        for i, size in enumerate(sizes):
-            t = torch.empty(size // 4)
-            t.fill_(float(i % 251))  # distinct, cheap to make, every page touched
-            state[f"layers.{i}.{'weight' if size >= _BIG else 'bias'}"] = t
-        states[name] = state
+    mix = mixed_state(nbytes)
+    n_many = 4 * len(mix)
+    many_size = nbytes // n_many // 64 * 64
+    states = {"few": make_state(nbytes, n_tensors=32), "mix": mix}
+    states["many"] = {f"layers.{i}.bias": torch.full((many_size // 4,), float(i % 251))
+                      for i in range(n_many)}  # fmt: skip
     return states
 
 

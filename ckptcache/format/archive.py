@@ -60,6 +60,12 @@ class ArchivePlan:
     pickle_size: int
     #: Index in ``pieces`` of the ``.data/serialization_id`` record's bytes (-1: none).
     id_piece: int = -1
+    #: The pieces as one scatter (positions, bytes), made at the first write of a plan of
+    #: many pieces and carried to its replans: a state of thousands of tensors has three
+    #: pieces per tensor, and one slice assignment each cost more than the rest of a save.
+    _scatter: list[tuple[Any, Any]] = dataclasses.field(
+        default_factory=list, init=False, compare=False, repr=False
+    )
 
     def with_serialization_id(self, serialization_id: str) -> ArchivePlan:
         """This plan for an archive that differs only by its serialization id (as long)."""
@@ -69,12 +75,36 @@ class ArchivePlan:
             raise ValueError("the serialization id must keep its length")
         pieces = list(self.pieces)
         pieces[self.id_piece] = (offset, new)
-        return dataclasses.replace(self, pieces=tuple(pieces))
+        plan = dataclasses.replace(self, pieces=tuple(pieces))
+        if self._scatter:
+            positions, values = self._scatter[0]
+            start = sum(len(data) for _, data in self.pieces[: self.id_piece])
+            values = values.copy()
+            values[start : start + len(new)] = list(new)
+            plan._scatter.append((positions, values))
+        return plan
 
     def write_metadata(self, buf: memoryview) -> None:
         """Write every metadata piece into ``buf`` (a writable view of the archive's bytes)."""
-        for offset, data in self.pieces:
-            buf[offset : offset + len(data)] = data
+        if len(self.pieces) < _SCATTER_FROM:
+            for offset, data in self.pieces:
+                buf[offset : offset + len(data)] = data
+            return
+        import numpy as np
+
+        if not self._scatter:
+            lengths = np.fromiter((len(d) for _, d in self.pieces), np.int64, len(self.pieces))
+            starts = np.fromiter((o for o, _ in self.pieces), np.int64, len(self.pieces))
+            before = np.cumsum(lengths) - lengths  # where each piece starts in ``values``
+            positions = np.arange(int(lengths.sum())) + np.repeat(starts - before, lengths)
+            values = np.frombuffer(b"".join(d for _, d in self.pieces), dtype=np.uint8).copy()
+            self._scatter.append((positions, values))
+        positions, values = self._scatter[0]
+        np.frombuffer(buf, dtype=np.uint8)[positions] = values
+
+
+#: Plans of this many pieces or more write them as one scatter.
+_SCATTER_FROM = 64
 
 
 @dataclass(frozen=True)

@@ -114,19 +114,22 @@ def write_object(
     must still have the size it was planned with (else :class:`TensorMutated`, before any
     copy: see :func:`~ckptcache.format.shm.checked_nbytes`).
     """
-    pairs = list(zip(plan.manifest.storages, flat.storages, strict=True))
-    for record, storage in pairs:  # named here; the copies below check again, unnamed
-        checked_nbytes(storage, record.nbytes, record.name)
+    on_cpu: list[tuple[int, torch.UntypedStorage, int]] = []
+    on_device: list[tuple[int, torch.UntypedStorage, int]] = []
+    elsewhere: list[tuple[int, torch.UntypedStorage, int]] = []
+    for record, storage in zip(plan.manifest.storages, flat.storages, strict=True):
+        if storage.nbytes() != record.nbytes:  # named here; the copies below check again
+            checked_nbytes(storage, record.nbytes, record.name)
+        kind = storage.device.type
+        run = (record.offset, storage, record.nbytes)
+        (on_cpu if kind == "cpu" else on_device if kind == "cuda" else elsewhere).append(run)
     write_metadata(mapping, plan)
-    on_device = [(r.offset, s, r.nbytes) for r, s in pairs if s.device.type == "cuda"]
     # Device-to-host copies start first (DMA into the pinned segment) and overlap the CPU ones.
     wait = copy_to_segment(mapping, on_device, ready) if on_device else None
-    on_cpu = [(r.offset, s, r.nbytes) for r, s in pairs if s.device.type == "cpu"]
     if on_cpu:  # one parallel copy for every CPU storage
         copy_storages_into(torch.frombuffer(mapping, dtype=torch.uint8), on_cpu)
-    for record, storage in pairs:
-        if storage.device.type not in ("cpu", "cuda"):
-            copy_storage_into(mapping, record.offset, storage, record.nbytes)
+    for offset, storage, nbytes in elsewhere:
+        copy_storage_into(mapping, offset, storage, nbytes)
     if wait is not None:
         wait()
 

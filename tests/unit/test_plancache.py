@@ -8,6 +8,7 @@ import argparse
 import collections
 import io
 import mmap
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -239,3 +240,30 @@ def test_a_reused_plan_carries_what_a_non_blocking_save_checks():
     state["w"].mul_(2)
     with pytest.raises(TensorMutated, match="'w'"):
         check.check()
+
+
+def test_metadata_of_many_pieces_written_as_one_scatter_is_the_pieces():
+    """A plan of many pieces writes them in one scatter (kept for its replans, with the new
+    serialization id patched in): the bytes are those of writing each piece."""
+    from ckptcache.format.archive import _SCATTER_FROM
+
+    state = {f"t{i}": torch.full((i % 5 + 1,), float(i)) for i in range(_SCATTER_FROM)}
+    cache = PlanCache()
+    _, plan = cache.prepare(state, "/ckpt/a.pt", "ns")
+    _, replanned = cache.prepare(state, "/ckpt/a.pt", "ns")
+    plan.archive.write_metadata(memoryview(bytearray(plan.archive.size)))  # scatter made
+    time.sleep(0.001)
+    _, carried = cache.prepare(state, "/ckpt/a.pt", "ns")  # a replan that carries it over
+    assert carried.archive._scatter
+    for archive in (plan.archive, replanned.archive, carried.archive):
+        assert len(archive.pieces) >= _SCATTER_FROM
+        scattered = bytearray(b"\xee" * archive.size)
+        archive.write_metadata(memoryview(scattered))
+        one_by_one = bytearray(b"\xee" * archive.size)
+        for offset, data in archive.pieces:
+            one_by_one[offset : offset + len(data)] = data
+        assert scattered == one_by_one
+    assert (
+        plan.archive.pieces[plan.archive.id_piece]
+        != replanned.archive.pieces[plan.archive.id_piece]
+    )
