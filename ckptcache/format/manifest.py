@@ -70,15 +70,16 @@ def encode_records(records: Sequence[StorageRecord]) -> bytes:
     return json.dumps(columns, separators=(",", ":")).encode()
 
 
-def _decode_records(raw: Any, fmt: int) -> tuple[StorageRecord, ...]:
+def _decode_records(raw: Any, fmt: int) -> tuple[tuple[StorageRecord, ...], list[Any] | None]:
+    """The records, and (format 2) their columns as decoded."""
     if fmt == 1:
-        return tuple(make_record(s[f] for f in _RECORD_FIELDS) for s in raw)
+        return tuple(make_record(s[f] for f in _RECORD_FIELDS) for s in raw), None
     if not isinstance(raw, dict) or set(raw) != set(_RECORD_FIELDS):
         raise ValueError("storage columns missing or unknown")
     columns = [raw[f] for f in _RECORD_FIELDS]
     if any(type(c) is not list for c in columns) or len({len(c) for c in columns}) != 1:
         raise ValueError("storage columns of different lengths")
-    return tuple(map(make_record, zip(*columns, strict=True)))
+    return tuple(map(make_record, zip(*columns, strict=True))), columns
 
 
 @dataclass(frozen=True)
@@ -121,25 +122,29 @@ class Manifest:
             fmt = raw.get("format")
             if fmt not in _READ_FORMATS:
                 raise ValueError(f"unknown manifest format {fmt!r}")
-            storages = _decode_records(raw.pop("storages"), fmt)
+            storages, columns = _decode_records(raw.pop("storages"), fmt)
             raw["format"] = MANIFEST_FORMAT
             manifest = cls(storages=storages, **raw)
-            manifest._check(segment_size)
+            manifest._check(segment_size, columns)
         except (ValueError, TypeError, KeyError, AttributeError, RecursionError) as e:
             raise CorruptCheckpoint(f"invalid segment manifest: {e}", tier="local") from e
         return manifest
 
-    def _check(self, segment_size: int | None) -> None:
-        # One pass per column, in C where it can be: thousands of records per manifest.
-        keys, offsets, sizes, dtypes, locations, names = (
-            zip(*self.storages, strict=True) if self.storages else ((),) * 6
-        )
-        heads = [self.payload_offset, self.payload_size, self.pickle_offset, self.pickle_size]
-        ints = [*heads, *offsets, *sizes]
-        if not all(type(v) is int for v in ints) or min(ints) < 0:
+    def _check(self, segment_size: int | None, columns: Sequence[Any] | None = None) -> None:
+        # One pass per column, in C (map, set, min, max): thousands of records per manifest.
+        if columns is None:
+            columns = list(zip(*self.storages, strict=True)) if self.storages else [()] * 6
+        keys, offsets, sizes, dtypes, locations, names = columns
+        heads = (self.payload_offset, self.payload_size, self.pickle_offset, self.pickle_size)
+        if not set(map(type, heads)).union(map(type, offsets), map(type, sizes)) <= {int}:
             raise ValueError("negative or non-integer offset")
-        texts = [self.path, self.namespace, self.digest_algorithm]
-        if not all(type(v) is str for v in (*texts, *keys, *dtypes, *locations, *names)):
+        if min(*heads, min(offsets, default=0), min(sizes, default=0)) < 0:
+            raise ValueError("negative or non-integer offset")
+        texts = (self.path, self.namespace, self.digest_algorithm)
+        kinds = set(map(type, texts)).union(
+            *(map(type, c) for c in (keys, dtypes, locations, names))
+        )
+        if not kinds <= {str}:
             raise ValueError("a name, path or dtype that is not a string")
         if not isinstance(self.created, (int, float)) or isinstance(self.created, bool):
             raise ValueError("creation time is not a number")

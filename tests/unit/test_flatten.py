@@ -216,3 +216,30 @@ def test_manifest_json_stores_records_as_columns_and_reads_format_1():
     assert Manifest.from_json(plan.manifest_bytes) == plan.manifest
     old = {**expected, "format": 1, "storages": [r._asdict() for r in plan.manifest.storages]}
     assert Manifest.from_json(json.dumps(old).encode()) == plan.manifest
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (lambda s: s["offset"].__setitem__(0, -1), "negative or non-integer"),
+        (lambda s: s["nbytes"].__setitem__(0, 1.5), "negative or non-integer"),
+        (lambda s: s["nbytes"].__setitem__(0, True), "negative or non-integer"),
+        (lambda s: s["name"].__setitem__(0, 3), "not a string"),
+        (lambda s: s["offset"].__setitem__(0, 1 << 40), "outside the payload"),
+        (lambda s: s["dtype"].pop(), "different lengths"),
+        (lambda s: s.pop("location"), "missing or unknown"),
+        (lambda s: s.__setitem__("extra", []), "missing or unknown"),
+    ],
+    ids=["negative", "float", "bool", "name", "outside", "short", "missing", "unknown"],
+)
+def test_malformed_manifest_columns_are_refused(change, message):
+    import json
+
+    from ckptcache.errors import CorruptCheckpoint
+    from ckptcache.format.objectio import plan_object
+
+    plan = plan_object(flatten(_varied_state()), "/ckpt/a.pt", "ns")
+    raw = json.loads(plan.manifest_bytes)
+    change(raw["storages"])
+    with pytest.raises(CorruptCheckpoint, match=message):
+        Manifest.from_json(json.dumps(raw).encode())
