@@ -31,7 +31,7 @@ import logging
 import os
 import threading
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
@@ -79,7 +79,7 @@ def _storage_id(tensor: torch.Tensor) -> int | None:
 
 
 def _unwatched(
-    flat: Flattened, versions: list[tuple[torch.Tensor, int | None, int | None]]
+    flat: Flattened, versions: Sequence[tuple[torch.Tensor, int | None, int | None]]
 ) -> set[int]:
     """The ``_cdata`` of each storage of ``flat`` whose changes no version counter shows: one
     that an uncounted (inference-mode) tensor uses, or that no pickled tensor uses at all."""
@@ -123,7 +123,11 @@ class VersionCheck:
     def __init__(self, obj: Any, path: str, flat: Flattened):
         self.path = path
         self._obj = obj  # for naming a modified tensor, only once one is found
-        versions = [(t, _version(t), _storage_id(t)) for t in flat.tensors]
+        versions: Sequence[tuple[torch.Tensor, int | None, int | None]] = (
+            list(zip(flat.tensors, flat.versions, flat.storage_ids, strict=True))
+            if flat.versions
+            else [(t, _version(t), _storage_id(t)) for t in flat.tensors]
+        )
         unwatched = _unwatched(flat, versions)
         #: ``flat`` with a private copy of each storage no counter watches.
         self.flat = flat

@@ -69,7 +69,7 @@ def record_ready(storages: Sequence[torch.UntypedStorage]) -> Ready:
     that thread's current stream (the current stream is per thread, so the background save
     thread's would not order the copies after the trainer's pending kernels). Empty, and no
     CUDA call made, when no storage is on a CUDA device."""
-    devices = {s.device for s in storages if s.device.type == "cuda"}
+    devices = {s.device for s in storages if s.is_cuda}
     ready: Ready = {}
     for device in devices:
         event = torch.cuda.Event()

@@ -28,6 +28,7 @@ __all__ = [
     "free_port",
     "make_state",
     "memcpy_seconds",
+    "mixed_state",
     "raw_socket_seconds",
     "running_cluster",
     "running_daemon",
@@ -63,6 +64,21 @@ def make_state(nbytes: int, *, seed: int = 0, n_tensors: int = 16) -> dict[str, 
     g = torch.Generator().manual_seed(seed)
     per = max(1, nbytes // 4 // n_tensors)
     return {f"layer{i:02d}.weight": torch.randn(per, generator=g) for i in range(n_tensors)}
+
+
+def mixed_state(
+    nbytes: int, *, big: int = 16 << 20, small: int = 64 << 10
+) -> dict[str, torch.Tensor]:
+    """A state dict shaped like a real one: 75% of ``nbytes`` in float32 tensors of ``big``
+    bytes, the rest in tensors of ``small`` bytes (2,072 tensors at 512 MiB, 8,288 at 2 GiB)."""
+    n_big = int(nbytes * 0.75) // big
+    sizes = [big] * n_big + [small] * ((nbytes - n_big * big) // small)
+    state = {}
+    for i, size in enumerate(sizes):
+        t = torch.empty(size // 4)
+        t.fill_(float(i % 251))  # distinct, cheap to make, every page touched
+        state[f"layers.{i}.{'weight' if size == big else 'bias'}"] = t
+    return state
 
 
 def best_of(n: int, fn: Callable[[], object]) -> float:

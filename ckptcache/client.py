@@ -65,6 +65,7 @@ if TYPE_CHECKING:
     from ckptcache._gpu import Ready
     from ckptcache.format.flatten import Flattened, MapLocation
     from ckptcache.format.manifest import ObjectPlan
+    from ckptcache.format.plancache import PlanCache
     from ckptcache.format.shm import Mapping
     from ckptcache.packing import Packed
 
@@ -197,6 +198,10 @@ class Client:
         #: The connection of requests that block in the daemon (see :meth:`_waiting_client`).
         self._waiter: Client | None = None
         self._waiter_lock = threading.Lock()
+        #: Save plans by structure (made at the first save: it needs torch).
+        self._plans: PlanCache | None = None
+        #: Whether the spares were asked for already (:meth:`warmup`, or a first contact).
+        self._warmed = False
         _clients.add(self)
 
     def _fresh(self) -> Client:
@@ -217,6 +222,7 @@ class Client:
         self._executor_lock = threading.Lock()
         self._executor, self._executor_pid = None, 0
         self._waiter, self._waiter_lock = None, threading.Lock()  # it forks on its own
+        self._plans = None  # its lock may have been held at the fork
         self._disown_parent_state()
 
     def _disown_parent_state(self) -> None:
@@ -227,6 +233,7 @@ class Client:
         self._saved = set()
         self._written_through = set()
         self._pid, self._spares = os.getpid(), SpareMapper(self)
+        self._warmed = False
 
     # ----------------------------------------------------------------- connection
 
@@ -394,9 +401,22 @@ class Client:
         first save of this process runs at memcpy speed (call it when the trainer starts);
         ``wait=True`` blocks until they are mapped."""
         self._call("status", m.StatusRequest(), m.DaemonStatus)
+        self._warmed = True
         done = self._spares.refresh()
         if wait:
             done.wait()
+
+    def _warm_on_first_contact(self) -> None:
+        """What :meth:`warmup` does, started by the first save, load or ``exists`` of a
+        client that never called it: a trainer that checks for a checkpoint to resume from,
+        or loads one, then finds its first save's segment mapped. (Control-plane calls do not
+        start it: a short-lived ``ckptcache ls`` has no use for mapped segments.)"""
+        if self._warmed:
+            return
+        self._warmed = True
+        # On the spare thread, which connects by itself: never on the caller's, which a
+        # non-blocking save must not hold up behind a save in flight (it holds the lock).
+        self._spares.refresh()
 
     def save(
         self, obj: Any, path: Any, *, durability: str = "local", blocking: bool = True
@@ -409,8 +429,6 @@ class Client:
         from ckptcache._async import VersionCheck
         from ckptcache._async import submit as submit_save
         from ckptcache._gpu import record_ready
-        from ckptcache.format.flatten import flatten
-        from ckptcache.format.objectio import plan_object
 
         t0 = time.perf_counter()
         path = normalize_path(path)
@@ -418,8 +436,8 @@ class Client:
             raise ValueError(
                 f"durability must be one of {', '.join(DURABILITY_LEVELS)}, not {durability!r}"
             )
-        flat = flatten(obj)
-        plan = plan_object(flat, path, self.namespace)
+        self._warm_on_first_contact()
+        flat, plan = self._plan_cache().prepare(obj, path, self.namespace)
         if blocking:
             self._save_planned(obj, flat, plan, path, durability, t0)
             return None
@@ -435,6 +453,14 @@ class Client:
             self._background(),
             owner=self,
         )
+
+    def _plan_cache(self) -> PlanCache:
+        """This client's save plans by structure (see :mod:`ckptcache.format.plancache`)."""
+        from ckptcache.format.plancache import PlanCache
+
+        if self._plans is None:
+            self._plans = PlanCache()
+        return self._plans
 
     def save_packed(self, packed: Packed, path: Any, *, durability: str = "local") -> int:
         """Save the ``uint8`` blob that ``packed`` lays out (see :mod:`ckptcache.packing`) under
@@ -453,6 +479,7 @@ class Client:
             raise ValueError(
                 f"durability must be one of {', '.join(DURABILITY_LEVELS)}, not {durability!r}"
             )
+        self._warm_on_first_contact()
         # Never written nor read: its storage gives the archive the blob's layout.
         placeholder = torch.empty(packed.nbytes, dtype=torch.uint8)
         flat = flatten(placeholder)
@@ -636,6 +663,7 @@ class Client:
         digest here (a stored file's structure still is)."""
         path = normalize_path(path)
         local = verify is True
+        self._warm_on_first_contact()
         try:
             reply = self._call(
                 "open",
@@ -798,6 +826,7 @@ class Client:
 
     def exists(self, path: Any) -> bool:
         """Whether ``path`` can be loaded from the cache or from storage."""
+        self._warm_on_first_contact()
         try:
             self.status(path)
         except (CheckpointNotFound, DaemonUnavailable):

@@ -25,6 +25,7 @@ from ckptcache.benchmarking import (
     best_of,
     format_table,
     make_state,
+    mixed_state,
     running_daemon,
     running_s3,
 )
@@ -57,15 +58,24 @@ def persist_seconds(client: Client, obj: object, path: str) -> float:
     return client.status(path).persist_seconds
 
 
-def bench_file(nbytes: int, directory: str, rounds: int = 5) -> list[Row]:
+def durable_seconds(client: Client, obj: object, path: str) -> float:
+    """From the save call until the daemon reports the bytes on storage (fsynced)."""
+    t0 = time.perf_counter()
+    client.save(obj, path)
+    client.wait(path, timeout=600)
+    return time.perf_counter() - t0
+
+
+def bench_file(nbytes: int, directory: str, rounds: int = 5, shape: str = "few") -> list[Row]:
     """Raw write, torch.save and the daemon's persist, interleaved round by round (the disk's
-    fsync speed drifts, so each round measures all three under the same conditions); medians."""
-    state = make_state(nbytes)
+    fsync speed drifts, so each round measures all three under the same conditions); medians.
+    ``shape``: ``few`` (16 tensors) or ``mix`` (thousands, see ``mixed_state``)."""
+    state = make_state(nbytes) if shape == "few" else mixed_state(nbytes)
     blob = io.BytesIO()
     torch.save(state, blob)
     data = blob.getbuffer()
     size = len(data)
-    raw, saved, persisted = [], [], []
+    raw, saved, persisted, durable = [], [], [], []
     daemon_args = ("--persist-root", directory, "--memory-limit", str(4 * size))
     with running_daemon(*daemon_args) as d, Client(d.socket, fallback="raise") as c:
         for i in range(rounds):
@@ -74,10 +84,12 @@ def bench_file(nbytes: int, directory: str, rounds: int = 5) -> list[Row]:
             target = os.path.join(directory, f"t{i}.pt")
             saved.append(best_of(1, lambda t=target: torch_save_synced(state, t)))
             persisted.append(persist_seconds(c, state, os.path.join(directory, f"p{i}.pt")))
+            durable.append(durable_seconds(c, state, os.path.join(directory, f"d{i}.pt")))
     return [
         Row("raw write + fsync (limit)", size, statistics.median(raw)),
         Row("torch.save to the file (+ fsync)", size, statistics.median(saved)),
         Row("ckptcache persist (daemon, verified, CRC-32)", size, statistics.median(persisted)),
+        Row("ckptcache save until persisted (time to durable)", size, statistics.median(durable)),
     ]
 
 
@@ -116,14 +128,24 @@ def main() -> None:
     p.add_argument("--size", default="1GiB")
     p.add_argument("--s3-size", default="256MiB", help="moto is slow: keep S3 runs small")
     p.add_argument(
+        "--shape",
+        choices=["few", "mix"],
+        default="few",
+        help="few: 16 tensors; mix: 75%% of bytes in 16 MiB tensors, the rest 64 KiB",
+    )
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--no-s3", action="store_true")
+    p.add_argument(
         "--dir", default=None, help="destination directory (default: a temp dir on disk)"
     )
     args = p.parse_args()
     directory = args.dir or tempfile.mkdtemp(prefix="ckptcache-persist-", dir="/var/tmp")
     try:
-        rows = bench_file(parse_bytes(args.size), directory)
-        print(f"\n### local file ({args.size}, {directory})\n")
+        rows = bench_file(parse_bytes(args.size), directory, args.rounds, args.shape)
+        print(f"\n### local file ({args.size}, {args.shape}, {directory})\n")
         print(format_table(rows, limit=rows[0]))
+        if args.no_s3:
+            return
         try:
             rows = bench_s3(parse_bytes(args.s3_size))
         except ImportError as e:

@@ -11,6 +11,7 @@ Because every size is known up front, the layout is computed once as a list of m
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import struct
 import sys
@@ -57,11 +58,53 @@ class ArchivePlan:
     storage_offsets: tuple[int, ...]
     pickle_offset: int
     pickle_size: int
+    #: Index in ``pieces`` of the ``.data/serialization_id`` record's bytes (-1: none).
+    id_piece: int = -1
+    #: The pieces as one scatter (positions, bytes), made at the first write of a plan of
+    #: many pieces and carried to its replans: a state of thousands of tensors has three
+    #: pieces per tensor, and one slice assignment each cost more than the rest of a save.
+    _scatter: list[tuple[Any, Any]] = dataclasses.field(
+        default_factory=list, init=False, compare=False, repr=False
+    )
+
+    def with_serialization_id(self, serialization_id: str) -> ArchivePlan:
+        """This plan for an archive that differs only by its serialization id (as long)."""
+        offset, old = self.pieces[self.id_piece]
+        new = serialization_id.encode()
+        if self.id_piece < 0 or len(new) != len(old):
+            raise ValueError("the serialization id must keep its length")
+        pieces = list(self.pieces)
+        pieces[self.id_piece] = (offset, new)
+        plan = dataclasses.replace(self, pieces=tuple(pieces))
+        if self._scatter:
+            positions, values = self._scatter[0]
+            start = sum(len(data) for _, data in self.pieces[: self.id_piece])
+            values = values.copy()
+            values[start : start + len(new)] = list(new)
+            plan._scatter.append((positions, values))
+        return plan
 
     def write_metadata(self, buf: memoryview) -> None:
         """Write every metadata piece into ``buf`` (a writable view of the archive's bytes)."""
-        for offset, data in self.pieces:
-            buf[offset : offset + len(data)] = data
+        if len(self.pieces) < _SCATTER_FROM:
+            for offset, data in self.pieces:
+                buf[offset : offset + len(data)] = data
+            return
+        import numpy as np
+
+        if not self._scatter:
+            lengths = np.fromiter((len(d) for _, d in self.pieces), np.int64, len(self.pieces))
+            starts = np.fromiter((o for o, _ in self.pieces), np.int64, len(self.pieces))
+            before = np.cumsum(lengths) - lengths  # where each piece starts in ``values``
+            positions = np.arange(int(lengths.sum())) + np.repeat(starts - before, lengths)
+            values = np.frombuffer(b"".join(d for _, d in self.pieces), dtype=np.uint8).copy()
+            self._scatter.append((positions, values))
+        positions, values = self._scatter[0]
+        np.frombuffer(buf, dtype=np.uint8)[positions] = values
+
+
+#: Plans of this many pieces or more write them as one scatter.
+_SCATTER_FROM = 64
 
 
 @dataclass(frozen=True)
@@ -159,6 +202,7 @@ def plan_archive(
     pieces: list[tuple[int, bytes]] = []
     entries: list[_Entry] = []
     offset = 0
+    id_piece = -1
     for name, content in records:
         full_name = f"{archive_name}/{name}".encode()
         extra = _padding_extra(offset, len(full_name), alignment)
@@ -171,6 +215,8 @@ def plan_archive(
         entry = _Entry(full_name, offset, data_offset, size)
         entries.append(entry)
         if not isinstance(content, int):
+            if name == ".data/serialization_id":
+                id_piece = len(pieces)
             pieces.append((data_offset, content))
         # miniz writes a data descriptor only after non-empty records.
         descriptor = _descriptor(entry) if size > 0 else b""
@@ -190,6 +236,7 @@ def plan_archive(
         storage_offsets=storage_offsets,
         pickle_offset=entries[0].data_offset,
         pickle_size=len(pickle_bytes),
+        id_piece=id_piece,
     )
 
 

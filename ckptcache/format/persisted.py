@@ -37,6 +37,7 @@ import struct
 import zipfile
 import zlib
 from collections.abc import Callable, Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -73,7 +74,11 @@ DIGESTS_MEMBER = ".ckptcache/digests.json"
 #: Version of the digest record's JSON; a reader refuses versions it does not know.
 DIGESTS_FORMAT = 1
 
-_CHUNK = 8 << 20  # hash-then-write granule: stays in cache between the hash and the write
+_CHUNK = 8 << 20  # hash and write granule
+#: Pieces below this are gathered into larger writes (copied once more: cheap next to a write).
+_SMALL_PIECE = 1 << 20
+#: Runs of records hashed ahead of the writes.
+_AHEAD = 2
 _LOCAL = struct.Struct("<IHHHHHIIIHH")
 _CENTRAL_FIXED = 46
 _DESCRIPTOR_SIG = b"PK\x07\x08"
@@ -170,17 +175,56 @@ def _top_folder(records: list[ArchiveRecord]) -> str:
     return records[0].name.split("/", 1)[0] if records else "archive"
 
 
-def _stream_record(view: memoryview, record: ArchiveRecord, sink: Sink) -> tuple[int, int]:
-    """Write one record's header and data; return its (CRC-32, xxh3) from the same pass."""
-    sink(view[record.header_offset : record.data_offset])
-    crc = 0
-    hasher = xxhash.xxh3_64()
-    for start in range(record.data_offset, record.data_offset + record.size, _CHUNK):
-        chunk = view[start : min(start + _CHUNK, record.data_offset + record.size)]
-        crc = zlib.crc32(chunk, crc)
-        hasher.update(chunk)
-        sink(chunk)
-    return crc, hasher.intdigest()
+def _hash_records(view: memoryview, records: list[ArchiveRecord]) -> list[tuple[int, int]]:
+    """Each record's (CRC-32, xxh3), both taken chunk by chunk while the chunk is in cache
+    (zlib and xxhash release the interpreter lock: this runs beside the writes)."""
+    out = []
+    for record in records:
+        crc = 0
+        hasher = xxhash.xxh3_64()
+        end = record.data_offset + record.size
+        for start in range(record.data_offset, end, _CHUNK):
+            chunk = view[start : min(start + _CHUNK, end)]
+            crc = zlib.crc32(chunk, crc)
+            hasher.update(chunk)
+        out.append((crc, hasher.intdigest()))
+    return out
+
+
+def _batches(records: list[ArchiveRecord]) -> list[list[ArchiveRecord]]:
+    """Records in runs of about :data:`_CHUNK` bytes (a large record is a run of its own)."""
+    batches: list[list[ArchiveRecord]] = [[]]
+    size = 0
+    for record in records:
+        if size >= _CHUNK:
+            batches.append([])
+            size = 0
+        batches[-1].append(record)
+        size += record.end - record.header_offset
+    return batches
+
+
+class _Coalescer:
+    """Small pieces gathered into writes of up to :data:`_CHUNK` bytes: a state dict of
+    thousands of small tensors was three writes per record (header, data, descriptor)."""
+
+    def __init__(self, sink: Sink):
+        self._sink = sink
+        self._pending = bytearray()
+
+    def write(self, piece: memoryview | bytes) -> None:
+        if len(piece) >= _SMALL_PIECE:
+            self.flush()
+            self._sink(piece)
+            return
+        self._pending += piece
+        if len(self._pending) >= _CHUNK:
+            self.flush()
+
+    def flush(self) -> None:
+        if self._pending:
+            self._sink(memoryview(self._pending))
+            self._pending = bytearray()
 
 
 def _descriptor(view: memoryview, record: ArchiveRecord, crc: int) -> bytes:
@@ -236,23 +280,44 @@ def stream_archive(
     digests: dict[str, int] = {}
     crcs: dict[int, int] = {}
     meta = xxhash.xxh3_64()  # the structure around the records: a few bytes per record
-    for record in records:
-        meta.update(view[record.header_offset : record.data_offset])
-        crc, digest = _stream_record(view, record, sink)
-        want = (expected or {}).get(record.data_offset)
-        if want is not None and want[0] != digest:
-            raise CorruptCheckpoint(
-                f"checkpoint {path!r} is corrupt in the local tier: tensor {want[1]!r} has "
-                f"digest {digest_hex(digest)}, expected {digest_hex(want[0])}; it was not "
-                "persisted",
-                tensor=want[1],
-                tier="local",
-            )
-        descriptor = _descriptor(view, record, crc)
-        meta.update(descriptor)
-        sink(descriptor)
-        crcs[record.header_offset] = crc
-        digests[record.name] = digest
+    out = _Coalescer(sink)
+    batches = _batches(records)
+    # The CRC-32s and digests of the next runs of records are taken on a second thread while
+    # this one writes (the write needs a record's CRC only for its descriptor, after its
+    # data): the persist costs the larger of the two, not their sum.
+    with ThreadPoolExecutor(1, thread_name_prefix="ckptcache-crc") as hasher:
+        ahead = [hasher.submit(_hash_records, view, batch) for batch in batches[:_AHEAD]]
+        try:
+            for n, batch in enumerate(batches):
+                if n + _AHEAD < len(batches):
+                    ahead.append(hasher.submit(_hash_records, view, batches[n + _AHEAD]))
+                hashed = ahead[n].result()
+                for record, (crc, digest) in zip(batch, hashed, strict=True):
+                    meta.update(view[record.header_offset : record.data_offset])
+                    out.write(view[record.header_offset : record.data_offset])
+                    for start in range(record.data_offset, record.data_offset + record.size,
+                                       _CHUNK):  # fmt: skip
+                        out.write(
+                            view[start : min(start + _CHUNK, record.data_offset + record.size)]
+                        )
+                    want = (expected or {}).get(record.data_offset)
+                    if want is not None and want[0] != digest:
+                        raise CorruptCheckpoint(
+                            f"checkpoint {path!r} is corrupt in the local tier: tensor "
+                            f"{want[1]!r} has digest {digest_hex(digest)}, expected "
+                            f"{digest_hex(want[0])}; it was not persisted",
+                            tensor=want[1],
+                            tier="local",
+                        )
+                    descriptor = _descriptor(view, record, crc)
+                    meta.update(descriptor)
+                    out.write(descriptor)
+                    crcs[record.header_offset] = crc
+                    digests[record.name] = digest
+        finally:
+            for future in ahead:
+                future.cancel()
+    out.flush()
     original_central = _patched_central(view, cd_offset, len(records), crcs)
     meta.update(original_central)
     member = _member(_top_folder(records), _digest_body(digests, meta.intdigest()), cd_offset)

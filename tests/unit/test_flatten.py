@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 
 from ckptcache.errors import SerializationError, UnsafeUnpickle
 from ckptcache.format.flatten import flatten, unflatten
+from ckptcache.format.manifest import Manifest, StorageRecord
 from tests.helpers import assert_same
 
 DTYPES = [
@@ -196,14 +197,49 @@ def test_fast_tensor_reduction_writes_torch_own_records(monkeypatch):
         assert_same(back[key], expected[key])
 
 
-def test_manifest_json_is_the_dataclass_encoding():
-    """The manifest's hand-built encoding equals ``json.dumps(dataclasses.asdict(...))``."""
+def test_manifest_json_stores_records_as_columns_and_reads_format_1():
+    """Format 2 encodes the storage records as one JSON list per field (the other fields as
+    ``dataclasses.asdict``); a format 1 manifest (one object per record) still decodes."""
     import dataclasses
     import json
 
     from ckptcache.format.objectio import plan_object
 
     plan = plan_object(flatten(_varied_state()), "/ckpt/a.pt", "ns")
-    expected = json.dumps(dataclasses.asdict(plan.manifest), separators=(",", ":")).encode()
-    assert plan.manifest_bytes == expected
-    assert type(plan.manifest).from_json(plan.manifest_bytes) == plan.manifest
+    raw = json.loads(plan.manifest_bytes)
+    expected = dataclasses.asdict(plan.manifest)
+    records = expected.pop("storages")
+    assert raw.pop("storages") == {
+        field: [list(r)[i] for r in records] for i, field in enumerate(StorageRecord._fields)
+    }
+    assert raw == expected and raw["format"] == 2
+    assert Manifest.from_json(plan.manifest_bytes) == plan.manifest
+    old = {**expected, "format": 1, "storages": [r._asdict() for r in plan.manifest.storages]}
+    assert Manifest.from_json(json.dumps(old).encode()) == plan.manifest
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (lambda s: s["offset"].__setitem__(0, -1), "negative or non-integer"),
+        (lambda s: s["nbytes"].__setitem__(0, 1.5), "negative or non-integer"),
+        (lambda s: s["nbytes"].__setitem__(0, True), "negative or non-integer"),
+        (lambda s: s["name"].__setitem__(0, 3), "not a string"),
+        (lambda s: s["offset"].__setitem__(0, 1 << 40), "outside the payload"),
+        (lambda s: s["dtype"].pop(), "different lengths"),
+        (lambda s: s.pop("location"), "missing or unknown"),
+        (lambda s: s.__setitem__("extra", []), "missing or unknown"),
+    ],
+    ids=["negative", "float", "bool", "name", "outside", "short", "missing", "unknown"],
+)
+def test_malformed_manifest_columns_are_refused(change, message):
+    import json
+
+    from ckptcache.errors import CorruptCheckpoint
+    from ckptcache.format.objectio import plan_object
+
+    plan = plan_object(flatten(_varied_state()), "/ckpt/a.pt", "ns")
+    raw = json.loads(plan.manifest_bytes)
+    change(raw["storages"])
+    with pytest.raises(CorruptCheckpoint, match=message):
+        Manifest.from_json(json.dumps(raw).encode())

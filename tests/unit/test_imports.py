@@ -146,6 +146,8 @@ PRIVATE_ALLOWED: dict[tuple[str, str], str] = {
         "the bench asks for the pool with the raw call: a query of client/",
     ("ckptcache._async", "ckptcache.format.flatten._tensor_names"):
         "non-blocking saves name a mutated tensor: a public name in format/",
+    ("ckptcache.format.plancache", "ckptcache.format.flatten._v3_dtypes"):
+        "the plan cache checks the dtypes flatten refuses to mix: a public name in flatten",
     ("ckptcache.packing", "ckptcache.format.shm._bytes_of"):
         "packing copies a storage's bytes: packing moves into format/ beside shm",
 }  # fmt: skip
@@ -165,6 +167,13 @@ PRIVATE_KEPT: dict[tuple[str, str], str] = {
     ("ckptcache.recovery._buckets", "buf._base"): "numpy's view base: is the buffer shared",
     ("ckptcache.wire.messages", "hint._value2member_map_"):
         "enum's value table: a string enum field decoded without a try per member",
+    ("ckptcache.format.flatten", "typed._untyped_storage"):
+        "torch's storage internals, as torch.save reads them",
+    **{("ckptcache.format.plancache", what): "torch's storage identity, version counter and "
+       "hooks: what a cached plan's structure key is made of"
+       for what in ("a._cdata", "b._cdata", "storage._cdata", "t._backward_hooks",
+                    "t._version")},
+    ("ckptcache.format.archive", "plan._scatter"): "the archive plan's own member, in its module",
     ("ckptcache.client", "conn._closed"): "rpyc's connection, disowned after a fork",
     ("ckptcache.client", "conn._send"): "rpyc's connection, disowned after a fork",
     ("ckptcache.server.service", "conn._config"): "rpyc's own hook",
@@ -172,6 +181,8 @@ PRIVATE_KEPT: dict[tuple[str, str], str] = {
     ("ckptcache.adapters.deepspeed", "engine._commit_decoupled_checkpoint"):
         "DeepSpeed's own commit of a decoupled save, called when it would call it",
     ("ckptcache.client", "client._after_fork"): "Client's own member, from client's fork hook",
+    ("ckptcache.client", "client._executor_pid"): "Client's own member, from client's exit hook",
+    ("ckptcache.client", "client._finish_saves"): "Client's own member, from client's exit hook",
     ("ckptcache.client", "self._waiting_client()._call"): "Client's own member, on a Client",
     ("ckptcache.format.manifest", "manifest._check"): "Manifest's own member, in its classmethod",
     ("ckptcache.adapters.deepspeed", "ckpt_engine._client"):
