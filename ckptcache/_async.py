@@ -32,7 +32,7 @@ import os
 import threading
 import weakref
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future
+from concurrent.futures import Future, wait
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -238,6 +238,11 @@ class SaveHandle:
     def wait_copied(self, timeout: float | None = None) -> bool:
         """Block until the tensors are copied out (or the save failed); no error raised."""
         return self._copied.wait(timeout)
+
+    def wait_done(self, timeout: float | None = None) -> bool:
+        """Block until the save finished (committed or failed); no error raised (it stays
+        with the handle for :meth:`wait`). Returns whether it finished."""
+        return wait([self._future], timeout).not_done == set()
 
     def wait(self, timeout: float | None = None) -> None:
         """Block until committed; raises the save's error (e.g. :class:`TensorMutated`)."""

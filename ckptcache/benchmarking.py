@@ -188,7 +188,7 @@ def format_table(rows: list[Row], *, limit: Row | None = None, limit_name: str =
 
 
 def wait_for_socket(
-    path: str, proc: subprocess.Popen[bytes] | None = None, timeout: float = 30
+    path: str, proc: subprocess.Popen[bytes] | None = None, timeout: float = 90
 ) -> None:
     """Block until something accepts connections on Unix socket ``path``."""
     import socket

@@ -11,6 +11,7 @@ stops training unless ``fallback="raise"`` asks for it.
 
 from __future__ import annotations
 
+import atexit
 import builtins
 import io
 import json
@@ -21,7 +22,6 @@ import time
 import warnings
 import weakref
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import rpyc
@@ -37,6 +37,7 @@ from ckptcache._defaults import (
 from ckptcache._peer import connect_daemon, trusted_daemon_uids
 from ckptcache._secure_fs import current_umask
 from ckptcache._spares import SpareMapper
+from ckptcache._workers import LingeringPool
 from ckptcache.errors import (
     BudgetExceeded,
     CheckpointDeleted,
@@ -80,6 +81,17 @@ DURABILITY_LEVELS = ("memory", "local", "backup", "persisted")
 R = TypeVar("R")
 
 log = logging.getLogger(__name__)
+
+#: Clients with a save thread in this process: their pending non-blocking saves are finished
+#: at interpreter exit (the thread is a daemon thread, which exit would otherwise stop).
+_SAVERS: weakref.WeakSet[Client] = weakref.WeakSet()
+
+
+@atexit.register
+def _finish_pending_saves() -> None:
+    for client in list(_SAVERS):
+        if client._executor_pid == os.getpid():
+            client._finish_saves()
 
 
 def normalize_path(path: Any) -> str:
@@ -192,7 +204,7 @@ class Client:
         #: whatever the daemon says (or whether it answers at all).
         self._written_through: set[str] = set()
         self._spares = SpareMapper(self)
-        self._executor: ThreadPoolExecutor | None = None
+        self._executor: LingeringPool | None = None
         self._executor_pid = 0
         self._executor_lock = threading.Lock()
         #: The connection of requests that block in the daemon (see :meth:`_waiting_client`).
@@ -335,7 +347,8 @@ class Client:
         """Finish pending non-blocking saves, release pins, close the connection and the
         cached write mappings."""
         if self._executor is not None and self._executor_pid == os.getpid():
-            self._executor.shutdown(wait=True)
+            self._finish_saves()
+            self._executor.stop()
             self._executor = None
         with self._waiter_lock:
             waiter, self._waiter = self._waiter, None
@@ -487,12 +500,18 @@ class Client:
         self._save_planned(placeholder, flat, plan, path, durability, t0, packed=packed)
         return plan.manifest.storages[0].offset - plan.manifest.payload_offset
 
-    def _background(self) -> ThreadPoolExecutor:
-        """The one thread that runs this client's non-blocking saves, in submission order."""
+    def _background(self) -> LingeringPool:
+        """The one thread that runs this client's non-blocking saves, in submission order.
+
+        It ends a moment after its last save (a thread idling until ``close()`` would outlive
+        its work, and frameworks' thread-leak checks fail on it) and is a daemon thread, so
+        it never keeps the process from exiting: saves still pending at exit are finished
+        first by :func:`_finish_pending_saves`, an ``atexit`` hook."""
         with self._executor_lock:  # not self._lock: a save in flight may hold that one
             if self._executor is None or self._executor_pid != os.getpid():
-                self._executor = ThreadPoolExecutor(1, thread_name_prefix="ckptcache-save")
+                self._executor = LingeringPool(1, "ckptcache-save")
                 self._executor_pid = os.getpid()
+                _SAVERS.add(self)
             return self._executor
 
     def _save_planned(
@@ -864,6 +883,14 @@ class Client:
         prefix = None if prefix is None else normalize_path(prefix)
         self._wait_saves(path, prefix, deadline)
         self._wait_persisted(path, prefix, deadline)
+
+    def _finish_saves(self) -> None:
+        """Wait until every non-blocking save of this client has run (their errors stay with
+        their handles: a failed save nobody waited on is logged when its handle goes)."""
+        from ckptcache._async import pending_saves
+
+        for handle in pending_saves(self):
+            handle.wait_done()
 
     def _wait_saves(self, path: str | None, prefix: str | None, deadline: float | None) -> None:
         """Wait for this client's pending non-blocking saves of ``path`` (under ``prefix``,

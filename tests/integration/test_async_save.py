@@ -363,3 +363,33 @@ def test_only_the_storages_no_counter_watches_are_copied_at_submit():
     bump(uncounted)
     bare.fill_(5.0)
     assert all(torch.equal(floats(s), torch.zeros(8)) for s in check.flat.storages[1:])
+
+
+_EXIT_SCRIPT = """
+import sys, threading, time
+import torch
+from ckptcache.client import Client
+client = Client(sys.argv[1], fallback="raise")
+state = {f"w{i}": torch.full((1 << 20,), float(i)) for i in range(16)}
+client.save(state, sys.argv[2], blocking=False).wait()
+time.sleep(1.5)  # the save thread ends a moment after its last save
+print("idle threads:", sorted(t.name for t in threading.enumerate() if "ckptcache-save" in t.name))
+client.save(state, sys.argv[3], blocking=False)  # never waited for: the process exits now
+"""
+
+
+def test_the_save_thread_ends_when_idle_and_exit_finishes_a_pending_save(daemon, tmp_path):
+    """No save thread outlives its work (it is a daemon thread that ends when idle), and a
+    process that exits with a non-blocking save still running commits it first."""
+    import subprocess
+    import sys
+
+    first, second = str(tmp_path / "a.pt"), str(tmp_path / "b.pt")
+    out = subprocess.run([sys.executable, "-c", _EXIT_SCRIPT, daemon.socket, first, second],
+                         capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert "idle threads: []" in out.stdout
+    with daemon.client() as c:
+        loaded = c.load(second)
+    assert set(loaded) == {f"w{i}" for i in range(16)}
+    assert all(torch.equal(loaded[f"w{i}"], torch.full((1 << 20,), float(i))) for i in range(16))
