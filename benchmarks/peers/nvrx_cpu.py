@@ -31,5 +31,3 @@ def _containers(obj: Any) -> Any:
     if isinstance(obj, list):
         return [_containers(v) for v in obj]
     return obj
-
-

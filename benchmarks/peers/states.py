@@ -73,8 +73,7 @@ def make(shape: str, nbytes: int, seed: int = 0) -> Any:
         per = max(1, nbytes // (layers * experts * len(weights)) // 4)
         return {
             f"layers.{layer}": {
-                f"experts.{e}": {w: tensor(per) for w in weights}
-                for e in range(experts)
+                f"experts.{e}": {w: tensor(per) for w in weights} for e in range(experts)
             }
             for layer in range(layers)
         }

@@ -7,7 +7,9 @@ Every adapter answers the same four questions about one state:
 * ``settle()``: waits (untimed) until the previous save's background work is done: training
   saves minutes apart, so that work must not be charged to the next save.
 * ``durable(state, step)``: a save asked to reach the disk; returns when the system reports the
-  bytes there (whether that report means fsync is in ``GUARANTEES``).
+  bytes there (whether that report means fsync is in ``GUARANTEES``). Where a save and a save
+  to disk are one call (``separate_durable`` false), the benchmark times one save from its
+  call to the end of ``settle`` instead.
 * ``load()``: what a trainer recovering the last save gets: usable tensors.
 
 A system that cannot run here raises from ``open``; the benchmark lists it with its error.
@@ -79,6 +81,9 @@ def _init_gloo() -> None:
 class System:
     """Base: subclasses open in ``workdir`` (on the disk under test) and keep what they need."""
 
+    #: True where a save to disk is another call than a (memory) save.
+    separate_durable = False
+
     def __init__(self, workdir: str, nbytes: int):
         self.workdir = workdir
         self.nbytes = nbytes
@@ -90,6 +95,7 @@ class System:
         """Nothing runs in the background after ``save`` unless a subclass says so."""
 
     def durable(self, state: Any, step: int) -> None:
+        """Only where ``separate_durable``."""
         raise NotImplementedError
 
     def load(self) -> Any:
@@ -126,10 +132,6 @@ class Ckptcache(System):
     def settle(self) -> None:
         self.client.wait(self.path, timeout=600)
 
-    def durable(self, state: Any, step: int) -> None:
-        self.client.save(state, self.path)
-        self.client.wait(self.path, timeout=600)
-
     def load(self) -> Any:
         return self.client.load(self.path)
 
@@ -162,6 +164,8 @@ class Gemini(System):
         )
         self.mgr = InMemoryCheckpointManager(config, parallelism_info=_NaturalReplicas())
 
+    separate_durable = True
+
     def save(self, state: Any, step: int) -> None:
         self.mgr.save(state, step)
         self.mgr.maybe_wait()
@@ -191,6 +195,9 @@ class DLRover(System):
         super().__init__(workdir, nbytes)
         from dlrover.trainer.torch.flash_checkpoint.ddp import DdpCheckpointer, StorageType
 
+        # Its IPC sockets go under /tmp/ckpt_sock/<run id>: one of its own per process, so
+        # sockets left by an earlier process's saver are never dialled.
+        os.environ["TORCHELASTIC_RUN_ID"] = f"peers-bench-{os.getpid()}"
         self.storage = StorageType
         self.ckpt = DdpCheckpointer(workdir)
         self.tracker = os.path.join(workdir, "dlrover_latest.txt")
@@ -217,10 +224,15 @@ class DLRover(System):
     def load(self) -> Any:
         return self.ckpt.load_checkpoint()
 
+    separate_durable = True
+
     def close(self) -> None:
+        import shutil
+
         engine = self.ckpt._engine
         if hasattr(engine, "close"):
             engine.close()
+        shutil.rmtree(f"/tmp/ckpt_sock/{os.environ['TORCHELASTIC_RUN_ID']}", ignore_errors=True)
 
 
 def _nvrx_on_cpu() -> None:
@@ -252,10 +264,6 @@ class NVRxAsync(System):
 
     def settle(self) -> None:
         self.ckpt.finalize_async_save(blocking=True, no_dist=True)
-
-    def durable(self, state: Any, step: int) -> None:
-        self.save(state, step)
-        self.settle()
 
     def load(self) -> Any:
         return torch.load(self.path)
@@ -289,10 +297,6 @@ class NVRxLocal(System):
 
     def settle(self) -> None:
         self.queue.maybe_finalize_async_calls(blocking=True, no_dist=True)
-
-    def durable(self, state: Any, step: int) -> None:
-        self.save(state, step)
-        self.settle()
 
     def load(self) -> Any:
         self.mgr.find_latest()
@@ -339,10 +343,6 @@ class DCPAsync(System):
             self.future.result()
             self.future = None
 
-    def durable(self, state: Any, step: int) -> None:
-        self.save(state, step)
-        self.settle()
-
     def load(self) -> Any:
         target = self.template
         self.dcp.load(target, checkpoint_id=self.target)
@@ -370,9 +370,6 @@ class TorchSave(System):
     def save(self, state: Any, step: int) -> None:
         torch.save(state, self.path)
         _fsync(self.path)
-
-    def durable(self, state: Any, step: int) -> None:
-        self.save(state, step)
 
     def load(self) -> Any:
         return torch.load(self.path)
