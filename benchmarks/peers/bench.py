@@ -122,7 +122,7 @@ def report(rows: list[dict], sizes: list[int], shapes: list[str], systems: list[
                     line.append(cell(med.get((system, shape, s, m)), limit))
             out.append("| " + " | ".join(line) + " |")
     if errors:
-        out.append("\nRefused to run here:\n")
+        out.append("\nErrors (a system with no figures above refused to run here):\n")
         out += [f"* {GUARANTEES.get(s, (s,))[0]}: `{e}`" for s, e in errors.items()]
     out.append("\nReloads that differed from the saved state: " + ("; ".join(mismatches) or "none"))
     return "\n".join(out)

@@ -28,7 +28,7 @@ import torch
 GUARANTEES: dict[str, tuple[str, str]] = {
     "ckptcache": (
         "ckptcache",
-        "daemon outside the trainer; shm copy survives the trainer; SHA-256 digests; persist "
+        "daemon outside the trainer; shm copy survives the trainer; xxh3 digests; persist "
         "verified, CRC-32, fsync; two generations kept",
     ),
     "gemini": (
@@ -312,9 +312,25 @@ class MLFlashpoint(System):
 
     def __init__(self, workdir: str, nbytes: int):
         super().__init__(workdir, nbytes)
-        import ml_flashpoint  # noqa: F401
-
+        try:
+            import ml_flashpoint  # noqa: F401
+        except ImportError as e:
+            raise ImportError(f"not installed: {_install_error('ml-flashpoint')}") from e
         raise NotImplementedError("ML Flashpoint installed, but no adapter is written yet")
+
+
+def _install_error(name: str) -> str:
+    """The most telling error line of ``setup.sh``'s log for ``name``."""
+    try:
+        with open(os.path.join(sys.prefix, f"install-{name}.log")) as f:
+            lines = [line.strip() for line in f]
+    except OSError:
+        return "setup.sh did not run"
+    for prefix in ("fatal:", "ERROR:", "error:"):  # git's reason before pip's summary
+        found = [line for line in lines if line.startswith(prefix)]
+        if found:
+            return found[0]
+    return "see its install log"
 
 
 class DCPAsync(System):
