@@ -1,7 +1,7 @@
 """ckptcache against the open checkpointing systems a user would pick instead, in one run.
 
     bash benchmarks/peers/setup.sh            # once: the peers, in benchmarks/peers/.venv
-    benchmarks/peers/.venv/bin/python benchmarks/peers/bench.py
+    benchmarks/peers/.venv/bin/python benchmarks/peers/bench.py --shapes small   # README's run
 
 Every system saves the same state (four shapes, two sizes) on this machine, each measurement in
 a fresh process, the systems in an order rotated round by round (interleaved), and every

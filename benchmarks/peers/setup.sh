@@ -18,7 +18,7 @@ if [ -z "$project_python" ]; then
     if [ -x "$root/.venv/bin/python" ]; then project_python="$root/.venv/bin/python"
     else project_python="$(command -v python3)"; fi
 fi
-venv="$here/.venv"
+venv="${PEERS_VENV:-$here/.venv}"  # PEERS_VENV: another place, e.g. to test this script
 "$project_python" -m venv "$venv" || exit 1
 py="$venv/bin/python"
 site="$("$py" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
