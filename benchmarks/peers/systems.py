@@ -227,11 +227,16 @@ class DLRover(System):
     separate_durable = True
 
     def close(self) -> None:
+        import contextlib
         import shutil
 
         engine = self.ckpt._engine
         if hasattr(engine, "close"):
             engine.close()
+        # Its shared memory outlives the trainer by design (for the agent); the benchmark
+        # ends the saver, so it removes the segment too.
+        with contextlib.suppress(Exception):
+            engine._shm_handler.unlink()
         shutil.rmtree(f"/tmp/ckpt_sock/{os.environ['TORCHELASTIC_RUN_ID']}", ignore_errors=True)
 
 
