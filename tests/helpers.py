@@ -72,6 +72,12 @@ class DaemonProc:
         if self.proc is not None and self.proc.poll() is None:
             self.proc.send_signal(sig)
             self.proc.wait(timeout=30)
+        if self.proc is not None and self.proc.poll() is not None:
+            # A daemon under libfaketime (skewed-clock tests) leaves its shared-memory
+            # counters behind when it does not exit normally.
+            for name in (f"faketime_shm_{self.proc.pid}", f"sem.faketime_sem_{self.proc.pid}"):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(os.path.join("/dev/shm", name))
 
     def restart(self) -> DaemonProc:
         self.kill()
