@@ -381,6 +381,11 @@ def _fast_unpickle(
             return unpickler.load()
     except Exception:
         return _NOT_FAST
+    finally:
+        # The local class is in a reference cycle (as every class is) that reaches ``made``
+        # through its find_class: cleared, the storages (and the pins of a zero-copy load's
+        # mapping) go with the last reference to the result, not at the next GC pass.
+        made.clear()
 
 
 def unflatten(

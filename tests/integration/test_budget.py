@@ -85,3 +85,22 @@ def test_object_larger_than_budget(daemon_factory, tmp_path):
         c.save(blob(8), str(tmp_path / "big.pt"))
     assert (tmp_path / "big.pt").exists()
     assert d.segment_bytes() == 0
+
+
+def test_a_zero_copy_load_is_unpinned_when_its_last_reference_goes(daemon, tmp_path):
+    """The pin of a zero-copy load goes with the last reference to what it returned, not at
+    some later garbage collection (no reference cycle holds its storages)."""
+    import gc
+
+    path = str(tmp_path / "a.pt")
+    with daemon.client() as c, daemon.client() as reader:
+        c.save({"w": torch.ones(1 << 16), "b": torch.zeros(8)}, path)
+        gc.collect()
+        gc.disable()
+        try:
+            held = reader.load(path)
+            assert reader.status(path).pins == 1
+            del held
+            assert reader.status(path).pins == 0
+        finally:
+            gc.enable()
