@@ -38,30 +38,24 @@ __all__ = ["default_cache_dir"]
 _SHM = "/dev/shm"
 
 
-def _private_dir(path: str) -> bool:
-    """Whether ``path`` is a directory (not a link) of this user that nobody else may enter."""
+def _mine(path: str, forbidden: int) -> bool:
+    """Whether ``path`` is a directory (not a link) of this user with none of the mode bits
+    ``forbidden`` set."""
     try:
         st = os.lstat(path)
     except OSError:
         return False
-    return (
-        stat.S_ISDIR(st.st_mode)
-        and st.st_uid == os.getuid()
-        and not st.st_mode & (stat.S_IRWXG | stat.S_IRWXO)
-    )
+    return stat.S_ISDIR(st.st_mode) and st.st_uid == os.getuid() and not st.st_mode & forbidden
+
+
+def _private_dir(path: str) -> bool:
+    """Whether ``path`` is a directory (not a link) of this user that nobody else may enter."""
+    return _mine(path, stat.S_IRWXG | stat.S_IRWXO)
 
 
 def _own_dir(path: str) -> bool:
     """Whether ``path`` is a directory of this user that only this user may write to."""
-    try:
-        st = os.lstat(path)
-    except OSError:
-        return False
-    return (
-        stat.S_ISDIR(st.st_mode)
-        and st.st_uid == os.getuid()
-        and not st.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
-    )
+    return _mine(path, stat.S_IWGRP | stat.S_IWOTH)
 
 
 def _runtime_dir() -> str | None:
