@@ -134,7 +134,9 @@ def profile(state: dict[str, torch.Tensor], nbytes: int, root: str) -> str:
 
 
 def slope(counts: list[int], seconds: list[float]) -> float:
-    """Least-squares seconds per tensor."""
+    """Least-squares seconds per tensor (nan with fewer than two tensor counts)."""
+    if len(set(counts)) < 2:
+        return float("nan")
     mx, my = statistics.fmean(counts), statistics.fmean(seconds)
     num = sum((x - mx) * (y - my) for x, y in zip(counts, seconds, strict=True))
     return num / sum((x - mx) ** 2 for x in counts)
