@@ -1,9 +1,14 @@
 """A tiny DeepSpeed trainer on 2 CPU ranks: reference run, crash after a save, or resume.
 
-usage: ds_trainer.py MODE STAGE CKPT_DIR OUT_DIR
+usage: ds_trainer.py MODE STAGES CKPT_DIR OUT_DIR
 
 MODE: reference (no checkpoint) | crash (save at step 3, then SIGKILL) | resume (cache on) |
 plainresume (resume with DeepSpeed's default engine, cache off)
+
+STAGES: one ZeRO stage, or several separated by commas: each is trained in turn by the same
+ranks (one launch instead of one per stage), checkpointing into ``CKPT_DIR/zero<stage>``; a
+crash run saves every stage's checkpoint first and then dies. Each rank writes its final state
+to ``OUT_DIR/<mode>-zero<stage>-rank<rank>.pt``.
 """
 
 from __future__ import annotations
@@ -23,11 +28,25 @@ def batch(step: int, rank: int) -> torch.Tensor:
     return torch.randn(2, 8, generator=g)
 
 
-def train(rank: int, world: int, mode: str, stage: int, ckpt_dir: str, out_dir: str) -> None:
+def train(rank: int, world: int, mode: str, stages: list[int], ckpt_dir: str, out_dir: str) -> None:
     import deepspeed  # in the ranks only: the launching process never needs it
 
     deepspeed_without_compiled_ops()
     deepspeed.init_distributed(dist_backend="gloo")
+    for stage in stages:
+        where = ckpt_dir if len(stages) == 1 else os.path.join(ckpt_dir, f"zero{stage}")
+        train_stage(rank, mode, stage, where, out_dir)
+    if mode == "crash":
+        torch.distributed.barrier()
+        print("CHECKPOINT-SAVED", flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)  # the crash: no cleanup, no persist wait
+
+
+def train_stage(rank: int, mode: str, stage: int, ckpt_dir: str, out_dir: str) -> None:
+    """One engine at ``stage``; a crash run stops right after its save (the test's crash comes
+    once every stage has saved)."""
+    import deepspeed
+
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
     cfg = {
@@ -58,12 +77,12 @@ def train(rank: int, world: int, mode: str, stage: int, ckpt_dir: str, out_dir: 
         if mode == "crash" and step + 1 == CRASH_AT:
             engine.save_checkpoint(ckpt_dir, client_state={"step": CRASH_AT})
             torch.distributed.barrier()
-            print("CHECKPOINT-SAVED", flush=True)
-            os.kill(os.getpid(), signal.SIGKILL)  # the crash: no cleanup, no persist wait
+            return
     state = {"module": engine.module.state_dict(), "optimizer": engine.optimizer.state_dict()}
-    torch.save(tensors_of(state), os.path.join(out_dir, f"{mode}-rank{rank}.pt"))
+    torch.save(tensors_of(state), os.path.join(out_dir, f"{mode}-zero{stage}-rank{rank}.pt"))
 
 
 if __name__ == "__main__":
-    mode, stage, ckpt_dir, out_dir = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
-    launch(train, 2, mode, stage, ckpt_dir, out_dir)
+    mode, ckpt_dir, out_dir = sys.argv[1], sys.argv[3], sys.argv[4]
+    stages = [int(s) for s in sys.argv[2].split(",")]
+    launch(train, 2, mode, stages, ckpt_dir, out_dir)
