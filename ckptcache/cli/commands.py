@@ -18,8 +18,8 @@ import zipfile
 from collections.abc import Sequence
 from typing import Any, NoReturn
 
-from ckptcache._cli_output import emit, emit_error, plain, table, when
 from ckptcache._units import format_bytes
+from ckptcache.cli.output import emit, emit_error, plain, table, when
 from ckptcache.client import normalize_path
 from ckptcache.errors import CheckpointNotFound, CkptCacheError, ConfigError, CorruptCheckpoint
 from ckptcache.format.persisted import DIGESTS_MEMBER, verify_stored
@@ -278,7 +278,7 @@ def _cmd_prefetch(args: argparse.Namespace) -> int:
 
 def _cmd_bench(args: argparse.Namespace) -> int:
     from ckptcache._units import parse_bytes
-    from ckptcache.bench import format_measures, run_bench  # imports torch: bench only
+    from ckptcache.cli.bench import format_measures, run_bench  # imports torch: bench only
 
     try:
         sizes = [parse_bytes(s) for s in args.sizes]
@@ -293,7 +293,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
-    from ckptcache.demo import run_demo
+    from ckptcache.cli.demo import run_demo
 
     return run_demo(size_mib=args.size_mib)
 
@@ -428,7 +428,3 @@ def main(argv: Sequence[str] | None = None) -> int:
         # disk), said in one line like the errors of our own.
         emit_error(as_json, e, 1)
         return 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())
