@@ -20,7 +20,7 @@ from typing import Any, NoReturn
 
 from ckptcache._units import format_bytes
 from ckptcache.cli.output import emit, emit_error, plain, table, when
-from ckptcache.client import normalize_path
+from ckptcache.client import in_storage, normalize_path
 from ckptcache.errors import CheckpointNotFound, CkptCacheError, ConfigError, CorruptCheckpoint
 from ckptcache.format.persisted import DIGESTS_MEMBER, verify_stored
 from ckptcache.hugepages import HUGE
@@ -151,13 +151,6 @@ def _throughput(o: Any) -> str:
     return f"{o.size / o.persist_seconds / 1e6:.0f} MB/s" if o.persist_seconds > 0 else "-"
 
 
-def _stored(path: str) -> bool:
-    try:
-        return backend_for(path).exists(path)
-    except (OSError, ValueError, ImportError):
-        return False
-
-
 def _verify_stored(path: str) -> str:
     """'' if the stored checkpoint at ``path`` checks out, else what is wrong with it."""
     try:
@@ -211,7 +204,7 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
         try:
             info = client.status(path)
         except CheckpointNotFound:
-            if not (args.verify and _stored(path)):
+            if not (args.verify and in_storage(path)):
                 raise
             problem = _verify_stored(path)  # stored, but not a complete checkpoint
             emit(args.json, {"storage_verify": problem}, f"storage: CORRUPT: {problem}")
@@ -220,7 +213,7 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
             return _inspect_stored(args, path)
         verify = client.verify(path) if args.verify else None
     stored_problem = None
-    if args.verify and "persisted" in info.stages and _stored(info.path):
+    if args.verify and "persisted" in info.stages and in_storage(info.path):
         stored_problem = _verify_stored(info.path)
     pairs = [
         ("path", info.path), ("namespace", info.namespace),

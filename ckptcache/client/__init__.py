@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from ckptcache.client._client import Client
 from ckptcache.client._health import CacheStatus, cache_status
-from ckptcache.client._paths import normalize_path
+from ckptcache.client._paths import in_storage, normalize_path
 from ckptcache.client._readthrough import (
     BlobFile,
     CachedFile,
@@ -35,6 +35,7 @@ __all__ = [
     "Packed",
     "SaveHandle",
     "cache_status",
+    "in_storage",
     "normalize_path",
     "open_checkpoint",
     "wait_for_copies",
