@@ -1,9 +1,9 @@
 """Build hook: ship ``ckptcache-startup.pth`` into ``site-packages`` (metadata: pyproject.toml).
 
 The file lets ``CKPTCACHE_DEEPSPEED=1`` switch the DeepSpeed adapter on with no code (see
-``ckptcache/_startup.py``). A ``.pth`` file only takes effect at the top of a site directory,
-which no ``pyproject.toml`` key of setuptools can target, hence this ``build_py``: it writes the
-file at the root of a wheel, and of an editable wheel (``pip install -e``).
+``ckptcache/adapters/_startup.py``). A ``.pth`` file only takes effect at the top of a site
+directory, which no ``pyproject.toml`` key of setuptools can target, hence this ``build_py``: it
+writes the file at the root of a wheel, and of an editable wheel (``pip install -e``).
 """
 
 from __future__ import annotations

@@ -40,12 +40,9 @@ from ckptcache.errors import (
 )
 
 if TYPE_CHECKING:
-    from ckptcache._async import SaveHandle
-    from ckptcache._health import CacheStatus
-    from ckptcache._readthrough import CachedFile
-    from ckptcache._readthrough import open as open  # public, not in __all__ (see below)
     from ckptcache.api import delete, exists, load, prefetch, save, status, wait, warmup
-    from ckptcache.client import Client
+    from ckptcache.api import open as open  # public, not in __all__ (see below)
+    from ckptcache.client import CachedFile, CacheStatus, Client, SaveHandle
     from ckptcache.wire.messages import ObjectInfo as ObjectStatus
 
 __all__ = [
@@ -98,25 +95,25 @@ _LAZY = {
         n: ("ckptcache.api", n)
         for n in ("delete", "exists", "load", "prefetch", "save", "status", "wait", "warmup")
     },
-    "CacheStatus": ("ckptcache._health", "CacheStatus"),
-    "CachedFile": ("ckptcache._readthrough", "CachedFile"),
-    "open": ("ckptcache._readthrough", "open"),
-    "SaveHandle": ("ckptcache._async", "SaveHandle"),
-    "Client": ("ckptcache.client", "Client"),
+    **{n: ("ckptcache.client", n) for n in ("CacheStatus", "CachedFile", "Client", "SaveHandle")},
+    "open": ("ckptcache.api", "open"),
     "ObjectStatus": ("ckptcache.wire.messages", "ObjectInfo"),
 }
 
 
 # Submodules that importing this package used to load as a side effect: code that does
-# ``import ckptcache`` and then uses ``ckptcache.api.…`` keeps working. The format modules
-# moved into ``ckptcache.format``; their old names lead there.
+# ``import ckptcache`` and then uses ``ckptcache.api.…`` keeps working. Public modules that
+# moved keep their old names here: the format modules and ``packing`` into
+# ``ckptcache.format``, the command, bench and demo modules into ``ckptcache.cli``.
 _SUBMODULES = {
     "api": "ckptcache.api",
     "client": "ckptcache.client",
+    "format": "ckptcache.format",
     "storage": "ckptcache.storage",
     "wire": "ckptcache.wire",
     **{n: f"ckptcache.format.{n}"
-       for n in ("archive", "flatten", "layout", "manifest", "objectio", "shm")},
+       for n in ("archive", "flatten", "layout", "manifest", "objectio", "packing", "shm")},
+    **{n: f"ckptcache.cli.{n}" for n in ("bench", "benchmarking", "demo")},
 }  # fmt: skip
 
 

@@ -1,16 +1,18 @@
-"""Module-level drop-ins for ``torch.save``/``torch.load`` on a per-process default client."""
+"""Module-level drop-ins for ``torch.save``/``torch.load`` (and ``open``) on a per-process
+default client."""
 
 from __future__ import annotations
 
 import os
 import threading
-from typing import Any
+from typing import IO, TYPE_CHECKING, Any
 
-from ckptcache._async import SaveHandle
-from ckptcache._health import CacheStatus, cache_status
-from ckptcache.client import Client
-from ckptcache.format.flatten import MapLocation
+from ckptcache.client import CacheStatus, Client, cache_status, normalize_path, open_checkpoint
 from ckptcache.wire.messages import ObjectInfo
+
+if TYPE_CHECKING:
+    from ckptcache.client import SaveHandle
+    from ckptcache.format.flatten import MapLocation
 
 __all__ = [
     "default_client",
@@ -24,6 +26,8 @@ __all__ = [
     "wait",
     "warmup",
 ]
+# ``open`` is public but left out of ``__all__``: ``from ckptcache.api import *`` must not
+# shadow the built-in ``open``.
 
 _lock = threading.Lock()
 _default: Client | None = None
@@ -48,7 +52,7 @@ def default_client() -> Client:
             _default = Client()
         elif _default_pid != os.getpid():
             # The parent's client is left alone: closing it here could disturb the parent.
-            _default = _default._fresh()
+            _default = _default.renew()
         _default_pid = os.getpid()
         return _default
 
@@ -163,3 +167,20 @@ def status(path: str | os.PathLike[str] | None = None) -> ObjectInfo | CacheStat
 def delete(path: str | os.PathLike[str]) -> int:
     """Drop every cached generation of ``path`` from memory; storage is untouched."""
     return default_client().delete(path)
+
+
+def open(  # the name reads like builtins.open; this module never calls that one
+    path: str | os.PathLike[str],
+    mode: str = "rb",
+    *,
+    client: Client | None = None,
+    verify: bool = True,
+) -> IO[bytes]:
+    """Open the newest generation of ``path`` for reading, from memory when it is not yet a
+    file (see :mod:`ckptcache.client._readthrough`): ``torch.load(ckptcache.open(path))``.
+    Only ``mode="rb"`` is supported: the cache stores binary checkpoints and writes go
+    through :func:`save`. A stored file is checked as it is read unless ``verify=False``
+    (this node's memory is served as it is)."""
+    if mode not in ("rb", "br"):
+        raise ValueError(f"ckptcache.open reads binary files only: mode must be 'rb', not {mode!r}")
+    return open_checkpoint(client or default_client(), normalize_path(path), verify)

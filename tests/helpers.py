@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 import ckptcache
-from ckptcache.benchmarking import EtcdServer, free_port, wait_for_socket  # noqa: F401
+from ckptcache.cli.benchmarking import EtcdServer, free_port, wait_for_socket  # noqa: F401
 
 REPO = Path(__file__).resolve().parent.parent
 

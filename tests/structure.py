@@ -285,7 +285,7 @@ def _names(module: Module, node: ast.Import | ast.ImportFrom) -> list[str]:
 def private_reaches(module: Module, known: set[str]) -> list[Reach]:
     """Every use in ``module`` of a private name it does not own (``known``: the package's
     module names). A private name is owned by the module or package that holds it, and usable
-    anywhere below that: ``ckptcache._gpu`` by all of ``ckptcache``, ``adapters._common`` by
+    anywhere below that: ``ckptcache._atomic`` by all of ``ckptcache``, ``adapters._common`` by
     the adapters, ``client._x`` by ``client`` alone."""
     found = []
     for node in ast.walk(module.tree):

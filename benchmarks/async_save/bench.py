@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ckptcache.benchmarking import memcpy_seconds, running_daemon
+from ckptcache.cli.benchmarking import memcpy_seconds, running_daemon
 from ckptcache.client import Client
 from ckptcache.format.flatten import flatten
 from ckptcache.recovery import StepGuard

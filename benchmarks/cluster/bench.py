@@ -34,7 +34,7 @@ sys.path.insert(0, str(REPO))  # the lab lives with the tests (tests/lab.py)
 import torch  # noqa: E402
 
 from ckptcache._units import parse_bytes  # noqa: E402
-from ckptcache.benchmarking import make_state  # noqa: E402
+from ckptcache.cli.benchmarking import make_state  # noqa: E402
 from ckptcache.client import Client  # noqa: E402
 from ckptcache.server.config import DaemonConfig  # noqa: E402
 from ckptcache.server.storage_read import read_chunk  # noqa: E402

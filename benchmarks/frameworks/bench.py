@@ -45,8 +45,7 @@ import torch
 import ckptcache
 import ckptcache.api
 from ckptcache.adapters.dcp import CacheWriter
-from ckptcache.benchmarking import Row, memcpy_seconds, running_daemon
-from ckptcache.wire import messages as m
+from ckptcache.cli.benchmarking import Row, memcpy_seconds, running_daemon
 
 WIDTH = 1024
 #: Untimed saves before the timed ones, per row.
@@ -90,7 +89,7 @@ def settle(client: ckptcache.Client) -> None:
     while time.monotonic() < deadline:
         busy = client.daemon_status().persist_queue > 0
         busy = busy or any(not o.digests_valid for o in client.list(""))
-        pool = client._call("pool", m.PoolRequest(), m.PoolReply)
+        pool = client.pool()
         if not busy and not pool.growing:
             break
         time.sleep(0.02)

@@ -180,7 +180,7 @@ def _cache_rows(
     add: Callable[[str, float], None],
 ) -> None:
     try:
-        from ckptcache.benchmarking import running_daemon
+        from ckptcache.cli.benchmarking import running_daemon
         from ckptcache.client import Client
     except ImportError as e:  # the daemon is not part of this checkout
         print(f"skipping the local-cache row: {e}", file=sys.stderr)

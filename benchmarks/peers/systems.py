@@ -71,7 +71,7 @@ def _init_gloo() -> None:
     import torch.distributed as dist
 
     if not dist.is_initialized():
-        from ckptcache.benchmarking import free_port
+        from ckptcache.cli.benchmarking import free_port
 
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(free_port()))
@@ -114,7 +114,7 @@ class Ckptcache(System):
         super().__init__(workdir, nbytes)
         import contextlib
 
-        from ckptcache.benchmarking import running_daemon
+        from ckptcache.cli.benchmarking import running_daemon
         from ckptcache.client import Client
 
         self._stack = contextlib.ExitStack()

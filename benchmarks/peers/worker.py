@@ -4,7 +4,7 @@ per round and reads the result lines this prints.
     python benchmarks/peers/worker.py SYSTEM NBYTES --shapes large small --dir /tmp/x
 
 ``SYSTEM`` ``limits`` measures the physical limits instead: a memcpy of the state into touched
-memory (``ckptcache.benchmarking.memcpy_seconds``) and a raw write + fsync of its bytes.
+memory (``ckptcache.cli.benchmarking.memcpy_seconds``) and a raw write + fsync of its bytes.
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ def raw_write_seconds(buffers: list[torch.Tensor], directory: str) -> float:
 
 def measure_limits(state: Any, directory: str) -> dict[str, float]:
     """The physical limits for ``state``'s bytes (its distinct storages, each once)."""
-    from ckptcache.benchmarking import memcpy_seconds
+    from ckptcache.cli.benchmarking import memcpy_seconds
 
     buffers = states.storages(state)
     memcpy = memcpy_seconds({str(i): b for i, b in enumerate(buffers)}, repeats=2)

@@ -20,7 +20,7 @@ import time
 import torch
 
 from ckptcache._units import parse_bytes
-from ckptcache.benchmarking import (
+from ckptcache.cli.benchmarking import (
     Row,
     best_of,
     format_table,

@@ -31,7 +31,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from ckptcache._units import parse_bytes
-from ckptcache.benchmarking import (
+from ckptcache.cli.benchmarking import (
     EtcdServer,
     Row,
     format_table,

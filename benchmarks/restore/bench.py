@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from ckptcache._units import parse_bytes
-from ckptcache.benchmarking import (
+from ckptcache.cli.benchmarking import (
     DaemonHandle,
     EtcdServer,
     Row,

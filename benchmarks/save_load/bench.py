@@ -15,8 +15,8 @@ import tempfile
 import torch
 
 from ckptcache._units import parse_bytes
-from ckptcache.bench import load_stalls, save_stalls
-from ckptcache.benchmarking import (
+from ckptcache.cli.bench import load_stalls, save_stalls
+from ckptcache.cli.benchmarking import (
     Row,
     format_table,
     make_state,

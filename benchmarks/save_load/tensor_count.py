@@ -29,8 +29,8 @@ from typing import Any
 import torch
 
 from ckptcache._units import format_bytes, parse_bytes
-from ckptcache.bench import _wait_for_spare, wait_idle
-from ckptcache.benchmarking import make_state, memcpy_seconds, mixed_state, running_daemon
+from ckptcache.cli.bench import _wait_for_spare, wait_idle
+from ckptcache.cli.benchmarking import make_state, memcpy_seconds, mixed_state, running_daemon
 from ckptcache.client import Client
 
 

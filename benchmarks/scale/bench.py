@@ -46,7 +46,7 @@ from sim import (
     save,
 )
 
-from ckptcache.benchmarking import EtcdServer
+from ckptcache.cli.benchmarking import EtcdServer
 from ckptcache.server.coord import CoordinatorUnavailable
 
 WAVE_TIMEOUT = 120.0

@@ -40,8 +40,8 @@ def _child(socket_path: str, nbytes: int, repeats: int) -> dict[str, float]:
     """As the admitted user: repeated saves and zero-copy loads, best of ``repeats``."""
     import torch
 
-    from ckptcache.bench import wait_idle
-    from ckptcache.benchmarking import make_state, memcpy_seconds
+    from ckptcache.cli.bench import wait_idle
+    from ckptcache.cli.benchmarking import make_state, memcpy_seconds
     from ckptcache.client import Client
 
     state = make_state(nbytes)

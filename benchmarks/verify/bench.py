@@ -42,7 +42,7 @@ from pathlib import Path
 import torch
 
 from ckptcache._units import parse_bytes
-from ckptcache.benchmarking import (
+from ckptcache.cli.benchmarking import (
     EtcdServer,
     make_state,
     raw_socket_seconds,

@@ -7,21 +7,14 @@ object visible to a framework that insists on ``os.path`` checks before it loads
 
 from __future__ import annotations
 
-import io
 import logging
 import os
-from collections.abc import Callable
 from typing import Any
 
 import ckptcache
 import ckptcache.api
 from ckptcache import CheckpointNotFound, DaemonUnavailable
-from ckptcache._atomic import atomic_write
-from ckptcache._health import cache_status
-from ckptcache.client import normalize_path
-from ckptcache.format.layout import HEADER_SIZE, SegmentHeader
-from ckptcache.format.persisted import stream_archive
-from ckptcache.storage import backend_for
+from ckptcache.client import cache_status, normalize_path, write_from_memory
 from ckptcache.wire.states import PersistState
 
 __all__ = [
@@ -131,10 +124,6 @@ def wait_persisted(
 _STAMP_SLACK_NS = 1_000
 
 
-def _commit_ns(info: ckptcache.ObjectStatus) -> int:
-    return round(info.committed * 1e9)
-
-
 def is_url(path: str) -> bool:
     """Whether ``path`` names an object in a remote store (``s3://...``), not a local file."""
     return "://" in path
@@ -158,7 +147,7 @@ def file_is_current(info: ckptcache.ObjectStatus) -> bool:
         mtime_ns = os.stat(info.path).st_mtime_ns
     except FileNotFoundError:
         return False
-    return mtime_ns >= _commit_ns(info) - _STAMP_SLACK_NS
+    return mtime_ns >= round(info.committed * 1e9) - _STAMP_SLACK_NS
 
 
 def ensure_on_disk(client: ckptcache.Client, info: ckptcache.ObjectStatus) -> None:
@@ -168,8 +157,8 @@ def ensure_on_disk(client: ckptcache.Client, info: ckptcache.ObjectStatus) -> No
 
     Pending persistence is awaited (the daemon writes the file: exactly one persisted copy);
     a memory-only object is written here, because no daemon ever will: see
-    :func:`write_from_memory`. Either way the framework's later load is still served from
-    memory by the adapter.
+    :func:`ckptcache.client.write_from_memory`. Either way the framework's later load is
+    still served from memory by the adapter.
     """
     if file_is_current(info):
         return
@@ -178,46 +167,6 @@ def ensure_on_disk(client: ckptcache.Client, info: ckptcache.ObjectStatus) -> No
         if is_url(info.path) or os.path.exists(info.path):
             return
     write_from_memory(client, info)
-
-
-def _sink(f: Any) -> Callable[[memoryview | bytes], None]:
-    """``f.write`` as the sink :func:`stream_archive` takes (its result dropped)."""
-
-    def write(chunk: memoryview | bytes) -> None:
-        f.write(chunk)
-
-    return write
-
-
-def write_from_memory(client: ckptcache.Client, info: ckptcache.ObjectStatus) -> None:
-    """Write the newest generation of ``info.path`` from the daemon's memory to its file,
-    exactly as the daemon persists it: the segment's ``torch.save`` archive streamed once,
-    with its zip CRC-32s and digest record filled in (no unpickling, no device placement of
-    the tensors, the bytes any later persist would write), temp + fsync + rename, stamped with
-    the generation's commit time as the daemon stamps what it persists. A URL gets one
-    whole-object write (a store has no rename), as the client's write-through does."""
-    mapping, _ = client.map_local(info.path)
-    view = memoryview(mapping)
-    header = SegmentHeader.unpack(view[:HEADER_SIZE])
-    archive = view[header.payload_offset : header.payload_offset + header.payload_size]
-    stamp = _commit_ns(info)
-    try:
-        if is_url(info.path):
-            buf = io.BytesIO()
-            stream_archive(archive, _sink(buf), path=info.path)
-            backend_for(info.path).write_bytes(info.path, buf.getbuffer())
-            return
-
-        def write(f: Any) -> None:
-            stream_archive(archive, _sink(f), path=info.path)
-            f.flush()
-            os.utime(f.fileno(), ns=(stamp, stamp))
-
-        atomic_write(info.path, write)
-    finally:
-        archive.release()
-        view.release()
-        del mapping  # the last reference: unmapped, and the daemon's pin released
 
 
 def cached_under(client: ckptcache.Client, directory: str) -> list[ckptcache.ObjectStatus]:

@@ -24,7 +24,7 @@ reused segment, not DCP's CPU copy). ``serialization_format=SAFETENSORS`` raises
 ``torch.save`` archive of that tensor, and each bytes item raw, at ``(file, offset, length)``
 recorded in ``.metadata``. The writer makes **one cached object per file** (one per rank by
 default, as DCP writes one file per rank): a ``uint8`` tensor in which the items' archives lie
-back to back (:class:`ckptcache.packing.Packed`), copied straight into the cache's segment
+back to back (:class:`ckptcache.client.Packed`), copied straight into the cache's segment
 (:meth:`ckptcache.Client.save_packed`: one copy of the bytes, no intermediate blob). The daemon
 persists an object as exactly the ``torch.save`` archive of it, so the persisted
 ``__{rank}_0.distcp`` holds each item's archive at a known offset, and ``.metadata`` records
@@ -82,9 +82,8 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
 import ckptcache
-from ckptcache import packing
 from ckptcache.adapters import _common
-from ckptcache.format.archive import ViewReader
+from ckptcache.client import BlobFile, Packed
 
 __all__ = ["CacheReader", "CacheWriter", "disable", "enable", "is_enabled"]
 
@@ -184,7 +183,7 @@ class CacheWriter(FileSystemWriter):  # type: ignore[misc]
         self, name: str, items: list[WriteItem], planner: SavePlanner, saved: list[str]
     ) -> list[WriteResult]:
         payloads = [self._payload(item, planner) for item in items]
-        packed = packing.Packed([p for p, _ in payloads])
+        packed = Packed([p for p, _ in payloads])
         path = os.path.join(os.fspath(self.path), name)
         # The items go straight into the cache's segment: one copy, no intermediate blob.
         base = self.client.save_packed(packed, path)
@@ -312,15 +311,6 @@ def _restore_tensors(obj: Any, staged: list[torch.Tensor]) -> Any:
 # ---------------------------------------------------------------------- reader
 
 
-class _BlobFile(ViewReader):
-    """A read-only file whose bytes ``[base, base + len(blob))`` are a cached blob: the part of
-    the persisted file that DCP's items live in, served from memory without a copy."""
-
-    def __init__(self, blob: torch.Tensor, base: int):
-        super().__init__(blob.numpy().data if blob.numel() else memoryview(b""), base)
-        self._blob = blob  # keeps the mapping alive
-
-
 class _CacheFileSystem(FileSystem):  # type: ignore[misc]
     """DCP's ``FileSystem``, except that files the local daemon holds are read from memory."""
 
@@ -342,7 +332,7 @@ class _CacheFileSystem(FileSystem):  # type: ignore[misc]
             return
         obj = client.load(name)
         if isinstance(obj, torch.Tensor) and obj.dtype == torch.uint8 and obj.dim() == 1:
-            stream = _BlobFile(obj, packing.storage_offsets(obj)[0])
+            stream = BlobFile(obj)  # the part of the file DCP's items live in
         else:
             # One object per item (earlier CacheWriter versions): the file is its archive.
             stream = io.BytesIO()

@@ -22,7 +22,7 @@ hook.
 ``=local``: on, with that ``commit_waits``) does what ``enable()`` does, in every process that
 inherits it, as soon as the process imports ``deepspeed``: the installed package puts a
 startup hook (``ckptcache-startup.pth``) in ``site-packages`` that checks the variable at
-interpreter start and costs one lookup when it is unset (see ``ckptcache._startup``).
+interpreter start and costs one lookup when it is unset (see ``ckptcache.adapters._startup``).
 
 The files are DeepSpeed's own (``<save_dir>/<tag>/mp_rank_00_model_states.pt``,
 ``zero_pp_rank_*_optim_states.pt``, ``latest``), so DeepSpeed's default engine, ``zero_to_fp32``
@@ -77,6 +77,7 @@ from deepspeed.runtime.checkpoint_engine.checkpoint_engine import (
 
 import ckptcache
 from ckptcache.adapters import _common
+from ckptcache.adapters._deepspeed_env import deepspeed_setting
 
 __all__ = [
     "CkptCacheCheckpointEngine",
@@ -302,7 +303,7 @@ def _decoupled(config_params: Any, options: dict[str, Any], default: bool | None
 
 
 def enable_from_env() -> ckptcache.CacheStatus | None:
-    """What ``CKPTCACHE_DEEPSPEED`` asks for (see ``ckptcache._startup``): with it on, the
+    """What ``CKPTCACHE_DEEPSPEED`` asks for (see ``ckptcache.adapters._startup``): with it on, the
     process-wide hook of :func:`enable`, ``commit_waits`` from its value if it names one.
 
     Called by the startup hook when ``deepspeed`` is imported; reachability is reported when
@@ -310,8 +311,6 @@ def enable_from_env() -> ckptcache.CacheStatus | None:
     ``None`` (and installs nothing) when the variable is off; a bad value raises
     :class:`ckptcache.ConfigError`.
     """
-    from ckptcache._startup import deepspeed_setting
-
     setting = deepspeed_setting()
     if setting is None:
         return None

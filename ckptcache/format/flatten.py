@@ -33,7 +33,9 @@ __all__ = [
     "flatten",
     "gc_paused",
     "restore_location",
+    "tensor_names",
     "unflatten",
+    "v3_dtypes",
 ]
 
 MapLocation = (
@@ -77,7 +79,7 @@ class Flattened:
         return sum(i.nbytes for i in self.infos)
 
 
-def _tensor_names(obj: Any) -> dict[int, str]:
+def tensor_names(obj: Any) -> dict[int, str]:
     """Map each storage (by ``_cdata``) to the path of the first tensor that uses it."""
     names: dict[int, str] = {}
     seen: set[int] = set()
@@ -126,7 +128,7 @@ def _reduce_tensor(obj: Any) -> Any:
         or obj.device.type not in _PLAIN_DEVICES
         or obj._backward_hooks
         or obj.__dict__
-        or obj.dtype in _v3_dtypes()
+        or obj.dtype in v3_dtypes()
     ):
         return NotImplemented
     storage = torch.storage.TypedStorage(
@@ -168,7 +170,7 @@ _EMPTY_ORDERED_DICT = (collections.OrderedDict, ())
 
 
 @functools.cache
-def _v3_dtypes() -> frozenset[torch.dtype]:
+def v3_dtypes() -> frozenset[torch.dtype]:
     """Dtypes torch saves through ``_rebuild_tensor_v3`` (left to torch's own reduction)."""
     return frozenset(torch.storage._new_dtypes())
 
@@ -194,7 +196,7 @@ def flatten(obj: Any) -> Flattened:
 
     Raises :class:`SerializationError` for values ``torch.save`` could not save either.
     """
-    names = _tensor_names(obj)
+    names = tensor_names(obj)
     keys: dict[int, str] = {}
     storages: list[torch.UntypedStorage] = []
     infos: list[StorageInfo] = []

@@ -15,10 +15,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from ckptcache._gpu import Ready, copy_to_segment, device_target, load_to_device
 from ckptcache.errors import CorruptCheckpoint
 from ckptcache.format.archive import parse_archive, plan_archive
 from ckptcache.format.flatten import Flattened, MapLocation, unflatten
+from ckptcache.format.gpu import Ready, copy_to_segment, device_target, load_to_device
 from ckptcache.format.layout import HEADER_SIZE, plan_segment
 from ckptcache.format.manifest import (
     Manifest,
@@ -108,7 +108,7 @@ def write_object(
     """Copy archive metadata, every storage and the manifest to their places in ``mapping``.
 
     ``ready``: for a copy on another thread than the one that made the tensors, the CUDA
-    events its device-to-host copies wait for (:func:`~ckptcache._gpu.record_ready`).
+    events its device-to-host copies wait for (:func:`~ckptcache.format.gpu.record_ready`).
 
     The header is left alone: whoever owns the segment's state publishes it. Each storage
     must still have the size it was planned with (else :class:`TensorMutated`, before any

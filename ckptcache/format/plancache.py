@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from ckptcache.format.flatten import Flattened, _v3_dtypes, flatten, gc_paused
+from ckptcache.format.flatten import Flattened, flatten, gc_paused, v3_dtypes
 from ckptcache.format.manifest import ObjectPlan
 from ckptcache.format.objectio import plan_object, replan
 
@@ -74,7 +74,7 @@ def describe(obj: Any) -> Structure | None:
     cdatas: list[int] = []
     add = key.append
     extend = key.extend
-    v3 = _v3_dtypes()
+    v3 = v3_dtypes()
 
     def tensor(t: torch.Tensor) -> None:
         if (

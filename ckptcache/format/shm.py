@@ -28,6 +28,7 @@ from ckptcache.errors import TensorMutated
 
 __all__ = [
     "Mapping",
+    "bytes_of",
     "checked_nbytes",
     "copy_storage_into",
     "copy_storages_into",
@@ -88,7 +89,8 @@ def map_private(
     return mapping
 
 
-def _bytes_of(storage: torch.UntypedStorage) -> torch.Tensor:
+def bytes_of(storage: torch.UntypedStorage) -> torch.Tensor:
+    """A ``uint8`` tensor over ``storage``'s bytes, on its device (no copy)."""
     return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
 
 
@@ -121,7 +123,7 @@ def copy_storage_into(
     if nbytes == 0:
         return
     dst = torch.frombuffer(mapping, dtype=torch.uint8, count=nbytes, offset=offset)
-    dst.copy_(_bytes_of(storage))
+    dst.copy_(bytes_of(storage))
 
 
 #: Below this many bytes per thread a save's copy runs on the calling thread alone.

@@ -22,7 +22,7 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-from ckptcache._async import wait_for_copies
+from ckptcache.client import wait_for_copies
 from ckptcache.recovery._rng import RngState, capture_rng, restore_rng
 
 __all__ = ["StepGuard"]

@@ -27,16 +27,31 @@ header page is read as before. An admitted user's segment without a record is no
 from __future__ import annotations
 
 import contextlib
+import mmap
 import os
 import struct
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from ckptcache.format.layout import HEADER_SIZE
 
-if TYPE_CHECKING:
-    from ckptcache.server.arena import Segment
+__all__ = ["Segment", "drop", "page", "read_key", "write", "write_key"]
 
-__all__ = ["drop", "page", "read_key", "write", "write_key"]
+
+class Segment(Protocol):
+    """What a record is kept for: the arena's segment as this module sees it."""
+
+    @property
+    def mapping(self) -> mmap.mmap:
+        """The daemon's mapping of the segment."""
+
+    @property
+    def record_path(self) -> str | None:
+        """The segment's record file (``None``: the daemon keeps none for it)."""
+
+    @property
+    def sealable(self) -> bool:
+        """Whether the segment is an admitted user's (its header page is not ours)."""
+
 
 _KEY = struct.Struct("<8sHH")
 _KEY_MAGIC = b"CKPTKEY\x00"

@@ -22,7 +22,7 @@ import pytest
 import torch
 
 import ckptcache
-from ckptcache import _startup
+from ckptcache.adapters import _startup
 from tests.adapters.conftest import SCRIPTS, daemon_env
 from tests.helpers import REPO
 
@@ -159,7 +159,8 @@ def test_hook_costs_nothing_when_unset(venv):
                 CKPTCACHE_DEEPSPEED="1")  # fmt: skip
     assert proc.returncode == 0, proc.stderr
     loaded, where = proc.stdout.splitlines()
-    assert eval(loaded) == ["ckptcache", "ckptcache._startup", "ckptcache._version",
+    assert eval(loaded) == ["ckptcache", "ckptcache._version", "ckptcache.adapters",
+                            "ckptcache.adapters._deepspeed_env", "ckptcache.adapters._startup",
                             "ckptcache.errors"]  # fmt: skip
     assert where.startswith(str(venv.site))  # the installed copy, not the source tree
     # Off values install nothing either.

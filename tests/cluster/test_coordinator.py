@@ -210,7 +210,7 @@ def test_an_announcement_made_while_etcd_is_down_lands_once_it_is_back(tmp_path)
     """A holder announced during a short etcd outage (its put fails) is put by the
     keep-alive once etcd answers again, under the same lease: peers find the holder without
     the node announcing anything anew (a lost announcement left a copy nobody could find)."""
-    from ckptcache.benchmarking import EtcdServer
+    from ckptcache.cli.benchmarking import EtcdServer
 
     (tmp_path / "etcd").mkdir()
     etcd = EtcdServer(tmp_path / "etcd" / "data").start()

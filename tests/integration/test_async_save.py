@@ -17,8 +17,8 @@ import pytest
 import torch
 
 import ckptcache
-import ckptcache._async
-from ckptcache._async import VersionCheck
+import ckptcache.client._async
+from ckptcache.client._async import VersionCheck
 from ckptcache.errors import CkptCacheWarning, ReplicationError, TensorMutated
 from ckptcache.format import objectio
 from ckptcache.format.flatten import flatten
@@ -51,7 +51,7 @@ def copies_held(client: ckptcache.Client) -> Iterator[threading.Event]:
     held, go = threading.Event(), threading.Event()
 
     def hold_client() -> None:
-        with client._lock:
+        with client._connection.lock:
             held.set()
             go.wait()
 
@@ -68,7 +68,7 @@ def copies_held(client: ckptcache.Client) -> Iterator[threading.Event]:
 def drain(client: ckptcache.Client) -> None:
     """Return once every save submitted so far has finished (done callbacks included): the
     save thread runs them in order."""
-    client._background().submit(lambda: None).result()
+    client._saves.background().submit(lambda: None).result()
 
 
 def test_non_blocking_save_commits_the_same_bytes(client, tmp_path):
@@ -88,7 +88,7 @@ def test_in_place_change_during_copy_aborts_and_keeps_previous_generation(client
     old = state(1.0)
     client.save(old, path)
     s = state(2.0)
-    with client._lock:  # the background copy cannot start until the trainer "steps"
+    with client._connection.lock:  # the background copy cannot start until the trainer "steps"
         handle = client.save(s, path, blocking=False)
         s["w"].add_(1.0)  # an optimizer step before handle.wait(): a broken contract
     with pytest.raises(TensorMutated, match=r"'w'.*modified in place"):
@@ -128,13 +128,13 @@ def test_dropped_handle_is_still_waited_for_by_optimizer_step(client, tmp_path):
     with copies_held(client) as go:
         ckptcache.save(s, path, blocking=False)  # the handle is not kept
         gc.collect()
-        assert [h.path for h in ckptcache._async._pending] == [path]
+        assert [h.path for h in ckptcache.client._async._pending] == [path]
         go.set()
         with StepGuard().optimizer_step():
             s["w"].mul_(2.0)  # safe: the step waited for the copy
     client.wait()  # waits for the save itself (no persist root: nothing more to wait for)
     drain(client)  # the handle leaves the pending set in a done callback, after the wait wakes
-    assert not ckptcache._async._pending
+    assert not ckptcache.client._async._pending
     assert torch.equal(client.load(path, mmap=False)["w"], torch.full((MIB,), 3.0))
 
 
@@ -154,7 +154,7 @@ def test_client_wait_waits_for_pending_saves_and_raises_their_error(client, tmp_
 def test_failed_save_with_dropped_handle_is_logged(client, tmp_path, caplog):
     path = str(tmp_path / "l.pt")
     s = state(1.0)
-    with caplog.at_level(logging.ERROR, logger="ckptcache._async"):
+    with caplog.at_level(logging.ERROR, logger="ckptcache.client._async"):
         with copies_held(client):
             client.save(s, path, blocking=False)
             s["w"].add_(1.0)
@@ -167,7 +167,7 @@ def test_failed_save_with_dropped_handle_is_logged(client, tmp_path, caplog):
 def test_failed_save_waited_on_is_not_logged(client, tmp_path, caplog):
     path = str(tmp_path / "n.pt")
     s = state(1.0)
-    with caplog.at_level(logging.ERROR, logger="ckptcache._async"):
+    with caplog.at_level(logging.ERROR, logger="ckptcache.client._async"):
         with copies_held(client):
             handle = client.save(s, path, blocking=False)
             s["w"].add_(1.0)
@@ -331,7 +331,7 @@ def test_write_through_of_inference_tensors_writes_the_submitted_values(tmp_path
     s = {**inference_state(2.0), "counted": torch.full((4,), 2.0)}
     with ckptcache.Client(str(tmp_path / "nobody.sock")) as c, warnings.catch_warnings():
         warnings.simplefilter("ignore", CkptCacheWarning)
-        with c._lock:  # the write-through cannot start before the trainer "steps"
+        with c._connection.lock:  # the write-through cannot start before the trainer "steps"
             handle = c.save(s, path, blocking=False)
             bump(s["w"])
         assert handle is not None

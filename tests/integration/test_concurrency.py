@@ -52,8 +52,8 @@ def test_a_thread_waiting_for_persistence_holds_up_no_other_call(client, tmp_pat
     """``wait`` blocks in the daemon (up to 30 s per request): the trainer's saves and loads on
     the same client go on meanwhile (the wait has a connection of its own)."""
     waiting, release = threading.Event(), threading.Event()
-    waiter = client._waiting_client()
-    request = waiter._request
+    waiter = client._connection.waiting()
+    request = waiter.request
 
     def held_in_the_daemon(kind, message, reply_type=None):
         if kind == "wait":
@@ -61,7 +61,7 @@ def test_a_thread_waiting_for_persistence_holds_up_no_other_call(client, tmp_pat
             release.wait(60)  # as a persist that takes long
         return request(kind, message, reply_type)
 
-    waiter._request = held_in_the_daemon
+    waiter.request = held_in_the_daemon
     first, second = str(tmp_path / "first.pt"), str(tmp_path / "second.pt")
     client.save({"w": torch.ones(8)}, first)
     outcome: list[BaseException | None] = []

@@ -68,10 +68,10 @@ def test_daemon_killed_mid_save_reclaims_partial_segment(daemon, tmp_path):
         c.save({"w": torch.ones(100)}, path)  # generation 1, committed
         flat = flatten({"w": torch.zeros(1 << 20)})
         plan = plan_object(flat, path, c.namespace)
-        reply = c._call("reserve", m.ReserveRequest(c.namespace, path, plan.layout.nbytes),
+        reply = c._connection.call("reserve", m.ReserveRequest(c.namespace, path, plan.layout.nbytes),
                         m.ReserveReply)  # fmt: skip
         # half-copy the new generation, then the daemon dies before commit
-        c._write_mapping(reply.segment, reply.capacity)[4096:8192] = b"\xff" * 4096
+        c._saves.mapping(reply.segment, reply.capacity)[4096:8192] = b"\xff" * 4096
     daemon.restart()
     assert not os.path.exists(os.path.join(daemon.segments_dir, reply.segment))
     with daemon.client() as c:
@@ -88,7 +88,7 @@ def test_trainer_killed_mid_save_leaves_nothing_visible(daemon, tmp_path):
         import os, signal, torch, ckptcache
         from ckptcache.wire import messages as m
         c = ckptcache.Client({daemon.socket!r})
-        c._call("reserve", m.ReserveRequest(c.namespace, {path!r}, 1 << 20), m.ReserveReply)
+        c._connection.call("reserve", m.ReserveRequest(c.namespace, {path!r}, 1 << 20), m.ReserveReply)
         os.kill(os.getpid(), signal.SIGKILL)
         """
     )

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from ckptcache import Client
-from ckptcache.benchmarking import wait_for_socket
+from ckptcache.cli.benchmarking import wait_for_socket
 from ckptcache.errors import (
     BudgetExceeded,
     CkptCacheWarning,

@@ -63,7 +63,7 @@ def test_write_through_of_a_mutated_non_blocking_save_keeps_file_and_generations
         warnings.simplefilter("ignore", CkptCacheWarning)
         c.save({"w": torch.ones(4)}, path)  # the newest generation, cached
         big = torch.zeros(2 << 20)  # 8 MiB: larger than the budget, so written through
-        with c._lock:  # the background save cannot start before the trainer "steps"
+        with c._connection.lock:  # the background save cannot start before the trainer "steps"
             handle = c.save({"w": big}, path, blocking=False)
             if mutate == "add_":  # broken contract
                 big.add_(1.0)
@@ -102,7 +102,7 @@ def test_commit_failure_after_the_copy_writes_what_was_copied(daemon, tmp_path, 
     with daemon.client() as c, warnings.catch_warnings():
         warnings.simplefilter("ignore", CkptCacheWarning)
         at_commit, stepped = threading.Event(), threading.Event()
-        request = c._request
+        request = c._connection.request
 
         def daemon_dies_at_commit(kind: str, *args: Any) -> Any:
             if kind == "commit":
@@ -111,7 +111,7 @@ def test_commit_failure_after_the_copy_writes_what_was_copied(daemon, tmp_path, 
                 daemon.kill()
             return request(kind, *args)
 
-        monkeypatch.setattr(c, "_request", daemon_dies_at_commit)
+        monkeypatch.setattr(c._connection, "request", daemon_dies_at_commit)
         w = torch.zeros(1 << 20)
         handle = c.save({"w": w, "step": 1}, path, blocking=False)
         at_commit.wait()

@@ -94,7 +94,7 @@ def test_the_spare_pool_is_sized_from_the_saves_not_the_budget(daemon_factory, t
         c.save({"w": torch.arange(256)}, str(tmp_path / "tiny.pt"))
 
         def settled() -> bool:
-            reply = c._call("pool", m.PoolRequest(), m.PoolReply)
+            reply = c._connection.call("pool", m.PoolRequest(), m.PoolReply)
             return reply.capacities == (MIB,) and not reply.growing
 
         wait_until(settled, what="one 1 MiB spare")

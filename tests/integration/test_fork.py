@@ -41,7 +41,7 @@ def test_child_forked_while_the_client_lock_is_held(client, tmp_path):
     child = str(tmp_path / "child.pt")
     # What the child inherits of the parent's connection: the connection and its root proxy
     # (the daemon's service object), whose collection asks the daemon to release the object.
-    inherited = [client._conn, client._conn.root]
+    inherited = [client._connection.rpc, client._connection.rpc.root]
 
     def body() -> None:
         assert client.exists(parent)  # the inherited client

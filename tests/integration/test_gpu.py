@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ckptcache import _gpu
+from ckptcache.format import gpu as _gpu
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 

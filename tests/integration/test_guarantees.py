@@ -155,12 +155,12 @@ def test_a_malformed_commit_frees_its_reservation(daemon_factory, tmp_path):
     path = str(tmp_path / "x.pt")
     with d.client(fallback="raise") as c:
         for _ in range(5):
-            reply = c._call(
+            reply = c._connection.call(
                 "reserve", m.ReserveRequest(c.namespace, path, 11 * MiB), m.ReserveReply
             )
             raw = {"reservation": reply.reservation, "manifest_offset": 4096.5,
                    "manifest_size": 100, "stall_seconds": 0.0}  # fmt: skip
-            answer = json.loads(c._conn.root.request("commit", json.dumps(raw)))
+            answer = json.loads(c._connection.rpc.root.request("commit", json.dumps(raw)))
             assert answer["error"]["type"] == "ProtocolMismatch"
             assert "manifest_offset: must be int, not float" in answer["error"]["message"]
         assert d.status().objects == 0

@@ -376,11 +376,13 @@ def test_admitted_users_use_the_cache_and_see_only_their_own(tmp_path):
                     except Exception as e:
                         out[name] = type(e).__name__
                 # Claims the daemon cannot check: "I wrote it through", "I found it corrupt".
-                superseded = c._call("supersede", m.SupersedeRequest(c.namespace, path),
+                superseded = c._connection.call("supersede", m.SupersedeRequest(c.namespace, path),
                                      m.DeleteReply)  # fmt: skip
                 out["supersede"] = superseded.dropped
                 try:
-                    c._call("report_corrupt", m.ReportCorruptRequest(c.namespace, path, 1, "x"))
+                    c._connection.call(
+                        "report_corrupt", m.ReportCorruptRequest(c.namespace, path, 1, "x")
+                    )
                     out["report_corrupt"] = "ok"
                 except Exception as e:
                     out["report_corrupt"] = type(e).__name__

@@ -21,7 +21,7 @@ def blob(mib: int, fill: float = 0.0) -> dict:
 
 
 def _spares(c) -> m.PoolReply:
-    return c._call("pool", m.PoolRequest(), m.PoolReply)
+    return c._connection.call("pool", m.PoolRequest(), m.PoolReply)
 
 
 def _settled(c, count: int) -> m.PoolReply | None:
@@ -30,8 +30,8 @@ def _settled(c, count: int) -> m.PoolReply | None:
 
 
 def _segment_of(c, path: str) -> str:
-    reply = c._call("open", m.OpenRequest(c.namespace, path), m.OpenReply)
-    c._call("release", m.ReleaseRequest((reply.lease,)))
+    reply = c._connection.call("open", m.OpenRequest(c.namespace, path), m.OpenReply)
+    c._connection.call("release", m.ReleaseRequest((reply.lease,)))
     return reply.segment
 
 
@@ -48,7 +48,7 @@ def test_first_save_of_a_new_path_uses_a_spare_the_client_mapped(daemon_factory,
     with d.client(fallback="raise") as c:
         (spare,) = _teach(c, tmp_path, 4).segments  # the first checkpoint: 4 MiB
         c.warmup(wait=True)
-        assert spare in c._write_maps  # mapped before any save needed it
+        assert spare in c._parts.maps  # mapped before any save needed it
 
         path = str(tmp_path / "iter_1" / "model.pt")  # the next checkpoint: a new path
         state = blob(4, 3.0)
@@ -97,7 +97,7 @@ def test_the_spare_thread_maps_the_spares_after_every_save_and_then_ends(daemon_
     with d.client(fallback="raise") as c:
         _teach(c, tmp_path, 4, 4)
         c.warmup(wait=True)
-        assert all(s in c._write_maps for s in _spares(c).segments)
+        assert all(s in c._parts.maps for s in _spares(c).segments)
         for i in range(3):
             path = str(tmp_path / f"iter_{i}" / "model.pt")
             state = blob(4, float(i))
@@ -106,7 +106,7 @@ def test_the_spare_thread_maps_the_spares_after_every_save_and_then_ends(daemon_
             # Each save takes one spare and the pool grows another: wait for both to stand.
             wait_until(lambda: _settled(c, 2))
             c._spares.refresh().wait()
-            assert all(s in c._write_maps for s in _spares(c).segments)
+            assert all(s in c._parts.maps for s in _spares(c).segments)
         wait_until(lambda: not _spare_threads(), what="the spare thread to end")
         c.save(blob(4, 7.0), str(tmp_path / "last.pt"))  # starts it again
         running = _spare_threads()
@@ -132,7 +132,7 @@ def test_a_spare_trimmed_before_the_client_maps_it_does_not_stall_the_save(
     with d.client(fallback="raise") as c:
         (spare,), (capacity,) = reply.segments, reply.capacities
         c._spares._map(spare, capacity + 8 * MIB)  # as if trimmed after the listing
-        assert spare not in c._spares.mapping_now and spare not in c._write_maps
+        assert spare not in c._spares.mapping_now and spare not in c._parts.maps
 
         path = str(tmp_path / "iter_1" / "model.pt")
         state = blob(4, 5.0)

@@ -132,7 +132,7 @@ def test_malformed_requests_get_typed_errors(daemon):
 
     with daemon.client() as c:
         c.daemon_status()  # connect
-        root = c._conn.root
+        root = c._connection.rpc.root
         for kind, body, expected in [
             ("reserve", "{not json", "ProtocolMismatch"),
             ("reserve", json.dumps({"namespace": "n", "path": "/p", "nbytes": 1, "x": 1}),
@@ -148,7 +148,9 @@ def test_malformed_requests_get_typed_errors(daemon):
             reply = json.loads(root.request(kind, body))
             assert reply["ok"] is False and reply["error"]["type"] == expected, (kind, reply)
         with pytest.raises(ProtocolMismatch, match="protocol"):
-            c._request("hello", m.HelloRequest(m.PROTOCOL_VERSION + 1, 0, "x"), m.HelloReply)
+            c._connection.request(
+                "hello", m.HelloRequest(m.PROTOCOL_VERSION + 1, 0, "x"), m.HelloReply
+            )
         assert c.daemon_status().objects == 0  # the daemon is unharmed
 
 
@@ -162,14 +164,14 @@ def test_commit_with_a_bad_manifest_is_refused_and_nothing_is_published(daemon, 
     with daemon.client() as c:
         plan = plan_object(flatten({"w": torch.ones(4)}), path, c.namespace)
         for manifest in (b'{"format": 1, "path": "elsewhere"}', b"\xff\xfe not json"):
-            reply = c._call("reserve", m.ReserveRequest(c.namespace, path, plan.layout.nbytes),
+            reply = c._connection.call("reserve", m.ReserveRequest(c.namespace, path, plan.layout.nbytes),
                             m.ReserveReply)  # fmt: skip
-            mapping = c._write_mapping(reply.segment, reply.capacity)
+            mapping = c._saves.mapping(reply.segment, reply.capacity)
             write_object(mapping, plan, flatten({"w": torch.ones(4)}))
             off = plan.layout.manifest_offset
             mapping[off : off + len(manifest)] = manifest
             with pytest.raises(CorruptCheckpoint, match="manifest"):
-                c._call("commit", m.CommitRequest(reply.reservation, off, len(manifest)),
+                c._connection.call("commit", m.CommitRequest(reply.reservation, off, len(manifest)),
                         m.CommitReply)  # fmt: skip
         assert not c.exists(path)
         st = c.daemon_status()

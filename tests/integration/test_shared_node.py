@@ -181,18 +181,18 @@ def test_a_segment_truncated_before_its_commit_is_refused(tmp_path):
 
         def alice_truncates_before_commit() -> str:
             with d.client(fallback="raise") as c:
-                real = c._call
+                real = c._connection.call
 
                 def call(kind, req, *args, **kwargs):
                     if kind == "commit":
-                        seg = c._seg_path(c._reserved_segment)
+                        seg = c._connection.seg_path(c._reserved_segment)
                         os.truncate(seg, 8192)
                     reply = real(kind, req, *args, **kwargs)
                     if kind == "reserve":
                         c._reserved_segment = reply.segment
                     return reply
 
-                c._call = call
+                c._connection.call = call
                 try:
                     c.save(_state(1), path, durability="memory")
                 except Exception as e:

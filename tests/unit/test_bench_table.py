@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ckptcache.benchmarking import Row, format_table
+from ckptcache.cli.benchmarking import Row, format_table
 
 
 def test_rows_that_copy_nothing_get_no_ratio_to_memcpy():

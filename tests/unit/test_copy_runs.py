@@ -5,9 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ckptcache import packing
 from ckptcache.errors import TensorMutated
-from ckptcache.format import shm
+from ckptcache.format import packing, shm
 from ckptcache.format.shm import copy_storages_into
 
 

@@ -219,7 +219,7 @@ def test_a_reused_plan_carries_what_a_non_blocking_save_checks():
     """The walk records each tensor's version counter and storage, as the check of a
     non-blocking save needs them (an inference-mode tensor has no counter: ``None``), so a
     tensor modified after the submit of a save with a reused plan is still caught."""
-    from ckptcache._async import VersionCheck
+    from ckptcache.client._async import VersionCheck
     from ckptcache.errors import TensorMutated
 
     with torch.inference_mode():

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from ckptcache._units import format_bytes
-from ckptcache.benchmarking import (
+from ckptcache.cli.benchmarking import (
     best_of,
     make_state,
     memcpy_seconds,
@@ -31,7 +31,6 @@ from ckptcache.benchmarking import (
 )
 from ckptcache.client import Client
 from ckptcache.errors import CheckpointNotFound, ConfigError, PathNotAllowed, ReplicationError
-from ckptcache.wire import messages as m
 from ckptcache.wire.states import PersistState
 
 __all__ = [
@@ -141,7 +140,7 @@ def _wait_for_spare(client: Client, nbytes: int, timeout: float = 60.0) -> None:
     t0 = time.monotonic()
     seen_growing = False
     while (waited := time.monotonic() - t0) < timeout:
-        reply = client._call("pool", m.PoolRequest(), m.PoolReply)
+        reply = client.pool()
         if not reply.growing and any(c >= nbytes for c in reply.capacities):
             return
         seen_growing = seen_growing or reply.growing

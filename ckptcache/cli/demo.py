@@ -13,8 +13,8 @@ import sys
 import tempfile
 import textwrap
 
-from ckptcache.bench import load_stalls
-from ckptcache.benchmarking import (
+from ckptcache.cli.bench import load_stalls
+from ckptcache.cli.benchmarking import (
     Row,
     best_of,
     format_table,
@@ -31,8 +31,8 @@ _TRAINER = textwrap.dedent(
     """
     import json, os, signal, sys
     import ckptcache
-    from ckptcache.bench import save_stalls
-    from ckptcache.benchmarking import make_state
+    from ckptcache.cli.bench import save_stalls
+    from ckptcache.cli.benchmarking import make_state
     path, nbytes = sys.argv[1], int(sys.argv[2])
     client = ckptcache.api.default_client()
     client.warmup()  # at trainer start: spare segments get mapped while the model is built

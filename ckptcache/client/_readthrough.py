@@ -3,11 +3,11 @@
 A save returns after phase 1, so for a while (for ever, under no persist root) the newest
 generation of a path lives only in the daemon's memory. Tools that read the file themselves
 (``torch.load(path)``, a DCP reader seeking to an item's offset, ``zipfile``) can read it
-through :func:`open` instead of waiting for persistence::
+through :func:`ckptcache.open` instead of waiting for persistence::
 
     torch.load(ckptcache.open(path), weights_only=True)
 
-What :func:`open` returns, by where the newest generation is:
+What :func:`ckptcache.open` returns, by where the newest generation is:
 
 * held by this node's daemon and **not yet persisted**: a :class:`CachedFile`, a seekable
   read-only file over the daemon's segment (no copy: the pages are mapped). Its bytes are the
@@ -28,6 +28,10 @@ What :func:`open` returns, by where the newest generation is:
 
 The view pins its generation: a later save of the same path does not change what an open
 view reads, and the daemon keeps the segment until the view is closed (or collected).
+
+The other way round, :func:`write_from_memory` writes such a generation to its file exactly as
+the daemon persists it (for adapters whose frameworks read the files right after a save), and
+:class:`BlobFile` serves a packed blob a load returned as the bytes of its file.
 """
 
 from __future__ import annotations
@@ -35,17 +39,30 @@ from __future__ import annotations
 import builtins
 import io
 import os
-from typing import IO, Any, cast
+from collections.abc import Callable
+from typing import IO, TYPE_CHECKING, Any, cast
 
-from ckptcache.client import Client, normalize_path
+from ckptcache._atomic import atomic_write
+from ckptcache.client._paths import is_url
 from ckptcache.errors import CheckpointNotFound, DaemonUnavailable
 from ckptcache.format.archive import ViewReader
 from ckptcache.format.layout import HEADER_SIZE, SegmentHeader
-from ckptcache.format.persisted import read_verified
+from ckptcache.format.persisted import read_verified, stream_archive
 from ckptcache.storage import backend_for
 from ckptcache.wire.messages import ObjectInfo
 
-__all__ = ["CachedFile", "open"]
+if TYPE_CHECKING:
+    import torch
+
+    from ckptcache.client._client import Client
+
+__all__ = ["BlobFile", "CachedFile", "open_checkpoint", "write_from_memory"]
+
+
+def _payload(view: memoryview) -> memoryview:
+    """The ``torch.save`` archive in a segment (its header says where)."""
+    header = SegmentHeader.unpack(view[:HEADER_SIZE])
+    return view[header.payload_offset : header.payload_offset + header.payload_size]
 
 
 class CachedFile(ViewReader):
@@ -59,12 +76,12 @@ class CachedFile(ViewReader):
 
     def __init__(self, path: str, mapping: Any, generation: int):
         view = memoryview(mapping)
-        header = SegmentHeader.unpack(view[:HEADER_SIZE])
-        super().__init__(view[header.payload_offset : header.payload_offset + header.payload_size])
+        payload = _payload(view)
+        super().__init__(payload)
         view.release()
         self.name = path
         self.generation = generation
-        self.size = header.payload_size
+        self.size = len(payload)
         self._mapping = mapping  # the pin lives as long as the mapping
 
     def close(self) -> None:
@@ -75,6 +92,19 @@ class CachedFile(ViewReader):
 
     def __repr__(self) -> str:
         return f"<ckptcache.CachedFile {self.name!r} generation={self.generation}>"
+
+
+class BlobFile(ViewReader):
+    """A read-only file over a packed blob (:meth:`Client.save_packed`) as a load returned it:
+    its bytes are those of the persisted file from the blob's offset on, served from memory
+    without a copy (a read before that offset raises ``OSError``)."""
+
+    def __init__(self, blob: torch.Tensor):
+        from ckptcache.format.packing import storage_offsets
+
+        view = blob.numpy().data if blob.numel() else memoryview(b"")
+        super().__init__(view, storage_offsets(blob)[0])
+        self._blob = blob  # keeps the mapping alive
 
 
 def _held_unpersisted(client: Client, path: str) -> ObjectInfo | None:
@@ -88,32 +118,18 @@ def _held_unpersisted(client: Client, path: str) -> ObjectInfo | None:
     return info
 
 
-def open(  # the name reads like builtins.open, which this module calls as builtins.open
-    path: str | os.PathLike[str],
-    mode: str = "rb",
-    *,
-    client: Client | None = None,
-    verify: bool = True,
-) -> IO[bytes]:
-    """Open the newest generation of ``path`` for reading, from memory when it is not yet a
-    file (see the module docstring). Only ``mode="rb"`` is supported: the cache stores
-    binary checkpoints and writes go through :func:`ckptcache.save`. A stored file is checked
-    as it is read unless ``verify=False`` (this node's memory is served as it is)."""
-    if mode not in ("rb", "br"):
-        raise ValueError(f"ckptcache.open reads binary files only: mode must be 'rb', not {mode!r}")
-    if client is None:
-        from ckptcache.api import default_client
-
-        client = default_client()
-    name = normalize_path(path)
-    if _held_unpersisted(client, name) is not None:
+def open_checkpoint(client: Client, path: str, verify: bool = True) -> IO[bytes]:
+    """The newest generation of ``path`` (normalized) as a binary file: from ``client``'s
+    daemon when it is not yet a file, else from storage, checked unless ``verify=False``
+    (see the module docstring; :func:`ckptcache.open` is the public entry)."""
+    if _held_unpersisted(client, path) is not None:
         try:
-            mapping, reply = client.map_local(name)
+            mapping, reply = client.map_local(path)
         except CheckpointNotFound:
             pass  # dropped or evicted since: storage is what is left
         else:
-            return cast(IO[bytes], CachedFile(name, mapping, reply.generation))
-    return _open_stored(name, verify)
+            return cast(IO[bytes], CachedFile(path, mapping, reply.generation))
+    return _open_stored(path, verify)
 
 
 class _CheckedBytes(ViewReader):
@@ -137,10 +153,49 @@ def _open_stored(path: str, verify: bool) -> IO[bytes]:
         checked = read_verified(path) if verify else None
         if checked is not None:
             return io.BufferedReader(_CheckedBytes(path, checked))
-        if "://" not in path:
+        if not is_url(path):
             return builtins.open(path, "rb")
         return backend_for(path).open_read(path)
     except FileNotFoundError as e:
         raise CheckpointNotFound(
             f"{path!r} is neither in the memory of this node's cache nor in storage"
         ) from e
+
+
+def _sink(f: Any) -> Callable[[memoryview | bytes], None]:
+    """``f.write`` as the sink :func:`stream_archive` takes (its result dropped)."""
+
+    def write(chunk: memoryview | bytes) -> None:
+        f.write(chunk)
+
+    return write
+
+
+def write_from_memory(client: Client, info: ObjectInfo) -> None:
+    """Write the newest generation of ``info.path`` from the daemon's memory to its file,
+    exactly as the daemon persists it: the segment's ``torch.save`` archive streamed once,
+    with its zip CRC-32s and digest record filled in (no unpickling, no device placement of
+    the tensors, the bytes any later persist would write), temp + fsync + rename, stamped with
+    the generation's commit time as the daemon stamps what it persists. A URL gets one
+    whole-object write (a store has no rename), as the client's write-through does."""
+    mapping, _ = client.map_local(info.path)
+    view = memoryview(mapping)
+    archive = _payload(view)
+    stamp = round(info.committed * 1e9)
+    try:
+        if is_url(info.path):
+            buf = io.BytesIO()
+            stream_archive(archive, _sink(buf), path=info.path)
+            backend_for(info.path).write_bytes(info.path, buf.getbuffer())
+            return
+
+        def write(f: Any) -> None:
+            stream_archive(archive, _sink(f), path=info.path)
+            f.flush()
+            os.utime(f.fileno(), ns=(stamp, stamp))
+
+        atomic_write(info.path, write)
+    finally:
+        archive.release()
+        view.release()
+        del mapping  # the last reference: unmapped, and the daemon's pin released

@@ -3,7 +3,8 @@
 The package ships ``ckptcache-startup.pth`` into ``site-packages``; Python runs its one line at
 interpreter start. The line only looks up :data:`DEEPSPEED_ENV` in ``os.environ`` and imports
 this module when the variable is present, so a process without it pays one dictionary lookup
-and imports nothing of ckptcache (nor torch).
+and imports nothing of ckptcache (nor torch). The value is read in one place,
+:mod:`ckptcache.adapters._deepspeed_env`, by this hook and by the adapter alike.
 
 When the variable is on, :func:`install` puts a one-shot finder at the front of
 ``sys.meta_path``. It does nothing until ``deepspeed`` is imported (by the user's script, by
@@ -20,43 +21,17 @@ process that never imports DeepSpeed never imports torch on ckptcache's account 
 from __future__ import annotations
 
 import _thread
-import os
 import sys
 from typing import TYPE_CHECKING, Any
+
+from ckptcache.adapters._deepspeed_env import DEEPSPEED_ENV, deepspeed_setting
 
 if TYPE_CHECKING:  # importlib.abc alone would double the start-up cost of a hooked process
     from collections.abc import Callable, Sequence
     from importlib.machinery import ModuleSpec
     from types import ModuleType
 
-__all__ = ["DEEPSPEED_ENV", "OFF_VALUES", "ON_VALUES", "deepspeed_setting", "install"]
-
-#: ``CKPTCACHE_DEEPSPEED=1`` (or a ``commit_waits`` value: ``local``, ``persisted``, ``files``)
-#: routes every DeepSpeed engine of the process through the cache.
-DEEPSPEED_ENV = "CKPTCACHE_DEEPSPEED"
-ON_VALUES = frozenset({"1", "true", "yes", "on"})
-OFF_VALUES = frozenset({"", "0", "false", "no", "off"})
-_COMMIT_WAITS = ("local", "persisted", "files")
-
-
-def deepspeed_setting(environ: Any = None) -> str | None:
-    """What :data:`DEEPSPEED_ENV` asks for: ``None`` (off), ``""`` (on, default
-    ``commit_waits``) or a ``commit_waits`` value. Raises ``ckptcache.ConfigError`` (a
-    ``ValueError``) for anything else, naming the values it accepts."""
-    raw = (os.environ if environ is None else environ).get(DEEPSPEED_ENV)
-    value = (raw or "").strip().lower()
-    if value in OFF_VALUES:
-        return None
-    if value in ON_VALUES:
-        return ""
-    if value in _COMMIT_WAITS:
-        return value
-    from ckptcache.errors import ConfigError
-
-    raise ConfigError(
-        f"${DEEPSPEED_ENV}={raw!r}: expected one of {sorted(ON_VALUES)} (on), "
-        f"{sorted(OFF_VALUES - {''})} (off) or a commit_waits value {list(_COMMIT_WAITS)}"
-    )
+__all__ = ["DEEPSPEED_ENV", "deepspeed_setting", "install"]
 
 
 class _AfterImport:

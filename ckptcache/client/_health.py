@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from ckptcache.client import Client
 from ckptcache.errors import CkptCacheError, DaemonUnavailable
 from ckptcache.wire.messages import DaemonStatus
+
+if TYPE_CHECKING:
+    from ckptcache.client._client import Client
 
 __all__ = ["CacheStatus", "cache_status"]
 

@@ -22,7 +22,7 @@ import torch
 
 from ckptcache.format.archive import ARCHIVE_ALIGNMENT, ArchivePlan, plan_archive
 from ckptcache.format.flatten import flatten
-from ckptcache.format.shm import _bytes_of, checked_nbytes, copy_storages_into
+from ckptcache.format.shm import bytes_of, checked_nbytes, copy_storages_into
 
 __all__ = ["Packed", "Span", "pack", "storage_offsets"]
 
@@ -150,5 +150,5 @@ def _write_archive(
         if n and storage.device.type == "cpu":
             cpu.append((at + off, storage, n))
         elif n:
-            blob[at + off : at + off + n].copy_(_bytes_of(storage))
+            blob[at + off : at + off + n].copy_(bytes_of(storage))
     return cpu

@@ -18,9 +18,9 @@ import zipfile
 from collections.abc import Sequence
 from typing import Any, NoReturn
 
-from ckptcache._cli_output import emit, emit_error, plain, table, when
 from ckptcache._units import format_bytes
-from ckptcache.client import normalize_path
+from ckptcache.cli.output import emit, emit_error, plain, table, when
+from ckptcache.client import in_storage, normalize_path
 from ckptcache.errors import CheckpointNotFound, CkptCacheError, ConfigError, CorruptCheckpoint
 from ckptcache.format.persisted import DIGESTS_MEMBER, verify_stored
 from ckptcache.hugepages import HUGE
@@ -151,13 +151,6 @@ def _throughput(o: Any) -> str:
     return f"{o.size / o.persist_seconds / 1e6:.0f} MB/s" if o.persist_seconds > 0 else "-"
 
 
-def _stored(path: str) -> bool:
-    try:
-        return backend_for(path).exists(path)
-    except (OSError, ValueError, ImportError):
-        return False
-
-
 def _verify_stored(path: str) -> str:
     """'' if the stored checkpoint at ``path`` checks out, else what is wrong with it."""
     try:
@@ -211,7 +204,7 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
         try:
             info = client.status(path)
         except CheckpointNotFound:
-            if not (args.verify and _stored(path)):
+            if not (args.verify and in_storage(path)):
                 raise
             problem = _verify_stored(path)  # stored, but not a complete checkpoint
             emit(args.json, {"storage_verify": problem}, f"storage: CORRUPT: {problem}")
@@ -220,7 +213,7 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
             return _inspect_stored(args, path)
         verify = client.verify(path) if args.verify else None
     stored_problem = None
-    if args.verify and "persisted" in info.stages and _stored(info.path):
+    if args.verify and "persisted" in info.stages and in_storage(info.path):
         stored_problem = _verify_stored(info.path)
     pairs = [
         ("path", info.path), ("namespace", info.namespace),
@@ -278,7 +271,7 @@ def _cmd_prefetch(args: argparse.Namespace) -> int:
 
 def _cmd_bench(args: argparse.Namespace) -> int:
     from ckptcache._units import parse_bytes
-    from ckptcache.bench import format_measures, run_bench  # imports torch: bench only
+    from ckptcache.cli.bench import format_measures, run_bench  # imports torch: bench only
 
     try:
         sizes = [parse_bytes(s) for s in args.sizes]
@@ -293,7 +286,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
-    from ckptcache.demo import run_demo
+    from ckptcache.cli.demo import run_demo
 
     return run_demo(size_mib=args.size_mib)
 
@@ -428,7 +421,3 @@ def main(argv: Sequence[str] | None = None) -> int:
         # disk), said in one line like the errors of our own.
         emit_error(as_json, e, 1)
         return 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())

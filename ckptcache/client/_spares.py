@@ -6,6 +6,9 @@ ready for saves of new paths (:mod:`ckptcache.server.pool`); this maps them in a
 thread after each save and on :meth:`Client.warmup`, so the save that gets one finds its
 mapping cached like a reused segment's.
 
+The mapper sees the client through a narrow port (:class:`SparePort`: the lock, a ``pool``
+request, where segments are, the cache of mappings), not the client itself.
+
 The thread is a daemon thread (it never keeps a process from exiting) and ends a moment
 (:data:`ckptcache._workers.LINGER_SECONDS`) after its work: the daemon's spares mapped, or the
 daemon done making them. ``stop()`` on it ends it at once, as thread-leak checks expect.
@@ -17,17 +20,17 @@ import logging
 import os
 import threading
 import time
-from typing import TYPE_CHECKING
+from contextlib import AbstractContextManager
+from typing import TYPE_CHECKING, Any, Protocol
 
 from ckptcache import errors
 from ckptcache._workers import LINGER_SECONDS, StoppableThread
-from ckptcache.wire import messages as m
 
 if TYPE_CHECKING:
-    from ckptcache.client import Client
     from ckptcache.format.shm import Mapping
+    from ckptcache.wire.messages import PoolReply
 
-__all__ = ["SpareMapper"]
+__all__ = ["SpareMapper", "SparePort"]
 
 log = logging.getLogger(__name__)
 
@@ -39,11 +42,39 @@ _FOLLOW_SECONDS = 60.0
 _IDLE_SECONDS = LINGER_SECONDS
 
 
-class SpareMapper:
-    """Maps ``client``'s daemon's spares into ``client``'s write-mapping cache."""
+class SparePort(Protocol):
+    """What the mapper needs of its client (:class:`ckptcache.client._segments.WriteMaps`)."""
 
-    def __init__(self, client: Client):
-        self._client = client
+    @property
+    def lock(self) -> AbstractContextManager[Any]:
+        """The client's (re-entrant) connection lock: saves hold it, ``close`` stops us
+        under it."""
+
+    @property
+    def pid(self) -> int:
+        """The process the client's mappings belong to."""
+
+    def pool(self) -> PoolReply:
+        """The daemon's spares (a request)."""
+
+    def seg_path(self, name: str) -> str:
+        """The file of segment ``name``."""
+
+    def __contains__(self, name: object) -> bool:
+        """Whether the client has mapped segment ``name`` already."""
+
+    def keep(self, name: str, mapping: Mapping) -> None:
+        """Cache ``mapping`` of ``name`` (or close it if one is cached already)."""
+
+
+class SpareMapper:
+    """Maps the spares of ``port``'s daemon into ``port``'s cache of write mappings."""
+
+    def __init__(self, port: SparePort):
+        self._port = port
+        self._reset()
+
+    def _reset(self) -> None:
         self._lock = threading.Lock()
         self._thread: StoppableThread | None = None
         self._again = False
@@ -55,6 +86,24 @@ class SpareMapper:
         self.mapping_now: dict[str, threading.Event] = {}
         #: Mappings made, not yet moved into the client's cache.
         self.ready: dict[str, Mapping] = {}
+        #: Whether the spares were asked for already (:meth:`warmup`, or a first contact).
+        self.warmed = False
+
+    def disown(self) -> None:
+        """In a forked child: the parent's thread, locks and mappings are not ours."""
+        self._reset()
+
+    def first_contact(self) -> None:
+        """What :meth:`Client.warmup` does, started by the first save, load or ``exists`` of a
+        client that never called it: a trainer that checks for a checkpoint to resume from,
+        or loads one, then finds its first save's segment mapped. (Control-plane calls do not
+        start it: a short-lived ``ckptcache ls`` has no use for mapped segments.)"""
+        if self.warmed:
+            return
+        self.warmed = True
+        # On the spare thread, which connects by itself: never on the caller's, which a
+        # non-blocking save must not hold up behind a save in flight (it holds the lock).
+        self.refresh()
 
     def refresh(self) -> threading.Event:
         """Map new spares in the background; returns an event set once that is done.
@@ -89,11 +138,8 @@ class SpareMapper:
     def adopt(self, segment: str) -> None:
         """Move a finished mapping into the client's cache (call under the client lock)."""
         mapping = self.ready.pop(segment, None)
-        if (
-            mapping is not None
-            and self._client._write_maps.setdefault(segment, mapping) is not mapping
-        ):
-            mapping.close()
+        if mapping is not None:
+            self._port.keep(segment, mapping)
 
     def _run(self) -> None:
         while True:
@@ -122,10 +168,10 @@ class SpareMapper:
             with self._lock:
                 self._again = False
             try:
-                with self._client._lock:  # close() stops us under this lock
+                with self._port.lock:  # close() stops us under this lock
                     if self._stopped.is_set():
                         return
-                    reply = self._client._call("pool", m.PoolRequest(), m.PoolReply)
+                    reply = self._port.pool()
             except errors.CkptCacheError as e:
                 log.debug("no spare segments to map: %s", e)
                 return
@@ -143,14 +189,14 @@ class SpareMapper:
     def _map(self, name: str, capacity: int) -> None:
         from ckptcache.format.shm import map_shared  # torch: only where spares are mapped
 
-        client = self._client
-        with client._lock:
-            if name in client._write_maps or name in self.mapping_now or name in self.ready:
+        port = self._port
+        with port.lock:
+            if name in port or name in self.mapping_now or name in self.ready:
                 return
             event = self.mapping_now[name] = threading.Event()
         mapping: Mapping | None = None
         try:
-            mapping = map_shared(client._seg_path(name), capacity)
+            mapping = map_shared(port.seg_path(name), capacity)
         except (OSError, ValueError) as e:
             # Taken meanwhile, and dropped (OSError) or trimmed below ``capacity`` (ValueError:
             # mmap refuses a length past the end of the file): nothing to warm.
@@ -158,9 +204,9 @@ class SpareMapper:
         finally:
             # Whatever happened, the event is set: a save waiting for this spare goes on.
             # Handed over without the client lock: a save holding it may be waiting for this.
-            if mapping is not None and os.getpid() == client._pid:
+            if mapping is not None and os.getpid() == port.pid:
                 self.ready[name] = mapping
             self.mapping_now.pop(name, None)
             event.set()
-        with client._lock:  # close() iterates the cache under this lock
+        with port.lock:  # close() iterates the cache under this lock
             self.adopt(name)

@@ -172,10 +172,10 @@ class VersionCheck:
 
     def _name(self, tensor: torch.Tensor, index: int) -> str:
         """The state-dict path of ``tensor`` where a container walk finds it, else a label."""
-        from ckptcache.format.flatten import _tensor_names
+        from ckptcache.format.flatten import tensor_names
 
         try:
-            name = _tensor_names(self._obj).get(tensor.untyped_storage()._cdata)
+            name = tensor_names(self._obj).get(tensor.untyped_storage()._cdata)
         except (RuntimeError, NotImplementedError):
             name = None
         return name or f"<tensor {index} of shape {tuple(tensor.shape)}>"

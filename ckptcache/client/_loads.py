@@ -1,0 +1,186 @@
+"""Loads: the newest generation pinned and mapped copy-on-write from the daemon's segment (the
+returned CPU tensors are zero-copy views the trainer may still modify), else the stored file.
+
+The order of a load:
+
+1. ``open``: the daemon pins the newest generation (brought in from a peer or storage and
+   checked as it lands, when this node has none) and names its segment;
+2. map the segment privately (the pin lasts as long as the mapping) and read the object,
+   its digests checked first with ``verify=True``;
+3. not in any cache, or no daemon: the stored file, checked as it is read; a corrupt cached
+   copy is reported to the daemon and the file read instead, if it is not older.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import TYPE_CHECKING, Any
+
+from ckptcache import errors
+from ckptcache.client._connection import Connection
+from ckptcache.client._paths import in_storage
+from ckptcache.client._settings import Settings
+from ckptcache.errors import (
+    CheckpointNotFound,
+    CoordinatorUnavailable,
+    CorruptCheckpoint,
+    DaemonUnavailable,
+)
+from ckptcache.format.layout import HEADER_SIZE, SegmentHeader
+from ckptcache.format.manifest import Manifest, unpack_digests, verify_meta
+from ckptcache.format.persisted import load_from_storage
+from ckptcache.storage import backend_for
+from ckptcache.wire import messages as m
+from ckptcache.wire.states import Tier
+
+if TYPE_CHECKING:
+    from ckptcache.format.flatten import MapLocation
+    from ckptcache.format.shm import Mapping
+
+__all__ = ["Loads"]
+
+log = logging.getLogger("ckptcache.client")
+
+
+class Loads:
+    """Runs a client's loads (see the module docstring for the order)."""
+
+    def __init__(self, settings: Settings, connection: Connection):
+        self._settings, self._connection = settings, connection
+
+    def load(
+        self, path: str, map_location: MapLocation, weights_only: bool, mmap: bool | None,
+        verify: bool | None,
+    ) -> Any:  # fmt: skip
+        """See :meth:`Client.load` (``path`` normalized)."""
+        local = verify is True
+        request = m.OpenRequest(
+            self._settings.namespace, path, need_digests=local,
+            timeout=self._settings.server_wait(),
+        )  # fmt: skip
+        try:
+            reply = self._connection.call("open", request, m.OpenReply)
+        except (CheckpointNotFound, DaemonUnavailable, CoordinatorUnavailable) as e:
+            return self._load_file(path, map_location, weights_only, mmap, e, verify)
+        log.debug("load of %s served from the %s tier", path, reply.tier)
+        try:
+            return self._load_segment(reply, map_location, weights_only, mmap, local)
+        except CorruptCheckpoint as e:
+            usable = self._file_not_older_than(path, reply.generation)
+            report = m.ReportCorruptRequest(
+                self._settings.namespace, path, reply.generation, str(e)
+            )
+            try:
+                self._connection.call("report_corrupt", report)
+            except errors.CkptCacheError:
+                pass
+            if not os.path.exists(path):
+                raise
+            if not usable:
+                # An earlier save's file: returning it would silently go back in training.
+                raise CorruptCheckpoint(
+                    f"{e}; the file at {path!r} is older than this generation (an earlier "
+                    "save), so it is not loaded in its place",
+                    tensor=e.tensor, tier=e.tier,
+                ) from e  # fmt: skip
+            return self._load_file(path, map_location, weights_only, mmap, e, verify)
+
+    def map_local(self, path: str) -> tuple[Mapping, m.OpenReply]:
+        """See :meth:`Client.map_local` (``path`` normalized)."""
+        namespace, wait = self._settings.namespace, self._settings.server_wait()
+        request = m.OpenRequest(namespace, path, timeout=wait)
+        reply = self._connection.call("open", request, m.OpenReply)
+        return self._map(reply), reply
+
+    def _map(self, reply: m.OpenReply) -> Mapping:
+        """The pinned segment of ``reply``, mapped copy-on-write; its pin goes with it."""
+        from ckptcache.format.shm import map_private
+
+        return map_private(
+            self._connection.seg_path(reply.segment), reply.size,
+            self._connection.release_later(reply.lease), hold_lock=True,
+        )  # fmt: skip
+
+    def _file_not_older_than(self, path: str, generation: int) -> bool:
+        """Whether the file at ``path`` holds generation ``generation`` or a later save, as
+        far as the daemon's record shows: persisted (the daemon never replaces a newer file),
+        or stamped no earlier than the commit (the daemon stamps what it persists with the
+        generation's commit time, as mtime; any later write is newer still). Asked before the
+        generation is reported corrupt (then dropped); unknown means no."""
+        try:
+            info = self._connection.call(
+                "stat", m.StatRequest(self._settings.namespace, path), m.ObjectInfo
+            )
+        except errors.CkptCacheError:
+            return False
+        if info.generation < generation:
+            return False  # ours is gone already: its commit time is unknown
+        if info.generation == generation and "persisted" in info.stages:
+            return True
+        # A newer generation committed since is a stricter bound, never a looser one.
+        try:
+            stamp = backend_for(path).commit_time_ns(path)
+        except (OSError, ValueError, ImportError):
+            return False
+        # Commit times travel as float seconds (exact to about 0.2 us at today's dates).
+        return stamp is not None and stamp >= round(info.committed * 1e9) - 1_000
+
+    def _load_segment(
+        self, reply: m.OpenReply, map_location: MapLocation, weights_only: bool,
+        mmap: bool | None, verify: bool,
+    ) -> Any:  # fmt: skip
+        from ckptcache.format.objectio import read_object
+
+        mapping = self._map(reply)
+        digests = None
+        if verify:
+            if not reply.digests_valid:
+                raise CorruptCheckpoint("the daemon returned no digests to verify against")
+            table = memoryview(mapping)[
+                reply.digest_offset : reply.digest_offset + 8 * reply.n_storages
+            ]
+            digests = unpack_digests(table, reply.n_storages)
+            table.release()
+            _verify_meta(mapping, reply)
+        return read_object(
+            mapping, reply.manifest_offset, reply.manifest_size, zero_copy=mmap is not False,
+            weights_only=weights_only, map_location=map_location, digests=digests,
+        )  # fmt: skip
+
+    def _load_file(
+        self, path: str, map_location: MapLocation, weights_only: bool, mmap: bool | None,
+        reason: errors.CkptCacheError, verify: bool | None = None,
+    ) -> Any:  # fmt: skip
+        """Read the stored file at ``path`` here, checked unless ``verify is False`` (see
+        :meth:`Client.load`); ``reason`` is why the daemon did not serve it."""
+        if isinstance(reason, DaemonUnavailable) and self._settings.fallback == "raise":
+            raise reason
+        if not in_storage(path):
+            if isinstance(reason, CoordinatorUnavailable):
+                raise reason  # other nodes may hold it: "not found" would be a wrong answer
+            where = "the cache" if isinstance(reason, CheckpointNotFound) else "a reachable cache"
+            raise CheckpointNotFound(
+                f"{path!r} is neither in {where} nor in storage; check the path "
+                "(and the namespace, if the job sets one)"
+            ) from reason
+        return load_from_storage(
+            path, map_location, weights_only=weights_only, mmap=mmap, verify=verify is not False
+        )
+
+
+def _verify_meta(mapping: Mapping, reply: m.OpenReply) -> None:
+    """Check the skeleton and manifest against the digests in the segment's header."""
+    view = memoryview(mapping)
+    try:
+        header = SegmentHeader.unpack(view[:HEADER_SIZE])
+        mo, ms = reply.manifest_offset, reply.manifest_size
+        manifest = Manifest.from_json(view[mo : mo + ms], segment_size=len(view))
+        verify_meta(view, manifest, mo, ms, (header.skeleton_digest, header.manifest_digest),
+                    tier=Tier.LOCAL)  # fmt: skip
+    except ValueError as e:
+        if isinstance(e, CorruptCheckpoint):
+            raise
+        raise CorruptCheckpoint(f"unreadable segment header: {e}", tier=Tier.LOCAL) from e
+    finally:
+        view.release()

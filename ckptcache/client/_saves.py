@@ -1,0 +1,274 @@
+"""Saves: a plan of the object, a reservation in the daemon, one copy into the mapped segment,
+a commit. Non-blocking saves run the same steps on one background thread per client.
+
+The order, with the lock of the connection held from the reservation to the commit:
+
+1. ``prepare``: flatten the object and plan its segment (cached by structure);
+2. ``reserve``: the daemon names a segment of the planned size (gone or full: the
+   write-through fallback, :mod:`ckptcache.client._fallback`);
+3. map it (cached, or mapped ahead by the spare thread) and copy the storages in;
+4. ``commit``: the daemon takes the bytes; any failure before it is an ``abort``;
+5. ``durability="persisted"``: wait for the persist (:mod:`ckptcache.client._waits`).
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import threading
+import time
+import weakref
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from ckptcache import errors
+from ckptcache._secure_fs import current_umask
+from ckptcache._workers import LingeringPool
+from ckptcache.client._connection import Connection
+from ckptcache.client._fallback import WriteThrough
+from ckptcache.client._ledger import Ledger
+from ckptcache.client._segments import WriteMaps, read_back, write_packed
+from ckptcache.client._settings import Settings
+from ckptcache.client._spares import SpareMapper
+from ckptcache.client._waits import Waits
+from ckptcache.errors import BudgetExceeded, DaemonUnavailable
+from ckptcache.wire import messages as m
+
+# torch and the modules built on it are imported where a save needs them, so that the
+# control-plane commands (ckptcache ls, status, ...) start without torch.
+if TYPE_CHECKING:
+    from ckptcache.client._async import SaveHandle, VersionCheck
+    from ckptcache.format.flatten import Flattened
+    from ckptcache.format.gpu import Ready
+    from ckptcache.format.manifest import ObjectPlan
+    from ckptcache.format.packing import Packed
+    from ckptcache.format.plancache import PlanCache
+    from ckptcache.format.shm import Mapping
+
+__all__ = ["DURABILITY_LEVELS", "Saves", "check_durability"]
+
+#: What ``save`` may wait for before it returns.
+#: ``memory``: kept in the daemon's memory only, never persisted (an explicit choice; a
+#: path under no storage root is otherwise refused). The others: where the save is when it
+#: returns (this node's memory, also a backup node's, also storage); all are persisted.
+DURABILITY_LEVELS = ("memory", "local", "backup", "persisted")
+
+#: Saves with a save thread in this process: their pending non-blocking saves are finished
+#: at interpreter exit (the thread is a daemon thread, which exit would otherwise stop).
+_SAVERS: weakref.WeakSet[Saves] = weakref.WeakSet()
+
+
+@atexit.register
+def _finish_pending_saves() -> None:
+    for saves in list(_SAVERS):
+        if saves.thread_pid == os.getpid():
+            saves.finish()
+
+
+def check_durability(durability: str) -> None:
+    """Raise ``ValueError`` unless ``durability`` is one of :data:`DURABILITY_LEVELS`."""
+    if durability not in DURABILITY_LEVELS:
+        raise ValueError(
+            f"durability must be one of {', '.join(DURABILITY_LEVELS)}, not {durability!r}"
+        )
+
+
+class _Job:
+    """One save on its way: what was asked, and how a non-blocking one reports back."""
+
+    def __init__(self, obj: Any, flat: Flattened, plan: ObjectPlan, path: str, durability: str):
+        self.obj, self.flat, self.plan, self.path, self.durability = (
+            obj, flat, plan, path, durability
+        )  # fmt: skip
+        self.t0 = time.perf_counter()
+        self.check: VersionCheck | None = None
+        self.copied: Callable[[], None] | None = None
+        self.packed: Packed | None = None
+        self.ready: Ready | None = None
+
+
+class Saves:
+    """Runs a client's saves (see the module docstring for the order of a save)."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        connection: Connection,
+        maps: WriteMaps,
+        spares: SpareMapper,
+        fallback: WriteThrough,
+        ledger: Ledger,
+        waits: Waits,
+    ):
+        self._settings, self._connection, self._maps = settings, connection, maps
+        self._spares, self._fallback, self._ledger, self._waits = spares, fallback, ledger, waits
+        self._executor: LingeringPool | None = None
+        #: The process whose save thread :attr:`_executor` is.
+        self.thread_pid = 0
+        self._executor_lock = threading.Lock()
+        #: Save plans by structure (made at the first save: it needs torch).
+        self._plans: PlanCache | None = None
+
+    def save(self, obj: Any, path: str, durability: str, blocking: bool) -> SaveHandle | None:
+        """Save ``obj`` under ``path`` (normalized, ``durability`` checked)."""
+        from ckptcache.client._async import VersionCheck, submit
+        from ckptcache.format.gpu import record_ready
+
+        t0 = time.perf_counter()
+        flat, plan = self._plan_cache().prepare(obj, path, self._settings.namespace)
+        job = _Job(obj, flat, plan, path, durability)
+        job.t0 = t0
+        if blocking:
+            self._run(job)
+            return None
+        job.check = VersionCheck(obj, path, flat)
+        job.flat = job.check.flat  # private copies of the storages no version counter watches
+        # The copy runs on the save thread, whose current CUDA stream is not the trainer's.
+        job.ready = record_ready(job.flat.storages)
+
+        def run(copied: Callable[[], None]) -> None:
+            job.copied = copied
+            self._run(job)
+
+        return submit(run, path, self.background(), owner=self._ledger)
+
+    def save_packed(self, packed: Packed, path: str, durability: str) -> int:
+        """Save the blob ``packed`` lays out, its items copied straight into the segment;
+        returns where the blob's bytes start in the archive persisted at ``path``."""
+        import torch
+
+        from ckptcache.format.flatten import flatten
+        from ckptcache.format.objectio import plan_object
+
+        t0 = time.perf_counter()
+        # Never written nor read: its storage gives the archive the blob's layout.
+        placeholder = torch.empty(packed.nbytes, dtype=torch.uint8)
+        flat = flatten(placeholder)
+        plan = plan_object(flat, path, self._settings.namespace)
+        job = _Job(placeholder, flat, plan, path, durability)
+        job.t0, job.packed = t0, packed
+        self._run(job)
+        return plan.manifest.storages[0].offset - plan.manifest.payload_offset
+
+    def _plan_cache(self) -> PlanCache:
+        """This client's save plans by structure (see :mod:`ckptcache.format.plancache`)."""
+        from ckptcache.format.plancache import PlanCache
+
+        if self._plans is None:
+            self._plans = PlanCache()
+        return self._plans
+
+    def background(self) -> LingeringPool:
+        """The one thread that runs this client's non-blocking saves, in submission order.
+
+        It ends a moment after its last save (a thread idling until ``close()`` would outlive
+        its work, and frameworks' thread-leak checks fail on it) and is a daemon thread, so
+        it never keeps the process from exiting: saves still pending at exit are finished
+        first by :func:`_finish_pending_saves`, an ``atexit`` hook."""
+        with self._executor_lock:  # not the connection's lock: a save in flight holds that
+            if self._executor is None or self.thread_pid != os.getpid():
+                self._executor = LingeringPool(1, "ckptcache-save")
+                self.thread_pid = os.getpid()
+                _SAVERS.add(self)
+            return self._executor
+
+    def mapping(self, segment: str, capacity: int) -> Mapping:
+        """The shared mapping of a reserved segment (cached; made once, reused by every later
+        save), after the spare thread finished mapping it if it is at it now."""
+        # The spare thread adds to the cache under this (re-entrant) lock; saves hold it too.
+        with self._connection.lock:
+            self._maps.drop_stale()
+            self._spares.wait_for(segment)
+            return self._maps.get(segment, capacity)
+
+    def _run(self, job: _Job) -> None:
+        with self._connection.lock:
+            reply = self._reserve(job)
+            committed = reply is not None and self._copy_and_commit(job, reply)
+        if committed and job.durability == "persisted":
+            # Not Client.wait: on the save thread that would wait for this very save.
+            self._waits.persisted(job.path, None, None)
+
+    def _reserve(self, job: _Job) -> m.ReserveReply | None:
+        """The daemon's reservation for ``job``; ``None`` when the job was written through."""
+        request = m.ReserveRequest(
+            self._settings.namespace, job.path, job.plan.layout.nbytes, job.durability,
+            uid=os.geteuid(), gid=os.getegid(), umask=current_umask(),
+            timeout=self._settings.server_wait(),
+        )  # fmt: skip
+        try:
+            return self._connection.call("reserve", request, m.ReserveReply)  # type: ignore[no-any-return]
+        except (DaemonUnavailable, BudgetExceeded) as e:
+            # The trainer is still held (``copied`` not called): torch.save reads the live
+            # object (over the copies ``check`` took), and ``check`` decides before the file
+            # replaces the previous one.
+            obj = job.obj
+            if job.packed is not None:
+                obj = job.packed.materialize()
+            elif job.check is not None:
+                obj = job.check.source(obj)
+            self._fallback.write(obj, job.path, e, check=job.check)
+            return None
+
+    def _copy_and_commit(self, job: _Job, reply: m.ReserveReply) -> bool:
+        """Copy ``job`` into its reserved segment and commit it; ``False`` when the daemon
+        went away meanwhile and the job was written through instead."""
+        from ckptcache.format.objectio import write_object
+
+        released = False
+        try:
+            mapping = self.mapping(reply.segment, reply.capacity)
+            if job.packed is None:
+                write_object(mapping, job.plan, job.flat, job.ready)
+            else:
+                write_packed(mapping, job.plan, job.packed)
+            if job.check is not None:
+                job.check.check()  # torn bytes are never committed: abort below instead
+            if job.copied is not None:
+                job.copied()
+                released = True
+            commit = m.CommitRequest(
+                reply.reservation, job.plan.layout.manifest_offset,
+                len(job.plan.manifest_bytes), time.perf_counter() - job.t0,
+            )  # fmt: skip
+            self._connection.call("commit", commit, m.CommitReply)
+            self._ledger.committed(job.path)
+            self._spares.refresh()  # map the spare the daemon makes for the next new path
+            return True
+        except DaemonUnavailable as e:
+            obj = job.obj
+            if released:  # the trainer may have stepped: write what the segment holds
+                obj = read_back(mapping, job.plan)
+            elif job.packed is not None:
+                obj = job.packed.materialize()
+            self._fallback.write(obj, job.path, e)
+            return False
+        except BaseException:
+            if self._connection.rpc is not None:
+                try:
+                    self._connection.request("abort", m.AbortRequest(reply.reservation))
+                except errors.CkptCacheError:
+                    pass
+            raise
+
+    def finish(self) -> None:
+        """Wait until every non-blocking save of this client has run (their errors stay with
+        their handles: a failed save nobody waited on is logged when its handle goes)."""
+        from ckptcache.client._async import pending_saves
+
+        for handle in pending_saves(self._ledger):
+            handle.wait_done()
+
+    def close(self) -> None:
+        """Finish the pending non-blocking saves and end their thread."""
+        if self._executor is not None and self.thread_pid == os.getpid():
+            self.finish()
+            self._executor.stop()
+            self._executor = None
+
+    def after_fork(self) -> None:
+        """In a forked child: none of the parent's save thread, nor of its locks (the plan
+        cache's may have been held at the fork)."""
+        self._executor_lock = threading.Lock()
+        self._executor, self.thread_pid = None, 0
+        self._plans = None

@@ -1,0 +1,122 @@
+"""The client's shared mappings of the daemon's segments, made once and reused by every later
+save into the same segment (a save into a mapped segment pays no page faults), and what is
+written into one beyond ``write_object``: a packed blob, and the read-back of a save."""
+
+from __future__ import annotations
+
+import os
+from contextlib import AbstractContextManager
+from typing import TYPE_CHECKING, Any
+
+from ckptcache.client._connection import Connection
+from ckptcache.wire import messages as m
+
+if TYPE_CHECKING:
+    from ckptcache.format.manifest import ObjectPlan
+    from ckptcache.format.packing import Packed
+    from ckptcache.format.shm import Mapping
+
+__all__ = ["WriteMaps", "read_back", "write_packed"]
+
+
+class WriteMaps:
+    """Segment name -> this process's shared mapping of it; guarded by the connection's lock.
+
+    It is also the port the spare mapper (:mod:`ckptcache.client._spares`) works through:
+    :attr:`lock`, :attr:`pid`, :meth:`pool`, :meth:`seg_path`, ``in`` and :meth:`keep`.
+    """
+
+    def __init__(self, connection: Connection):
+        self._connection = connection
+        self._maps: dict[str, Mapping] = {}
+
+    @property
+    def lock(self) -> AbstractContextManager[Any]:
+        """The connection's lock: saves, the spare thread and ``close`` take it."""
+        return self._connection.lock
+
+    @property
+    def pid(self) -> int:
+        """The process the connection (and so these mappings) belongs to."""
+        return self._connection.pid
+
+    def pool(self) -> m.PoolReply:
+        """The daemon's spare segments (a request: take :attr:`lock` first)."""
+        return self._connection.call("pool", m.PoolRequest(), m.PoolReply)  # type: ignore[no-any-return]
+
+    def seg_path(self, name: str) -> str:
+        """The file of segment ``name``."""
+        return self._connection.seg_path(name)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._maps
+
+    def keep(self, name: str, mapping: Mapping) -> None:
+        """Cache ``mapping`` of ``name`` unless one is cached already (then it is closed)."""
+        if self._maps.setdefault(name, mapping) is not mapping:
+            mapping.close()
+
+    def get(self, segment: str, capacity: int) -> Mapping:
+        """The cached mapping of ``segment`` (made if there is none, or too short: a spare
+        trimmed by the daemon after we mapped it is shorter than our mapping)."""
+        from ckptcache.format.shm import map_shared
+
+        mapping = self._maps.get(segment)
+        if mapping is None or len(mapping) < capacity:
+            mapping = map_shared(self.seg_path(segment), capacity)
+            self._maps[segment] = mapping
+        return mapping
+
+    def drop_stale(self) -> None:
+        """Free the mappings of segments the daemon dropped (their pages are ours too)."""
+        for name in [n for n in self._maps if not os.path.exists(self.seg_path(n))]:
+            self._unmap(self._maps.pop(name))
+
+    def close(self) -> None:
+        """Unmap everything (a mapping still exported to a tensor stays until it goes)."""
+        for mapping in list(self._maps.values()):
+            try:
+                self._unmap(mapping)
+            except BufferError:
+                pass
+        self._maps = {}
+
+    def disown(self) -> None:
+        """Forked: the parent's mappings are not ours to unpin or close."""
+        self._maps = {}
+
+    @staticmethod
+    def _unmap(mapping: Mapping) -> None:
+        from ckptcache.format.gpu import unpin  # torch is loaded: this client mapped segments
+
+        unpin(mapping)
+        mapping.close()
+
+
+def read_back(mapping: Mapping, plan: ObjectPlan) -> Any:
+    """The object a save copied into ``mapping`` (per ``plan``), as private copies.
+
+    A non-blocking save releases the trainer once its copy is done, before the commit, so
+    that the commit's round trip (and any replication) overlaps training: if the commit then
+    fails, the live tensors may hold the next step already, and only the segment still holds
+    what was saved. Reading it back costs a second copy, on this rare path alone."""
+    from ckptcache.format.objectio import read_object
+
+    return read_object(
+        mapping, plan.layout.manifest_offset, len(plan.manifest_bytes),
+        zero_copy=False, weights_only=False,
+    )  # fmt: skip
+
+
+def write_packed(mapping: Mapping, plan: ObjectPlan, packed: Packed) -> None:
+    """``write_object`` for an object whose one storage is ``packed``'s blob: the archive's
+    metadata and the manifest as usual, then the items straight into the storage's place."""
+    import torch
+
+    from ckptcache.format.objectio import write_metadata
+
+    write_metadata(mapping, plan)
+    (record,) = plan.manifest.storages
+    if record.nbytes:
+        packed.fill(torch.frombuffer(mapping, dtype=torch.uint8, count=record.nbytes,
+                                     offset=record.offset))  # fmt: skip

@@ -1,0 +1,82 @@
+"""A client's settings: which daemon, which namespace, how long to wait, what a missing daemon
+does. One object shared by the client's parts, so a change (``client.fallback = "raise"``)
+reaches every part at once."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from ckptcache._defaults import candidate_sockets, default_fallback, default_namespace
+
+__all__ = ["FALLBACKS", "Setting", "Settings", "discover_socket"]
+
+#: What a save does when the daemon is gone or full: write the file itself, or raise.
+FALLBACKS = ("write-through", "raise")
+
+
+def discover_socket() -> str:
+    """The first default socket that exists (the daemon may start later: then the first)."""
+    candidates = candidate_sockets()
+    return next((p for p in candidates if os.path.exists(p)), candidates[0])
+
+
+@dataclass
+class Settings:
+    """What :class:`~ckptcache.client.Client` was given, with the environment's defaults."""
+
+    socket_path: str
+    #: Whether ``socket_path`` was given: else it is looked up again at each reconnect.
+    explicit_socket: bool
+    namespace: str
+    timeout: float
+    fallback: str
+    daemon_uid: int | None
+
+    @classmethod
+    def resolve(
+        cls,
+        socket_path: str | None,
+        namespace: str | None,
+        timeout: float,
+        fallback: str | None,
+        daemon_uid: int | None,
+    ) -> Settings:
+        """The settings for these arguments (``None``: the environment's default)."""
+        fallback = fallback or default_fallback()
+        if fallback not in FALLBACKS:
+            raise ValueError(f"fallback must be 'write-through' or 'raise', not {fallback!r}")
+        return cls(
+            socket_path or discover_socket(), bool(socket_path), namespace or default_namespace(),
+            timeout, fallback, daemon_uid,
+        )  # fmt: skip
+
+    def given(self) -> dict[str, Any]:
+        """The arguments that make a client with these settings (its own connection)."""
+        return {
+            "socket_path": self.socket_path if self.explicit_socket else None,
+            "namespace": self.namespace,
+            "timeout": self.timeout,
+            "fallback": self.fallback,
+            "daemon_uid": self.daemon_uid,
+        }
+
+    def server_wait(self) -> float:
+        """How long the daemon may wait inside one request: well inside our own timeout, so
+        the reply (an error at worst) arrives before the connection is given up."""
+        return max(0.0, min(self.timeout * 0.8, self.timeout - 1.0))
+
+
+class Setting:
+    """A field of the owner's :class:`Settings` (its ``settings``), read and written as the
+    owner's own attribute."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    def __get__(self, obj: Any, owner: type | None = None) -> Any:
+        return self if obj is None else getattr(obj.settings, self.name)
+
+    def __set__(self, obj: Any, value: Any) -> None:
+        setattr(obj.settings, self.name, value)
