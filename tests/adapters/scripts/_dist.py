@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import os
 import socket
 import sys
@@ -48,9 +49,19 @@ def deepspeed_without_compiled_ops() -> None:
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
 
 
-def launch(fn: Callable[..., Any], world: int, *args: Any) -> None:
-    """Run ``fn`` on ``world`` spawned processes and wait (raises if any rank fails)."""
-    mp.spawn(_entry, args=(fn, world, _port(), args), nprocs=world, join=True)
+def launch(fn: Callable[..., Any], world: int, *args: Any, preload: tuple[str, ...] = ()) -> None:
+    """Run ``fn`` on ``world`` processes and wait (raises if any rank fails).
+
+    The ranks are forked after the launcher imported ``preload`` (the framework): a spawned
+    rank would import it again, seconds per rank per launch. Nothing in the launcher has
+    started a thread pool, a process group or a ckptcache client by then, so the fork copies
+    no lock held by another thread.
+    """
+    for name in preload:
+        importlib.import_module(name)
+    mp.start_processes(
+        _entry, args=(fn, world, _port(), args), nprocs=world, join=True, start_method="fork"
+    )
 
 
 def tensors_of(obj: Any, prefix: str = "") -> dict[str, torch.Tensor]:

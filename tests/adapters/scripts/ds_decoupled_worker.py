@@ -84,4 +84,4 @@ def run(rank: int, world: int, ck: str) -> None:
 
 
 if __name__ == "__main__":
-    launch(run, 2, sys.argv[1])
+    launch(run, 2, sys.argv[1], preload=("deepspeed",))

@@ -97,4 +97,5 @@ def run(rank: int, world: int, ck: str, config: str) -> None:
 
 
 if __name__ == "__main__":
-    launch(run, 2, sys.argv[1], sys.argv[2] if len(sys.argv) > 2 else "files")
+    mode = sys.argv[2] if len(sys.argv) > 2 else "files"
+    launch(run, 2, sys.argv[1], mode, preload=("deepspeed",))

@@ -29,7 +29,7 @@ def batch(step: int, rank: int) -> torch.Tensor:
 
 
 def train(rank: int, world: int, mode: str, stages: list[int], ckpt_dir: str, out_dir: str) -> None:
-    import deepspeed  # in the ranks only: the launching process never needs it
+    import deepspeed  # imported by the launcher already (preload): the ranks fork with it
 
     deepspeed_without_compiled_ops()
     deepspeed.init_distributed(dist_backend="gloo")
@@ -85,4 +85,4 @@ def train_stage(rank: int, mode: str, stage: int, ckpt_dir: str, out_dir: str) -
 if __name__ == "__main__":
     mode, ckpt_dir, out_dir = sys.argv[1], sys.argv[3], sys.argv[4]
     stages = [int(s) for s in sys.argv[2].split(",")]
-    launch(train, 2, mode, stages, ckpt_dir, out_dir)
+    launch(train, 2, mode, stages, ckpt_dir, out_dir, preload=("deepspeed",))

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from _dist import launch
 
-# megatron-core is imported inside the ranks only: the launching process never needs it.
+# megatron-core is imported by the launcher for the dist modes (preload), the ranks fork with it.
 
 FULL = torch.arange(64 * 6, dtype=torch.float32).reshape(64, 6)
 EMB = torch.linspace(-1, 1, 16 * 4).reshape(16, 4)
@@ -101,4 +101,5 @@ def run(rank: int, world: int, mode: str, ck: str, saved_world: int) -> None:
 if __name__ == "__main__":
     mode, ck, world = sys.argv[1], sys.argv[2], int(sys.argv[3])
     saved_world = int(sys.argv[4]) if len(sys.argv) > 4 else world
-    launch(run, world, mode, ck, saved_world)
+    framework = ("megatron.core.dist_checkpointing",) if mode.startswith("dist") else ()
+    launch(run, world, mode, ck, saved_world, preload=framework)
