@@ -157,6 +157,7 @@ class Cluster:
         self.membership.join()
         self.replication.start()
         threading.Thread(target=self._monitor, name="cluster-monitor", daemon=True).start()
+        threading.Thread(target=self.storage.warm, name="storage-warm", daemon=True).start()
         if self.server is not None:  # peers are dialled over the data plane: none without
             self.clocks.start()
         # Recovered after a restart: announce and re-protect them.
