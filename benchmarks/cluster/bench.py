@@ -36,8 +36,8 @@ import torch  # noqa: E402
 from ckptcache._units import parse_bytes  # noqa: E402
 from ckptcache.benchmarking import make_state  # noqa: E402
 from ckptcache.client import Client  # noqa: E402
-from ckptcache.server.config import DaemonConfig  # noqa: E402
 from ckptcache.format.archive_read import BLOCK  # noqa: E402
+from ckptcache.server.config import DaemonConfig  # noqa: E402
 from ckptcache.server.transfer import RELAY_RECORD  # noqa: E402
 from tests.helpers import wait_until  # noqa: E402
 from tests.lab import Lab, LabNode  # noqa: E402
