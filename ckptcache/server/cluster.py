@@ -144,7 +144,7 @@ class Cluster:
                 },
                 tls=self.membership.tls, node_id=cfg.node_id,
                 limits=ConnectionLimits(cfg.handshake_timeout, cfg.max_peer_connections,
-                                        cfg.max_unauthenticated_peers),
+                                        cfg.max_unauthenticated_peers, cfg.dead_peer_timeout),
             )  # fmt: skip
         self.membership.publish(self.server.address if self.server else "")
 
