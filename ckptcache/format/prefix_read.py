@@ -6,7 +6,7 @@ ranges at once on a 100 Mbit/s link, relayed to a chain of nodes):
 
 * TCP flows that share a link are unfair over seconds. With every range handed to the next
   free thread, one slow request held the prefix while the others raced ahead: single ranges
-  took 3-4 s where their neighbours took 1 s, and the relay then had 20 MiB to catch up on.
+  took 3-4 s where their neighbours took 1 s, and the relay then had 26 MiB to catch up on.
   Here no range starts more than ``lead`` ranges past the first one that has not landed: once
   the others are that far ahead they wait, and the slow request has the link to itself.
 * Ranges in flight together land together. The last ``workers`` ranges of a read all
