@@ -246,6 +246,8 @@ class Lab:
     storage_mbit: float = 800.0
     workdir: Path | None = None
     lease_ttl: float = 2.0
+    #: The daemons' ``dead_peer_timeout`` (seconds; the daemon's default is 10).
+    dead_peer_timeout: float = 10.0
     #: Extra YAML for every daemon's config file.
     config: str = ""
     #: Extra daemon arguments (e.g. ``("--backup", "none")``).
@@ -389,7 +391,8 @@ class Lab:
         cfg = self.workdir / "cluster.yaml"
         if not cfg.exists():
             cfg.write_text(
-                f"lease_ttl: {self.lease_ttl}\npersist_retries: 1000\npersist_backoff: 0.2\n"
+                f"lease_ttl: {self.lease_ttl}\ndead_peer_timeout: {self.dead_peer_timeout}\n"
+                f"persist_retries: 1000\npersist_backoff: 0.2\n"
                 f"persist_backoff_max: 0.5\nsecret: lab-secret\n{self.config}"
             )
         return cfg
@@ -601,6 +604,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--node-mbit", type=float, default=400.0)
     parser.add_argument("--storage-mbit", type=float, default=800.0)
     parser.add_argument("--lease-ttl", type=float, default=2.0)
+    parser.add_argument("--dead-peer-timeout", type=float, default=10.0)
     parser.add_argument("--sweep", action="store_true", help="only remove leftovers, then exit")
     args = parser.parse_args(argv)
     if args.sweep:
@@ -608,7 +612,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     signal.signal(signal.SIGTERM, _interrupt)  # unwinds like Ctrl-C: the teardown runs
     with running_lab(args.nodes, node_mbit=args.node_mbit, storage_mbit=args.storage_mbit,
-                     lease_ttl=args.lease_ttl) as lab:  # fmt: skip
+                     lease_ttl=args.lease_ttl,
+                     dead_peer_timeout=args.dead_peer_timeout) as lab:  # fmt: skip
         print(lab.describe(), flush=True)
         print("Ctrl-C tears it down.", flush=True)
         with contextlib.suppress(KeyboardInterrupt):

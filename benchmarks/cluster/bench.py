@@ -36,8 +36,8 @@ import torch  # noqa: E402
 from ckptcache._units import parse_bytes  # noqa: E402
 from ckptcache.cli.benchmarking import make_state  # noqa: E402
 from ckptcache.client import Client  # noqa: E402
+from ckptcache.format.archive_read import BLOCK  # noqa: E402
 from ckptcache.server.config import DaemonConfig  # noqa: E402
-from ckptcache.server.storage_read import read_chunk  # noqa: E402
 from ckptcache.server.transfer import RELAY_RECORD  # noqa: E402
 from tests.helpers import wait_until  # noqa: E402
 from tests.lab import Lab, LabNode  # noqa: E402
@@ -201,10 +201,11 @@ def model_seconds(n: int, nbytes: int, node_mbit: float, storage_mbit: float, mo
     link, storage = node_mbit * MB / 8, storage_mbit * MB / 8
     if mode == "direct":  # every node reads its own copy through the shared storage link
         return max(nbytes / link, n * nbytes / storage)
-    # Joiners trail the reader by the ranges in flight at once (they share its link), and
+    # The first joiner trails the reader by the ranges that land together at the end of its
+    # read (tapered to one block each: server/storage_read.py, format/prefix_read.py), and
     # each later hop by one relay record.
     threads = DaemonConfig().s3_max_concurrency
-    first = threads * read_chunk(nbytes, threads)
+    first = threads * BLOCK
     return nbytes / min(link, storage) + first / link + (n - 1) * RELAY_RECORD / link
 
 
@@ -228,6 +229,10 @@ def main() -> None:
     parser.add_argument("--node-mbit", type=float, default=400.0)
     parser.add_argument("--storage-mbit", type=float, default=800.0)
     parser.add_argument("--skip-restore", action="store_true")
+    parser.add_argument("--skip-backup", action="store_true", help="restore rows only")
+    parser.add_argument("--modes", nargs="+", default=["cache", "direct"],
+                        choices=["cache", "direct"], help="restore rows to run")  # fmt: skip
+    parser.add_argument("--workdir", type=Path, help="keep the lab's logs here (default: removed)")
     args = parser.parse_args()
     nbytes = parse_bytes(args.size)
     n_max = max(args.nodes)
@@ -235,18 +240,24 @@ def main() -> None:
     models: dict[str, float] = {}
     budget = f"{max(512, 4 * nbytes >> 20)}MiB"
     with Lab(n_max, node_mbit=args.node_mbit, storage_mbit=args.storage_mbit, lease_ttl=5.0,
-             memory_limit=budget, daemon_args=("--memory-only", "allow")) as lab:  # fmt: skip
+             memory_limit=budget, daemon_args=("--memory-only", "allow"),
+             workdir=args.workdir) as lab:  # fmt: skip
         print(lab.describe(), flush=True)
         if not args.skip_restore:
             for n in args.nodes:
-                for mode in ("cache", "direct"):
+                for mode in args.modes:
                     run = restore(lab, n, mode, nbytes, seed=n)
                     models[run.what] = model_seconds(n, nbytes, args.node_mbit,
                                                      args.storage_mbit, mode)  # fmt: skip
                     runs.append(run)
                     print(table([run], models).splitlines()[-1], flush=True)
-        for run in (backup_copy(lab, nbytes), backup_wave(lab, nbytes // 2, persist=False),
-                    backup_wave(lab, nbytes // 2, persist=True)):  # fmt: skip
+        backups = (
+            () if args.skip_backup
+            else (lambda: backup_copy(lab, nbytes), lambda: backup_wave(lab, nbytes // 2, False),
+                  lambda: backup_wave(lab, nbytes // 2, True))
+        )  # fmt: skip
+        for measure in backups:
+            run = measure()
             runs.append(run)
             print(table([run], models).splitlines()[-1], flush=True)
     print()

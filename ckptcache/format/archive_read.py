@@ -40,6 +40,7 @@ from ckptcache.errors import CorruptCheckpoint
 from ckptcache.format.archive import PARSE_ERRORS, ViewReader
 from ckptcache.format.crc import crc32_combine
 from ckptcache.format.persisted import DIGESTS_MEMBER, central_offset, check_archive
+from ckptcache.format.prefix_read import PrefixReads, plan_ranges
 from ckptcache.storage import StorageBackend
 
 __all__ = ["BLOCK", "read_archive"]
@@ -151,13 +152,17 @@ def read_archive(
     concurrency: int,
     advance: Callable[[int], None],
     chunk: int = 8 << 20,
+    prefix_first: bool = False,
 ) -> dict[int, int]:
     """Fill ``view`` (exactly the object's size) with the archive stored at ``path`` by ranged
     reads on ``concurrency`` threads, check it as :func:`check_archive` with ``deep=True``
     does, and return the xxh3 of every record by data offset.
 
     ``advance(n)`` reports each time the first ``n`` bytes are in place (relays follow it;
-    they are verified downstream). Raises :class:`CorruptCheckpoint` for a damaged file.
+    they are verified downstream). ``prefix_first``: keep that prefix moving when some
+    requests are slower than others, and taper the ranges towards the end
+    (:mod:`ckptcache.format.prefix_read`), for a read that is relayed as it lands.
+    Raises :class:`CorruptCheckpoint` for a damaged file.
     """
     size = len(view)
     _read_tail(backend, path, view)
@@ -168,14 +173,16 @@ def read_archive(
     follower = _Follower(view, records, path)
 
     chunk = max(BLOCK, -(-chunk // BLOCK) * BLOCK)  # whole blocks per range
-    ranges = [(off, min(chunk, size - off)) for off in range(0, size, chunk)]
+    if prefix_first:
+        ranges = plan_ranges(size, chunk, concurrency, BLOCK)
+    else:
+        ranges = [(off, min(chunk, size - off)) for off in range(0, size, chunk)]
     block_crcs: dict[int, int] = {}  # block start -> CRC-32 of the whole block
     done: set[int] = set()
     lock = threading.Lock()
 
-    def read(index: int) -> None:
+    def land(index: int) -> None:  # range ``index`` is in place
         off, n = ranges[index]
-        backend.read_into(path, off, view[off : off + n])
         if need_crc:  # while the range is still in cache; in parallel with other threads
             crcs = {b: zlib.crc32(view[b : b + BLOCK]) for b in range(off, off + n, BLOCK)
                     if b + BLOCK <= size}  # fmt: skip
@@ -191,9 +198,22 @@ def read_archive(
             advance(landed)
         follower.follow()
 
-    with ThreadPoolExecutor(max(1, concurrency), thread_name_prefix="storage-read") as pool:
-        for future in [pool.submit(read, i) for i in range(len(ranges))]:
-            future.result()  # the first failure, in range order
+    if prefix_first:
+        # One range of slack past the first: a worker that lands its range early starts the
+        # next at once; more slack only lets it race ahead of a slow first range.
+        reads = PrefixReads(lambda off, part: backend.read_into(path, off, part), view, ranges,
+                            workers=concurrency, lead=concurrency + 1, landed=land)  # fmt: skip
+        reads.run()
+    else:
+
+        def read(index: int) -> None:
+            off, n = ranges[index]
+            backend.read_into(path, off, view[off : off + n])
+            land(index)
+
+        with ThreadPoolExecutor(max(1, concurrency), thread_name_prefix="storage-read") as pool:
+            for future in [pool.submit(read, i) for i in range(len(ranges))]:
+                future.result()  # the first failure, in range order
     follower.prefix = size
     follower.follow()  # a hasher may have left while the last prefix moved
 

@@ -144,7 +144,7 @@ class Cluster:
                 },
                 tls=self.membership.tls, node_id=cfg.node_id,
                 limits=ConnectionLimits(cfg.handshake_timeout, cfg.max_peer_connections,
-                                        cfg.max_unauthenticated_peers),
+                                        cfg.max_unauthenticated_peers, cfg.dead_peer_timeout),
             )  # fmt: skip
         self.membership.publish(self.server.address if self.server else "")
 
@@ -157,6 +157,7 @@ class Cluster:
         self.membership.join()
         self.replication.start()
         threading.Thread(target=self._monitor, name="cluster-monitor", daemon=True).start()
+        threading.Thread(target=self.storage.warm, name="storage-warm", daemon=True).start()
         if self.server is not None:  # peers are dialled over the data plane: none without
             self.clocks.start()
         # Recovered after a restart: announce and re-protect them.

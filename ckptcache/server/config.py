@@ -126,6 +126,11 @@ class DaemonConfig:
     tls_ca: str | None = None
     #: Seconds an accepted data-plane connection has to finish the handshake.
     handshake_timeout: float = 5.0
+    #: Seconds a peer may leave data-plane bytes (or keep-alive probes) unacknowledged before
+    #: it counts as dead and the transfer fails over (``TCP_USER_TIMEOUT``). Shorter on a
+    #: fast, quiet fabric finds a partitioned peer sooner; too short drops live peers whose
+    #: link stalls for longer (a congested switch, a paused VM).
+    dead_peer_timeout: float = 10.0
     #: Data-plane connections served at once (also capped to half the open-file limit).
     max_peer_connections: int = 256
     #: Of those, connections still in the handshake; the oldest is dropped to admit a new one.
@@ -215,6 +220,13 @@ def _seconds(*, zero_ok: bool) -> Validator:
         return number
 
     return check
+
+
+def _dead_peer(value: Any) -> float:
+    number = float(value)
+    if number < 1:  # TCP keep-alive counts whole seconds; less drops live peers on a hiccup
+        raise ValueError("must be at least 1 second")
+    return number
 
 
 def _memory_limit(value: Any) -> int:
@@ -325,6 +337,7 @@ VALIDATORS: dict[str, Validator] = {
     "tls_key": _optional_text,
     "tls_ca": _optional_text,
     "handshake_timeout": _seconds(zero_ok=False),
+    "dead_peer_timeout": _dead_peer,
     "max_peer_connections": _count(1),
     "max_unauthenticated_peers": _count(1),
     "clock_offset_bound": _seconds(zero_ok=True),

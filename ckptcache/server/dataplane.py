@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import dataclasses
 import errno
 import hashlib
 import hmac
@@ -124,21 +125,24 @@ def recv_exact_into(sock: socket.socket, view: memoryview, deadline: float | Non
         view = view[n:]
 
 
-#: Seconds a peer may leave our bytes (or keep-alive probes, sent after 2 s of quiet)
-#: unacknowledged before its connection fails (``TCP_USER_TIMEOUT``). A peer cut off by a
-#: partition, or whose host died, is found in this time rather than after the 300 s socket
-#: timeout, which held a ``durability="backup"`` save past its client's timeout; a slow but
-#: live peer keeps acknowledging and never trips it.
-DEAD_PEER_SECONDS = 10
+#: Seconds a peer may leave our bytes (or keep-alive probes) unacknowledged before its
+#: connection fails (``TCP_USER_TIMEOUT``), by default: the daemon's ``dead_peer_timeout``.
+#: A peer cut off by a partition, or whose host died, is found in this time rather than after
+#: the 300 s socket timeout, which held a ``durability="backup"`` save past its client's
+#: timeout; a slow but live peer keeps acknowledging and never trips it.
+DEAD_PEER_SECONDS = 10.0
 
 
-def _tune(sock: socket.socket) -> None:
+def _tune(sock: socket.socket, dead_peer: float = DEAD_PEER_SECONDS) -> None:
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    # Keep-alive probes start after a quiet spell well inside the dead-peer time (2 s, less
+    # for a shorter one), so an idle connection to a vanished peer is found in that time too.
+    probe = max(1, min(2, int(dead_peer / 3)))
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, 2)
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, 2)
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, DEAD_PEER_SECONDS * 1000)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, probe)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, probe)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, int(dead_peer * 1000))
     except (OSError, AttributeError):  # not Linux: the socket timeout still bounds the wait
         pass
     for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
@@ -398,12 +402,16 @@ class ConnectionLimits:
     handshake_timeout: float = 5.0
     max_connections: int = 256
     max_unauthenticated: int = 32
+    #: Seconds of silence after which an accepted peer counts as dead (``_tune``).
+    dead_peer: float = DEAD_PEER_SECONDS
 
     def capped(self, open_files: int) -> ConnectionLimits:
         """These limits, with at most half of ``open_files`` spent on peers (segments, the
         control socket and storage need the rest)."""
         total = max(4, min(self.max_connections, open_files // 2))
-        return ConnectionLimits(self.handshake_timeout, total, min(self.max_unauthenticated, total))
+        return dataclasses.replace(
+            self, max_connections=total, max_unauthenticated=min(self.max_unauthenticated, total)
+        )
 
 
 def _open_file_limit() -> int:
@@ -553,7 +561,7 @@ class DataPlaneServer:
         channel: Channel | None = None
         tracked = conn  # the accepted socket, as counted by _admit (TLS wraps it anew)
         try:
-            _tune(conn)
+            _tune(conn, self.limits.dead_peer)
             deadline = time.monotonic() + self.limits.handshake_timeout
             try:
                 if self._tls is not None:
@@ -618,7 +626,8 @@ class DataPlaneClient:
     """One authenticated connection to a peer's data plane (``channel`` carries the requests).
 
     ``node_id`` names this node in the handshake; ``expect`` is the id the peer must prove
-    (the node whose signed record gave ``address``).
+    (the node whose signed record gave ``address``); ``dead_peer``: seconds of silence
+    (nothing acknowledged, no SYN answered) after which the peer counts as gone.
     """
 
     def __init__(
@@ -630,16 +639,15 @@ class DataPlaneClient:
         *,
         node_id: str = "",
         expect: str | None = None,
+        dead_peer: float = DEAD_PEER_SECONDS,
     ):
         host, _, port = address.rpartition(":")
         self.address = address
         # A peer cut off by a partition never answers the SYN: give up on it as on a silent
         # connection (the kernel would retry for minutes), then use the caller's timeout.
-        self.sock = socket.create_connection(
-            (host, int(port)), timeout=min(timeout, DEAD_PEER_SECONDS)
-        )
+        self.sock = socket.create_connection((host, int(port)), timeout=min(timeout, dead_peer))
         self.sock.settimeout(timeout)
-        _tune(self.sock)
+        _tune(self.sock, dead_peer)
         client_nonce, own_id = secrets.token_bytes(16), _node_id_bytes(node_id)
         try:
             if tls is not None:

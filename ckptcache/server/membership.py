@@ -130,7 +130,8 @@ class Membership:
         """An authenticated connection to ``node``, which must prove it is that node."""
         assert self.secret is not None
         return DataPlaneClient(node.data_addr, self.secret, timeout, self.tls,
-                               node_id=self.node.node_id, expect=node.node_id)  # fmt: skip
+                               node_id=self.node.node_id, expect=node.node_id,
+                               dead_peer=self.config.dead_peer_timeout)  # fmt: skip
 
     def backup_targets(self, exclude: set[str]) -> list[NodeInfo]:
         """Where backup copies go: the ring of live nodes after this one, never this host."""

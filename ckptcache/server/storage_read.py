@@ -4,7 +4,8 @@ record or its CRC-32, and the zip structure: nothing damaged is ever committed, 
 load's ``verify``), and commits it; the others chain behind it. A daemon without a cluster
 uses the same reader, alone, for prefetches (:class:`ckptcache.server.loads.Loads`).
 
-Call order: :meth:`StorageReader.in_storage` (planning) -> :meth:`StorageReader.load`
+Call order: :meth:`StorageReader.warm` (once, at start, in the background),
+:meth:`StorageReader.in_storage` (planning) -> :meth:`StorageReader.load`
 (``started()`` once the first range is requested: the node announces itself in flight).
 """
 
@@ -37,9 +38,11 @@ def read_chunk(size: int, concurrency: int) -> int:
     Relays follow the contiguous prefix that has landed, and the ranges in flight share the
     storage link, so joiners trail the reader by about ``concurrency`` ranges: at most 8 MiB
     each (a quarter of the object split over the threads, at least one 1 MiB block) keeps
-    that lag a small part of the read without a request per few bytes.
+    that lag a small part of the read without a request per few bytes (the last ranges are
+    smaller still: :func:`~ckptcache.format.prefix_read.plan_ranges`). Whole MiB: a range
+    rounded up to the next block would leave a short one at the end.
     """
-    return max(1 << 20, min(8 << 20, size // (4 * max(1, concurrency))))
+    return max(1, min(8, size // (4 * max(1, concurrency)) >> 20)) << 20
 
 
 class StorageReader:
@@ -59,6 +62,17 @@ class StorageReader:
         self.roots = roots
         self.options = options
         self.receive = receive
+
+    def warm(self) -> None:
+        """Build the storage clients of the persist roots and ask each root once (in the
+        background, at start). Building an S3 client loads botocore's service model: about
+        1 s of CPU, measured in the cluster lab, which the first restore otherwise paid on
+        every node at once, before the group's read could begin."""
+        for root in self.roots.urls:  # local roots need no client
+            try:
+                backend_for(root, self.options).exists(root)
+            except Exception as e:  # storage down at start: the first read reports it
+                log.info("storage under %s not reachable yet: %s", root, e)
 
     def in_storage(self, path: str) -> bool:
         """Whether storage holds ``path`` (read only under this daemon's roots)."""
@@ -110,7 +124,8 @@ class StorageReader:
             # is not served.
             chunk = read_chunk(size, self.config.s3_max_concurrency)
             computed = read_archive(backend, path, view[:size], advance=advance, chunk=chunk,
-                                    concurrency=self.config.s3_max_concurrency)  # fmt: skip
+                                    concurrency=self.config.s3_max_concurrency,
+                                    prefix_first=True)  # fmt: skip
             parsed = parse_archive(view[:size])
             manifest = manifest_from_archive(parsed, path, namespace, size)
             encoded = manifest.to_json()

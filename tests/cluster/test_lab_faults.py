@@ -38,6 +38,9 @@ BOUND = CLIENT_TIMEOUT + 15.0
 NODE_MBIT = 200.0
 STORAGE_MBIT = 400.0
 TTL = 2.0
+#: The daemons' dead-peer time (``dead_peer_timeout``): what an operator on a quiet, fast
+#: fabric sets; every fault that cuts a transfer is found in this time (default 10 s).
+DEAD_PEER = 3.0
 #: S3's smallest part: objects of a few parts are multipart uploads, whose completion is
 #: fenced by the writer role (a single PUT in flight is not: see the README's Guarantees).
 PART_MIB = 5
@@ -62,7 +65,8 @@ def shared_lab(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Lab]:
 
 def _lab(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Lab]:
     lab = Lab(4, node_mbit=NODE_MBIT, storage_mbit=STORAGE_MBIT, lease_ttl=TTL,
-              workdir=tmp_path_factory.mktemp("lab"), memory_limit="256MiB",
+              dead_peer_timeout=DEAD_PEER, workdir=tmp_path_factory.mktemp("lab"),
+              memory_limit="256MiB",
               config=f"s3_part_size: {PART_MIB}MiB\n")  # fmt: skip
     with lab:
         yield lab

@@ -55,13 +55,17 @@ def read(tmp_path, data: bytes, **kwargs) -> tuple[dict[int, int], bytearray, li
     return digests, view, landed
 
 
+@pytest.mark.parametrize("prefix_first", [False, True])
 @pytest.mark.parametrize("make", [torch_archive, persisted_archive])
 @pytest.mark.parametrize(
     "concurrency,chunk", [(1, BLOCK), (4, BLOCK), (3, 2 * BLOCK), (2, 64 << 20)]
 )
-def test_same_bytes_and_digests_as_the_two_pass_check(tmp_path, make, concurrency, chunk):
+def test_same_bytes_and_digests_as_the_two_pass_check(
+    tmp_path, make, concurrency, chunk, prefix_first
+):
     data = make()
-    digests, view, landed = read(tmp_path, data, concurrency=concurrency, chunk=chunk)
+    digests, view, landed = read(tmp_path, data, concurrency=concurrency, chunk=chunk,
+                                 prefix_first=prefix_first)  # fmt: skip
     assert bytes(view) == data
     assert digests == check_archive(memoryview(data), "ref", deep=True)
     records, _ = list_records(memoryview(data))
@@ -69,14 +73,15 @@ def test_same_bytes_and_digests_as_the_two_pass_check(tmp_path, make, concurrenc
     assert landed == sorted(landed) and landed[-1] == len(data)
 
 
+@pytest.mark.parametrize("prefix_first", [False, True])
 @pytest.mark.parametrize("make", [torch_archive, persisted_archive])
-def test_a_flipped_byte_in_a_tensor_is_refused_naming_it(tmp_path, make):
+def test_a_flipped_byte_in_a_tensor_is_refused_naming_it(tmp_path, make, prefix_first):
     data = bytearray(make())
     record = next(r for r in list_records(memoryview(bytes(data)))[0] if r.name.endswith("/0"))
     data[record.data_offset + record.size // 2] ^= 0x10
     against = "CRC-32" if make is torch_archive else "digest"
     with pytest.raises(CorruptCheckpoint, match=f"does not match its {against}") as info:
-        read(tmp_path, bytes(data), concurrency=4, chunk=BLOCK)
+        read(tmp_path, bytes(data), concurrency=4, chunk=BLOCK, prefix_first=prefix_first)
     # Named as the state-dict path of the tensor (from the skeleton), with its record.
     assert info.value.tensor == "a" and record.name in str(info.value)
 
@@ -91,11 +96,12 @@ def test_a_flipped_byte_in_a_small_record_is_refused(tmp_path):
         read(tmp_path, bytes(data), concurrency=2, chunk=BLOCK)
 
 
+@pytest.mark.parametrize("prefix_first", [False, True])
 @pytest.mark.parametrize("cut", [1, 22, 1000, BLOCK + 5])
-def test_a_truncated_file_is_refused(tmp_path, cut):
+def test_a_truncated_file_is_refused(tmp_path, cut, prefix_first):
     data = torch_archive()
     with pytest.raises(CorruptCheckpoint, match="corrupt"):
-        read(tmp_path, data[:-cut], concurrency=2, chunk=BLOCK)
+        read(tmp_path, data[:-cut], concurrency=2, chunk=BLOCK, prefix_first=prefix_first)
 
 
 def test_a_file_that_is_not_an_archive_is_refused(tmp_path):
