@@ -12,18 +12,18 @@ from __future__ import annotations
 
 import argparse
 import collections
-import contextlib
 import functools
-import gc
 import io
 import pickle
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from ckptcache.errors import SerializationError, UnsafeUnpickle
+from ckptcache.format.fast_unpickle import NOT_FAST, ArrayLoader, fast_load_applies, fast_unpickle
+from ckptcache.format.gcpause import gc_paused
 
 __all__ = [
     "Flattened",
@@ -175,22 +175,6 @@ def v3_dtypes() -> frozenset[torch.dtype]:
     return frozenset(torch.storage._new_dtypes())
 
 
-@contextlib.contextmanager
-def gc_paused() -> Iterator[None]:
-    """No cyclic garbage collection inside: a walk or pickle of thousands of tensors makes
-    tens of thousands of short-lived tuples, and each generation-2 collection they set off
-    scans the whole heap (a trainer's heap is large): that made the cost per tensor grow with
-    the number of tensors. Nothing made inside lives in a cycle that needs the collector."""
-    if not gc.isenabled():
-        yield
-        return
-    gc.disable()
-    try:
-        yield
-    finally:
-        gc.enable()
-
-
 def flatten(obj: Any) -> Flattened:
     """Pickle ``obj``'s skeleton and collect its storages (no tensor bytes are copied).
 
@@ -306,89 +290,6 @@ def restore_location(
 
 StorageLoader = Callable[[str, int], torch.UntypedStorage]
 
-_NOT_FAST = object()
-
-
-class _NotFast(Exception):
-    """The skeleton needs more than the fast path allows: torch's unpickler takes over."""
-
-
-def _fast_load_applies() -> bool:
-    # Under a fake tensor mode torch's rebuild makes fake tensors: leave that to torch.
-    from torch._guards import detect_fake_mode
-
-    return detect_fake_mode() is None
-
-
-def _fast_unpickle(
-    skeleton: bytes | memoryview,
-    persistent_load: Callable[[Any], torch.storage.TypedStorage],
-) -> Any:
-    """The skeleton of a plain state dict, unpickled by the C unpickler with three globals
-    allowed and nothing else: ``_rebuild_tensor_v2`` (as the rebuild below), ``OrderedDict``
-    and the storage classes (only ever seen inside a storage's persistent id). torch's
-    weights-only unpickler interprets each opcode in Python, a hundred microseconds per tensor;
-    this runs the opcodes in C and only the rebuild of each tensor in Python.
-
-    It is no less safe: no callable is reachable but those three (REDUCE, NEWOBJ, INST, OBJ,
-    EXT and STACK_GLOBAL all resolve through :meth:`find_class`), and the rebuild makes a
-    tensor only over a storage this load made, with the dtype it was made with. Anything else
-    (another global, a tensor with hooks or metadata, a malformed skeleton) returns
-    ``_NOT_FAST`` and torch's unpickler decides, with its own errors."""
-    made: dict[int, tuple[torch.storage.TypedStorage, torch.UntypedStorage, torch.dtype]] = {}
-
-    def load_storage(saved_id: Any) -> torch.storage.TypedStorage:
-        typed = persistent_load(saved_id)
-        made[id(typed)] = (typed, typed._untyped_storage, typed.dtype)
-        return typed
-
-    empty = torch.empty
-
-    def rebuild(
-        storage: Any, offset: Any, size: Any, stride: Any, requires_grad: Any,
-        hooks: Any, metadata: Any = None,
-    ) -> torch.Tensor:  # fmt: skip
-        entry = made.get(id(storage))
-        if entry is None or entry[0] is not storage or hooks or metadata:
-            raise _NotFast
-        if type(hooks) is not collections.OrderedDict or type(requires_grad) is not bool:
-            raise _NotFast
-        _, untyped, dtype = entry
-        tensor = empty((0,), dtype=dtype, device=untyped.device).set_(untyped, offset, size, stride)
-        if requires_grad:
-            tensor.requires_grad = True
-        return tensor
-
-    allowed = {
-        ("torch._utils", "_rebuild_tensor_v2"): rebuild,
-        ("collections", "OrderedDict"): collections.OrderedDict,
-    }
-
-    class _Unpickler(pickle.Unpickler):
-        def find_class(self, module: str, name: str) -> Any:
-            found = allowed.get((module, name))
-            if found is not None:
-                return found
-            if module == "torch" and name.endswith("Storage"):
-                try:
-                    return torch.serialization.StorageType(name)
-                except KeyError:
-                    pass
-            raise _NotFast
-
-    unpickler = _Unpickler(io.BytesIO(skeleton), encoding="utf-8")
-    unpickler.persistent_load = load_storage  # type: ignore[method-assign]
-    try:
-        with gc_paused():
-            return unpickler.load()
-    except Exception:
-        return _NOT_FAST
-    finally:
-        # The local class is in a reference cycle (as every class is) that reaches ``made``
-        # through its find_class: cleared, the storages (and the pins of a zero-copy load's
-        # mapping) go with the last reference to the result, not at the next GC pass.
-        made.clear()
-
 
 def unflatten(
     skeleton: bytes | memoryview,
@@ -396,11 +297,14 @@ def unflatten(
     *,
     weights_only: bool = True,
     map_location: MapLocation = None,
+    load_array: ArrayLoader | None = None,
 ) -> Any:
     """Rebuild an object from its skeleton; ``load_storage(key, nbytes)`` returns CPU storages.
 
     With ``weights_only=True`` only torch's allowlist plus :func:`extra_safe_globals` may be
-    unpickled; anything else raises :class:`UnsafeUnpickle`.
+    unpickled; anything else raises :class:`UnsafeUnpickle`. ``load_array(key, nbytes)``
+    (zero-copy loads) gives a storage's bytes as an array over the mapping, from which a
+    tensor covering its whole storage is made directly (:mod:`ckptcache.format.fast_unpickle`).
     """
     loaded: dict[str, torch.storage.TypedStorage] = {}
     sizes: dict[Any, tuple[torch.dtype, int]] = {}  # storage class -> (dtype, element size)
@@ -424,9 +328,11 @@ def unflatten(
         typed = loaded[key] = typed_storage(wrap_storage=storage, dtype=dtype, _internal=True)
         return typed
 
-    if weights_only and _fast_load_applies():
-        result = _fast_unpickle(skeleton, persistent_load)
-        if result is not _NOT_FAST:
+    if weights_only and fast_load_applies():
+        result = fast_unpickle(
+            skeleton, persistent_load, load_array if map_location is None else None
+        )
+        if result is not NOT_FAST:
             return result
         # Something beyond the common case (or damage): torch's own unpickler decides, with
         # the storages already made.

@@ -232,10 +232,19 @@ def _rebuild(
             return storage_view(mapping, offset, nbytes)
         return storage_copy(mapping, offset, nbytes)
 
+    def load_array(key: str, nbytes: int) -> np.ndarray | None:
+        """Storage ``key``'s bytes as a slice of ``whole``, for a tensor made straight over
+        them (None: the storage is made by ``load_storage``, with its errors)."""
+        offset, size = places.get(key, (0, -1))
+        if whole is None or size != nbytes or offset < 0 or offset + nbytes > len(whole):
+            return None
+        return whole[offset : offset + nbytes]
+
     try:
         return unflatten(
-            skeleton, load_storage, weights_only=weights_only, map_location=map_location
-        )
+            skeleton, load_storage, weights_only=weights_only, map_location=map_location,
+            load_array=load_array if whole is not None else None,
+        )  # fmt: skip
     finally:
         if to_device is not None:
             to_device.finish()

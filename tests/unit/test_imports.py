@@ -145,8 +145,8 @@ PRIVATE_KEPT: dict[tuple[str, str], str] = {
     ("ckptcache.recovery._buckets", "buf._base"): "numpy's view base: is the buffer shared",
     ("ckptcache.wire.messages", "hint._value2member_map_"):
         "enum's value table: a string enum field decoded without a try per member",
-    ("ckptcache.format.flatten", "typed._untyped_storage"):
-        "torch's storage internals, as torch.save reads them",
+    **{(module, "typed._untyped_storage"): "torch's storage internals, as torch.save reads them"
+       for module in ("ckptcache.format.flatten", "ckptcache.format.fast_unpickle")},
     **{("ckptcache.format.plancache", what): "torch's storage identity, version counter and "
        "hooks: what a cached plan's structure key is made of"
        for what in ("a._cdata", "b._cdata", "storage._cdata", "t._backward_hooks",
