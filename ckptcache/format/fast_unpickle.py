@@ -129,7 +129,7 @@ def fast_unpickle(
         _, _, key, location, numel = entry.saved_id
         if location != "cpu" or type(numel) is not int or math.prod(size) != numel or not numel:
             return None
-        if not _contiguous(size, stride):
+        if not (stride == (1,) if len(size) == 1 else _contiguous(size, stride)):
             return None
         nbytes = numel * entry.dtype.itemsize
         array = load_array(str(key), nbytes)  # type: ignore[misc]
