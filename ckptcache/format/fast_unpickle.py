@@ -219,9 +219,11 @@ def fast_unpickle(
     except Exception:
         return NOT_FAST
     finally:
-        # The local class is in a reference cycle (as every class is) that reaches ``made``
+        # The local class is in a reference cycle (as every class is) that reaches the rebuild
+        # (and through it ``made``, ``by_key`` and ``load_array``'s array over the mapping)
         # through its find_class: cleared, the storages (and the pins of a zero-copy load's
         # mapping) go with the last reference to the result, not at the next GC pass.
+        allowed.clear()
         made.clear()
         pending.clear()
         by_key.clear()

@@ -63,7 +63,7 @@ def test_waiting_save_proceeds_when_a_pin_is_released(daemon_factory, tmp_path):
             t = threading.Thread(target=third_save)
             t.start()
             # The save has sent its reservation and waits for the daemon's answer.
-            wait_until(lambda: thread_inside(t, "_request", kind="reserve"), 30, "the reserve")
+            wait_until(lambda: thread_inside(t, "request", kind="reserve"), 30, "the reserve")
             assert not done.is_set()  # blocked on the budget, not written through
             assert held["w"][0].item() == 1.0  # the pinned copy is intact
             del held
