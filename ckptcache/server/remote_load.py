@@ -29,8 +29,9 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from ckptcache.errors import CheckpointNotFound, CkptCacheError, CorruptCheckpoint
-from ckptcache.server.coord import NodeInfo
+from ckptcache.server.coord import NodeInfo, keys
 from ckptcache.server.coord.counting import CountingCoordinator
+from ckptcache.server.coord.records import LoaderRecord
 from ckptcache.server.fetching import Fetching, PeerBusy
 from ckptcache.server.membership import Membership, path_hash
 from ckptcache.server.metrics import Metrics
@@ -211,8 +212,8 @@ def _from_storage(src: Sources, load: _Load, alone: bool) -> Generation | None:
         gen = src.storage.load(load.namespace, load.path, lambda: None)
         src.membership.announce(gen)
         return gen
-    key = f"loads/{load.ph}"
-    if not src.membership.coord.elect(key, {"node": src.membership.node.node_id}):
+    key = keys.load_key(load.ph)
+    if not src.membership.coord.elect(key, LoaderRecord(src.membership.node.node_id).to_dict()):
         _wait(src, load)  # another member reads storage for the group
         return None
     try:
