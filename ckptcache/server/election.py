@@ -29,6 +29,7 @@ from dataclasses import dataclass, fields
 from ckptcache.errors import CkptCacheError
 from ckptcache.format.digest import digest_bytes
 from ckptcache.format.manifest import object_digest
+from ckptcache.server.backoff import Backoff
 from ckptcache.server.config import DaemonConfig
 from ckptcache.server.coord import CoordinatorUnavailable, NodeInfo, keys
 from ckptcache.server.coord.records import (
@@ -56,6 +57,9 @@ log = logging.getLogger(__name__)
 #: Lease time a write must still have left to land on the strength of the lease alone: the
 #: last steps (a rename, a multipart completion) run after the check.
 _FENCE_MARGIN = 1.0
+
+#: Recording a persist while the coordinator is unreachable: tried again at this pace.
+RECORD_RETRY = Backoff(0.2, 5.0)
 
 #: How long a good copy is asked for again from a peer busy sending it to others (seconds).
 BUSY_PATIENCE = 10.0
@@ -239,12 +243,12 @@ class Election:
             self.membership.coord.release(key)
 
     def _retry_record(self, path: str, ph: str, digest: str, record: PersistedRecord) -> None:
-        delay = 0.2
-        while not self._stop.wait(delay):
+        failures = 0
+        while not self._stop.wait(RECORD_RETRY.delay(failures)):
             try:
                 self._record_persisted(ph, digest, record)
             except CoordinatorUnavailable:
-                delay = min(delay * 2, 5.0)
+                failures += 1
                 continue
             log.info("recorded the persist of %s after a coordinator outage", path)
             return

@@ -25,6 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from ckptcache.server.backoff import ACCEPT
 from ckptcache.server.dataplane._sockets import DEAD_PEER_SECONDS, shutdown, tune
 from ckptcache.server.dataplane.handshake import TLSConfig, node_id_bytes, server_handshake
 from ckptcache.server.dataplane.records import Channel, ChannelTampered, recv_msg, send_msg
@@ -133,7 +134,7 @@ class DataPlaneServer:
             pass
 
     def _accept_loop(self) -> None:
-        backoff = 0.0
+        exhausted = 0  # accept() failures in a row for want of descriptors
         while not self._stop:
             try:
                 conn, peer = self.sock.accept()
@@ -143,7 +144,8 @@ class DataPlaneServer:
                 if e.errno in _EXHAUSTED:
                     # Out of descriptors (or kernel memory): the pending connection stays in
                     # the backlog; wait for handshakes to end or time out, then go on.
-                    backoff = min(1.0, max(0.05, backoff * 2))
+                    backoff = ACCEPT.delay(exhausted)
+                    exhausted += 1
                     if (more := self._accept_errors.ready()) is not None:
                         log.error("data-plane accept failed (%s); backing off %.2fs%s",
                                   errno.errorcode.get(e.errno or 0, e), backoff, more)  # fmt: skip
@@ -154,7 +156,7 @@ class DataPlaneServer:
                     log.exception("data-plane accept failed; going on")
                     time.sleep(0.1)
                 continue
-            backoff = 0.0
+            exhausted = 0
             if self._admit(conn, peer):
                 threading.Thread(target=self._serve, args=(conn, peer), daemon=True).start()
 
