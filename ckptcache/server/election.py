@@ -25,13 +25,21 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, fields
-from typing import Any
 
 from ckptcache.errors import CkptCacheError
 from ckptcache.format.digest import digest_bytes
 from ckptcache.format.manifest import object_digest
+from ckptcache.server.backoff import Backoff
 from ckptcache.server.config import DaemonConfig
-from ckptcache.server.coord import CoordinatorUnavailable, NodeInfo
+from ckptcache.server.coord import CoordinatorUnavailable, NodeInfo, keys
+from ckptcache.server.coord.records import (
+    HolderRecord,
+    PersistedRecord,
+    RepRecord,
+    WriterRecord,
+    parse_all,
+    parse_one,
+)
 from ckptcache.server.fetching import Fetching, PeerBusy
 from ckptcache.server.index import Generation
 from ckptcache.server.membership import Membership, path_hash
@@ -49,6 +57,9 @@ log = logging.getLogger(__name__)
 #: Lease time a write must still have left to land on the strength of the lease alone: the
 #: last steps (a rename, a multipart completion) run after the check.
 _FENCE_MARGIN = 1.0
+
+#: Recording a persist while the coordinator is unreachable: tried again at this pace.
+RECORD_RETRY = Backoff(0.2, 5.0)
 
 #: How long a good copy is asked for again from a peer busy sending it to others (seconds).
 BUSY_PATIENCE = 10.0
@@ -108,24 +119,23 @@ class Election:
         if self._stored(ph, digest):
             return ClaimRole.DONE, gen.path
         target = self._conflict_target(gen, ph, digest)
-        group = self.membership.coord.scan(f"holders/{ph}/{digest}/")
+        group = parse_all(HolderRecord, self.membership.coord.scan(keys.group_prefix(ph, digest)))
         live = set(self.membership.node_ids())
-        members = sorted((str(v["node"]) for v in group.values() if v.get("node") in live),
+        members = sorted((h.node for h in group.values() if h.node in live),
                          key=lambda n: digest_bytes(f"{ph}{digest}{n}".encode()))  # fmt: skip
         me = self.membership.node.node_id
         rank = members.index(me) if me in members else len(members)
         if rank:
             time.sleep(min(0.2 * rank, 1.0))  # the preferred node gets a head start
-        if not self.membership.coord.elect(
-            f"reps/{ph}/{digest}", {"node": me, "since": time.time()}
-        ):
+        rep = keys.rep_key(ph, digest)
+        if not self.membership.coord.elect(rep, RepRecord(me, time.time()).to_dict()):
             return ClaimRole.STANDBY, ""
         if self._stored(ph, digest):
             # A previous representative finished (and stepped down) while we waited.
-            self.membership.release(f"reps/{ph}/{digest}")
+            self.membership.release(rep)
             return ClaimRole.DONE, gen.path
-        if not self.membership.coord.elect(f"writer/{ph}", {"node": me, "digest": digest}):
-            self.membership.coord.release(f"reps/{ph}/{digest}")
+        if not self.membership.coord.elect(keys.writer_key(ph), WriterRecord(me, digest).to_dict()):
+            self.membership.coord.release(rep)
             return ClaimRole.RETRY, ""
         return ClaimRole.LEAD, self._conflict_target(gen, ph, digest) or target
 
@@ -140,14 +150,16 @@ class Election:
         coord = self.membership.coord
 
         def still_writer() -> None:
+            key = keys.writer_key(ph)
             try:
-                holder = coord.get(f"writer/{ph}")
+                holder = parse_one(WriterRecord, key, coord.get(key))
             except CoordinatorUnavailable as e:
                 if coord.lease_remaining() > _FENCE_MARGIN:
                     return
                 raise Deposed(f"cannot confirm the writer role: {e}") from e
-            if not holder or holder.get("node") != me or holder.get("digest") != digest:
-                who = holder.get("node") if holder else "nobody"
+            # A malformed writer record is nobody's: the writer counts as deposed.
+            if holder is None or holder.node != me or holder.digest != digest:
+                who = holder.node if holder else "nobody"
                 raise Deposed(f"the writer role is no longer this node's (held by {who})")
 
         kept = {f.name: getattr(guard, f.name) for f in fields(WriteGuard)}
@@ -157,15 +169,13 @@ class Election:
         """Whether storage holds this content at its path: a persist of it is recorded and no
         other content of the path was persisted after it (a path saved X, Y, then X again
         must be written again: storage holds Y)."""
-        records = self.membership.coord.scan(f"persisted/{ph}/")
-        mine = records.get(f"persisted/{ph}/{digest}")
+        records = parse_all(PersistedRecord, self.membership.coord.scan(keys.persisted_prefix(ph)))
+        key = keys.persisted_key(ph, digest)
+        mine = records.get(key)
         if mine is None:
             return False
-        when = float(mine.get("committed", 0))
         return all(
-            float(v.get("committed", 0)) <= when
-            for k, v in records.items()
-            if k != f"persisted/{ph}/{digest}" and not str(v.get("path", "")).count(".conflict-")
+            r.committed <= mine.committed for k, r in records.items() if k != key and not r.sidecar
         )
 
     def _concurrent_contents(self, gen: Generation, ph: str, digest: str) -> dict[str, float]:
@@ -175,13 +185,12 @@ class Election:
         re-save, not a disagreement, and so is every generation of this node."""
         window = self.config.conflict_window
         entries: list[tuple[str, str, float]] = []  # (saving node, digest, committed)
-        for key, v in self.membership.coord.scan(f"holders/{ph}/").items():
-            d = key.split("/")[2]
-            if d != "inflight":  # a copy still arriving, not a content
-                # A backup copy is its origin's save: this node's own older generation held
-                # by its backup node is a re-save, not a rival content.
-                saver = str(v.get("origin") or v.get("node"))
-                entries.append((saver, d, float(v.get("committed", 0))))
+        scanned = self.membership.coord.scan(keys.holders_prefix(ph))
+        contents = {k: v for k, v in scanned.items() if keys.digest_of(k) != keys.INFLIGHT}
+        for key, h in parse_all(HolderRecord, contents).items():  # in flight: not a content
+            # A backup copy is its origin's save: this node's own older generation held
+            # by its backup node is a re-save, not a rival content.
+            entries.append((h.saver, keys.digest_of(key), h.committed))
         newest: dict[str, float] = {}
         for node, _, committed in entries:
             newest[node] = max(newest.get(node, 0.0), committed)
@@ -207,8 +216,8 @@ class Election:
             self.metrics.corrupt.labels(tier=Tier.GROUP).inc()
             log.error("digest disagreement on %s: this node holds %s, others hold %s",
                       gen.path, digest, sorted(others))  # fmt: skip
-        persisted = self.membership.coord.scan(f"persisted/{ph}/")
-        if any(k.split("/")[2] in others for k in persisted):  # a disagreeing content won
+        persisted = self.membership.coord.scan(keys.persisted_prefix(ph))
+        if any(keys.digest_of(k) in others for k in persisted):  # a disagreeing content won
             return f"{gen.path}.conflict-{digest}"
         return gen.path
 
@@ -217,8 +226,8 @@ class Election:
         record is retried in the background (with backoff) until it answers: the object is
         already complete on storage, so nothing waits for it but the standbys."""
         ph, digest = path_hash(gen.namespace, gen.path), object_digest(gen.digests or [])
-        record = {"node": self.membership.node.node_id, "path": target, "time": time.time(),
-                  "committed": gen.committed}  # fmt: skip
+        record = PersistedRecord(self.membership.node.node_id, target, time.time(),
+                                 gen.committed)  # fmt: skip
         try:
             self._record_persisted(ph, digest, record)
         except CoordinatorUnavailable as e:
@@ -228,18 +237,18 @@ class Election:
                 name="persisted-record", daemon=True,
             ).start()  # fmt: skip
 
-    def _record_persisted(self, ph: str, digest: str, record: dict[str, Any]) -> None:
-        self.membership.coord.record(f"persisted/{ph}/{digest}", record)
-        for key in (f"writer/{ph}", f"reps/{ph}/{digest}"):
+    def _record_persisted(self, ph: str, digest: str, record: PersistedRecord) -> None:
+        self.membership.coord.record(keys.persisted_key(ph, digest), record.to_dict())
+        for key in (keys.writer_key(ph), keys.rep_key(ph, digest)):
             self.membership.coord.release(key)
 
-    def _retry_record(self, path: str, ph: str, digest: str, record: dict[str, Any]) -> None:
-        delay = 0.2
-        while not self._stop.wait(delay):
+    def _retry_record(self, path: str, ph: str, digest: str, record: PersistedRecord) -> None:
+        failures = 0
+        while not self._stop.wait(RECORD_RETRY.delay(failures)):
             try:
                 self._record_persisted(ph, digest, record)
             except CoordinatorUnavailable:
-                delay = min(delay * 2, 5.0)
+                failures += 1
                 continue
             log.info("recorded the persist of %s after a coordinator outage", path)
             return
@@ -253,7 +262,7 @@ class Election:
         """Give up the representative's keys of ``gen`` (superseded, dropped or failed):
         held, they would keep every later save of the path from being persisted."""
         ph, digest = path_hash(gen.namespace, gen.path), object_digest(gen.digests or [])
-        self.membership.release(f"writer/{ph}", f"reps/{ph}/{digest}")
+        self.membership.release(keys.writer_key(ph), keys.rep_key(ph, digest))
 
     def replace_corrupt(self, gen: Generation) -> bool:
         """This node's copy of ``gen`` is corrupt: leave its redundancy group (so a standby
@@ -262,16 +271,18 @@ class Election:
         marked persisted) through the normal election."""
         ph, digest = path_hash(gen.namespace, gen.path), object_digest(gen.digests or [])
         me = self.membership.node.node_id
-        self.membership.withdraw(f"holders/{ph}/{digest}/{me}")
-        self.membership.release(f"writer/{ph}", f"reps/{ph}/{digest}")
+        self.membership.withdraw(keys.holder_key(ph, digest, me))
+        self.membership.release(keys.writer_key(ph), keys.rep_key(ph, digest))
         try:
-            members = self.membership.coord.scan(f"holders/{ph}/{digest}/")
+            members = parse_all(
+                HolderRecord, self.membership.coord.scan(keys.group_prefix(ph, digest))
+            )
             live = {n.node_id: n for n in self.membership.live_nodes()}
         except CoordinatorUnavailable as e:
             log.error("cannot look for a good copy of %s: %s", gen.path, e)
             return False
         for entry in members.values():
-            node = live.get(str(entry.get("node")))
+            node = live.get(entry.node)
             if node is None or node.node_id == me or not node.data_addr:
                 continue
             try:
@@ -315,7 +326,7 @@ class Election:
             if self._stored(ph, digest):
                 self._standby.pop(gen, None)
                 self.mark_persisted(gen)
-            elif not tag.startswith("!") and coord.get(f"reps/{ph}/{digest}") is None:
+            elif not tag.startswith("!") and coord.get(keys.rep_key(ph, digest)) is None:
                 self._standby.pop(gen, None)
                 log.warning("representative of %s is gone: taking over", gen.path)
                 self.resubmit(gen)

@@ -20,11 +20,13 @@ from ckptcache.format.manifest import object_digest
 from ckptcache.server.coord import (
     CoordinatorUnavailable,
     NodeInfo,
+    keys,
     make_coordinator,
     sign_node,
     verify_node,
 )
 from ckptcache.server.coord.counting import CountingCoordinator
+from ckptcache.server.coord.records import HolderRecord, InFlightRecord, parse_all
 from ckptcache.server.dataplane import DataPlaneClient, TLSConfig
 from ckptcache.server.metrics import Metrics
 
@@ -157,16 +159,17 @@ class Membership:
     def holders(self, namespace: str, path: str) -> list[NodeInfo]:
         """Live nodes announcing a copy of ``path`` (newest commit first)."""
         ph = path_hash(namespace, path)
-        entries = self.coord.scan(f"holders/{ph}/")
+        # Holdings and copies in flight alike: both name a node and a time, ranked together.
+        entries = parse_all(InFlightRecord, self.coord.scan(keys.holders_prefix(ph)))
         live = {n.node_id: n for n in self.live_nodes()}
-        if any(str(v.get("node")) not in live for v in entries.values()):
+        if any(v.node not in live for v in entries.values()):
             # A holder that joined after this node's cached view was read (up to max_age
             # ago) would be skipped although its copy is acknowledged: read the view anew.
             live = {n.node_id: n for n in self.live_nodes(max_age=0.0)}
-        ranked = sorted(entries.values(), key=lambda v: -float(v.get("committed", 0)))
+        ranked = sorted(entries.values(), key=lambda v: -v.committed)
         seen: list[NodeInfo] = []
         for v in ranked:
-            node = live.get(str(v.get("node")))
+            node = live.get(v.node)
             if node is not None and node not in seen and node.data_addr:
                 seen.append(node)
         return seen
@@ -175,10 +178,10 @@ class Membership:
         """Announce that this node holds ``gen``; returns its (path hash, object digest)."""
         digest = object_digest(self.ensure_digests(gen))
         ph = path_hash(gen.namespace, gen.path)
-        self.coord.announce(f"holders/{ph}/{digest}/{self.node.node_id}", {
-            "node": self.node.node_id, "path": gen.path, "generation": gen.number,
-            "committed": gen.committed, "origin": gen.origin,  # a copy: whose save it is
-        })  # fmt: skip
+        me = self.node.node_id
+        # origin: for a backup copy, whose save it is.
+        record = HolderRecord(me, gen.path, gen.number, gen.committed, gen.origin)
+        self.coord.announce(keys.holder_key(ph, digest, me), record.to_dict())
         return ph, digest
 
     def withdraw(self, key: str) -> None:
@@ -202,18 +205,20 @@ class Membership:
         digests = gen.digests
         if digests is None:
             return
-        key = f"holders/{path_hash(gen.namespace, gen.path)}/{object_digest(digests)}/"
-        threading.Thread(target=self.withdraw, args=(key + self.node.node_id,), daemon=True).start()
+        key = keys.holder_key(
+            path_hash(gen.namespace, gen.path), object_digest(digests), self.node.node_id
+        )
+        threading.Thread(target=self.withdraw, args=(key,), daemon=True).start()
 
     @contextlib.contextmanager
     def in_flight(self, ph: str) -> Iterator[Callable[[], None]]:
         """Yield ``announce()``: called once bytes start landing here, it tells later joiners
         to chain behind this node (holders are tried newest first) and take the bytes as
         they land. The announcement is withdrawn when the transfer ends either way."""
-        key = f"holders/{ph}/inflight/{self.node.node_id}"
+        key = keys.inflight_key(ph, self.node.node_id)
 
         def announce() -> None:
-            self.coord.announce(key, {"node": self.node.node_id, "committed": time.time()})
+            self.coord.announce(key, InFlightRecord(self.node.node_id, time.time()).to_dict())
 
         try:
             yield announce

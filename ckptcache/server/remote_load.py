@@ -22,15 +22,16 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import random
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from ckptcache.errors import CheckpointNotFound, CkptCacheError, CorruptCheckpoint
-from ckptcache.server.coord import NodeInfo
+from ckptcache.server.backoff import Backoff
+from ckptcache.server.coord import NodeInfo, keys
 from ckptcache.server.coord.counting import CountingCoordinator
+from ckptcache.server.coord.records import LoaderRecord
 from ckptcache.server.fetching import Fetching, PeerBusy
 from ckptcache.server.membership import Membership, path_hash
 from ckptcache.server.metrics import Metrics
@@ -48,6 +49,8 @@ MAX_PLANS = 64  # re-plans after failed executions (waits for a reader are not f
 MAX_ABSENT = 4  # "not here" answers after which a node's holder entry counts as stale
 BACKOFF_BASE = 0.004  # first wait for a reader to start (seconds, before jitter)
 BACKOFF_CAP = 0.1  # longest wait between two looks at the coordinator
+#: Waiting for another member's storage read: full jitter, so the waiters look apart.
+BACKOFF = Backoff(BACKOFF_BASE, BACKOFF_CAP, jitter=True)
 #: How long a holder that answered "busy" is passed over for the others (seconds): long
 #: enough for the peer it is sending to to announce itself in flight.
 BUSY_FOR = 0.5
@@ -211,8 +214,8 @@ def _from_storage(src: Sources, load: _Load, alone: bool) -> Generation | None:
         gen = src.storage.load(load.namespace, load.path, lambda: None)
         src.membership.announce(gen)
         return gen
-    key = f"loads/{load.ph}"
-    if not src.membership.coord.elect(key, {"node": src.membership.node.node_id}):
+    key = keys.load_key(load.ph)
+    if not src.membership.coord.elect(key, LoaderRecord(src.membership.node.node_id).to_dict()):
         _wait(src, load)  # another member reads storage for the group
         return None
     try:
@@ -230,10 +233,10 @@ def _from_storage(src: Sources, load: _Load, alone: bool) -> Generation | None:
 
 def _wait(src: Sources, load: _Load) -> None:
     """Until the coordinator may have changed: full-jitter exponential backoff, capped."""
-    bound = min(BACKOFF_CAP, BACKOFF_BASE * 2**load.waits)
+    delay = BACKOFF.delay(load.waits)
     load.waits += 1
     remaining = load.deadline - time.monotonic()
-    src.membership.coord.wait_change(min(remaining, random.uniform(0.0, bound)))
+    src.membership.coord.wait_change(min(remaining, delay))
 
 
 @contextlib.contextmanager

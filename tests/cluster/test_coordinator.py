@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import threading
 import uuid
 
@@ -129,6 +130,26 @@ class TestEtcd(Conformance):
         assert returned[-1] == 0
         for coord in (a, c, d, e):
             coord.close()
+
+    def test_a_hand_written_value_reads_as_an_empty_record_and_no_node(self):
+        """What no daemon writes (not JSON, not an object, a node record without a host)
+        is present but empty to a reader, and never listed as a node to dial."""
+        a = self.make()
+        a.join(NodeInfo("a", "h", ""))
+        assert [n.node_id for n in a.live_nodes()] == ["a"]  # the view is read once ...
+        a._client.put(a.prefix + "persisted/p/d", "not json")
+        a._client.put(a.prefix + "writer/p", "[1, 2]")
+        a._client.put(a.prefix + "nodes/forged", json.dumps({"node_id": "forged"}))
+        a._client.put(a.prefix + "nodes/junk", "{")
+        assert a.get("persisted/p/d") == {}
+        assert a.scan("writer/") == {"writer/p": {}}
+        assert [n.node_id for n in a.live_nodes()] == ["a"]  # ... then only what changed
+        b = self.make()
+        b.join(NodeInfo("b", "h", ""))
+        assert [n.node_id for n in b.live_nodes()] == ["a", "b"]  # read whole
+        assert [n.node_id for n in a.live_nodes()] == ["a", "b"]
+        a.close()
+        b.close()
 
     def test_a_lease_etcd_forgot_is_taken_again_by_the_next_request(self):
         # A long TTL: the node stays healthy in its own eyes however slow this host is.

@@ -18,16 +18,8 @@ a key derived from the cluster secret, of the coordinator prefix and the record'
 JSON (node id, host, data address, issue time). A writer to etcd without the secret cannot
 make a node be dialled (:func:`sign_node` / :func:`verify_node`).
 
-Key schema used by the daemon (``ckptcache.server.cluster``)::
-
-    nodes/<node_id>                              leased  NodeInfo, signed (see below)
-    holders/<path_hash>/<digest>/<node_id>       leased  who holds which content of a path
-    holders/<path_hash>/inflight/<node_id>       leased  a copy still arriving (relayed)
-    writer/<path_hash>                           leased  the one node writing a path now
-    loads/<path_hash>                            leased  the group's storage reader
-    reps/<path_hash>/<digest>                    leased  elected representative of a group
-    persisted/<path_hash>/<digest>               durable the group's persisted record
-    failed/<path_hash>/<digest>/<node_id>        leased  a representative's failed attempt
+Key schema used by the daemon: :mod:`ckptcache.server.coord.keys` (every key is built there);
+the values under them: :mod:`ckptcache.server.coord.records` (typed, checked when read).
 """
 
 from __future__ import annotations
@@ -36,13 +28,25 @@ import abc
 import hashlib
 import hmac
 import json
+import logging
 import time
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from ckptcache import errors as _errors
+from ckptcache.server.coord.keys import NODES
+from ckptcache.server.coord.records import MalformedRecord
 
-__all__ = ["Coordinator", "CoordinatorUnavailable", "NodeInfo", "sign_node", "verify_node"]
+__all__ = [
+    "Coordinator",
+    "CoordinatorUnavailable",
+    "NodeInfo",
+    "read_node",
+    "sign_node",
+    "verify_node",
+]
+
+log = logging.getLogger(__name__)
 
 
 #: The coordinator (etcd) cannot be reached; cluster features pause until it returns. One
@@ -65,10 +69,20 @@ class NodeInfo:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, raw: dict[str, Any]) -> NodeInfo:
-        """Inverse of :meth:`to_dict`."""
-        return cls(str(raw["node_id"]), str(raw["host"]), str(raw.get("data_addr", "")),
-                   float(raw.get("issued", 0.0)), str(raw.get("sig", "")))  # fmt: skip
+    def from_dict(cls, raw: object) -> NodeInfo:
+        """Inverse of :meth:`to_dict`; raises :class:`MalformedRecord` for a value without
+        a node id or host, or with a field of the wrong type."""
+        if not isinstance(raw, dict):
+            raise MalformedRecord(f"node record is a {type(raw).__name__}, not an object")
+        try:
+            node_id, host = raw["node_id"], raw["host"]
+            issued = raw.get("issued", 0.0)
+            if isinstance(issued, bool) or not isinstance(issued, (int, float)):
+                raise TypeError(f"issued={issued!r}")
+            return cls(str(node_id), str(host), str(raw.get("data_addr", "")), float(issued),
+                       str(raw.get("sig", "")))  # fmt: skip
+        except (KeyError, TypeError) as e:
+            raise MalformedRecord(f"node record lacks or mistypes {e}") from e
 
 
 def _node_mac(node: NodeInfo, secret: bytes, prefix: str) -> str:
@@ -87,6 +101,16 @@ def sign_node(node: NodeInfo, secret: bytes, prefix: str, issued: float) -> Node
 def verify_node(node: NodeInfo, secret: bytes, prefix: str) -> bool:
     """Whether ``node`` was signed with ``secret`` for ``prefix`` (and not altered since)."""
     return bool(node.sig) and hmac.compare_digest(node.sig, _node_mac(node, secret, prefix))
+
+
+def read_node(key: str, raw: object) -> NodeInfo | None:
+    """The node record of ``key``, or None (logged) when it is malformed: a record nobody's
+    daemon wrote names no node to dial, and must not stop the others from being listed."""
+    try:
+        return NodeInfo.from_dict(raw)
+    except MalformedRecord as e:
+        log.warning("ignored coordinator key %s: %s", key, e)
+        return None
 
 
 class Coordinator(abc.ABC):
@@ -158,5 +182,5 @@ class Coordinator(abc.ABC):
 
     def live_nodes(self) -> list[NodeInfo]:
         """Nodes whose lease is alive, sorted by id."""
-        nodes = [NodeInfo.from_dict(v) for v in self.scan("nodes/").values()]
-        return sorted(nodes, key=lambda n: n.node_id)
+        nodes = [read_node(k, v) for k, v in self.scan(NODES).items()]
+        return sorted((n for n in nodes if n is not None), key=lambda n: n.node_id)

@@ -6,6 +6,7 @@ import threading
 from typing import Any
 
 from ckptcache.server.coord.base import Coordinator, NodeInfo
+from ckptcache.server.coord.keys import node_key
 
 __all__ = ["EmbeddedCoordinator"]
 
@@ -26,7 +27,7 @@ class EmbeddedCoordinator(Coordinator):
 
     def join(self, node: NodeInfo) -> None:
         self.node = node
-        self.announce(f"nodes/{node.node_id}", node.to_dict())
+        self.announce(node_key(node.node_id), node.to_dict())
 
     def announce(self, key: str, value: dict[str, Any]) -> None:
         with self._lock:

@@ -28,7 +28,13 @@ import time
 from typing import Any
 from urllib.parse import urlparse
 
-from ckptcache.server.coord.base import Coordinator, CoordinatorUnavailable, NodeInfo
+from ckptcache.server.coord.base import (
+    Coordinator,
+    CoordinatorUnavailable,
+    NodeInfo,
+    read_node,
+)
+from ckptcache.server.coord.keys import NODES, node_key
 
 __all__ = ["EtcdCoordinator"]
 
@@ -64,7 +70,8 @@ class EtcdCoordinator(Coordinator):
         self._stop = threading.Event()  # ends the keep-alive thread
         self._closed = threading.Event()  # set by close(): no request is started after it
         self._thread: threading.Thread | None = None
-        self._members: dict[bytes, NodeInfo] = {}
+        # None: a node key whose value is malformed (kept so the count below still matches).
+        self._members: dict[bytes, NodeInfo | None] = {}
         self._members_rev = 0  # revision of the view; 0: none yet
         self._members_lock = threading.Lock()
 
@@ -114,7 +121,7 @@ class EtcdCoordinator(Coordinator):
     def join(self, node: NodeInfo) -> None:
         self.node = node
         with self._lock:
-            self._announced[f"nodes/{node.node_id}"] = node.to_dict()
+            self._announced[node_key(node.node_id)] = node.to_dict()
             self._new_lease()
         self._thread = threading.Thread(target=self._keepalive, name="etcd-lease", daemon=True)
         self._thread.start()
@@ -219,7 +226,7 @@ class EtcdCoordinator(Coordinator):
 
     def get(self, key: str) -> dict[str, Any] | None:
         values = self._guard("get", self._client.get, self.prefix + key)
-        return json.loads(values[0]) if values else None
+        return _decode(key, values[0]) if values else None
 
     def scan(self, prefix: str) -> dict[str, dict[str, Any]]:
         items = self._guard("scan", self._client.get_prefix, self.prefix + prefix)
@@ -227,14 +234,15 @@ class EtcdCoordinator(Coordinator):
         for value, meta in items:
             key = meta["key"]
             key = key.decode() if isinstance(key, bytes) else key
-            out[key[len(self.prefix) :]] = json.loads(value)
+            key = key[len(self.prefix) :]
+            out[key] = _decode(key, value)
         return out
 
     def live_nodes(self) -> list[NodeInfo]:
         """Nodes whose lease is alive, as of now: only keys changed since the last read
         travel (see the module docstring)."""
         with self._members_lock:
-            prefix = (self.prefix + "nodes/").encode()
+            prefix = (self.prefix + NODES).encode()
             span = {"key": _b64(prefix), "range_end": _b64(prefix[:-1] + b"0")}
             if self._members_rev:
                 out = self._range({**span, "min_mod_revision": self._members_rev + 1})
@@ -248,7 +256,8 @@ class EtcdCoordinator(Coordinator):
                     base64.b64decode(kv["key"]): _node(kv) for kv in out.get("kvs", [])
                 }
             self._members_rev = int(out["header"]["revision"])
-            return sorted(self._members.values(), key=lambda n: n.node_id)
+            nodes = [n for n in self._members.values() if n is not None]
+            return sorted(nodes, key=lambda n: n.node_id)
 
     def _range(self, request: dict[str, Any]) -> dict[str, Any]:
         client = self._client
@@ -297,8 +306,23 @@ def _b64(raw: bytes) -> str:
     return base64.b64encode(raw).decode()
 
 
-def _node(kv: dict[str, Any]) -> NodeInfo:
-    return NodeInfo.from_dict(json.loads(base64.b64decode(kv["value"])))
+def _decode(key: str, value: bytes | str) -> dict[str, Any]:
+    """A value as JSON; one that is not a JSON object (a hand edit of etcd) reads as ``{}``,
+    present but empty, which every typed record rejects
+    (:mod:`ckptcache.server.coord.records`) and every presence check still sees."""
+    try:
+        out = json.loads(value)
+    except ValueError:
+        out = None
+    if isinstance(out, dict):
+        return out
+    log.warning("coordinator key %s holds no JSON object", key)
+    return {}
+
+
+def _node(kv: dict[str, Any]) -> NodeInfo | None:
+    key = base64.b64decode(kv["key"]).decode(errors="replace")
+    return read_node(key, _decode(key, base64.b64decode(kv["value"])))
 
 
 def _lease_not_found(error: BaseException | None) -> bool:
