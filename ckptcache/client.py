@@ -189,6 +189,8 @@ class Client:
         self.fallback = fallback
         self._lock = threading.RLock()
         self._conn: Any = None
+        #: (connection, its remote ``request``): see :meth:`_request`.
+        self._remote_request: tuple[Any, Any] | None = None
         self._epoch = 0
         self._pid = os.getpid()
         self._segments_dir = ""
@@ -286,7 +288,12 @@ class Client:
                 f"{m.MAX_REQUEST_BYTES} bytes"
             )
         try:
-            text = self._conn.root.request(kind, body)
+            # The daemon's ``request`` looked up once per connection: every lookup through
+            # ``conn.root`` is a round trip of its own (it doubled a save's round trips).
+            remote = self._remote_request
+            if remote is None or remote[0] is not self._conn:
+                remote = self._remote_request = (self._conn, self._conn.root.request)
+            text = remote[1](kind, body)
         except (EOFError, OSError, TimeoutError) as e:
             self._drop_connection()
             raise DaemonUnavailable(
