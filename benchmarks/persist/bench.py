@@ -15,6 +15,7 @@ import os
 import shutil
 import statistics
 import tempfile
+import threading
 import time
 
 import torch
@@ -30,6 +31,7 @@ from ckptcache.benchmarking import (
     running_s3,
 )
 from ckptcache.client import Client
+from ckptcache.server.persist import lower_thread_priority
 
 
 def raw_file_write(data: memoryview, path: str) -> None:
@@ -42,6 +44,25 @@ def raw_file_write(data: memoryview, path: str) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def raw_file_write_low(data: memoryview, path: str) -> None:
+    """The same write from a thread at the daemon's persist priority (CPU nice +10,
+    best-effort I/O class level 7): what the disk gives a writer that yields to training."""
+    error: list[BaseException] = []
+
+    def run() -> None:
+        lower_thread_priority()
+        try:
+            raw_file_write(data, path)
+        except BaseException as e:  # re-raised on the caller's thread
+            error.append(e)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    thread.join()
+    if error:
+        raise error[0]
 
 
 def torch_save_synced(obj: object, path: str) -> None:
@@ -84,7 +105,7 @@ def bench_file(nbytes: int, directory: str, rounds: int = 5, shape: str = "few")
     torch.save(state, blob)
     data = blob.getbuffer()
     size = len(data)
-    raw, saved, persisted, durable = [], [], [], []
+    raw, low, saved, persisted, durable = [], [], [], [], []
     # Room for two generations and a spare of this size (the state is deleted after each
     # measurement, so the budget never fills with persisted copies).
     daemon_args = ("--persist-root", directory, "--memory-limit", str(3 * size + (256 << 20)),
@@ -98,6 +119,8 @@ def bench_file(nbytes: int, directory: str, rounds: int = 5, shape: str = "few")
             target = os.path.join(directory, f"raw{i}.bin")
             raw.append(best_of(1, lambda t=target: raw_file_write(data, t)))
             os.unlink(target)
+            low.append(best_of(1, lambda t=target: raw_file_write_low(data, t)))
+            os.unlink(target)
             target = os.path.join(directory, f"t{i}.pt")
             saved.append(best_of(1, lambda t=target: torch_save_synced(state, t)))
             os.unlink(target)
@@ -105,6 +128,7 @@ def bench_file(nbytes: int, directory: str, rounds: int = 5, shape: str = "few")
             durable.append(durable_seconds(c, state, os.path.join(directory, f"d{i}.pt")))
     return [
         Row("raw write + fsync (limit)", size, statistics.median(raw)),
+        Row("raw write + fsync at the persist's priority", size, statistics.median(low)),
         Row("torch.save to the file (+ fsync)", size, statistics.median(saved)),
         Row("ckptcache persist (daemon, verified, CRC-32)", size, statistics.median(persisted)),
         Row("ckptcache save until persisted (time to durable)", size, statistics.median(durable)),

@@ -139,8 +139,9 @@ def stream_fill(produce: Producer) -> Callable[[int], None]:
     return lambda fd: produce(_Writeback(fd).write)
 
 
-#: Bytes written between two starts of write-back.
-_WRITEBACK = 32 << 20
+#: Bytes written between two starts of write-back (a 1 GiB write + fsync on this project's
+#: test VM: 2.85 s with none, 1.54 s every 32 MiB, 1.15 s every 8 MiB).
+_WRITEBACK = 8 << 20
 _SYNC_FILE_RANGE_WRITE = 2
 
 
@@ -164,7 +165,7 @@ class _Writeback:
     is queued). Without it the kernel leaves the pages dirty until the fsync (far below its
     background threshold), so the disk idles while the bytes are copied into the page cache
     and the whole write-back is paid at the fsync; with it the disk starts at the first
-    32 MiB. Durability is unchanged: the fsync still waits for every page (and the metadata)
+    8 MiB. Durability is unchanged: the fsync still waits for every page (and the metadata)
     before anything is named."""
 
     def __init__(self, fd: int):
