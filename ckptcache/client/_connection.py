@@ -73,6 +73,8 @@ class Connection:
         self.lock = threading.RLock()
         #: The rpyc connection (``None`` until the first request, and after a drop).
         self.rpc: Any = None
+        #: (connection, its remote ``request``), looked up once: see :meth:`request`.
+        self._remote_request: tuple[Any, Any] | None = None
         #: Counts connections made: a pin's lease is only released on the one that took it.
         self.epoch = 0
         self.pid = os.getpid()
@@ -118,7 +120,12 @@ class Connection:
                 f"{m.MAX_REQUEST_BYTES} bytes"
             )
         try:
-            text = self.rpc.root.request(kind, body)
+            # The daemon's ``request`` looked up once per connection: every lookup through
+            # ``rpc.root`` is a round trip of its own (it doubled a save's round trips).
+            remote = self._remote_request
+            if remote is None or remote[0] is not self.rpc:
+                remote = self._remote_request = (self.rpc, self.rpc.root.request)
+            text = remote[1](kind, body)
         except (EOFError, OSError, TimeoutError) as e:
             self.drop()
             raise DaemonUnavailable(
@@ -161,6 +168,7 @@ class Connection:
     def drop(self) -> None:
         """Close the connection (the next request makes a new one)."""
         conn, self.rpc = self.rpc, None
+        self._remote_request = None
         if conn is not None:
             try:
                 conn.close()

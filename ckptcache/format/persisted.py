@@ -269,12 +269,14 @@ def stream_archive(
     *,
     path: str,
     expected: Mapping[int, tuple[int, str]] | None = None,
+    offsets: dict[int, int] | None = None,
 ) -> dict[str, int]:
     """Write the persisted form of the archive in ``view`` to ``sink`` in one pass.
 
     ``expected`` maps record data offsets (in ``view``) to ``(xxh3, tensor name)``:
     a record whose bytes hash differently raises :class:`CorruptCheckpoint` naming the tensor
-    (``tier="local"``: the copy being persisted is bad). Returns every record's xxh3.
+    (``tier="local"``: the copy being persisted is bad). Returns every record's xxh3 by name;
+    ``offsets``, if given, receives them by data offset as well.
     """
     records, cd_offset = list_records(view, path)
     digests: dict[str, int] = {}
@@ -314,6 +316,8 @@ def stream_archive(
                     out.write(descriptor)
                     crcs[record.header_offset] = crc
                     digests[record.name] = digest
+                    if offsets is not None:
+                        offsets[record.data_offset] = digest
         finally:
             for future in ahead:
                 future.cancel()

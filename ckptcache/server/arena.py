@@ -25,7 +25,7 @@ import mmap
 import os
 import stat
 import time
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from dataclasses import dataclass, field
 
 from ckptcache._secure_fs import check_owned, ensure_private_dir
@@ -245,30 +245,40 @@ class Arena:
         """Capacity of a new segment for ``nbytes``: rounded up so near sizes share segments."""
         return align(max(nbytes, HEADER_SIZE), SEGMENT_GRANULE)
 
-    def take_free(self, nbytes: int, *, tight: bool, owner: int | None = None) -> Segment | None:
+    def take_free(
+        self,
+        nbytes: int,
+        *,
+        tight: bool,
+        owner: int | None = None,
+        mapped: Collection[str] = (),
+    ) -> Segment | None:
         """Best-fit free segment of ``owner`` (default: ours) for ``nbytes``.
 
-        Unless ``tight`` (no room to create a new one), a segment more than twice too big is
-        left alone: it would waste memory that a later large save needs. A segment is never
-        handed to another user: its last user may still map it.
+        ``mapped``: the segments the saving client maps already; one of them comes first
+        (any other costs the client a first mapping inside its save, page tables of the
+        whole segment). Then segments that some client maps (freed generations) before
+        spares, which stay for new segments. Unless ``tight`` (no room to create a new one),
+        a segment more than twice too big is left alone: it would waste memory that a later
+        large save needs. A segment is never handed to another user: its last user may still
+        map it.
         """
         owner = self.uid if owner is None else owner
+        largest = self.limit if tight else 2 * self.capacity_for(nbytes)
         fits = [
             s
             for s in self.free.values()
-            if s.capacity >= nbytes and self._owner_dir(s.owner) == self._owner_dir(owner)
+            if nbytes <= s.capacity <= largest
+            and self._owner_dir(s.owner) == self._owner_dir(owner)
         ]
         while fits:
-            # Segments clients already map come before spares, which stay for new segments.
-            best = min(fits, key=lambda s: (s.spare, s.capacity))
+            best = min(fits, key=lambda s: (s.name not in mapped, s.spare, s.capacity))
             if not mapped_by_others(best):
                 break
             # A load mapping outlived its pin (its connection dropped): its zero-copy tensors
             # still read this segment, so it is not reused until the mapping goes.
             fits.remove(best)
         if not fits:
-            return None
-        if not tight and best.capacity > 2 * self.capacity_for(nbytes):
             return None
         # ``best.spare`` is left for the caller: the pool notes a spare taken (SegmentPool.claim).
         del self.free[best.name]

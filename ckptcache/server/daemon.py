@@ -190,7 +190,9 @@ def build_core(config: DaemonConfig, metrics: Metrics | None = None) -> CacheCor
         )
     retention = Retention(config, state)
     digester = Digester(state)
-    persister = Persister(config, state, roots, digester.ensure, retention)
+    persister = Persister(
+        config, state, roots, digester.ensure, retention, record_digests=digester.record
+    )
     pool = SegmentPool(
         state.arena, state.locked, state.notify, config.pool_segments, config.pool_size
     )

@@ -43,6 +43,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from ckptcache._units import format_bytes
 from ckptcache.errors import CkptCacheError, CorruptCheckpoint, PathNotAllowed
+from ckptcache.format.digest import digest_hex
 from ckptcache.format.persisted import stream_archive
 from ckptcache.server.config import DaemonConfig
 from ckptcache.server.lineage import DirectoryRemoved
@@ -143,12 +144,16 @@ class Persister:
         roots: PersistRoots,
         ensure_digests: Callable[[Generation], list[int]],
         retention: Retention,
+        record_digests: Callable[[Generation, list[int]], list[int]] | None = None,
     ):
         self.config = config
         self.state = state
         self.metrics = state.metrics
         self.roots = roots
         self.ensure_digests = ensure_digests
+        #: Records digests the persist took itself (the digester's ``record``: a no-op that
+        #: returns the recorded ones if the digester was first). None: wait for the digester.
+        self.record_digests = record_digests
         self.retention = retention
         self.election: PersistElection | None = None
         cfg = config
@@ -383,21 +388,24 @@ class Persister:
         """Stream the archive to storage, checking every tensor against its recorded digest
         and writing real zip CRC-32s and the digest record (see :mod:`ckptcache.format.persisted`)
         in the same pass; a mismatch raises :class:`CorruptCheckpoint` and nothing becomes
-        visible under ``target``."""
-        digests = self.ensure_digests(gen)  # normally recorded already by the digester
+        visible under ``target``.
+
+        A persist that starts before the digester has recorded the digests (right after the
+        commit) does not wait for that pass: the stream hashes every record anyway. Once the
+        records are written, and before the file is synced or named, the stream's digests are
+        compared with the digester's if it finished meanwhile, or else recorded as the
+        generation's: either way what is written is what the recorded digests describe."""
         base = gen.manifest.payload_offset
-        expected = {
-            record.offset - base: (digest, record.name)
-            for record, digest in zip(gen.manifest.storages, digests, strict=True)
-        }
-        skeleton = gen.segment.read_header().skeleton_digest
-        if skeleton:
-            expected[gen.manifest.pickle_offset - base] = (skeleton, "<skeleton>")
+        digests = gen.digests if self.record_digests is not None else self.ensure_digests(gen)
+        expected = self._expected(gen, digests) if digests is not None else None
+        found: dict[int, int] = {}
         view = gen.segment.view()
         payload = view[base : base + gen.size]
 
         def produce(sink: Sink) -> None:
-            stream_archive(payload, sink, path=gen.path, expected=expected)
+            stream_archive(payload, sink, path=gen.path, expected=expected, offsets=found)
+            if expected is None:
+                self._settle_digests(gen, found)
 
         try:
             persist_write(
@@ -406,6 +414,39 @@ class Persister:
         finally:
             payload.release()
             del view
+
+    @staticmethod
+    def _expected(gen: Generation, digests: list[int]) -> dict[int, tuple[int, str]]:
+        """Recorded digests by record data offset in the payload, with the tensor's name."""
+        base = gen.manifest.payload_offset
+        expected = {
+            record.offset - base: (digest, record.name)
+            for record, digest in zip(gen.manifest.storages, digests, strict=True)
+        }
+        skeleton = gen.segment.read_header().skeleton_digest
+        if skeleton:
+            expected[gen.manifest.pickle_offset - base] = (skeleton, "<skeleton>")
+        return expected
+
+    def _settle_digests(self, gen: Generation, found: dict[int, int]) -> None:
+        """Record the digests the stream took (by payload offset) as ``gen``'s, or, if the
+        digester recorded its own meanwhile, check the stream's against them: a tensor whose
+        bytes changed between the two passes raises :class:`CorruptCheckpoint`."""
+        assert self.record_digests is not None
+        base = gen.manifest.payload_offset
+        mine = [found[record.offset - base] for record in gen.manifest.storages]
+        recorded = self.record_digests(gen, mine)
+        expected = self._expected(gen, recorded)
+        for offset, (want, name) in expected.items():
+            got = found.get(offset)
+            if got is not None and got != want:
+                raise CorruptCheckpoint(
+                    f"checkpoint {gen.path!r} is corrupt in the local tier: tensor {name!r} "
+                    f"changed while it was persisted (digest {digest_hex(got)}, recorded "
+                    f"{digest_hex(want)}); it was not persisted",
+                    tensor=name,
+                    tier="local",
+                )
 
     def _corrupt(self, gen: Generation, error: CorruptCheckpoint) -> None:
         """The bytes to persist no longer match their digests: never persist or serve them;

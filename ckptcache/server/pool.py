@@ -8,6 +8,14 @@ backup copy or a storage read arriving) finds a segment ready. The daemon's own 
 spare is populated when it is made (receives write through it); clients map the spares ahead
 of use (see :class:`ckptcache.client.Client`), so their page tables are warm too.
 
+A free segment of a wanted size (a deleted or evicted generation's) becomes a spare instead
+of a new allocation (:meth:`SegmentPool.promote_locked`): it is allocated already, and listed
+as a spare it is mapped by the clients ahead of their saves; a budget full of freed segments
+would otherwise leave no room to grow a spare, and a new client would meet each of them
+unmapped inside its first save. A reserve hands out first the segments its client was told
+about (see ``Session.mapped``), so the spare a client mapped is not passed over for a freed
+segment it never mapped.
+
 When it grows: a reservation that takes a spare (through :meth:`SegmentPool.take` or the
 free list, see :meth:`SegmentPool.claim`) or needs a new segment only records the size; the
 grower is woken by :meth:`SegmentPool.refill` once that save is committed or aborted, so it
@@ -50,7 +58,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ckptcache.format.layout import SegmentState
-from ckptcache.server.arena import Arena, Segment, empty_header
+from ckptcache.server.arena import Arena, Segment, empty_header, mapped_by_others
 from ckptcache.wire import messages as m
 
 __all__ = ["SegmentPool"]
@@ -85,6 +93,7 @@ class SegmentPool:
         self.growing = False
         #: Name of the spare being allocated outside the lock (unlinked by :meth:`stop`).
         self._making: str | None = None
+        self._making_capacity = 0
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="segment-pool", daemon=True)
@@ -152,7 +161,10 @@ class SegmentPool:
         return best
 
     def describe(self, uid: int) -> m.PoolReply:
-        """The spares a client of ``uid`` may map ahead of use."""
+        """The spares a client of ``uid`` may map ahead of use (a freed segment of a wanted
+        size is made one first, see :meth:`promote_locked`)."""
+        if uid == self.arena.uid:
+            self.promote_locked()
         live = self._live() if uid == self.arena.uid else []
         return m.PoolReply(
             tuple(s.name for s in live), tuple(s.capacity for s in live), self.growing
@@ -191,9 +203,50 @@ class SegmentPool:
                 missing = capacity
         return missing, unmatched
 
+    def promote_locked(self) -> int:
+        """Make free segments of the daemon's user into the spares still missing, where one
+        of a wanted size lies in the free list (a deleted or evicted generation's); returns
+        how many. Such a segment is allocated already, and as a spare it is listed to the
+        clients, which map it ahead of their saves: left as a plain free segment it would
+        be mapped by no new client, and would keep the budget from growing a spare."""
+        if not self.segments:
+            return 0
+        # The spare being made counts as made: promoting meanwhile would make one too many.
+        live = [s.capacity for s in self._live()] + [self._making_capacity] * self.growing
+        wanted = self.wanted()
+        for spare in live:  # the wanted sizes the live spares serve already
+            match = next((c for c in wanted if self._serves(spare, c)), None)
+            if match is not None:
+                wanted.remove(match)
+        free = sorted(
+            (
+                s
+                for s in self.arena.free.values()
+                if not s.spare and s.owner == self.arena.uid and not s.sealable
+            ),
+            key=lambda s: s.capacity,
+        )
+        count, total = len(live), sum(live)
+        for capacity in wanted:
+            for segment in free:
+                if (
+                    count < self.segments
+                    and total + segment.capacity <= self.nbytes
+                    and self._serves(segment.capacity, capacity)
+                    and not mapped_by_others(segment)
+                ):
+                    segment.spare = True
+                    free.remove(segment)
+                    count, total = count + 1, total + segment.capacity
+                    break
+        return count - len(live)
+
     def _grow_one(self) -> bool:
         arena = self.arena
         with self._locked():
+            if self.promote_locked():
+                self._notify()
+                return True
             live = self._live()
             capacity, stale = self._plan(live)
             if capacity is None:
@@ -215,7 +268,7 @@ class SegmentPool:
             name = arena.next_name(arena.uid)
             arena.pending += capacity
             self.growing = True
-            self._making = name
+            self._making, self._making_capacity = name, capacity
         segment = None
         try:
             segment = arena.allocate(name, capacity, arena.uid, populate=True)

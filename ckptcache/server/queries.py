@@ -86,7 +86,10 @@ class Queries:
     def pool_info(self, session: Session, req: m.PoolRequest) -> m.PoolReply:
         """The spare segments this session's user may map ahead of a save."""
         with self.state.locked():
-            return self.pool.describe(session.uid)
+            reply = self.pool.describe(session.uid)
+            # The client maps what it is told about: its next reserve prefers these.
+            session.note_mapped(reply.segments, self.state.arena.segments)
+            return reply
 
     def status(self, session: Session, req: m.StatusRequest) -> m.DaemonStatus:
         """Daemon-wide counters."""

@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import replace
 
 from ckptcache._units import format_bytes
@@ -191,7 +191,7 @@ class Saves:
                         raise BudgetExceeded(share.message)
                     state.wait(min(deadline - time.monotonic(), 0.5))
                     continue
-                segment = self._try_allocate(req.nbytes, saver)
+                segment = self._try_allocate(req.nbytes, saver, session.mapped)
                 if segment is not None:
                     break
                 remaining = deadline - time.monotonic()
@@ -212,6 +212,7 @@ class Saves:
                 persist, saver, anchor=anchor, base=base, base_stamp=base_stamp,
             )  # fmt: skip
             session.reservations[res.id] = res
+            session.note_mapped((segment.name,), state.arena.segments)  # the client maps it now
             state.update_gauges()
         return m.ReserveReply(res.id, segment.name, segment.capacity)
 
@@ -287,14 +288,18 @@ class Saves:
         )
         return f"held: {'; '.join(parts) or 'nothing committed'}. {advice}", bool(stuck)
 
-    def _try_allocate(self, nbytes: int, saver: Saver | None = None) -> Segment | None:
-        """A segment for ``nbytes`` (under the lock): free list, spare pool, eviction of
-        generations safe to drop, a new segment; None while everything is pinned."""
+    def _try_allocate(
+        self, nbytes: int, saver: Saver | None = None, mapped: Collection[str] = ()
+    ) -> Segment | None:
+        """A segment for ``nbytes`` (under the lock): free list (first what the client maps
+        already, ``mapped``), spare pool, eviction of generations safe to drop, a new segment;
+        None while everything is pinned."""
         state = self.state
         arena = state.arena
         capacity = Arena.capacity_for(nbytes)
         owner = saver.uid if saver is not None else None
-        segment = arena.take_free(nbytes, tight=arena.used + capacity > arena.limit, owner=owner)
+        tight = arena.used + capacity > arena.limit
+        segment = arena.take_free(nbytes, tight=tight, owner=owner, mapped=mapped)
         if segment is not None:
             self.pool.claim(segment, nbytes)
         else:
@@ -312,7 +317,7 @@ class Saves:
             log.info("evicting %s generation %d", victims[0].path, victims[0].number)
             self.metrics.evictions.inc()
             state.retire_locked(victims[0])
-            segment = arena.take_free(nbytes, tight=True, owner=owner)
+            segment = arena.take_free(nbytes, tight=True, owner=owner, mapped=mapped)
             if segment is not None:
                 self.pool.claim(segment, nbytes)
                 return segment

@@ -20,7 +20,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass, field, replace
 
 from ckptcache.errors import CheckpointNotFound, CkptCacheError, CorruptCheckpoint, InvalidPath
@@ -114,6 +114,17 @@ class Session:
     reservations: dict[int, Reservation] = field(default_factory=dict)
     leases: dict[int, Generation] = field(default_factory=dict)
     gid: int = -1
+    #: Segments this connection's client maps for writing (as far as the daemon can tell:
+    #: the spares it was told about and the segments it reserved). A reserve hands these out
+    #: first: any other segment costs the client a first mapping inside its save.
+    mapped: set[str] = field(default_factory=set)
+
+    def note_mapped(self, names: Iterable[str], live: Collection[str]) -> None:
+        """Record segments the client maps; forgets names no longer in ``live`` (the arena's
+        segments) once the set outgrows it, so a long session holds no stale names."""
+        self.mapped.update(names)
+        if len(self.mapped) > 2 * len(live) + 64:
+            self.mapped = {n for n in self.mapped if n in live}
 
 
 def bounded(wait: float, client_timeout: float | None) -> float:

@@ -96,15 +96,16 @@ def test_trainer_killed_mid_save_leaves_nothing_visible(daemon, tmp_path):
     with daemon.client() as c:
         assert not c.exists(path)
 
-        def unspared() -> tuple[int, int]:  # leaving out the pre-faulted segments of the pool
+        def held_and_free() -> tuple[int, int]:
             st = c.daemon_status()
-            spares = st.spare_segments
-            return st.segments - spares, st.free_segments - spares
+            return st.segments - st.free_segments, st.free_segments
 
         # The daemon drops the dead trainer's reservation when it sees its connection close,
-        # which may come after this new client's first request.
-        wait_until(lambda: unspared() == (1, 1), what="the reservation freed")  # reusable
-        assert unspared() == (1, 1)
+        # which may come after this new client's first request. Its segment is free and
+        # reusable: the pool makes it the spare for saves of its size (nothing new is made).
+        wait_until(lambda: held_and_free() == (0, 1), what="the reservation freed")
+        assert held_and_free() == (0, 1)
+        assert c.daemon_status().spare_segments == 1
 
 
 def test_sigterm_handed_to_any_thread_stops_the_daemon(daemon):

@@ -62,6 +62,29 @@ def test_first_save_of_a_new_path_uses_a_spare_the_client_mapped(daemon_factory,
         assert d.segment_bytes() <= 64 * MIB
 
 
+def test_a_fresh_client_gets_the_spare_it_mapped_not_a_freed_segment(daemon_factory, tmp_path):
+    """A freed segment (a deleted checkpoint's) and a spare, both free and both the right
+    size: a new client that mapped the spare at its first contact gets the spare, not the
+    freed segment it never mapped (whose page tables its save would have to build)."""
+    d = daemon_factory("--memory-limit", "64MiB", "--pool-segments", "1", "--pool-bytes", "16MiB")
+    first = str(tmp_path / "first" / "0.pt")
+    with d.client(fallback="raise") as old:  # an earlier trainer: its checkpoint is deleted
+        (spare,) = _teach(old, tmp_path, 4).segments
+        freed = _segment_of(old, first)
+        old.delete(first)
+    with d.client(fallback="raise") as c:
+        wait_until(lambda: c.daemon_status().free_segments == 2, what="the freed segment")
+        assert _spares(c).segments == (spare,)  # the freed one is free, not a spare
+        c.warmup(wait=True)
+        assert spare in c._write_maps and freed not in c._write_maps
+
+        path = str(tmp_path / "iter_1" / "model.pt")
+        state = blob(4, 6.0)
+        c.save(state, path)
+        assert _segment_of(c, path) == spare
+        assert torch.equal(c.load(path, mmap=False)["w"], state["w"])
+
+
 def test_pool_gives_way_to_saves_and_never_evicts_committed(daemon_factory, tmp_path):
     # Memory-only paths cannot be evicted: every byte of the budget must go to them.
     d = daemon_factory(

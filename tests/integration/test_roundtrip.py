@@ -119,8 +119,10 @@ def test_repeated_saves_reuse_segments(daemon, tmp_path):
             # holds is freed only then, and a save meanwhile would need another segment.
             wait_until(lambda: c.daemon_status().pinned == 0, what="the digester's pin dropped")
         st = c.daemon_status()
-    # keep=2 plus the one being written: reused, never grown (spares stand ready besides)
-    assert st.segments - st.spare_segments == 3
+    # keep=2 plus the one being written: reused, never grown (spares stand ready besides; the
+    # freed third one may be a spare itself now, the pool's for saves of its size)
+    assert st.segments - st.spare_segments in (2, 3)
+    assert st.segments <= 3 + 2  # the default pool keeps at most two spares
     assert st.generations == 2
 
 

@@ -167,3 +167,40 @@ def test_spares_of_a_size_no_save_has_are_replaced(make_core):
     assert not set(reply.segments) & first
     assert used(core) <= limit
     assert save_object(core, session, "/ckpt/s2.pt", payload(9)).segment == reply.segments[0]
+
+
+def test_a_freed_segment_becomes_the_spare_when_the_budget_has_no_room_for_one(make_core):
+    """A budget too full to grow a spare, then a checkpoint deleted: its segment (allocated
+    already, the size the saves have) is listed as the spare, so a new client maps it ahead
+    of its save instead of meeting it unmapped inside the save; nothing is allocated."""
+    limit = 16 * MIB
+    core = make_core(memory_limit=limit, pool_segments=1, pool_bytes=8 * MIB)
+    session = core.saves.open_session(1, 0)
+    first = save_object(core, session, "/ckpt/a.pt", payload(4, 1.0)).segment
+    wait_until(lambda: settled(core, 1), what="the first spare")
+    save_object(core, session, "/ckpt/b.pt", payload(4, 2.0))  # takes it; one more is made
+    wait_until(lambda: settled(core, 1), what="the second spare")
+    save_object(core, session, "/ckpt/c.pt", payload(4, 3.0))  # takes it: 15 of 16 MiB used
+    wait_until(lambda: not spares(core).growing)
+    assert spares(core).segments == ()  # no room for another 5 MiB
+
+    core.retention.delete(session, m.DeleteRequest(NS, "/ckpt/a.pt"))
+    reply = spares(core)
+    assert reply.segments == (first,) and reply.capacities == (5 * MIB,)
+    assert used(core) == 15 * MIB
+    # A new client that was told of it gets it, and what it committed there is what is read.
+    other = core.saves.open_session(2, 0)
+    core.queries.pool_info(other, m.PoolRequest())
+    value = payload(4, 4.0)
+    assert save_object(core, other, "/ckpt/d.pt", value).segment == first
+    loaded = core.loads.open(other, m.OpenRequest(NS, "/ckpt/d.pt"))
+    assert loaded.segment == first
+    with core.state.locked():
+        gen = core.state.index.newest((NS, "/ckpt/d.pt"))
+    assert gen is not None
+    (record,) = gen.manifest.storages
+    view = core.state.arena.segments[first].view()
+    try:
+        assert bytes(view[record.offset : record.offset + record.nbytes]) == value.numpy().tobytes()
+    finally:
+        del view
