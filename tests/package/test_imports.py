@@ -66,10 +66,6 @@ CIRCLE_ALLOWED: dict[tuple[str, str], str] = {
     ("ckptcache.format.persisted", "ckptcache.format.archive_read"):
         "read_persisted defers to archive_read, which builds on persisted's checks: to be "
         "split so one depends on the other",
-    ("ckptcache.server.ownership", "ckptcache.server.index"):
-        "ownership annotates the index that holds it: a daemon knot (persist state, locking)",
-    ("ckptcache.server.ownership", "ckptcache.server.state"):
-        "ownership annotates the state owner that holds it: parts take a narrow port",
 }  # fmt: skip
 
 
