@@ -1,37 +1,33 @@
-"""Property and fuzz tests of everything that parses bytes.
+"""Property and fuzz tests of the format's parsers.
 
 Round trips: a planned archive is what ``torch.load`` and :func:`parse_archive` read back
-(views, shared storages, zip64 sizes and offsets). Fuzz: manifests, segment headers, archives
-and wire messages decoded from random or mutated bytes either decode or raise the parser's
-typed error (a :class:`CkptCacheError`), never anything else.
+(views, shared storages, zip64 sizes and offsets). Fuzz: manifests, segment headers and
+archives decoded from random or mutated bytes either decode or raise the parser's typed error
+(a :class:`CkptCacheError`), never anything else (wire messages: ``tests/wire/``).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import enum
 import io
 import json
 import mmap
 import tempfile
-import typing
 from typing import Any
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ckptcache.errors import CorruptCheckpoint, ProtocolMismatch
+from ckptcache.errors import CorruptCheckpoint
 from ckptcache.format.archive import ParsedArchive, count_records, parse_archive, plan_archive
 from ckptcache.format.flatten import flatten
 from ckptcache.format.layout import HEADER_SIZE, DigestState, SegmentHeader, SegmentState
 from ckptcache.format.manifest import Manifest
 from ckptcache.format.objectio import plan_object, write_object
-from ckptcache.wire import messages as m
+from tests.fuzzing import FUZZ, json_paths, json_values, mutations, replace_field
 from tests.helpers import assert_same
-
-FUZZ = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 # ------------------------------------------------------------------ archive round trips
 
@@ -122,52 +118,6 @@ def test_property_zip64_sizes_and_offsets_parse_back(sizes):
 # ------------------------------------------------------------------ fuzzing the parsers
 
 
-def _mutations(valid: bytes) -> st.SearchStrategy[bytes]:
-    """Random bytes, and ``valid`` with bytes flipped, cut off, or spliced in."""
-
-    def flip(data: bytes, edits: list[tuple[int, int]]) -> bytes:
-        buf = bytearray(data)
-        for pos, value in edits:
-            buf[pos % len(buf)] = value
-        return bytes(buf)
-
-    edits = st.lists(st.tuples(st.integers(0, 2**20), st.integers(0, 255)), min_size=1, max_size=8)
-    return st.one_of(
-        st.binary(max_size=2 * len(valid)),
-        st.builds(flip, st.just(valid), edits),
-        st.integers(0, len(valid)).map(lambda n: valid[:n]),
-        st.tuples(st.integers(0, len(valid)), st.binary(min_size=1, max_size=16)).map(
-            lambda t: valid[: t[0]] + t[1] + valid[t[0] :]
-        ),
-    )
-
-
-json_values = st.recursive(
-    st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.floats() | st.text(max_size=8),
-    lambda kids: (
-        st.lists(kids, max_size=3) | st.dictionaries(st.text(max_size=6), kids, max_size=3)
-    ),
-    max_leaves=8,
-)
-
-
-def _replace_field(raw: Any, path: list[str | int], value: Any) -> Any:
-    """``raw`` with the entry at ``path`` (keys or indices, wrapped around) set to ``value``."""
-    if not path or not isinstance(raw, (dict, list)) or not raw:
-        return value
-    step, rest = path[0], path[1:]
-    if isinstance(raw, dict):
-        key = (
-            step if step in raw else sorted(raw)[(step if isinstance(step, int) else 0) % len(raw)]
-        )
-        return {**raw, key: _replace_field(raw[key], rest, value)}
-    i = step % len(raw) if isinstance(step, int) else 0
-    return [*raw[:i], _replace_field(raw[i], rest, value), *raw[i + 1 :]]
-
-
-_paths = st.lists(st.integers(0, 20) | st.sampled_from(["storages", "path", "offset"]), max_size=3)
-
-
 # Fixed valid inputs (hypothesis needs the same strategy on every run: no fresh timestamps).
 _, _PLAN = _write_segment({"a": torch.ones(3), "b": torch.arange(4)})
 VALID_MANIFEST = dataclasses.replace(_PLAN.manifest, created=1.0).to_json()
@@ -183,7 +133,7 @@ def _check_manifest(m_: Manifest) -> None:
 @FUZZ
 @given(st.data())
 def test_fuzz_manifest_from_bytes(data):
-    blob = data.draw(_mutations(VALID_MANIFEST))
+    blob = data.draw(mutations(VALID_MANIFEST))
     try:
         _check_manifest(Manifest.from_json(blob, segment_size=4096))
     except CorruptCheckpoint:
@@ -191,9 +141,9 @@ def test_fuzz_manifest_from_bytes(data):
 
 
 @FUZZ
-@given(_paths, json_values)
+@given(json_paths, json_values)
 def test_fuzz_manifest_fields(path, value):
-    blob = json.dumps(_replace_field(json.loads(VALID_MANIFEST), path, value)).encode()
+    blob = json.dumps(replace_field(json.loads(VALID_MANIFEST), path, value)).encode()
     try:
         _check_manifest(Manifest.from_json(blob))
     except CorruptCheckpoint:
@@ -217,7 +167,7 @@ def _valid_header() -> bytes:
 @FUZZ
 @given(st.data())
 def test_fuzz_segment_header(data):
-    blob = data.draw(_mutations(_valid_header()))
+    blob = data.draw(mutations(_valid_header()))
     try:
         header = SegmentHeader.unpack(blob)
     except CorruptCheckpoint:
@@ -232,7 +182,7 @@ VALID_ARCHIVE = bytes(_MAPPING[HEADER_SIZE : HEADER_SIZE + _ARCHIVE_PLAN.archive
 @FUZZ
 @given(st.data())
 def test_fuzz_archive(data):
-    blob = data.draw(_mutations(VALID_ARCHIVE))
+    blob = data.draw(mutations(VALID_ARCHIVE))
     try:
         parsed = parse_archive(memoryview(blob))
     except CorruptCheckpoint:
@@ -246,70 +196,3 @@ def test_fuzz_archive(data):
     except CorruptCheckpoint:
         return
     assert 0 <= n <= len(blob)
-
-
-_MESSAGES = [getattr(m, n) for n in m.__all__ if dataclasses.is_dataclass(getattr(m, n))]
-
-
-def _sample(cls: type) -> Any:
-    """A valid instance of message ``cls`` (every field filled in by its type)."""
-    values: dict[str, Any] = {}
-    for name, hint in typing.get_type_hints(cls).items():
-        text = str(hint)
-        nested = [c for c in ("ObjectInfo", "PeerClock") if c in text]
-        if nested:  # a tuple of nested messages
-            values[name] = (_sample(getattr(m, nested[0])),)
-        elif isinstance(hint, type) and issubclass(hint, enum.Enum):
-            values[name] = next(iter(hint))
-        elif "tuple" in text:
-            values[name] = (1, 2) if "int" in text else ("a", "b")
-        elif hint is bool:
-            values[name] = True
-        elif hint is float or "float" in text:
-            values[name] = 1.5
-        elif "int" in text:
-            values[name] = 7
-        else:
-            values[name] = "x"
-    return cls(**values)
-
-
-@FUZZ
-@given(st.sampled_from(_MESSAGES), st.data())
-def test_fuzz_wire_messages(cls, data):
-    valid = m.encode(_sample(cls))
-    assert m.decode(cls, valid) == _sample(cls)
-    text = data.draw(
-        _mutations(valid.encode()).map(lambda b: b.decode("utf-8", "replace"))
-        | st.builds(
-            lambda p, v: json.dumps(_replace_field(json.loads(valid), p, v)), _paths, json_values
-        )
-    )
-    try:
-        message = m.decode(cls, text)
-    except ProtocolMismatch:
-        return
-    _check_types(message)
-
-
-def _check_types(message: Any) -> None:
-    for name, hint in typing.get_type_hints(type(message)).items():
-        value = getattr(message, name)
-        text = str(hint)
-        if "tuple" in text:
-            assert isinstance(value, tuple), (name, value)
-        elif hint is float:
-            assert isinstance(value, (int, float)) and not isinstance(value, bool), (name, value)
-        elif hint is int or text == "int | None":
-            assert value is None or (isinstance(value, int) and not isinstance(value, bool))
-        elif hint is str or text == "str | None":
-            assert value is None or isinstance(value, str), (name, value)
-        elif hint is bool:
-            assert isinstance(value, bool), (name, value)
-        elif isinstance(hint, type) and issubclass(hint, enum.Enum):
-            assert type(value) is hint, (name, value)
-
-
-def test_deeply_nested_message_is_a_typed_error():
-    with pytest.raises(ProtocolMismatch):
-        m.decode(m.ReserveRequest, "[" * 100_000)
