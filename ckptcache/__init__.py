@@ -11,33 +11,9 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from ckptcache import errors
 from ckptcache._version import __version__
-from ckptcache.errors import (
-    BudgetExceeded,
-    CannotPersist,
-    CheckpointDeleted,
-    CheckpointNotFound,
-    CkptCacheError,
-    CkptCacheWarning,
-    ConfigError,
-    CoordinatorUnavailable,
-    CorruptCheckpoint,
-    DaemonUnavailable,
-    InvalidPath,
-    NameTooLong,
-    ObjectTooLarge,
-    ParentNotADirectory,
-    PathIsADirectory,
-    PathNotAllowed,
-    PersistConflict,
-    PersistError,
-    PersistTimeout,
-    ProtocolMismatch,
-    ReplicationError,
-    SerializationError,
-    TensorMutated,
-    UnsafeUnpickle,
-)
+from ckptcache.errors import *  # noqa: F403 - every public error is a public name here
 
 if TYPE_CHECKING:
     from ckptcache.api import delete, exists, load, prefetch, save, status, wait, warmup
@@ -46,35 +22,11 @@ if TYPE_CHECKING:
     from ckptcache.wire.messages import ObjectInfo as ObjectStatus
 
 __all__ = [
-    "BudgetExceeded",
     "CacheStatus",
     "CachedFile",
-    "CannotPersist",
-    "CheckpointDeleted",
-    "CheckpointNotFound",
-    "CkptCacheError",
-    "CkptCacheWarning",
     "Client",
-    "ConfigError",
-    "CoordinatorUnavailable",
-    "CorruptCheckpoint",
-    "DaemonUnavailable",
-    "InvalidPath",
-    "NameTooLong",
     "ObjectStatus",
-    "ObjectTooLarge",
-    "ParentNotADirectory",
-    "PathIsADirectory",
-    "PathNotAllowed",
-    "PersistConflict",
-    "PersistError",
-    "PersistTimeout",
-    "ProtocolMismatch",
-    "ReplicationError",
     "SaveHandle",
-    "SerializationError",
-    "TensorMutated",
-    "UnsafeUnpickle",
     "__version__",
     "delete",
     "exists",
@@ -85,6 +37,7 @@ __all__ = [
     "wait",
     "warmup",
 ]
+__all__ += errors.__all__  # the errors, listed once (in ckptcache.errors)
 
 # ``ckptcache.open`` is public but left out of ``__all__``: ``from ckptcache import *`` must
 # not shadow the built-in ``open``.

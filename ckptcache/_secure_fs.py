@@ -12,6 +12,7 @@ from __future__ import annotations
 import errno
 import os
 import stat
+from collections.abc import Collection
 
 from ckptcache.errors import ConfigError
 
@@ -20,6 +21,7 @@ __all__ = [
     "check_owned",
     "current_umask",
     "ensure_private_dir",
+    "foreign_control",
     "open_private_file",
 ]
 
@@ -27,19 +29,27 @@ __all__ = [
 _FOREIGN_WRITE = stat.S_IWGRP | stat.S_IWOTH
 
 
+def foreign_control(st: os.stat_result, owners: Collection[int]) -> str | None:
+    """What lets a user outside ``owners`` change the directory or file ``st`` describes, said
+    as the end of a sentence about it (``"is owned by uid 1001"``, ``"is writable by other users
+    (mode 0777)"``), or ``None`` when nothing does. The one test every trust check here and in
+    the clients applies; each caller words the refusal and the remedy for its reader."""
+    if st.st_uid not in owners:
+        return f"is owned by uid {st.st_uid}"
+    if st.st_mode & _FOREIGN_WRITE:
+        return f"is writable by other users (mode {stat.S_IMODE(st.st_mode):04o})"
+    return None
+
+
 def check_owned(path: str, st: os.stat_result, owners: set[int], what: str) -> None:
     """Raise :class:`ConfigError` unless ``st`` is owned by one of ``owners`` and writable by
     its owner alone."""
-    if st.st_uid not in owners:
+    problem = foreign_control(st, owners)
+    if problem is not None:
         want = " or ".join(f"uid {u}" for u in sorted(owners))
         raise ConfigError(
-            f"refusing {what} {path}: it is owned by uid {st.st_uid}, not {want}; somebody "
-            "else may have planted it. Remove it or choose another path"
-        )
-    if st.st_mode & _FOREIGN_WRITE:
-        raise ConfigError(
-            f"refusing {what} {path}: mode {stat.S_IMODE(st.st_mode):04o} lets group or other "
-            "users write to it; chmod go-w it or choose another path"
+            f"refusing {what} {path}: it {problem} (trusted: {want}); somebody else may have "
+            "planted it or may change it. Remove it, chmod go-w it or choose another path"
         )
 
 

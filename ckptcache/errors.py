@@ -31,6 +31,7 @@ __all__ = [
     "ReplicationError",
     "RequestTooLarge",
     "SerializationError",
+    "TensorMutated",
     "UnsafeUnpickle",
 ]
 

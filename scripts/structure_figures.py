@@ -4,7 +4,7 @@ cycles and circles, the modules at the package root, and the repeated code.
     python scripts/structure_figures.py            # the figures of ckptcache/
     python scripts/structure_figures.py --all      # every module's line count too
 
-Read from the source with ``ast``; the import graph is the one ``tests/unit/test_imports.py``
+Read from the source with ``ast``; the import graph is the one ``tests/package/test_imports.py``
 checks (``tests/structure.py``), and the exceptions it lists are counted. The repeated code is
 counted by the ``duplicates`` command where it is installed; without it, the command to run
 is printed instead. docs/contributing.md ("Structure figures") records the figures.
@@ -23,8 +23,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from tests.package import test_imports as rules  # noqa: E402
 from tests.structure import PACKAGE_DIR, circles, find_cycle, import_graph, package_modules  # noqa: E402
-from tests.unit import test_imports as rules  # noqa: E402
 
 #: A function longer than this is listed (the most one of client/ may have: issue 26).
 LONG_FUNCTION = 50
@@ -113,7 +113,7 @@ def main() -> None:
     for group in groups:
         print("  " + " <-> ".join(group))
 
-    print("== exceptions the import test lists (tests/unit/test_imports.py): "
+    print("== exceptions the import test lists (tests/package/test_imports.py): "
           f"{len(rules.CIRCLE_ALLOWED)} circle edges, {len(rules.PRIVATE_ALLOWED)} private "
           f"reaches (and {len(rules.PRIVATE_KEPT)} kept: other projects' internals, a class's "
           f"own members), {len(rules.ADAPTERS_ALLOWED)} adapter imports of internal modules, "

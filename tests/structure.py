@@ -2,7 +2,7 @@
 which private names of one module another one reaches for.
 
 Everything is read with :mod:`ast`; nothing of the package is imported, so a module that would
-fail or be slow to import is still read. Used by ``tests/unit/test_imports.py`` (the rules) and
+fail or be slow to import is still read. Used by ``tests/package/test_imports.py`` (the rules) and
 ``scripts/structure_figures.py`` (the figures).
 
 When an import runs:

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import os
 import socket
-import stat
 import struct
 
 from ckptcache._defaults import ENV_DAEMON_UID
+from ckptcache._secure_fs import foreign_control
 from ckptcache.errors import DaemonUnavailable
 
 __all__ = ["connect_daemon", "trusted_daemon_uids"]
@@ -41,15 +41,11 @@ def _check_socket_dir(path: str, trusted: set[int]) -> None:
         st = os.stat(directory)
     except OSError as e:
         raise DaemonUnavailable(f"no ckptcache daemon at {path} ({e.strerror})") from e
-    if st.st_uid not in trusted:
+    problem = foreign_control(st, trusted)
+    if problem is not None:
         raise DaemonUnavailable(
-            f"refusing the daemon socket {path}: its directory {directory} is owned by uid "
-            f"{st.st_uid}, which is neither root, you, nor {ENV_DAEMON_UID}"
-        )
-    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
-        raise DaemonUnavailable(
-            f"refusing the daemon socket {path}: its directory {directory} is writable by "
-            f"other users (mode {stat.S_IMODE(st.st_mode):04o}), so anyone could plant a socket"
+            f"refusing the daemon socket {path}: its directory {directory} {problem}, so "
+            f"another user could plant a socket there (trusted: root, you and {ENV_DAEMON_UID})"
         )
 
 

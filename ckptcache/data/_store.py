@@ -31,6 +31,7 @@ import time
 from collections.abc import Iterator
 
 from ckptcache._atomic import atomic_write
+from ckptcache._secure_fs import foreign_control
 from ckptcache.data._batchfile import TMP_PREFIX
 from ckptcache.data._lease import STALE_AFTER_S, Lease, pid_alive, read_lease
 from ckptcache.data._positions import Pos, batch_name, end_name, parse_batch_name, parse_end_name
@@ -79,15 +80,11 @@ def check_private(path: str, what: str) -> None:
     if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
         kind = "a symbolic link" if stat.S_ISLNK(st.st_mode) else "not a directory"
         raise ConfigError(f"{what} {path} is {kind}: choose another cache_dir")
-    if st.st_uid != os.getuid():
+    problem = foreign_control(st, {os.getuid()})
+    if problem is not None:
         raise ConfigError(
-            f"{what} {path} belongs to uid {st.st_uid}, not to this user "
-            f"(uid {os.getuid()}): batches there could be forged; choose another cache_dir"
-        )
-    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
-        raise ConfigError(
-            f"{what} {path} is writable by other users (mode {stat.S_IMODE(st.st_mode):04o}): "
-            "batches there could be forged; chmod go-w it or choose another cache_dir"
+            f"{what} {path} {problem} (this user is uid {os.getuid()}): batches there could "
+            "be forged; choose another cache_dir (or chmod go-w one of your own)"
         )
 
 

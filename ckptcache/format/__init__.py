@@ -10,7 +10,7 @@ One package for every module that reads or writes checkpoint bytes:
 - ``persisted``: reading and verifying a persisted archive from storage;
 - ``flatten``, ``objectio``, ``shm``: the client side, which turns Python objects with
   tensors into an archive plan and back. Only these three import torch; the daemon and the
-  CLI use the other modules and stay torch-free (``tests/integration/test_footprint.py``).
+  CLI use the other modules and stay torch-free (``tests/e2e/local/test_footprint.py``).
 
 Importing the package imports none of its modules.
 """

@@ -24,6 +24,7 @@ import torch
 from ckptcache.errors import SerializationError, UnsafeUnpickle
 from ckptcache.format.fast_unpickle import NOT_FAST, ArrayLoader, fast_load_applies, fast_unpickle
 from ckptcache.format.gcpause import gc_paused
+from ckptcache.format.names import first_paths
 
 __all__ = [
     "Flattened",
@@ -81,31 +82,28 @@ class Flattened:
 
 def tensor_names(obj: Any) -> dict[int, str]:
     """Map each storage (by ``_cdata``) to the path of the first tensor that uses it."""
-    names: dict[int, str] = {}
-    seen: set[int] = set()
-    stack: list[tuple[str, Any]] = [("", obj)]
-    while stack:
-        prefix, value = stack.pop()
-        if isinstance(value, torch.Tensor):
-            try:
-                names.setdefault(value.untyped_storage()._cdata, prefix or "<root>")
-            except (RuntimeError, NotImplementedError):
-                pass  # sparse/quantized/subclass tensors: unnamed, still saved
-            continue
-        if id(value) in seen:
-            continue
-        seen.add(id(value))
-        if isinstance(value, Mapping):
-            children = [(str(k), v) for k, v in value.items()]
-        elif isinstance(value, (list, tuple)):
-            children = [(str(i), v) for i, v in enumerate(value)]
-        elif isinstance(value, argparse.Namespace):
-            children = list(vars(value).items())
-        else:
-            continue
-        for key, child in reversed(children):
-            stack.append((f"{prefix}.{key}" if prefix else key, child))
-    return names
+    return first_paths(obj, _is_tensor, _storage_id, _named_children)
+
+
+def _is_tensor(value: Any) -> bool:
+    return isinstance(value, torch.Tensor)
+
+
+def _storage_id(value: torch.Tensor) -> int | None:
+    try:
+        return int(value.untyped_storage()._cdata)
+    except (RuntimeError, NotImplementedError):
+        return None  # sparse/quantized/subclass tensors: unnamed, still saved
+
+
+def _named_children(value: Any) -> list[tuple[str, Any]] | None:
+    if isinstance(value, Mapping):
+        return [(str(k), v) for k, v in value.items()]
+    if isinstance(value, (list, tuple)):
+        return [(str(i), v) for i, v in enumerate(value)]
+    if isinstance(value, argparse.Namespace):
+        return list(vars(value).items())
+    return None
 
 
 _PLAIN_DEVICES = frozenset({"cpu", "cuda"})

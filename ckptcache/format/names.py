@@ -17,10 +17,12 @@ from __future__ import annotations
 import collections
 import io
 import pickle
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Callable, Hashable, Mapping, Sequence
+from typing import Any, TypeVar
 
-__all__ = ["storage_names"]
+__all__ = ["first_paths", "storage_names"]
+
+K = TypeVar("K", bound=Hashable)
 
 #: How deep inside a rebuild call's arguments a storage (or a tensor stand-in) is looked for:
 #: ``_rebuild_tensor_v2(storage, ...)``, ``_rebuild_parameter(tensor, ...)``,
@@ -123,24 +125,40 @@ def _children(value: Any) -> list[tuple[str, Any]] | None:
     return None
 
 
-def _walk(root: Any) -> dict[str, str]:
-    names: dict[str, str] = {}
+def first_paths(
+    root: Any,
+    is_leaf: Callable[[Any], bool],
+    key_of: Callable[[Any], K | None],
+    children_of: Callable[[Any], Sequence[tuple[str, Any]] | None],
+) -> dict[K, str]:
+    """Map the key of each leaf under ``root`` to the dotted path of the first leaf with that
+    key, depth-first in the order ``children_of`` names a container's children (a leaf at the
+    root is ``"<root>"``). A container reached twice is walked once; a leaf whose key is
+    ``None`` is passed over, and so is a value that is neither a leaf nor a container.
+
+    The one walk behind a tensor's name at save time (:func:`ckptcache.format.flatten.
+    tensor_names`, over the live object) and in a stored skeleton (:func:`storage_names`), so
+    that both name a storage alike."""
+    names: dict[K, str] = {}
     seen: set[int] = set()
     stack: list[tuple[str, Any]] = [("", root)]
     while stack:
         prefix, value = stack.pop()
-        if isinstance(value, _Stub) and value.is_tensor:
-            key = _storage_key(value)
+        if is_leaf(value):
+            key = key_of(value)
             if key is not None:
                 names.setdefault(key, prefix or "<root>")
             continue
         if id(value) in seen:
             continue
         seen.add(id(value))
-        children = _children(value)
-        for name, child in reversed(children or []):
+        for name, child in reversed(children_of(value) or ()):
             stack.append((f"{prefix}.{name}" if prefix else name, child))
     return names
+
+
+def _is_tensor(value: Any) -> bool:
+    return isinstance(value, _Stub) and value.is_tensor
 
 
 def storage_names(skeleton: bytes | memoryview) -> dict[str, str]:
@@ -150,4 +168,4 @@ def storage_names(skeleton: bytes | memoryview) -> dict[str, str]:
         root = _Unpickler(bytes(skeleton)).load()
     except Exception:  # a damaged or foreign skeleton: no names, the error says the rest
         return {}
-    return _walk(root)
+    return first_paths(root, _is_tensor, _storage_key, _children)

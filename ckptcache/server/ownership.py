@@ -11,23 +11,24 @@ import grp
 import os
 import pwd
 import struct
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from ckptcache._secure_fs import current_umask
 from ckptcache.errors import InvalidPath, PathNotAllowed
 from ckptcache.server import records
 
 if TYPE_CHECKING:
-    from ckptcache.server.arena import Segment
-    from ckptcache.server.index import Generation, Key
-    from ckptcache.server.state import CacheState as CacheCore
-    from ckptcache.server.state import Session
     from ckptcache.wire import messages as m
     from ckptcache.wire import peer
 
 __all__ = [
+    "Holder",
+    "Owned",
+    "Requester",
     "Saver",
+    "Segment",
     "check_may_save",
     "daemon_saver",
     "groups_of",
@@ -63,6 +64,63 @@ class Saver:
         return 0o777 & ~self.umask
 
 
+# What ownership reads of the daemon's types, as narrow protocols: the index, the state owner
+# and the arena hold savers and call in here, so naming their classes would make each module
+# need the other.
+
+
+class Owned(Protocol):
+    """A generation as ownership sees it: who saved it."""
+
+    @property
+    def saver(self) -> Saver | None:
+        """The saver (``None``: unknown, a copy from a peer or storage)."""
+
+
+class Requester(Protocol):
+    """A client connection as ownership sees it: its peer credentials."""
+
+    @property
+    def uid(self) -> int:
+        """The connected process's uid."""
+
+    @property
+    def gid(self) -> int:
+        """The connected process's gid."""
+
+
+class _Arena(Protocol):
+    @property
+    def uid(self) -> int:
+        """The daemon's own uid."""
+
+
+class _Index(Protocol):
+    def generations(self, key: tuple[str, str]) -> Iterable[Owned]:
+        """The generations held for ``key`` (namespace, path)."""
+
+
+class Holder(Protocol):
+    """The state owner as ownership sees it: the daemon's uid (on its arena) and the
+    generations held for a key (on its index)."""
+
+    @property
+    def arena(self) -> _Arena:
+        """Where the daemon's uid is kept."""
+
+    @property
+    def index(self) -> _Index:
+        """The generations held, by key."""
+
+
+class Segment(records.Segment, Protocol):
+    """A segment as ownership sees it: what its record is kept for, and the file's owner."""
+
+    @property
+    def owner(self) -> int:
+        """The uid that owns the segment's file."""
+
+
 def saver_fields(saver: Saver | None) -> dict[str, int]:
     """``saver`` as peer messages carry it (``saver_uid``, ...; nothing when unknown)."""
     if saver is None:
@@ -90,7 +148,7 @@ def groups_of(uid: int, gid: int) -> set[int]:
         return {gid}
 
 
-def saver_for(session: Session, req: m.ReserveRequest) -> Saver:
+def saver_for(session: Requester, req: m.ReserveRequest) -> Saver:
     """The saver of a reservation: the peer's credentials, refined by what the client sent.
 
     A client may name a gid among its own groups; only root may save on behalf of another uid.
@@ -115,18 +173,18 @@ def _group_name(gid: int) -> str:
         return str(gid)
 
 
-def _privileged(core: CacheCore, uid: int) -> bool:
+def _privileged(core: Holder, uid: int) -> bool:
     return uid in (0, core.arena.uid)
 
 
-def may_see(core: CacheCore, session: Session, gen: Generation) -> bool:
+def may_see(core: Holder, session: Requester, gen: Owned) -> bool:
     """Whether ``session`` may list, stat, wait on or delete ``gen``."""
     if _privileged(core, session.uid):
         return True
     return gen.saver is not None and gen.saver.uid == session.uid
 
 
-def may_load(core: CacheCore, session: Session, gen: Generation) -> bool:
+def may_load(core: Holder, session: Requester, gen: Owned) -> bool:
     """Whether ``session`` may map ``gen``: its own saves; privileged users also accept what
     root, the daemon or a peer (unknown saver) put there, never an unprivileged user's bytes
     (that user could save under a path the privileged trainer is about to load)."""
@@ -137,7 +195,7 @@ def may_load(core: CacheCore, session: Session, gen: Generation) -> bool:
     return gen.saver is None or _privileged(core, gen.saver.uid)
 
 
-def check_may_save(core: CacheCore, session: Session, key: Key) -> None:
+def check_may_save(core: Holder, session: Requester, key: tuple[str, str]) -> None:
     """Refuse a save over a path that another user holds in the cache (call under the lock)."""
     if _privileged(core, session.uid):
         return

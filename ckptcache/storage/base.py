@@ -3,7 +3,7 @@
 Call order for a persist (daemon side)::
 
     backend.cleanup(path)                      # drop debris of an earlier, interrupted attempt
-    backend.write(path, source, offset, size)  # atomic: complete object or nothing
+    backend.write_stream(path, produce, guard=guard)  # atomic: complete object or nothing
 
 and for a load without a daemon (client side)::
 
@@ -15,7 +15,8 @@ and for a group load into the daemon's memory (ranges fetched in parallel)::
     backend.size(path)
     backend.read_into(path, offset, view)      # one ranged read straight into a segment
 
-``write`` must never leave a partial object visible under ``path``: file systems write a
+No write (``write_stream``, ``write``, ``write_bytes``) may leave a partial object visible
+under ``path``: file systems write a
 temporary name, fsync and rename; S3 completes a multipart upload only after every part.
 Failures raise ``OSError`` subclasses (``PermissionError``, ``FileNotFoundError``, or a plain
 ``OSError`` carrying the cause) so the persister can classify and retry them.
@@ -24,7 +25,8 @@ Failures raise ``OSError`` subclasses (``PermissionError``, ``FileNotFoundError`
 from __future__ import annotations
 
 import abc
-from collections.abc import Callable, Sequence
+import os
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import BinaryIO
 
@@ -39,6 +41,7 @@ __all__ = [
     "StorageOptions",
     "StoredVersion",
     "WriteGuard",
+    "read_range",
 ]
 
 #: User-metadata key (S3) recording the commit time, in ns of the saving node's wall clock,
@@ -134,6 +137,22 @@ Sink = Callable[[bytes | memoryview], None]
 Producer = Callable[[Sink], None]
 
 
+#: Bytes :func:`read_range` reads at a time.
+_PIECE = 16 << 20
+
+
+def read_range(source: int, offset: int, size: int) -> Iterator[bytes]:
+    """The ``size`` bytes at ``offset`` of file descriptor ``source``, in pieces of at most
+    16 MiB; raises ``OSError`` if the source ends first."""
+    done = 0
+    while done < size:
+        piece = os.pread(source, min(_PIECE, size - done), offset + done)
+        if not piece:
+            raise OSError(f"source ended after {done} of {size} bytes")
+        done += len(piece)
+        yield piece
+
+
 @dataclass(frozen=True)
 class StorageOptions:
     """Backend settings from the daemon config (S3 endpoint and tuning)."""
@@ -149,7 +168,6 @@ class StorageOptions:
 class StorageBackend(abc.ABC):
     """One family of destinations (a URL scheme)."""
 
-    @abc.abstractmethod
     def write(
         self,
         path: str,
@@ -165,7 +183,15 @@ class StorageBackend(abc.ABC):
         With a ``guard``, the object already at ``path`` is replaced only if
         :meth:`WriteGuard.check` allows it (checked before the write and again right before
         it becomes visible), and the new object records ``guard.stamp_ns`` (see
-        :meth:`commit_time_ns`)."""
+        :meth:`commit_time_ns`). (Default: the range read in pieces into
+        :meth:`write_stream`, which keeps these promises; a source that ends early raises
+        ``OSError`` and nothing becomes visible.)"""
+
+        def produce(sink: Sink) -> None:
+            for piece in read_range(source, offset, size):
+                sink(piece)
+
+        self.write_stream(path, produce, guard=guard)
 
     def version(self, path: str) -> StoredVersion | None:
         """The object now at ``path`` (``None`` when absent), for :class:`WriteGuard`.

@@ -2,16 +2,13 @@
 
 from __future__ import annotations
 
-import os
 import secrets
 from typing import Any, BinaryIO
 
 from ckptcache._atomic import publish
-from ckptcache.storage.base import StorageBackend, WriteGuard
+from ckptcache.storage.base import Producer, StorageBackend, WriteGuard
 
 __all__ = ["FsspecBackend"]
-
-_CHUNK = 64 << 20
 
 
 class FsspecBackend(StorageBackend):
@@ -22,7 +19,7 @@ class FsspecBackend(StorageBackend):
 
         return fsspec.core.url_to_fs(path)
 
-    def _atomic(self, path: str, chunks: Any) -> None:
+    def _atomic(self, path: str, produce: Producer) -> None:
         fs, real = self._fs(path)
         head, tail = real.rsplit("/", 1) if "/" in real else ("", real)
         tmp = f"{head}/.{tail}.ckptcache-tmp-{secrets.token_hex(4)}" if head else f".{tail}.tmp"
@@ -31,34 +28,21 @@ class FsspecBackend(StorageBackend):
 
         def write(name: str) -> None:
             with fs.open(name, "wb") as f:
-                for chunk in chunks:
-                    f.write(chunk)
+                produce(f.write)
 
         publish(tmp, real, write, fs.mv, fs.rm)
 
-    def write(
-        self,
-        path: str,
-        source: int,
-        offset: int,
-        size: int,
-        *,
-        guard: WriteGuard | None = None,
-    ) -> None:
-        # Generic file systems record no commit stamp: the guard is not checked here.
-        def chunks() -> Any:
-            done = 0
-            while done < size:
-                chunk = os.pread(source, min(_CHUNK, size - done), offset + done)
-                if not chunk:
-                    raise OSError(f"source ended after {done} of {size} bytes")
-                done += len(chunk)
-                yield chunk
-
-        self._atomic(path, chunks())
+    # ``write`` is the base's: the range read in pieces into write_stream.
 
     def write_bytes(self, path: str, data: bytes | memoryview) -> None:
-        self._atomic(path, [bytes(data)])
+        self._atomic(path, lambda sink: sink(bytes(data)))
+
+    def write_stream(
+        self, path: str, produce: Producer, *, guard: WriteGuard | None = None
+    ) -> None:
+        """Streamed to a temporary name, then moved into place. Generic file systems record
+        no commit stamp: ``guard`` is not checked here."""
+        self._atomic(path, produce)
 
     def exists(self, path: str) -> bool:
         fs, real = self._fs(path)

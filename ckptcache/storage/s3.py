@@ -94,45 +94,7 @@ class S3Backend(StorageBackend):
         except (ClientError, BotoCoreError) as e:
             raise _as_oserror(e, what) from e
 
-    def write(
-        self,
-        path: str,
-        source: int,
-        offset: int,
-        size: int,
-        *,
-        guard: WriteGuard | None = None,
-    ) -> None:
-        meta, condition = self._commit_metadata(path, guard)
-        part = max(self.options.s3_part_size, _MIN_PART)
-        if size <= part:
-            body = os.pread(source, size, offset)
-            self._put_guarded(path, body, meta, condition, guard)
-            return
-        bucket, key = split_s3_url(path)
-        upload = self._call("create multipart upload", self.client.create_multipart_upload,
-                            Bucket=bucket, Key=key, Metadata=meta)["UploadId"]  # fmt: skip
-        ranges = [(i + 1, start, min(part, size - start)) for i, start in
-                  enumerate(range(0, size, part))]  # fmt: skip
-
-        def put(number: int, start: int, length: int) -> dict[str, Any]:
-            body = os.pread(source, length, offset + start)
-            if len(body) != length:
-                raise OSError(f"source ended early at part {number}")
-            reply = self._call(f"upload part {number}", self.client.upload_part, Bucket=bucket,
-                               Key=key, UploadId=upload, PartNumber=number, Body=body)  # fmt: skip
-            return {"PartNumber": number, "ETag": reply["ETag"]}
-
-        try:
-            with ThreadPoolExecutor(self.options.s3_max_concurrency) as pool:
-                parts = list(pool.map(lambda r: put(*r), ranges))
-            self._complete_guarded(path, upload, parts, guard)
-        except BaseException:
-            try:
-                self.client.abort_multipart_upload(Bucket=bucket, Key=key, UploadId=upload)
-            except Exception:
-                pass  # cleanup() aborts it before the next attempt
-            raise
+    # ``write`` is the base's: the range read in pieces into write_stream (multipart).
 
     def write_stream(
         self, path: str, produce: Producer, *, guard: WriteGuard | None = None

@@ -65,15 +65,34 @@ def _wall_clock(message: Any, name: str) -> None:
         raise ValueError(f"{type(message).__name__}.{name}: must be a time in seconds >= 0")
 
 
-def _saver(message: Any) -> None:
+def _copy_head(message: Any) -> None:
+    """Check what a copy offered or served says about itself: sizes, commit time, saver."""
+    _non_negative(message, "nbytes", "manifest_offset", "manifest_size", "skeleton_digest")
+    _wall_clock(message, "committed")
     if message.saver_uid < -1 or message.saver_gid < -1:
         raise ValueError(f"{type(message).__name__}.saver_uid/gid: must be >= -1")
     if not 0 <= message.saver_umask <= 0o777:
         raise ValueError(f"{type(message).__name__}.saver_umask: must be 0 to 0o777")
 
 
+@dataclass(frozen=True, kw_only=True)
+class _CopyHead:
+    """What a copy offered (:class:`PushRequest`) or served (:class:`ObjectHead`) carries
+    besides the fields each declares: who saved it (uid, gid; -1: unknown) and their umask.
+    The copy is held and persisted for that user, never as the daemon (uids are the same on
+    every node). Keyword-only, so these come after a message's own fields; checked together
+    with the sizes and the commit time the message declares."""
+
+    saver_uid: int = -1
+    saver_gid: int = -1
+    saver_umask: int = 0o077
+
+    def __post_init__(self) -> None:
+        _copy_head(self)
+
+
 @dataclass(frozen=True)
-class PushRequest:
+class PushRequest(_CopyHead):
     """A backup copy offered to a peer; the receiver answers :class:`Ack` once it has
     reserved room, then :class:`Pushed` once the bytes are verified and committed."""
 
@@ -87,16 +106,6 @@ class PushRequest:
     manifest: str
     skeleton_digest: int
     committed: float
-    #: Who saved it on the origin (uid, gid; -1: unknown) and their umask: the copy is held
-    #: and persisted for that user, never as the daemon (uids are the same on every node).
-    saver_uid: int = -1
-    saver_gid: int = -1
-    saver_umask: int = 0o077
-
-    def __post_init__(self) -> None:
-        _non_negative(self, "nbytes", "manifest_offset", "manifest_size", "skeleton_digest")
-        _wall_clock(self, "committed")
-        _saver(self)
 
 
 @dataclass(frozen=True)
@@ -148,7 +157,7 @@ class Refused:
 
 
 @dataclass(frozen=True)
-class ObjectHead:
+class ObjectHead(_CopyHead):
     """A committed copy follows: the segment body, then its digest table."""
 
     namespace: str
@@ -163,15 +172,6 @@ class ObjectHead:
     persisted: bool = False
     #: When its content was saved (wall clock, s; 0: unknown): the receiver's copy keeps it.
     committed: float = 0.0
-    #: Who saved it, as in :class:`PushRequest`.
-    saver_uid: int = -1
-    saver_gid: int = -1
-    saver_umask: int = 0o077
-
-    def __post_init__(self) -> None:
-        _non_negative(self, "nbytes", "manifest_offset", "manifest_size", "skeleton_digest")
-        _wall_clock(self, "committed")
-        _saver(self)
 
 
 @dataclass(frozen=True)

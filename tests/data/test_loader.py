@@ -337,7 +337,7 @@ def test_another_users_directory_is_refused(tmp_path: Path) -> None:
         os.chown(theirs, 65534, 65534)  # give it to "nobody"
     else:  # only root may give a directory away; the root directory is someone else's
         theirs = Path("/")
-    with pytest.raises(ConfigError, match=f"belongs to uid {os.stat(theirs).st_uid}"):
+    with pytest.raises(ConfigError, match=f"is owned by uid {os.stat(theirs).st_uid}"):
         CachedDataLoader(lambda: [], cache_dir=str(theirs), run_id="r")
 
 
@@ -364,7 +364,7 @@ def test_directories_others_could_plant_batches_in_are_refused(
     os.chmod(os.path.join(run, "train"), 0o700)
     if os.geteuid() == 0:  # only root can give a directory away
         os.chown(run, 65534, 65534)
-        with pytest.raises(ConfigError, match=r"run directory .*/r belongs to uid 65534"):
+        with pytest.raises(ConfigError, match=r"run directory .*/r is owned by uid 65534"):
             make()
         os.chown(run, 0, 0)
     shutil.rmtree(run)
