@@ -13,8 +13,8 @@ data-plane and control accept, out of fds   0.05 s   1 s    none
 persist retries (``persist_backoff``)       0.5 s    30 s   none
 ==========================================  =======  =====  ======
 
-(The control accept loop in ``daemon.py`` and the persist retries in ``persist.py`` still
-compute the same figures inline.)
+The trainer side's polling waits (``data/loader.py``) keep their own: the trainer side never
+imports the daemon.
 """
 
 from __future__ import annotations

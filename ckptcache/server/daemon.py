@@ -30,6 +30,7 @@ from ckptcache._units import format_bytes
 from ckptcache.errors import ConfigError
 from ckptcache.hugepages import HUGE, huge_policy
 from ckptcache.server import logsafe
+from ckptcache.server.backoff import ACCEPT
 from ckptcache.server.config import DaemonConfig
 from ckptcache.server.core import CacheCore
 from ckptcache.server.digester import Digester
@@ -121,24 +122,25 @@ class ControlServer(CappedThreadedServer):
     (``EMFILE`` under a descriptor flood would drop the control socket for good): errors are
     logged at most every few seconds, the loop backs off and goes on until :meth:`close`."""
 
-    _backoff = 0.0
+    _failures = 0
     _last_log = float("-inf")
 
     def accept(self) -> None:
         """Accept one client; a failed accept is logged and retried, never fatal."""
         try:
             super().accept()
-            self._backoff = 0.0
+            self._failures = 0
         except EOFError as e:
             if not self.active:
                 raise  # closed by stop(): end the serve loop
-            self._backoff = min(1.0, max(0.05, self._backoff * 2))
+            backoff = ACCEPT.delay(self._failures)
+            self._failures += 1
             now = time.monotonic()
             if now - self._last_log > 5.0:
                 self._last_log = now
                 log.error("control socket accept failed (%s); backing off %.2fs",
-                          e.__context__, self._backoff)  # fmt: skip
-            time.sleep(self._backoff)
+                          e.__context__, backoff)  # fmt: skip
+            time.sleep(backoff)
 
 
 class _ConnectionLog(logging.LoggerAdapter):  # type: ignore[type-arg]

@@ -45,6 +45,7 @@ from ckptcache._units import format_bytes
 from ckptcache.errors import CkptCacheError, CorruptCheckpoint, PathNotAllowed
 from ckptcache.format.digest import digest_hex
 from ckptcache.format.persisted import stream_archive
+from ckptcache.server.backoff import Backoff
 from ckptcache.server.config import DaemonConfig
 from ckptcache.server.lineage import DirectoryRemoved
 from ckptcache.server.provenance import Provenance, write_provenance
@@ -157,6 +158,8 @@ class Persister:
         self.retention = retention
         self.election: PersistElection | None = None
         cfg = config
+        #: Waits between a failed persist's attempts (``persist_backoff``, ``persist_backoff_max``).
+        self.retry_backoff = Backoff(cfg.persist_backoff, cfg.persist_backoff_max)
         self.options = storage_options(cfg)
         self.queue: collections.deque[Generation] = collections.deque()
         self._path_locks: dict[tuple[str, str], threading.Lock] = {}
@@ -292,7 +295,7 @@ class Persister:
                 if isinstance(e, PathNotAllowed):
                     break  # the tree under the root is not as allowed: retrying cannot help
                 if attempt < cfg.persist_retries:
-                    time.sleep(min(cfg.persist_backoff * 2**attempt, cfg.persist_backoff_max))
+                    time.sleep(self.retry_backoff.delay(attempt))
                 continue
             # The object is complete on storage: persisted now, whatever the coordinator says;
             # the group's record follows (retried in the background through an etcd outage).
