@@ -29,7 +29,7 @@ from ckptcache.errors import (
 )
 from ckptcache.format.layout import HEADER_SIZE, SegmentHeader
 from ckptcache.format.manifest import Manifest, unpack_digests, verify_meta
-from ckptcache.format.persisted import load_from_storage
+from ckptcache.format.stored_load import load_from_storage
 from ckptcache.storage import backend_for
 from ckptcache.wire import messages as m
 from ckptcache.wire.states import Tier

@@ -47,7 +47,8 @@ from ckptcache.client._paths import is_url
 from ckptcache.errors import CheckpointNotFound, DaemonUnavailable
 from ckptcache.format.archive import ViewReader
 from ckptcache.format.layout import HEADER_SIZE, SegmentHeader
-from ckptcache.format.persisted import read_verified, stream_archive
+from ckptcache.format.persisted import stream_archive
+from ckptcache.format.stored_load import read_verified
 from ckptcache.storage import backend_for
 from ckptcache.wire.messages import ObjectInfo
 

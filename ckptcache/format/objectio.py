@@ -178,7 +178,7 @@ def read_archive_object(
     map_location: MapLocation = None,
 ) -> Any:
     """Rebuild the object of the ``torch.save`` archive that fills ``mapping`` (a stored file
-    read into memory, already checked: :func:`ckptcache.format.persisted.read_verified`); the
+    read into memory, already checked: :func:`ckptcache.format.stored_load.read_verified`); the
     CPU storages are views of ``mapping``, which they keep alive."""
     view = memoryview(mapping)
     try:

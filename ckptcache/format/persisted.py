@@ -39,7 +39,6 @@ import zlib
 from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
 
 import xxhash
 
@@ -61,12 +60,14 @@ __all__ = [
     "ArchiveRecord",
     "central_offset",
     "check_archive",
+    "check_stored",
     "list_records",
-    "load_from_storage",
-    "read_verified",
+    "storage_corrupt",
     "stored_archive_complete",
+    "stored_view",
     "stream_archive",
     "verify_stored",
+    "zip_marks",
 ]
 
 #: Name of the digest record, relative to the archive's top folder.
@@ -86,8 +87,6 @@ _DESCRIPTOR_SIG = b"PK\x07\x08"
 #: record, its locator, end of central directory): how every persisted archive ends.
 _END_SIZE = 56 + 20 + 22
 #: Reader threads of :func:`read_verified` (ranged reads, CRC-32s in parallel).
-_READERS = 4
-_ANONYMOUS = mmap_module.MAP_PRIVATE | mmap_module.MAP_ANONYMOUS
 
 Sink = Callable[[memoryview | bytes], None]
 
@@ -105,7 +104,8 @@ class ArchiveRecord:
     end: int
 
 
-def _corrupt(path: str, what: str, *, tensor: str | None = None) -> CorruptCheckpoint:
+def storage_corrupt(path: str, what: str, *, tensor: str | None = None) -> CorruptCheckpoint:
+    """The error for damage found in the stored object at ``path``."""
     return CorruptCheckpoint(
         f"checkpoint file {path!r} is corrupt in the storage tier: {what}",
         tensor=tensor, tier="storage",
@@ -121,7 +121,7 @@ def list_records(view: memoryview, path: str = "<archive>") -> tuple[list[Archiv
     except CorruptCheckpoint:
         raise
     except PARSE_ERRORS as e:  # zipfile trusts the sizes and versions it reads
-        raise _corrupt(path, f"{e} (truncated, or not a checkpoint archive)") from e
+        raise storage_corrupt(path, f"{e} (truncated, or not a checkpoint archive)") from e
 
 
 def _list_records(view: memoryview, path: str) -> tuple[list[ArchiveRecord], int]:
@@ -129,29 +129,30 @@ def _list_records(view: memoryview, path: str) -> tuple[list[ArchiveRecord], int
     try:
         listed = count_records(len(view), lambda offset, n: bytes(view[offset : offset + n]))
     except ValueError as e:
-        raise _corrupt(path, str(e)) from e
+        raise storage_corrupt(path, str(e)) from e
     if listed != len(infos):  # an entry's lengths changed: it swallowed or split others
-        raise _corrupt(path, f"the end record counts {listed} records, the central directory "
-                             f"{len(infos)}")  # fmt: skip
+        raise storage_corrupt(
+            path, f"the end record counts {listed} records, the central directory {len(infos)}"
+        )
     infos.sort(key=lambda i: i.header_offset)
     cd_offset = central_offset(view, path)
     records = []
     for n, info in enumerate(infos):
         if info.compress_type != zipfile.ZIP_STORED:
-            raise _corrupt(path, f"compressed record {info.filename!r}")
+            raise storage_corrupt(path, f"compressed record {info.filename!r}")
         start = info.header_offset
         local = bytes(view[start : start + _LOCAL.size])
         if len(local) < _LOCAL.size or local[:4] != b"PK\x03\x04":
-            raise _corrupt(path, f"bad local header of record {info.filename!r}")
+            raise storage_corrupt(path, f"bad local header of record {info.filename!r}")
         fields = _LOCAL.unpack(local)
         name = bytes(view[start + _LOCAL.size : start + _LOCAL.size + fields[9]])
         if name != info.orig_filename.encode("utf-8" if info.flag_bits & 0x800 else "cp437"):
-            raise _corrupt(path, f"the local header of record {info.filename!r} names "
+            raise storage_corrupt(path, f"the local header of record {info.filename!r} names "
                                  f"{name!r}")  # fmt: skip
         data = start + _LOCAL.size + fields[9] + fields[10]
         end = infos[n + 1].header_offset if n + 1 < len(infos) else cd_offset
         if data + info.file_size > end:
-            raise _corrupt(path, f"record {info.filename!r} runs past its end (truncated)")
+            raise storage_corrupt(path, f"record {info.filename!r} runs past its end (truncated)")
         records.append(ArchiveRecord(info.filename, start, data, info.file_size, info.CRC, end))
     return records, cd_offset
 
@@ -162,7 +163,7 @@ def central_offset(view: memoryview, path: str = "<archive>") -> int:
     size = len(view)
     eocd = bytes(view[size - 22 : size])
     if size < 22 or eocd[:4] != b"PK\x05\x06":
-        raise _corrupt(path, "no end-of-central-directory record (truncated)")
+        raise storage_corrupt(path, "no end-of-central-directory record (truncated)")
     (offset,) = struct.unpack_from("<I", eocd, 16)
     if offset != 0xFFFFFFFF:
         return int(offset)
@@ -374,7 +375,7 @@ def check_archive(
     :mod:`ckptcache.format.archive_read`): those records are compared, not hashed again; a
     record it lacks (or lacks the CRC of, when one is needed) is hashed here."""
     if len(view) == 0:
-        raise _corrupt(path, "the file is empty")
+        raise storage_corrupt(path, "the file is empty")
     records, cd_offset = list_records(view, path)
     if not deep:
         return {}
@@ -391,7 +392,7 @@ def check_archive(
         if digests is not None:
             want = digests.get(record.name)
             if want is None:
-                raise _corrupt(path, f"record {record.name!r} is not in the digest record")
+                raise storage_corrupt(path, f"record {record.name!r} is not in the digest record")
             if got != want:
                 raise _record_corrupt(view, records, record, path, "digest")
         elif record.crc and (zlib.crc32(data) if crc is None else crc) != record.crc:
@@ -400,7 +401,7 @@ def check_archive(
         names = {r.name for r in records}
         missing = sorted(set(digests) - names)
         if missing:
-            raise _corrupt(path, f"records {missing} are missing")
+            raise storage_corrupt(path, f"records {missing} are missing")
     if table is not None and table.meta is not None:
         assert member is not None
         _check_structure(view, records, member, cd_offset, table.meta, path)
@@ -421,7 +422,7 @@ def _record_corrupt(
         what = f"tensor {tensor!r} (record {record.name!r})"
     else:
         what, tensor = f"record {record.name!r}", None
-    return _corrupt(path, f"{what} does not match its {check}", tensor=tensor)
+    return storage_corrupt(path, f"{what} does not match its {check}", tensor=tensor)
 
 
 def _tensor_names(view: memoryview, records: list[ArchiveRecord]) -> dict[str, str]:
@@ -451,21 +452,21 @@ def _check_structure(
     central_end = size - _END_SIZE
     member_central = central_end - len(rebuilt.central)
     if records[-1] is not member or member_central < cd_offset:
-        raise _corrupt(path, "the digest record is not where it was written")
+        raise storage_corrupt(path, "the digest record is not where it was written")
     expected_end = end_records(len(records), cd_offset, central_end - cd_offset)
     if bytes(view[member.header_offset : member.data_offset + member.size]) != rebuilt.local:
-        raise _corrupt(path, "the digest record's local header was changed")
+        raise storage_corrupt(path, "the digest record's local header was changed")
     if bytes(view[member_central:central_end]) != rebuilt.central:
-        raise _corrupt(path, "the digest record's central directory entry was changed")
+        raise storage_corrupt(path, "the digest record's central directory entry was changed")
     if bytes(view[central_end:]) != expected_end:
-        raise _corrupt(path, "the zip end records were changed")
+        raise storage_corrupt(path, "the zip end records were changed")
     hasher = xxhash.xxh3_64()
     for record in records[:-1]:
         hasher.update(view[record.header_offset : record.data_offset])
         hasher.update(view[record.data_offset + record.size : record.end])
     hasher.update(view[cd_offset:member_central])
     if hasher.intdigest() != meta:
-        raise _corrupt(path, "the zip structure (local headers, data descriptors or central "
+        raise storage_corrupt(path, "the zip structure (local headers, data descriptors or central "
                              "directory) does not match its digest")  # fmt: skip
 
 
@@ -481,7 +482,7 @@ class _DigestTable:
 def _recorded_table(view: memoryview, member: ArchiveRecord, path: str) -> _DigestTable:
     data = bytes(view[member.data_offset : member.data_offset + member.size])
     if zlib.crc32(data) != member.crc:
-        raise _corrupt(path, "the digest record does not match its CRC-32")
+        raise storage_corrupt(path, "the digest record does not match its CRC-32")
     try:
         table = json.loads(data)
         if table.get("format") != DIGESTS_FORMAT or table.get("algorithm") != DIGEST_ALGORITHM:
@@ -490,7 +491,7 @@ def _recorded_table(view: memoryview, member: ArchiveRecord, path: str) -> _Dige
         meta = table.get("meta")
         return _DigestTable(records, None if meta is None else int(meta, 16))
     except (ValueError, KeyError, TypeError, AttributeError) as e:
-        raise _corrupt(path, f"unreadable digest record: {e}") from e
+        raise storage_corrupt(path, f"unreadable digest record: {e}") from e
 
 
 def stored_archive_complete(backend: StorageBackend, path: str) -> bool:
@@ -511,7 +512,7 @@ def stored_archive_complete(backend: StorageBackend, path: str) -> bool:
 
 
 @contextlib.contextmanager
-def _stored_view(path: str) -> Iterator[tuple[memoryview, bytes | None]]:
+def stored_view(path: str) -> Iterator[tuple[memoryview, bytes | None]]:
     """The stored object's bytes: a read-only mapping of a local file, or the whole body of a
     URL's object (also yielded, for ``torch.load`` to read from memory)."""
     if "://" in path:
@@ -521,7 +522,7 @@ def _stored_view(path: str) -> Iterator[tuple[memoryview, bytes | None]]:
         return
     with open(path, "rb") as f:
         if os.fstat(f.fileno()).st_size == 0:
-            raise _corrupt(path, "the file is empty")
+            raise storage_corrupt(path, "the file is empty")
         mapping = mmap_module.mmap(f.fileno(), 0, access=mmap_module.ACCESS_READ)
     view = memoryview(mapping)
     try:
@@ -537,130 +538,19 @@ def _stored_view(path: str) -> Iterator[tuple[memoryview, bytes | None]]:
 def verify_stored(path: str, *, deep: bool = True) -> None:
     """Check the checkpoint stored at ``path``: its structure (truncation) and, with
     ``deep``, every record against the digest record or its CRC-32."""
-    with _stored_view(path) as (view, _):
-        _check_stored(view, path, deep)
+    with stored_view(path) as (view, _):
+        check_stored(view, path, deep)
 
 
-def load_from_storage(
-    path: str,
-    map_location: Any = None,
-    *,
-    weights_only: bool = True,
-    mmap: bool | None = None,
-    verify: bool = True,
-) -> Any:
-    """Load a stored checkpoint as ``torch.load`` would; damage raises
-    :class:`CorruptCheckpoint` naming ``path``, the storage tier and the tensor.
-
-    ``verify`` (the default): every record is checked against the digest record (or its
-    CRC-32) and the zip structure against its digest while the file is read into memory
-    (:func:`read_verified`: one pass), then the object is built over those bytes without
-    another copy (``mmap=True``: over a private mapping of the file, which the check reads
-    through). ``verify=False`` checks the structure only (truncation), then ``torch.load``.
-    """
-    if verify:
-        mapping = read_verified(path, mapped=mmap is True)
-        if mapping is not None:
-            from ckptcache.format.objectio import read_archive_object  # torch: client side only
-
-            return read_archive_object(
-                mapping, path=path, weights_only=weights_only, map_location=map_location
-            )
-    return _torch_load(path, map_location, weights_only, mmap)
-
-
-def _torch_load(path: str, map_location: Any, weights_only: bool, mmap: bool | None) -> Any:
-    """``torch.load`` after the structural check (and for files that are no zip archive)."""
-    import torch
-
-    with _stored_view(path) as (view, data):
-        _check_stored(view, path, False)
-    source: Any = path if data is None else io.BytesIO(data)
-    kwargs: dict[str, Any] = {"mmap": mmap} if data is None else {}
-    try:
-        return torch.load(source, map_location=map_location, weights_only=weights_only, **kwargs)
-    except (EOFError, zipfile.BadZipFile) as e:
-        raise _corrupt(path, f"{type(e).__name__}: {e}") from e
-
-
-def read_verified(path: str, *, mapped: bool = False) -> mmap_module.mmap | None:
-    """The object stored at ``path`` in this process's memory, checked as
-    :func:`check_archive` with ``deep`` checks it, the hashing done as the bytes arrive: ranged
-    reads on a few threads into private anonymous memory
-    (:func:`~ckptcache.format.archive_read.read_archive`), or with ``mapped`` (a local file) a
-    private mapping of the file whose pages the check itself reads in. None when the object is
-    no zip archive (a legacy ``torch.save`` file: nothing to check it against).
-
-    Raises :class:`CorruptCheckpoint` for any damage, ``FileNotFoundError`` if it is absent.
-    """
-    from ckptcache.format.archive_read import read_archive  # it builds on this module
-
-    backend = backend_for(path)
-    size = backend.size(path)
-    if size == 0:
-        raise _corrupt(path, "the file is empty")
-    if not _is_zip(backend, path, size):
-        return None
-    if mapped and "://" not in path:
-        return _mapped_verified(path, size)
-    mapping = _private_memory(size)
-    view = memoryview(mapping)
-    try:
-        read_archive(backend, path, view, concurrency=_READERS, advance=_ignore)
-    finally:
-        view.release()
-    return mapping
-
-
-def _ignore(_: int) -> None:
-    """Progress of a read nobody relays."""
-
-
-def _private_memory(size: int) -> mmap_module.mmap:
-    """Anonymous, private, writable memory for ``size`` bytes: the loaded tensors' storage.
-
-    Asked for in 2 MiB pages where the kernel offers them on request (transparent huge pages
-    in ``madvise`` mode, the usual default): a fresh buffer is faulted in as the reads land,
-    and 4 KiB pages cost one fault each, which was most of the time of a load from a
-    page-cached file (measured: 0.26 s for 256 MiB, 0.06-0.10 s with huge pages). Unlike a
-    save, a load from storage is no stall of training's steps, so the compaction a huge
-    page may cost is acceptable here."""
-    mapping = mmap_module.mmap(-1, size, flags=_ANONYMOUS)
-    with contextlib.suppress(OSError, AttributeError):  # no THP: 4 KiB pages, still correct
-        mapping.madvise(mmap_module.MADV_HUGEPAGE)
-    return mapping
-
-
-def _mapped_verified(path: str, size: int) -> mmap_module.mmap:
-    """A private (copy-on-write) mapping of the local file ``path``, checked through."""
-    with open(path, "rb") as f:
-        mapping = mmap_module.mmap(f.fileno(), size, flags=mmap_module.MAP_PRIVATE,
-                                   prot=mmap_module.PROT_READ | mmap_module.PROT_WRITE)  # fmt: skip
-    view = memoryview(mapping)
-    try:
-        check_archive(view, path, deep=True)
-    finally:
-        view.release()
-    return mapping
-
-
-def _is_zip(backend: StorageBackend, path: str, size: int) -> bool:
-    """Whether the object is a zip archive (``torch.save``'s format since torch 1.6): it
-    starts with a local header or ends with an end-of-central-directory record. Either may be
-    damaged, so one of the two is enough; a legacy pickle file has neither."""
-    head = bytearray(min(size, 4))
-    backend.read_into(path, 0, memoryview(head))
-    tail = bytearray(min(size, 22))
-    backend.read_into(path, size - len(tail), memoryview(tail))
-    return _zip_marks(bytes(head), bytes(tail))
-
-
-def _zip_marks(head: bytes, tail: bytes) -> bool:
+def zip_marks(head: bytes, tail: bytes) -> bool:
+    """Whether an object's first and last bytes are those of a zip archive."""
     return head[:4] == b"PK\x03\x04" or (len(tail) == 22 and tail[:4] == b"PK\x05\x06")
 
 
-def _check_stored(view: memoryview, path: str, deep: bool) -> None:
+def check_stored(view: memoryview, path: str, deep: bool) -> None:
+    """:func:`check_archive` for a stored object; one that is no zip archive (a legacy
+    ``torch.save`` file) is left to torch's own checks."""
     if len(view) == 0:
-        raise _corrupt(path, "the file is empty")
-    if _zip_marks(bytes(view[:4]), bytes(view[-22:])):  # legacy files: torch checks
+        raise storage_corrupt(path, "the file is empty")
+    if zip_marks(bytes(view[:4]), bytes(view[-22:])):  # legacy files: torch checks
         check_archive(view, path, deep=deep)

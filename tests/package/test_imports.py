@@ -62,11 +62,7 @@ def _without(graph: dict[str, set[str]], edges: Iterable[tuple[str, str]]) -> di
 CYCLE_ALLOWED: dict[tuple[str, str], str] = {}
 
 #: Circles closed by an annotation-only or deferred import: the edge that closes each.
-CIRCLE_ALLOWED: dict[tuple[str, str], str] = {
-    ("ckptcache.format.persisted", "ckptcache.format.archive_read"):
-        "read_persisted defers to archive_read, which builds on persisted's checks: to be "
-        "split so one depends on the other",
-}  # fmt: skip
+CIRCLE_ALLOWED: dict[tuple[str, str], str] = {}
 
 
 def test_the_graph_sees_real_imports_and_skips_deferred_ones():
