@@ -76,7 +76,7 @@ def test_a_fresh_client_gets_the_spare_it_mapped_not_a_freed_segment(daemon_fact
         wait_until(lambda: c.daemon_status().free_segments == 2, what="the freed segment")
         assert _spares(c).segments == (spare,)  # the freed one is free, not a spare
         c.warmup(wait=True)
-        assert spare in c._write_maps and freed not in c._write_maps
+        assert spare in c._parts.maps and freed not in c._parts.maps
 
         path = str(tmp_path / "iter_1" / "model.pt")
         state = blob(4, 6.0)
