@@ -123,28 +123,35 @@ def fast_unpickle(
 
     empty = torch.empty
     from_numpy = torch.from_numpy
-
-    def from_array(entry: _Pending, size: tuple[int, ...], stride: tuple[int, ...]) -> Any:
-        """The tensor over the whole of ``entry``'s storage, or None if it does not cover it."""
-        _, _, key, location, numel = entry.saved_id
-        if location != "cpu" or type(numel) is not int or math.prod(size) != numel or not numel:
-            return None
-        if not (stride == (1,) if len(size) == 1 else _contiguous(size, stride)):
-            return None
-        nbytes = numel * entry.dtype.itemsize
-        array = load_array(str(key), nbytes)  # type: ignore[misc]
-        if array is None or array.nbytes != nbytes:
-            return None
-        as_numpy = _NUMPY.get(entry.dtype)
-        if as_numpy is not None:
-            tensor = from_numpy(array.view(as_numpy))
-        else:  # bfloat16, float8, ...: no numpy twin; the same bytes viewed in torch
-            tensor = from_numpy(array).view(entry.dtype)
-        return tensor if len(size) == 1 else tensor.view(size)
+    numpy_of = _NUMPY.get
+    prod = math.prod
 
     # Storage key -> the storage its first tensor was made over: tied weights and views saved
     # together share one storage after the load, as they did before the save.
     by_key: dict[Any, torch.UntypedStorage] = {}
+
+    def from_array(entry: _Pending, size: tuple[int, ...], stride: tuple[int, ...]) -> Any:
+        """The tensor over the whole of ``entry``'s storage, or None if it does not cover it.
+
+        The shape is given in numpy (a reshape of the array, well under a microsecond) rather
+        than by a torch ``view`` of the tensor, which costs several: this runs once per tensor
+        of the state."""
+        _, _, key, location, numel = entry.saved_id
+        if location != "cpu" or type(numel) is not int or not numel or prod(size) != numel:
+            return None
+        if not (stride == (1,) if len(size) == 1 else _contiguous(size, stride)):
+            return None
+        dtype = entry.dtype
+        nbytes = numel * dtype.itemsize
+        array = load_array(str(key), nbytes)  # type: ignore[misc]
+        if array is None or array.nbytes != nbytes:
+            return None
+        as_numpy = numpy_of(dtype)
+        if as_numpy is not None:
+            return from_numpy(array.view(as_numpy).reshape(size))
+        # bfloat16, float8, ...: no numpy twin; the same bytes viewed in torch
+        tensor = from_numpy(array).view(dtype)
+        return tensor if len(size) == 1 else tensor.view(size)
 
     def pending_tensor(
         entry: _Pending, offset: Any, size: Any, stride: Any

@@ -99,3 +99,27 @@ def test_an_array_that_does_not_match_its_storage_is_not_used(bad):
 
     out = unflatten(skeleton, load_storage, load_array=load_array)
     assert torch.equal(out["w"], w)
+
+
+@pytest.mark.parametrize(
+    "tensor",
+    [
+        torch.arange(24.0).reshape(2, 3, 4),
+        torch.arange(5, dtype=torch.int32).reshape(5, 1),
+        torch.arange(5.0, dtype=torch.float64).reshape(1, 1, 5),
+        torch.linspace(-1, 1, 12, dtype=torch.bfloat16).reshape(3, 4),
+    ],
+    ids=["3d", "column", "leading-ones", "bf16-2d"],
+)
+def test_a_shaped_tensor_is_made_over_the_array_with_its_shape_and_strides(tensor):
+    """The shape is given to the array (or, without a numpy twin, to the tensor); either way the
+    tensor lies over the loader's array, not over a copy."""
+    skeleton, load_storage, load_array, arrays = _archive({"t": tensor})
+    got = unflatten(skeleton, load_storage, load_array=load_array)["t"]
+    assert arrays == ["0"]
+    assert got.dtype == tensor.dtype and got.shape == tensor.shape
+    assert got.stride() == tensor.stride() and got.is_contiguous()
+    assert torch.equal(got, tensor)
+    got.view(-1)[0] = 7  # the bytes are the array's: a write shows through a second load
+    again = unflatten(skeleton, load_storage, load_array=load_array)["t"]
+    assert again.view(-1)[0].item() == 7
