@@ -61,7 +61,7 @@ class Generation:
     persisted: bool = False
     #: Whether this object must reach storage at all (False for memory-only objects).
     needs_persist: bool = False
-    #: memory-only | queued | persisting | persisted | failed | superseded | dropped
+    #: Changed only through :mod:`ckptcache.server.persist_states` (its table of transitions).
     persist_state: PersistState = PersistState.MEMORY_ONLY
     persist_error: str = ""
     persist_seconds: float = 0.0

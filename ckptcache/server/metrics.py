@@ -43,6 +43,11 @@ class Metrics:
         self.persist_errors = Counter(
             "ckptcache_persist_errors", "Persist attempts that failed", registry=r
         )
+        self.unlisted_transitions = Counter(
+            "ckptcache_unlisted_persist_transitions",
+            "Persist-state changes the state table does not list (applied; a daemon bug)",
+            registry=r,
+        )
         self.persist_latency = Histogram(
             "ckptcache_persist_seconds", "Time to persist one object",
             buckets=_LATENCY_BUCKETS, registry=r,

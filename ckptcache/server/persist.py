@@ -1,18 +1,8 @@
 """Phase 2: persist committed generations to storage, in the daemon, at low priority.
 
-States of a generation (``Generation.persist_state``, a
-:class:`~ckptcache.wire.states.PersistState`)::
-
-    memory-only                       (not under any root: never persisted)
-    queued -> persisting -> persisted (the in-memory copy becomes evictable)
-                         -> failed    (retries ran out; kept in memory, reported)
-                         -> conflict  (another ckptcache writer replaced the stored object
-                                       after this save; only clocks could order them: kept
-                                       in memory, reported, nothing overwritten)
-    queued -> superseded              (a newer generation of the same path will persist, or
-                                       storage already holds a newer object: never replaced)
-    queued -> dropped                 (the directory it was saved into was removed: deleted by
-                                       the user, never recreated)
+States of a generation (``Generation.persist_state``): ``queued -> persisting -> persisted``,
+or ``failed``, ``conflict``, ``standby``, ``superseded``, ``dropped``; every change goes through
+:class:`~ckptcache.server.persist_states.PersistStates`, whose table lists the allowed ones.
 
 Call order: :meth:`Persister.submit` (a commit, a recovery, a standby taking over) ->
 :meth:`Persister.start` (with the cluster's :class:`PersistElection`, or None for a node
@@ -156,6 +146,7 @@ class Persister:
         #: returns the recorded ones if the digester was first). None: wait for the digester.
         self.record_digests = record_digests
         self.retention = retention
+        self.states = state.persist_states
         self.election: PersistElection | None = None
         cfg = config
         #: Waits between a failed persist's attempts (``persist_backoff``, ``persist_backoff_max``).
@@ -188,7 +179,7 @@ class Persister:
     def submit(self, gen: Generation) -> None:
         """Queue a generation that needs persisting (takes the state lock, re-entrant)."""
         with self.state.locked():
-            gen.persist_state = PersistState.QUEUED
+            self.states.advance(gen, PersistState.QUEUED)
             self.queue.append(gen)
             self.metrics.persist_queue.set(len(self.queue))
         self.state.notify()
@@ -204,7 +195,7 @@ class Persister:
                     # retirement; its segment may hold another object by now.
                     if gen.persist_state == PersistState.QUEUED and not gen.removed:
                         state.pin_locked(gen)
-                        gen.persist_state = PersistState.PERSISTING
+                        self.states.advance(gen, PersistState.PERSISTING)
                         return gen
                 state.wait(1.0)
         return None
@@ -222,7 +213,9 @@ class Persister:
             except Exception:  # a bug: never kill the worker
                 log.exception("persist worker failed on %s", gen.path)
                 with self.state.locked():
-                    gen.persist_state, gen.persist_error = PersistState.FAILED, "internal error"
+                    # A verdict reached before the bug (persisted, superseded, ...) stands.
+                    if gen.persist_state in (PersistState.PERSISTING, PersistState.STANDBY):
+                        self.states.advance(gen, PersistState.FAILED, error="internal error")
                 self._step_down(gen)
             finally:
                 self.state.unpin(gen)
@@ -242,7 +235,7 @@ class Persister:
                 return
             if role == ClaimRole.STANDBY:
                 with self.state.locked():
-                    gen.persist_state = PersistState.STANDBY
+                    self.states.advance(gen, PersistState.STANDBY)
                 cluster.watch(gen)
                 return
             if role == ClaimRole.RETRY:
@@ -255,10 +248,12 @@ class Persister:
             with self.state.locked():
                 newest = self.state.index.newest(gen.key)
                 if newest is not None and newest.number > gen.number and newest.needs_persist:
-                    gen.persist_state = PersistState.SUPERSEDED
+                    self.states.advance(gen, PersistState.SUPERSEDED)
                 if gen.removed and gen.persist_state == PersistState.PERSISTING:
-                    gen.needs_persist, gen.persist_state = False, PersistState.DROPPED
-                    gen.persist_error = "removed from memory before it was persisted"
+                    self.states.advance(
+                        gen, PersistState.DROPPED, needs_persist=False,
+                        error="removed from memory before it was persisted",
+                    )  # fmt: skip
                 stop = gen.persist_state in (PersistState.SUPERSEDED, PersistState.DROPPED)
             if stop:  # superseded (also by a write-through), deleted or dropped
                 self.state.notify()
@@ -307,11 +302,10 @@ class Persister:
                 cluster.persisted(gen, target)
             return
         with self.state.locked():
-            gen.persist_state = PersistState.FAILED
-            gen.persist_error = (
+            self.states.advance(gen, PersistState.FAILED, error=(
                 f"gave up after {attempt + 1} attempts: {error}. The checkpoint "
                 "stays in memory; fix the storage and save again"
-            )
+            ))  # fmt: skip
         self.state.notify()
         log.error("persist of %s generation %d failed for good: %s", gen.path, gen.number, error)
         if cluster is not None:
@@ -341,7 +335,7 @@ class Persister:
                 # Durable before it is reported or acted on: a crash now must not bring
                 # the deleted checkpoint back.
                 write_provenance(gen.segment, Provenance(gen.base, gen.anchor, dropped=True))
-            gen.needs_persist, gen.persist_state, gen.persist_error = False, state, str(why)
+            self.states.advance(gen, state, needs_persist=False, error=str(why))
             if isinstance(why, DirectoryRemoved):
                 gen.orphaned = True  # evictable now, dropped by the next sweep
             else:  # storage holds the newest save: serving this copy would be stale
@@ -355,7 +349,7 @@ class Persister:
         overwritten, the generation stays in memory and ``wait()`` raises."""
         log.error("not persisting %s generation %d: %s", gen.path, gen.number, why)
         with self.state.locked():
-            gen.persist_state, gen.persist_error = PersistState.CONFLICT, str(why)
+            self.states.advance(gen, PersistState.CONFLICT, error=str(why))
         self.state.notify()
         if self.election is not None:
             self.election.failed(gen)
@@ -457,8 +451,8 @@ class Persister:
         self.metrics.corrupt.labels(tier=Tier.LOCAL).inc()
         log.error("not persisting %s generation %d: %s", gen.path, gen.number, error)
         with self.state.locked():
-            gen.persist_state = PersistState.FAILED
-            gen.corrupt = gen.persist_error = f"{error}. Save it again"
+            gen.corrupt = f"{error}. Save it again"
+            self.states.advance(gen, PersistState.FAILED, error=gen.corrupt)
         self.state.notify()
         if self.election is not None:
             self.election.replace_corrupt(gen)
@@ -482,9 +476,7 @@ class Persister:
             if wrote:  # storage holds this stamp now: newer generations may replace it
                 written = self._written.setdefault(gen.key, collections.deque(maxlen=8))
                 written.append(gen.committed_ns)
-            gen.persisted = True
-            gen.persist_state = PersistState.PERSISTED
-            gen.persist_error = ""
+            self.states.advance(gen, PersistState.PERSISTED, persisted=True, error="")
             gen.persist_seconds = seconds
             if not gen.removed or gen.retired:  # a freed segment may hold another object now
                 header = gen.segment.read_header()

@@ -86,9 +86,9 @@ def recover(
         chosen = record is not None and record.memory_only  # durability="memory"
         gen.needs_persist = not chosen and persistable(roots, gen.path)
         if header.persisted:
-            gen.persisted, gen.persist_state = True, PersistState.PERSISTED
+            state.persist_states.advance(gen, PersistState.PERSISTED, persisted=True)
         elif gen.needs_persist:
-            _keep_deleted(gen, dropped=record is not None and record.dropped)
+            _keep_deleted(state, gen, dropped=record is not None and record.dropped)
         # A user's digest table lies in its own file: computed again rather than believed.
         if header.digest_state == DigestState.VALID and not segment.sealable:
             table = view[header.digest_offset : header.digest_offset + 8 * header.n_storages]
@@ -157,13 +157,15 @@ class _StorageCheck:
                         "through or persisted after it)", path, gen.number,
                     )  # fmt: skip
                     if not gen.persisted:
-                        gen.needs_persist, gen.persist_state = False, PersistState.SUPERSEDED
+                        self.state.persist_states.advance(
+                            gen, PersistState.SUPERSEDED, needs_persist=False
+                        )
                     self.state.retire_locked(gen)
                 except StorageConflict as e:
                     if gen.persisted:  # storage holds another writer's object now
                         self.state.retire_locked(gen)
                     else:
-                        gen.persist_state, gen.persist_error = PersistState.CONFLICT, str(e)
+                        self.state.persist_states.advance(gen, PersistState.CONFLICT, error=str(e))
                         log.error("not persisting %s generation %d: %s", path, gen.number, e)
 
 
@@ -181,13 +183,15 @@ def _recorded_header(segment: Segment, page: bytes | memoryview | None) -> Segme
     return header
 
 
-def _keep_deleted(gen: Generation, *, dropped: bool) -> None:
+def _keep_deleted(state: CacheState, gen: Generation, *, dropped: bool) -> None:
     """A recovered generation whose directory the user removed stays deleted: never persisted
     (the mark is made durable first if the removal happened while the daemon was down)."""
     if not dropped and not is_orphaned(gen.anchor):
         return
     if not dropped:
         write_provenance(gen.segment, Provenance(gen.base, gen.anchor, dropped=True))
-    gen.needs_persist, gen.persist_state = False, PersistState.DROPPED
-    gen.persist_error, gen.orphaned = removed_reason(gen.anchor), True
+    state.persist_states.advance(
+        gen, PersistState.DROPPED, needs_persist=False, error=removed_reason(gen.anchor)
+    )
+    gen.orphaned = True
     log.info("%s generation %d stays deleted: %s", gen.path, gen.number, gen.persist_error)

@@ -27,6 +27,9 @@ __all__ = ["Retention"]
 
 log = logging.getLogger(__name__)
 
+#: Unpersisted states a newer commit supersedes at once (not one being written or watched).
+_SUPERSEDABLE = (PersistState.QUEUED, PersistState.FAILED, PersistState.CONFLICT)
+
 
 class Retention:
     """The rules that retire generations; never an unpersisted newest one."""
@@ -51,12 +54,9 @@ class Retention:
         for old in gens[:-1]:
             if old.needs_persist and not old.persisted:
                 old.needs_persist = False
-                if old.persist_state in (
-                    PersistState.QUEUED,
-                    PersistState.FAILED,
-                    PersistState.CONFLICT,
-                ):
-                    old.persist_state = PersistState.SUPERSEDED
+                # One being written or watched finds out itself (its worker or its group).
+                if old.persist_state in _SUPERSEDABLE:
+                    self.state.persist_states.advance(old, PersistState.SUPERSEDED)
 
     def apply_locked(self, key: Key) -> None:
         """Retire generations beyond the configured ``keep`` (never an unpersisted one)."""
@@ -75,7 +75,9 @@ class Retention:
                     "through or persisted after it)", gen.path, gen.number,
                 )  # fmt: skip
                 if not gen.persisted:
-                    gen.needs_persist, gen.persist_state = False, PersistState.SUPERSEDED
+                    self.state.persist_states.advance(
+                        gen, PersistState.SUPERSEDED, needs_persist=False
+                    )
                 self.state.retire_locked(gen)
 
     def forget_replaced(self, key: Key) -> None:
@@ -119,7 +121,9 @@ class Retention:
             ]
             for gen in gens:
                 if not gen.persisted:
-                    gen.needs_persist, gen.persist_state = False, PersistState.SUPERSEDED
+                    self.state.persist_states.advance(
+                        gen, PersistState.SUPERSEDED, needs_persist=False
+                    )
                 state.retire_locked(gen)
             state.update_gauges()
         if gens:
@@ -174,8 +178,10 @@ class Retention:
                 if gen.needs_persist and not gen.persisted:
                     # Durable before it is acted on: a crash must not bring it back.
                     write_provenance(gen.segment, Provenance(gen.base, gen.anchor, dropped=True))
-                    gen.needs_persist, gen.persist_state = False, PersistState.DROPPED
-                    gen.persist_error = removed_reason(gen.anchor)
+                    self.state.persist_states.advance(
+                        gen, PersistState.DROPPED, needs_persist=False,
+                        error=removed_reason(gen.anchor),
+                    )  # fmt: skip
         return found
 
     def sweep_orphans(self) -> int:

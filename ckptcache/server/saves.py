@@ -385,7 +385,7 @@ class Saves:
                 base=res.base, observe_base=res.persist and res.base is None and "://" in res.path,
             )  # fmt: skip
             if res.stored:  # read back from its own storage path: already safe there
-                gen.persisted, gen.persist_state = True, PersistState.PERSISTED
+                state.persist_states.advance(gen, PersistState.PERSISTED, persisted=True)
                 gen.needs_persist = persistable(self.roots, res.path)  # wait(): "persisted"
                 segment.write_header(replace(header, persisted=1))
             if res.digests is not None:

@@ -31,6 +31,7 @@ from ckptcache.server.config import DaemonConfig
 from ckptcache.server.index import Generation, Index, Key
 from ckptcache.server.metrics import Metrics
 from ckptcache.server.ownership import Saver
+from ckptcache.server.persist_states import PersistStates
 from ckptcache.wire.states import PersistState, Tier
 
 __all__ = [
@@ -156,6 +157,8 @@ class CacheState:
         if others:  # their segments are their files: sealed, or the daemon could be killed
             sealing.check_sealing(config.segments_dir)
         self.index = Index()
+        #: The only way a generation's ``persist_state`` changes (see its module).
+        self.persist_states = PersistStates(metrics)
         self._cond = threading.Condition()  # re-entrant (an RLock underneath)
         self.started = time.time()
         #: Objects arriving right now, by (namespace, path): relayed to peers as they land.
@@ -249,10 +252,12 @@ class CacheState:
         self.index.remove(gen)
         gen.removed = True
         if gen.persist_state in (PersistState.QUEUED, PersistState.STANDBY):
-            gen.needs_persist, gen.persist_state = False, PersistState.DROPPED
-            gen.persist_error = gen.persist_error or (
-                "removed from memory (deleted, found corrupt or evicted) before it was persisted"
-            )
+            self.persist_states.advance(
+                gen, PersistState.DROPPED, needs_persist=False, error=gen.persist_error or (
+                    "removed from memory (deleted, found corrupt or evicted) before it was "
+                    "persisted"
+                ),
+            )  # fmt: skip
         for hook in self.on_retire:
             hook(gen)
         if gen.pins:

@@ -40,6 +40,10 @@ def make_core(tmp_path):
     for core, shm in made:
         core.shutdown()
         shutil.rmtree(shm, ignore_errors=True)
+    # Under the suite's strict switch an unlisted persist-state change raises where it
+    # happens, which a worker thread only logs: the count tells the test.
+    unlisted = [core.state.persist_states.unlisted for core, _ in made]
+    assert not any(unlisted), f"unlisted persist-state transitions: {unlisted}"
 
 
 def object_bytes(path: str, value: torch.Tensor) -> tuple[ObjectPlan, bytearray]:
