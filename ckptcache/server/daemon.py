@@ -34,6 +34,7 @@ from ckptcache.server.backoff import ACCEPT
 from ckptcache.server.config import DaemonConfig
 from ckptcache.server.core import CacheCore
 from ckptcache.server.digester import Digester
+from ckptcache.server.eviction import EvictionPolicy
 from ckptcache.server.ingest import Ingest
 from ckptcache.server.loads import Loads
 from ckptcache.server.metrics import Metrics
@@ -50,6 +51,7 @@ from ckptcache.server.service import (
     CappedThreadedServer,
     peer_credentials_authenticator,
 )
+from ckptcache.server.shares import Shares
 from ckptcache.server.storage_read import StorageReader
 
 __all__ = ["Daemon", "build_core", "run_daemon"]
@@ -190,7 +192,9 @@ def build_core(config: DaemonConfig, metrics: Metrics | None = None) -> CacheCor
             "memory-only saves allowed (--memory-only allow): a save under no storage root "
             "is kept in memory only and never persisted"
         )
-    retention = Retention(config, state)
+    # One policy decides what may leave memory: retention and saves act on it.
+    eviction = EvictionPolicy(Shares(state.arena, config.user_share, config.allowed_uids))
+    retention = Retention(config, state, eviction)
     digester = Digester(state)
     persister = Persister(
         config, state, roots, digester.ensure, retention, record_digests=digester.record
@@ -201,7 +205,7 @@ def build_core(config: DaemonConfig, metrics: Metrics | None = None) -> CacheCor
     clustered = bool(config.listen) or not config.coordinator.startswith("embedded")
     saves = Saves(
         config, state, pool=pool, persister=persister, retention=retention, digester=digester,
-        roots=roots, backup_ready=clustered and config.backup != "none",
+        roots=roots, eviction=eviction, backup_ready=clustered and config.backup != "none",
     )  # fmt: skip
     ingest = Ingest(state, saves)
     recover(state, roots, retention, digester, persister)

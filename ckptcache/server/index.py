@@ -1,4 +1,5 @@
-"""The index: which generations of which paths are committed, pinned, and safe to drop.
+"""The index: which generations of which paths are committed and pinned (which of them may
+be dropped is :mod:`ckptcache.server.eviction`'s decision).
 
 Not thread-safe on its own; the daemon core calls it under its lock.
 """
@@ -138,18 +139,3 @@ class Index:
     def __iter__(self) -> Iterator[Generation]:
         for gens in self._objects.values():
             yield from gens
-
-    def eviction_candidates(self) -> list[Generation]:
-        """Generations that are safe to drop under memory pressure, oldest commit first.
-
-        Safe means unpinned and either superseded by a newer generation of the same path,
-        already persisted, or orphaned (its directory was removed); the newest unpersisted
-        generation of a path is never a candidate.
-        """
-        out = []
-        for gens in self._objects.values():
-            for g in gens:
-                newest = g is gens[-1]
-                if g.pins == 0 and (not newest or g.persisted or g.orphaned):
-                    out.append(g)
-        return sorted(out, key=lambda g: g.committed)

@@ -15,6 +15,7 @@ import threading
 import time
 
 from ckptcache.server.config import DaemonConfig
+from ckptcache.server.eviction import EvictionPolicy
 from ckptcache.server.index import Generation, Key
 from ckptcache.server.lineage import is_orphaned, removed_reason
 from ckptcache.server.provenance import Provenance, write_provenance
@@ -34,9 +35,11 @@ _SUPERSEDABLE = (PersistState.QUEUED, PersistState.FAILED, PersistState.CONFLICT
 class Retention:
     """The rules that retire generations; never an unpersisted newest one."""
 
-    def __init__(self, config: DaemonConfig, state: CacheState):
+    def __init__(self, config: DaemonConfig, state: CacheState, eviction: EvictionPolicy):
         self.config = config
         self.state = state
+        #: Decides what keep-N may retire (never a generation storage has not received).
+        self.eviction = eviction
         self._stopping = threading.Event()
 
     def start(self) -> None:
@@ -61,8 +64,8 @@ class Retention:
     def apply_locked(self, key: Key) -> None:
         """Retire generations beyond the configured ``keep`` (never an unpersisted one)."""
         for old in self.state.index.superseded(key, self.config.keep_for(key[1])):
-            if old.needs_persist and not old.persisted:
-                continue  # never drop a generation storage has not received yet
+            if not self.eviction.may_retire_beyond_keep(old):
+                continue
             self.state.retire_locked(old)
 
     def retire_older_than_locked(self, key: Key, stored_ns: int) -> None:

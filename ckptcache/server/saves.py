@@ -36,6 +36,7 @@ from ckptcache.server import ownership, records
 from ckptcache.server.arena import Arena, Segment
 from ckptcache.server.config import DaemonConfig
 from ckptcache.server.digester import Digester
+from ckptcache.server.eviction import EvictionPolicy
 from ckptcache.server.index import Generation
 from ckptcache.server.lineage import anchor_of, check_persistable, observe_base
 from ckptcache.server.ownership import Saver
@@ -44,7 +45,7 @@ from ckptcache.server.pool import SegmentPool
 from ckptcache.server.provenance import Provenance, write_provenance
 from ckptcache.server.retention import Retention
 from ckptcache.server.roots import PersistRoots
-from ckptcache.server.shares import Shares, Verdict
+from ckptcache.server.shares import Verdict
 from ckptcache.server.state import (
     CacheState,
     NewerHeld,
@@ -85,6 +86,7 @@ class Saves:
         retention: Retention,
         digester: Digester,
         roots: PersistRoots,
+        eviction: EvictionPolicy,
         backup_ready: bool,
     ):
         self.config = config
@@ -102,8 +104,10 @@ class Saves:
         self.on_commit: list[Callable[[Generation, str], None]] = []
         #: The daemon's own session: copies received from peers or storage.
         self.internal = Session(0, os.getpid(), os.getuid())
+        #: What may be evicted for room, in which order (see server/eviction.py).
+        self.eviction = eviction
         #: Each admitted user's share of the budget (see server/shares.py).
-        self.shares = Shares(state.arena, config.user_share, config.allowed_uids)
+        self.shares = eviction.shares
 
     # ----------------------------------------------------------------- sessions
 
@@ -224,8 +228,7 @@ class Saves:
             verdict = shares.check(uid, capacity, what)
             if verdict.fits:
                 return verdict
-            user = shares.user_of(uid)
-            own = [g for g in self.state.index.eviction_candidates() if shares.owner(g) == user]
+            own = self.eviction.own_victims(self.state.index, uid)
             if not own:
                 return verdict
             log.info("evicting %s generation %d (its user's share is full)", own[0].path,
@@ -240,9 +243,7 @@ class Saves:
         for gen in self.state.index:
             if self.shares.owner(gen) != user:
                 continue
-            waiting = gen.needs_persist and not gen.persisted and gen.persist_state not in (
-                PersistState.FAILED, PersistState.CONFLICT)  # fmt: skip
-            if gen.pins or waiting:
+            if gen.pins or self.eviction.on_its_way(gen):
                 return True
         return False
 
@@ -264,7 +265,7 @@ class Saves:
                 kind = "pinned by loads"
             elif gen.persisted or not gen.needs_persist:
                 kind = "persisted" if gen.persisted else "memory-only (never persisted)"
-            elif gen.persist_state in (PersistState.FAILED, PersistState.CONFLICT):
+            elif not self.eviction.on_its_way(gen):  # failed or conflict
                 kind = f"{gen.persist_state} persists"
             else:
                 kind = "waiting for their persist"
@@ -333,7 +334,7 @@ class Saves:
 
     def _victims_locked(self, uid: int) -> list[Generation]:
         """What a save of ``uid`` may evict: never another user's unpersisted generation."""
-        return [g for g in self.state.index.eviction_candidates() if self.shares.may_evict(g, uid)]
+        return self.eviction.victims(self.state.index, uid)
 
     # ----------------------------------------------------------------- commit
 
