@@ -199,9 +199,7 @@ def build_core(config: DaemonConfig, metrics: Metrics | None = None) -> CacheCor
     persister = Persister(
         config, state, roots, digester.ensure, retention, record_digests=digester.record
     )
-    pool = SegmentPool(
-        state.arena, state.locked, state.notify, config.pool_segments, config.pool_size
-    )
+    pool = SegmentPool(state.arena, state.lock, config.pool_segments, config.pool_size)
     clustered = bool(config.listen) or not config.coordinator.startswith("embedded")
     saves = Saves(
         config, state, pool=pool, persister=persister, retention=retention, digester=digester,
@@ -281,7 +279,7 @@ class Daemon:
             return
         while not self._stop.is_set():
             state = self.core.state
-            with state.locked():
+            with state.lock.held():
                 used = state.arena.used
                 objects = len(state.index.paths())
             setproctitle(

@@ -80,7 +80,7 @@ class Digester:
 
     def record(self, gen: Generation, digests: list[int]) -> list[int]:
         """Record ``digests`` in ``gen`` and its segment (takes the state lock, re-entrant)."""
-        with self.state.locked():
+        with self.state.lock.held():
             if gen.digests is None:
                 gen.digests = digests
                 header = gen.segment.read_header()
@@ -121,7 +121,7 @@ class Digester:
     def verify(self, session: Session, req: m.VerifyRequest) -> m.VerifyReply:
         """Recompute digests of the newest generation and compare with the recorded ones."""
         state = self.state
-        with state.locked():
+        with state.lock.held():
             gen = state.lookup_visible_locked(req.namespace, req.path, None, session)
             state.pin_locked(gen)
         try:

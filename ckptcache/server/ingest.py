@@ -78,7 +78,7 @@ class Ingest:
         reply = saves.reserve(internal, request)
         key = (namespace, path)
         commit = m.CommitRequest(reply.reservation, manifest_offset, manifest_size)
-        with state.locked():
+        with state.lock.held():
             segment = internal.reservations[reply.reservation].segment
             flight = Inflight(segment, nbytes, manifest_offset, manifest_size, persisted=persisted,
                               saved_at=content)  # fmt: skip
@@ -119,7 +119,7 @@ class Ingest:
             state.end_flight(key, flight)
             saves.abort(internal, m.AbortRequest(reply.reservation))
             raise
-        with state.locked():
+        with state.lock.held():
             state.end_flight(key, flight)  # committed below: later fetches use the index
             res = internal.reservations[reply.reservation]
             res.digests = table  # published with the generation: nobody hashes it again
@@ -133,14 +133,14 @@ class Ingest:
         except BaseException:
             state.end_flight(key, flight, failed=True)  # relays of it stop: segment freed
             raise
-        with state.locked():
+        with state.lock.held():
             gen = state.index.get(key, number)
             if gen is None:  # retired (deleted, evicted) before this line: nothing to serve
                 raise state.not_found(namespace, path, number)
             return gen
 
     def _refuse_deleted(self, namespace: str, path: str, saved_at: float | None) -> None:
-        with self.state.locked():
+        with self.state.lock.held():
             deleted = self.state.deleted.get((namespace, path))
         if saved_at is not None and deleted is not None and deleted >= saved_at:
             raise CheckpointNotFound(

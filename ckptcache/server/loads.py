@@ -92,7 +92,7 @@ class Loads:
         if req.generation is None:
             self.retention.forget_replaced((req.namespace, req.path))
         try:
-            with state.locked():
+            with state.lock.held():
                 gen = state.lookup_visible_locked(
                     req.namespace, req.path, req.generation, session, load=True
                 )
@@ -103,13 +103,13 @@ class Loads:
                 raise
             if self.remote is None and self.storage is None:
                 raise
-            with state.locked():
+            with state.lock.held():
                 held = state.index.generations((req.namespace, req.path))
             if held:
                 raise  # held by another user: never replaced by a remote copy for this one
             gen = self._load_remote(req.namespace, req.path, bounded(120.0, req.timeout))
             tier = _tier_of(gen)
-            with state.locked():
+            with state.lock.held():
                 if gen.removed:  # evicted or replaced since it arrived: serve what is here now
                     gen = state.lookup_visible_locked(req.namespace, req.path, None, session,
                                                       load=True)  # fmt: skip
@@ -124,7 +124,7 @@ class Loads:
         except BaseException:
             state.unpin(gen)
             raise
-        with state.locked():
+        with state.lock.held():
             lease = state.next_id()
             session.leases[lease] = gen
             header = gen.segment.read_header()
@@ -183,13 +183,13 @@ class Loads:
         request = m.OpenRequest(req.namespace, req.path, timeout=req.timeout)
         reply = self.open(session, request, warm=True)
         self.release(session, m.ReleaseRequest((reply.lease,)))
-        with self.state.locked():
+        with self.state.lock.held():
             gen = self.state.lookup_visible_locked(req.namespace, req.path, None, session)
             return m.PrefetchReply(reply.tier, gen.size, gen.number)
 
     def release(self, session: Session, req: m.ReleaseRequest) -> None:
         """Drop leases (unknown ones are ignored: a release may race a reconnect)."""
-        with self.state.locked():
+        with self.state.lock.held():
             for lease in req.leases:
                 gen = session.leases.pop(lease, None)
                 if gen is not None:
@@ -198,7 +198,7 @@ class Loads:
     def report_corrupt(self, session: Session, req: m.ReportCorruptRequest) -> None:
         """A client found bad bytes: drop that generation so nobody loads it again. Only a
         generation the client may load counts: another user's cannot be dropped this way."""
-        with self.state.locked():
+        with self.state.lock.held():
             self.state.lookup_visible_locked(
                 req.namespace, req.path, req.generation, session, load=True
             )  # raises CheckpointNotFound

@@ -172,21 +172,21 @@ class Persister:
 
     def stop(self) -> None:
         """Stop taking new work; a persist in flight finishes or is redone after restart."""
-        with self.state.locked():
+        with self.state.lock.held():
             self._stop = True
-        self.state.notify()
+        self.state.lock.notify_all()
 
     def submit(self, gen: Generation) -> None:
         """Queue a generation that needs persisting (takes the state lock, re-entrant)."""
-        with self.state.locked():
+        with self.state.lock.held():
             self.states.advance(gen, PersistState.QUEUED)
             self.queue.append(gen)
             self.metrics.persist_queue.set(len(self.queue))
-        self.state.notify()
+        self.state.lock.notify_all()
 
     def _next(self) -> Generation | None:
         state = self.state
-        with state.locked():
+        with state.lock.held():
             while not self._stop:
                 while self.queue:
                     gen = self.queue.popleft()
@@ -197,7 +197,7 @@ class Persister:
                         state.pin_locked(gen)
                         self.states.advance(gen, PersistState.PERSISTING)
                         return gen
-                state.wait(1.0)
+                state.lock.wait(1.0)
         return None
 
     def _run(self) -> None:
@@ -212,7 +212,7 @@ class Persister:
                     self._persist(gen)
             except Exception:  # a bug: never kill the worker
                 log.exception("persist worker failed on %s", gen.path)
-                with self.state.locked():
+                with self.state.lock.held():
                     # A verdict reached before the bug (persisted, superseded, ...) stands.
                     if gen.persist_state in (PersistState.PERSISTING, PersistState.STANDBY):
                         self.states.advance(gen, PersistState.FAILED, error="internal error")
@@ -234,7 +234,7 @@ class Persister:
                 self.mark_persisted(gen)
                 return
             if role == ClaimRole.STANDBY:
-                with self.state.locked():
+                with self.state.lock.held():
                     self.states.advance(gen, PersistState.STANDBY)
                 cluster.watch(gen)
                 return
@@ -245,7 +245,7 @@ class Persister:
         t0 = time.perf_counter()
         error = ""
         for attempt in range(cfg.persist_retries + 1):
-            with self.state.locked():
+            with self.state.lock.held():
                 newest = self.state.index.newest(gen.key)
                 if newest is not None and newest.number > gen.number and newest.needs_persist:
                     self.states.advance(gen, PersistState.SUPERSEDED)
@@ -256,7 +256,7 @@ class Persister:
                     )  # fmt: skip
                 stop = gen.persist_state in (PersistState.SUPERSEDED, PersistState.DROPPED)
             if stop:  # superseded (also by a write-through), deleted or dropped
-                self.state.notify()
+                self.state.lock.notify_all()
                 self._step_down(gen)
                 return
             try:
@@ -285,7 +285,7 @@ class Persister:
                     "persist of %s generation %d failed (attempt %d of %d): %s",
                     gen.path, gen.number, attempt + 1, cfg.persist_retries + 1, error,
                 )  # fmt: skip
-                with self.state.locked():
+                with self.state.lock.held():
                     gen.persist_error = error
                 if isinstance(e, PathNotAllowed):
                     break  # the tree under the root is not as allowed: retrying cannot help
@@ -301,12 +301,12 @@ class Persister:
             if cluster is not None:
                 cluster.persisted(gen, target)
             return
-        with self.state.locked():
+        with self.state.lock.held():
             self.states.advance(gen, PersistState.FAILED, error=(
                 f"gave up after {attempt + 1} attempts: {error}. The checkpoint "
                 "stays in memory; fix the storage and save again"
             ))  # fmt: skip
-        self.state.notify()
+        self.state.lock.notify_all()
         log.error("persist of %s generation %d failed for good: %s", gen.path, gen.number, error)
         if cluster is not None:
             cluster.failed(gen)
@@ -330,7 +330,7 @@ class Persister:
             PersistState.DROPPED if isinstance(why, DirectoryRemoved) else PersistState.SUPERSEDED
         )
         log.warning("not persisting %s generation %d (%s): %s", gen.path, gen.number, state, why)
-        with self.state.locked():
+        with self.state.lock.held():
             if isinstance(why, DirectoryRemoved) and not gen.removed:
                 # Durable before it is reported or acted on: a crash now must not bring
                 # the deleted checkpoint back.
@@ -340,7 +340,7 @@ class Persister:
                 gen.orphaned = True  # evictable now, dropped by the next sweep
             else:  # storage holds the newest save: serving this copy would be stale
                 self.retention.retire_older_than_locked(gen.key, gen.committed_ns + 1)
-        self.state.notify()
+        self.state.lock.notify_all()
         if self.election is not None:
             self.election.failed(gen)
 
@@ -348,9 +348,9 @@ class Persister:
         """Another ckptcache writer replaced the object after this save: neither is
         overwritten, the generation stays in memory and ``wait()`` raises."""
         log.error("not persisting %s generation %d: %s", gen.path, gen.number, why)
-        with self.state.locked():
+        with self.state.lock.held():
             self.states.advance(gen, PersistState.CONFLICT, error=str(why))
-        self.state.notify()
+        self.state.lock.notify_all()
         if self.election is not None:
             self.election.failed(gen)
 
@@ -361,14 +361,14 @@ class Persister:
             return WriteGuard(gen.committed_ns)
         if gen.observe_base:
             version = backend.version(target)
-            with self.state.locked():
+            with self.state.lock.held():
                 gen.base, gen.observe_base = ("" if version is None else version.identity), False
                 if version is not None and version.stamp_ns >= gen.committed_ns:
                     gen.committed_ns = version.stamp_ns + 1  # after what it replaces
                     header = gen.segment.read_header()
                     gen.segment.write_header(replace(header, committed_ns=gen.committed_ns))
                 write_provenance(gen.segment, Provenance(gen.base, gen.anchor))
-        with self.state.locked():
+        with self.state.lock.held():
             return self.guard_locked(gen)
 
     def guard_locked(self, gen: Generation) -> WriteGuard:
@@ -450,15 +450,15 @@ class Persister:
         in a cluster, step down and fetch the group's good copy from a peer."""
         self.metrics.corrupt.labels(tier=Tier.LOCAL).inc()
         log.error("not persisting %s generation %d: %s", gen.path, gen.number, error)
-        with self.state.locked():
+        with self.state.lock.held():
             gen.corrupt = f"{error}. Save it again"
             self.states.advance(gen, PersistState.FAILED, error=gen.corrupt)
-        self.state.notify()
+        self.state.lock.notify_all()
         if self.election is not None:
             self.election.replace_corrupt(gen)
 
     def _resubmit(self, gen: Generation) -> None:
-        with self.state.locked():
+        with self.state.lock.held():
             if gen.persist_state == PersistState.PERSISTING and not gen.removed:
                 self.submit(gen)
 
@@ -472,7 +472,7 @@ class Persister:
         if wrote:
             metrics.persist_bytes.inc(gen.size)
             metrics.persist_latency.observe(seconds)
-        with self.state.locked():
+        with self.state.lock.held():
             if wrote:  # storage holds this stamp now: newer generations may replace it
                 written = self._written.setdefault(gen.key, collections.deque(maxlen=8))
                 written.append(gen.committed_ns)
@@ -482,7 +482,7 @@ class Persister:
                 header = gen.segment.read_header()
                 gen.segment.write_header(replace(header, persisted=1))
             self.retention.apply_locked(gen.key)
-        self.state.notify()
+        self.state.lock.notify_all()
         if wrote:
             log.info(
                 "persisted %s generation %d: %s in %.2fs (%.0f MB/s)",

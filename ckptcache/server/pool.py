@@ -54,11 +54,10 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable
-from typing import Any
 
 from ckptcache.format.layout import SegmentState
 from ckptcache.server.arena import Arena, Segment, empty_header, mapped_by_others
+from ckptcache.server.lock import Locked
 from ckptcache.wire import messages as m
 
 __all__ = ["SegmentPool"]
@@ -70,21 +69,19 @@ class SegmentPool:
     """Keeps up to ``segments`` spares, sized like the recent saves, totalling at most
     ``nbytes`` in ``arena``.
 
-    ``take``/``note``/``describe`` run under the state lock; the grower thread takes it (with
-    ``locked()``) only to book and register a spare, and wakes waiters with ``notify()``.
+    ``take``/``note``/``describe`` run under the state lock; the grower thread takes it
+    (``lock``, the state's narrow port) only to book and register a spare, and wakes waiters.
     """
 
     def __init__(
         self,
         arena: Arena,
-        locked: Callable[[], contextlib.AbstractContextManager[Any]],
-        notify: Callable[[], None],
+        lock: Locked,
         segments: int,
         nbytes: int,
     ):
         self.arena = arena
-        self._locked = locked
-        self._notify = notify
+        self._lock = lock
         self.segments = segments if nbytes > 0 else 0
         self.nbytes = nbytes
         #: Capacities of the last saves that wanted a new segment, newest last (checkpoints
@@ -112,7 +109,7 @@ class SegmentPool:
         self._stop.set()
         self._wake.set()
         arena = self.arena
-        with self._locked():
+        with self._lock.held():
             for segment in list(arena.free.values()):
                 arena.destroy(segment)  # clients that mapped it keep their pages until unmapped
             if self._making is not None:
@@ -243,9 +240,9 @@ class SegmentPool:
 
     def _grow_one(self) -> bool:
         arena = self.arena
-        with self._locked():
+        with self._lock.held():
             if self.promote_locked():
-                self._notify()
+                self._lock.notify_all()
                 return True
             live = self._live()
             capacity, stale = self._plan(live)
@@ -275,7 +272,7 @@ class SegmentPool:
         except OSError as e:
             log.warning("segment pool: cannot allocate a %d-byte spare: %s", capacity, e)
         finally:
-            with self._locked():
+            with self._lock.held():
                 arena.pending -= capacity
                 self.growing = False
                 self._making = None
@@ -287,5 +284,5 @@ class SegmentPool:
                     else:
                         arena.release(segment)
                         segment.spare = True
-                self._notify()
+                self._lock.notify_all()
         return segment is not None

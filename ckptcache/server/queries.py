@@ -66,14 +66,14 @@ class Queries:
 
     def stat(self, session: Session, req: m.StatRequest) -> m.ObjectInfo:
         """Status of a path's newest generation."""
-        with self.state.locked():
+        with self.state.lock.held():
             gen = self.state.lookup_visible_locked(req.namespace, req.path, None, session)
             return self.info(gen)
 
     def list(self, session: Session, req: m.ListRequest) -> m.ListReply:
         """Newest generation of every path under a prefix."""
         state = self.state
-        with state.locked():
+        with state.lock.held():
             out = []
             for ns, path in state.index.paths():
                 if (req.namespace is None or ns == req.namespace) and path.startswith(req.prefix):
@@ -85,7 +85,7 @@ class Queries:
 
     def pool_info(self, session: Session, req: m.PoolRequest) -> m.PoolReply:
         """The spare segments this session's user may map ahead of a save."""
-        with self.state.locked():
+        with self.state.lock.held():
             reply = self.pool.describe(session.uid)
             # The client maps what it is told about: its next reserve prefers these.
             session.note_mapped(reply.segments, self.state.arena.segments)
@@ -94,7 +94,7 @@ class Queries:
     def status(self, session: Session, req: m.StatusRequest) -> m.DaemonStatus:
         """Daemon-wide counters."""
         state, arena = self.state, self.state.arena
-        with state.locked():
+        with state.lock.held():
             gens = list(state.index)
             return m.DaemonStatus(
                 node_id=self.config.node_id, pid=os.getpid(), version=__version__,
@@ -128,7 +128,7 @@ class Queries:
         """
         state = self.state
         deadline = time.monotonic() + max(0.0, req.timeout)
-        with state.locked():
+        with state.lock.held():
             while True:
                 reply = self._settled(session, req)
                 if reply is not None:
@@ -137,7 +137,7 @@ class Queries:
                 if remaining <= 0:
                     pending = self._pending(session, req)
                     return m.WaitReply(pending[0].number, WaitState.TIMEOUT)
-                state.wait(min(remaining, 1.0))
+                state.lock.wait(min(remaining, 1.0))
 
     def _pending(self, session: Session, req: m.WaitRequest) -> builtins.list[Generation]:
         state = self.state

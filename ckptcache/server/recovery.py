@@ -103,7 +103,7 @@ def recover(
             check.retire_older_than_storage(key)
     if remote:  # object stores may be slow or down: compare in the background
         threading.Thread(target=check.run, args=(remote,), name="stale-check", daemon=True).start()
-    with state.locked():
+    with state.lock.held():
         for key in state.index.paths():
             retention.supersede_older_locked(key)
             retention.apply_locked(key)
@@ -147,7 +147,7 @@ class _StorageCheck:
             return
         if stored is None:
             return
-        with self.state.locked():
+        with self.state.lock.held():
             for gen in list(self.state.index.generations(key)):
                 try:
                     self.persister.guard_locked(gen).check(path, stored)

@@ -85,7 +85,7 @@ class Replication:
         made)."""
         try:
             live = {n.node_id for n in self.membership.live_nodes()}
-            with self.state.locked():
+            with self.state.lock.held():
                 gen.replicas &= live
                 need = self.config.replicas - len(gen.replicas)
             if need <= 0:
@@ -110,7 +110,7 @@ class Replication:
             except (OSError, CkptCacheError) as e:
                 errors.append(f"{target.node_id}: {e}")
                 continue
-            with self.state.locked():
+            with self.state.lock.held():
                 gen.replicas.add(target.node_id)
             need -= 1
         if need > 0:
@@ -221,7 +221,7 @@ class Replication:
         if self.config.backup == "none":
             return
         live = set(self.membership.node_ids())
-        with self.state.locked():
+        with self.state.lock.held():
             lost = [g for g in self.state.index if not g.origin and g.replicas - live]
             for gen in lost:
                 log.warning("backup of %s on %s lost; re-replicating", gen.path,

@@ -90,14 +90,14 @@ class Retention:
         would cost a HEAD per load). A file removed by the user leaves the copies served."""
         path = key[1]
         state = self.state
-        with state.locked():
+        with state.lock.held():
             newest = state.index.newest(key)
             if newest is None or not newest.persisted or not newest.stored or "://" in path:
                 return
         version = file_version(path, inspect=False)
         if version is None or version.identity == newest.stored:
             return
-        with state.locked():
+        with state.lock.held():
             if state.index.newest(key) is not newest:
                 return  # a save came meanwhile: it is newer than either
             for gen in [g for g in state.index.generations(key) if g.persisted]:
@@ -116,7 +116,7 @@ class Retention:
         """
         check_key(req.namespace, req.path)
         state = self.state
-        with state.locked():
+        with state.lock.held():
             gens = [
                 g
                 for g in state.index.generations((req.namespace, req.path))
@@ -138,7 +138,7 @@ class Retention:
         untouched); backup copies of earlier saves still in transit are refused."""
         state = self.state
         key = (req.namespace, req.path)
-        with state.locked():
+        with state.lock.held():
             held = state.index.generations(key)
             gens = [g for g in held if state.visible(session, g, False)]
             if len(gens) == len(held):
@@ -157,7 +157,7 @@ class Retention:
         self.state.metrics.corrupt.labels(tier=Tier.LOCAL).inc()
         log.error("corrupt copy of %s generation %d: %s", path, number, detail)
         state = self.state
-        with state.locked():
+        with state.lock.held():
             gen = state.index.get((namespace, path), number)
             if gen is not None:
                 state.retire_locked(gen)
@@ -190,7 +190,7 @@ class Retention:
     def sweep_orphans(self) -> int:
         """Drop unpinned generations whose directory was removed; returns how many."""
         state = self.state
-        with state.locked():
+        with state.lock.held():
             self.mark_orphans_locked()
             victims: list[Generation] = [g for g in state.index if g.orphaned and g.pins == 0]
             for gen in victims:

@@ -118,7 +118,7 @@ class Saves:
     def close_session(self, session: Session) -> None:
         """Abort the connection's reservations and drop its pins (a dead trainer holds nothing)."""
         state = self.state
-        with state.locked():
+        with state.lock.held():
             for res in session.reservations.values():
                 log.info("aborting reservation %d of %s (client gone)", res.id, res.path)
                 state.arena.release(res.segment)
@@ -127,7 +127,7 @@ class Saves:
                 state.unpin_locked(gen)
             session.leases.clear()
             state.update_gauges()
-        state.notify()
+        state.lock.notify_all()
         self.pool.refill()
 
     # ----------------------------------------------------------------- reserve
@@ -185,7 +185,7 @@ class Saves:
         deadline = time.monotonic() + bounded(self.config.reserve_timeout, req.timeout)
         state = self.state
         what = f"{format_bytes(req.nbytes)} of {req.path!r}"
-        with state.locked():
+        with state.lock.held():
             ownership.check_may_save(state, session, (req.namespace, req.path))
             while True:
                 share = self._fit_share_locked(saver.uid, Arena.capacity_for(req.nbytes), what)
@@ -193,7 +193,7 @@ class Saves:
                     if deadline <= time.monotonic() or not self._own_pending_locked(saver.uid):
                         self.metrics.budget_failures.inc()
                         raise BudgetExceeded(share.message)
-                    state.wait(min(deadline - time.monotonic(), 0.5))
+                    state.lock.wait(min(deadline - time.monotonic(), 0.5))
                     continue
                 segment = self._try_allocate(req.nbytes, saver, session.mapped)
                 if segment is not None:
@@ -208,7 +208,7 @@ class Saves:
                         f"{format_bytes(state.arena.used)} of {format_bytes(limit)} in use; "
                         f"{held}"
                     )
-                state.wait(min(remaining, 0.5))
+                state.lock.wait(min(remaining, 0.5))
             if segment.sealable and session is not self.internal:
                 self._unseal_locked(segment)
             res = Reservation(
@@ -341,7 +341,7 @@ class Saves:
     def commit(self, session: Session, req: m.CommitRequest) -> m.CommitReply:
         """Validate the manifest the client wrote and publish the next generation."""
         state = self.state
-        with state.locked():
+        with state.lock.held():
             res = session.reservations.pop(req.reservation, None)
         if res is None:
             raise CkptCacheError(
@@ -355,12 +355,12 @@ class Saves:
         except BaseException:
             # Any refusal (bad manifest, malformed field, a bug) gives the segment back:
             # a reservation that can never be committed must not hold memory for ever.
-            with state.locked():
+            with state.lock.held():
                 state.arena.release(segment)
-            state.notify()
+            state.lock.notify_all()
             self.pool.refill()
             raise
-        with state.locked():
+        with state.lock.held():
             if res.origin:
                 self._refuse_older_copy_locked(res)
             number = state.index.next_number((res.namespace, res.path))
@@ -401,7 +401,7 @@ class Saves:
             if req.stall_seconds > 0:
                 self.metrics.save_latency.observe(req.stall_seconds)
             state.update_gauges()
-        state.notify()
+        state.lock.notify_all()
         # Only now: a spare made during the client's copy would take a core from it.
         self.pool.refill()
         log.debug("committed %s generation %d", res.path, number)
@@ -426,7 +426,7 @@ class Saves:
         if newest is None or newest.committed <= res.saved_at:
             return
         self.state.arena.release(res.segment)
-        self.state.notify()
+        self.state.lock.notify_all()
         raise NewerHeld(
             f"copy of {res.path!r} from {res.origin} refused: node {self.config.node_id!r} "
             f"holds generation {newest.number}, saved after it",
@@ -486,9 +486,9 @@ class Saves:
     def abort(self, session: Session, req: m.AbortRequest) -> None:
         """Give a reservation back."""
         state = self.state
-        with state.locked():
+        with state.lock.held():
             res = session.reservations.pop(req.reservation, None)
             if res is not None:
                 state.arena.release(res.segment)
-        state.notify()
+        state.lock.notify_all()
         self.pool.refill()

@@ -1,10 +1,10 @@
 """The state owner: arena + index + pins + objects in flight, behind the daemon's one lock.
 
 Every other part of the daemon reads or changes this state through :class:`CacheState`; none
-of them sees its condition variable. A part that must change several things at once takes
-:meth:`CacheState.locked` (re-entrant) and calls the ``*_locked`` methods inside; waits go
-through :meth:`CacheState.wait` / :meth:`CacheState.wait_for`, wake-ups through
-:meth:`CacheState.notify`.
+of them sees its condition variable, only the narrow port ``state.lock``
+(:class:`~ckptcache.server.lock.Locked`). A part that must change several things at once
+holds ``state.lock.held()`` (re-entrant) and calls the ``*_locked`` methods inside; waits go
+through ``lock.wait`` / ``lock.wait_for``, wake-ups through ``lock.notify_all``.
 
 Life of a segment as this owner sees it::
 
@@ -14,11 +14,9 @@ Life of a segment as this owner sees it::
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import logging
 import os
-import threading
 import time
 from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass, field, replace
@@ -29,6 +27,7 @@ from ckptcache.server import ownership, sealing
 from ckptcache.server.arena import Arena, Segment
 from ckptcache.server.config import DaemonConfig
 from ckptcache.server.index import Generation, Index, Key
+from ckptcache.server.lock import Locked, StateLock
 from ckptcache.server.metrics import Metrics
 from ckptcache.server.ownership import Saver
 from ckptcache.server.persist_states import PersistStates
@@ -145,7 +144,7 @@ def check_key(namespace: str, path: str) -> None:
 class CacheState:
     """Owner of the arena, the index, pins, objects in flight and the one lock.
 
-    Methods ending in ``_locked`` expect the caller to hold :meth:`locked`; the others take
+    Methods ending in ``_locked`` expect the caller to hold ``lock.held()``; the others take
     the lock themselves.
     """
 
@@ -159,7 +158,8 @@ class CacheState:
         self.index = Index()
         #: The only way a generation's ``persist_state`` changes (see its module).
         self.persist_states = PersistStates(metrics)
-        self._cond = threading.Condition()  # re-entrant (an RLock underneath)
+        #: The one lock, as a narrow port (see server/lock.py): the condition stays private.
+        self.lock: Locked = StateLock()
         self.started = time.time()
         #: Objects arriving right now, by (namespace, path): relayed to peers as they land.
         self.inflight: dict[Key, Inflight] = {}
@@ -174,27 +174,6 @@ class CacheState:
         """A fresh id for a session, reservation or lease."""
         return next(self._ids)
 
-    # ----------------------------------------------------------------- the lock
-
-    def locked(self) -> contextlib.AbstractContextManager[bool]:
-        """Hold the lock (re-entrant) for a change of several things at once."""
-        return self._cond
-
-    def notify(self) -> None:
-        """Wake every waiter: something they may wait for changed."""
-        with self._cond:
-            self._cond.notify_all()
-
-    def wait(self, timeout: float) -> None:
-        """Release the lock (held by the caller) until a :meth:`notify` or ``timeout``."""
-        self._cond.wait(timeout)
-
-    def wait_for(self, predicate: Callable[[], bool], timeout: float) -> bool:
-        """Wait (taking the lock) until ``predicate()`` holds or ``timeout`` passes; returns
-        the last value of ``predicate()``."""
-        with self._cond:
-            return self._cond.wait_for(predicate, timeout)
-
     # ----------------------------------------------------------------- pins and retirement
 
     def pin_locked(self, gen: Generation) -> None:
@@ -208,7 +187,7 @@ class CacheState:
 
     def pin(self, gen: Generation) -> None:
         """As :meth:`pin_locked` (takes the lock)."""
-        with self._cond:
+        with self.lock.held():
             self.pin_locked(gen)
 
     def unpin_locked(self, gen: Generation) -> None:
@@ -220,16 +199,16 @@ class CacheState:
                 self.arena.release(gen.segment)
             # Either way the generation may now be freed or evicted: a reserve waiting for
             # room looks again at once rather than at its next periodic check.
-            self._cond.notify_all()
+            self.lock.notify_all()
 
     def unpin(self, gen: Generation) -> None:
         """Drop a pin taken with :meth:`pin` (takes the lock)."""
-        with self._cond:
+        with self.lock.held():
             self.unpin_locked(gen)
 
     def pin_if_current(self, gen: Generation) -> bool:
         """Pin ``gen`` if it is still in the index; returns whether it was pinned."""
-        with self._cond:
+        with self.lock.held():
             if gen.removed or self.index.get(gen.key, gen.number) is not gen:
                 return False
             gen.pins += 1
@@ -237,7 +216,7 @@ class CacheState:
 
     def is_current(self, gen: Generation) -> bool:
         """Whether ``gen`` is still in the index (not retired meanwhile)."""
-        with self._cond:
+        with self.lock.held():
             return self.index.get(gen.key, gen.number) is gen
 
     def retire_locked(self, gen: Generation) -> None:
@@ -266,7 +245,7 @@ class CacheState:
             gen.segment.write_header(replace(header, state=SegmentState.FREE))
         else:
             self.arena.release(gen.segment)
-        self._cond.notify_all()
+        self.lock.notify_all()
 
     # ----------------------------------------------------------------- lookups
 
@@ -310,7 +289,7 @@ class CacheState:
 
     def find(self, namespace: str, path: str) -> Generation | None:
         """The newest generation of a path, or None (takes the lock)."""
-        with self._cond:
+        with self.lock.held():
             try:
                 return self.lookup_locked(namespace, path)
             except (CheckpointNotFound, InvalidPath):
@@ -327,7 +306,7 @@ class CacheState:
 
     def lookup_pinned(self, namespace: str, path: str) -> Generation:
         """The newest sound generation of a path, pinned for the caller (who unpins it)."""
-        with self._cond:
+        with self.lock.held():
             gen = self.lookup_locked(namespace, path)
             self.check_not_corrupt(gen)
             self.pin_locked(gen)
@@ -336,7 +315,7 @@ class CacheState:
     def flight_or_pinned(self, key: Key) -> Inflight | Generation:
         """What a peer asking for ``key`` is served: the copy still arriving here, or the
         newest sound generation, pinned (the caller unpins it)."""
-        with self._cond:
+        with self.lock.held():
             flight = self.inflight.get(key)
             if flight is not None:
                 return flight
@@ -344,7 +323,7 @@ class CacheState:
 
     def generations(self) -> list[Generation]:
         """A snapshot of every generation in the index."""
-        with self._cond:
+        with self.lock.held():
             return list(self.index)
 
     # ----------------------------------------------------------------- objects in flight
@@ -352,26 +331,26 @@ class CacheState:
     def wait_ready(self, flight: Inflight, sent: int) -> int:
         """Wait until ``flight`` has more than ``sent`` bytes final; returns how many are.
         Raises :class:`ConnectionError` when the copy being received failed."""
-        with self._cond:
+        with self.lock.held():
             while flight.ready <= sent and not flight.failed:
-                self._cond.wait(1.0)
+                self.lock.wait(1.0)
             if flight.failed:
                 raise ConnectionError("the upstream copy failed mid-transfer")
             return flight.ready
 
     def advance(self, flight: Inflight, ready: int) -> None:
         """Bytes ``[0, ready)`` of ``flight`` are final: relays may send them."""
-        with self._cond:
+        with self.lock.held():
             flight.ready = ready
-            self._cond.notify_all()
+            self.lock.notify_all()
 
     def end_flight(self, key: Key, flight: Inflight, *, failed: bool = False) -> None:
         """``flight`` is over (committed, or ``failed``): later fetches use the index."""
-        with self._cond:
+        with self.lock.held():
             flight.failed = flight.failed or failed
             if self.inflight.get(key) is flight:
                 del self.inflight[key]
-            self._cond.notify_all()
+            self.lock.notify_all()
 
     # ----------------------------------------------------------------- gauges
 

@@ -354,6 +354,8 @@ def test_the_layer_checks_find_planted_violations():
 
 #: The one module that owns the daemon's lock and condition variable.
 STATE_OWNER = "ckptcache.server.state"
+#: The only module that touches the daemon's condition variable: parts get its narrow port.
+LOCK_PORT = "ckptcache.server.lock"
 
 
 def _server_modules() -> dict[str, Module]:
@@ -366,16 +368,20 @@ def _attributes(module: Module) -> Iterator[ast.Attribute]:
             yield node
 
 
-def test_only_the_state_owner_uses_the_condition_variable():
+def test_only_the_lock_port_uses_the_condition_variable():
+    """The state owner holds the lock's port (``state.lock``); no part, the owner included,
+    reaches the ``threading.Condition`` under it."""
     users = sorted(
         f"{name}:{a.lineno}"
         for name, module in _server_modules().items()
-        if name != STATE_OWNER
+        if name != LOCK_PORT
         for a in _attributes(module)
         if a.attr in ("cond", "_cond")
     )
-    assert not users, f"the daemon's condition is used outside {STATE_OWNER}: {users}"
-    assert any(a.attr == "_cond" for a in _attributes(_modules()[STATE_OWNER]))
+    assert not users, f"the daemon's condition is used outside {LOCK_PORT}: {users}"
+    assert any(a.attr == "_cond" for a in _attributes(_modules()[LOCK_PORT]))
+    owner = _modules()[STATE_OWNER].tree
+    assert any(isinstance(n, ast.Name) and n.id == "StateLock" for n in ast.walk(owner))
 
 
 def _own_or_config(value: ast.expr) -> bool:

@@ -22,7 +22,7 @@ MIB = 1 << 20
 
 
 def numbers(core, path):
-    with core.state.locked():
+    with core.state.lock.held():
         return [g.number for g in core.state.index.generations((NS, path))]
 
 
@@ -59,7 +59,7 @@ def test_budget_evicts_only_unpinned_superseded_generations(make_core):
     with pytest.raises(BudgetExceeded, match=r"no room for .* of '/ckpt/b\.pt'"):
         save_object(core, session, "/ckpt/b.pt", torch.full((1000,), 2.0))
     core.loads.release(session, m.ReleaseRequest((lease.lease,)))
-    with core.state.locked():
+    with core.state.lock.held():
         gens = [
             g for p in ("/ckpt/a.pt", "/ckpt/b.pt") for g in core.state.index.generations((NS, p))
         ]
@@ -75,7 +75,7 @@ def test_closing_a_session_drops_its_pins_and_reservations(make_core):
     core = make_core(pool_bytes=0, memory_limit=8 * MIB)
     session = core.saves.open_session(1, 0)
     save_object(core, session, "/ckpt/a.pt", torch.ones(10))
-    with core.state.locked():
+    with core.state.lock.held():
         gen = core.state.index.newest((NS, "/ckpt/a.pt"))
     assert gen is not None
     digested(gen)  # the only pin left to count is the session's lease
@@ -92,15 +92,34 @@ def test_state_owner_wait_for_wakes_on_notify(make_core):
     flag: list[int] = []
 
     def later():
-        with core.state.locked():
+        with core.state.lock.held():
             flag.append(1)
-        core.state.notify()
+        core.state.lock.notify_all()
 
     timer = threading.Timer(0.05, later)
     timer.start()
-    assert core.state.wait_for(lambda: bool(flag), timeout=30) is True
+    assert core.state.lock.wait_for(lambda: bool(flag), timeout=30) is True
     timer.join()
-    assert core.state.wait_for(lambda: False, timeout=0.0) is False
+    assert core.state.lock.wait_for(lambda: False, timeout=0.0) is False
+
+
+def test_the_lock_port_is_reentrant_and_excludes_other_threads(make_core):
+    lock = make_core(pool_bytes=0, memory_limit=4 * MIB).state.lock
+    entered = threading.Event()
+
+    def other():
+        with lock.held():
+            entered.set()
+
+    with lock.held():
+        with lock.held():  # re-entrant: a *_locked method called by a part holding it
+            lock.notify_all()
+        thread = threading.Thread(target=other)
+        thread.start()
+        assert not entered.wait(0.2)  # excluded while this thread holds it
+    thread.join(30)
+    assert entered.is_set()
+    assert not isinstance(lock.held(), type(threading.Condition()))
 
 
 @pytest.mark.parametrize("planted", ["fifo", "symlink"])
@@ -113,7 +132,7 @@ def test_a_file_planted_under_a_free_segments_name_is_neither_opened_nor_reused(
     core = make_core(pool_bytes=0, memory_limit=8 * MIB)
     session = core.saves.open_session(1, 0)
     first = save_object(core, session, "/ckpt/a.pt", torch.ones(10))
-    with core.state.locked():
+    with core.state.lock.held():
         gen = core.state.index.newest((NS, "/ckpt/a.pt"))
     assert gen is not None
     digested(gen)

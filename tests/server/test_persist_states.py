@@ -101,7 +101,9 @@ def test_an_unlisted_transition_raises_under_strict_and_changes_nothing():
     metrics = Metrics()
     states = PersistStates(metrics, strict=True)
     gen = Gen(persist_state=PersistState.PERSISTED, persisted=True, needs_persist=True)
-    with pytest.raises(UnlistedTransition, match=re.escape("persisted -> queued of /ckpt/a.pt generation 1")):
+    with pytest.raises(
+        UnlistedTransition, match=re.escape("persisted -> queued of /ckpt/a.pt generation 1")
+    ):
         states.advance(gen, PersistState.QUEUED, persisted=False, error="x")
     assert (gen.persist_state, gen.persisted, gen.persist_error) == (
         PersistState.PERSISTED, True, "",

@@ -21,7 +21,7 @@ MIB = 1 << 20
 
 
 def spares(core) -> m.PoolReply:
-    with core.state.locked():
+    with core.state.lock.held():
         return core.pool.describe(core.state.arena.uid)
 
 
@@ -32,7 +32,7 @@ def settled(core, count: int) -> m.PoolReply | None:
 
 
 def used(core) -> int:
-    with core.state.locked():
+    with core.state.lock.held():
         return core.state.arena.used
 
 
@@ -81,7 +81,7 @@ def test_a_clean_stop_leaves_only_committed_generations(make_core):
     save_object(core, session, "/ckpt/gone.pt", payload(5))
     wait_until(lambda: settled(core, 2))
     core.retention.delete(session, m.DeleteRequest(NS, "/ckpt/gone.pt"))
-    with core.state.locked():
+    with core.state.lock.held():
         directory = core.state.arena.directory
         assert core.state.arena.free  # the deleted object's segment, and the spares
     core.shutdown()
@@ -97,13 +97,13 @@ def test_a_spare_taken_through_the_free_list_is_replaced(make_core):
     # 9 MiB of payload: the 16 MiB spare is within twice the need, so the free list hands
     # it over whole (no trim on the save's path).
     assert save_object(core, session, "/ckpt/a.pt", payload(9, 2.0)).segment == spare
-    with core.state.locked():
+    with core.state.lock.held():
         assert core.state.arena.segments[spare].capacity == 16 * MIB
     reply = wait_until(lambda: settled(core, 1), what="the pool refilled")
     assert reply.segments[0] != spare
     assert reply.capacities == (10 * MIB,)  # sized like the save that took the last one
     assert used(core) <= limit
-    with core.state.locked():
+    with core.state.lock.held():
         gen = core.state.index.newest((NS, "/ckpt/a.pt"))
         assert gen is not None and gen.segment.name == spare
 
@@ -125,7 +125,7 @@ def test_a_receive_takes_a_spare_and_the_pool_refills(make_core):
         len(plan.manifest_bytes), fill, "peer", verify=False,
     )  # fmt: skip
     assert gen.segment.name in first  # a spare, not a segment made inline
-    with core.state.locked():
+    with core.state.lock.held():
         assert gen.segment.capacity == 4 * MIB  # a 16 MiB spare trimmed to a 3 MiB object
     reply = wait_until(lambda: settled(core, 2), what="the pool refilled")
     assert gen.segment.name not in reply.segments
@@ -145,7 +145,7 @@ def test_the_pool_never_grows_beyond_the_budget(make_core):
         assert used(core) <= limit
         wait_until(lambda: not spares(core).growing)
         assert used(core) <= limit
-    with core.state.locked():
+    with core.state.lock.held():
         assert sum(s.capacity for s in core.state.arena.segments.values()) <= limit
 
 
@@ -195,7 +195,7 @@ def test_a_freed_segment_becomes_the_spare_when_the_budget_has_no_room_for_one(m
     assert save_object(core, other, "/ckpt/d.pt", value).segment == first
     loaded = core.loads.open(other, m.OpenRequest(NS, "/ckpt/d.pt"))
     assert loaded.segment == first
-    with core.state.locked():
+    with core.state.lock.held():
         gen = core.state.index.newest((NS, "/ckpt/d.pt"))
     assert gen is not None
     (record,) = gen.manifest.storages

@@ -30,7 +30,7 @@ def _generation(core, path):
 
 def _idle(core) -> bool:
     persister = core.persister
-    with core.state.locked():
+    with core.state.lock.held():
         busy = [g for g in core.state.index if g.persist_state == PersistState.PERSISTING]
         return not persister.queue and not busy
 
