@@ -73,13 +73,7 @@ class SegmentPool:
     (``lock``, the state's narrow port) only to book and register a spare, and wakes waiters.
     """
 
-    def __init__(
-        self,
-        arena: Arena,
-        lock: Locked,
-        segments: int,
-        nbytes: int,
-    ):
+    def __init__(self, arena: Arena, lock: Locked, segments: int, nbytes: int):
         self.arena = arena
         self._lock = lock
         self.segments = segments if nbytes > 0 else 0

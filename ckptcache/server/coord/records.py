@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
-from dataclasses import dataclass
-from typing import Any, ClassVar, TypeVar
+from dataclasses import dataclass, fields
+from typing import Any, ClassVar, Self, TypeVar, cast
 
 from ckptcache.errors import CkptCacheError
 
@@ -72,8 +72,39 @@ def _number(raw: Mapping[str, Any], name: str, kind: str) -> float:
     return float(value)
 
 
+class _Record:
+    """What every record shares: its JSON form and the checked read-back, each field by its
+    declared type (the field ``node``: a non-empty node id)."""
+
+    KIND: ClassVar[str]
+    #: Text fields that must not be empty.
+    REQUIRED: ClassVar[tuple[str, ...]] = ()
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON form: every field, in the order declared (what every version writes)."""
+        return {f.name: getattr(self, f.name) for f in fields(cast(Any, self))}
+
+    @classmethod
+    def from_dict(cls, raw: object) -> Self:
+        """Inverse of :meth:`to_dict`; raises :class:`MalformedRecord`."""
+        m = _mapping(raw, cls.KIND)
+        values: dict[str, Any] = {}
+        for f in fields(cast(Any, cls)):
+            if f.name == "node":
+                values[f.name] = _node(m, cls.KIND)
+            elif f.type == "str":
+                values[f.name] = _text(m, f.name, cls.KIND)
+            else:  # a time or a count
+                number = _number(m, f.name, cls.KIND)
+                values[f.name] = int(number) if f.type == "int" else number
+        for name in cls.REQUIRED:
+            if not values[name]:
+                raise MalformedRecord(f"{cls.KIND} record has no {name}")
+        return cls(**values)
+
+
 @dataclass(frozen=True)
-class HolderRecord:
+class HolderRecord(_Record):
     """``holders/<ph>/<digest>/<node>``: ``node`` holds generation ``generation`` of
     ``path``, committed at ``committed`` (wall clock) by ``origin`` (a backup copy is its
     origin's save; ``""`` for the node's own)."""
@@ -90,22 +121,9 @@ class HolderRecord:
         """Whose save this content is: the origin of a backup copy, else the holder."""
         return self.origin or self.node
 
-    def to_dict(self) -> dict[str, Any]:
-        """JSON form (the fields every version writes)."""
-        return {"node": self.node, "path": self.path, "generation": self.generation,
-                "committed": self.committed, "origin": self.origin}  # fmt: skip
-
-    @classmethod
-    def from_dict(cls, raw: object) -> HolderRecord:
-        """Inverse of :meth:`to_dict`; raises :class:`MalformedRecord`."""
-        m = _mapping(raw, cls.KIND)
-        return cls(_node(m, cls.KIND), _text(m, "path", cls.KIND),
-                   int(_number(m, "generation", cls.KIND)), _number(m, "committed", cls.KIND),
-                   _text(m, "origin", cls.KIND))  # fmt: skip
-
 
 @dataclass(frozen=True)
-class InFlightRecord:
+class InFlightRecord(_Record):
     """``holders/<ph>/inflight/<node>``: ``node`` started receiving a copy at ``committed``
     (wall clock; it ranks with the holders' commit times, newest first)."""
 
@@ -113,77 +131,36 @@ class InFlightRecord:
     node: str
     committed: float = 0.0
 
-    def to_dict(self) -> dict[str, Any]:
-        """JSON form."""
-        return {"node": self.node, "committed": self.committed}
-
-    @classmethod
-    def from_dict(cls, raw: object) -> InFlightRecord:
-        """Inverse of :meth:`to_dict`; raises :class:`MalformedRecord`."""
-        m = _mapping(raw, cls.KIND)
-        return cls(_node(m, cls.KIND), _number(m, "committed", cls.KIND))
-
 
 @dataclass(frozen=True)
-class RepRecord:
+class RepRecord(_Record):
     """``reps/<ph>/<digest>``: ``node`` represents the group since ``since`` (wall clock)."""
 
     KIND: ClassVar[str] = "representative"
     node: str
     since: float = 0.0
 
-    def to_dict(self) -> dict[str, Any]:
-        """JSON form."""
-        return {"node": self.node, "since": self.since}
-
-    @classmethod
-    def from_dict(cls, raw: object) -> RepRecord:
-        """Inverse of :meth:`to_dict`; raises :class:`MalformedRecord`."""
-        m = _mapping(raw, cls.KIND)
-        return cls(_node(m, cls.KIND), _number(m, "since", cls.KIND))
-
 
 @dataclass(frozen=True)
-class WriterRecord:
+class WriterRecord(_Record):
     """``writer/<ph>``: ``node`` writes content ``digest`` of the path to storage now."""
 
     KIND: ClassVar[str] = "writer"
+    REQUIRED: ClassVar[tuple[str, ...]] = ("digest",)
     node: str
     digest: str
 
-    def to_dict(self) -> dict[str, Any]:
-        """JSON form."""
-        return {"node": self.node, "digest": self.digest}
-
-    @classmethod
-    def from_dict(cls, raw: object) -> WriterRecord:
-        """Inverse of :meth:`to_dict`; raises :class:`MalformedRecord`."""
-        m = _mapping(raw, cls.KIND)
-        digest = _text(m, "digest", cls.KIND)
-        if not digest:
-            raise MalformedRecord("writer record has no digest")
-        return cls(_node(m, cls.KIND), digest)
-
 
 @dataclass(frozen=True)
-class LoaderRecord:
+class LoaderRecord(_Record):
     """``loads/<ph>``: ``node`` reads the path from storage for its group."""
 
     KIND: ClassVar[str] = "loader"
     node: str
 
-    def to_dict(self) -> dict[str, Any]:
-        """JSON form."""
-        return {"node": self.node}
-
-    @classmethod
-    def from_dict(cls, raw: object) -> LoaderRecord:
-        """Inverse of :meth:`to_dict`; raises :class:`MalformedRecord`."""
-        return cls(_node(_mapping(raw, cls.KIND), cls.KIND))
-
 
 @dataclass(frozen=True)
-class PersistedRecord:
+class PersistedRecord(_Record):
     """``persisted/<ph>/<digest>`` (durable): ``node`` persisted the content to ``path``
     (the path itself, or its ``.conflict-<digest>`` sidecar) at ``time``; ``committed`` is
     when the content was saved (wall clock), which orders the contents of one path."""
@@ -199,21 +176,8 @@ class PersistedRecord:
         """Whether the content went beside the path (a digest disagreement's loser)."""
         return ".conflict-" in self.path
 
-    def to_dict(self) -> dict[str, Any]:
-        """JSON form."""
-        return {"node": self.node, "path": self.path, "time": self.time,
-                "committed": self.committed}  # fmt: skip
 
-    @classmethod
-    def from_dict(cls, raw: object) -> PersistedRecord:
-        """Inverse of :meth:`to_dict`; raises :class:`MalformedRecord`."""
-        m = _mapping(raw, cls.KIND)
-        return cls(_node(m, cls.KIND), _text(m, "path", cls.KIND),
-                   _number(m, "time", cls.KIND), _number(m, "committed", cls.KIND))  # fmt: skip
-
-
-R = TypeVar("R", HolderRecord, InFlightRecord, RepRecord, WriterRecord, LoaderRecord,
-            PersistedRecord)  # fmt: skip
+R = TypeVar("R", bound=_Record)
 
 #: Keys whose malformed value was already logged: a scan repeats every few milliseconds.
 _reported: set[str] = set()
