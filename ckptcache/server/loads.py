@@ -23,6 +23,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import KW_ONLY, dataclass
 from typing import Protocol
 
 from ckptcache.errors import CheckpointNotFound, CoordinatorUnavailable
@@ -61,27 +62,21 @@ class StorageTier(Protocol):
 _READ_LOCKS = 16
 
 
+@dataclass(eq=False)
 class Loads:
     """Serves loads: pins, leases and the tier each load came from."""
 
-    def __init__(
-        self,
-        config: DaemonConfig,
-        state: CacheState,
-        *,
-        digester: Digester,
-        retention: Retention,
-        remote: RemoteTier | None,
-        storage: StorageTier | None = None,
-    ):
-        self.config = config
-        self.state = state
-        self.metrics = state.metrics
-        self.digester = digester
-        self.retention = retention
-        self.remote = remote
-        #: Without a remote tier: where a prefetch this node misses is read from.
-        self.storage = storage
+    config: DaemonConfig
+    state: CacheState
+    _: KW_ONLY
+    digester: Digester
+    retention: Retention
+    remote: RemoteTier | None
+    #: Without a remote tier: where a prefetch this node misses is read from.
+    storage: StorageTier | None = None
+
+    def __post_init__(self) -> None:
+        self.metrics = self.state.metrics
         self._read_locks = [threading.Lock() for _ in range(_READ_LOCKS)]
 
     def open(self, session: Session, req: m.OpenRequest, *, warm: bool = False) -> m.OpenReply:

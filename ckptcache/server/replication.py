@@ -17,7 +17,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import KW_ONLY, dataclass, replace
 
 from ckptcache.errors import CkptCacheError, ReplicationError
 from ckptcache.format.manifest import Manifest
@@ -36,23 +36,18 @@ __all__ = ["Replication"]
 log = logging.getLogger(__name__)
 
 
+@dataclass(eq=False)
 class Replication:
     """Backup copies of this node's saves on other nodes, and copies of theirs here."""
 
-    def __init__(
-        self,
-        config: DaemonConfig,
-        state: CacheState,
-        membership: Membership,
-        *,
-        ensure_digests: Callable[[Generation], list[int]],
-        receive: Callable[..., Generation],
-    ):
-        self.config = config
-        self.state = state
-        self.membership = membership
-        self.ensure_digests = ensure_digests
-        self.receive = receive
+    config: DaemonConfig
+    state: CacheState
+    membership: Membership
+    _: KW_ONLY
+    ensure_digests: Callable[[Generation], list[int]]
+    receive: Callable[..., Generation]
+
+    def __post_init__(self) -> None:
         self._work: queue.Queue[Generation | None] = queue.Queue()
 
     def start(self) -> None:

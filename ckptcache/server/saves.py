@@ -18,7 +18,7 @@ import logging
 import os
 import time
 from collections.abc import Callable, Collection
-from dataclasses import replace
+from dataclasses import KW_ONLY, dataclass, replace
 
 from ckptcache._units import format_bytes
 from ckptcache.errors import (
@@ -73,41 +73,32 @@ def persistable(roots: PersistRoots, path: str) -> bool:
         return False
 
 
+@dataclass(eq=False)
 class Saves:
     """Reservations within the budget and the commit that publishes a generation."""
 
-    def __init__(
-        self,
-        config: DaemonConfig,
-        state: CacheState,
-        *,
-        pool: SegmentPool,
-        persister: Persister,
-        retention: Retention,
-        digester: Digester,
-        roots: PersistRoots,
-        eviction: EvictionPolicy,
-        backup_ready: bool,
-    ):
-        self.config = config
-        self.state = state
-        self.metrics = state.metrics
-        self.pool = pool
-        self.persister = persister
-        self.retention = retention
-        self.digester = digester
-        self.roots = roots
-        #: Whether backup copies can be made (a cluster with backup nodes configured).
-        self.backup_ready = backup_ready
+    config: DaemonConfig
+    state: CacheState
+    _: KW_ONLY
+    pool: SegmentPool
+    persister: Persister
+    retention: Retention
+    digester: Digester
+    roots: PersistRoots
+    #: What may be evicted for room, in which order (see server/eviction.py).
+    eviction: EvictionPolicy
+    #: Whether backup copies can be made (a cluster with backup nodes configured).
+    backup_ready: bool
+
+    def __post_init__(self) -> None:
+        self.metrics = self.state.metrics
         #: Called (outside the lock) with each newly committed generation and the durability
         #: the client asked for; the cluster hooks replication in (and may raise).
         self.on_commit: list[Callable[[Generation, str], None]] = []
         #: The daemon's own session: copies received from peers or storage.
         self.internal = Session(0, os.getpid(), os.getuid())
-        #: What may be evicted for room, in which order (see server/eviction.py).
-        self.eviction = eviction
         #: Each admitted user's share of the budget (see server/shares.py).
-        self.shares = eviction.shares
+        self.shares = self.eviction.shares
 
     # ----------------------------------------------------------------- sessions
 
