@@ -297,6 +297,7 @@ class Lab:
         if self.workdir is None:
             self.workdir = Path(tempfile.mkdtemp(prefix=f"{PREFIX}-{self.lab_id}-"))
             self._own_workdir = True
+        self.workdir.mkdir(parents=True, exist_ok=True)  # a --workdir that does not exist yet
         try:
             self._make_hub()
             self._start_etcd()
@@ -357,7 +358,10 @@ class Lab:
         assert self.workdir is not None
         ns = self._plug("etcd", ETCD_IP, None)
         client, peer = f"http://{ETCD_IP}:{ETCD_PORT}", f"http://{ETCD_IP}:2380"
-        data = self.workdir / "etcd"
+        # Its data on tmpfs: etcd fsyncs every write, and on this shared VM's disk an fsync
+        # can take tens of milliseconds, a cost of the lab's disk that every election and
+        # in-flight announcement of a restore paid. (Removed by stop() and sweep().)
+        data = Path(f"/dev/shm/{PREFIX}-{self.lab_id}-etcd")
         cmd = ["ip", "netns", "exec", ns, "etcd", "--data-dir", str(data), "--name", "lab",
                "--listen-client-urls", client, "--advertise-client-urls", client,
                "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
