@@ -209,7 +209,9 @@ def backup_wave(lab: Lab, nbytes: int, persist: bool) -> Run:
 
 
 def model_seconds(n: int, nbytes: int, node_mbit: float, storage_mbit: float, mode: str) -> float:
-    """The chain model (cache) or the shared-storage model (direct), in seconds."""
+    """The chain model (cache) or the shared-storage model (direct), in seconds. Their ratio
+    is at most ``n x min(node, storage) / storage``: N / 2 where storage has twice a node's
+    link, N where it has one node's."""
     link, storage = node_mbit * MB / 8, storage_mbit * MB / 8
     if mode == "direct":  # every node reads its own copy through the shared storage link
         return max(nbytes / link, n * nbytes / storage)
