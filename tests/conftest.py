@@ -20,10 +20,15 @@ os.environ["CKPTCACHE_STRICT_STATES"] = "1"
 
 
 class S3Server:
-    """moto's S3 in server mode on loopback: real HTTP, driven through boto3."""
+    """moto's S3 in server mode on loopback: real HTTP, driven through boto3. Ranged GETs are
+    served by seek and read, as the lab's endpoint serves them (tests/lab_s3.py)."""
 
     def __init__(self) -> None:
         from moto.server import ThreadedMotoServer
+
+        from tests.lab_s3 import patch_moto
+
+        patch_moto()
 
         self._server_cls = ThreadedMotoServer
         self.server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)

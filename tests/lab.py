@@ -4,7 +4,8 @@ Layout (every piece is a namespace this module creates; nothing touches the host
 
     <lab>-hub      a bridge ``br0``; one veth per member plugs into it
     <lab>-etcd     etcd on 10.213.0.2:2379 (the coordinator)
-    <lab>-s3       moto's S3 server on 10.213.0.3:5000 (the shared storage)
+    <lab>-s3       moto's S3 server on 10.213.0.3:5000 (the shared storage; ranged GETs
+                   served by seek and read: tests/lab_s3.py)
     <lab>-n0 ...   one daemon per node on 10.213.0.(11 + i):7070
 
 Bandwidth is shaped with ``tbf`` on both ends of each veth: a node's NIC is ``node_mbit`` in
@@ -67,6 +68,8 @@ DATA_PORT = 7070
 #: Traffic a shaped link queues before it drops (seconds): see _shape.
 LINK_QUEUE = 0.01
 PREFIX = "ckl"
+#: The repository root (``python -m tests.lab_s3`` runs from it).
+REPO = Path(__file__).resolve().parents[1]
 BUCKET = "lab"
 _NAME = re.compile(rf"^{PREFIX}-(\d+)-([0-9a-f]+)-")
 _CLONE_NEWNET = 0x40000000
@@ -294,6 +297,7 @@ class Lab:
         if self.workdir is None:
             self.workdir = Path(tempfile.mkdtemp(prefix=f"{PREFIX}-{self.lab_id}-"))
             self._own_workdir = True
+        self.workdir.mkdir(parents=True, exist_ok=True)  # a --workdir that does not exist yet
         try:
             self._make_hub()
             self._start_etcd()
@@ -354,7 +358,10 @@ class Lab:
         assert self.workdir is not None
         ns = self._plug("etcd", ETCD_IP, None)
         client, peer = f"http://{ETCD_IP}:{ETCD_PORT}", f"http://{ETCD_IP}:2380"
-        data = self.workdir / "etcd"
+        # Its data on tmpfs: etcd fsyncs every write, and on this shared VM's disk an fsync
+        # can take tens of milliseconds, a cost of the lab's disk that every election and
+        # in-flight announcement of a restore paid. (Removed by stop() and sweep().)
+        data = Path(f"/dev/shm/{PREFIX}-{self.lab_id}-etcd")
         cmd = ["ip", "netns", "exec", ns, "etcd", "--data-dir", str(data), "--name", "lab",
                "--listen-client-urls", client, "--advertise-client-urls", client,
                "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
@@ -365,9 +372,11 @@ class Lab:
     def _start_s3(self) -> None:
         assert self.workdir is not None
         ns = self._plug("s3", S3_IP, self.storage_mbit)
-        cmd = ["ip", "netns", "exec", ns, sys.executable, "-m", "moto.server",
+        # moto's server, serving ranged GETs by seek and read (tests/lab_s3.py): stock moto
+        # reads the whole object for every range, a cost real storage does not have.
+        cmd = ["ip", "netns", "exec", ns, sys.executable, "-m", "tests.lab_s3",
                "-H", S3_IP, "-p", str(S3_PORT)]  # fmt: skip
-        self._spawn(cmd, self.workdir / "s3.log")
+        self._spawn(cmd, self.workdir / "s3.log", cwd=REPO)
         _wait_http(ns, f"{self.s3_endpoint}/moto-api/", self._procs[-1])
 
         def make_bucket() -> None:
@@ -379,10 +388,11 @@ class Lab:
 
         in_netns(ns, make_bucket)
 
-    def _spawn(self, cmd: list[str], log_path: Path) -> None:
+    def _spawn(self, cmd: list[str], log_path: Path, cwd: Path | None = None) -> None:
         log = open(log_path, "ab")  # noqa: SIM115 - owned by the child
         env = {**os.environ, **S3_ENV}
-        proc = subprocess.Popen(cmd, stdout=log, stderr=log, env=env, preexec_fn=_die_with_parent)
+        proc = subprocess.Popen(cmd, stdout=log, stderr=log, env=env, cwd=cwd,
+                                preexec_fn=_die_with_parent)  # fmt: skip
         log.close()
         self._procs.append(proc)
 

@@ -43,6 +43,9 @@ from tests.helpers import wait_until  # noqa: E402
 from tests.lab import Lab, LabNode  # noqa: E402
 
 WORKER = str(Path(__file__).resolve().parent / "worker.py")
+# A deployment runs from compiled bytecode: without it every daemon and trainer compiles the
+# modules it imports lazily (the load path's among them) inside the timed restore.
+os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
 MB = 1e6
 
 
@@ -94,10 +97,11 @@ def fresh_object(lab: Lab, url: str, nbytes: int, seed: int) -> dict[str, torch.
 
 
 def start_workers(lab: Lab, nodes: list[LabNode], mode: str, url: str) -> list[subprocess.Popen]:
-    """One trainer per node, imports done, waiting for the start line."""
+    """One trainer per node, imports done, waiting for the start line (``mode``: worker.py's
+    cache, cache-copy or direct)."""
     procs = []
     for node in nodes:
-        where = node.socket if mode == "cache" else lab.s3_endpoint
+        where = lab.s3_endpoint if mode == "direct" else node.socket
         argv = node.exec_argv(sys.executable, WORKER, mode, where, url)
         procs.append(subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                       text=True))  # fmt: skip
@@ -106,15 +110,19 @@ def start_workers(lab: Lab, nodes: list[LabNode], mode: str, url: str) -> list[s
     return procs
 
 
-def restore(lab: Lab, n: int, mode: str, nbytes: int, seed: int) -> Run:
-    """N nodes load one uncached object at the same moment; until the last has it."""
+def restore(lab: Lab, n: int, mode: str, nbytes: int, seed: int, copy: bool = False) -> Run:
+    """N nodes load one uncached object at the same moment; until the last has it (and has
+    read every byte of it). ``copy``: the cached load makes a private copy (``mmap=False``)."""
     url = f"s3://lab/run/restore-{mode}-{n}-{seed}.pt"
     fresh_object(lab, url, nbytes, seed)
     nodes = lab.nodes[:n]
-    procs = start_workers(lab, nodes, mode, url)
+    procs = start_workers(lab, nodes, "cache-copy" if mode == "cache" and copy else mode, url)
     trainers = frozenset(p.pid for p in procs)
     cpu0 = lab_cpu(lab, trainers)  # the daemons, etcd and the S3 server
     t0 = time.time()
+    # The start in the daemons' log time, to line their per-node commits up with it.
+    print(f"# {n} node(s) {mode} started at {time.strftime('%H:%M:%S', time.localtime(t0))}"
+          f",{int(t0 % 1 * 1000):03d}", file=sys.stderr, flush=True)  # fmt: skip
     for p in procs:
         assert p.stdin is not None
         p.stdin.write("go\n")
@@ -123,10 +131,14 @@ def restore(lab: Lab, n: int, mode: str, nbytes: int, seed: int) -> Run:
     for p in procs:
         out, _ = p.communicate(timeout=600)
         reports.append(json.loads(out.strip().splitlines()[-1]))
+    print("# per node: loaded " + " ".join(f"{r['loaded'] - t0:.2f}" for r in reports)
+          + "; done " + " ".join(f"{r['end'] - t0:.2f}" for r in reports),
+          file=sys.stderr, flush=True)  # fmt: skip
     seconds = max(r["end"] for r in reports) - t0
     cpu = lab_cpu(lab, trainers) - cpu0 + sum(r["cpu"] for r in reports)
     tiers = sorted(r["tier"] for r in reports)
     note = ", ".join(f"{tiers.count(t)} x {t}" for t in sorted(set(tiers)))
+    note += f"; last load returned at {max(r['loaded'] for r in reports) - t0:.2f} s"
     if mode == "cache":
         for node in nodes:  # uncached again for the next run
             with Client(node.socket) as c:
@@ -197,7 +209,9 @@ def backup_wave(lab: Lab, nbytes: int, persist: bool) -> Run:
 
 
 def model_seconds(n: int, nbytes: int, node_mbit: float, storage_mbit: float, mode: str) -> float:
-    """The chain model (cache) or the shared-storage model (direct), in seconds."""
+    """The chain model (cache) or the shared-storage model (direct), in seconds. Their ratio
+    is at most ``n x min(node, storage) / storage``: N / 2 where storage has twice a node's
+    link, N where it has one node's."""
     link, storage = node_mbit * MB / 8, storage_mbit * MB / 8
     if mode == "direct":  # every node reads its own copy through the shared storage link
         return max(nbytes / link, n * nbytes / storage)
@@ -232,6 +246,12 @@ def main() -> None:
     parser.add_argument("--skip-backup", action="store_true", help="restore rows only")
     parser.add_argument("--modes", nargs="+", default=["cache", "direct"],
                         choices=["cache", "direct"], help="restore rows to run")  # fmt: skip
+    parser.add_argument("--cache-load", choices=["zero-copy", "copy"], default="zero-copy",
+                        help="the cached load: the default (tensors over the daemon's segment) "
+                             "or mmap=False (a private copy)")  # fmt: skip
+    parser.add_argument("--daemon-config", default="", metavar="YAML",
+                        help="extra lines for every daemon's config file, e.g. "
+                             "'s3_max_concurrency: 1'")  # fmt: skip
     parser.add_argument("--workdir", type=Path, help="keep the lab's logs here (default: removed)")
     args = parser.parse_args()
     nbytes = parse_bytes(args.size)
@@ -241,12 +261,14 @@ def main() -> None:
     budget = f"{max(512, 4 * nbytes >> 20)}MiB"
     with Lab(n_max, node_mbit=args.node_mbit, storage_mbit=args.storage_mbit, lease_ttl=5.0,
              memory_limit=budget, daemon_args=("--memory-only", "allow"),
+             config=args.daemon_config.replace("\\n", "\n") + "\n",
              workdir=args.workdir) as lab:  # fmt: skip
         print(lab.describe(), flush=True)
         if not args.skip_restore:
             for n in args.nodes:
                 for mode in args.modes:
-                    run = restore(lab, n, mode, nbytes, seed=n)
+                    run = restore(lab, n, mode, nbytes, seed=n,
+                                  copy=args.cache_load == "copy")  # fmt: skip
                     models[run.what] = model_seconds(n, nbytes, args.node_mbit,
                                                      args.storage_mbit, mode)  # fmt: skip
                     runs.append(run)

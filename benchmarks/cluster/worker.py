@@ -1,12 +1,20 @@
 """A trainer process inside one lab node: loads one object when told to, reports when done.
 
     ip netns exec <node ns> python benchmarks/cluster/worker.py cache <socket> <url>
+    ip netns exec <node ns> python benchmarks/cluster/worker.py cache-copy <socket> <url>
     ip netns exec <node ns> python benchmarks/cluster/worker.py direct <endpoint> <url>
 
-Prints ``ready`` once imports are done, then waits for a line on stdin (the bench starts
-every node's load at once that way), loads, and prints one JSON line: the wall-clock time it
-finished (the bench subtracts the start it sent), the tier, the bytes loaded and the CPU
-seconds the load took in this process.
+Before it prints ``ready`` it does what a trainer does while it starts, before it loads: the
+imports, and for the cache its client's warm-up (``Client.warmup(wait=True)``: connect, map the
+daemon's spare segments for the first save). Then it waits for a line on stdin (the bench
+starts every node's load at once that way), loads, reads every byte of every tensor (what a
+copy to the GPU does; a zero-copy load has not touched its pages before), and prints one JSON
+line: the wall-clock times its load returned and it finished (the bench subtracts the start
+it sent), the tier, the bytes loaded and the CPU seconds the load took in this process.
+
+``cache`` loads with the defaults: tensors laid over the daemon's segment (zero-copy);
+``cache-copy`` with ``mmap=False``, a private heap copy. Either way the daemon checked every
+byte it brought in from storage or a peer against its digests before it committed the copy.
 """
 
 from __future__ import annotations
@@ -15,39 +23,62 @@ import io
 import json
 import sys
 import time
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
 
-def load_cache(socket: str, url: str) -> tuple[object, str]:
-    """Through the node's daemon: local memory, a peer's, or storage once per group."""
+def cache_loader(socket: str, url: str, copy: bool) -> Callable[[], tuple[Any, str]]:
+    """A warmed-up client of the node's daemon, and the load to run on the start line."""
     from ckptcache.client import Client
+    from ckptcache.format import objectio  # noqa: F401 - what the first load imports
 
-    with Client(socket, fallback="raise", timeout=600) as c:
-        obj = c.load(url, mmap=False)  # a private copy, like the direct read's
-        return obj, str(c.status(url).last_load_tier)
+    client = Client(socket, fallback="raise", timeout=600)
+    client.warmup(wait=True)
+
+    def load() -> tuple[Any, str]:
+        with client:
+            obj = client.load(url, mmap=False) if copy else client.load(url)
+            return obj, str(client.status(url).last_load_tier)
+
+    return load
 
 
-def load_direct(endpoint: str, url: str) -> tuple[object, str]:
+def direct_loader(endpoint: str, url: str) -> Callable[[], tuple[Any, str]]:
     """What a trainer does without the cache: GET the whole object, ``torch.load`` it."""
     import boto3
 
     bucket, _, key = url.removeprefix("s3://").partition("/")
     s3 = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1",
                       aws_access_key_id="lab", aws_secret_access_key="lab")  # fmt: skip
-    data = s3.get_object(Bucket=bucket, Key=key)["Body"].read()
-    return torch.load(io.BytesIO(data), weights_only=True), "storage"
+
+    def load() -> tuple[Any, str]:
+        data = s3.get_object(Bucket=bucket, Key=key)["Body"].read()
+        return torch.load(io.BytesIO(data), weights_only=True), "storage"
+
+    return load
 
 
 def main() -> None:
     mode, where, url = sys.argv[1:4]
+    torch.set_num_threads(1)  # eight trainers share the lab's two cores
+    if mode == "direct":
+        load = direct_loader(where, url)
+    else:
+        load = cache_loader(where, url, copy=mode == "cache-copy")
     print("ready", flush=True)
     sys.stdin.readline()
     cpu0 = time.process_time()
-    obj, tier = (load_cache if mode == "cache" else load_direct)(where, url)
+    obj, tier = load()
+    loaded = time.time()
+    tensors = [t for t in obj.values() if torch.is_tensor(t)]
+    for t in tensors:  # every byte read once, as a copy to the device would
+        t.sum()
     cpu = time.process_time() - cpu0
-    nbytes = sum(t.numel() * t.element_size() for t in obj.values() if torch.is_tensor(t))
-    print(json.dumps({"end": time.time(), "tier": tier, "nbytes": nbytes, "cpu": cpu}), flush=True)
+    nbytes = sum(t.numel() * t.element_size() for t in tensors)
+    print(json.dumps({"loaded": loaded, "end": time.time(), "tier": tier, "nbytes": nbytes,
+                      "cpu": cpu}), flush=True)  # fmt: skip
 
 
 if __name__ == "__main__":
