@@ -9,12 +9,23 @@ the plan depend on, and nothing they do not (the tensors' bytes). A structure se
 its skeleton and plan (:meth:`PlanCache.prepare`); only the time stamp, path and serialization
 id are new.
 
-Only objects built of the common containers and values take this path: ``dict``,
-``OrderedDict`` (with its attributes, as ``state_dict()``'s ``_metadata``), ``list``,
-``tuple``, ``str``, ``bytes``, ``int``, ``float``, ``bool``, ``None`` and plain dense
-CPU/CUDA tensors (no subclass, Python attributes, hooks, conj/neg bits or exotic layout).
-Anything else is flattened afresh on every save, as before. A cached plan is only stored when a
-fresh flatten of the same object agrees with the walk on every tensor and storage, in order.
+Objects built of the common containers and values take this path: ``dict``, ``OrderedDict``
+(with its attributes, as ``state_dict()``'s ``_metadata``), ``list``, ``tuple``, ``str``,
+``bytes``, ``int``, ``float``, ``bool``, ``None`` and plain dense CPU/CUDA tensors (no
+subclass, Python attributes, hooks, conj/neg bits or exotic layout); and, for the rest, the
+objects whose reduction is known (:mod:`ckptcache.format._reduced`): ``torch.Size``, enum
+members, named tuples, and instances pickled by ``object``'s default reduction (dataclasses,
+DeepSpeed's ``LossScaler``), each described by its class and its reduction's output, described
+in turn. Anything else is flattened afresh on every save, as before. A cached plan is only
+stored when a fresh flatten of the same object agrees with the walk on every tensor and
+storage, in order.
+
+Why equal keys give equal skeletons: the walk visits what the pickler writes, in the order it
+writes it, and the key records every value that decides a written byte (kinds, scalar values,
+lengths, classes, tensor geometry) and, for what the pickler memoizes by identity (dicts,
+lists, tensors, reduced objects), whether this is a first visit or which earlier one it repeats.
+The pickler's output is a function of that sequence alone. Two equal strings, bytes or tuples
+held as one object or as two pickle differently but load equal; that is the only freedom.
 """
 
 from __future__ import annotations
@@ -26,6 +37,7 @@ from typing import Any
 
 import torch
 
+from ckptcache.format._reduced import Reduction, reduction_of
 from ckptcache.format.flatten import Flattened, flatten, gc_paused, v3_dtypes
 from ckptcache.format.manifest import ObjectPlan
 from ckptcache.format.objectio import plan_object, replan
@@ -36,6 +48,8 @@ _Tensor = torch.Tensor
 _OrderedDict = collections.OrderedDict
 _SCALARS = frozenset({int, bool, str, bytes, type(None)})
 _REF = object()  # in a key: "the container or tensor first seen at index ..." follows
+_NEWOBJ = object()  # in a key: a reduction written as ``NEWOBJ`` (class, then arguments)
+_STATE = object()  # in a key: a reduced object's state follows (its ``BUILD``)
 _strided = torch.strided
 
 
@@ -72,6 +86,10 @@ def describe(obj: Any) -> Structure | None:
     keep: list[Any] = []  # what ``seen`` names by id() stays alive while it is in use
     versions: list[int | None] = []
     cdatas: list[int] = []
+    # Per class, how the pickler reduces its instances (decided once per walk: a class
+    # patched between two saves is judged afresh).
+    reductions: dict[type, Reduction | None] = {}
+    reducing: set[int] = set()  # id() of the objects whose reduction is being walked
     add = key.append
     extend = key.extend
     v3 = v3_dtypes()
@@ -159,7 +177,44 @@ def describe(obj: Any) -> Structure | None:
             for v in value:
                 visit(v)
         else:
+            reduced(value, kind)
+
+    def reduced(value: Any, kind: type) -> None:
+        # ``kind`` is in the key already. As the pickler: a memoized object is a GET.
+        first = seen.get(id(value))
+        if first is not None:
+            add(_REF)
+            add(first)
+            return
+        if kind not in reductions:
+            reductions[kind] = reduction_of(kind)
+        how = reductions[kind]
+        if how is None:
             raise _NotPlain
+        if how.by_name:  # a class: written by name, equal exactly when it is the same class
+            add(value)
+            return
+        if id(value) in reducing:
+            raise _NotPlain  # reached from its own arguments: the pickler's recursive case
+        assert how.reduce is not None
+        reducing.add(id(value))
+        output = how.reduce(value)
+        if output is None:
+            raise _NotPlain
+        func, args, state = output
+        if func is None:  # copyreg.__newobj__: NEWOBJ writes the class, then the rest
+            add(_NEWOBJ)
+            visit(args[0])
+            visit(args[1:])
+        else:
+            visit(func)
+            visit(args)
+        reducing.discard(id(value))
+        # Memoized after its arguments, before its state, as the pickler does.
+        seen[id(value)] = len(key)
+        keep.append(value)
+        add(_STATE)
+        visit(state)
 
     try:
         with gc_paused():
@@ -167,12 +222,19 @@ def describe(obj: Any) -> Structure | None:
         return Structure(
             tuple(key), tuple(tensors), tuple(storages), tuple(versions), tuple(cdatas)
         )
-    except (_NotPlain, RecursionError, RuntimeError, NotImplementedError):
+    except (
+        _NotPlain,
+        RecursionError,
+        RuntimeError,
+        NotImplementedError,
+        TypeError,
+        AttributeError,
+    ):
         return None
     finally:
         # ``visit`` refers to itself (a cycle only the collector frees): what its closure
         # holds must not wait for that, or the caller's tensors would outlive their use.
-        for held in (keep, seen, tensors, storages, key, versions, cdatas):
+        for held in (keep, seen, tensors, storages, key, versions, cdatas, reductions, reducing):
             held.clear()
 
 
