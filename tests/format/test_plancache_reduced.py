@@ -324,3 +324,25 @@ def test_the_deepspeed_shapes_of_an_optimizer_file_reuse_their_plan():
     changed["loss_scaler"].cur_scale = 2.0
     _assert_cached_is_fresh(cache, changed)
     assert cache.hits == 1
+
+
+def test_a_reused_plan_still_catches_a_tensor_changed_inside_an_object():
+    """A non-blocking save's check covers the tensors held by described objects (a
+    Namespace, a plain object's ``__dict__``) when the plan is reused."""
+    from ckptcache.client._async import VersionCheck
+    from ckptcache.errors import TensorMutated
+
+    cache = PlanCache()
+    cache.prepare(_state(), "/ckpt/a.pt", "ns")
+    state = _state()
+    state["args"].mask = torch.ones(3)
+    cache.prepare(state, "/ckpt/a.pt", "ns")
+    flat, _ = cache.prepare(state, "/ckpt/a.pt", "ns")
+    assert cache.hits == 1
+    assert any(t is state["loss_scaler"].history for t in flat.tensors)
+    assert any(t is state["args"].mask for t in flat.tensors)
+    for holder, name in ((state["loss_scaler"], "history"), (state["args"], "mask")):
+        check = VersionCheck(state, "/ckpt/a.pt", flat)
+        getattr(holder, name).add_(1)
+        with pytest.raises(TensorMutated, match="modified in place"):
+            check.check()
