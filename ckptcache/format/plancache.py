@@ -26,6 +26,9 @@ lengths, classes, tensor geometry) and, for what the pickler memoizes by identit
 lists, tensors, reduced objects), whether this is a first visit or which earlier one it repeats.
 The pickler's output is a function of that sequence alone. Two equal strings, bytes or tuples
 held as one object or as two pickle differently but load equal; that is the only freedom.
+Integers that pickle as ``BININT1``, ``BININT2`` or ``BININT`` are the exception: the key has
+their width (which fixes where every other byte goes) and :attr:`Structure.ints` their values,
+which :class:`PlanCache` writes into a reused skeleton once it knows where they lie.
 """
 
 from __future__ import annotations
@@ -54,7 +57,6 @@ _REF = object()  # in a key: "the container or tensor first seen at index ..." f
 _NEWOBJ = object()  # in a key: a reduction written as ``NEWOBJ`` (class, then arguments)
 _STATE = object()  # in a key: a reduced object's state follows (its ``BUILD``)
 _strided = torch.strided
-_INT_MIN, _INT_MAX = -(2**31), 2**31 - 1  # what pickle writes as BININT1, BININT2 or BININT
 #: Per pickled width of an integer, its opcode (the byte before its little-endian payload).
 _INT_OPCODES = {1: ord("K"), 2: ord("M"), 4: ord("J")}
 
@@ -154,7 +156,7 @@ def describe(obj: Any) -> Structure | None:
         kind = type(value)
         if kind in _SCALARS:
             add(kind)
-            if kind is int and -2147483648 <= value <= 2147483647:  # as _INT_MIN, _INT_MAX
+            if kind is int and -2147483648 <= value <= 2147483647:  # BININT1/BININT2/BININT
                 # Its pickled width, not its value: a counter that changes from save to save
                 # is patched into a reused skeleton (``PlanCache``); the width fixes where
                 # every other byte goes.
