@@ -84,6 +84,24 @@ class ArchivePlan:
             plan._scatter.append((positions, values))
         return plan
 
+    def with_pickle(self, pickle_bytes: bytes) -> ArchivePlan:
+        """This plan for an archive whose ``data.pkl`` is ``pickle_bytes`` (as long)."""
+        offset, old = self.pieces[_PICKLE_PIECE]
+        if len(pickle_bytes) != len(old) or offset != self.pickle_offset:
+            raise ValueError("the pickle must keep its length")
+        pieces = list(self.pieces)
+        pieces[_PICKLE_PIECE] = (offset, pickle_bytes)
+        plan = dataclasses.replace(self, pieces=tuple(pieces))
+        if self._scatter:
+            import numpy as np
+
+            positions, values = self._scatter[0]
+            start = len(self.pieces[0][1])  # the pickle follows its local header
+            values = values.copy()
+            values[start : start + len(pickle_bytes)] = np.frombuffer(pickle_bytes, np.uint8)
+            plan._scatter.append((positions, values))
+        return plan
+
     def write_metadata(self, buf: memoryview) -> None:
         """Write every metadata piece into ``buf`` (a writable view of the archive's bytes)."""
         if len(self.pieces) < _SCATTER_FROM:
@@ -105,6 +123,8 @@ class ArchivePlan:
 
 #: Plans of this many pieces or more write them as one scatter.
 _SCATTER_FROM = 64
+#: Index in ``pieces`` of ``data.pkl``'s bytes (its local header is piece 0).
+_PICKLE_PIECE = 1
 
 
 @dataclass(frozen=True)

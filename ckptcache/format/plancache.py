@@ -9,23 +9,41 @@ the plan depend on, and nothing they do not (the tensors' bytes). A structure se
 its skeleton and plan (:meth:`PlanCache.prepare`); only the time stamp, path and serialization
 id are new.
 
-Only objects built of the common containers and values take this path: ``dict``,
-``OrderedDict`` (with its attributes, as ``state_dict()``'s ``_metadata``), ``list``,
-``tuple``, ``str``, ``bytes``, ``int``, ``float``, ``bool``, ``None`` and plain dense
-CPU/CUDA tensors (no subclass, Python attributes, hooks, conj/neg bits or exotic layout).
-Anything else is flattened afresh on every save, as before. A cached plan is only stored when a
-fresh flatten of the same object agrees with the walk on every tensor and storage, in order.
+Objects built of the common containers and values take this path: ``dict``, ``OrderedDict``
+(with its attributes, as ``state_dict()``'s ``_metadata``), ``list``, ``tuple``, ``str``,
+``bytes``, ``int``, ``float``, ``bool``, ``None`` and plain dense CPU/CUDA tensors (no
+subclass, Python attributes, hooks, conj/neg bits or exotic layout); and, for the rest, the
+objects whose reduction is known (:mod:`ckptcache.format._reduced`): ``torch.Size``, enum
+members, named tuples, and instances pickled by ``object``'s default reduction (dataclasses,
+DeepSpeed's ``LossScaler``), each described by its class and its reduction's output, described
+in turn. Anything else is flattened afresh on every save, as before. A cached plan is only
+stored when a fresh flatten of the same object agrees with the walk on every tensor and
+storage, in order.
+
+Why equal keys give equal skeletons: the walk visits what the pickler writes, in the order it
+writes it, and the key records every value that decides a written byte (kinds, scalar values,
+lengths, classes, tensor geometry) and, for what the pickler memoizes by identity (dicts,
+lists, tensors, reduced objects), whether this is a first visit or which earlier one it repeats.
+The pickler's output is a function of that sequence alone. Two equal strings, bytes or tuples
+held as one object or as two pickle differently but load equal; that is the only freedom.
+Integers that pickle as ``BININT1``, ``BININT2`` or ``BININT`` are the exception: the key has
+their width (which fixes where every other byte goes) and :attr:`Structure.ints` their values,
+which :class:`PlanCache` writes into a reused skeleton once it knows where they lie.
 """
 
 from __future__ import annotations
 
 import collections
+import dataclasses
 import threading
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
+from ckptcache.format._reduced import Reduction, reduction_of
 from ckptcache.format.flatten import Flattened, flatten, gc_paused, v3_dtypes
 from ckptcache.format.manifest import ObjectPlan
 from ckptcache.format.objectio import plan_object, replan
@@ -36,7 +54,11 @@ _Tensor = torch.Tensor
 _OrderedDict = collections.OrderedDict
 _SCALARS = frozenset({int, bool, str, bytes, type(None)})
 _REF = object()  # in a key: "the container or tensor first seen at index ..." follows
+_NEWOBJ = object()  # in a key: a reduction written as ``NEWOBJ`` (class, then arguments)
+_STATE = object()  # in a key: a reduced object's state follows (its ``BUILD``)
 _strided = torch.strided
+#: Per pickled width of an integer, its opcode (the byte before its little-endian payload).
+_INT_OPCODES = {1: ord("K"), 2: ord("M"), 4: ord("J")}
 
 
 class _NotPlain(Exception):
@@ -57,6 +79,9 @@ class Structure:
     #: none), and its storage's ``_cdata``, as a non-blocking save's check records them.
     versions: tuple[int | None, ...] = ()
     storage_ids: tuple[int, ...] = ()
+    #: The values of the integers that :attr:`key` holds by their pickled width only
+    #: (``BININT1``, ``BININT2`` or ``BININT``), in pickling order.
+    ints: tuple[int, ...] = ()
 
 
 def describe(obj: Any) -> Structure | None:
@@ -72,6 +97,12 @@ def describe(obj: Any) -> Structure | None:
     keep: list[Any] = []  # what ``seen`` names by id() stays alive while it is in use
     versions: list[int | None] = []
     cdatas: list[int] = []
+    ints: list[int] = []  # the integers the key has by width only, in pickling order
+    int_append = ints.append
+    # Per class, how the pickler reduces its instances (decided once per walk: a class
+    # patched between two saves is judged afresh).
+    reductions: dict[type, Reduction | None] = {}
+    reducing: set[int] = set()  # id() of the objects whose reduction is being walked
     add = key.append
     extend = key.extend
     v3 = v3_dtypes()
@@ -125,7 +156,14 @@ def describe(obj: Any) -> Structure | None:
         kind = type(value)
         if kind in _SCALARS:
             add(kind)
-            add(value)
+            if kind is int and -2147483648 <= value <= 2147483647:  # BININT1/BININT2/BININT
+                # Its pickled width, not its value: a counter that changes from save to save
+                # is patched into a reused skeleton (``PlanCache``); the width fixes where
+                # every other byte goes.
+                add(1 if 0 <= value < 256 else 2 if 0 <= value < 65536 else 4)
+                int_append(value)
+            else:
+                add(value)
             return
         if kind is float:
             add(kind)
@@ -159,20 +197,76 @@ def describe(obj: Any) -> Structure | None:
             for v in value:
                 visit(v)
         else:
+            reduced(value, kind)
+
+    def reduced(value: Any, kind: type) -> None:
+        # ``kind`` is in the key already. As the pickler: a memoized object is a GET.
+        first = seen.get(id(value))
+        if first is not None:
+            add(_REF)
+            add(first)
+            return
+        if kind not in reductions:
+            reductions[kind] = reduction_of(kind)
+        how = reductions[kind]
+        if how is None:
             raise _NotPlain
+        if how.by_name:  # a class: written by name, equal exactly when it is the same class
+            add(value)
+            return
+        if id(value) in reducing:
+            raise _NotPlain  # reached from its own arguments: the pickler's recursive case
+        assert how.reduce is not None
+        reducing.add(id(value))
+        output = how.reduce(value)
+        if output is None:
+            raise _NotPlain
+        func, args, state = output
+        if func is None:  # copyreg.__newobj__: NEWOBJ writes the class, then the rest
+            add(_NEWOBJ)
+            visit(args[0])
+            visit(args[1:])
+        else:
+            visit(func)
+            visit(args)
+        reducing.discard(id(value))
+        # Memoized after its arguments, before its state, as the pickler does.
+        seen[id(value)] = len(key)
+        keep.append(value)
+        add(_STATE)
+        visit(state)
 
     try:
         with gc_paused():
             visit(obj)
         return Structure(
-            tuple(key), tuple(tensors), tuple(storages), tuple(versions), tuple(cdatas)
-        )
-    except (_NotPlain, RecursionError, RuntimeError, NotImplementedError):
+            tuple(key), tuple(tensors), tuple(storages), tuple(versions), tuple(cdatas),
+            tuple(ints),
+        )  # fmt: skip
+    except (
+        _NotPlain,
+        RecursionError,
+        RuntimeError,
+        NotImplementedError,
+        TypeError,
+        AttributeError,
+    ):
         return None
     finally:
         # ``visit`` refers to itself (a cycle only the collector frees): what its closure
         # holds must not wait for that, or the caller's tensors would outlive their use.
-        for held in (keep, seen, tensors, storages, key, versions, cdatas):
+        for held in (
+            keep,
+            seen,
+            tensors,
+            storages,
+            key,
+            versions,
+            cdatas,
+            reductions,
+            reducing,
+            ints,
+        ):
             held.clear()
 
 
@@ -180,11 +274,24 @@ def describe(obj: Any) -> Structure | None:
 class _Entry:
     flat: Flattened
     plan: ObjectPlan
+    #: The integers the skeleton holds where the key has their widths (``Structure.ints``).
+    ints: tuple[int, ...] = ()
+    #: Integer index -> (offset of its payload in the skeleton, width): the integers seen to
+    #: change between two saves of this structure, whose places were learnt then.
+    slots: Mapping[int, tuple[int, int]] = field(default_factory=dict)
 
 
 class PlanCache:
     """The plans of the last ``size`` structures saved (per client: a trainer saves a few
-    shapes in turn, the model and the optimizer state, say)."""
+    shapes in turn, the model and the optimizer state, say).
+
+    Integers are part of a structure by their pickled width only. A save whose integers all
+    equal the cached plan's reuses it as it is. A save whose integers differ (a step counter)
+    flattens afresh the first time; the bytes of that skeleton and the cached one then differ
+    only in those integers' payloads, which places them (:func:`_learn`, checked by patching
+    the old skeleton into the new one byte for byte). From then on a save that changes only
+    integers so placed gets the cached skeleton with its values written in (:func:`_patched`).
+    """
 
     def __init__(self, size: int = 8):
         self._size = size
@@ -202,14 +309,22 @@ class PlanCache:
         Raises :class:`~ckptcache.errors.SerializationError` as :func:`flatten` does.
         """
         structure = describe(obj)
+        previous = None  # a plan of this structure with other integers, none of them placed
         if structure is not None:
             with self._lock:
                 entry = None
                 for i, (key, known) in enumerate(self._entries):
                     if key == structure.key:
-                        entry = known
-                        self._entries.append(self._entries.pop(i))
-                        self.hits += 1
+                        if known.ints == structure.ints:
+                            entry = known
+                        else:
+                            entry = _patched(known, structure.ints)
+                        if entry is None:
+                            previous = known
+                        else:
+                            del self._entries[i]
+                            self._entries.append((key, entry))
+                            self.hits += 1
                         break
             if entry is not None:
                 flat = Flattened(
@@ -222,8 +337,12 @@ class PlanCache:
         with self._lock:
             self.misses += 1
             if structure is not None and _agrees(structure, flat):
+                slots = _learn(previous, structure.ints, flat.skeleton) if previous else {}
                 # Only the skeleton and plan are kept: no reference to the caller's tensors.
-                entry = _Entry(Flattened(flat.skeleton, flat.infos, (), ()), plan)
+                entry = _Entry(
+                    Flattened(flat.skeleton, flat.infos, (), ()), plan, structure.ints, slots
+                )
+                self._entries = [(k, e) for k, e in self._entries if e is not previous]
                 self._entries.append((structure.key, entry))
                 del self._entries[: -self._size]
         return flat, plan
@@ -232,6 +351,78 @@ class PlanCache:
         """Forget every plan."""
         with self._lock:
             self._entries.clear()
+
+
+def _payload(value: int, width: int) -> bytes:
+    """An integer's bytes after its opcode: ``BININT1``/``BININT2`` unsigned, ``BININT``
+    signed, little-endian."""
+    return value.to_bytes(width, "little", signed=width == 4)
+
+
+def _patched(known: _Entry, ints: tuple[int, ...]) -> _Entry | None:
+    """``known`` with the integers ``ints`` written in, or ``None`` if one that differs has
+    no learnt place."""
+    if len(ints) != len(known.ints) or not known.slots:
+        return None
+    slots = known.slots
+    changed = [j for j, (new, old) in enumerate(zip(ints, known.ints, strict=True)) if new != old]
+    if not all(j in slots for j in changed):
+        return None
+    skeleton = bytearray(known.flat.skeleton)
+    for j in changed:
+        offset, width = slots[j]
+        skeleton[offset : offset + width] = _payload(ints[j], width)
+    pickled = bytes(skeleton)
+    plan = dataclasses.replace(known.plan, archive=known.plan.archive.with_pickle(pickled))
+    flat = Flattened(pickled, known.flat.infos, (), ())
+    return _Entry(flat, plan, ints, slots)
+
+
+def _learn(
+    previous: _Entry, ints: tuple[int, ...], skeleton: bytes
+) -> Mapping[int, tuple[int, int]]:
+    """Where the integers that differ between ``previous`` and a fresh skeleton of the same
+    key (``ints``, ``skeleton``) lie, added to those ``previous`` knew; empty when that
+    cannot be told for sure.
+
+    With equal keys the two skeletons have the same length and differ only inside the
+    payloads of the integers that differ (the pickler writes each in order, its width fixed
+    by the key). Each such integer is placed at the first differing byte not yet explained,
+    where the opcode of its width precedes it and its old and new values decode; exactly one
+    such place must exist. The result is checked whole: the old skeleton with the new values
+    written at those places must be the fresh skeleton, byte for byte.
+    """
+    old_skeleton, old = previous.flat.skeleton, previous.ints
+    if len(old_skeleton) != len(skeleton) or len(old) != len(ints):
+        return {}
+    differ = np.flatnonzero(
+        np.frombuffer(old_skeleton, np.uint8) != np.frombuffer(skeleton, np.uint8)
+    ).tolist()
+    slots = dict(previous.slots)
+    at = 0  # the next differing byte to explain
+    for j in (j for j, (new, was) in enumerate(zip(ints, old, strict=True)) if new != was):
+        if at >= len(differ):
+            return {}
+        width = 1 if 0 <= ints[j] < 256 else 2 if 0 <= ints[j] < 65536 else 4
+        opcode, first = _INT_OPCODES[width], differ[at]
+        places = [
+            p
+            for p in range(max(1, first - width + 1), first + 1)
+            if skeleton[p - 1] == opcode == old_skeleton[p - 1]
+            and skeleton[p : p + width] == _payload(ints[j], width)
+            and old_skeleton[p : p + width] == _payload(old[j], width)
+        ]
+        if len(places) != 1 or slots.get(j, (places[0], width)) != (places[0], width):
+            return {}
+        slots[j] = (places[0], width)
+        while at < len(differ) and differ[at] < places[0] + width:
+            at += 1
+    if at != len(differ):
+        return {}  # bytes that differ for another reason than the integers
+    patched = bytearray(old_skeleton)
+    for j, (offset, width) in slots.items():
+        patched[offset : offset + width] = _payload(ints[j], width)
+    return slots if patched == skeleton else {}
 
 
 def _agrees(structure: Structure, flat: Flattened) -> bool:

@@ -4,7 +4,6 @@ fresh one."""
 
 from __future__ import annotations
 
-import argparse
 import collections
 import io
 import mmap
@@ -140,7 +139,8 @@ def test_a_changed_structure_gets_a_fresh_plan(change):
     cache.prepare(_state(), "/ckpt/a.pt", "ns")
     state = _state()
     CHANGES[change](state)
-    assert describe(state).key != describe(_state()).key
+    new, old = describe(state), describe(_state())
+    assert (new.key, new.ints) != (old.key, old.ints)  # integers: by width in the key
     _assert_plan_is_fresh(cache, state)
     assert cache.hits == 0  # a miss: the new structure was flattened afresh
     flat, plan = cache.prepare(state, "/ckpt/a.pt", "ns")  # and is now known
@@ -152,12 +152,10 @@ def test_a_changed_structure_gets_a_fresh_plan(change):
     "odd",
     [
         {"p": torch.nn.Parameter(torch.ones(2))},
-        {"ns": argparse.Namespace(lr=0.1), "t": torch.ones(1)},
-        {"size": torch.Size([2, 3])},
         {"c": torch.ones(2, dtype=torch.complex64).conj()},
         {"s": {1, 2}},
     ],
-    ids=["parameter", "namespace", "size", "conj", "set"],
+    ids=["parameter", "conj", "set"],
 )
 def test_other_objects_are_flattened_every_time(odd):
     cache = PlanCache()
