@@ -30,7 +30,6 @@ import io
 import struct
 import threading
 import zipfile
-import zlib
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -39,7 +38,7 @@ import xxhash
 
 from ckptcache.errors import CorruptCheckpoint
 from ckptcache.format.archive import PARSE_ERRORS, ViewReader
-from ckptcache.format.crc import crc32_combine
+from ckptcache.format.crc import crc32, crc32_combine
 from ckptcache.format.persisted import DIGESTS_MEMBER, central_offset, check_archive
 from ckptcache.format.prefix_read import PrefixReads, plan_ranges
 from ckptcache.storage import StorageBackend
@@ -185,7 +184,7 @@ def read_archive(
     def land(index: int) -> None:  # range ``index`` is in place
         off, n = ranges[index]
         if need_crc:  # while the range is still in cache; in parallel with other threads
-            crcs = {b: zlib.crc32(view[b : b + BLOCK]) for b in range(off, off + n, BLOCK)
+            crcs = {b: crc32(view[b : b + BLOCK]) for b in range(off, off + n, BLOCK)
                     if b + BLOCK <= size}  # fmt: skip
             with lock:
                 block_crcs.update(crcs)
@@ -236,15 +235,15 @@ def _record_crc(view: memoryview, start: int, size: int, blocks: dict[int, int])
     end = start + size
     first = -(-start // BLOCK) * BLOCK
     if first + BLOCK > end:  # no whole block inside: small record
-        return zlib.crc32(view[start:end])
-    crc = zlib.crc32(view[start:first])
+        return crc32(view[start:end])
+    crc = crc32(view[start:first])
     pos = first
     while pos + BLOCK <= end:
         block = blocks.get(pos)
         crc = (
-            zlib.crc32(view[pos : pos + BLOCK], crc)
+            crc32(view[pos : pos + BLOCK], crc)
             if block is None
             else crc32_combine(crc, block, BLOCK)
         )
         pos += BLOCK
-    return zlib.crc32(view[pos:end], crc)
+    return crc32(view[pos:end], crc)

@@ -35,7 +35,6 @@ import mmap as mmap_module
 import os
 import struct
 import zipfile
-import zlib
 from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -50,6 +49,7 @@ from ckptcache.format.archive import (
     count_records,
     end_records,
 )
+from ckptcache.format.crc import crc32
 from ckptcache.format.digest import DIGEST_ALGORITHM, digest_hex
 from ckptcache.format.names import storage_names
 from ckptcache.storage import StorageBackend, backend_for
@@ -186,7 +186,7 @@ def _hash_records(view: memoryview, records: list[ArchiveRecord]) -> list[tuple[
         end = record.data_offset + record.size
         for start in range(record.data_offset, end, _CHUNK):
             chunk = view[start : min(start + _CHUNK, end)]
-            crc = zlib.crc32(chunk, crc)
+            crc = crc32(chunk, crc)
             hasher.update(chunk)
         out.append((crc, hasher.intdigest()))
     return out
@@ -351,7 +351,7 @@ def _member(top: str, body: bytes, offset: int) -> _Member:
     """The digest record at ``offset`` (local header + ``body``, sizes known up front) and
     its central entry."""
     name = f"{top}/{DIGESTS_MEMBER}".encode()
-    crc = zlib.crc32(body)
+    crc = crc32(body)
     local = _LOCAL.pack(0x04034B50, 20, 0x0800, 0, 0, 0, crc, len(body), len(body), len(name), 0)
     central = central_record(name, offset, len(body), crc=crc, flags=0x0800)
     return _Member(local + name + body, central)
@@ -395,7 +395,7 @@ def check_archive(
                 raise storage_corrupt(path, f"record {record.name!r} is not in the digest record")
             if got != want:
                 raise _record_corrupt(view, records, record, path, "digest")
-        elif record.crc and (zlib.crc32(data) if crc is None else crc) != record.crc:
+        elif record.crc and (crc32(data) if crc is None else crc) != record.crc:
             raise _record_corrupt(view, records, record, path, "CRC-32")
     if digests is not None:
         names = {r.name for r in records}
@@ -481,7 +481,7 @@ class _DigestTable:
 
 def _recorded_table(view: memoryview, member: ArchiveRecord, path: str) -> _DigestTable:
     data = bytes(view[member.data_offset : member.data_offset + member.size])
-    if zlib.crc32(data) != member.crc:
+    if crc32(data) != member.crc:
         raise storage_corrupt(path, "the digest record does not match its CRC-32")
     try:
         table = json.loads(data)

@@ -16,7 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ckptcache.errors import CorruptCheckpoint
-from ckptcache.format.crc import crc32_combine
+from ckptcache.format.crc import CRC32_IMPLEMENTATION, crc32, crc32_combine
 from ckptcache.format.persisted import check_archive, list_records, stream_archive
 from ckptcache.server.archive_read import BLOCK, read_archive
 from ckptcache.storage import backend_for
@@ -115,6 +115,20 @@ def test_a_file_that_is_not_an_archive_is_refused(tmp_path):
 @given(st.binary(max_size=5000), st.binary(max_size=5000))
 def test_crc32_combine_matches_zlib(a, b):
     assert crc32_combine(zlib.crc32(a), zlib.crc32(b), len(b)) == zlib.crc32(a + b)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.binary(max_size=70_000), st.integers(0, 2**32 - 1))
+def test_the_crc32_in_use_is_zlibs_function(data, start):
+    """ISA-L's CRC-32 (where installed) is zip's, continued from any running value as zlib's."""
+    assert crc32(data) == zlib.crc32(data)
+    assert crc32(data, start) == zlib.crc32(data, start)
+    assert crc32(memoryview(data)[1:]) == zlib.crc32(data[1:])
+
+
+def test_the_fast_crc32_is_installed():
+    """The project depends on ``isal``: a persist at zlib's CRC rate is bound by the CPU."""
+    assert CRC32_IMPLEMENTATION == "isal"
 
 
 def test_a_damaged_local_header_is_refused(tmp_path):
