@@ -10,6 +10,7 @@ persist time is the daemon's own (``status(path).persist_seconds``: first attemp
 from __future__ import annotations
 
 import argparse
+import ctypes
 import io
 import os
 import shutil
@@ -17,6 +18,7 @@ import statistics
 import tempfile
 import threading
 import time
+from typing import Any
 
 import torch
 
@@ -34,13 +36,34 @@ from ckptcache.client import Client
 from ckptcache.server.persist import lower_thread_priority
 
 
-def raw_file_write(data: memoryview, path: str) -> None:
-    """The physical limit: one sequential write of the bytes plus fsync."""
+def _sync_file_range() -> Any:
+    libc = ctypes.CDLL(None, use_errno=True)
+    fn = libc.sync_file_range
+    fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+    return fn
+
+
+_WRITEBACK_EVERY = 8 << 20  # as the daemon's file backend
+_SYNC_FILE_RANGE_WRITE = 2
+
+
+def raw_file_write(data: memoryview, path: str, *, writeback: bool = True) -> None:
+    """The physical limit: one sequential write of the bytes plus fsync, the write-back of
+    each 8 MiB started as soon as it is written (``sync_file_range``, as the daemon does: the
+    disk works while the rest is copied into the page cache). ``writeback=False``: a plain
+    write whose whole write-back is paid at the fsync (what most writers do)."""
+    start_writeback = _sync_file_range() if writeback else None
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
-        view = data
-        while view:
-            view = view[os.write(fd, view) :]
+        at = 0
+        while at < len(data):
+            view = data[at : at + _WRITEBACK_EVERY]
+            while view:
+                view = view[os.write(fd, view) :]
+            if start_writeback is not None:
+                start_writeback(fd, at, min(_WRITEBACK_EVERY, len(data) - at),
+                                _SYNC_FILE_RANGE_WRITE)  # fmt: skip
+            at += _WRITEBACK_EVERY
         os.fsync(fd)
     finally:
         os.close(fd)
@@ -105,7 +128,7 @@ def bench_file(nbytes: int, directory: str, rounds: int = 5, shape: str = "few")
     torch.save(state, blob)
     data = blob.getbuffer()
     size = len(data)
-    raw, low, saved, persisted, durable = [], [], [], [], []
+    raw, plain, low, saved, persisted, durable = [], [], [], [], [], []
     # Room for two generations and a spare of this size (the state is deleted after each
     # measurement, so the budget never fills with persisted copies).
     daemon_args = ("--persist-root", directory, "--memory-limit", str(3 * size + (256 << 20)),
@@ -119,6 +142,8 @@ def bench_file(nbytes: int, directory: str, rounds: int = 5, shape: str = "few")
             target = os.path.join(directory, f"raw{i}.bin")
             raw.append(best_of(1, lambda t=target: raw_file_write(data, t)))
             os.unlink(target)
+            plain.append(best_of(1, lambda t=target: raw_file_write(data, t, writeback=False)))
+            os.unlink(target)
             low.append(best_of(1, lambda t=target: raw_file_write_low(data, t)))
             os.unlink(target)
             target = os.path.join(directory, f"t{i}.pt")
@@ -127,7 +152,15 @@ def bench_file(nbytes: int, directory: str, rounds: int = 5, shape: str = "few")
             persisted.append(persist_seconds(c, state, os.path.join(directory, f"p{i}.pt")))
             durable.append(durable_seconds(c, state, os.path.join(directory, f"d{i}.pt")))
     return [
-        Row("raw write + fsync (limit)", size, statistics.median(raw)),
+        # The disk's speed drifts between moments: the limit is, per round, the fastest of
+        # the three raw writes (a limit beaten by the persist would be mis-measured).
+        Row(
+            "raw write + fsync, fastest of the three below (limit)",
+            size,
+            statistics.median(map(min, raw, plain, low)),
+        ),
+        Row("raw write, write-back every 8 MiB, fsync", size, statistics.median(raw)),
+        Row("raw write + fsync, write-back at the fsync", size, statistics.median(plain)),
         Row("raw write + fsync at the persist's priority", size, statistics.median(low)),
         Row("torch.save to the file (+ fsync)", size, statistics.median(saved)),
         Row("ckptcache persist (daemon, verified, CRC-32)", size, statistics.median(persisted)),
