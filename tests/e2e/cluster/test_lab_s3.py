@@ -4,7 +4,6 @@ moto's bytes and errors, through boto3 against the launcher's real HTTP server."
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -20,6 +19,7 @@ import boto3
 from botocore.config import Config
 from botocore.exceptions import ClientError
 
+from ckptcache.cli.benchmarking import free_port
 from tests.lab_s3 import ObjectView, patch_moto
 
 REPO = Path(__file__).resolve().parents[3]
@@ -28,16 +28,10 @@ BIG = 12 << 20
 BUCKET = "ranges"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.fixture(scope="module")
 def s3() -> Iterator[Any]:
     """The launcher's server on loopback, with one big and one small object stored."""
-    port = _free_port()
+    port = free_port()
     env = {**os.environ, "AWS_ACCESS_KEY_ID": "t", "AWS_SECRET_ACCESS_KEY": "t"}
     proc = subprocess.Popen(
         [sys.executable, "-m", "tests.lab_s3", "-H", "127.0.0.1", "-p", str(port)],
