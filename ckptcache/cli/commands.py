@@ -312,6 +312,32 @@ class _Parser(argparse.ArgumentParser):
         sys.exit(2)
 
 
+#: The daemon command's plain options (each overrides the config key of its name): flag,
+#: type, help.
+_DAEMON_OPTIONS: tuple[tuple[str, type, str], ...] = (
+    ("--config", str, "YAML config file"),
+    ("--memory-limit", str, "memory budget, e.g. 8GiB"),
+    ("--shm-dir", str, "directory for segment files (on tmpfs)"),
+    ("--socket", str, "Unix socket to listen on"),
+    ("--node-id", str, "name of this node"),
+    ("--metrics-port", int, "serve Prometheus metrics on this port"),
+    ("--keep", int, "generations kept per path (default 2)"),
+    ("--pool-segments", int, "spares, sized like recent saves (default 2)"),
+    ("--pool-bytes", str, "bound on the spare pool (default: 1/4 of the budget)"),
+    ("--reserve-timeout", float, "seconds a save may wait for memory"),
+    ("--log-level", str, "DEBUG, INFO, WARNING or ERROR"),
+    ("--persist-workers", int, "concurrent persists (default 2)"),
+    ("--s3-endpoint-url", str, "S3 endpoint (default: the boto3 environment)"),
+    ("--coordinator", str, "embedded:// (default) or etcd://host:port"),
+    ("--cluster", str, "cluster name (namespaces coordinator keys)"),
+    ("--listen", str, "data-plane address ip:port for peers (port 0: any)"),
+    ("--backup", str, "backup placement: none, auto, or node ids (a,b)"),
+    ("--replicas", int, "backup copies per object (default 1)"),
+    ("--host", str, "host name used for placement (default: hostname)"),
+    ("--secret-file", str, "file with the cluster's shared secret"),
+)
+
+
 def _parser(json_errors: bool = False) -> argparse.ArgumentParser:
     p = _Parser(prog="ckptcache", description=__doc__.split("\n\n")[0], json_errors=json_errors,
                 epilog=plain(__doc__.split("\n\n", 1)[1]))  # fmt: skip
@@ -324,34 +350,25 @@ def _parser(json_errors: bool = False) -> argparse.ArgumentParser:
         sp.add_argument("--json", action="store_true", help="machine-readable output")
 
     d = add("daemon", help="run the cache daemon in the foreground")
-    d.add_argument("--config", help="YAML config file")
-    d.add_argument("--memory-limit", help="memory budget, e.g. 8GiB")
-    d.add_argument("--shm-dir", help="directory for segment files (on tmpfs)")
-    d.add_argument("--socket", help="Unix socket to listen on")
-    d.add_argument("--node-id", help="name of this node")
-    d.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port")
-    d.add_argument("--keep", type=int, help="generations kept per path (default 2)")
-    d.add_argument("--pool-segments", type=int, help="spares, sized like recent saves (default 2)")
-    d.add_argument("--pool-bytes", help="bound on the spare pool (default: 1/4 of the budget)")
-    d.add_argument("--reserve-timeout", type=float, help="seconds a save may wait for memory")
-    d.add_argument("--log-level", help="DEBUG, INFO, WARNING or ERROR")
-    d.add_argument("--persist-root", action="append", metavar="DIR_OR_URL",
-                   help="persist objects saved under this root (repeatable)")  # fmt: skip
-    d.add_argument("--memory-only", choices=("allow", "refuse"),
-                   help="paths under no root: cache in memory only (allow) or refuse")  # fmt: skip
-    d.add_argument("--persist-workers", type=int, help="concurrent persists (default 2)")
-    d.add_argument("--s3-endpoint-url", help="S3 endpoint (default: the boto3 environment)")
-    d.add_argument("--coordinator", help="embedded:// (default) or etcd://host:port")
-    d.add_argument("--cluster", help="cluster name (namespaces coordinator keys)")
-    d.add_argument("--listen", help="data-plane address ip:port for peers (port 0: any)")
-    d.add_argument("--backup", help="backup placement: none, auto, or node ids (a,b)")
-    d.add_argument("--replicas", type=int, help="backup copies per object (default 1)")
-    d.add_argument("--host", help="host name used for placement (default: hostname)")
-    d.add_argument("--secret-file", help="file with the cluster's shared secret")
+    for flag, kind, help_ in _DAEMON_OPTIONS:
+        d.add_argument(flag, type=kind, help=help_)
     d.add_argument(
-        "--clock-offset-bound", type=float, metavar="SECONDS",
+        "--persist-root",
+        help="persist objects saved under this root (repeatable)",
+        action="append",
+        metavar="DIR_OR_URL",
+    )
+    d.add_argument(
+        "--memory-only",
+        help="paths under no root: cache in memory only (allow) or refuse",
+        choices=("allow", "refuse"),
+    )
+    d.add_argument(
+        "--clock-offset-bound",
         help="warn when a peer's clock is off by more (default 1; 0: never)",
-    )  # fmt: skip
+        type=float,
+        metavar="SECONDS",
+    )
     d.set_defaults(fn=_cmd_daemon)
 
     ls = add("ls", help="list cached checkpoints")

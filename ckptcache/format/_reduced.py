@@ -108,30 +108,26 @@ def _overridden(value: Any) -> bool:
     return attributes is not None and any(name in attributes for name in _INSTANCE_OVERRIDES)
 
 
-def _size(value: Any) -> Reduced | None:
+def _call_of(value: Any, factory: Any) -> Reduced | None:
+    """``value``'s reduction when it is the plain call ``factory(*args)`` with a tuple of
+    arguments (what ``torch.Size`` and enum members reduce to), else None."""
     reduced = value.__reduce_ex__(2)
     if not (
         type(reduced) is tuple
         and len(reduced) == 2
-        and reduced[0] is torch.Size
+        and reduced[0] is factory
         and type(reduced[1]) is tuple
     ):
         return None
     return reduced[0], reduced[1], None
+
+
+def _size(value: Any) -> Reduced | None:
+    return _call_of(value, torch.Size)
 
 
 def _enum(value: Any) -> Reduced | None:
-    if _overridden(value):
-        return None
-    reduced = value.__reduce_ex__(2)
-    if not (
-        type(reduced) is tuple
-        and len(reduced) == 2
-        and reduced[0] is type(value)
-        and type(reduced[1]) is tuple
-    ):
-        return None
-    return reduced[0], reduced[1], None
+    return None if _overridden(value) else _call_of(value, type(value))
 
 
 def _default(value: Any) -> Reduced | None:

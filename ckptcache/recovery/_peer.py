@@ -68,10 +68,8 @@ from ckptcache.recovery._state import (
     FlatState,
     TensorSpec,
     apply_training_state,
-    flatten,
-    frozen_model_keys,
+    flat_training_state,
     rebuild,
-    training_state,
     unwrap_model,
 )
 from ckptcache.recovery._transfer import Role, Transfer, broadcast_buckets
@@ -292,10 +290,7 @@ class PeerRecovery:
         lost = bool(recovering) or in_flight is not None
         if step is None and guard is not None:
             step = guard.committed_step
-        flat = flatten(
-            training_state(model, optimizer, scheduler=scheduler, extra_state=extra_state),
-            frozen=frozen_model_keys(model),
-        )
+        flat = flat_training_state(model, optimizer, scheduler=scheduler, extra_state=extra_state)
         skip = self.skip_frozen if skip_frozen is None else skip_frozen
         return _Local(
             recovering=lost,
@@ -407,9 +402,8 @@ class PeerRecovery:
             assert self.snapshot is not None
             try:
                 extra_state = self.snapshot.restore(model, optimizer, scheduler=scheduler)
-                local.flat = flatten(
-                    training_state(model, optimizer, scheduler=scheduler, extra_state=extra_state),
-                    frozen=frozen_model_keys(model),
+                local.flat = flat_training_state(
+                    model, optimizer, scheduler=scheduler, extra_state=extra_state
                 )
             except Exception as e:
                 error = f"rank {me} cannot restore its host snapshot: {e!r}"

@@ -20,10 +20,8 @@ from ckptcache.recovery._state import (
     FlatState,
     TensorSpec,
     apply_training_state,
-    flatten,
-    frozen_model_keys,
+    flat_training_state,
     rebuild,
-    training_state,
 )
 
 __all__ = ["HostMemoryStorage", "HostSnapshot", "SnapshotStorage"]
@@ -129,10 +127,7 @@ class HostSnapshot:
         extra_state: Any = None,
     ) -> None:
         """Copy the live state into the host buffer now (blocks until the copy is complete)."""
-        flat = flatten(
-            training_state(model, optimizer, scheduler=scheduler, extra_state=extra_state),
-            frozen=frozen_model_keys(model),
-        )
+        flat = flat_training_state(model, optimizer, scheduler=scheduler, extra_state=extra_state)
         self._step = None  # invalid while half-written
         self._ensure_layout(flat)
         views = self._views()

@@ -21,6 +21,7 @@ __all__ = [
     "Slot",
     "TensorSpec",
     "apply_training_state",
+    "flat_training_state",
     "flatten",
     "frozen_model_keys",
     "rebuild",
@@ -142,6 +143,19 @@ def flatten(state: Any, *, frozen: frozenset[str] = frozenset()) -> FlatState:
 
     skeleton = visit(state, ())
     return FlatState(skeleton, tuple(specs), tuple(tensors))
+
+
+def flat_training_state(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    *,
+    scheduler: Any = None,
+    extra_state: Any = None,
+) -> FlatState:
+    """:func:`training_state` split by :func:`flatten`, the model's frozen keys marked: what
+    a snapshot copies and what a replica offers or receives."""
+    state = training_state(model, optimizer, scheduler=scheduler, extra_state=extra_state)
+    return flatten(state, frozen=frozen_model_keys(model))
 
 
 def rebuild(skeleton: Any, tensors: list[torch.Tensor] | tuple[torch.Tensor, ...]) -> Any:

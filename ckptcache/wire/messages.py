@@ -39,6 +39,7 @@ __all__ = [
     "ObjectInfo",
     "OpenReply",
     "OpenRequest",
+    "PathMessage",
     "PeerClock",
     "PoolReply",
     "PoolRequest",
@@ -59,6 +60,7 @@ __all__ = [
     "decode",
     "encode",
     "error_envelope",
+    "message",
     "ok_envelope",
 ]
 
@@ -68,6 +70,15 @@ PROTOCOL_VERSION = 2
 MAX_REQUEST_BYTES = 1 << 20
 
 M = TypeVar("M")
+
+T = TypeVar("T")
+
+
+@typing.dataclass_transform(frozen_default=True, field_specifiers=(field,))
+def message(cls: type[T]) -> type[T]:
+    """Declare a message (every one of the wire is declared so): a frozen dataclass with slots,
+    so no instance carries a dict of its own (a list reply holds one per object)."""
+    return dataclass(frozen=True, slots=True)(cls)
 
 
 def encode(message: Any) -> str:
@@ -179,7 +190,16 @@ def error_envelope(error_type: str, message: str, **fields: str | None) -> str:
     return json.dumps({"ok": False, "error": error})
 
 
-@dataclass(frozen=True)
+@message
+class PathMessage:
+    """A message about one path of a namespace; the requests that name a path extend it with
+    their own fields, which follow these two."""
+
+    namespace: str
+    path: str
+
+
+@message
 class HelloRequest:
     """First message on a connection."""
 
@@ -188,7 +208,7 @@ class HelloRequest:
     namespace: str
 
 
-@dataclass(frozen=True)
+@message
 class HelloReply:
     """The daemon's identity and where its segments live."""
 
@@ -198,12 +218,10 @@ class HelloReply:
     version: str
 
 
-@dataclass(frozen=True)
-class ReserveRequest:
+@message
+class ReserveRequest(PathMessage):
     """Phase 1, step 1: ask for a segment of at least ``nbytes``."""
 
-    namespace: str
-    path: str
     nbytes: int
     durability: str = "local"
     #: The saver's uid and gid (-1: the connection's credentials) and umask: persisted files
@@ -216,7 +234,7 @@ class ReserveRequest:
     timeout: float | None = None
 
 
-@dataclass(frozen=True)
+@message
 class ReserveReply:
     """A segment reserved for this connection until commit or abort."""
 
@@ -225,7 +243,7 @@ class ReserveReply:
     capacity: int
 
 
-@dataclass(frozen=True)
+@message
 class CommitRequest:
     """Phase 1, step 2: the bytes are in place; validate and publish them."""
 
@@ -235,33 +253,31 @@ class CommitRequest:
     stall_seconds: float = 0.0
 
 
-@dataclass(frozen=True)
+@message
 class CommitReply:
     """The generation the commit created."""
 
     generation: int
 
 
-@dataclass(frozen=True)
+@message
 class AbortRequest:
     """Give a reservation back without publishing it."""
 
     reservation: int
 
 
-@dataclass(frozen=True)
-class OpenRequest:
+@message
+class OpenRequest(PathMessage):
     """Pin the newest (or a given) generation of a path for loading."""
 
-    namespace: str
-    path: str
     generation: int | None = None
     need_digests: bool = False
     #: The most the client waits for the reply (s): bounds a fetch from peers or storage.
     timeout: float | None = None
 
 
-@dataclass(frozen=True)
+@message
 class OpenReply:
     """Where a pinned generation lies; valid until ``release(lease)``."""
 
@@ -277,39 +293,35 @@ class OpenReply:
     tier: Tier = Tier.LOCAL
 
 
-@dataclass(frozen=True)
+@message
 class ReleaseRequest:
     """Drop leases whose mappings are gone."""
 
     leases: tuple[int, ...]
 
 
-@dataclass(frozen=True)
-class ReportCorruptRequest:
+@message
+class ReportCorruptRequest(PathMessage):
     """A client found a generation's bytes do not match their digests: drop it."""
 
-    namespace: str
-    path: str
     generation: int
     detail: str
 
 
-@dataclass(frozen=True)
-class PrefetchRequest:
+@message
+class PrefetchRequest(PathMessage):
     """Bring a path into this node's memory (from a peer or storage) without loading it."""
 
-    namespace: str
-    path: str
     #: The most the client waits for the reply (s).
     timeout: float | None = None
 
 
-@dataclass(frozen=True)
+@message
 class PoolRequest:
     """The daemon's spare segments, for a client to map ahead of its next save."""
 
 
-@dataclass(frozen=True)
+@message
 class PoolReply:
     """Spare segments (names and capacities) and whether another is being created."""
 
@@ -318,7 +330,7 @@ class PoolReply:
     growing: bool
 
 
-@dataclass(frozen=True)
+@message
 class PrefetchReply:
     """Which tier the copy came from ("local" if it was already here)."""
 
@@ -327,15 +339,12 @@ class PrefetchReply:
     generation: int
 
 
-@dataclass(frozen=True)
-class StatRequest:
+@message
+class StatRequest(PathMessage):
     """Status of one path."""
 
-    namespace: str
-    path: str
 
-
-@dataclass(frozen=True)
+@message
 class ObjectInfo:
     """What the daemon knows of one generation of a path."""
 
@@ -358,7 +367,7 @@ class ObjectInfo:
     last_load_tier: str = ""
 
 
-@dataclass(frozen=True)
+@message
 class ListRequest:
     """List newest generations under a prefix (empty prefix: everything)."""
 
@@ -366,45 +375,36 @@ class ListRequest:
     prefix: str = ""
 
 
-@dataclass(frozen=True)
+@message
 class ListReply:
     """Objects, sorted by path."""
 
     objects: tuple[ObjectInfo, ...] = field(default=(), metadata={"items": ObjectInfo})
 
 
-@dataclass(frozen=True)
-class DeleteRequest:
+@message
+class DeleteRequest(PathMessage):
     """Drop every generation of a path from memory."""
 
-    namespace: str
-    path: str
 
-
-@dataclass(frozen=True)
+@message
 class DeleteReply:
     """How many generations were dropped."""
 
     dropped: int
 
 
-@dataclass(frozen=True)
-class SupersedeRequest:
+@message
+class SupersedeRequest(PathMessage):
     """The client wrote ``path`` straight to storage: retire every older generation."""
 
-    namespace: str
-    path: str
 
-
-@dataclass(frozen=True)
-class VerifyRequest:
+@message
+class VerifyRequest(PathMessage):
     """Recompute digests of the newest generation and compare."""
 
-    namespace: str
-    path: str
 
-
-@dataclass(frozen=True)
+@message
 class VerifyReply:
     """Result of a verification; ``error`` names the bad tensor."""
 
@@ -414,17 +414,15 @@ class VerifyReply:
     error: str = ""
 
 
-@dataclass(frozen=True)
-class WaitRequest:
+@message
+class WaitRequest(PathMessage):
     """Block until a path's newest generation reaches ``stage`` (or a timeout)."""
 
-    namespace: str
-    path: str
     prefix: bool = False
     timeout: float = 60.0
 
 
-@dataclass(frozen=True)
+@message
 class WaitReply:
     """Stage reached (or the last state seen)."""
 
@@ -433,12 +431,12 @@ class WaitReply:
     error: str = ""
 
 
-@dataclass(frozen=True)
+@message
 class StatusRequest:
     """Daemon-wide status."""
 
 
-@dataclass(frozen=True)
+@message
 class PeerClock:
     """How far a peer's wall clock is from this daemon's, as last measured over the data
     plane: ``offset`` seconds ahead (negative: behind), within half the round trip
@@ -450,7 +448,7 @@ class PeerClock:
     checked: float
 
 
-@dataclass(frozen=True)
+@message
 class DaemonStatus:
     """Daemon-wide counters for ``ckptcache status``."""
 

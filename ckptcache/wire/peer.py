@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar, TypeVar
 
 from ckptcache.errors import ProtocolMismatch
-from ckptcache.wire.messages import build
+from ckptcache.wire.messages import PathMessage, build, message
 
 __all__ = [
     "Ack",
@@ -91,39 +91,40 @@ class _CopyHead:
         _copy_head(self)
 
 
-@dataclass(frozen=True)
-class PushRequest(_CopyHead):
+@message
+class _Extent(PathMessage):
+    """Where a copy of a path lies in its segment: the segment's size and its manifest's
+    offset and size (what every copy offered, served or relayed declares first)."""
+
+    nbytes: int
+    manifest_offset: int
+    manifest_size: int
+
+
+@message
+class PushRequest(_Extent, _CopyHead):
     """A backup copy offered to a peer; the receiver answers :class:`Ack` once it has
     reserved room, then :class:`Pushed` once the bytes are verified and committed."""
 
     OP: ClassVar[str] = "push"
-    namespace: str
-    path: str
-    nbytes: int
-    manifest_offset: int
-    manifest_size: int
     origin: str
     manifest: str
     skeleton_digest: int
     committed: float
 
 
-@dataclass(frozen=True)
-class FetchRequest:
+@message
+class FetchRequest(PathMessage):
     """Ask a peer for its newest copy of a path."""
 
     OP: ClassVar[str] = "fetch"
-    namespace: str
-    path: str
 
 
-@dataclass(frozen=True)
-class CorruptReport:
+@message
+class CorruptReport(PathMessage):
     """Tell a peer that the copy it served was corrupt (it drops that generation)."""
 
     OP: ClassVar[str] = "corrupt"
-    namespace: str
-    path: str
     detail: str = ""
     #: The generation served (0: a relayed copy, verified again where it lands).
     generation: int = 0
@@ -136,19 +137,19 @@ PeerRequest = PushRequest | FetchRequest | CorruptReport
 _REQUESTS: dict[str, type[Any]] = {c.OP: c for c in (PushRequest, FetchRequest, CorruptReport)}
 
 
-@dataclass(frozen=True)
+@message
 class Ack:
     """Go on (a push may send its bytes; a report was taken)."""
 
 
-@dataclass(frozen=True)
+@message
 class Pushed:
     """A pushed copy was verified and committed as ``generation``."""
 
     generation: int
 
 
-@dataclass(frozen=True)
+@message
 class Refused:
     """A request refused: ``error`` names a :mod:`ckptcache.errors` type."""
 
@@ -156,15 +157,10 @@ class Refused:
     message: str
 
 
-@dataclass(frozen=True)
-class ObjectHead(_CopyHead):
+@message
+class ObjectHead(_Extent, _CopyHead):
     """A committed copy follows: the segment body, then its digest table."""
 
-    namespace: str
-    path: str
-    nbytes: int
-    manifest_offset: int
-    manifest_size: int
     generation: int
     manifest: str
     skeleton_digest: int
@@ -174,15 +170,10 @@ class ObjectHead(_CopyHead):
     committed: float = 0.0
 
 
-@dataclass(frozen=True)
-class RelayHead:
+@message
+class RelayHead(_Extent):
     """A copy still arriving at the sender follows, relayed in order as it lands."""
 
-    namespace: str
-    path: str
-    nbytes: int
-    manifest_offset: int
-    manifest_size: int
     #: The bytes are those stored at the path (read from storage, or relayed from a copy
     #: that was): the receiver's copy is persisted too.
     persisted: bool = False
