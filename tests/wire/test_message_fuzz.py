@@ -82,3 +82,29 @@ def _check_types(message: Any) -> None:
 def test_deeply_nested_message_is_a_typed_error():
     with pytest.raises(ProtocolMismatch):
         m.decode(m.ReserveRequest, "[" * 100_000)
+
+
+@pytest.mark.parametrize("cls", _MESSAGES, ids=lambda c: c.__name__)
+def test_every_message_is_frozen_and_slotted(cls: type) -> None:
+    """Each message is declared by ``messages.message``: no per-instance dict, no setting a
+    field after the fact (a reply list holds one message per object)."""
+    sample = _sample(cls)
+    assert not hasattr(sample, "__dict__")
+    field = next(iter(dataclasses.fields(cls)), None)
+    if field is not None:
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            setattr(sample, field.name, getattr(sample, field.name))
+
+
+def test_path_requests_share_the_path_message_base() -> None:
+    """Requests that name a path take namespace and path first, from one base: positional
+    construction and the decoded fields are those of ``PathMessage``."""
+    named = [c for c in _MESSAGES if issubclass(c, m.PathMessage) and c is not m.PathMessage]
+    assert {c.__name__ for c in named} >= {
+        "DeleteRequest", "OpenRequest", "ReserveRequest", "StatRequest", "WaitRequest",
+    }  # fmt: skip
+    for cls in named:
+        first = [f.name for f in dataclasses.fields(cls)][:2]
+        assert first == ["namespace", "path"], cls
+    request = m.decode(m.DeleteRequest, '{"namespace": "ns", "path": "/a.pt"}')
+    assert request == m.DeleteRequest("ns", "/a.pt")
