@@ -62,8 +62,6 @@ import dataclasses
 import importlib
 import io
 import os
-import tempfile
-import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any, cast
@@ -129,7 +127,7 @@ class CacheWriter(FileSystemWriter):  # type: ignore[misc]
             )
         self.commit_waits = _common.resolve_commit_waits(commit_waits)
         self._client = client
-        self._staged: list[str] = []
+        self._staged: list[ckptcache.Staged] = []
         self._rank_hint = 0
 
     @property
@@ -234,37 +232,32 @@ class CacheWriter(FileSystemWriter):  # type: ignore[misc]
         return self._synchronize_after_execute
 
     def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
-        """Copy ``state_dict`` into the cache (one memcpy) and return a view of that copy.
+        """Copy ``state_dict``'s tensors into the cache (one memcpy) and return it over that
+        copy (:meth:`ckptcache.Client.stage`).
 
-        The returned state dict is backed by the daemon's segment (copy-on-write), so training
-        may modify the originals at once; DCP's background save then reads the staged copy.
-        The staging object is named under the temp directory, outside the checkpoint directory
-        (and so outside any persist root that covers it), and is dropped after ``write_data``.
+        The returned state dict's tensors lie on this process's copy-on-write mapping of the
+        daemon's copy: training may modify the originals at once, and DCP's background save
+        then reads the staged copy. The copy is memory only, held by a lease (nothing evicts
+        it meanwhile), and given back after ``write_data`` (or in :meth:`close`; the daemon
+        drops it by itself if the process dies). Without a daemon it is a plain CPU copy.
         """
         tensors: list[torch.Tensor] = []
         skeleton = _strip_tensors(state_dict, tensors)
-        staging = os.path.join(
-            tempfile.gettempdir(), f"ckptcache-dcp-staging-{os.getpid()}-{uuid.uuid4().hex}.pt"
-        )
-        # Memory only by choice: a staging copy is never persisted (and is under no root).
-        self.client.save(tensors, staging, durability="memory")
-        self._staged.append(staging)
-        staged = self.client.load(staging, mmap=True)
-        return _restore_tensors(skeleton, staged)  # type: ignore[no-any-return]
+        staged = self.client.stage(tensors)
+        self._staged.append(staged)
+        return _restore_tensors(skeleton, staged.tensors)  # type: ignore[no-any-return]
 
     def synchronize_staging(self) -> None:
         """Nothing to do: ``stage`` returns when the copy is done."""
 
     def close(self) -> None:
-        """Drop any staging copy still held."""
+        """Give back any staging copy still held."""
         self._release_staged()
 
     def _release_staged(self) -> None:
         staged, self._staged = self._staged, []
-        self._discard(staged)
-        for p in staged:
-            if os.path.exists(p):  # written through (no daemon): not part of the checkpoint
-                os.unlink(p)
+        for copy_ in staged:
+            copy_.release()
 
 
 # ---------------------------------------------------------------------- staging helpers

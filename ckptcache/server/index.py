@@ -78,6 +78,9 @@ class Generation:
     last_load_tier: str = ""
     #: Who saved it (uid, gid, umask); None when it came from a peer or from storage.
     saver: Saver | None = None
+    #: A staging copy (``commit_pinned``): held by one connection's lease, private to it
+    #: (never announced, replicated, digested or persisted), dropped when that lease goes.
+    staged: bool = False
     digest_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     @property
