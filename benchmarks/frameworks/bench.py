@@ -310,6 +310,8 @@ def bench_dcp(client: ckptcache.Client, mib: int, repeats: int, root: str) -> Se
             sec,
             repeats,
             lambda i: dcp.async_save(state, storage_writer=dcp.FileSystemWriter(path("afs", i))),
+            # Settled too: the daemon persisting the rows above must not slow DCP's staging.
+            client=client,
             after=lambda r: r.result(),
         ),
     )

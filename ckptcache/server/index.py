@@ -78,9 +78,10 @@ class Generation:
     last_load_tier: str = ""
     #: Who saved it (uid, gid, umask); None when it came from a peer or from storage.
     saver: Saver | None = None
-    #: A staging copy (``commit_pinned``): held by one connection's lease, private to it
-    #: (never announced, replicated, digested or persisted), dropped when that lease goes.
-    staged: bool = False
+    #: For a staging copy (``commit_pinned``), the lease that holds it (0: not one): never
+    #: announced, replicated, digested or persisted, and dropped when that lease goes (a
+    #: load's lease on it, by another client, only unpins it).
+    staged_by: int = 0
     digest_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     @property

@@ -190,7 +190,7 @@ class Loads:
             for lease in req.leases:
                 gen = session.leases.pop(lease, None)
                 if gen is not None:
-                    drop_lease_locked(self.state, gen)
+                    drop_lease_locked(self.state, lease, gen)
 
     def report_corrupt(self, session: Session, req: m.ReportCorruptRequest) -> None:
         """A client found bad bytes: drop that generation so nobody loads it again. Only a

@@ -116,8 +116,8 @@ class Saves:
                 log.info("aborting reservation %d of %s (client gone)", res.id, res.path)
                 state.arena.release(res.segment)
             session.reservations.clear()
-            for gen in session.leases.values():
-                drop_lease_locked(state, gen)  # staging copies go with their leases
+            for lease, gen in session.leases.items():
+                drop_lease_locked(state, lease, gen)  # staging copies go with their leases
             session.leases.clear()
             state.update_gauges()
         state.lock.notify_all()
@@ -405,9 +405,8 @@ class Saves:
             state.index.add(gen)
             lease = 0
             if pinned:  # held before anyone else can see it: nothing drops it meanwhile
-                gen.staged = True
                 state.pin_locked(gen)
-                lease = state.next_id()
+                lease = gen.staged_by = state.next_id()
                 session.leases[lease] = gen
             if gen.needs_persist and not gen.persisted:
                 self.retention.supersede_older_locked(gen.key)

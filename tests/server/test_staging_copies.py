@@ -37,13 +37,18 @@ def test_a_staging_copy_is_held_until_its_lease_is_released(make_core):
     session = core.saves.open_session(1, 0)
     reply = stage_object(core, session, "/tmp/stage-a", torch.ones(1000))
     gen = held(core, "/tmp/stage-a")
-    assert (reply.generation, gen.staged, gen.pins) == (1, True, 1)
+    assert (reply.generation, gen.staged_by, gen.pins) == (1, reply.lease, 1)
     assert gen.digests is None and not gen.needs_persist  # nobody but its holder needs it
     save_object(core, session, "/ckpt/b.pt", torch.ones(1000))
     save_object(core, session, "/ckpt/c.pt", torch.ones(1000))
     with pytest.raises(BudgetExceeded):  # full: the staging copy is not evicted for room
         save_object(core, session, "/ckpt/d.pt", torch.ones(1000))
     assert held(core, "/tmp/stage-a") is gen
+    # Another client's load of it pins it; that lease's end leaves the copy to its holder.
+    reader = core.saves.open_session(2, 0)
+    opened = core.loads.open(reader, m.OpenRequest(NS, "/tmp/stage-a"))
+    core.loads.release(reader, m.ReleaseRequest((opened.lease,)))
+    assert held(core, "/tmp/stage-a") is gen and gen.pins == 1
     core.loads.release(session, m.ReleaseRequest((reply.lease,)))
     assert held(core, "/tmp/stage-a") is None and gen.removed and gen.pins == 0
     assert save_object(core, session, "/ckpt/d.pt", torch.ones(1000)).generation == 1
