@@ -64,7 +64,7 @@ import io
 import os
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch.distributed.checkpoint.filesystem import (
@@ -82,6 +82,9 @@ from torch.futures import Future
 import ckptcache
 from ckptcache.adapters import _common
 from ckptcache.client import BlobFile, Packed
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor import DTensor
 
 __all__ = ["CacheReader", "CacheWriter", "disable", "enable", "is_enabled"]
 
@@ -269,26 +272,41 @@ class _TensorSlot:
     rebuild: Callable[[torch.Tensor], Any]
 
 
+#: Immutable values a staged state dict may share with the live one (no deep copy needed).
+_ATOMS = frozenset({int, float, bool, str, bytes, type(None)})
+
+
 def _strip_tensors(obj: Any, out: list[torch.Tensor]) -> Any:
     """Replace every tensor (a DTensor: its local shard) by a slot; collect them in ``out``."""
     from torch.distributed.tensor import DTensor
 
-    if isinstance(obj, DTensor):
+    return _strip(obj, out, DTensor)
+
+
+def _strip(obj: Any, out: list[torch.Tensor], dtensor: type[DTensor]) -> Any:
+    kind = type(obj)
+    if kind in _ATOMS:  # most leaves of an optimizer's state: no deepcopy call per value
+        return obj
+    if isinstance(obj, dtensor):
         mesh, placements, shape, stride = obj.device_mesh, obj.placements, obj.shape, obj.stride()
         out.append(obj.to_local().detach())
 
         def rebuild(local: torch.Tensor) -> Any:
-            return DTensor.from_local(local, mesh, placements, shape=shape, stride=stride)
+            return dtensor.from_local(local, mesh, placements, shape=shape, stride=stride)
 
         return _TensorSlot(len(out) - 1, rebuild)
     if isinstance(obj, torch.Tensor):
         out.append(obj.detach())
-        return _TensorSlot(len(out) - 1, lambda t: t)
+        return _TensorSlot(len(out) - 1, _same)
     if isinstance(obj, dict):
-        return type(obj)((k, _strip_tensors(v, out)) for k, v in obj.items())
-    if isinstance(obj, (list, tuple)) and type(obj) in (list, tuple):
-        return type(obj)(_strip_tensors(v, out) for v in obj)
+        return kind((k, _strip(v, out, dtensor)) for k, v in obj.items())
+    if kind in (list, tuple):
+        return kind(_strip(v, out, dtensor) for v in obj)
     return copy.deepcopy(obj)  # small Python state: snapshot it like the tensors
+
+
+def _same(t: torch.Tensor) -> torch.Tensor:
+    return t
 
 
 def _restore_tensors(obj: Any, staged: list[torch.Tensor]) -> Any:

@@ -93,7 +93,7 @@ def build_parts(settings: Settings) -> Parts:
     parts = Parts(
         settings, connection, maps, spares, ledger, fallback, waits, saves,
         Loads(settings, connection), Queries(settings, connection),
-        Stager(settings, connection, saves),
+        Stager(settings, connection, saves, spares),
     )  # fmt: skip
     # A request that finds itself in a child no at-fork handler told (a C fork()) disowns
     # every part's share of the parent, not the connection's alone.

@@ -199,7 +199,8 @@ class Saves:
             except BaseException:
                 self._abort(reply)
                 raise
-            self._spares.refresh()  # map the spare the daemon makes for the next new path
+        # No spare refresh here (a save's commit does one): its thread would take the GIL
+        # from the trainer inside the stall; the release of the copy refreshes instead.
         return Staging(reply.segment, reply.capacity, held.lease, epoch, flat, plan)
 
     def _plan_cache(self) -> PlanCache:

@@ -31,6 +31,7 @@ from ckptcache import errors
 from ckptcache.client._connection import Connection
 from ckptcache.client._saves import Saves, Staging
 from ckptcache.client._settings import Settings
+from ckptcache.client._spares import SpareMapper
 from ckptcache.wire import messages as m
 
 if TYPE_CHECKING:
@@ -87,10 +88,16 @@ class Staged:
     Use it as a context manager, or call :meth:`release` when the background writer is done.
     """
 
-    def __init__(self, tensors: list[torch.Tensor], lease: _Lease | None):
+    def __init__(
+        self,
+        tensors: list[torch.Tensor],
+        lease: _Lease | None,
+        released: Callable[[], object] | None = None,
+    ):
         #: The staged tensors (empty once released).
         self.tensors = tensors
         self._lease = lease
+        self._released = released
 
     @property
     def cached(self) -> bool:
@@ -103,6 +110,9 @@ class Staged:
         self.tensors = []
         if self._lease is not None:
             self._lease.release_now()
+        released, self._released = self._released, None
+        if released is not None:
+            released()
 
     def __enter__(self) -> Staged:
         return self
@@ -114,8 +124,11 @@ class Staged:
 class Stager:
     """Runs a client's stages (see the module docstring for the order)."""
 
-    def __init__(self, settings: Settings, connection: Connection, saves: Saves):
+    def __init__(
+        self, settings: Settings, connection: Connection, saves: Saves, spares: SpareMapper
+    ):
         self._settings, self._connection, self._saves = settings, connection, saves
+        self._spares = spares
 
     def stage(self, tensors: Sequence[torch.Tensor]) -> Staged:
         """See :meth:`Client.stage`."""
@@ -134,7 +147,10 @@ class Stager:
             return Staged([t.detach().to("cpu", copy=True) for t in items], None)
         lease = _Lease(self._connection, staging.lease, staging.epoch)
         try:
-            return Staged(_views(self._map(staging, lease.on_unmap), staging, items), lease)
+            # The spares are mapped afresh once the copy is given back (off the stall: a
+            # spare the daemon made for the next new path).
+            views = _views(self._map(staging, lease.on_unmap), staging, items)
+            return Staged(views, lease, self._spares.refresh)
         except BaseException:
             lease.release_now()
             raise
