@@ -148,3 +148,17 @@ def test_without_a_daemon_staged_tensors_are_plain_copies(tmp_path):
 def test_stage_takes_tensors_only(daemon):
     with daemon.client() as c, pytest.raises(TypeError, match="stage takes tensors, not dict"):
         c.stage([{"w": torch.ones(1)}])  # type: ignore[list-item]
+
+
+def test_dcp_writer_gives_its_staging_copies_back_on_close(daemon, tmp_path):
+    from ckptcache.adapters.dcp import CacheWriter
+
+    with daemon.client() as c:
+        writer = CacheWriter(tmp_path / "ck", client=c)
+        live = {"model": {"w": torch.arange(6.0)}, "step": 3}
+        staged = writer.stage(live)
+        live["model"]["w"].zero_()
+        assert torch.equal(staged["model"]["w"], torch.arange(6.0)) and staged["step"] == 3
+        assert len(_staging(c)) == 1
+        writer.close()  # an async_save that never reached write_data
+        assert _staging(c) == []
