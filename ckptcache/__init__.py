@@ -18,7 +18,7 @@ from ckptcache.errors import *  # noqa: F403 - every public error is a public na
 if TYPE_CHECKING:
     from ckptcache.api import delete, exists, load, prefetch, save, status, wait, warmup
     from ckptcache.api import open as open  # public, not in __all__ (see below)
-    from ckptcache.client import CachedFile, CacheStatus, Client, SaveHandle
+    from ckptcache.client import CachedFile, CacheStatus, Client, SaveHandle, Staged
     from ckptcache.wire.messages import ObjectInfo as ObjectStatus
 
 __all__ = [
@@ -27,6 +27,7 @@ __all__ = [
     "Client",
     "ObjectStatus",
     "SaveHandle",
+    "Staged",
     "__version__",
     "delete",
     "exists",
@@ -48,7 +49,10 @@ _LAZY = {
         n: ("ckptcache.api", n)
         for n in ("delete", "exists", "load", "prefetch", "save", "status", "wait", "warmup")
     },
-    **{n: ("ckptcache.client", n) for n in ("CacheStatus", "CachedFile", "Client", "SaveHandle")},
+    **{
+        n: ("ckptcache.client", n)
+        for n in ("CacheStatus", "CachedFile", "Client", "SaveHandle", "Staged")
+    },
     "open": ("ckptcache.api", "open"),
     "ObjectStatus": ("ckptcache.wire.messages", "ObjectInfo"),
 }

@@ -62,11 +62,9 @@ import dataclasses
 import importlib
 import io
 import os
-import tempfile
-import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch.distributed.checkpoint.filesystem import (
@@ -84,6 +82,9 @@ from torch.futures import Future
 import ckptcache
 from ckptcache.adapters import _common
 from ckptcache.client import BlobFile, Packed
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor import DTensor
 
 __all__ = ["CacheReader", "CacheWriter", "disable", "enable", "is_enabled"]
 
@@ -129,7 +130,7 @@ class CacheWriter(FileSystemWriter):  # type: ignore[misc]
             )
         self.commit_waits = _common.resolve_commit_waits(commit_waits)
         self._client = client
-        self._staged: list[str] = []
+        self._staged: list[ckptcache.Staged] = []
         self._rank_hint = 0
 
     @property
@@ -234,37 +235,32 @@ class CacheWriter(FileSystemWriter):  # type: ignore[misc]
         return self._synchronize_after_execute
 
     def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
-        """Copy ``state_dict`` into the cache (one memcpy) and return a view of that copy.
+        """Copy ``state_dict``'s tensors into the cache (one memcpy) and return it over that
+        copy (:meth:`ckptcache.Client.stage`).
 
-        The returned state dict is backed by the daemon's segment (copy-on-write), so training
-        may modify the originals at once; DCP's background save then reads the staged copy.
-        The staging object is named under the temp directory, outside the checkpoint directory
-        (and so outside any persist root that covers it), and is dropped after ``write_data``.
+        The returned state dict's tensors lie on this process's copy-on-write mapping of the
+        daemon's copy: training may modify the originals at once, and DCP's background save
+        then reads the staged copy. The copy is memory only, held by a lease (nothing evicts
+        it meanwhile), and given back after ``write_data`` (or in :meth:`close`; the daemon
+        drops it by itself if the process dies). Without a daemon it is a plain CPU copy.
         """
         tensors: list[torch.Tensor] = []
         skeleton = _strip_tensors(state_dict, tensors)
-        staging = os.path.join(
-            tempfile.gettempdir(), f"ckptcache-dcp-staging-{os.getpid()}-{uuid.uuid4().hex}.pt"
-        )
-        # Memory only by choice: a staging copy is never persisted (and is under no root).
-        self.client.save(tensors, staging, durability="memory")
-        self._staged.append(staging)
-        staged = self.client.load(staging, mmap=True)
-        return _restore_tensors(skeleton, staged)  # type: ignore[no-any-return]
+        staged = self.client.stage(tensors)
+        self._staged.append(staged)
+        return _restore_tensors(skeleton, staged.tensors)  # type: ignore[no-any-return]
 
     def synchronize_staging(self) -> None:
         """Nothing to do: ``stage`` returns when the copy is done."""
 
     def close(self) -> None:
-        """Drop any staging copy still held."""
+        """Give back any staging copy still held."""
         self._release_staged()
 
     def _release_staged(self) -> None:
         staged, self._staged = self._staged, []
-        self._discard(staged)
-        for p in staged:
-            if os.path.exists(p):  # written through (no daemon): not part of the checkpoint
-                os.unlink(p)
+        for copy_ in staged:
+            copy_.release()
 
 
 # ---------------------------------------------------------------------- staging helpers
@@ -276,26 +272,41 @@ class _TensorSlot:
     rebuild: Callable[[torch.Tensor], Any]
 
 
+#: Immutable values a staged state dict may share with the live one (no deep copy needed).
+_ATOMS = frozenset({int, float, bool, str, bytes, type(None)})
+
+
 def _strip_tensors(obj: Any, out: list[torch.Tensor]) -> Any:
     """Replace every tensor (a DTensor: its local shard) by a slot; collect them in ``out``."""
     from torch.distributed.tensor import DTensor
 
-    if isinstance(obj, DTensor):
+    return _strip(obj, out, DTensor)
+
+
+def _strip(obj: Any, out: list[torch.Tensor], dtensor: type[DTensor]) -> Any:
+    kind = type(obj)
+    if kind in _ATOMS:  # most leaves of an optimizer's state: no deepcopy call per value
+        return obj
+    if isinstance(obj, dtensor):
         mesh, placements, shape, stride = obj.device_mesh, obj.placements, obj.shape, obj.stride()
         out.append(obj.to_local().detach())
 
         def rebuild(local: torch.Tensor) -> Any:
-            return DTensor.from_local(local, mesh, placements, shape=shape, stride=stride)
+            return dtensor.from_local(local, mesh, placements, shape=shape, stride=stride)
 
         return _TensorSlot(len(out) - 1, rebuild)
     if isinstance(obj, torch.Tensor):
         out.append(obj.detach())
-        return _TensorSlot(len(out) - 1, lambda t: t)
+        return _TensorSlot(len(out) - 1, _same)
     if isinstance(obj, dict):
-        return type(obj)((k, _strip_tensors(v, out)) for k, v in obj.items())
-    if isinstance(obj, (list, tuple)) and type(obj) in (list, tuple):
-        return type(obj)(_strip_tensors(v, out) for v in obj)
+        return kind((k, _strip(v, out, dtensor)) for k, v in obj.items())
+    if kind in (list, tuple):
+        return kind(_strip(v, out, dtensor) for v in obj)
     return copy.deepcopy(obj)  # small Python state: snapshot it like the tensors
+
+
+def _same(t: torch.Tensor) -> torch.Tensor:
+    return t
 
 
 def _restore_tensors(obj: Any, staged: list[torch.Tensor]) -> Any:

@@ -24,6 +24,7 @@ from ckptcache.client._saves import DURABILITY_LEVELS
 
 if TYPE_CHECKING:
     from ckptcache.client._async import SaveHandle, wait_for_copies
+    from ckptcache.client._staging import Staged
     from ckptcache.format.packing import Packed
 
 __all__ = [
@@ -34,6 +35,7 @@ __all__ = [
     "Client",
     "Packed",
     "SaveHandle",
+    "Staged",
     "cache_status",
     "in_storage",
     "normalize_path",
@@ -48,6 +50,7 @@ _LAZY = {
     "SaveHandle": "ckptcache.client._async",
     "wait_for_copies": "ckptcache.client._async",
     "Packed": "ckptcache.format.packing",
+    "Staged": "ckptcache.client._staging",
 }
 
 

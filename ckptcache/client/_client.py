@@ -31,7 +31,7 @@ stops training unless ``fallback="raise"`` asks for it.
 from __future__ import annotations
 
 import builtins
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from ckptcache.client._parts import build_parts
@@ -41,7 +41,10 @@ from ckptcache.client._settings import Setting, Settings
 from ckptcache.wire import messages as m
 
 if TYPE_CHECKING:
+    import torch
+
     from ckptcache.client._async import SaveHandle
+    from ckptcache.client._staging import Staged
     from ckptcache.format.flatten import MapLocation
     from ckptcache.format.packing import Packed
     from ckptcache.format.shm import Mapping
@@ -84,6 +87,7 @@ class Client:
         self._parts = parts = build_parts(self.settings)
         self._connection, self._spares, self._saves = parts.connection, parts.spares, parts.saves
         self._loads, self._queries, self._waits = parts.loads, parts.queries, parts.waits
+        self._stager = parts.stager
 
     @property
     def node_id(self) -> str:
@@ -144,6 +148,23 @@ class Client:
         check_durability(durability)
         self._spares.first_contact()
         return self._saves.save_packed(packed, path, durability)
+
+    def stage(self, tensors: Sequence[torch.Tensor]) -> Staged:
+        """Copy ``tensors`` into the daemon's memory and return them staged there: what an
+        asynchronous checkpoint copies before training goes on (``dcp.async_save``'s
+        staging), at the cost of one copy and the requests of a save (reserve, commit).
+
+        :attr:`Staged.tensors <ckptcache.client.Staged.tensors>` are CPU tensors equal to
+        ``tensors`` (same dtypes, shapes, strides, storage sharing), built straight over this
+        process's copy-on-write mapping of the copy: the originals may change at once, and a
+        write to a staged tensor never reaches the cached copy. The copy stays in memory,
+        pinned (no eviction or retention drops it), until :meth:`Staged.release
+        <ckptcache.client.Staged.release>`; the daemon drops it as well when this client's
+        connection or process ends (``kill -9`` included). It is never persisted. Without a
+        daemon (or with no room) the staged tensors are private copies, unless the client's
+        ``fallback="raise"`` raises instead."""
+        self._spares.first_contact()
+        return self._stager.stage(tensors)
 
     def load(
         self,

@@ -20,6 +20,7 @@ from ckptcache.client._saves import Saves
 from ckptcache.client._segments import WriteMaps
 from ckptcache.client._settings import Settings
 from ckptcache.client._spares import SpareMapper
+from ckptcache.client._staging import Stager
 from ckptcache.client._waits import Waits
 
 __all__ = ["Parts", "build_parts"]
@@ -39,6 +40,7 @@ class Parts:
     saves: Saves
     loads: Loads
     queries: Queries
+    stager: Stager
 
     def after_fork(self) -> None:
         """In a forked child (an at-fork handler): new locks, since a thread of the parent
@@ -91,6 +93,7 @@ def build_parts(settings: Settings) -> Parts:
     parts = Parts(
         settings, connection, maps, spares, ledger, fallback, waits, saves,
         Loads(settings, connection), Queries(settings, connection),
+        Stager(settings, connection, saves, spares),
     )  # fmt: skip
     # A request that finds itself in a child no at-fork handler told (a C fork()) disowns
     # every part's share of the parent, not the connection's alone.

@@ -5,6 +5,7 @@ Call order (per client connection, see :mod:`ckptcache.wire.messages`)::
     session = core.saves.open_session(pid, uid)
     saves.reserve(session, ReserveRequest)  -> segment to copy into
     saves.commit(session, CommitRequest)    -> generation published (or saves.abort)
+    saves.commit_pinned(...)                -> a staging copy, pinned under a lease
     loads.open(session, OpenRequest)        -> generation pinned for a load
     loads.release(session, ReleaseRequest)  -> pin dropped
     saves.close_session(session)            -> everything the connection held is let go
@@ -71,6 +72,7 @@ class CacheCore:
         return {
             "reserve": (m.ReserveRequest, saves.reserve),
             "commit": (m.CommitRequest, saves.commit),
+            "commit_pinned": (m.CommitRequest, saves.commit_pinned),
             "abort": (m.AbortRequest, saves.abort),
             "open": (m.OpenRequest, loads.open),
             "release": (m.ReleaseRequest, loads.release),

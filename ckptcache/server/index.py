@@ -78,6 +78,10 @@ class Generation:
     last_load_tier: str = ""
     #: Who saved it (uid, gid, umask); None when it came from a peer or from storage.
     saver: Saver | None = None
+    #: For a staging copy (``commit_pinned``), the lease that holds it (0: not one): never
+    #: announced, replicated, digested or persisted, and dropped when that lease goes (a
+    #: load's lease on it, by another client, only unpins it).
+    staged_by: int = 0
     digest_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     @property

@@ -31,6 +31,7 @@ from ckptcache.server.config import DaemonConfig
 from ckptcache.server.digester import Digester
 from ckptcache.server.index import Generation
 from ckptcache.server.retention import Retention
+from ckptcache.server.staging import drop_lease_locked
 from ckptcache.server.state import CacheState, NewerHeld, Session, bounded
 from ckptcache.wire import messages as m
 from ckptcache.wire.states import Tier
@@ -183,12 +184,13 @@ class Loads:
             return m.PrefetchReply(reply.tier, gen.size, gen.number)
 
     def release(self, session: Session, req: m.ReleaseRequest) -> None:
-        """Drop leases (unknown ones are ignored: a release may race a reconnect)."""
+        """Drop leases (unknown ones are ignored: a release may race a reconnect); a staging
+        copy goes with its lease."""
         with self.state.lock.held():
             for lease in req.leases:
                 gen = session.leases.pop(lease, None)
                 if gen is not None:
-                    self.state.unpin_locked(gen)
+                    drop_lease_locked(self.state, lease, gen)
 
     def report_corrupt(self, session: Session, req: m.ReportCorruptRequest) -> None:
         """A client found bad bytes: drop that generation so nobody loads it again. Only a

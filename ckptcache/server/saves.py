@@ -5,6 +5,7 @@ Call order (per client connection, see :mod:`ckptcache.wire.messages`)::
     session = saves.open_session(pid, uid)
     saves.reserve(session, ReserveRequest)  -> segment to copy into (reuse, create, evict, wait)
     saves.commit(session, CommitRequest)    -> generation published (or saves.abort)
+    saves.commit_pinned(session, CommitRequest) -> a staging copy, held by a lease
     saves.close_session(session)            -> everything the connection held is let go
 
 A commit validates the manifest the client wrote, publishes the generation in the index,
@@ -46,6 +47,7 @@ from ckptcache.server.provenance import Provenance, write_provenance
 from ckptcache.server.retention import Retention
 from ckptcache.server.roots import PersistRoots
 from ckptcache.server.shares import Verdict
+from ckptcache.server.staging import drop_lease_locked
 from ckptcache.server.state import (
     CacheState,
     NewerHeld,
@@ -114,8 +116,8 @@ class Saves:
                 log.info("aborting reservation %d of %s (client gone)", res.id, res.path)
                 state.arena.release(res.segment)
             session.reservations.clear()
-            for gen in session.leases.values():
-                state.unpin_locked(gen)
+            for lease, gen in session.leases.items():
+                drop_lease_locked(state, lease, gen)  # staging copies go with their leases
             session.leases.clear()
             state.update_gauges()
         state.lock.notify_all()
@@ -331,6 +333,19 @@ class Saves:
 
     def commit(self, session: Session, req: m.CommitRequest) -> m.CommitReply:
         """Validate the manifest the client wrote and publish the next generation."""
+        number, _ = self._commit(session, req, pinned=False)
+        return m.CommitReply(number)
+
+    def commit_pinned(self, session: Session, req: m.CommitRequest) -> m.PinnedCommitReply:
+        """Commit a ``memory`` reservation as a staging copy, pinned for ``session`` in the
+        same step: no eviction or retention can drop it before the lease goes, and dropping
+        the lease (a release, the connection's end) drops the copy. It is never announced,
+        replicated, digested or persisted: nobody but its holder needs it."""
+        number, lease = self._commit(session, req, pinned=True)
+        return m.PinnedCommitReply(number, lease)
+
+    def _commit(self, session: Session, req: m.CommitRequest, *, pinned: bool) -> tuple[int, int]:
+        """The commit of ``req``: its generation number, and with ``pinned`` its lease."""
         state = self.state
         with state.lock.held():
             res = session.reservations.pop(req.reservation, None)
@@ -340,6 +355,11 @@ class Saves:
             )
         segment = res.segment
         try:
+            if pinned and (res.persist or res.durability != "memory" or res.origin):
+                raise CkptCacheError(
+                    f"a staging copy of {res.path!r} must be reserved with durability 'memory', "
+                    f"not {res.durability!r}"
+                )
             if segment.sealable and not segment.sealed:
                 self._seal_for_commit(segment, res)
             manifest, header = self.validate(segment, res, req)
@@ -383,6 +403,11 @@ class Saves:
             if res.digests is not None:
                 self.digester.record(gen, res.digests)
             state.index.add(gen)
+            lease = 0
+            if pinned:  # held before anyone else can see it: nothing drops it meanwhile
+                state.pin_locked(gen)
+                lease = gen.staged_by = state.next_id()
+                session.leases[lease] = gen
             if gen.needs_persist and not gen.persisted:
                 self.retention.supersede_older_locked(gen.key)
                 self.persister.submit(gen)
@@ -396,10 +421,12 @@ class Saves:
         # Only now: a spare made during the client's copy would take a core from it.
         self.pool.refill()
         log.debug("committed %s generation %d", res.path, number)
+        if pinned:
+            return number, lease
         self.digester.put(gen)
         for hook in self.on_commit:
             hook(gen, res.durability)
-        return m.CommitReply(number)
+        return number, lease
 
     def _stamp_locked(self, res: Reservation) -> int:
         """The commit stamp of a save: the wall clock, but always after the object that was on

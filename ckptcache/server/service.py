@@ -190,7 +190,7 @@ class CacheService(rpyc.Service):  # type: ignore[misc]
             try:
                 request = m.decode(request_type, body)
             except errors.ProtocolMismatch:
-                if kind == "commit":
+                if kind in ("commit", "commit_pinned"):
                     self._abort_raw(body)  # a refused commit holds nothing
                 raise
             result = fn(self._session, request)
@@ -200,7 +200,7 @@ class CacheService(rpyc.Service):  # type: ignore[misc]
             return m.error_envelope(type(e).__name__, str(e), tensor=getattr(e, "tensor", None),
                                     tier=getattr(e, "tier", None))  # fmt: skip
         except ValueError as e:
-            if kind == "commit":
+            if kind in ("commit", "commit_pinned"):
                 self._abort_raw(body)
             return m.error_envelope("ProtocolMismatch", f"malformed {kind!r} request: {e}")
         except Exception as e:  # a bug: keep the daemon up, tell the client what happened

@@ -41,6 +41,7 @@ __all__ = [
     "OpenRequest",
     "PathMessage",
     "PeerClock",
+    "PinnedCommitReply",
     "PoolReply",
     "PoolRequest",
     "PrefetchReply",
@@ -482,3 +483,14 @@ class DaemonStatus:
     clock_offsets: tuple[PeerClock, ...] = field(default=(), metadata={"items": PeerClock})
     #: Offsets beyond this many seconds are logged as warnings (0: never).
     clock_offset_bound: float = 0.0
+
+
+@dataclass(frozen=True)
+class PinnedCommitReply:
+    """The reply to ``commit_pinned`` (a :class:`CommitRequest` of a ``memory`` reservation):
+    the new generation, pinned for this connection under ``lease`` as a staging copy. It is
+    never announced, replicated, digested or persisted, and is dropped when ``lease`` is
+    released or the connection ends (a dead trainer holds nothing)."""
+
+    generation: int
+    lease: int

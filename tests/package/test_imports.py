@@ -134,6 +134,8 @@ PRIVATE_KEPT: dict[tuple[str, str], str] = {
     **{("ckptcache.client._async", what): "torch's storage identity and version counter: how a "
        "tensor changed during a non-blocking save is seen"
        for what in ("s._cdata", "tensor._version", "tensor.untyped_storage()._cdata")},
+    **{("ckptcache.client._staging", what): "torch's storage identity: which staged storage "
+       "each tensor lies on" for what in ("s._cdata", "t.untyped_storage()._cdata")},
     ("ckptcache.recovery._buckets", "buf._base"): "numpy's view base: is the buffer shared",
     ("ckptcache.wire.messages", "hint._value2member_map_"):
         "enum's value table: a string enum field decoded without a try per member",

@@ -47,6 +47,12 @@ def test_async_save_stages_through_the_cache(daemon_factory, tmp_path):
     dcp_run("load", ck, 2, d)
 
 
+def test_async_save_without_a_daemon_stages_plain_copies(tmp_path):
+    ck = tmp_path / "ck"
+    dcp_run("asyncsave", ck, 2)  # no daemon: staged in private copies, written through
+    dcp_run("loadfs", ck, 2)  # a plain DCP checkpoint, from the state at the call
+
+
 def test_storage_failures_in_every_phase(daemon_factory, tmp_path):
     d = daemon_factory("--memory-limit", "1GiB")
     proc = dcp_run("failures", tmp_path / "ck", 2, d)

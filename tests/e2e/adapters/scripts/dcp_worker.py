@@ -109,9 +109,10 @@ def run(rank: int, world: int, mode: str, ck: str) -> None:
         sd["model"]["b"].mul_(-1)
         sd["model"]["w"].to_local().zero_()
         response.result()
-        assert not [
-            p for p in os.listdir("/tmp") if p.startswith(f"ckptcache-dcp-staging-{os.getpid()}")
-        ]
+        if os.path.exists(os.environ["CKPTCACHE_SOCKET"]):  # else staged as plain copies
+            # The staging copy went back to the daemon once write_data was done.
+            mine = f"ckptcache-staging-{os.getpid()}-"
+            assert not [o.path for o in writer.client.list() if mine in o.path]
     elif mode in ("load", "loadfs"):
         sd = make_state(mesh, True)
         reader = CacheReader(ck) if mode == "load" else dcp.FileSystemReader(ck)
