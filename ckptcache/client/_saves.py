@@ -19,7 +19,6 @@ import threading
 import time
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ckptcache import errors
@@ -46,7 +45,7 @@ if TYPE_CHECKING:
     from ckptcache.format.plancache import PlanCache
     from ckptcache.format.shm import Mapping
 
-__all__ = ["DURABILITY_LEVELS", "Saves", "Staging", "check_durability"]
+__all__ = ["DURABILITY_LEVELS", "Saves", "check_durability"]
 
 #: What ``save`` may wait for before it returns.
 #: ``memory``: kept in the daemon's memory only, never persisted (an explicit choice; a
@@ -88,19 +87,6 @@ class _Job:
         self.ready: Ready | None = None
 
 
-@dataclass(frozen=True)
-class Staging:
-    """A staging copy committed by :meth:`Saves.stage`: where it lies, the lease that holds
-    it (taken on connection ``epoch``), and the flattened tensors and plan it was written by."""
-
-    segment: str
-    capacity: int
-    lease: int
-    epoch: int
-    flat: Flattened
-    plan: ObjectPlan
-
-
 class Saves:
     """Runs a client's saves (see the module docstring for the order of a save)."""
 
@@ -129,7 +115,7 @@ class Saves:
         from ckptcache.format.gpu import record_ready
 
         t0 = time.perf_counter()
-        flat, plan = self._plan_cache().prepare(obj, path, self._settings.namespace)
+        flat, plan = self.plan(obj, path)
         job = _Job(obj, flat, plan, path, durability)
         job.t0 = t0
         if blocking:
@@ -164,52 +150,14 @@ class Saves:
         self._run(job)
         return plan.manifest.storages[0].offset - plan.manifest.payload_offset
 
-    def stage(self, tensors: list[Any], path: str) -> Staging | None:
-        """Copy ``tensors`` into a segment committed as a staging copy of ``path`` (durability
-        ``memory``, pinned for this connection: ``commit_pinned``); ``None`` when the daemon
-        is gone or full (the caller copies them itself), unless the client raises then.
-        The trainer is held throughout: the originals cannot change under the copy."""
-        from ckptcache.format.objectio import write_object
-
-        t0 = time.perf_counter()
-        flat, plan = self._plan_cache().prepare(tensors, path, self._settings.namespace)
-        job = _Job(tensors, flat, plan, path, "memory")
-        job.t0 = t0
-        with self._connection.lock:
-            request = self._reserve_request(job)
-            try:
-                reply = self._connection.call("reserve", request, m.ReserveReply)
-            except (DaemonUnavailable, BudgetExceeded):
-                if self._settings.fallback == "raise":
-                    raise
-                return None
-            try:
-                mapping = self.mapping(reply.segment, reply.capacity)
-                write_object(mapping, plan, flat)
-                commit = m.CommitRequest(
-                    reply.reservation, plan.layout.manifest_offset, len(plan.manifest_bytes),
-                    time.perf_counter() - t0,
-                )  # fmt: skip
-                held = self._connection.call("commit_pinned", commit, m.PinnedCommitReply)
-                epoch = self._connection.epoch
-            except DaemonUnavailable:
-                if self._settings.fallback == "raise":
-                    raise
-                return None  # the connection is gone, and the reservation with it
-            except BaseException:
-                self._abort(reply)
-                raise
-        # No spare refresh here (a save's commit does one): its thread would take the GIL
-        # from the trainer inside the stall; the release of the copy refreshes instead.
-        return Staging(reply.segment, reply.capacity, held.lease, epoch, flat, plan)
-
-    def _plan_cache(self) -> PlanCache:
-        """This client's save plans by structure (see :mod:`ckptcache.format.plancache`)."""
+    def plan(self, obj: Any, path: str) -> tuple[Flattened, ObjectPlan]:
+        """``obj`` flattened and its segment planned, from this client's save plans by
+        structure (made at the first save: see :mod:`ckptcache.format.plancache`)."""
         from ckptcache.format.plancache import PlanCache
 
         if self._plans is None:
             self._plans = PlanCache()
-        return self._plans
+        return self._plans.prepare(obj, path, self._settings.namespace)
 
     def background(self) -> LingeringPool:
         """The one thread that runs this client's non-blocking saves, in submission order.
@@ -242,16 +190,17 @@ class Saves:
             # Not Client.wait: on the save thread that would wait for this very save.
             self._waits.persisted(job.path, None, None)
 
-    def _reserve_request(self, job: _Job) -> m.ReserveRequest:
+    def reserve_request(self, path: str, nbytes: int, durability: str) -> m.ReserveRequest:
+        """The request for a segment of ``nbytes`` to save ``path`` in, for this user."""
         return m.ReserveRequest(
-            self._settings.namespace, job.path, job.plan.layout.nbytes, job.durability,
+            self._settings.namespace, path, nbytes, durability,
             uid=os.geteuid(), gid=os.getegid(), umask=current_umask(),
             timeout=self._settings.server_wait(),
         )  # fmt: skip
 
     def _reserve(self, job: _Job) -> m.ReserveReply | None:
         """The daemon's reservation for ``job``; ``None`` when the job was written through."""
-        request = self._reserve_request(job)
+        request = self.reserve_request(job.path, job.plan.layout.nbytes, job.durability)
         try:
             return self._connection.call("reserve", request, m.ReserveReply)  # type: ignore[no-any-return]
         except (DaemonUnavailable, BudgetExceeded) as e:
@@ -300,10 +249,10 @@ class Saves:
             self._fallback.write(obj, job.path, e)
             return False
         except BaseException:
-            self._abort(reply)
+            self.abort(reply)
             raise
 
-    def _abort(self, reply: m.ReserveReply) -> None:
+    def abort(self, reply: m.ReserveReply) -> None:
         """Give a reservation back after a failed copy or commit (best effort: a connection
         that is gone took its reservations with it)."""
         if self._connection.rpc is not None:

@@ -4,7 +4,7 @@ What an asynchronous checkpoint needs before it lets training go on (DCP's ``asy
 stages into CPU buffers): a copy of the tensors that the trainer's next step cannot change,
 which a background writer then reads. The order of :meth:`Stager.stage`:
 
-1. ``Saves.stage``: plan (cached by structure), ``reserve`` a ``memory`` segment under a
+1. ``Stager._commit``: plan (cached by structure), ``reserve`` a ``memory`` segment under a
    name of its own, one copy in through the client's reused shared mapping, then
    ``commit_pinned``: the daemon publishes it and pins it for this connection under a lease
    in the same request (no eviction or retention drops it meanwhile);
@@ -23,21 +23,40 @@ from __future__ import annotations
 
 import os
 import tempfile
+import time
 import uuid
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ckptcache import errors
 from ckptcache.client._connection import Connection
-from ckptcache.client._saves import Saves, Staging
+from ckptcache.client._saves import Saves
 from ckptcache.client._settings import Settings
 from ckptcache.client._spares import SpareMapper
+from ckptcache.errors import BudgetExceeded, DaemonUnavailable
 from ckptcache.wire import messages as m
 
 if TYPE_CHECKING:
     import torch
 
+    from ckptcache.format.flatten import Flattened
+    from ckptcache.format.manifest import ObjectPlan
+
 __all__ = ["Staged", "Stager"]
+
+
+@dataclass(frozen=True)
+class _Staging:
+    """A staging copy committed by :meth:`Stager._commit`: where it lies, the lease that holds
+    it (taken on connection ``epoch``), and the flattened tensors and plan it was written by."""
+
+    segment: str
+    capacity: int
+    lease: int
+    epoch: int
+    flat: Flattened
+    plan: ObjectPlan
 
 
 class _Lease:
@@ -142,7 +161,7 @@ class Stager:
         path = os.path.join(
             tempfile.gettempdir(), f"ckptcache-staging-{os.getpid()}-{uuid.uuid4().hex}"
         )
-        staging = self._saves.stage(items, path)
+        staging = self._commit(items, path)
         if staging is None:  # no daemon, or no room: plain copies (the trainer is held)
             return Staged([t.detach().to("cpu", copy=True) for t in items], None)
         lease = _Lease(self._connection, staging.lease, staging.epoch)
@@ -155,14 +174,52 @@ class Stager:
             lease.release_now()
             raise
 
-    def _map(self, staging: Staging, on_unmap: Callable[[], None]) -> Any:
+    def _commit(self, tensors: list[Any], path: str) -> _Staging | None:
+        """Copy ``tensors`` into a segment committed as a staging copy of ``path`` (durability
+        ``memory``, pinned for this connection: ``commit_pinned``); ``None`` when the daemon
+        is gone or full (the caller copies them itself), unless the client raises then.
+        The trainer is held throughout: the originals cannot change under the copy."""
+        from ckptcache.format.objectio import write_object
+
+        t0 = time.perf_counter()
+        saves = self._saves
+        flat, plan = saves.plan(tensors, path)
+        with self._connection.lock:
+            request = saves.reserve_request(path, plan.layout.nbytes, "memory")
+            try:
+                reply = self._connection.call("reserve", request, m.ReserveReply)
+            except (DaemonUnavailable, BudgetExceeded):
+                if self._settings.fallback == "raise":
+                    raise
+                return None
+            try:
+                mapping = saves.mapping(reply.segment, reply.capacity)
+                write_object(mapping, plan, flat)
+                commit = m.CommitRequest(
+                    reply.reservation, plan.layout.manifest_offset, len(plan.manifest_bytes),
+                    time.perf_counter() - t0,
+                )  # fmt: skip
+                held = self._connection.call("commit_pinned", commit, m.PinnedCommitReply)
+                epoch = self._connection.epoch
+            except DaemonUnavailable:
+                if self._settings.fallback == "raise":
+                    raise
+                return None  # the connection is gone, and the reservation with it
+            except BaseException:
+                saves.abort(reply)
+                raise
+        # No spare refresh here (a save's commit does one): its thread would take the GIL
+        # from the trainer inside the stall; the release of the copy refreshes instead.
+        return _Staging(reply.segment, reply.capacity, held.lease, epoch, flat, plan)
+
+    def _map(self, staging: _Staging, on_unmap: Callable[[], None]) -> Any:
         from ckptcache.format.shm import map_private
 
         path = self._connection.seg_path(staging.segment)
         return map_private(path, staging.capacity, on_unmap, hold_lock=True)
 
 
-def _views(mapping: Any, staging: Staging, items: list[torch.Tensor]) -> list[torch.Tensor]:
+def _views(mapping: Any, staging: _Staging, items: list[torch.Tensor]) -> list[torch.Tensor]:
     """Each of ``items`` rebuilt over its storage's bytes in ``mapping`` (as the plan laid
     them out), with its dtype, shape, strides and offset: views of one storage stay views of
     one storage. The tensors keep the mapping alive."""
