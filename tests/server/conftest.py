@@ -67,10 +67,12 @@ def digested(gen) -> None:
     wait_until(lambda: gen.digests is not None and gen.pins == 0, what="the digest recorded")
 
 
-def save_object(core, session, path: str, value: torch.Tensor) -> Saved:
-    """Reserve, write and commit ``{"w": value}`` as the client does."""
+def written(core, session, path: str, value: torch.Tensor, durability: str = "local"):
+    """Reserve a segment for ``{"w": value}`` and write it as the client does; returns the
+    reservation and the commit request that would publish it."""
     plan, buf = object_bytes(path, value)
-    reply = core.saves.reserve(session, m.ReserveRequest(NS, path, plan.layout.nbytes))
+    request = m.ReserveRequest(NS, path, plan.layout.nbytes, durability)
+    reply = core.saves.reserve(session, request)
     view = core.state.arena.segments[reply.segment].view()
     try:
         view[: len(buf)] = buf
@@ -78,4 +80,10 @@ def save_object(core, session, path: str, value: torch.Tensor) -> Saved:
         del view
     commit = m.CommitRequest(reply.reservation, plan.layout.manifest_offset,
                              len(plan.manifest_bytes))  # fmt: skip
+    return reply, commit
+
+
+def save_object(core, session, path: str, value: torch.Tensor) -> Saved:
+    """Reserve, write and commit ``{"w": value}`` as the client does."""
+    reply, commit = written(core, session, path, value)
     return Saved(core.saves.commit(session, commit).generation, reply.segment)

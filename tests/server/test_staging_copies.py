@@ -8,22 +8,14 @@ import torch
 
 from ckptcache.errors import BudgetExceeded, CheckpointNotFound, CkptCacheError
 from ckptcache.wire import messages as m
-from tests.server.conftest import NS, object_bytes, save_object
+from tests.server.conftest import NS, save_object, written
 
 MIB = 1 << 20
 
 
 def stage_object(core, session, path: str, value: torch.Tensor, durability: str = "memory"):
     """Reserve, write and ``commit_pinned`` ``{"w": value}`` as ``Client.stage`` does."""
-    plan, buf = object_bytes(path, value)
-    reply = core.saves.reserve(session, m.ReserveRequest(NS, path, plan.layout.nbytes, durability))
-    view = core.state.arena.segments[reply.segment].view()
-    try:
-        view[: len(buf)] = buf
-    finally:
-        del view
-    commit = m.CommitRequest(reply.reservation, plan.layout.manifest_offset,
-                             len(plan.manifest_bytes))  # fmt: skip
+    _, commit = written(core, session, path, value, durability)
     return core.saves.commit_pinned(session, commit)
 
 
