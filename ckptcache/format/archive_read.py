@@ -40,7 +40,7 @@ from ckptcache.errors import CorruptCheckpoint
 from ckptcache.format.archive import PARSE_ERRORS, ViewReader
 from ckptcache.format.crc import crc32, crc32_combine
 from ckptcache.format.persisted import DIGESTS_MEMBER, central_offset, check_archive
-from ckptcache.format.prefix_read import PrefixReads, lead_for, plan_ranges
+from ckptcache.format.prefix_read import PrefixReads, plan_ranges
 from ckptcache.storage import StorageBackend
 from ckptcache.storage.reporting import read_into_reporting
 
@@ -216,11 +216,13 @@ def read_archive(
         follower.follow()
 
     if prefix_first:
+        # One range of slack past the first: a worker that lands its range early starts the
+        # next at once; more slack only lets it race ahead of a slow first range.
         # Progress inside a range moves the prefix too: with ``concurrency`` ranges sharing
         # the link, the first lands last, and the relays would trail by that many ranges.
         reads = PrefixReads(
             lambda off, part, progress: read_into_reporting(backend, path, off, part, progress),
-            view, ranges, workers=concurrency, lead=lead_for(chunk, concurrency), landed=land,
+            view, ranges, workers=concurrency, lead=concurrency + 1, landed=land,
             progress=landing,
         )  # fmt: skip
         reads.run()

@@ -29,7 +29,7 @@ import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
-__all__ = ["LEAD_BYTES", "PrefixReads", "lead_for", "plan_ranges"]
+__all__ = ["PrefixReads", "plan_ranges"]
 
 #: ``read_into(offset, view, progress)``: fill ``view`` with the object's bytes from
 #: ``offset``, calling ``progress(n)`` as the first ``n`` bytes of ``view`` are in place (at
@@ -39,19 +39,6 @@ ReadInto = Callable[[int, memoryview, Callable[[int], None]], None]
 
 def _ignore(index: int, n: int) -> None:
     """Progress within a range that nobody follows."""
-
-
-#: Bytes a read may land past the first range that has not: reads that stall (a flow that lost
-#: its share of the link, a retransmission timeout) leave the others that much to go on.
-LEAD_BYTES = 16 << 20
-
-
-def lead_for(chunk: int, workers: int) -> int:
-    """Ranges a read may start past the first that has not landed: one past the threads (a
-    worker that lands its range early starts the next at once), and at least
-    :data:`LEAD_BYTES` when ranges are small, so that a stalled range does not idle the link
-    after a few MiB (with 1 MiB ranges and a lead of 5, a stall of 1.5 s landed 5 MiB)."""
-    return max(workers + 1, LEAD_BYTES // max(1, chunk))
 
 
 def plan_ranges(size: int, chunk: int, workers: int, block: int) -> list[tuple[int, int]]:

@@ -36,14 +36,13 @@ def read_chunk(size: int, concurrency: int) -> int:
     """The range size of a group's storage read of ``size`` bytes on ``concurrency`` threads.
 
     Relays follow the contiguous prefix that has landed, and the ranges in flight share the
-    storage link, so the first of them lands about when the others do and joiners trail the
-    reader by about ``concurrency`` ranges, more when one flow gets less than its share. A
-    sixteenth of the object over the threads (at least one 1 MiB block, at most 8 MiB) keeps
-    that lag a sixteenth of the read: with a quarter, in the cluster lab (64 MiB, 4 ranges of
-    4 MiB at 100 Mbit/s) the first joiner finished 1.2-1.7 s after the reader. Whole MiB: a
-    range rounded up to the next block would leave a short one at the end.
+    storage link, so joiners trail the reader by about ``concurrency`` ranges: at most 8 MiB
+    each (a quarter of the object split over the threads, at least one 1 MiB block) keeps
+    that lag a small part of the read without a request per few bytes (the last ranges are
+    smaller still: :func:`~ckptcache.format.prefix_read.plan_ranges`). Whole MiB: a range
+    rounded up to the next block would leave a short one at the end.
     """
-    return max(1, min(8, size // (16 * max(1, concurrency)) >> 20)) << 20
+    return max(1, min(8, size // (4 * max(1, concurrency)) >> 20)) << 20
 
 
 class StorageReader:

@@ -12,8 +12,7 @@ from collections.abc import Callable
 
 import pytest
 
-from ckptcache.format.prefix_read import LEAD_BYTES, PrefixReads, lead_for, plan_ranges
-from ckptcache.server.storage_read import read_chunk
+from ckptcache.format.prefix_read import PrefixReads, plan_ranges
 
 MiB = 1 << 20
 
@@ -121,17 +120,3 @@ def test_progress_inside_a_slow_first_range_is_reported_before_it_lands():
     first = [e for e in events if e[1] == 0]
     # Half of range 0 was reported while it was held, before it landed.
     assert first == [("progress", 0, MiB), ("progress", 0, 2 * MiB), ("landed", 0, 2 * MiB)]
-
-
-@pytest.mark.parametrize("size_mib", [64, 256, 1024, 8192])
-def test_the_ranges_in_flight_are_a_sixteenth_of_a_relayed_read(size_mib):
-    """The relays trail the group's reader by about the ranges in flight: at most a sixteenth
-    of the object (8 MiB ranges at most, 1 MiB at least), while a stalled range still leaves
-    the other threads 16 MiB to go on."""
-    size, workers = size_mib * MiB, 4
-    chunk = read_chunk(size, workers)
-    assert chunk % MiB == 0 and MiB <= chunk <= 8 * MiB
-    assert workers * chunk <= max(size // 16, workers * MiB)
-    assert read_chunk(64 * MiB, 4) == MiB  # was 4 MiB: the first joiner 1.2-1.7 s behind
-    assert lead_for(chunk, workers) * chunk >= min(LEAD_BYTES, (workers + 1) * chunk)
-    assert lead_for(MiB, 4) == 16 and lead_for(8 * MiB, 4) == 5
