@@ -42,6 +42,7 @@ from ckptcache.format.crc import crc32, crc32_combine
 from ckptcache.format.persisted import DIGESTS_MEMBER, central_offset, check_archive
 from ckptcache.format.prefix_read import PrefixReads, plan_ranges
 from ckptcache.storage import StorageBackend
+from ckptcache.storage.reporting import read_into_reporting
 
 __all__ = ["BLOCK", "read_archive"]
 
@@ -179,7 +180,18 @@ def read_archive(
         ranges = [(off, min(chunk, size - off)) for off in range(0, size, chunk)]
     block_crcs: dict[int, int] = {}  # block start -> CRC-32 of the whole block
     done: set[int] = set()
+    partial: dict[int, int] = {}  # range index -> its first bytes in place, before it lands
     lock = threading.Lock()
+
+    def extend() -> None:  # with ``lock`` held: relays follow the contiguous landed bytes
+        first = 0
+        while first in done:
+            first += 1
+        # The ranges are contiguous: the first one not landed starts where the others end.
+        landed = size if first == len(ranges) else ranges[first][0] + partial.get(first, 0)
+        if landed > follower.prefix:  # only grows: computed and stored under one lock
+            follower.prefix = landed
+            advance(landed)
 
     def land(index: int) -> None:  # range ``index`` is in place
         off, n = ranges[index]
@@ -190,19 +202,29 @@ def read_archive(
                 block_crcs.update(crcs)
         with lock:
             done.add(index)
-            prefix = 0
-            while prefix in done:
-                prefix += 1
-            landed = ranges[prefix - 1][0] + ranges[prefix - 1][1] if prefix else 0
-            follower.prefix = landed  # only grows: computed and stored under one lock
-            advance(landed)
+            partial.pop(index, None)
+            extend()
+        follower.follow()
+
+    def landing(index: int, n: int) -> None:  # the first ``n`` bytes of range ``index`` are in
+        # place: when it is the first range not landed, the relays need not wait for the rest
+        with lock:
+            if index in done or n >= ranges[index][1]:
+                return  # the whole range: land() follows (its CRC-32s first)
+            partial[index] = n
+            extend()
         follower.follow()
 
     if prefix_first:
         # One range of slack past the first: a worker that lands its range early starts the
         # next at once; more slack only lets it race ahead of a slow first range.
-        reads = PrefixReads(lambda off, part: backend.read_into(path, off, part), view, ranges,
-                            workers=concurrency, lead=concurrency + 1, landed=land)  # fmt: skip
+        # Progress inside a range moves the prefix too: with ``concurrency`` ranges sharing
+        # the link, the first lands last, and the relays would trail by that many ranges.
+        reads = PrefixReads(
+            lambda off, part, progress: read_into_reporting(backend, path, off, part, progress),
+            view, ranges, workers=concurrency, lead=concurrency + 1, landed=land,
+            progress=landing,
+        )  # fmt: skip
         reads.run()
     else:
 

@@ -13,6 +13,10 @@ ranges at once on a 100 Mbit/s link, relayed to a chain of nodes):
   finished at its very end, so the relay started on the last ``workers x chunk`` bytes only
   then. :func:`plan_ranges` tapers the ranges towards the end (halving down to one block),
   so the tail the relay waits for is a few blocks.
+* Ranges in flight together share the link, so the first one, which the prefix waits for,
+  lands about when the ones after it do. Reads report their progress inside a range
+  (``progress``; S3's every :data:`~ckptcache.storage.s3.READ_PIECE` bytes), and the prefix
+  follows the first range as it lands instead of jumping once it has all landed.
 
 Call order: :func:`plan_ranges`, then :meth:`PrefixReads.run` once (it returns when every
 range has landed, or raises the first read's error once the other workers stopped).
@@ -20,14 +24,21 @@ range has landed, or raises the first read's error once the other workers stoppe
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 __all__ = ["PrefixReads", "plan_ranges"]
 
-#: ``read_into(offset, view)``: fill ``view`` with the object's bytes from ``offset``.
-ReadInto = Callable[[int, memoryview], None]
+#: ``read_into(offset, view, progress)``: fill ``view`` with the object's bytes from
+#: ``offset``, calling ``progress(n)`` as the first ``n`` bytes of ``view`` are in place (at
+#: least once, at the end: :func:`ckptcache.storage.reporting.read_into_reporting`).
+ReadInto = Callable[[int, memoryview, Callable[[int], None]], None]
+
+
+def _ignore(index: int, n: int) -> None:
+    """Progress within a range that nobody follows."""
 
 
 def plan_ranges(size: int, chunk: int, workers: int, block: int) -> list[tuple[int, int]]:
@@ -48,7 +59,9 @@ def plan_ranges(size: int, chunk: int, workers: int, block: int) -> list[tuple[i
 class PrefixReads:
     """Read ``ranges`` (``(offset, length)``, in file order) into ``view`` on ``workers``
     threads, at most ``lead`` ranges past the first that has not landed; ``landed(index)``
-    runs once per range, after its bytes are in place (from the worker that read it)."""
+    runs once per range, after its bytes are in place (from the worker that read it), and
+    ``progress(index, n)`` each time the read of range ``index`` reports its first ``n`` bytes
+    in place, before that (so the prefix a relay follows moves inside a range)."""
 
     def __init__(
         self,
@@ -59,6 +72,7 @@ class PrefixReads:
         workers: int,
         lead: int,
         landed: Callable[[int], None],
+        progress: Callable[[int, int], None] = _ignore,
     ):
         self.read_into = read_into
         self.view = view
@@ -66,6 +80,7 @@ class PrefixReads:
         self.workers = max(1, min(workers, len(ranges)))
         self.lead = max(1, lead)
         self.landed = landed
+        self.progress = progress
         self._cond = threading.Condition()
         self._next = 0  # the first range not requested
         self._first = 0  # the first range not landed
@@ -86,7 +101,8 @@ class PrefixReads:
         while (index := self._take()) is not None:
             off, n = self.ranges[index]
             try:
-                self.read_into(off, self.view[off : off + n])
+                progress = functools.partial(self.progress, index)
+                self.read_into(off, self.view[off : off + n], progress)
                 self.landed(index)
             except BaseException as e:
                 with self._cond:

@@ -125,8 +125,9 @@ class Cluster:
             resubmit=ports.resubmit, stop=self._stop,
         )  # fmt: skip
         self.sources = remote_load.Sources(
-            state, self.membership, self.fetching, self.storage, state.metrics
-        )
+            state, self.membership, self.fetching, self.storage, state.metrics,
+            remote_load.Settling(self.membership),
+        )  # fmt: skip
         self.clocks = clock.ClockWatch(
             self.membership, state.metrics, bound=cfg.clock_offset_bound,
             interval=cfg.clock_check_interval, stop=self._stop,

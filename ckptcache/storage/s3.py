@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import io
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, BinaryIO
 
@@ -22,9 +22,15 @@ from ckptcache.storage.base import (
     WriteGuard,
 )
 
-__all__ = ["S3Backend", "split_s3_url"]
+__all__ = ["READ_PIECE", "S3Backend", "split_s3_url"]
 
 _MIN_PART = 5 << 20  # S3's minimum part size (all parts but the last)
+#: Bytes of a ranged GET's body taken at a time, each reported as it lands: a relay record.
+READ_PIECE = 1 << 20
+
+
+def _ignore(n: int) -> None:
+    """Progress nobody follows."""
 
 
 def split_s3_url(path: str) -> tuple[str, str]:
@@ -272,18 +278,27 @@ class S3Backend(StorageBackend):
         return int(reply["ContentLength"])
 
     def read_into(self, path: str, offset: int, view: memoryview) -> None:
+        self.read_into_reporting(path, offset, view, _ignore)
+
+    def read_into_reporting(
+        self, path: str, offset: int, view: memoryview, progress: Callable[[int], None]
+    ) -> None:
+        """:meth:`read_into`, calling ``progress(n)`` after every :data:`READ_PIECE` bytes
+        in place (:mod:`ckptcache.storage.reporting`: a relay follows the range as it lands)."""
         bucket, key = split_s3_url(path)
         rng = f"bytes={offset}-{offset + len(view) - 1}"
         reply = self._call("get object range", self.client.get_object, Bucket=bucket, Key=key,
                            Range=rng)  # fmt: skip
         body = reply["Body"]
+        done = 0
         try:
-            while view:
-                chunk = body.read(min(len(view), 8 << 20))
+            while done < len(view):
+                chunk = body.read(min(len(view) - done, READ_PIECE))
                 if not chunk:
                     raise OSError(f"{path}: range {rng} ended early")
-                view[: len(chunk)] = chunk
-                view = view[len(chunk) :]
+                view[done : done + len(chunk)] = chunk
+                done += len(chunk)
+                progress(done)
         finally:
             body.close()
 

@@ -8,6 +8,7 @@ request of a TCP flow that lost its share of the link.
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 
 import pytest
 
@@ -25,12 +26,16 @@ class HeldBack:
         self.lock = threading.Lock()
         self.requested: list[int] = []  # offsets, in the order the requests began
 
-    def read_into(self, off: int, view: memoryview) -> None:
+    def read_into(self, off: int, view: memoryview, progress: Callable[[int], None]) -> None:
         with self.lock:
             self.requested.append(off)
-        if off == self.held:
+        if off == self.held:  # its first half lands, then the flow stalls
+            half = len(view) // 2
+            view[:half] = self.data[off : off + half]
+            progress(half)
             assert self.gate.wait(10), "the held range was never released"
         view[:] = self.data[off : off + len(view)]
+        progress(len(view))
 
 
 def test_ranges_taper_to_one_block_at_the_end():
@@ -74,7 +79,7 @@ def test_the_first_error_is_raised_and_no_later_range_starts():
     ranges = [(off, MiB) for off in range(0, len(data), MiB)]
     started: list[int] = []
 
-    def read_into(off: int, view: memoryview) -> None:
+    def read_into(off: int, view: memoryview, progress: Callable[[int], None]) -> None:
         started.append(off)
         if off == 2 * MiB:
             raise OSError("storage went away")
@@ -85,3 +90,33 @@ def test_the_first_error_is_raised_and_no_later_range_starts():
     with pytest.raises(OSError, match="storage went away"):
         reads.run()
     assert max(started) <= 4 * MiB  # the lead past range 2, which never landed
+
+
+def test_progress_inside_a_slow_first_range_is_reported_before_it_lands():
+    """The prefix a relay follows moves inside the first range while it is still landing:
+    with several ranges sharing a link the first lands last, and a relay that waited for it
+    whole would sit idle meanwhile."""
+    data = bytes(range(256)) * (8 * MiB // 256)
+    ranges = [(off, 2 * MiB) for off in range(0, len(data), 2 * MiB)]
+    backend = HeldBack(data, held=0)
+    events: list[tuple[str, int, int]] = []
+    lock = threading.Lock()
+
+    def landed(index: int) -> None:
+        with lock:
+            events.append(("landed", index, ranges[index][1]))
+            if len([e for e in events if e[0] == "landed"]) == 3:
+                backend.gate.set()  # ranges 1-3 are in: let the held one finish
+
+    def progress(index: int, n: int) -> None:
+        with lock:
+            events.append(("progress", index, n))
+
+    view = bytearray(len(data))
+    reads = PrefixReads(backend.read_into, memoryview(view), ranges, workers=4, lead=5,
+                        landed=landed, progress=progress)  # fmt: skip
+    reads.run()
+    assert bytes(view) == data
+    first = [e for e in events if e[1] == 0]
+    # Half of range 0 was reported while it was held, before it landed.
+    assert first == [("progress", 0, MiB), ("progress", 0, 2 * MiB), ("landed", 0, 2 * MiB)]

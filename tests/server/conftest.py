@@ -13,7 +13,9 @@ import torch
 from ckptcache.format.flatten import flatten
 from ckptcache.format.manifest import ObjectPlan
 from ckptcache.format.objectio import plan_object, write_object
+from ckptcache.server import membership as membership_module
 from ckptcache.server.config import DaemonConfig
+from ckptcache.server.coord.embedded import EmbeddedCoordinator
 from ckptcache.server.daemon import build_core
 from ckptcache.wire import messages as m
 from tests.helpers import wait_until
@@ -44,6 +46,19 @@ def make_core(tmp_path):
     # happens, which a worker thread only logs: the count tells the test.
     unlisted = [core.state.persist_states.unlisted for core, _ in made]
     assert not any(unlisted), f"unlisted persist-state transitions: {unlisted}"
+
+
+@pytest.fixture
+def shared_coordinator(monkeypatch):
+    """Cluster cores made after this share one embedded coordinator (they stand in for the
+    nodes of one cluster, in this process)."""
+    shared: dict = {}
+    monkeypatch.setattr(
+        membership_module, "make_coordinator",
+        lambda url, *, cluster, job, ttl: EmbeddedCoordinator(
+            f"/ckptcache/{cluster}/{job}/", ttl, store=shared
+        ),
+    )  # fmt: skip
 
 
 def object_bytes(path: str, value: torch.Tensor) -> tuple[ObjectPlan, bytearray]:

@@ -20,6 +20,8 @@ from ckptcache.format.crc import CRC32_IMPLEMENTATION, crc32, crc32_combine
 from ckptcache.format.persisted import check_archive, list_records, stream_archive
 from ckptcache.server.archive_read import BLOCK, read_archive
 from ckptcache.storage import backend_for
+from ckptcache.storage.reporting import ReportingReads, read_into_reporting
+from ckptcache.storage.s3 import READ_PIECE
 
 
 def torch_archive() -> bytes:
@@ -137,3 +139,37 @@ def test_a_damaged_local_header_is_refused(tmp_path):
     data[record.header_offset : record.header_offset + 4] = b"XXXX"
     with pytest.raises(CorruptCheckpoint, match="bad local header"):
         read(tmp_path, bytes(data), concurrency=3, chunk=BLOCK)
+
+
+def test_the_prefix_moves_inside_a_range_read_from_s3(s3_server, s3_bucket):
+    """Read from S3 (moto's server over HTTP), the landed prefix the relays follow moves every
+    :data:`READ_PIECE` bytes inside a range, not only when a whole range has landed: with
+    several ranges sharing a link the first lands last, and a relay that waited for whole
+    ranges trailed the read by that many. The bytes and the digests are those of the
+    two-pass check."""
+    data = persisted_archive()
+    s3_server.client().put_object(Bucket=s3_bucket, Key="m.pt", Body=data)  # type: ignore[attr-defined]
+    url = f"s3://{s3_bucket}/m.pt"
+    view = bytearray(len(data))
+    landed: list[int] = []
+    chunk = 4 * BLOCK  # one range of 4 MiB, then tapered ones (plan_ranges)
+    digests = read_archive(backend_for(url), url, memoryview(view), advance=landed.append,
+                           concurrency=1, chunk=chunk, prefix_first=True)  # fmt: skip
+    assert bytes(view) == data
+    assert digests == check_archive(memoryview(data), "mem", deep=True)
+    assert landed == sorted(set(landed)) and landed[-1] == len(data)
+    assert {READ_PIECE, 2 * READ_PIECE, 3 * READ_PIECE} <= set(landed)  # inside range 0
+
+
+def test_an_s3_ranged_read_reports_each_piece_as_it_lands(s3_server, s3_bucket):
+    data = bytes(range(256)) * ((3 * READ_PIECE + 5000) // 256)
+    s3_server.client().put_object(Bucket=s3_bucket, Key="r", Body=data)  # type: ignore[attr-defined]
+    backend = backend_for(f"s3://{s3_bucket}/r")
+    assert isinstance(backend, ReportingReads)
+    view = bytearray(len(data) - 100)
+    reported: list[int] = []
+    read_into_reporting(backend, f"s3://{s3_bucket}/r", 100, memoryview(view), reported.append)
+    assert bytes(view) == data[100:]
+    assert reported == [READ_PIECE, 2 * READ_PIECE, 3 * READ_PIECE, len(view)]
+    local = backend_for("/tmp/x")  # no reporting read: the whole view, once, at the end
+    assert not isinstance(local, ReportingReads)

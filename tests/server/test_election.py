@@ -13,8 +13,6 @@ import pytest
 import torch
 
 from ckptcache.server import fetching as fetching_module
-from ckptcache.server import membership as membership_module
-from ckptcache.server.coord.embedded import EmbeddedCoordinator
 from ckptcache.server.membership import path_hash
 from ckptcache.wire import messages as m
 from ckptcache.wire import peer
@@ -92,19 +90,6 @@ def test_a_superseded_representative_hands_its_role_back(node):
     wait_until(lambda: _persisted(core, path, second.generation), timeout=30,
                what="the newer generation persisted")  # fmt: skip
     assert _stored(path) == 2.0
-
-
-@pytest.fixture
-def shared_coordinator(monkeypatch):
-    """Cluster cores made after this share one embedded coordinator (they stand in for the
-    nodes of one cluster, in this process)."""
-    shared: dict = {}
-    monkeypatch.setattr(
-        membership_module, "make_coordinator",
-        lambda url, *, cluster, job, ttl: EmbeddedCoordinator(
-            f"/ckptcache/{cluster}/{job}/", ttl, store=shared
-        ),
-    )  # fmt: skip
 
 
 def test_a_stale_holder_entry_does_not_stall_a_load(make_core, tmp_path, shared_coordinator):
