@@ -485,7 +485,7 @@ class DaemonStatus:
     clock_offset_bound: float = 0.0
 
 
-@dataclass(frozen=True)
+@message
 class PinnedCommitReply:
     """The reply to ``commit_pinned`` (a :class:`CommitRequest` of a ``memory`` reservation):
     the new generation, pinned for this connection under ``lease`` as a staging copy. It is
