@@ -157,6 +157,9 @@ class Stager:
         for t in items:
             if not isinstance(t, torch.Tensor):
                 raise TypeError(f"stage takes tensors, not {type(t).__name__}")
+            if t.layout is not torch.strided or t.is_nested:
+                # Staged tensors are made over their storage's bytes: these have no storage.
+                raise TypeError(f"stage takes dense (strided) tensors, not {t.layout} ones")
         # A name of its own, outside any checkpoint directory (so under no persist root).
         path = os.path.join(
             tempfile.gettempdir(), f"ckptcache-staging-{os.getpid()}-{uuid.uuid4().hex}"

@@ -148,6 +148,10 @@ def test_without_a_daemon_staged_tensors_are_plain_copies(tmp_path):
 def test_stage_takes_tensors_only(daemon):
     with daemon.client() as c, pytest.raises(TypeError, match="stage takes tensors, not dict"):
         c.stage([{"w": torch.ones(1)}])  # type: ignore[list-item]
+    with daemon.client() as c:
+        with pytest.raises(TypeError, match=r"dense \(strided\) tensors, not torch\.sparse_coo"):
+            c.stage([torch.ones(2), torch.ones(3).to_sparse()])
+        assert c.list("") == []  # refused before anything was copied or held
 
 
 def test_dcp_writer_gives_its_staging_copies_back_on_close(daemon, tmp_path):
