@@ -148,14 +148,28 @@ def test_a_changed_structure_gets_a_fresh_plan(change):
     assert_same(_write_and_read(flat, plan)[0], state)
 
 
+def _with_attribute(t: torch.Tensor) -> torch.Tensor:
+    t.note = "kept by the pickle"  # type: ignore[attr-defined]
+    return t
+
+
+def _with_hook(t: torch.Tensor) -> torch.Tensor:
+    t.register_hook(lambda grad: grad)
+    return t
+
+
 @pytest.mark.parametrize(
     "odd",
     [
         {"p": torch.nn.Parameter(torch.ones(2))},
         {"c": torch.ones(2, dtype=torch.complex64).conj()},
         {"s": {1, 2}},
+        {"n": torch.ones(2, dtype=torch.complex64)._neg_view()},
+        {"w": torch.ones(2), "a": _with_attribute(torch.ones(2))},
+        {"w": torch.ones(2), "h": _with_hook(torch.ones(2, requires_grad=True))},
+        {"q": torch.quantize_per_tensor(torch.ones(2), 0.5, 0, torch.qint8)},
     ],
-    ids=["parameter", "conj", "set"],
+    ids=["parameter", "conj", "set", "neg", "attribute", "hook", "quantized"],
 )
 def test_other_objects_are_flattened_every_time(odd):
     cache = PlanCache()
