@@ -96,6 +96,9 @@ class Manifest:
     created: float
     digest_algorithm: str = DIGEST_ALGORITHM
     format: int = MANIFEST_FORMAT
+    #: The tensor table (:mod:`ckptcache.format.tensor_table`), or ``""``: a faster way to
+    #: the same object for a zero-copy load; the skeleton is always there.
+    table: str = ""
 
     @property
     def nbytes(self) -> int:
@@ -159,6 +162,8 @@ class Manifest:
             raise ValueError(f"storage {first.key} outside the payload")
         if segment_size is not None and end > segment_size:
             raise ValueError("payload larger than the segment")
+        if type(self.table) is not str:
+            raise ValueError("a tensor table that is not a string")
         if self.digest_algorithm != DIGEST_ALGORITHM:
             raise ValueError(f"unknown digest algorithm {self.digest_algorithm!r}")
 

@@ -17,6 +17,7 @@ import torch
 
 from ckptcache.errors import CorruptCheckpoint
 from ckptcache.format.archive import parse_archive, plan_archive
+from ckptcache.format.fast_unpickle import fast_load_applies
 from ckptcache.format.flatten import Flattened, MapLocation, unflatten
 from ckptcache.format.gpu import Ready, copy_to_segment, device_target, load_to_device
 from ckptcache.format.layout import HEADER_SIZE, plan_segment
@@ -34,6 +35,7 @@ from ckptcache.format.shm import (
     storage_copy,
     storage_view,
 )
+from ckptcache.format.tensor_table import NOT_FAST, load_table
 
 __all__ = [
     "plan_object",
@@ -45,8 +47,9 @@ __all__ = [
 ]
 
 
-def plan_object(flat: Flattened, path: str, namespace: str) -> ObjectPlan:
-    """Compute the archive, the manifest and the segment layout for ``flat``."""
+def plan_object(flat: Flattened, path: str, namespace: str, table: str = "") -> ObjectPlan:
+    """Compute the archive, the manifest and the segment layout for ``flat``; ``table``: its
+    tensor table, if it has one (:mod:`ckptcache.format.tensor_table`)."""
     created = time.time()
     infos = flat.infos
     archive = plan_archive(
@@ -67,6 +70,7 @@ def plan_object(flat: Flattened, path: str, namespace: str) -> ObjectPlan:
         pickle_size=archive.pickle_size,
         storages=records,
         created=created,
+        table=table,
     )
     encoded_records = encode_records(records)
     encoded = manifest.to_json(encoded_records)
@@ -163,7 +167,18 @@ def read_object(
     finally:
         view.release()
     columns = list(zip(*manifest.storages, strict=True)) or [(), (), ()]  # key, offset, nbytes
-    places = dict(zip(columns[0], zip(columns[1], columns[2], strict=True), strict=True))
+    extents = list(zip(columns[1], columns[2], strict=True))
+    if (
+        manifest.table
+        and zero_copy
+        and device_target(map_location) is None
+        and fast_load_applies()  # not under a fake tensor mode
+    ):
+        whole = np.frombuffer(mapping, dtype=np.uint8)
+        result = load_table(manifest.table, whole, extents)
+        if result is not NOT_FAST:
+            return result
+    places = dict(zip(columns[0], extents, strict=True))
     return _rebuild(
         mapping, skeleton, places, path=manifest.path, tier=tier, zero_copy=zero_copy,
         weights_only=weights_only, map_location=map_location,

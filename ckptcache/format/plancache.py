@@ -48,6 +48,7 @@ from ckptcache.format._reduced import Reduction, reduction_of
 from ckptcache.format.flatten import Flattened, flatten, gc_paused, v3_dtypes
 from ckptcache.format.manifest import ObjectPlan
 from ckptcache.format.objectio import plan_object, replan
+from ckptcache.format.tensor_table import encode_table
 
 __all__ = ["PlanCache", "Structure", "describe"]
 
@@ -83,6 +84,12 @@ class Structure:
     #: The values of the integers that :attr:`key` holds by their pickled width only
     #: (``BININT1``, ``BININT2`` or ``BININT``), in pickling order.
     ints: tuple[int, ...] = ()
+    #: Per tensor, as :func:`_tensor_columns` reads them: dtypes, shapes, strides, storage
+    #: offsets, storage indices, ``requires_grad``, devices; then each storage's size.
+    columns: tuple[Any, ...] = ()
+    #: Whether the object is made of the common containers, values and tensors only (no
+    #: object described by its reduction): what a tensor table may stand for.
+    plain: bool = False
 
 
 def describe(obj: Any) -> Structure | None:
@@ -204,10 +211,11 @@ def describe(obj: Any) -> Structure | None:
     try:
         with gc_paused():
             visit(obj)
-            storages, versions, cdatas = _tensor_columns(tensors, key, v3)
+            storages, versions, cdatas, columns = _tensor_columns(tensors, v3)
+            key.extend(columns)
         return Structure(
             tuple(key), tuple(tensors), tuple(storages), tuple(versions), tuple(cdatas),
-            tuple(ints),
+            tuple(ints), columns, plain=not reductions,
         )  # fmt: skip
     except (
         _NotPlain,
@@ -242,12 +250,13 @@ _attributes = operator.attrgetter("__dict__")
 
 
 def _tensor_columns(
-    tensors: list[torch.Tensor], key: list[Any], v3: frozenset[torch.dtype]
-) -> tuple[list[torch.UntypedStorage], list[int | None], list[int]]:
-    """Append the fields of ``tensors`` (each once, in pickling order) to ``key`` as eight
-    columns; return the storages in first-use order, and per tensor its version counter and
-    its storage's ``_cdata``. Raises :class:`_NotPlain` for a tensor that is not a plain
-    dense CPU/CUDA tensor, or storages the flatten would refuse.
+    tensors: list[torch.Tensor], v3: frozenset[torch.dtype]
+) -> tuple[list[torch.UntypedStorage], list[int | None], list[int], tuple[Any, ...]]:
+    """The storages of ``tensors`` (each once, in pickling order) in first-use order; per
+    tensor its version counter and its storage's ``_cdata``; and eight columns of their
+    fields (:attr:`Structure.columns`), which the key holds after the walk's items. Raises
+    :class:`_NotPlain` for a tensor that is not a plain dense CPU/CUDA tensor, or storages the
+    flatten would refuse.
 
     Each field is read for every tensor by ``map`` over a C getter: a tenth of a microsecond
     a field, where a Python loop reading the same dozen fields cost 4-5 us a tensor. The
@@ -256,8 +265,7 @@ def _tensor_columns(
     """
     ts = tensors
     if not ts:
-        key.extend(((),) * 8)
-        return [], [], []
+        return [], [], [], ((),) * 8
     Tensor = _Tensor
     if (
         set(map(_layout, ts)) != _STRIDED
@@ -301,19 +309,17 @@ def _tensor_columns(
         versions: list[int | None] = list(map(_version, ts))
     except RuntimeError:  # an inference-mode tensor among them: it has no counter
         versions = [_version_or_none(t) for t in ts]
-    key.extend(
-        (
-            tuple(dtypes),
-            tuple(map(_shape, ts)),
-            tuple(map(Tensor.stride, ts)),
-            tuple(map(Tensor.storage_offset, ts)),
-            indices,
-            tuple(map(_requires_grad, ts)),
-            tuple(map(Tensor.get_device, ts)),
-            tuple(map(_Storage.nbytes, storages)),
-        )
+    columns = (
+        tuple(dtypes),
+        tuple(map(_shape, ts)),
+        tuple(map(Tensor.stride, ts)),
+        tuple(map(Tensor.storage_offset, ts)),
+        indices,
+        tuple(map(_requires_grad, ts)),
+        tuple(map(Tensor.get_device, ts)),
+        tuple(map(_Storage.nbytes, storages)),
     )
-    return storages, versions, cdatas
+    return storages, versions, cdatas, columns
 
 
 def _version_or_none(t: torch.Tensor) -> int | None:
@@ -386,10 +392,14 @@ class PlanCache:
                 )  # fmt: skip
                 return flat, replan(entry.plan, path, namespace)
         flat = flatten(obj)
-        plan = plan_object(flat, path, namespace)
+        agrees = structure is not None and _agrees(structure, flat)
+        table = ""
+        if agrees and structure is not None and structure.plain:
+            table = encode_table(obj, structure.tensors, structure.columns)
+        plan = plan_object(flat, path, namespace, table=table)
         with self._lock:
             self.misses += 1
-            if structure is not None and _agrees(structure, flat):
+            if agrees and structure is not None:
                 slots = _learn(previous, structure.ints, flat.skeleton) if previous else {}
                 # Only the skeleton and plan are kept: no reference to the caller's tensors.
                 entry = _Entry(
@@ -426,7 +436,13 @@ def _patched(known: _Entry, ints: tuple[int, ...]) -> _Entry | None:
         offset, width = slots[j]
         skeleton[offset : offset + width] = _payload(ints[j], width)
     pickled = bytes(skeleton)
-    plan = dataclasses.replace(known.plan, archive=known.plan.archive.with_pickle(pickled))
+    # The tensor table's tree holds the old integers: this save goes without one (a load
+    # takes the skeleton's path).
+    plan = dataclasses.replace(
+        known.plan,
+        archive=known.plan.archive.with_pickle(pickled),
+        manifest=dataclasses.replace(known.plan.manifest, table=""),
+    )
     flat = Flattened(pickled, known.flat.infos, (), ())
     return _Entry(flat, plan, ints, slots)
 

@@ -1,0 +1,170 @@
+"""The tensor table: a zero-copy load that makes the tensors from columns and unpickles a tree
+without a tensor reduction in it must give exactly the object the skeleton's path gives, and
+any table that does not check out must leave the load to the skeleton."""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import collections
+import dataclasses
+import mmap
+import pickle
+from typing import Any
+
+import pytest
+import torch
+
+from ckptcache.format import tensor_table
+from ckptcache.format.objectio import read_object, replan, write_object
+from ckptcache.format.plancache import PlanCache
+
+
+def _written(state: Any, *, table: bool = True) -> tuple[mmap.mmap, int, int, str]:
+    """``state`` saved into a private mapping as a client would (``table=False``: its manifest
+    without the table); the mapping, the manifest's place and the table."""
+    flat, plan = PlanCache().prepare(state, "/ckpt/t.pt", "ns")
+    if not table:
+        plan = replan(
+            dataclasses.replace(plan, manifest=dataclasses.replace(plan.manifest, table="")),
+            "/ckpt/t.pt", "ns",
+        )  # fmt: skip
+    mapping = mmap.mmap(-1, plan.layout.nbytes)
+    write_object(mapping, plan, flat)
+    return mapping, plan.layout.manifest_offset, len(plan.manifest_bytes), plan.manifest.table
+
+
+def _state() -> dict[str, Any]:
+    base = torch.arange(24, dtype=torch.float32)
+    model: collections.OrderedDict[str, Any] = collections.OrderedDict(
+        w=torch.randn(3, 4), b=torch.zeros(2, dtype=torch.bfloat16)
+    )
+    model._metadata = {"": {"version": 1}}  # type: ignore[attr-defined]
+    return {
+        "model": model,
+        "same model": model,
+        "view": base.view(4, 6),
+        "transposed": base.view(4, 6).t(),
+        "slice": base[3:9],
+        "leaf": torch.ones(2, requires_grad=True),
+        "flags": torch.tensor([True, False]),
+        "scalar": torch.tensor(3.5, dtype=torch.float64),
+        "empty": torch.empty(0, 5),
+        "halves": torch.randn(2, 3).half(),
+        "opt": {
+            "state": {0: {"step": torch.tensor(7.0)}},
+            "param_groups": [{"lr": 0.1, "betas": (0.9, 0.99), "params": [0, 1]}],
+        },
+        "values": [1, 2.5, None, "text", b"raw", (1, 2), True],
+    }
+
+
+def _same(a: Any, b: Any) -> None:
+    assert type(a) is type(b)
+    if isinstance(a, torch.Tensor):
+        assert (a.dtype, a.shape, a.stride(), a.storage_offset(), a.requires_grad) == (
+            b.dtype, b.shape, b.stride(), b.storage_offset(), b.requires_grad
+        )  # fmt: skip
+        assert torch.equal(a, b)
+    elif isinstance(a, dict):
+        assert list(a) == list(b)
+        assert vars(a) == vars(b) if isinstance(a, collections.OrderedDict) else True
+        for k in a:
+            _same(a[k], b[k])
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b)
+        for x, y in zip(a, b, strict=True):
+            _same(x, y)
+    else:
+        assert a == b
+
+
+def test_the_table_gives_the_object_the_skeleton_gives():
+    state = _state()
+    mapping, offset, size, table = _written(state)
+    assert table  # a plain state gets one
+    whole = tensor_table.np.frombuffer(mapping, dtype=tensor_table.np.uint8)
+    from ckptcache.format.manifest import Manifest
+
+    manifest = Manifest.from_json(memoryview(mapping)[offset : offset + size])
+    extents = [(r.offset, r.nbytes) for r in manifest.storages]
+    fast = tensor_table.load_table(table, whole, extents)
+    assert fast is not tensor_table.NOT_FAST  # the table itself made it
+    plain = read_object(*_written(state, table=False)[:3])
+    _same(fast, plain)
+    _same(fast, state)
+    _same(read_object(mapping, offset, size), state)
+    # What a pickle keeps: one object held twice, storages shared between views, the
+    # tensors over the mapping (zero copy).
+    assert fast["same model"] is fast["model"]
+    shared = {fast[k].untyped_storage().data_ptr() for k in ("view", "transposed", "slice")}
+    assert len(shared) == 1
+    start = tensor_table.np.frombuffer(mapping, dtype=tensor_table.np.uint8).ctypes.data
+    assert start <= fast["model"]["w"].data_ptr() < start + len(mapping)
+
+
+def _with_table(table: str, change) -> str:
+    blob = base64.b64decode(table)
+    (meta_size,) = tensor_table._LENGTH.unpack_from(blob)
+    meta = pickle.loads(blob[8 : 8 + meta_size])
+    tree = blob[8 + meta_size :]
+    meta, tree = change(list(meta), tree)
+    new_meta = pickle.dumps(tuple(meta), protocol=5)
+    return base64.b64encode(tensor_table._LENGTH.pack(len(new_meta)) + new_meta + tree).decode()
+
+
+class _Boom:
+    def __reduce__(self):
+        return (print, ("a tensor table ran code",))
+
+
+def _hostile_tree(meta, tree):
+    return meta, pickle.dumps({"w": _Boom()}, protocol=5)
+
+
+def _column(index: int, change: Any) -> Any:
+    """A bad table: ``table`` with column ``index`` (names, shapes, strides, offsets,
+    storage indices, requires_grad) changed entry by entry."""
+
+    def bad(table: str) -> str:
+        def edit(meta: list[Any], tree: bytes) -> tuple[list[Any], bytes]:
+            meta[index] = tuple(map(change, meta[index]))
+            return meta, tree
+
+        return _with_table(table, edit)
+
+    return bad
+
+
+BAD_TABLES = {
+    "not base64": lambda t: "!" + t[1:],
+    "cut short": lambda t: t[: len(t) // 2 // 4 * 4],
+    "a shape past its storage": _column(1, lambda s: (s[0] * 1000, *s[1:]) if s else s),
+    "an index past the storages": _column(4, lambda i: i + 1000),
+    "a negative offset": _column(3, lambda o: -1),
+    "an unknown dtype": _column(0, lambda n: "float8_e4m3fn"),
+    "a tree that calls a function": lambda t: _with_table(t, _hostile_tree),
+}
+
+
+@pytest.mark.parametrize("bad", list(BAD_TABLES), ids=list(BAD_TABLES))
+def test_a_table_that_does_not_check_out_leaves_the_load_to_the_skeleton(bad, capsys):
+    state = _state()
+    mapping, offset, size, table = _written(state)
+    whole = tensor_table.np.frombuffer(mapping, dtype=tensor_table.np.uint8)
+    from ckptcache.format.manifest import Manifest
+
+    manifest = Manifest.from_json(memoryview(mapping)[offset : offset + size])
+    extents = [(r.offset, r.nbytes) for r in manifest.storages]
+    assert tensor_table.load_table(BAD_TABLES[bad](table), whole, extents) is tensor_table.NOT_FAST
+    assert "ran code" not in capsys.readouterr().out
+
+
+def test_no_table_for_what_it_cannot_stand_for():
+    # An object the plan cache describes by its reduction.
+    assert _written({"w": torch.ones(2), "args": argparse.Namespace(lr=0.1)})[3] == ""
+    # A step counter patched into a reused plan: the tree would hold the old value.
+    cache = PlanCache()
+    for step in (1, 2, 3):
+        _, plan = cache.prepare({"w": torch.ones(2), "step": step}, "/ckpt/t.pt", "ns")
+    assert cache.hits == 1 and plan.manifest.table == ""
