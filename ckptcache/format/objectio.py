@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import mmap
+import operator
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -106,6 +107,11 @@ def write_metadata(mapping: mmap.mmap, plan: ObjectPlan) -> None:
         view.release()
 
 
+_nbytes_of = operator.attrgetter("nbytes")
+_offset_of = operator.attrgetter("offset")
+_device_type = operator.attrgetter("device.type")
+
+
 def write_object(
     mapping: mmap.mmap, plan: ObjectPlan, flat: Flattened, ready: Ready | None = None
 ) -> None:
@@ -118,15 +124,21 @@ def write_object(
     must still have the size it was planned with (else :class:`TensorMutated`, before any
     copy: see :func:`~ckptcache.format.shm.checked_nbytes`).
     """
+    records, storages = plan.manifest.storages, flat.storages
+    planned = list(map(_nbytes_of, records))
+    if list(map(torch.UntypedStorage.nbytes, storages)) != planned:
+        for record, storage in zip(records, storages, strict=True):  # name the one resized
+            checked_nbytes(storage, record.nbytes, record.name)
+    runs = list(zip(map(_offset_of, records), storages, planned, strict=True))
+    kinds = list(map(_device_type, storages))
     on_cpu: list[tuple[int, torch.UntypedStorage, int]] = []
     on_device: list[tuple[int, torch.UntypedStorage, int]] = []
     elsewhere: list[tuple[int, torch.UntypedStorage, int]] = []
-    for record, storage in zip(plan.manifest.storages, flat.storages, strict=True):
-        if storage.nbytes() != record.nbytes:  # named here; the copies below check again
-            checked_nbytes(storage, record.nbytes, record.name)
-        kind = storage.device.type
-        run = (record.offset, storage, record.nbytes)
-        (on_cpu if kind == "cpu" else on_device if kind == "cuda" else elsewhere).append(run)
+    if set(kinds) <= {"cpu"}:  # the usual case: no sort per storage
+        on_cpu = runs
+    else:
+        for run, kind in zip(runs, kinds, strict=True):
+            (on_cpu if kind == "cpu" else on_device if kind == "cuda" else elsewhere).append(run)
     write_metadata(mapping, plan)
     # Device-to-host copies start first (DMA into the pinned segment) and overlap the CPU ones.
     wait = copy_to_segment(mapping, on_device, ready) if on_device else None

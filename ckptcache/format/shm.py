@@ -15,6 +15,7 @@ from __future__ import annotations
 import ctypes
 import fcntl
 import mmap
+import operator
 import os
 import threading
 import weakref
@@ -110,6 +111,9 @@ def checked_nbytes(storage: torch.UntypedStorage, planned: int | None, name: str
     return nbytes
 
 
+_Storage = torch.UntypedStorage
+_device_type = operator.attrgetter("device.type")
+
 #: ``(offset, storage)``, or ``(offset, storage, planned nbytes)`` to have the size checked.
 Run = tuple[int, torch.UntypedStorage] | tuple[int, torch.UntypedStorage, int]
 
@@ -198,17 +202,26 @@ def copy_storages_into(dst: torch.Tensor, runs: Sequence[Run]) -> None:
     if dst.dtype != torch.uint8 or dst.device.type != "cpu" or not dst.is_contiguous():
         raise ValueError("copy_storages_into needs a contiguous CPU uint8 destination")
     base, size = dst.data_ptr(), dst.numel()
-    jobs: list[tuple[int, int, int]] = []
-    for entry in runs:
-        offset, storage = entry[0], entry[1]
-        if storage.device.type != "cpu":
-            raise ValueError(f"copy_storages_into copies CPU storages, not {storage.device}")
-        n = checked_nbytes(storage, entry[2] if len(entry) == 3 else None)
-        if offset < 0 or offset + n > size:  # memmove checks nothing: never write outside
-            raise ValueError(f"storage of {n} bytes at {offset} is outside {size} bytes")
-        if n:
-            jobs.append((base + offset, storage.data_ptr(), n))
-    total = sum(n for _, _, n in jobs)
+    # Every check reads one field of every run at once (``map`` over a C getter): a save of
+    # thousands of small storages pays a fraction of a microsecond per run here, not several.
+    entries = list(runs)
+    offsets = [entry[0] for entry in entries]
+    storages = [entry[1] for entry in entries]
+    if set(map(_device_type, storages)) - {"cpu"}:
+        other = next(s.device for s in storages if s.device.type != "cpu")
+        raise ValueError(f"copy_storages_into copies CPU storages, not {other}")
+    sizes = list(map(_Storage.nbytes, storages))
+    for entry, n in zip(entries, sizes, strict=True):
+        if len(entry) == 3 and entry[2] != n:
+            checked_nbytes(entry[1], entry[2])  # raises TensorMutated, naming the sizes
+    if offsets and (min(offsets) < 0 or max(map(operator.add, offsets, sizes)) > size):
+        # memmove checks nothing: never write outside
+        n, offset = next((n, o) for o, n in zip(offsets, sizes, strict=True)
+                         if o < 0 or o + n > size)  # fmt: skip
+        raise ValueError(f"storage of {n} bytes at {offset} is outside {size} bytes")
+    ptrs = map(_Storage.data_ptr, storages)
+    jobs = [(base + o, p, n) for o, p, n in zip(offsets, ptrs, sizes, strict=True) if n]
+    total = sum(sizes)
     threads = max(1, min(torch.get_num_threads(), total // _MIN_BYTES_PER_THREAD))
     memmove = _libc_memmove()
 
