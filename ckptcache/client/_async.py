@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import operator
 import os
 import threading
 import weakref
@@ -69,6 +70,10 @@ def _version(tensor: torch.Tensor) -> int | None:
         return None
 
 
+_cdata = operator.attrgetter("_cdata")
+_counter = operator.attrgetter("_version")
+
+
 def _storage_id(tensor: torch.Tensor) -> int | None:
     """The ``_cdata`` of ``tensor``'s storage, the key ``flatten`` keeps storages by; ``None``
     for a tensor without one (sparse, nested: their parts are pickled as tensors of their own)."""
@@ -79,13 +84,16 @@ def _storage_id(tensor: torch.Tensor) -> int | None:
 
 
 def _unwatched(
-    flat: Flattened, versions: Sequence[tuple[torch.Tensor, int | None, int | None]]
+    flat: Flattened, versions: Sequence[int | None], storage_ids: Sequence[int | None]
 ) -> set[int]:
     """The ``_cdata`` of each storage of ``flat`` whose changes no version counter shows: one
     that an uncounted (inference-mode) tensor uses, or that no pickled tensor uses at all."""
-    counted = {sid for _, version, sid in versions if version is not None}
-    uncounted = {sid for _, version, sid in versions if version is None}
-    stored = {int(s._cdata) for s in flat.storages}
+    stored = set(map(_cdata, flat.storages))
+    if None not in versions:  # every tensor counted (the usual case): sets built in C
+        return stored - set(storage_ids)
+    rows = list(zip(versions, storage_ids, strict=True))
+    counted = {sid for version, sid in rows if version is not None}
+    uncounted = {sid for version, sid in rows if version is None}
     return (stored - counted) | (stored & uncounted)
 
 
@@ -123,35 +131,49 @@ class VersionCheck:
     def __init__(self, obj: Any, path: str, flat: Flattened):
         self.path = path
         self._obj = obj  # for naming a modified tensor, only once one is found
-        versions: Sequence[tuple[torch.Tensor, int | None, int | None]] = (
-            list(zip(flat.tensors, flat.versions, flat.storage_ids, strict=True))
-            if flat.versions
-            else [(t, _version(t), _storage_id(t)) for t in flat.tensors]
-        )
-        unwatched = _unwatched(flat, versions)
+        tensors = list(flat.tensors)
+        versions: list[int | None]
+        ids: list[int | None]
+        if flat.versions:  # recorded by the plan cache's walk
+            versions, ids = list(flat.versions), list(flat.storage_ids)
+        else:
+            versions = [_version(t) for t in tensors]
+            ids = [_storage_id(t) for t in tensors]
+        unwatched = _unwatched(flat, versions, ids)
         #: ``flat`` with a private copy of each storage no counter watches.
         self.flat = flat
         if unwatched:
             storages = tuple(_snapshot(s) if s._cdata in unwatched else s for s in flat.storages)
             self.flat = dataclasses.replace(flat, storages=storages)
-        # A counted tensor on a copied storage may change freely: the copy is what is saved.
-        self._seen = [(t, v) for t, v, sid in versions if v is not None and sid not in unwatched]
+        if unwatched or None in versions:
+            # A counted tensor on a copied storage may change freely: the copy is what is saved.
+            rows = zip(tensors, versions, ids, strict=True)
+            kept = [(t, v) for t, v, sid in rows if v is not None and sid not in unwatched]
+            tensors, versions = [t for t, _ in kept], [v for _, v in kept]
+        self._tensors: list[torch.Tensor] = tensors
+        self._versions: list[int | None] = versions
         self._copied = bool(unwatched)
 
     def check(self) -> None:
         """Raise :class:`TensorMutated` naming the first tensor modified since submit."""
         from ckptcache.format.shm import checked_nbytes
 
-        for i, (tensor, version) in enumerate(self._seen):
-            if tensor._version != version:
-                raise TensorMutated(
-                    f"tensor {self._name(tensor, i)!r} of {self.path!r} was modified in place "
-                    "while a non-blocking save was copying it; the save was aborted and the "
-                    "previous generation kept. Call handle.wait() (or run optimizer steps "
-                    "inside StepGuard.optimizer_step()) before modifying saved tensors"
-                )
-        for info, storage in zip(self.flat.infos, self.flat.storages, strict=True):
-            checked_nbytes(storage, info.nbytes, info.name)
+        # All counters and sizes read at once (``map`` over C getters); only a difference is
+        # looked at tensor by tensor, to name it.
+        if list(map(_counter, self._tensors)) != self._versions:
+            for i, (tensor, version) in enumerate(zip(self._tensors, self._versions, strict=True)):
+                if tensor._version != version:
+                    raise TensorMutated(
+                        f"tensor {self._name(tensor, i)!r} of {self.path!r} was modified in "
+                        "place while a non-blocking save was copying it; the save was aborted "
+                        "and the previous generation kept. Call handle.wait() (or run "
+                        "optimizer steps inside StepGuard.optimizer_step()) before modifying "
+                        "saved tensors"
+                    )
+        infos, storages = self.flat.infos, self.flat.storages
+        if list(map(torch.UntypedStorage.nbytes, storages)) != [i.nbytes for i in infos]:
+            for info, storage in zip(infos, storages, strict=True):
+                checked_nbytes(storage, info.nbytes, info.name)
 
     def source(self, obj: Any) -> Any:
         """The object a write-through of this save must ``torch.save`` in place of ``obj``:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import mmap
+import operator
 from collections.abc import Callable, Sequence
 
 import torch
@@ -64,12 +65,17 @@ def unpin(mapping: mmap.mmap) -> None:
 Ready = dict[torch.device, torch.cuda.Event]
 
 
+_device_of = operator.attrgetter("device")
+
+
 def record_ready(storages: Sequence[torch.UntypedStorage]) -> Ready:
     """Call on the caller's thread at submit: an event per CUDA device of ``storages`` on
     that thread's current stream (the current stream is per thread, so the background save
     thread's would not order the copies after the trainer's pending kernels). Empty, and no
     CUDA call made, when no storage is on a CUDA device."""
-    devices = {s.device for s in storages if s.is_cuda}
+    # ``UntypedStorage.is_cuda`` is a Python property: one ``device`` read per storage by
+    # ``map``, then a look at the few distinct devices.
+    devices = {d for d in set(map(_device_of, storages)) if d.type == "cuda"}
     ready: Ready = {}
     for device in devices:
         event = torch.cuda.Event()
