@@ -42,7 +42,9 @@ NOT_FAST = object()
 #: mapping, or None where a storage must be made the usual way.
 ArrayLoader = Callable[[str, int], "np.ndarray | None"]
 
-_NUMPY: dict[torch.dtype, np.dtype] = {
+#: Each torch dtype that numpy has a twin of, and the twin (a tensor over an array of it is
+#: made by one ``torch.from_numpy``).
+NUMPY_TWINS: dict[torch.dtype, np.dtype] = {
     torch.float64: np.dtype(np.float64), torch.float32: np.dtype(np.float32),
     torch.float16: np.dtype(np.float16), torch.int64: np.dtype(np.int64),
     torch.int32: np.dtype(np.int32), torch.int16: np.dtype(np.int16),
@@ -123,7 +125,7 @@ def fast_unpickle(
 
     empty = torch.empty
     from_numpy = torch.from_numpy
-    numpy_of = _NUMPY.get
+    numpy_of = NUMPY_TWINS.get
     prod = math.prod
 
     # Storage key -> the storage its first tensor was made over: tied weights and views saved

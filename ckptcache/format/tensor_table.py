@@ -42,7 +42,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ckptcache.format.fast_unpickle import _NUMPY, NOT_FAST
+from ckptcache.format.fast_unpickle import NOT_FAST, NUMPY_TWINS
 from ckptcache.format.gcpause import gc_paused
 
 __all__ = ["NOT_FAST", "encode_table", "load_table"]
@@ -61,7 +61,7 @@ _DTYPES: dict[str, torch.dtype] = {
 }  # fmt: skip
 _NAMES = {d: name for name, d in _DTYPES.items()}
 #: Dtype name -> its numpy twin (bfloat16 has none: made with ``set_``).
-_NUMPY_BY_NAME = {name: d for name, d in ((n, _NUMPY.get(t)) for n, t in _DTYPES.items()) if d}
+_NUMPY_BY_NAME = {name: d for name, d in ((n, NUMPY_TWINS.get(t)) for n, t in _DTYPES.items()) if d}
 
 
 class _TreePickler(pickle.Pickler):
