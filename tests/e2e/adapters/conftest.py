@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -11,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import REPO, DaemonProc
+from tests.helpers import REPO, DaemonProc, wait_until
 
 SCRIPTS = Path(__file__).resolve().parent / "scripts"
 
@@ -44,6 +47,132 @@ def daemon_env(daemon: DaemonProc | None) -> dict[str, str]:
     return env
 
 
+#: What each trainer script imports before its ranks fork (see :func:`preload_of`).
+TORCH = ("torch", "torch.multiprocessing", "torch.distributed")
+FRAMEWORKS = {
+    "ds_": (*TORCH, "deepspeed"),
+    "megatron_": (
+        *TORCH,
+        "megatron.core.dist_checkpointing",
+        "megatron.core.dist_checkpointing.strategies.torch",
+    ),
+    "lightning_": (*TORCH, "lightning"),
+    "dcp_": (
+        *TORCH,
+        "torch.distributed.checkpoint",
+        "torch.distributed.device_mesh",
+        "torch.distributed.tensor",
+    ),
+}
+
+
+def preload_of(name: str) -> tuple[str, ...]:
+    """The modules the script ``name`` imports before anything of ckptcache: its launcher's
+    own imports and the framework it preloads for its ranks. The fork server that runs it has
+    imported exactly these."""
+    for prefix, modules in FRAMEWORKS.items():
+        if name.startswith(prefix):
+            return modules
+    return TORCH
+
+
+class ForkServers:
+    """One fork server (``scripts/_forkserver.py``) per set of preloaded modules, started on
+    first use and stopped at the end of the session."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.servers: dict[tuple[str, ...], tuple[subprocess.Popen[bytes], str]] = {}
+        self.runs = 0
+
+    def socket_for(self, preload: tuple[str, ...]) -> str:
+        if preload not in self.servers:
+            where = self.root / f"fs{len(self.servers)}"
+            where.mkdir()
+            path = str(where / "fork.sock")
+            # The server's own environment carries no ckptcache setting: each run brings the
+            # whole environment of its test.
+            env = {k: v for k, v in daemon_env(None).items() if not k.startswith("CKPTCACHE_")}
+            log = open(where / "server.log", "wb")  # noqa: SIM115 - owned by the child
+            proc = subprocess.Popen(
+                [sys.executable, str(SCRIPTS / "_forkserver.py"), path, *preload],
+                env=env, cwd=REPO, stdout=log, stderr=log,
+            )  # fmt: skip
+            log.close()
+            self.servers[preload] = (proc, path)
+            wait_until(lambda: self._connectable(proc, where), 240, f"fork server {preload}")
+        return self.servers[preload][1]
+
+    @staticmethod
+    def _connectable(proc: subprocess.Popen[bytes], where: Path) -> bool:
+        if proc.poll() is not None:
+            raise RuntimeError("fork server died: " + (where / "server.log").read_text())
+        return (where / "fork.sock").exists()
+
+    def run(
+        self, preload: tuple[str, ...], script: Path, args: tuple[str, ...],
+        env: dict[str, str], timeout: float,
+    ) -> subprocess.CompletedProcess[str]:  # fmt: skip
+        """Run ``script args`` as a fresh trainer of the server for ``preload``; like
+        ``subprocess.run(capture_output=True, text=True, timeout=timeout)``."""
+        path = self.socket_for(preload)
+        self.runs += 1
+        out = self.root / f"run{self.runs}.out"
+        err = self.root / f"run{self.runs}.err"
+        req = {"script": str(script), "args": list(args), "env": env, "cwd": str(REPO),
+               "stdout": str(out), "stderr": str(err)}  # fmt: skip
+        cmd = [sys.executable, str(script), *args]
+        with socket.socket(socket.AF_UNIX) as s:
+            s.connect(path)
+            s.sendall(json.dumps(req).encode() + b"\n")
+            s.settimeout(timeout)
+            with s.makefile("rb") as f:
+                first = f.readline()
+                if not first:
+                    raise RuntimeError(f"fork server refused {script.name}: {self.log(preload)}")
+                pid = json.loads(first)["pid"]
+                try:
+                    line = f.readline()
+                except TimeoutError:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.killpg(pid, signal.SIGKILL)  # the trainer and its ranks
+                    raise subprocess.TimeoutExpired(cmd, timeout) from None
+        if not line:  # the monitor itself died: report what the server logged
+            raise RuntimeError(f"fork server lost the run of {script.name}: {self.log(preload)}")
+        code = json.loads(line)["returncode"]
+        return subprocess.CompletedProcess(cmd, code, out.read_text(), err.read_text())
+
+    def log(self, preload: tuple[str, ...]) -> str:
+        """The end of the server's own output (a failed check, a traceback)."""
+        return (Path(self.servers[preload][1]).parent / "server.log").read_text()[-5000:]
+
+    def stop(self) -> None:
+        for proc, path in self.servers.values():
+            with contextlib.suppress(OSError), socket.socket(socket.AF_UNIX) as s:
+                s.connect(path)
+                s.sendall(b'{"exit": true}\n')
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+_FORK_SERVERS: ForkServers | None = None
+
+
+@pytest.fixture(scope="session", autouse=True)
+def fork_servers(
+    tmp_path_factory: pytest.TempPathFactory, torch_extensions_dir: Path
+) -> Iterator[ForkServers]:
+    """The session's fork servers (after ``torch_extensions_dir``: they inherit it)."""
+    global _FORK_SERVERS
+    _FORK_SERVERS = ForkServers(tmp_path_factory.mktemp("forkservers"))
+    yield _FORK_SERVERS
+    _FORK_SERVERS.stop()
+    _FORK_SERVERS = None
+
+
 def run_script(
     name: str,
     *args: str,
@@ -51,11 +180,10 @@ def run_script(
     expect_kill: bool = False,
     timeout: float = 240,
 ) -> subprocess.CompletedProcess[str]:
-    """Run ``scripts/<name>`` with ``args``; a trainer that should die by SIGKILL may."""
-    proc = subprocess.run(
-        [sys.executable, str(SCRIPTS / name), *args], env=daemon_env(daemon), text=True,
-        capture_output=True, timeout=timeout, cwd=REPO,
-    )  # fmt: skip
+    """Run ``scripts/<name>`` with ``args`` as a fresh trainer process (forked by the session's
+    fork server for what the script imports first); a trainer that should die by SIGKILL may."""
+    assert _FORK_SERVERS is not None, "run_script needs the fork_servers fixture"
+    proc = _FORK_SERVERS.run(preload_of(name), SCRIPTS / name, args, daemon_env(daemon), timeout)
     if expect_kill:
         assert proc.returncode != 0, proc.stdout + proc.stderr
         assert "CHECKPOINT-SAVED" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-5000:]
