@@ -5,12 +5,14 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import select
 import signal
 import socket
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -76,6 +78,50 @@ def preload_of(name: str) -> tuple[str, ...]:
     return TORCH
 
 
+class Trainer:
+    """A trainer started by a fork server: :meth:`poll` and :meth:`wait` as on a
+    ``subprocess.Popen`` whose output is captured."""
+
+    def __init__(
+        self, cmd: list[str], pid: int, conn: socket.socket, reply: Any, out: Path, err: Path,
+        server_log: str,
+    ) -> None:  # fmt: skip
+        self.cmd, self.pid, self.returncode = cmd, pid, None
+        self._conn, self._reply, self._out, self._err = conn, reply, out, err
+        self._server_log = server_log
+
+    def poll(self) -> int | None:
+        """The exit code once the trainer has ended, else None."""
+        if self.returncode is None and select.select([self._conn], [], [], 0)[0]:
+            self._read_exit()
+        return self.returncode
+
+    def wait(self, timeout: float) -> subprocess.CompletedProcess[str]:
+        """Wait for the end (on a timeout: kill the trainer and its ranks, raise
+        ``subprocess.TimeoutExpired``) and return the exit code and output."""
+        if self.returncode is None:
+            if not select.select([self._conn], [], [], timeout)[0]:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(self.pid, signal.SIGKILL)
+                self._close()
+                raise subprocess.TimeoutExpired(self.cmd, timeout)
+            self._read_exit()
+        return subprocess.CompletedProcess(
+            self.cmd, self.returncode, self._out.read_text(), self._err.read_text()
+        )
+
+    def _read_exit(self) -> None:
+        line = self._reply.readline()
+        self._close()
+        if not line:  # the monitor itself died: report what the server logged
+            raise RuntimeError(f"fork server lost {self.cmd[1:]}: {self._server_log}")
+        self.returncode = json.loads(line)["returncode"]
+
+    def _close(self) -> None:
+        self._reply.close()
+        self._conn.close()
+
+
 class ForkServers:
     """One fork server (``scripts/_forkserver.py``) per set of preloaded modules, started on
     first use and stopped at the end of the session."""
@@ -109,38 +155,25 @@ class ForkServers:
             raise RuntimeError("fork server died: " + (where / "server.log").read_text())
         return (where / "fork.sock").exists()
 
-    def run(
-        self, preload: tuple[str, ...], script: Path, args: tuple[str, ...],
-        env: dict[str, str], timeout: float,
-    ) -> subprocess.CompletedProcess[str]:  # fmt: skip
-        """Run ``script args`` as a fresh trainer of the server for ``preload``; like
-        ``subprocess.run(capture_output=True, text=True, timeout=timeout)``."""
+    def start(
+        self, preload: tuple[str, ...], script: Path, args: tuple[str, ...], env: dict[str, str]
+    ) -> Trainer:
+        """Start ``script args`` as a fresh trainer of the server for ``preload``."""
         path = self.socket_for(preload)
         self.runs += 1
         out = self.root / f"run{self.runs}.out"
         err = self.root / f"run{self.runs}.err"
         req = {"script": str(script), "args": list(args), "env": env, "cwd": str(REPO),
                "stdout": str(out), "stderr": str(err)}  # fmt: skip
+        conn = socket.socket(socket.AF_UNIX)
+        conn.connect(path)
+        conn.sendall(json.dumps(req).encode() + b"\n")
+        reply = conn.makefile("rb")
+        first = reply.readline()
+        if not first:
+            raise RuntimeError(f"fork server refused {script.name}: {self.log(preload)}")
         cmd = [sys.executable, str(script), *args]
-        with socket.socket(socket.AF_UNIX) as s:
-            s.connect(path)
-            s.sendall(json.dumps(req).encode() + b"\n")
-            s.settimeout(timeout)
-            with s.makefile("rb") as f:
-                first = f.readline()
-                if not first:
-                    raise RuntimeError(f"fork server refused {script.name}: {self.log(preload)}")
-                pid = json.loads(first)["pid"]
-                try:
-                    line = f.readline()
-                except TimeoutError:
-                    with contextlib.suppress(ProcessLookupError):
-                        os.killpg(pid, signal.SIGKILL)  # the trainer and its ranks
-                    raise subprocess.TimeoutExpired(cmd, timeout) from None
-        if not line:  # the monitor itself died: report what the server logged
-            raise RuntimeError(f"fork server lost the run of {script.name}: {self.log(preload)}")
-        code = json.loads(line)["returncode"]
-        return subprocess.CompletedProcess(cmd, code, out.read_text(), err.read_text())
+        return Trainer(cmd, json.loads(first)["pid"], conn, reply, out, err, self.log(preload))
 
     def log(self, preload: tuple[str, ...]) -> str:
         """The end of the server's own output (a failed check, a traceback)."""
@@ -173,6 +206,13 @@ def fork_servers(
     _FORK_SERVERS = None
 
 
+def start_script(name: str, *args: str, daemon: DaemonProc | None = None) -> Trainer:
+    """Start ``scripts/<name>`` with ``args`` as a fresh trainer process (forked by the
+    session's fork server for what the script imports first), without waiting for it."""
+    assert _FORK_SERVERS is not None, "trainers need the fork_servers fixture"
+    return _FORK_SERVERS.start(preload_of(name), SCRIPTS / name, args, daemon_env(daemon))
+
+
 def run_script(
     name: str,
     *args: str,
@@ -180,10 +220,9 @@ def run_script(
     expect_kill: bool = False,
     timeout: float = 240,
 ) -> subprocess.CompletedProcess[str]:
-    """Run ``scripts/<name>`` with ``args`` as a fresh trainer process (forked by the session's
-    fork server for what the script imports first); a trainer that should die by SIGKILL may."""
-    assert _FORK_SERVERS is not None, "run_script needs the fork_servers fixture"
-    proc = _FORK_SERVERS.run(preload_of(name), SCRIPTS / name, args, daemon_env(daemon), timeout)
+    """Run ``scripts/<name>`` with ``args`` (see :func:`start_script`) and wait; a trainer that
+    should die by SIGKILL may."""
+    proc = start_script(name, *args, daemon=daemon).wait(timeout)
     if expect_kill:
         assert proc.returncode != 0, proc.stdout + proc.stderr
         assert "CHECKPOINT-SAVED" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-5000:]
