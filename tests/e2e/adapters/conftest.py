@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 
+from tests.e2e.adapters.scripts._dist import DEEPSPEED, MEGATRON
 from tests.helpers import REPO, DaemonProc, wait_until
 
 SCRIPTS = Path(__file__).resolve().parent / "scripts"
@@ -49,16 +50,13 @@ def daemon_env(daemon: DaemonProc | None) -> dict[str, str]:
     return env
 
 
-#: What each trainer script imports before its ranks fork (see :func:`preload_of`).
+#: What each trainer script imports before anything of ckptcache (see :func:`preload_of`).
 TORCH = ("torch", "torch.multiprocessing", "torch.distributed")
 FRAMEWORKS = {
-    "ds_": (*TORCH, "deepspeed"),
-    "megatron_": (
-        *TORCH,
-        "megatron.core.dist_checkpointing",
-        "megatron.core.dist_checkpointing.strategies.torch",
-    ),
-    "lightning_": (*TORCH, "lightning"),
+    "ds_": (*TORCH, *DEEPSPEED),
+    "megatron_": (*TORCH, *MEGATRON),
+    # Lightning's fit builds a torch optimizer, whose first construction imports dynamo.
+    "lightning_": (*TORCH, "lightning", "torch._dynamo"),
     "dcp_": (
         *TORCH,
         "torch.distributed.checkpoint",
@@ -70,8 +68,8 @@ FRAMEWORKS = {
 
 def preload_of(name: str) -> tuple[str, ...]:
     """The modules the script ``name`` imports before anything of ckptcache: its launcher's
-    own imports and the framework it preloads for its ranks. The fork server that runs it has
-    imported exactly these."""
+    own imports, the framework it preloads for its ranks and what the framework imports
+    lazily on the way. The fork server that runs it has imported exactly these."""
     for prefix, modules in FRAMEWORKS.items():
         if name.startswith(prefix):
             return modules

@@ -14,7 +14,7 @@ import sys
 import megatron_legacy_standin as standin
 import torch
 import torch.distributed as dist
-from _dist import launch
+from _dist import MEGATRON, launch
 
 # megatron-core is imported by the launcher (preload), the ranks fork with it: every mode's
 # ranks import the adapter, which imports megatron-core's dist_checkpointing strategies.
@@ -106,4 +106,4 @@ def run(rank: int, world: int, mode: str, ck: str, saved_world: int) -> None:
 if __name__ == "__main__":
     mode, ck, world = sys.argv[1], sys.argv[2], int(sys.argv[3])
     saved_world = int(sys.argv[4]) if len(sys.argv) > 4 else world
-    launch(run, world, mode, ck, saved_world, preload=FRAMEWORK)
+    launch(run, world, mode, ck, saved_world, preload=MEGATRON)
