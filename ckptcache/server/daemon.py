@@ -15,6 +15,7 @@ import fcntl
 import logging
 import os
 import resource
+import select
 import signal
 import socket
 import stat
@@ -271,6 +272,10 @@ class Daemon:
         self._stop = threading.Event()
         #: Set by a signal handler (see :meth:`signalled`).
         self._signalled = False
+        #: A byte written here wakes :meth:`serve_forever` at once: by :meth:`stop`, and by
+        #: the interpreter's C-level signal handler (:func:`run_daemon` makes it the signal
+        #: wake-up fd), whichever thread the kernel delivers the signal to.
+        self._wake_r, self.wake_fd = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
 
     def _title(self) -> None:
         try:
@@ -305,12 +310,17 @@ class Daemon:
                 "first saves and storage reads several times faster (docs/tuning.md, Huge pages)",
                 self.config.shm_dir,
             )
-        # Woken twice a second: Python runs signal handlers only in the main thread, between
-        # bytecodes, so a SIGTERM the kernel hands to another thread would never end an
-        # unbounded wait; and a handler may not take the event's lock (it may interrupt this
-        # thread while it holds it), so it only raises a flag.
-        while not self._stop.wait(0.5) and not self._signalled:
-            pass
+        # Python runs signal handlers only in the main thread, between bytecodes, and a
+        # handler may not take the event's lock (it may interrupt this thread while it holds
+        # it), so it only raises a flag; the byte on the wake-up pipe makes this wait return
+        # for it at once. The half-second timeout is a safety net, not the mechanism.
+        while not self._stop.is_set() and not self._signalled:
+            readable, _, _ = select.select([self._wake_r], [], [], 0.5)
+            if readable:  # drained, so a byte for another signal cannot make this spin
+                try:
+                    os.read(self._wake_r, 4096)
+                except BlockingIOError:
+                    pass
         self._stop.set()  # for the other loops that watch it
         log.info("shutting down")
         try:
@@ -329,10 +339,18 @@ class Daemon:
     def stop(self) -> None:
         """Ask :meth:`serve_forever` to return."""
         self._stop.set()
+        self._wake()
 
     def signalled(self) -> None:
-        """:meth:`stop` for a signal handler: takes no lock, acted on within half a second."""
+        """:meth:`stop` for a signal handler: takes no lock, acted on at once."""
         self._signalled = True
+        self._wake()
+
+    def _wake(self) -> None:
+        try:
+            os.write(self.wake_fd, b"\0")
+        except BlockingIOError:  # the pipe is full: serve_forever is woken already
+            pass
 
 
 def run_daemon(config: DaemonConfig) -> int:
@@ -347,5 +365,6 @@ def run_daemon(config: DaemonConfig) -> int:
         return 2
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: daemon.signalled())
+    signal.set_wakeup_fd(daemon.wake_fd, warn_on_full_buffer=False)
     daemon.serve_forever()
     return 0

@@ -3,15 +3,13 @@
 from __future__ import annotations
 
 import shutil
-import subprocess
-import sys
 import threading
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.e2e.adapters.conftest import SCRIPTS, daemon_env, run_script
+from tests.e2e.adapters.conftest import run_script, start_script
 from tests.helpers import read_only_dir, thread_inside, wait_until
 
 pytest.importorskip("deepspeed")
@@ -95,15 +93,12 @@ def test_resume_while_persist_is_pending_then_cache_off(daemon_factory, tmp_path
         with d.client() as c:
             pending = c.list(str(ck / TAG))
         assert pending and all("persisted" not in o.stages for o in pending)
-        resume = subprocess.Popen(
-            [sys.executable, str(SCRIPTS / "ds_trainer.py"), "resume", "2", str(ck), str(out)],
-            env=daemon_env(d), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        )  # fmt: skip
+        resume = start_script("ds_trainer.py", "resume", "2", str(ck), str(out), daemon=d)
         # Both ranks reach load_checkpoint while the files still cannot be written.
         wait_until(lambda: all((out / f"resume-loading-rank{r}").exists() for r in range(2))
                    or resume.poll() is not None, 240, "the resume to start loading")  # fmt: skip
-    output, _ = resume.communicate(timeout=240)
-    assert resume.returncode == 0, output[-5000:]
+    done = resume.wait(timeout=240)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
     assert_states_equal(states(out, "resume"), states(out, "reference"))
     # Cache off: plain torch.load and DeepSpeed's default engine read the persisted files.
     files = sorted(p.name for p in (ck / TAG).glob("*.pt"))

@@ -12,6 +12,14 @@ from typing import Any
 import torch
 import torch.multiprocessing as mp
 
+#: What a DeepSpeed rank imports on its way to a trained engine: DeepSpeed, and the modules
+#: ``deepspeed.initialize`` imports lazily (its optimizer checks import the Muon optimizer,
+#: whose ``torch.compile`` decorator imports dynamo and inductor: seconds per rank).
+DEEPSPEED = ("deepspeed", "deepspeed.runtime.engine", "deepspeed.runtime.zero.muon.muon_optimizer")
+#: What a rank of megatron_worker.py imports: the adapter imports megatron-core's
+#: dist_checkpointing strategies in every mode.
+MEGATRON = ("megatron.core.dist_checkpointing", "megatron.core.dist_checkpointing.strategies.torch")
+
 
 def _port() -> int:
     with socket.socket() as s:

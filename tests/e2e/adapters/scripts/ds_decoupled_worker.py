@@ -16,7 +16,7 @@ import os
 import sys
 
 import torch
-from _dist import deepspeed_without_compiled_ops, launch
+from _dist import DEEPSPEED, deepspeed_without_compiled_ops, launch
 from ds_tools_worker import batch, build
 
 
@@ -84,4 +84,4 @@ def run(rank: int, world: int, ck: str) -> None:
 
 
 if __name__ == "__main__":
-    launch(run, 2, sys.argv[1], preload=("deepspeed",))
+    launch(run, 2, sys.argv[1], preload=DEEPSPEED)

@@ -16,7 +16,7 @@ import os
 import sys
 
 import torch
-from _dist import deepspeed_without_compiled_ops, launch, tensors_of
+from _dist import DEEPSPEED, deepspeed_without_compiled_ops, launch, tensors_of
 
 TAG = "global_step3"
 
@@ -98,4 +98,4 @@ def run(rank: int, world: int, ck: str, config: str) -> None:
 
 if __name__ == "__main__":
     mode = sys.argv[2] if len(sys.argv) > 2 else "files"
-    launch(run, 2, sys.argv[1], mode, preload=("deepspeed",))
+    launch(run, 2, sys.argv[1], mode, preload=DEEPSPEED)

@@ -18,7 +18,7 @@ import signal
 import sys
 
 import torch
-from _dist import deepspeed_without_compiled_ops, launch, tensors_of
+from _dist import DEEPSPEED, deepspeed_without_compiled_ops, launch, tensors_of
 
 CRASH_AT, TOTAL = 3, 6
 
@@ -85,4 +85,4 @@ def train_stage(rank: int, mode: str, stage: int, ckpt_dir: str, out_dir: str) -
 if __name__ == "__main__":
     mode, ckpt_dir, out_dir = sys.argv[1], sys.argv[3], sys.argv[4]
     stages = [int(s) for s in sys.argv[2].split(",")]
-    launch(train, 2, mode, stages, ckpt_dir, out_dir, preload=("deepspeed",))
+    launch(train, 2, mode, stages, ckpt_dir, out_dir, preload=DEEPSPEED)

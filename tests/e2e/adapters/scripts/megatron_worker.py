@@ -14,9 +14,14 @@ import sys
 import megatron_legacy_standin as standin
 import torch
 import torch.distributed as dist
-from _dist import launch
+from _dist import MEGATRON, launch
 
-# megatron-core is imported by the launcher for the dist modes (preload), the ranks fork with it.
+# megatron-core is imported by the launcher (preload), the ranks fork with it: every mode's
+# ranks import the adapter, which imports megatron-core's dist_checkpointing strategies.
+FRAMEWORK = (
+    "megatron.core.dist_checkpointing",
+    "megatron.core.dist_checkpointing.strategies.torch",
+)
 
 FULL = torch.arange(64 * 6, dtype=torch.float32).reshape(64, 6)
 EMB = torch.linspace(-1, 1, 16 * 4).reshape(16, 4)
@@ -101,5 +106,4 @@ def run(rank: int, world: int, mode: str, ck: str, saved_world: int) -> None:
 if __name__ == "__main__":
     mode, ck, world = sys.argv[1], sys.argv[2], int(sys.argv[3])
     saved_world = int(sys.argv[4]) if len(sys.argv) > 4 else world
-    framework = ("megatron.core.dist_checkpointing",) if mode.startswith("dist") else ()
-    launch(run, world, mode, ck, saved_world, preload=framework)
+    launch(run, world, mode, ck, saved_world, preload=MEGATRON)
