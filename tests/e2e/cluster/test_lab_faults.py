@@ -10,9 +10,11 @@ Every test checks the same four promises:
 * the cluster recovers once the fault is gone.
 
 All tests share one lab (module scope); each uses its own paths, and the ``lab`` fixture heals
-every link, restores every rate and restarts every killed daemon after it. Faults are injected
-at points the test waits for (a log line, a persist state), or, where no such point is
-visible, a fixed delay into a transfer that a throttled link stretches to several seconds.
+every link, restores every rate and restarts every killed daemon before each test. Faults are
+injected at points the test waits for (a log line, a persist state), or, where no such point
+is visible, a fixed delay into a transfer that a throttled link stretches to several seconds.
+"Written once" is counted after a quiet window of 2 TTLs with no write (:class:`Writes`),
+watched from the heal on while the test checks its loads.
 """
 
 from __future__ import annotations
@@ -90,6 +92,8 @@ def lab(shared_lab: Lab) -> Iterator[Lab]:
         node.daemon.wait_ready()
     shared_lab.wait_formed()
     yield shared_lab
+    for watch in list(Writes.running):  # a test that failed before its settle()
+        watch.stop()
 
 
 @pytest.fixture
@@ -173,6 +177,9 @@ class Writes:
     :meth:`settle` when every other check is done.
     """
 
+    #: Watches not yet settled (the ``lab`` fixture stops those a failed test left).
+    running: set[Writes] = set()
+
     def __init__(self, lab: Lab, path: str, interval: float = 0.5):
         self._lab, self._path, self._interval = lab, path, interval
         self.count = lab.versions(path)
@@ -181,6 +188,13 @@ class Writes:
         self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._watch, daemon=True)
         self._thread.start()
+        Writes.running.add(self)
+
+    def stop(self) -> None:
+        """Stop watching (idempotent)."""
+        self._stop.set()
+        self._thread.join()
+        Writes.running.discard(self)
 
     def _watch(self) -> None:
         while not self._stop.wait(self._interval):
@@ -208,8 +222,7 @@ class Writes:
                         return final
                     self.count, self._changed = final, time.monotonic()
         finally:
-            self._stop.set()
-            self._thread.join()
+            self.stop()
 
 
 # ---- the scenarios -------------------------------------------------------------------------
