@@ -182,6 +182,13 @@ class LabDaemon(DaemonProc):
     """A node's daemon, started inside the node's namespace; dies with the starting thread."""
 
     def start(self) -> LabDaemon:
+        self.spawn()
+        self.wait_ready()
+        return self
+
+    def spawn(self) -> None:
+        """Start the process without waiting for it (:meth:`wait_ready`): a lab starts its
+        daemons together, each importing and joining on its own core time."""
         cmd = [*self.wrapper, sys.executable, "-m", "ckptcache.cli", "daemon",
                "--socket", self.socket, "--shm-dir", self.shm_dir, *self.args]  # fmt: skip
         log = open(self.log_path, "ab")  # noqa: SIM115 - owned by the child
@@ -190,8 +197,17 @@ class LabDaemon(DaemonProc):
             preexec_fn=_die_with_parent,
         )  # fmt: skip
         log.close()
+
+    def wait_ready(self) -> None:
+        """Until the daemon answers on its socket (raises if it exits first)."""
+        assert self.proc is not None
         wait_for_socket(self.socket, self.proc)
-        return self
+
+    def terminate(self) -> None:
+        """Send SIGTERM without waiting (:meth:`kill` then reaps it): a lab stops its daemons
+        together."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
 
     def kill(self, sig: int = signal.SIGKILL) -> None:
         """Signal the daemon and reap it; a SIGTERM that is not obeyed in 10 s becomes a
@@ -261,6 +277,7 @@ class Lab:
     _procs: list[subprocess.Popen[bytes]] = field(default_factory=list)
     _namespaces: list[str] = field(default_factory=list)
     _own_workdir: bool = False
+    _s3_client: Any = None
 
     # ---- names and addresses -------------------------------------------------------------
 
@@ -300,10 +317,18 @@ class Lab:
         self.workdir.mkdir(parents=True, exist_ok=True)  # a --workdir that does not exist yet
         try:
             self._make_hub()
+            # The processes start together and are waited for afterwards: most of a start is
+            # Python importing (moto, the daemons), which the cores do side by side. Daemons
+            # join etcd as they start, so they follow it; storage they reach only when asked.
             self._start_etcd()
             self._start_s3()
+            self._wait_http("etcd", f"http://{ETCD_IP}:{ETCD_PORT}/health", self._procs[0])
             for i in range(self.n_nodes):
                 self._start_node(i)
+            self._wait_http("s3", f"{self.s3_endpoint}/moto-api/", self._procs[1])
+            self._make_bucket()
+            for node in self.nodes:
+                node.daemon.wait_ready()
             self.wait_formed()
         except BaseException:
             self.stop()
@@ -312,6 +337,9 @@ class Lab:
 
     def stop(self) -> None:
         """Stop every process, delete every namespace (with its links, qdiscs and rules)."""
+        for node in self.nodes:  # all at once: each daemon's shutdown takes its own time
+            with contextlib.suppress(Exception):
+                node.daemon.terminate()
         for node in self.nodes:
             with contextlib.suppress(Exception):
                 node.daemon.cleanup()
@@ -367,7 +395,6 @@ class Lab:
                "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
                "--initial-cluster", f"lab={peer}"]  # fmt: skip
         self._spawn(cmd, self.workdir / "etcd.log")
-        _wait_http(ns, f"{client}/health", self._procs[-1])
 
     def _start_s3(self) -> None:
         assert self.workdir is not None
@@ -377,8 +404,11 @@ class Lab:
         cmd = ["ip", "netns", "exec", ns, sys.executable, "-m", "tests.lab_s3",
                "-H", S3_IP, "-p", str(S3_PORT)]  # fmt: skip
         self._spawn(cmd, self.workdir / "s3.log", cwd=REPO)
-        _wait_http(ns, f"{self.s3_endpoint}/moto-api/", self._procs[-1])
 
+    def _wait_http(self, role: str, url: str, proc: subprocess.Popen[bytes]) -> None:
+        _wait_http(self.ns(role), url, proc)
+
+    def _make_bucket(self) -> None:
         def make_bucket() -> None:
             s3 = self._boto3()
             s3.create_bucket(Bucket=BUCKET)
@@ -386,7 +416,7 @@ class Lab:
                 Bucket=BUCKET, VersioningConfiguration={"Status": "Enabled"}
             )  # every write of an object is a version: the tests count them
 
-        in_netns(ns, make_bucket)
+        in_netns(self.ns("s3"), make_bucket)
 
     def _spawn(self, cmd: list[str], log_path: Path, cwd: Path | None = None) -> None:
         log = open(log_path, "ab")  # noqa: SIM115 - owned by the child
@@ -424,7 +454,7 @@ class Lab:
         )  # fmt: skip
         node = LabNode(i, ns, ip, self.node_mbit, daemon, hub_port=f"p-n{i}")
         self.nodes.append(node)
-        daemon.start()
+        daemon.spawn()  # Lab.start waits for it, once every process is on its way
 
     def wait_formed(self, timeout: float = 60.0) -> None:
         """Until every live node sees every live node in its membership."""
@@ -498,12 +528,18 @@ class Lab:
         return {"etcd": ETCD_IP, "s3": S3_IP}[peer]
 
     def _boto3(self) -> Any:
-        import boto3
+        """One boto3 client for the test process (thread-safe; building one costs tens of
+        milliseconds of CPU, which a test polling storage would pay on every poll). Its
+        connections are opened by the threads that call it, and those run in the storage
+        namespace (:meth:`s3`), so every connection belongs to that namespace."""
+        if self._s3_client is None:
+            import boto3
 
-        return boto3.client(
-            "s3", endpoint_url=self.s3_endpoint, region_name="us-east-1",
-            aws_access_key_id="lab", aws_secret_access_key="lab",
-        )  # fmt: skip
+            self._s3_client = boto3.client(
+                "s3", endpoint_url=self.s3_endpoint, region_name="us-east-1",
+                aws_access_key_id="lab", aws_secret_access_key="lab",
+            )  # fmt: skip
+        return self._s3_client
 
     def s3(self, fn: Callable[[Any], T]) -> T:
         """``fn(boto3 client)`` run from inside the storage namespace (not shaped: it talks to

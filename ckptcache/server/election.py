@@ -38,14 +38,13 @@ from ckptcache.server.coord.records import (
     RepRecord,
     WriterRecord,
     parse_all,
-    parse_one,
 )
 from ckptcache.server.fetching import Fetching, PeerBusy
 from ckptcache.server.index import Generation
 from ckptcache.server.membership import Membership, path_hash
 from ckptcache.server.metrics import Metrics
-from ckptcache.server.persist import Deposed
 from ckptcache.server.state import CacheState
+from ckptcache.server.writer_fence import WriterFence
 from ckptcache.storage.base import StoredVersion, WriteGuard
 from ckptcache.wire.states import ClaimRole, Tier
 
@@ -53,10 +52,6 @@ __all__ = ["Election", "FencedGuard"]
 
 log = logging.getLogger(__name__)
 
-
-#: Lease time a write must still have left to land on the strength of the lease alone: the
-#: last steps (a rename, a multipart completion) run after the check.
-_FENCE_MARGIN = 1.0
 
 #: Recording a persist while the coordinator is unreachable: tried again at this pace.
 RECORD_RETRY = Backoff(0.2, 5.0)
@@ -140,30 +135,12 @@ class Election:
         return ClaimRole.LEAD, self._conflict_target(gen, ph, digest) or target
 
     def fence(self, gen: Generation, guard: WriteGuard) -> WriteGuard:
-        """``guard`` fenced by this node's writer role for ``gen`` (see :class:`FencedGuard`):
-        one coordinator read each time it is consulted. While the coordinator cannot be
-        reached, the role still holds as long as this node's lease is known to be alive (no
-        successor can be elected before it lapses, so a persist completes through an etcd
-        outage); past that, the node counts as deposed and never writes for its group."""
+        """``guard`` fenced by this node's writer role for ``gen`` (see :class:`FencedGuard`
+        and :class:`~ckptcache.server.writer_fence.WriterFence`)."""
         ph, digest = path_hash(gen.namespace, gen.path), object_digest(gen.digests or [])
-        me = self.membership.node.node_id
-        coord = self.membership.coord
-
-        def still_writer() -> None:
-            key = keys.writer_key(ph)
-            try:
-                holder = parse_one(WriterRecord, key, coord.get(key))
-            except CoordinatorUnavailable as e:
-                if coord.lease_remaining() > _FENCE_MARGIN:
-                    return
-                raise Deposed(f"cannot confirm the writer role: {e}") from e
-            # A malformed writer record is nobody's: the writer counts as deposed.
-            if holder is None or holder.node != me or holder.digest != digest:
-                who = holder.node if holder else "nobody"
-                raise Deposed(f"the writer role is no longer this node's (held by {who})")
-
+        fence = WriterFence(self.membership.coord, ph, digest, self.membership.node.node_id)
         kept = {f.name: getattr(guard, f.name) for f in fields(WriteGuard)}
-        return FencedGuard(**kept, still_writer=still_writer)
+        return FencedGuard(**kept, still_writer=fence.check)
 
     def _stored(self, ph: str, digest: str) -> bool:
         """Whether storage holds this content at its path: a persist of it is recorded and no

@@ -167,6 +167,13 @@ class Coordinator(abc.ABC):
         node holds before then. An embedded coordinator's lease never lapses."""
         return float("inf")
 
+    def lease_epoch(self) -> int:
+        """Which of this node's leases is the current one: a number that changes each time
+        the node takes a new lease. A role elected under one lease went with it, so the next
+        lease's :meth:`lease_remaining` says nothing about that role. An embedded
+        coordinator's lease never changes."""
+        return 0
+
     @abc.abstractmethod
     def close(self) -> None:
         """Revoke the lease and stop background work."""

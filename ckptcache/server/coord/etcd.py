@@ -63,6 +63,7 @@ class EtcdCoordinator(Coordinator):
         )
         self._lease: Any = None
         self._lease_ok_until = 0.0
+        self._lease_epoch = 0  # bumped by every lease grant: see lease_epoch()
         self._announced: dict[str, dict[str, Any]] = {}
         #: Announced keys etcd may not have (their put failed): sent again by the keep-alive.
         self._unsent: set[str] = set()
@@ -87,6 +88,7 @@ class EtcdCoordinator(Coordinator):
 
     def _new_lease(self) -> None:
         self._lease = self._guard("lease grant", self._client.lease, max(1, int(self.ttl)))
+        self._lease_epoch += 1
         self._lease_ok_until = time.monotonic() + self.ttl
         self._unsent = set(self._announced)
         self._send_unsent()
@@ -270,6 +272,9 @@ class EtcdCoordinator(Coordinator):
 
     def lease_remaining(self) -> float:
         return max(0.0, self._lease_ok_until - time.monotonic())
+
+    def lease_epoch(self) -> int:
+        return self._lease_epoch
 
     def close(self) -> None:
         """Revoke the lease (best effort) and stop the keep-alive, in bounded time.
