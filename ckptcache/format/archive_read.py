@@ -39,11 +39,10 @@ import xxhash
 from ckptcache.errors import CorruptCheckpoint
 from ckptcache.format.archive import PARSE_ERRORS, ViewReader
 from ckptcache.format.crc import crc32, crc32_combine
-from ckptcache.format.hedged_read import HedgedReads
 from ckptcache.format.persisted import DIGESTS_MEMBER, central_offset, check_archive
-from ckptcache.format.prefix_read import PrefixReads, ReadInto, plan_ranges
+from ckptcache.format.prefix_read import PrefixReads, plan_ranges
 from ckptcache.storage import StorageBackend
-from ckptcache.storage.reporting import StreamingReads, read_into_reporting
+from ckptcache.storage.reporting import read_into_reporting
 
 __all__ = ["BLOCK", "read_archive"]
 
@@ -222,8 +221,9 @@ def read_archive(
         # Progress inside a range moves the prefix too: with ``concurrency`` ranges sharing
         # the link, the first lands last, and the relays would trail by that many ranges.
         reads = PrefixReads(
-            _range_reader(backend, path, concurrency), view, ranges, workers=concurrency,
-            lead=concurrency + 1, landed=land, progress=landing,
+            lambda off, part, progress: read_into_reporting(backend, path, off, part, progress),
+            view, ranges, workers=concurrency, lead=concurrency + 1, landed=land,
+            progress=landing,
         )  # fmt: skip
         reads.run()
     else:
@@ -249,21 +249,6 @@ def read_archive(
         crc = _record_crc(view, record.data_offset, record.size, block_crcs) if need_crc else None
         computed[record.data_offset, record.size] = (digest, crc)
     return check_archive(view, path, deep=True, computed=computed)
-
-
-def _range_reader(backend: StorageBackend, path: str, concurrency: int) -> ReadInto:
-    """How each range of a relayed read is read: hedged where the backend hands out a
-    request's body piece by piece (a stalled first range is asked for again once the ranges
-    after it landed two pieces per other thread while it landed none:
-    :mod:`ckptcache.format.hedged_read`), else by its reporting read."""
-    if isinstance(backend, StreamingReads):
-        streaming = backend
-        hedged = HedgedReads(
-            lambda off, n: streaming.open_range(path, off, n),
-            piece=BLOCK, stall_pieces=2 * max(1, concurrency - 1),
-        )  # fmt: skip
-        return hedged.read_into
-    return lambda off, part, progress: read_into_reporting(backend, path, off, part, progress)
 
 
 def _record_crc(view: memoryview, start: int, size: int, blocks: dict[int, int]) -> int:

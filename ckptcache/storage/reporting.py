@@ -8,15 +8,8 @@ node link left the first joiner idle for 2.2 s before its first byte and 1.2-1.7
 reader at the end. A backend whose ranged read can report its progress lets the prefix follow
 the first range byte by byte instead.
 
-A backend that can also hand out a ranged request's body piece by piece
-(:class:`StreamingReads`) lets the reader put each piece in place itself, so a stalled
-request can be replaced by another one that alone may write the rest
-(:mod:`ckptcache.format.hedged_read`).
-
 Call order: :func:`read_into_reporting` (any backend; one that has no reporting read reports
-the whole view once it has landed); or, where the backend is :class:`StreamingReads`,
-``open_range`` then :meth:`RangeStream.read` until the range is read, then
-:meth:`RangeStream.close` (:meth:`RangeStream.abort` from any other thread).
+the whole view once it has landed).
 """
 
 from __future__ import annotations
@@ -26,7 +19,7 @@ from typing import Protocol, runtime_checkable
 
 from ckptcache.storage.base import StorageBackend
 
-__all__ = ["Progress", "RangeStream", "ReportingReads", "StreamingReads", "read_into_reporting"]
+__all__ = ["Progress", "ReportingReads", "read_into_reporting"]
 
 #: ``progress(n)``: the first ``n`` bytes of the view are in place (``n`` only grows).
 Progress = Callable[[int], None]
@@ -41,29 +34,6 @@ class ReportingReads(Protocol):
     ) -> None:
         """:meth:`StorageBackend.read_into`, calling ``progress(n)`` each time the first
         ``n`` bytes of ``view`` are in place (at least once, with ``len(view)``, at the end)."""
-
-
-class RangeStream(Protocol):
-    """The body of one ranged request."""
-
-    def read(self, n: int) -> bytes:
-        """The next ``n`` bytes (fewer only at the end, ``b""`` past it); raises once
-        aborted."""
-
-    def abort(self) -> None:
-        """Shut the request's connection from any thread, so a :meth:`read` blocked on a
-        stalled connection returns or raises now; idempotent."""
-
-    def close(self) -> None:
-        """Release the request (from the thread reading it)."""
-
-
-@runtime_checkable
-class StreamingReads(Protocol):
-    """A backend that hands out a ranged request's body to be read piece by piece."""
-
-    def open_range(self, path: str, offset: int, length: int) -> RangeStream:
-        """Send a request for ``length`` bytes of ``path`` from ``offset``."""
 
 
 def read_into_reporting(

@@ -21,7 +21,6 @@ from ckptcache.storage.base import (
     StoredVersion,
     WriteGuard,
 )
-from ckptcache.storage.s3_range import S3Range
 
 __all__ = ["READ_PIECE", "S3Backend", "split_s3_url"]
 
@@ -302,15 +301,6 @@ class S3Backend(StorageBackend):
                 progress(done)
         finally:
             body.close()
-
-    def open_range(self, path: str, offset: int, length: int) -> S3Range:
-        """A ranged GET whose body is read piece by piece (:mod:`~ckptcache.storage.reporting`,
-        ``StreamingReads``): a stalled one can be shut from another thread."""
-        bucket, key = split_s3_url(path)
-        rng = f"bytes={offset}-{offset + length - 1}"
-        reply = self._call("get object range", self.client.get_object, Bucket=bucket, Key=key,
-                           Range=rng)  # fmt: skip
-        return S3Range(reply["Body"], f"{path} {rng}")
 
     def read_ranges(self, path: str, ranges: Sequence[tuple[int, memoryview]]) -> None:
         """One ranged GET per range, at most ``s3_max_concurrency`` in flight."""
