@@ -141,23 +141,30 @@ def new_daemon(
     return DaemonProc(workdir, shm, list(args), env or {}, defaults=defaults)
 
 
-def assert_same(a: Any, b: Any) -> None:
-    """Deep equality with tensor dtype, shape, stride-insensitive values and type checks."""
+def assert_same(a: Any, b: Any, *, exact: bool = False) -> None:
+    """Deep equality with tensor dtype, shape, stride-insensitive values and type checks;
+    ``exact`` also compares each tensor's strides, storage offset and ``requires_grad``, and
+    the attributes of a dict (an ``OrderedDict``'s ``_metadata``)."""
     assert type(a) is type(b), (type(a), type(b))
     if isinstance(a, torch.Tensor):
         assert a.dtype == b.dtype and a.shape == b.shape and a.device == b.device
+        if exact:
+            geometry = (a.stride(), a.storage_offset(), a.requires_grad)
+            assert geometry == (b.stride(), b.storage_offset(), b.requires_grad)
         if a.dtype.is_floating_point and a.element_size() == 1:  # fp8: compare bits
             assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
         else:
             assert torch.equal(a, b)
     elif isinstance(a, dict):
         assert list(a.keys()) == list(b.keys())
+        if exact and hasattr(a, "__dict__"):
+            assert vars(a) == vars(b)
         for k in a:
-            assert_same(a[k], b[k])
+            assert_same(a[k], b[k], exact=exact)
     elif isinstance(a, (list, tuple)):
         assert len(a) == len(b)
         for x, y in zip(a, b, strict=False):
-            assert_same(x, y)
+            assert_same(x, y, exact=exact)
     elif hasattr(a, "__dict__") and not isinstance(a, type):
         assert_same(vars(a), vars(b))
     else:

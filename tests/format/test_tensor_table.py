@@ -18,6 +18,7 @@ import torch
 from ckptcache.format import tensor_table
 from ckptcache.format.objectio import read_object, replan, write_object
 from ckptcache.format.plancache import PlanCache
+from tests.helpers import assert_same
 
 
 def _written(state: Any, *, table: bool = True) -> tuple[mmap.mmap, int, int, str]:
@@ -59,26 +60,6 @@ def _state() -> dict[str, Any]:
     }
 
 
-def _same(a: Any, b: Any) -> None:
-    assert type(a) is type(b)
-    if isinstance(a, torch.Tensor):
-        assert (a.dtype, a.shape, a.stride(), a.storage_offset(), a.requires_grad) == (
-            b.dtype, b.shape, b.stride(), b.storage_offset(), b.requires_grad
-        )  # fmt: skip
-        assert torch.equal(a, b)
-    elif isinstance(a, dict):
-        assert list(a) == list(b)
-        assert vars(a) == vars(b) if isinstance(a, collections.OrderedDict) else True
-        for k in a:
-            _same(a[k], b[k])
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b)
-        for x, y in zip(a, b, strict=True):
-            _same(x, y)
-    else:
-        assert a == b
-
-
 def test_the_table_gives_the_object_the_skeleton_gives():
     state = _state()
     mapping, offset, size, table = _written(state)
@@ -91,9 +72,9 @@ def test_the_table_gives_the_object_the_skeleton_gives():
     fast = tensor_table.load_table(table, whole, extents)
     assert fast is not tensor_table.NOT_FAST  # the table itself made it
     plain = read_object(*_written(state, table=False)[:3])
-    _same(fast, plain)
-    _same(fast, state)
-    _same(read_object(mapping, offset, size), state)
+    assert_same(fast, plain, exact=True)
+    assert_same(fast, state, exact=True)
+    assert_same(read_object(mapping, offset, size), state, exact=True)
     # What a pickle keeps: one object held twice, storages shared between views, the
     # tensors over the mapping (zero copy).
     assert fast["same model"] is fast["model"]

@@ -32,48 +32,40 @@ def etcd(tmp_path: Path) -> Iterator[object]:
     server.stop()
 
 
-def _writer(etcd: object) -> Coordinator:
+@pytest.fixture
+def coord(etcd: object) -> Iterator[Coordinator]:
     """Node ``a``, holding the writer role of the path under its first lease. A long TTL:
     the lease outlives the test however slow this host is, unless the test ends it."""
     url = f"etcd://127.0.0.1:{etcd.client_port}"  # type: ignore[attr-defined]
-    coord = make_coordinator(url, cluster=f"t{uuid.uuid4().hex[:8]}", job="j", ttl=60.0)
-    coord.join(NodeInfo("a", "h", ""))
-    assert coord.elect(keys.writer_key(PH), WriterRecord("a", DIGEST).to_dict())
-    return coord
-
-
-def test_the_role_holds_through_an_outage_while_its_lease_lives(etcd):
-    coord = _writer(etcd)
+    node = make_coordinator(url, cluster=f"t{uuid.uuid4().hex[:8]}", job="j", ttl=60.0)
     try:
-        fence = WriterFence(coord, PH, DIGEST, "a")
-        fence.check()  # etcd answers: the record is ours
-        etcd.stop()  # type: ignore[attr-defined]
-        fence.check()  # unreachable, and the lease the role was held under is alive
+        node.join(NodeInfo("a", "h", ""))
+        assert node.elect(keys.writer_key(PH), WriterRecord("a", DIGEST).to_dict())
+        yield node
     finally:
-        coord.close()
+        node.close()
 
 
-def test_a_lease_taken_after_the_roles_lapsed_does_not_vouch_for_it(etcd):
-    coord = _writer(etcd)
-    try:
-        fence = WriterFence(coord, PH, DIGEST, "a")
-        coord._lease.revoke()  # type: ignore[attr-defined]  # lapsed, as past the TTL
-        coord.announce("holders/p/d/a", {"node": "a"})  # the next request takes a new lease
-        assert coord.get(keys.writer_key(PH)) is None  # the role went with the old lease
-        assert coord.lease_remaining() > 30  # the new lease is alive and long
-        etcd.stop()  # type: ignore[attr-defined]
-        with pytest.raises(Deposed, match="the lease it was held under lapsed"):
-            fence.check()
-    finally:
-        coord.close()
+def test_the_role_holds_through_an_outage_while_its_lease_lives(coord, etcd):
+    fence = WriterFence(coord, PH, DIGEST, "a")
+    fence.check()  # etcd answers: the record is ours
+    etcd.stop()  # type: ignore[attr-defined]
+    fence.check()  # unreachable, and the lease the role was held under is alive
 
 
-def test_a_role_taken_by_another_node_deposes_the_writer(etcd):
-    coord = _writer(etcd)
-    try:
-        fence = WriterFence(coord, PH, DIGEST, "a")
-        coord.record(keys.writer_key(PH), WriterRecord("b", DIGEST).to_dict())
-        with pytest.raises(Deposed, match=r"held by b"):
-            fence.check()
-    finally:
-        coord.close()
+def test_a_lease_taken_after_the_roles_lapsed_does_not_vouch_for_it(coord, etcd):
+    fence = WriterFence(coord, PH, DIGEST, "a")
+    coord._lease.revoke()  # type: ignore[attr-defined]  # lapsed, as past the TTL
+    coord.announce("holders/p/d/a", {"node": "a"})  # the next request takes a new lease
+    assert coord.get(keys.writer_key(PH)) is None  # the role went with the old lease
+    assert coord.lease_remaining() > 30  # the new lease is alive and long
+    etcd.stop()  # type: ignore[attr-defined]
+    with pytest.raises(Deposed, match="the lease it was held under lapsed"):
+        fence.check()
+
+
+def test_a_role_taken_by_another_node_deposes_the_writer(coord):
+    fence = WriterFence(coord, PH, DIGEST, "a")
+    coord.record(keys.writer_key(PH), WriterRecord("b", DIGEST).to_dict())
+    with pytest.raises(Deposed, match=r"held by b"):
+        fence.check()
