@@ -33,6 +33,7 @@ from ckptcache.format.shm import (
     checked_nbytes,
     copy_storage_into,
     copy_storages_into,
+    device_type,
     storage_copy,
     storage_view,
 )
@@ -109,7 +110,6 @@ def write_metadata(mapping: mmap.mmap, plan: ObjectPlan) -> None:
 
 _nbytes_of = operator.attrgetter("nbytes")
 _offset_of = operator.attrgetter("offset")
-_device_type = operator.attrgetter("device.type")
 
 
 def write_object(
@@ -130,7 +130,7 @@ def write_object(
         for record, storage in zip(records, storages, strict=True):  # name the one resized
             checked_nbytes(storage, record.nbytes, record.name)
     runs = list(zip(map(_offset_of, records), storages, planned, strict=True))
-    kinds = list(map(_device_type, storages))
+    kinds = list(map(device_type, storages))
     on_cpu: list[tuple[int, torch.UntypedStorage, int]] = []
     on_device: list[tuple[int, torch.UntypedStorage, int]] = []
     elsewhere: list[tuple[int, torch.UntypedStorage, int]] = []

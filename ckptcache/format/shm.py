@@ -33,6 +33,7 @@ __all__ = [
     "checked_nbytes",
     "copy_storage_into",
     "copy_storages_into",
+    "device_type",
     "map_private",
     "map_shared",
     "storage_copy",
@@ -112,7 +113,8 @@ def checked_nbytes(storage: torch.UntypedStorage, planned: int | None, name: str
 
 
 _Storage = torch.UntypedStorage
-_device_type = operator.attrgetter("device.type")
+#: A storage's (or tensor's) device type, read by ``map`` for thousands at once.
+device_type = operator.attrgetter("device.type")
 
 #: ``(offset, storage)``, or ``(offset, storage, planned nbytes)`` to have the size checked.
 Run = tuple[int, torch.UntypedStorage] | tuple[int, torch.UntypedStorage, int]
@@ -207,7 +209,7 @@ def copy_storages_into(dst: torch.Tensor, runs: Sequence[Run]) -> None:
     entries = list(runs)
     offsets = [entry[0] for entry in entries]
     storages = [entry[1] for entry in entries]
-    if set(map(_device_type, storages)) - {"cpu"}:
+    if set(map(device_type, storages)) - {"cpu"}:
         other = next(s.device for s in storages if s.device.type != "cpu")
         raise ValueError(f"copy_storages_into copies CPU storages, not {other}")
     sizes = list(map(_Storage.nbytes, storages))

@@ -45,10 +45,12 @@ import torch
 from ckptcache.format.fast_unpickle import NOT_FAST, NUMPY_TWINS
 from ckptcache.format.gcpause import gc_paused
 
-__all__ = ["NOT_FAST", "encode_table", "load_table"]
+__all__ = ["MAX_TABLE_CHARS", "NOT_FAST", "encode_table", "load_table"]
 
 _Tensor = torch.Tensor
 _LENGTH = struct.Struct("<Q")
+#: The longest table a manifest takes; a larger object is saved without one.
+MAX_TABLE_CHARS = 8 << 20
 
 #: The dtypes a table may name, by name; others (and float8s, complex32...) get no table.
 _DTYPES: dict[str, torch.dtype] = {
@@ -79,7 +81,8 @@ class _TreePickler(pickle.Pickler):
 
 def encode_table(obj: Any, tensors: Sequence[torch.Tensor], columns: Sequence[Any]) -> str:
     """The tensor table of ``obj`` (ASCII, for the manifest), or ``""`` where it cannot have
-    one: a tensor off the CPU or of a dtype outside the list.
+    one: a tensor off the CPU or of a dtype outside the list, or a table longer than
+    :data:`MAX_TABLE_CHARS`.
 
     ``tensors`` and ``columns`` are the plan cache's walk of ``obj``
     (:attr:`~ckptcache.format.plancache.Structure.tensors` and ``.columns``): every tensor
@@ -95,7 +98,10 @@ def encode_table(obj: Any, tensors: Sequence[torch.Tensor], columns: Sequence[An
     tree = io.BytesIO()
     _TreePickler(tree, {id(t): i for i, t in enumerate(tensors)}).dump(obj)
     blob = _LENGTH.pack(len(meta)) + meta + tree.getvalue()
-    return base64.b64encode(blob).decode("ascii")
+    table = base64.b64encode(blob).decode("ascii")
+    # The manifest travels whole in a peer's object head (capped at 64 MiB): a table past
+    # this (some 150,000 tensors) would make that head too large where the records alone fit.
+    return table if len(table) <= MAX_TABLE_CHARS else ""
 
 
 class _Closed(pickle.Unpickler):

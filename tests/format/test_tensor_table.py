@@ -8,6 +8,7 @@ import argparse
 import base64
 import collections
 import dataclasses
+import json
 import mmap
 import pickle
 from typing import Any
@@ -149,3 +150,24 @@ def test_no_table_for_what_it_cannot_stand_for():
     for step in (1, 2, 3):
         _, plan = cache.prepare({"w": torch.ones(2), "step": step}, "/ckpt/t.pt", "ns")
     assert cache.hits == 1 and plan.manifest.table == ""
+
+
+def test_no_table_past_its_size_cap(monkeypatch):
+    """A table longer than the cap is left out (the manifest travels whole between peers);
+    the object still loads, by its skeleton."""
+    state = _state()
+    monkeypatch.setattr(tensor_table, "MAX_TABLE_CHARS", 100)
+    mapping, offset, size, table = _written(state)
+    assert table == ""
+    assert_same(read_object(mapping, offset, size), state, exact=True)
+
+
+def test_a_manifest_whose_table_is_not_a_string_is_corrupt():
+    from ckptcache.errors import CorruptCheckpoint
+    from ckptcache.format.manifest import Manifest
+
+    mapping, offset, size, _ = _written(_state())
+    raw = json.loads(bytes(memoryview(mapping)[offset : offset + size]))
+    raw["table"] = 5
+    with pytest.raises(CorruptCheckpoint, match="tensor table that is not a string"):
+        Manifest.from_json(json.dumps(raw).encode())

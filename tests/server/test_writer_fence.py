@@ -11,7 +11,13 @@ from pathlib import Path
 
 import pytest
 
-from ckptcache.server.coord import Coordinator, NodeInfo, keys, make_coordinator
+from ckptcache.server.coord import (
+    Coordinator,
+    CoordinatorUnavailable,
+    NodeInfo,
+    keys,
+    make_coordinator,
+)
 from ckptcache.server.coord.records import WriterRecord
 from ckptcache.server.persist import Deposed
 from ckptcache.server.writer_fence import WriterFence
@@ -50,7 +56,10 @@ def test_the_role_holds_through_an_outage_while_its_lease_lives(coord, etcd):
     fence = WriterFence(coord, PH, DIGEST, "a")
     fence.check()  # etcd answers: the record is ours
     etcd.stop()  # type: ignore[attr-defined]
-    fence.check()  # unreachable, and the lease the role was held under is alive
+    with pytest.raises(CoordinatorUnavailable):  # the role cannot be read any more...
+        coord.get(keys.writer_key(PH))
+    fence.check()  # ...yet it holds: the lease it was held under is alive
+    assert fence.epoch == coord.lease_epoch() and coord.lease_remaining() > 30
 
 
 def test_a_lease_taken_after_the_roles_lapsed_does_not_vouch_for_it(coord, etcd):
