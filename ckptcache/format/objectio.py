@@ -179,7 +179,6 @@ def read_object(
     finally:
         view.release()
     columns = list(zip(*manifest.storages, strict=True)) or [(), (), ()]  # key, offset, nbytes
-    extents = list(zip(columns[1], columns[2], strict=True))
     if (
         manifest.table
         and zero_copy
@@ -187,10 +186,10 @@ def read_object(
         and fast_load_applies()  # not under a fake tensor mode
     ):
         whole = np.frombuffer(mapping, dtype=np.uint8)
-        result = load_table(manifest.table, whole, extents)
+        result = load_table(manifest.table, whole, (columns[1], columns[2]))
         if result is not NOT_FAST:
             return result
-    places = dict(zip(columns[0], extents, strict=True))
+    places = dict(zip(columns[0], zip(columns[1], columns[2], strict=True), strict=True))
     return _rebuild(
         mapping, skeleton, places, path=manifest.path, tier=tier, zero_copy=zero_copy,
         weights_only=weights_only, map_location=map_location,

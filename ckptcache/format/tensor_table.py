@@ -33,7 +33,6 @@ from __future__ import annotations
 import base64
 import collections
 import io
-import math
 import pickle
 import struct
 from collections.abc import Sequence
@@ -42,28 +41,19 @@ from typing import Any
 import numpy as np
 import torch
 
-from ckptcache.format.fast_unpickle import NOT_FAST, NUMPY_TWINS
+from ckptcache.format.fast_unpickle import NOT_FAST
 from ckptcache.format.gcpause import gc_paused
+from ckptcache.format.table_columns import MAGIC, dense_places, pack_dense, unpack_dense
+from ckptcache.format.table_tensors import DTYPES, make_dense, make_strided
 
 __all__ = ["MAX_TABLE_CHARS", "NOT_FAST", "encode_table", "load_table"]
 
 _Tensor = torch.Tensor
 _LENGTH = struct.Struct("<Q")
+#: Each dtype a table may name -> its name.
+_NAMES = {d: name for name, d in DTYPES.items()}
 #: The longest table a manifest takes; a larger object is saved without one.
 MAX_TABLE_CHARS = 8 << 20
-
-#: The dtypes a table may name, by name; others (and float8s, complex32...) get no table.
-_DTYPES: dict[str, torch.dtype] = {
-    str(d).removeprefix("torch."): d
-    for d in (
-        torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64,
-        torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64,
-        torch.complex128,
-    )
-}  # fmt: skip
-_NAMES = {d: name for name, d in _DTYPES.items()}
-#: Dtype name -> its numpy twin (bfloat16 has none: made with ``set_``).
-_NUMPY_BY_NAME = {name: d for name, d in ((n, NUMPY_TWINS.get(t)) for n, t in _DTYPES.items()) if d}
 
 
 class _TreePickler(pickle.Pickler):
@@ -80,24 +70,32 @@ class _TreePickler(pickle.Pickler):
 
 
 def encode_table(obj: Any, tensors: Sequence[torch.Tensor], columns: Sequence[Any]) -> str:
-    """The tensor table of ``obj`` (ASCII, for the manifest), or ``""`` where it cannot have
-    one: a tensor off the CPU or of a dtype outside the list, or a table longer than
+    """The tensor table of ``obj`` (ASCII, for the manifest; format 2,
+    :mod:`~ckptcache.format.table_columns`), or ``""`` where it cannot have one: a tensor
+    off the CPU or of a dtype outside the list, or a table longer than
     :data:`MAX_TABLE_CHARS`.
 
     ``tensors`` and ``columns`` are the plan cache's walk of ``obj``
     (:attr:`~ckptcache.format.plancache.Structure.tensors` and ``.columns``): every tensor
     once, in pickling order, and their dtypes, shapes, strides, offsets, storage indices,
-    ``requires_grad`` and devices.
+    ``requires_grad``, devices, and each storage's size.
     """
     dtypes, shapes, strides, offsets, indices, requires_grad, devices, _ = columns
     if any(device != -1 for device in devices) or not set(dtypes) <= _NAMES.keys():
         return ""
-    names = tuple(map(_NAMES.__getitem__, dtypes))
-    fields = (names, tuple(map(tuple, shapes)), strides, offsets, indices, requires_grad)
-    meta = pickle.dumps(fields, protocol=5)
+    dense = dense_places(columns)
+    rest = [i for i, d in enumerate(dense) if not d]
+    # Persistent ids: the dense tensors first, in walk order, then the others.
+    order = [i for i, d in enumerate(dense) if d] + rest
+    fields = tuple(
+        tuple(column[i] for i in rest)
+        for column in (tuple(map(_NAMES.__getitem__, dtypes)), tuple(map(tuple, shapes)),
+                       strides, offsets, indices, requires_grad)
+    )  # fmt: skip
+    strided = pickle.dumps(fields, protocol=5) if rest else b""
     tree = io.BytesIO()
-    _TreePickler(tree, {id(t): i for i, t in enumerate(tensors)}).dump(obj)
-    blob = _LENGTH.pack(len(meta)) + meta + tree.getvalue()
+    _TreePickler(tree, {id(tensors[i]): pid for pid, i in enumerate(order)}).dump(obj)
+    blob = pack_dense(columns, dense, len(strided)) + strided + tree.getvalue()
     table = base64.b64encode(blob).decode("ascii")
     # The manifest travels whole in a peer's object head (capped at 64 MiB): a table past
     # this (some 150,000 tensors) would make that head too large where the records alone fit.
@@ -120,91 +118,46 @@ class _Tree(pickle.Unpickler):
         raise pickle.UnpicklingError(f"a tensor table's tree names {module}.{name}")
 
 
-def load_table(table: str, whole: np.ndarray, places: Sequence[tuple[int, int]]) -> Any:
+def load_table(table: str, whole: np.ndarray, places: tuple[Sequence[int], Sequence[int]]) -> Any:
     """The object of a tensor table, its tensors over ``whole`` (a uint8 array over the
-    mapping) at the storages' ``(offset, nbytes)`` in ``places`` (manifest order, checked
+    mapping), the storages at ``places`` (their offsets and sizes, in manifest order, checked
     against the mapping by the manifest); :data:`NOT_FAST` where the table does not do."""
     try:
-        blob = base64.b64decode(table, validate=True)
-        (meta_size,) = _LENGTH.unpack_from(blob)
-        body = memoryview(blob)[_LENGTH.size :]
+        blob = memoryview(base64.b64decode(table, validate=True))
         with gc_paused():
-            fields = _Closed(io.BytesIO(body[:meta_size])).load()
-            tensors = _make_tensors(fields, whole, places)
+            if blob[: len(MAGIC)] == MAGIC:
+                tensors, tree = _format_2(blob, whole, places)
+            else:  # format 1: every tensor's columns pickled, then the tree
+                (meta_size,) = _LENGTH.unpack_from(blob)
+                body = blob[_LENGTH.size :]
+                fields = _Closed(io.BytesIO(body[:meta_size])).load()
+                tensors, tree = make_strided(fields, whole, places), body[meta_size:]
             if tensors is None:
                 return NOT_FAST
-            tree = _Tree(io.BytesIO(body[meta_size:]))
-            tree.persistent_load = dict(enumerate(tensors)).__getitem__  # type: ignore[assignment]
-            return tree.load()
+            unpickler = _Tree(io.BytesIO(tree))
+            unpickler.persistent_load = dict(enumerate(tensors)).__getitem__  # type: ignore[assignment]
+            return unpickler.load()
     except Exception:  # a malformed table: the skeleton's path decides, with its errors
         return NOT_FAST
 
 
-def _make_tensors(
-    fields: Any, whole: np.ndarray, places: Sequence[tuple[int, int]]
-) -> list[torch.Tensor] | None:
-    """Every tensor of the columns ``fields``, or None where one does not check out."""
-    if type(fields) is not tuple or len(fields) != 6:
-        return None
-    names, shapes, strides, offsets, indices, requires_grad = fields
-    n = len(names)
-    if any(type(c) is not tuple or len(c) != n for c in fields):
-        return None
-    numbers = [x for c in (*shapes, *strides) for x in c] + [*offsets, *indices]
-    if not set(map(type, numbers)) <= {int} or min(numbers, default=0) < 0:
-        return None
-    if not set(map(type, requires_grad)) <= {bool} or not set(names) <= _DTYPES.keys():
-        return None
-    if max(indices, default=-1) >= len(places):
-        return None
-    from_numpy, empty = torch.from_numpy, torch.empty
-    shared = len(set(indices)) != n  # else no storage needs to be found again
-    storages: dict[int, torch.UntypedStorage] = {}  # storage index -> the one made for it
-    dense: dict[tuple[int, ...], tuple[int, ...]] = {}  # shape -> its contiguous strides
-    out: list[torch.Tensor] = []
-    append = out.append
-    for name, shape, stride, offset, index, grad in zip(
-        names, shapes, strides, offsets, indices, requires_grad, strict=True
+def _format_2(
+    blob: memoryview, whole: np.ndarray, places: tuple[Sequence[int], Sequence[int]]
+) -> tuple[list[torch.Tensor] | None, memoryview]:
+    """The tensors of a format 2 table (the dense ones, then the others) and its tree's
+    bytes; None for the tensors where they do not check out."""
+    dense, strided, tree = unpack_dense(blob)
+    arrays = (np.asarray(places[0], dtype=np.int64), np.asarray(places[1], dtype=np.int64))
+    made = make_dense(dense, whole, arrays)
+    if made is None or not strided:
+        return made, tree
+    fields = _Closed(io.BytesIO(strided)).load()
+    # A storage of a dense tensor is its alone: no other tensor may name it.
+    if (
+        type(fields) is not tuple
+        or len(fields) != 6
+        or not set(dense.storage.tolist()).isdisjoint(fields[4] if type(fields[4]) is tuple else ())
     ):
-        dtype, as_numpy = _DTYPES[name], _NUMPY_BY_NAME.get(name)
-        start, nbytes = places[index]
-        untyped = storages.get(index) if shared else None
-        contiguous = dense.get(shape)
-        if contiguous is None:
-            contiguous = dense[shape] = _contiguous_strides(shape)
-        if (
-            untyped is None
-            and offset == 0
-            and as_numpy is not None
-            and stride == contiguous
-            and nbytes
-            and nbytes == as_numpy.itemsize * _numel(shape)
-        ):  # the common case: the whole storage, one typed slice of the mapping
-            tensor = from_numpy(whole[start : start + nbytes].view(as_numpy).reshape(shape))
-            if shared:
-                storages[index] = tensor.untyped_storage()
-        else:
-            if untyped is None:
-                untyped = storages[index] = from_numpy(
-                    whole[start : start + nbytes]
-                ).untyped_storage()
-            # ``set_`` refuses an extent past the storage's end.
-            tensor = empty((0,), dtype=dtype).set_(untyped, offset, shape, stride)
-        if grad:
-            tensor.requires_grad = True
-        append(tensor)
-    return out
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    return shape[0] if len(shape) == 1 else math.prod(shape)
-
-
-def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
-    """The strides of a contiguous tensor of ``shape`` (as torch gives them: a dimension of
-    size 1 or 0 still gets the product of the sizes after it)."""
-    strides, expected = [], 1
-    for size in reversed(shape):
-        strides.append(expected)
-        expected *= max(size, 1)
-    return tuple(reversed(strides))
+        return None, tree
+    rest = make_strided(fields, whole, places)
+    return (None if rest is None else made + rest), tree

@@ -8,6 +8,7 @@ import argparse
 import base64
 import collections
 import dataclasses
+import io
 import json
 import mmap
 import pickle
@@ -18,22 +19,48 @@ import torch
 
 from ckptcache.format import tensor_table
 from ckptcache.format.objectio import read_object, replan, write_object
-from ckptcache.format.plancache import PlanCache
+from ckptcache.format.plancache import PlanCache, describe
+from ckptcache.format.table_columns import MAGIC
 from tests.helpers import assert_same
 
 
-def _written(state: Any, *, table: bool = True) -> tuple[mmap.mmap, int, int, str]:
-    """``state`` saved into a private mapping as a client would (``table=False``: its manifest
-    without the table); the mapping, the manifest's place and the table."""
+def _written(state: Any, *, table: str = "format 2") -> tuple[mmap.mmap, int, int, str]:
+    """``state`` saved into a private mapping as a client would, its manifest with the table
+    the save writes (``"format 2"``), with none (``"none"``) or with the table the release
+    before wrote (``"format 1"``); the mapping, the manifest's place and the table."""
     flat, plan = PlanCache().prepare(state, "/ckpt/t.pt", "ns")
-    if not table:
+    if table != "format 2":
+        text = _format_1(state) if table == "format 1" else ""
         plan = replan(
-            dataclasses.replace(plan, manifest=dataclasses.replace(plan.manifest, table="")),
+            dataclasses.replace(plan, manifest=dataclasses.replace(plan.manifest, table=text)),
             "/ckpt/t.pt", "ns",
         )  # fmt: skip
     mapping = mmap.mmap(-1, plan.layout.nbytes)
     write_object(mapping, plan, flat)
     return mapping, plan.layout.manifest_offset, len(plan.manifest_bytes), plan.manifest.table
+
+
+def _format_1(state: Any) -> str:
+    """The table of ``state`` as the release before wrote it: every tensor's columns pickled
+    as tuples (format 1), then the tree."""
+    structure = describe(state)
+    assert structure is not None
+    names = tuple(str(d).removeprefix("torch.") for d in structure.columns[0])
+    shapes, strides, offsets, indices, requires_grad = structure.columns[1:6]
+    fields = (names, tuple(map(tuple, shapes)), strides, offsets, indices, requires_grad)
+    meta = pickle.dumps(fields, protocol=5)
+    tree = io.BytesIO()
+    index = {id(t): i for i, t in enumerate(structure.tensors)}
+    tensor_table._TreePickler(tree, index).dump(state)
+    return base64.b64encode(tensor_table._LENGTH.pack(len(meta)) + meta + tree.getvalue()).decode()
+
+
+def _places(mapping: mmap.mmap, offset: int, size: int) -> tuple[tuple[int, ...], ...]:
+    """The storages' offsets and sizes, as the manifest at ``offset`` gives them."""
+    from ckptcache.format.manifest import Manifest
+
+    manifest = Manifest.from_json(memoryview(mapping)[offset : offset + size])
+    return tuple(r.offset for r in manifest.storages), tuple(r.nbytes for r in manifest.storages)
 
 
 def _state() -> dict[str, Any]:
@@ -61,18 +88,18 @@ def _state() -> dict[str, Any]:
     }
 
 
-def test_the_table_gives_the_object_the_skeleton_gives():
+@pytest.mark.parametrize("written_by", ["format 2", "format 1"])
+def test_the_table_gives_the_object_the_skeleton_gives(written_by):
+    """Both the table a save writes now (format 2) and the one the release before wrote
+    (format 1, still read) give the object the skeleton gives."""
     state = _state()
-    mapping, offset, size, table = _written(state)
+    mapping, offset, size, table = _written(state, table=written_by)
     assert table  # a plain state gets one
+    assert base64.b64decode(table).startswith(MAGIC) == (written_by == "format 2")
     whole = tensor_table.np.frombuffer(mapping, dtype=tensor_table.np.uint8)
-    from ckptcache.format.manifest import Manifest
-
-    manifest = Manifest.from_json(memoryview(mapping)[offset : offset + size])
-    extents = [(r.offset, r.nbytes) for r in manifest.storages]
-    fast = tensor_table.load_table(table, whole, extents)
+    fast = tensor_table.load_table(table, whole, _places(mapping, offset, size))
     assert fast is not tensor_table.NOT_FAST  # the table itself made it
-    plain = read_object(*_written(state, table=False)[:3])
+    plain = read_object(*_written(state, table="none")[:3])
     assert_same(fast, plain, exact=True)
     assert_same(fast, state, exact=True)
     assert_same(read_object(mapping, offset, size), state, exact=True)
@@ -118,6 +145,7 @@ def _column(index: int, change: Any) -> Any:
     return bad
 
 
+#: Format 1 tables (every tensor's columns pickled) that must not load.
 BAD_TABLES = {
     "not base64": lambda t: "!" + t[1:],
     "cut short": lambda t: t[: len(t) // 2 // 4 * 4],
@@ -132,13 +160,10 @@ BAD_TABLES = {
 @pytest.mark.parametrize("bad", list(BAD_TABLES), ids=list(BAD_TABLES))
 def test_a_table_that_does_not_check_out_leaves_the_load_to_the_skeleton(bad, capsys):
     state = _state()
-    mapping, offset, size, table = _written(state)
+    mapping, offset, size, table = _written(state, table="format 1")
     whole = tensor_table.np.frombuffer(mapping, dtype=tensor_table.np.uint8)
-    from ckptcache.format.manifest import Manifest
-
-    manifest = Manifest.from_json(memoryview(mapping)[offset : offset + size])
-    extents = [(r.offset, r.nbytes) for r in manifest.storages]
-    assert tensor_table.load_table(BAD_TABLES[bad](table), whole, extents) is tensor_table.NOT_FAST
+    places = _places(mapping, offset, size)
+    assert tensor_table.load_table(BAD_TABLES[bad](table), whole, places) is tensor_table.NOT_FAST
     assert "ran code" not in capsys.readouterr().out
 
 
