@@ -170,15 +170,16 @@ def read_object(
     view = memoryview(mapping)
     try:
         manifest = Manifest.from_json(
-            view[manifest_offset : manifest_offset + manifest_size], segment_size=len(mapping)
-        )
+            view[manifest_offset : manifest_offset + manifest_size], segment_size=len(mapping),
+            keep_columns=True,
+        )  # fmt: skip
         if digests is not None:
             verify_digests(view, manifest, digests, tier=tier)
         po = manifest.pickle_offset
         skeleton = bytes(view[po : po + manifest.pickle_size])
     finally:
         view.release()
-    columns = list(zip(*manifest.storages, strict=True)) or [(), (), ()]  # key, offset, nbytes
+    columns = manifest.columns()  # key, offset, nbytes, ...
     if (
         manifest.table
         and zero_copy

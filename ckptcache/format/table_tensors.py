@@ -99,7 +99,7 @@ def make_dense(
         return []
     if code.max() >= len(CODES) or grad.max() > 1 or int(ndim.sum(dtype=np.int64)) != len(dims):
         return None
-    if index.min() < 0 or index.max() >= len(places[0]) or len(np.unique(index)) != n:
+    if index.min() < 0 or index.max() >= len(places[0]) or not _distinct(index):
         return None
     # Bounded by the mapping's size, no product of dims below can wrap around in int64.
     if len(dims) and (dims.min() < 0 or dims.max() > len(whole)):
@@ -126,6 +126,11 @@ def make_dense(
     for tensor in itertools.compress(out, grad.tolist()):
         tensor.requires_grad = True
     return out
+
+
+def _distinct(index: np.ndarray) -> bool:
+    """Whether no storage index repeats (increasing, as a save writes them, needs no sort)."""
+    return bool((index[1:] > index[:-1]).all()) or len(np.unique(index)) == len(index)
 
 
 def _over_mapping(

@@ -139,3 +139,16 @@ def test_a_state_of_views_only_and_an_empty_state():
         loaded = tensor_table.load_table(table, whole, _places(mapping, offset, size))
         assert loaded is not tensor_table.NOT_FAST
         assert_same(loaded, state, exact=True)
+
+
+def test_a_manifests_columns_are_its_records_fields():
+    """Kept as decoded (a load) or made from the records, the columns are the same."""
+    from ckptcache.format.manifest import Manifest
+
+    mapping, offset, size, _ = _written(_bulk_state())
+    data = memoryview(mapping)[offset : offset + size]
+    kept = Manifest.from_json(data, keep_columns=True)
+    plain = Manifest.from_json(data)
+    assert kept == plain and "_columns" not in vars(plain)
+    assert [tuple(c) for c in kept.columns()] == [tuple(c) for c in plain.columns()]
+    assert [tuple(c) for c in plain.columns()] == list(zip(*plain.storages, strict=True))
