@@ -7,15 +7,18 @@ most of a load of thousands of small tensors. A save whose object is made only o
 containers and values and plain CPU tensors (a structure the save-plan cache describes with no
 reduced object in it) also writes, in its manifest, a **tensor table**:
 
-* the tensors' fields as columns (dtype, shape, strides, storage offset, storage index,
-  ``requires_grad``), taken from the plan cache's walk, in the walk's (pickling) order;
+* the tensors' fields as columns, taken from the plan cache's walk: format 2
+  (:mod:`~ckptcache.format.table_columns`) packs the tensors that alone cover their storage
+  as little-endian arrays and pickles the others' columns (dtype, shape, strides, storage
+  offset, storage index, ``requires_grad``) as format 1 pickled every tensor's;
 * the object's *tree*: the same object pickled with each tensor replaced by its index in the
   columns (a persistent id), so no tensor reduction is in it.
 
-A zero-copy load then makes every tensor from the columns in one loop (one ``from_numpy`` of a
-typed slice of the mapping for a tensor that covers its storage, as before), and unpickles the
-tree in the C unpickler with ``persistent_load`` a lookup in the made tensors: no Python call
-per tensor inside the unpickler.
+A zero-copy load then makes the tensors from the columns in bulk
+(:mod:`~ckptcache.format.table_tensors`: C calls mapped over all of them, each tensor its own
+storage of exactly its bytes), and unpickles the tree in the C unpickler with
+``persistent_load`` a lookup in the made tensors: no Python call per tensor inside the
+unpickler. Format 1 tables (the release before) still load.
 
 It is no less safe than the skeleton's own fast path (:mod:`ckptcache.format.fast_unpickle`):
 the tree's unpickler resolves only ``OrderedDict`` (every opcode that calls something goes
