@@ -32,12 +32,13 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))  # the lab lives with the tests (tests/lab.py)
 
 import torch  # noqa: E402
+import yaml  # noqa: E402
 
 from ckptcache._units import parse_bytes  # noqa: E402
 from ckptcache.cli.benchmarking import make_state  # noqa: E402
 from ckptcache.client import Client  # noqa: E402
 from ckptcache.format.archive_read import BLOCK  # noqa: E402
-from ckptcache.server.config import DaemonConfig  # noqa: E402
+from ckptcache.server.config import load_config  # noqa: E402
 from ckptcache.server.transfer import RELAY_RECORD  # noqa: E402
 from tests.helpers import wait_until  # noqa: E402
 from tests.lab import Lab, LabNode  # noqa: E402
@@ -58,10 +59,16 @@ class Run:
     cpu_seconds: float
     nbytes: int
     note: str = ""
+    #: CPU seconds the whole machine spent busy in the run (the lab and everything else).
+    box_seconds: float = 0.0
 
     @property
     def cores(self) -> float:
         return self.cpu_seconds / self.seconds if self.seconds > 0 else 0.0
+
+    @property
+    def box_cores(self) -> float:
+        return self.box_seconds / self.seconds if self.seconds > 0 else 0.0
 
     @property
     def mbit(self) -> float:
@@ -75,6 +82,15 @@ def _proc_cpu(pid: int) -> float:
     except OSError:
         return 0.0
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def box_busy() -> float:
+    """CPU seconds every core of the machine has been busy since boot (all but idle and
+    iowait, from /proc/stat): its growth over a run, against the core count, says whether the
+    run could have been short of CPU, whoever used it."""
+    fields = [int(f) for f in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    idle = fields[3] + fields[4]
+    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
 
 
 def lab_cpu(lab: Lab, exclude: frozenset[int] = frozenset()) -> float:
@@ -119,6 +135,7 @@ def restore(lab: Lab, n: int, mode: str, nbytes: int, seed: int, copy: bool = Fa
     procs = start_workers(lab, nodes, "cache-copy" if mode == "cache" and copy else mode, url)
     trainers = frozenset(p.pid for p in procs)
     cpu0 = lab_cpu(lab, trainers)  # the daemons, etcd and the S3 server
+    box0 = box_busy()
     t0 = time.time()
     # The start in the daemons' log time, to line their per-node commits up with it.
     print(f"# {n} node(s) {mode} started at {time.strftime('%H:%M:%S', time.localtime(t0))}"
@@ -135,6 +152,8 @@ def restore(lab: Lab, n: int, mode: str, nbytes: int, seed: int, copy: bool = Fa
           + "; done " + " ".join(f"{r['end'] - t0:.2f}" for r in reports),
           file=sys.stderr, flush=True)  # fmt: skip
     seconds = max(r["end"] for r in reports) - t0
+    # The machine's busy CPU over the same window (read once every trainer has reported).
+    box = (box_busy() - box0) * seconds / max(time.time() - t0, 1e-9)
     cpu = lab_cpu(lab, trainers) - cpu0 + sum(r["cpu"] for r in reports)
     tiers = sorted(r["tier"] for r in reports)
     note = ", ".join(f"{tiers.count(t)} x {t}" for t in sorted(set(tiers)))
@@ -144,7 +163,7 @@ def restore(lab: Lab, n: int, mode: str, nbytes: int, seed: int, copy: bool = Fa
             with Client(node.socket) as c:
                 c.delete(url)
     return Run(f"{n} node(s), {'through the cache' if mode == 'cache' else 'direct'}",
-               seconds, cpu, nbytes * n, note)  # fmt: skip
+               seconds, cpu, nbytes * n, note, box)  # fmt: skip
 
 
 def timed_save(node: LabNode, obj: object, path: str, durability: str) -> float:
@@ -166,14 +185,16 @@ def backup_copy(lab: Lab, nbytes: int) -> Run:
         for i in range(2):
             wait_until(lambda i=i: bool(c.status(f"/mem/local-{i}.pt").replicas), timeout=600,
                        what="the local saves' background copies")  # fmt: skip
-    cpu0 = lab_cpu(lab)
+    cpu0, box0, t0 = lab_cpu(lab), box_busy(), time.perf_counter()
     backup = timed_save(a, obj, "/mem/backup.pt", "backup")
+    box = (box_busy() - box0) * backup / (time.perf_counter() - t0)  # per second of the save
     push = backup - local
     with Client(a.socket) as c:  # room for the waves
         for path in ("/mem/local-0.pt", "/mem/local-1.pt", "/mem/backup.pt"):
             c.delete(path)
     return Run("backup copy, 1 node (backup save - local save)", push, lab_cpu(lab) - cpu0,
-               nbytes, f"backup save {backup:.2f} s, local save {local:.3f} s")  # fmt: skip
+               nbytes, f"backup save {backup:.2f} s, local save {local:.3f} s",
+               box * push / backup)  # fmt: skip
 
 
 def backup_wave(lab: Lab, nbytes: int, persist: bool) -> Run:
@@ -191,7 +212,7 @@ def backup_wave(lab: Lab, nbytes: int, persist: bool) -> Run:
         except Exception as e:  # reported in the row, never dropped
             errors.append(f"node{i}: {type(e).__name__}")
 
-    cpu0 = lab_cpu(lab)
+    cpu0, box0 = lab_cpu(lab), box_busy()
     t0 = time.perf_counter()
     threads = [threading.Thread(target=one, args=(i,)) for i in range(len(lab.nodes))]
     for t in threads:
@@ -199,16 +220,19 @@ def backup_wave(lab: Lab, nbytes: int, persist: bool) -> Run:
     for t in threads:
         t.join()
     seconds = time.perf_counter() - t0
+    box = box_busy() - box0
     what = f"{len(lab.nodes)} nodes save with durability=backup at once" + (
         " (persisting meanwhile)" if persist else " (memory-only paths)"
     )
     note = f"per node {min(times):.2f}-{max(times):.2f} s" + (
         f"; failed: {', '.join(errors)}" if errors else ""
     )
-    return Run(what, seconds, lab_cpu(lab) - cpu0, nbytes * len(lab.nodes), note)
+    return Run(what, seconds, lab_cpu(lab) - cpu0, nbytes * len(lab.nodes), note, box)
 
 
-def model_seconds(n: int, nbytes: int, node_mbit: float, storage_mbit: float, mode: str) -> float:
+def model_seconds(
+    n: int, nbytes: int, node_mbit: float, storage_mbit: float, mode: str, streams: int
+) -> float:
     """The chain model (cache) or the shared-storage model (direct), in seconds. Their ratio
     is at most ``n x min(node, storage) / storage``: N / 2 where storage has twice a node's
     link, N where it has one node's."""
@@ -218,21 +242,20 @@ def model_seconds(n: int, nbytes: int, node_mbit: float, storage_mbit: float, mo
     # The first joiner trails the reader by the ranges that land together at the end of its
     # read (tapered to one block each: server/storage_read.py, format/prefix_read.py), and
     # each later hop by one relay record.
-    threads = DaemonConfig().s3_max_concurrency
-    first = threads * BLOCK
+    first = streams * BLOCK  # the group read's streams (group_read_streams)
     return nbytes / min(link, storage) + first / link + (n - 1) * RELAY_RECORD / link
 
 
 def table(runs: list[Run], models: dict[str, float]) -> str:
     lines = [
-        "| run | time (s) | model (s) | Mbit/s | lab CPU (cores) | note |",
-        "|---|---:|---:|---:|---:|---|",
+        "| run | time (s) | model (s) | Mbit/s | lab CPU (cores) | box CPU (cores) | note |",
+        "|---|---:|---:|---:|---:|---:|---|",
     ]
     for r in runs:
         model = models.get(r.what)
         m = f"{model:.2f}" if model else "-"
         lines.append(f"| {r.what} | {r.seconds:.2f} | {m} | {r.mbit:.0f} | {r.cores:.2f} | "
-                     f"{r.note} |")  # fmt: skip
+                     f"{r.box_cores:.2f} | {r.note} |")  # fmt: skip
     return "\n".join(lines)
 
 
@@ -251,17 +274,19 @@ def main() -> None:
                              "or mmap=False (a private copy)")  # fmt: skip
     parser.add_argument("--daemon-config", default="", metavar="YAML",
                         help="extra lines for every daemon's config file, e.g. "
-                             "'s3_max_concurrency: 1'")  # fmt: skip
+                             "'group_read_streams: 1'")  # fmt: skip
     parser.add_argument("--workdir", type=Path, help="keep the lab's logs here (default: removed)")
     args = parser.parse_args()
     nbytes = parse_bytes(args.size)
+    extra = args.daemon_config.replace("\\n", "\n") + "\n"
+    streams = load_config(overrides=yaml.safe_load(extra) or {}, environ={}).group_read_streams
     n_max = max(args.nodes)
     runs: list[Run] = []
     models: dict[str, float] = {}
     budget = f"{max(512, 4 * nbytes >> 20)}MiB"
     with Lab(n_max, node_mbit=args.node_mbit, storage_mbit=args.storage_mbit, lease_ttl=5.0,
              memory_limit=budget, daemon_args=("--memory-only", "allow"),
-             config=args.daemon_config.replace("\\n", "\n") + "\n",
+             config=extra,
              workdir=args.workdir) as lab:  # fmt: skip
         print(lab.describe(), flush=True)
         if not args.skip_restore:
@@ -270,7 +295,7 @@ def main() -> None:
                     run = restore(lab, n, mode, nbytes, seed=n,
                                   copy=args.cache_load == "copy")  # fmt: skip
                     models[run.what] = model_seconds(n, nbytes, args.node_mbit,
-                                                     args.storage_mbit, mode)  # fmt: skip
+                                                     args.storage_mbit, mode, streams)  # fmt: skip
                     runs.append(run)
                     print(table([run], models).splitlines()[-1], flush=True)
         backups = (
@@ -284,7 +309,7 @@ def main() -> None:
             print(table([run], models).splitlines()[-1], flush=True)
     print()
     print(f"{args.size}, nodes at {args.node_mbit:g} Mbit/s, storage {args.storage_mbit:g} "
-          f"Mbit/s shared, {os.cpu_count()} cores")  # fmt: skip
+          f"Mbit/s shared, {streams} group-read stream(s), {os.cpu_count()} cores")  # fmt: skip
     print(table(runs, models))
 
 

@@ -101,6 +101,11 @@ class DaemonConfig:
     s3_region: str | None = None
     s3_part_size: int = 64 << 20
     s3_max_concurrency: int = 4
+    #: Ranged GETs at once of a group's storage read, the one that peers relay as it lands
+    #: (``s3_max_concurrency`` stays the count for persists and a lone node's reads). Relays
+    #: trail the read by about the ranges in flight, and one connection gets a fraction of a
+    #: real object store's bandwidth: docs/restore.md says how to choose.
+    group_read_streams: int = 4
     #: embedded:// (single node, the default) or etcd://host:port
     coordinator: str = "embedded://"
     cluster: str = "default"
@@ -318,6 +323,7 @@ VALIDATORS: dict[str, Validator] = {
     "s3_region": _optional_text,
     "s3_part_size": _s3_part_size,
     "s3_max_concurrency": _count(1),
+    "group_read_streams": _count(1, "must be at least 1"),
     "persist_retries": _count(0),
     "persist_backoff": _seconds(zero_ok=True),
     "persist_backoff_max": _seconds(zero_ok=True),

@@ -84,6 +84,7 @@ def storage_options(cfg: DaemonConfig) -> StorageOptions:
         s3_region=cfg.s3_region,
         s3_part_size=cfg.s3_part_size,
         s3_max_concurrency=cfg.s3_max_concurrency,
+        s3_connections=max(cfg.s3_max_concurrency, cfg.group_read_streams),
     )
 
 

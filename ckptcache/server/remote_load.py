@@ -312,7 +312,7 @@ def _from_storage(src: Sources, load: _Load, alone: bool) -> Generation | None:
         ):
             return None  # the previous reader finished (and stepped down) while we planned
         announce = held.enter_context(src.membership.in_flight(load.ph))
-        gen = src.storage.load(load.namespace, load.path, announce)
+        gen = src.storage.load(load.namespace, load.path, announce, relayed=True)
         # Answered now; announced before stepping down (joiners find a holder), then the
         # in-flight key goes, then the election (see the module's docstring).
         src.settling.start(load.ph, gen, held.pop_all())

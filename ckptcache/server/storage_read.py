@@ -86,10 +86,16 @@ class StorageReader:
         except (OSError, ValueError, ImportError):
             return False
 
-    def load(self, namespace: str, path: str, started: Callable[[], None]) -> Generation:
-        """Read a persisted archive into the arena with parallel ranged reads."""
+    def load(
+        self, namespace: str, path: str, started: Callable[[], None], *, relayed: bool = False
+    ) -> Generation:
+        """Read a persisted archive into the arena with parallel ranged reads: a group's read,
+        which peers relay as it lands (``relayed``), on ``group_read_streams``; a lone node's
+        on ``s3_max_concurrency``."""
+        cfg = self.config
+        streams = cfg.group_read_streams if relayed else cfg.s3_max_concurrency
         try:
-            return self._read(namespace, path, started)
+            return self._read(namespace, path, started, streams)
         except ValueError as e:  # the end records or the archive are unreadable
             if not isinstance(e, CorruptCheckpoint) or path not in str(e):  # name the file
                 e = CorruptCheckpoint(
@@ -100,7 +106,9 @@ class StorageReader:
             log.error("not serving %s from storage: %s", path, e)
             raise e from None
 
-    def _read(self, namespace: str, path: str, started: Callable[[], None]) -> Generation:
+    def _read(
+        self, namespace: str, path: str, started: Callable[[], None], streams: int
+    ) -> Generation:
         backend = backend_for(path, self.options)
         size = backend.size(path)
 
@@ -109,7 +117,7 @@ class StorageReader:
             backend.read_into(path, offset, memoryview(buf))
             return bytes(buf)
 
-        log.info("reading %s from storage for the group", path)
+        log.info("reading %s from storage (%d stream(s))", path, streams)
         entries = count_records(size, read)
         capacity = 256 * entries + 4096  # manifest JSON, padded to this exact size
         layout = plan_segment(size, capacity, entries)
@@ -122,10 +130,9 @@ class StorageReader:
             # Ranges are read in parallel, each record's digest (or CRC-32) computed as its
             # bytes land; relays follow the contiguous prefix that is done. A damaged file
             # is not served.
-            chunk = read_chunk(size, self.config.s3_max_concurrency)
+            chunk = read_chunk(size, streams)
             computed = read_archive(backend, path, view[:size], advance=advance, chunk=chunk,
-                                    concurrency=self.config.s3_max_concurrency,
-                                    prefix_first=True)  # fmt: skip
+                                    concurrency=streams, prefix_first=True)  # fmt: skip
             parsed = parse_archive(view[:size])
             manifest = manifest_from_archive(parsed, path, namespace, size)
             encoded = manifest.to_json()

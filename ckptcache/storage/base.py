@@ -161,6 +161,10 @@ class StorageOptions:
     s3_region: str | None = None
     s3_part_size: int = 64 << 20
     s3_max_concurrency: int = 4
+    #: The most requests one backend has in flight at once (the larger of
+    #: ``s3_max_concurrency`` and a group read's streams): the client's connection pool is
+    #: sized for it, so no stream waits for or discards a connection.
+    s3_connections: int = 4
     #: Attempts made inside one backend call for transient S3 errors (botocore's own retries).
     s3_attempts: int = 3
 

@@ -79,13 +79,14 @@ class S3Backend(StorageBackend):
             from botocore.config import Config
 
             opts = self.options
+            connections = 2 * max(opts.s3_max_concurrency, opts.s3_connections)
             self._client = boto3.client(
                 "s3",
                 endpoint_url=opts.s3_endpoint_url or os.environ.get("AWS_ENDPOINT_URL_S3"),
                 region_name=opts.s3_region,
                 config=Config(
                     retries={"max_attempts": opts.s3_attempts, "mode": "standard"},
-                    max_pool_connections=max(10, opts.s3_max_concurrency * 2),
+                    max_pool_connections=max(10, connections),
                     connect_timeout=5,
                     read_timeout=60,
                 ),

@@ -82,6 +82,7 @@ def test_every_field_has_a_validator():
     ("key", "value", "message"),
     [
         ("replicas", "0", "must be at least 1"),
+        ("group_read_streams", 0, "must be at least 1"),
         ("persist_workers", 0, "is too small"),
         ("persist_retries", -1, "is too small"),
         ("lease_ttl", 0, "must be positive"),

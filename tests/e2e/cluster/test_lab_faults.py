@@ -62,7 +62,23 @@ def shared_lab(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Lab]:
     with pytest.MonkeyPatch.context() as mp:
         for k, v in env.items():
             mp.setenv(k, v)
-        yield from _lab(tmp_path_factory)
+        _drop_s3_clients()
+        try:
+            yield from _lab(tmp_path_factory)
+        finally:
+            _drop_s3_clients()
+
+
+def _drop_s3_clients() -> None:
+    """Forget this process's cached S3 backends. Their clients keep the endpoint and
+    credentials of the environment they were built in: one built for the lab's reads would
+    otherwise serve a later test's reads of the session's S3 server (404s), and one built
+    before would serve the lab's."""
+    from ckptcache.storage import registry
+
+    with registry._lock:
+        for key in [k for k in registry._cache if k[0] in ("s3", "s3a")]:
+            del registry._cache[key]
 
 
 def _lab(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Lab]:
