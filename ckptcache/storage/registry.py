@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 from ckptcache.storage.base import StorageBackend, StorageOptions
 
-__all__ = ["BackendFactory", "backend_for", "register_backend", "scheme_of"]
+__all__ = ["BackendFactory", "backend_for", "forget_backends", "register_backend", "scheme_of"]
 
 #: Builds the backend of one scheme from the storage options.
 BackendFactory = Callable[[StorageOptions], StorageBackend]
@@ -57,7 +57,16 @@ def register_backend(scheme: str, factory: BackendFactory, *, clobber: bool = Fa
         if scheme in _factories and not clobber:
             raise ValueError(f"a storage backend for {scheme}:// is already registered")
         _factories[scheme] = factory
-        for key in [k for k in _cache if k[0] == scheme]:
+    forget_backends(scheme)
+
+
+def forget_backends(*schemes: str) -> None:
+    """Drop the backends already built for ``schemes``, so the next :func:`backend_for`
+    builds them again: from the factory now registered, and with the endpoint the
+    environment names now (an S3 client reads ``AWS_ENDPOINT_URL_S3`` once, when built)."""
+    wanted = {s.lower().removesuffix("://") for s in schemes}
+    with _lock:
+        for key in [k for k in _cache if k[0] in wanted]:
             del _cache[key]
 
 

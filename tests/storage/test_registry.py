@@ -8,7 +8,7 @@ import pytest
 
 from ckptcache.storage import StorageOptions, backend_for, register_backend
 from ckptcache.storage.fs import FileBackend
-from ckptcache.storage.registry import _factories
+from ckptcache.storage.registry import _factories, forget_backends
 
 
 class RootedBackend(FileBackend):
@@ -61,6 +61,16 @@ def test_registering_again_needs_clobber_and_replaces_the_cached_instance(vault)
     second = backend_for("vault://a")
     assert second is not first and isinstance(second, RootedBackend)
     assert second.root == str(vault / "x")
+
+
+def test_forgotten_backends_are_built_again_and_others_kept(vault):
+    register_backend("vault", lambda opts: RootedBackend(str(vault), opts))
+    first, local = backend_for("vault://a"), backend_for("/tmp/a")
+    forget_backends("VAULT://", "s3")
+    again = backend_for("vault://a")
+    assert again is not first and isinstance(again, RootedBackend)
+    assert backend_for("vault://b") is again  # built once more, then cached as before
+    assert backend_for("/tmp/a") is local  # another scheme's instance is kept
 
 
 @pytest.mark.parametrize("scheme", ["", "a/b", "x y"])

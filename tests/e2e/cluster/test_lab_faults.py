@@ -74,11 +74,9 @@ def _drop_s3_clients() -> None:
     credentials of the environment they were built in: one built for the lab's reads would
     otherwise serve a later test's reads of the session's S3 server (404s), and one built
     before would serve the lab's."""
-    from ckptcache.storage import registry
+    from ckptcache.storage.registry import forget_backends
 
-    with registry._lock:
-        for key in [k for k in registry._cache if k[0] in ("s3", "s3a")]:
-            del registry._cache[key]
+    forget_backends("s3", "s3a")
 
 
 def _lab(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Lab]:
