@@ -279,3 +279,48 @@ def test_metadata_of_many_pieces_written_as_one_scatter_is_the_pieces():
         plan.archive.pieces[plan.archive.id_piece]
         != replanned.archive.pieces[plan.archive.id_piece]
     )
+
+
+def _flat_level(n: int = 12) -> dict[Any, Any]:
+    return {f"layers.{i}.weight": torch.full((2, i + 1), float(i)) for i in range(n)}
+
+
+FLAT_CHANGES: dict[str, Callable[[dict[Any, Any]], Any]] = {
+    "none": lambda s: s,
+    "a tensor held twice": lambda s: s.update(twice=s["layers.3.weight"]),
+    "a tensor seen before the dict": lambda s: {"first": s["layers.5.weight"], "sd": s},
+    "an int key": lambda s: s.update({7: torch.ones(1)}),
+    "a parameter": lambda s: s.update(p=torch.nn.Parameter(torch.ones(2))),
+    "a scalar value": lambda s: s.update(step=3),
+    "a nested dict": lambda s: {"model": s, "opt": dict(_flat_level(9))},
+    "a view of another": lambda s: s.update(v=s["layers.4.weight"][1:]),
+}
+
+
+@pytest.mark.parametrize("change", list(FLAT_CHANGES), ids=list(FLAT_CHANGES))
+def test_a_flat_level_walked_in_one_step_is_walked_as_item_by_item(monkeypatch, change):
+    """A dict of string keys and tensors seen for the first time is added to the key by C
+    calls: the key, the tensors and their marks are the per-item walk's; anything else in
+    the dict (a tensor held twice or seen before, another key or value) walks it item by
+    item."""
+    from ckptcache.format import _tensor_columns
+
+    state = _flat_level()
+    obj = FLAT_CHANGES[change](state) or state
+    bulk = describe(obj)
+    monkeypatch.setattr(_tensor_columns, "_BULK_FROM", 1 << 30)
+    each = describe(obj)
+    assert (bulk is None) == (each is None)
+    if bulk is not None:
+        assert bulk.key == each.key and bulk.ints == each.ints
+        assert [id(t) for t in bulk.tensors] == [id(t) for t in each.tensors]
+        cache = PlanCache()
+        cache.prepare(obj, "/ckpt/a.pt", "ns")
+        _assert_plan_is_fresh(cache, obj)
+        assert cache.hits == 1
+
+
+def test_a_tensor_off_the_cpu_and_cuda_is_not_described():
+    state = _flat_level()
+    state["layers.2.weight"] = torch.empty(2, 3, device="meta")
+    assert describe(state) is None
