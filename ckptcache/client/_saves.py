@@ -115,7 +115,8 @@ class Saves:
         from ckptcache.format.gpu import record_ready
 
         t0 = time.perf_counter()
-        flat, plan = self.plan(obj, path)
+        # Only a non-blocking save checks version counters: a blocking one reads none.
+        flat, plan = self.plan(obj, path, versions=not blocking)
         job = _Job(obj, flat, plan, path, durability)
         job.t0 = t0
         if blocking:
@@ -150,14 +151,15 @@ class Saves:
         self._run(job)
         return plan.manifest.storages[0].offset - plan.manifest.payload_offset
 
-    def plan(self, obj: Any, path: str) -> tuple[Flattened, ObjectPlan]:
+    def plan(self, obj: Any, path: str, *, versions: bool = True) -> tuple[Flattened, ObjectPlan]:
         """``obj`` flattened and its segment planned, from this client's save plans by
-        structure (made at the first save: see :mod:`ckptcache.format.plancache`)."""
+        structure (made at the first save: see :mod:`ckptcache.format.plancache`);
+        ``versions``: record the tensors' version counters (a non-blocking save's check)."""
         from ckptcache.format.plancache import PlanCache
 
         if self._plans is None:
             self._plans = PlanCache()
-        return self._plans.prepare(obj, path, self._settings.namespace)
+        return self._plans.prepare(obj, path, self._settings.namespace, versions=versions)
 
     def background(self) -> LingeringPool:
         """The one thread that runs this client's non-blocking saves, in submission order.

@@ -70,10 +70,11 @@ _attributes = operator.attrgetter("__dict__")
 
 
 def tensor_columns(
-    tensors: list[torch.Tensor], v3: frozenset[torch.dtype]
+    tensors: list[torch.Tensor], v3: frozenset[torch.dtype], versions: bool = True
 ) -> tuple[list[torch.UntypedStorage], list[int | None], list[int], tuple[Any, ...]]:
     """The storages of ``tensors`` (each once, in pickling order) in first-use order; per
-    tensor its version counter and its storage's ``_cdata``; and seven columns of their
+    tensor its version counter (none read without ``versions``: only a non-blocking save
+    checks them) and its storage's ``_cdata``; and seven columns of their
     fields (:attr:`Structure.columns`), which the key holds after the walk's items. Raises
     :class:`NotPlain` for a tensor that is not a plain dense CPU/CUDA tensor, or storages the
     flatten would refuse.
@@ -124,10 +125,11 @@ def tensor_columns(
         placed = {(p, d) for p, d in zip(ptrs, storage_dtypes, strict=True) if p}
         if len(placed) != len({p for p, _ in placed}):
             raise NotPlain
+    counters: list[int | None] = []
     try:
-        versions: list[int | None] = list(map(_version, ts))
+        counters = list(map(_version, ts)) if versions else []
     except RuntimeError:  # an inference-mode tensor among them: it has no counter
-        versions = [_version_or_none(t) for t in ts]
+        counters = [_version_or_none(t) for t in ts]
     # Shapes and strides as numbers in one array (with each tensor's number of dimensions):
     # thousands of tuples kept alive would each be scanned by the collector's next pass.
     shapes, strides = list(map(_shape, ts)), list(map(Tensor.stride, ts))
@@ -143,7 +145,7 @@ def tensor_columns(
         (-1,) * len(ts) if devices == {_CPU} else tuple(map(Tensor.get_device, ts)),
         tuple(map(_Storage.nbytes, storages)),
     )
-    return storages, versions, cdatas, columns
+    return storages, counters, cdatas, columns
 
 
 def _version_or_none(t: torch.Tensor) -> int | None:

@@ -91,9 +91,10 @@ class Structure:
     plain: bool = False
 
 
-def describe(obj: Any) -> Structure | None:
+def describe(obj: Any, *, versions: bool = True) -> Structure | None:
     """The structure of ``obj``, or ``None`` if it holds anything but the common containers,
-    values and plain tensors (see the module docstring)."""
+    values and plain tensors (see the module docstring); ``versions``: read the tensors'
+    version counters too (:attr:`Structure.versions`, for a non-blocking save's check)."""
     key: list[Any] = []
     tensors: list[torch.Tensor] = []
     seen: dict[int, int] = {}  # id() of a tensor, dict or list -> index of its first visit
@@ -210,10 +211,10 @@ def describe(obj: Any) -> Structure | None:
     try:
         with gc_paused():
             visit(obj)
-            storages, versions, cdatas, columns = _tensor_columns(tensors, v3)
+            storages, counters, cdatas, columns = _tensor_columns(tensors, v3, versions)
             key.extend(columns)
         return Structure(
-            tuple(key), tuple(tensors), tuple(storages), tuple(versions), tuple(cdatas),
+            tuple(key), tuple(tensors), tuple(storages), tuple(counters), tuple(cdatas),
             tuple(ints), columns, plain=not reductions,
         )  # fmt: skip
     except (
@@ -265,12 +266,15 @@ class PlanCache:
         self.hits = 0
         self.misses = 0
 
-    def prepare(self, obj: Any, path: str, namespace: str) -> tuple[Flattened, ObjectPlan]:
-        """``flatten(obj)`` and its plan for ``path``, reused where the structure is known.
+    def prepare(
+        self, obj: Any, path: str, namespace: str, *, versions: bool = True
+    ) -> tuple[Flattened, ObjectPlan]:
+        """``flatten(obj)`` and its plan for ``path``, reused where the structure is known;
+        ``versions``: record the tensors' version counters (:attr:`Flattened.versions`).
 
         Raises :class:`~ckptcache.errors.SerializationError` as :func:`flatten` does.
         """
-        structure = describe(obj)
+        structure = describe(obj, versions=versions)
         previous = None  # a plan of this structure with other integers, none of them placed
         if structure is not None:
             with self._lock:

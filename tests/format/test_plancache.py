@@ -347,3 +347,16 @@ def test_table_fields_are_the_tensors_own():
     assert strides == tuple(t.stride() for t in ts)
     assert offsets == tuple(t.storage_offset() for t in ts)
     assert grads == tuple(t.requires_grad for t in ts) and set(devices) == {-1}
+
+
+def test_a_blocking_save_reads_no_version_counter_and_shares_the_plan():
+    cache = PlanCache()
+    state = _state()
+    cache.prepare(state, "/ckpt/a.pt", "ns", versions=False)
+    counted, _ = cache.prepare(state, "/ckpt/a.pt", "ns", versions=True)
+    blocking, _ = cache.prepare(state, "/ckpt/a.pt", "ns", versions=False)
+    assert (cache.hits, cache.misses) == (2, 1)
+    assert counted.versions == tuple(t._version for t in counted.tensors)
+    assert blocking.versions == () and blocking.skeleton == counted.skeleton
+    described = describe(state, versions=False)
+    assert described is not None and described.versions == ()
