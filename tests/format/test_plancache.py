@@ -360,3 +360,26 @@ def test_a_blocking_save_reads_no_version_counter_and_shares_the_plan():
     assert blocking.versions == () and blocking.skeleton == counted.skeleton
     described = describe(state, versions=False)
     assert described is not None and described.versions == ()
+
+
+def test_a_shared_scatter_writes_each_replan_s_own_pickle_and_id():
+    """The scatter leaves out the large pieces and the two a replan changes (the pickle, the
+    serialization id): replans share it and still write their own bytes."""
+    from ckptcache.format.archive import _DIRECT_FROM
+
+    state = {f"layers.{i}.weight": torch.full((i % 7 + 1,), float(i)) for i in range(300)}
+    state["step"] = 1
+    archive = PlanCache().prepare(state, "/ckpt/a.pt", "ns")[1].archive
+    assert max(len(data) for _, data in archive.pieces) >= _DIRECT_FROM
+    archive.write_metadata(memoryview(bytearray(archive.size)))  # the scatter made
+    pickled = bytearray(archive.pieces[1][1])
+    pickled[-5:-1] = b"\x00\x01\x02\x03"  # another pickle of the same length
+    others = (archive.with_serialization_id("9" * 40), archive.with_pickle(bytes(pickled)))
+    for other in others:
+        assert other._scatter and other._scatter[0] is archive._scatter[0]
+        scattered = bytearray(b"\xee" * other.size)
+        other.write_metadata(memoryview(scattered))
+        one_by_one = bytearray(b"\xee" * other.size)
+        for offset, data in other.pieces:
+            one_by_one[offset : offset + len(data)] = data
+        assert scattered == one_by_one
