@@ -62,8 +62,10 @@ _shape = operator.attrgetter("shape")
 _version = operator.attrgetter("_version")
 _cdata = operator.attrgetter("_cdata")
 _requires_grad = operator.attrgetter("requires_grad")
-_is_quantized = operator.attrgetter("is_quantized")
-_is_nested = operator.attrgetter("is_nested")
+#: Every dtype torch has, from its module (a dtype added by a later torch is in here too).
+_DTYPES = frozenset(d for d in vars(torch).values() if isinstance(d, torch.dtype))
+_QUANTIZED = frozenset(d for d in _DTYPES if str(d).startswith(("torch.qint", "torch.quint")))
+_COMPLEX = frozenset(d for d in _DTYPES if d.is_complex)
 _device = operator.attrgetter("device")
 _hooks = operator.attrgetter("_backward_hooks")
 _attributes = operator.attrgetter("__dict__")
@@ -89,19 +91,22 @@ def tensor_columns(
         return [], [], [], ((), array.array("q"), array.array("q"), (), (), (), ())
     Tensor = _Tensor
     devices = set(map(_device, ts))  # torch.device compares and hashes in C
+    dtypes = list(map(_dtype, ts))
+    kinds = set(dtypes)
+    # Three flags follow from the dtypes, so their columns are read only where they can be
+    # set: a quantized tensor has a quantized dtype; the conjugate bit exists only on complex
+    # tensors (torch asserts it); a strided nested tensor has no shape (``shape`` raises
+    # RuntimeError below, and the walk takes the slow path) and a jagged one another layout.
     if (
         set(map(_layout, ts)) != _STRIDED
-        or any(map(_is_quantized, ts))
-        or any(map(_is_nested, ts))
+        or not kinds.isdisjoint(_QUANTIZED)
         or not {device.type for device in devices} <= _PLAIN_DEVICES
         or any(map(_hooks, ts))
         or any(map(_attributes, ts))
-        or any(map(Tensor.is_conj, ts))
+        or (not kinds.isdisjoint(_COMPLEX) and any(map(Tensor.is_conj, ts)))
         or any(map(Tensor.is_neg, ts))
+        or not v3.isdisjoint(kinds)
     ):
-        raise NotPlain
-    dtypes = list(map(_dtype, ts))
-    if not v3.isdisjoint(dtypes):
         raise NotPlain
     per_tensor = list(map(Tensor.untyped_storage, ts))
     cdatas = list(map(_cdata, per_tensor))

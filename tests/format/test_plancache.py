@@ -168,8 +168,9 @@ def _with_hook(t: torch.Tensor) -> torch.Tensor:
         {"w": torch.ones(2), "a": _with_attribute(torch.ones(2))},
         {"w": torch.ones(2), "h": _with_hook(torch.ones(2, requires_grad=True))},
         {"q": torch.quantize_per_tensor(torch.ones(2), 0.5, 0, torch.qint8)},
+        {"r": torch.ones(2, dtype=torch.complex64).conj().imag},
     ],
-    ids=["parameter", "conj", "set", "neg", "attribute", "hook", "quantized"],
+    ids=["parameter", "conj", "set", "neg", "attribute", "hook", "quantized", "neg-real"],
 )
 def test_other_objects_are_flattened_every_time(odd):
     cache = PlanCache()
@@ -383,3 +384,11 @@ def test_a_shared_scatter_writes_each_replan_s_own_pickle_and_id():
         for offset, data in other.pieces:
             one_by_one[offset : offset + len(data)] = data
         assert scattered == one_by_one
+
+
+@pytest.mark.parametrize("layout", [torch.strided, torch.jagged])
+def test_a_nested_tensor_is_not_described(layout):
+    """No column reads ``is_nested``: a strided nested tensor has no shape (the walk's read
+    raises) and a jagged one another layout; either way the walk hands it to the flatten."""
+    nested = torch.nested.nested_tensor([torch.ones(2), torch.ones(3)], layout=layout)
+    assert describe({f"w{i}": torch.ones(2) for i in range(9)} | {"n": nested}) is None
