@@ -8,14 +8,13 @@ key by C calls too (:func:`tensor_items`).
 
 from __future__ import annotations
 
-import array
 import itertools
 import operator
 from typing import Any
 
 import torch
 
-__all__ = ["NotPlain", "table_fields", "tensor_columns", "tensor_items"]
+__all__ = ["NotPlain", "tensor_columns", "tensor_items"]
 
 _Tensor = torch.Tensor
 _CPU = torch.device("cpu")
@@ -67,6 +66,7 @@ _DTYPES = frozenset(d for d in vars(torch).values() if isinstance(d, torch.dtype
 _QUANTIZED = frozenset(d for d in _DTYPES if str(d).startswith(("torch.qint", "torch.quint")))
 _COMPLEX = frozenset(d for d in _DTYPES if d.is_complex)
 _device = operator.attrgetter("device")
+_is_cpu = operator.attrgetter("is_cpu")
 _hooks = operator.attrgetter("_backward_hooks")
 _attributes = operator.attrgetter("__dict__")
 
@@ -76,7 +76,7 @@ def tensor_columns(
 ) -> tuple[list[torch.UntypedStorage], list[int | None], list[int], tuple[Any, ...]]:
     """The storages of ``tensors`` (each once, in pickling order) in first-use order; per
     tensor its version counter (none read without ``versions``: only a non-blocking save
-    checks them) and its storage's ``_cdata``; and seven columns of their
+    checks them) and its storage's ``_cdata``; and eight columns of their
     fields (:attr:`Structure.columns`), which the key holds after the walk's items. Raises
     :class:`NotPlain` for a tensor that is not a plain dense CPU/CUDA tensor, or storages the
     flatten would refuse.
@@ -88,9 +88,11 @@ def tensor_columns(
     """
     ts = tensors
     if not ts:
-        return [], [], [], ((), array.array("q"), array.array("q"), (), (), (), ())
+        return [], [], [], ((),) * 8
     Tensor = _Tensor
-    devices = set(map(_device, ts))  # torch.device compares and hashes in C
+    # All on the CPU (the usual case): one flag per tensor, no device object made.
+    on_cpu = all(map(_is_cpu, ts))
+    devices = {_CPU} if on_cpu else set(map(_device, ts))
     dtypes = list(map(_dtype, ts))
     kinds = set(dtypes)
     # Three flags follow from the dtypes, so their columns are read only where they can be
@@ -135,19 +137,14 @@ def tensor_columns(
         counters = list(map(_version, ts)) if versions else []
     except RuntimeError:  # an inference-mode tensor among them: it has no counter
         counters = [_version_or_none(t) for t in ts]
-    # Shapes and strides as numbers in one array (with each tensor's number of dimensions):
-    # thousands of tuples kept alive would each be scanned by the collector's next pass.
-    shapes, strides = list(map(_shape, ts)), list(map(Tensor.stride, ts))
-    chain = itertools.chain.from_iterable
-    geometry = array.array("q", chain((chain(shapes), chain(strides))))
-    geometry.extend(map(Tensor.storage_offset, ts))
     columns = (
         tuple(dtypes),
-        array.array("q", map(len, shapes)),
-        geometry,
+        tuple(map(_shape, ts)),
+        tuple(map(Tensor.stride, ts)),
+        tuple(map(Tensor.storage_offset, ts)),
         indices,
         tuple(map(_requires_grad, ts)),
-        (-1,) * len(ts) if devices == {_CPU} else tuple(map(Tensor.get_device, ts)),
+        (-1,) * len(ts) if on_cpu else tuple(map(Tensor.get_device, ts)),
         tuple(map(_Storage.nbytes, storages)),
     )
     return storages, counters, cdatas, columns
@@ -158,20 +155,3 @@ def _version_or_none(t: torch.Tensor) -> int | None:
         return t._version
     except RuntimeError:  # an inference-mode tensor: no counter
         return None
-
-
-def table_fields(columns: tuple[Any, ...]) -> tuple[Any, ...]:
-    """:func:`tensor_columns`'s columns as the tensor table takes them
-    (:func:`~ckptcache.format.tensor_table.encode_table`): dtypes, shapes, strides, storage
-    offsets, storage indices, ``requires_grad``, devices, storage sizes; a Python step per
-    tensor, made only when a plan is new."""
-    dtypes, dims, geometry, indices, requires_grad, devices, nbytes = columns
-    numbers, at = geometry.tolist(), 0
-    shapes: list[tuple[int, ...]] = []
-    strides: list[tuple[int, ...]] = []
-    for out in (shapes, strides):
-        for n in dims:
-            out.append(tuple(numbers[at : at + n]))
-            at += n
-    offsets = tuple(numbers[at:])
-    return dtypes, tuple(shapes), tuple(strides), offsets, indices, requires_grad, devices, nbytes

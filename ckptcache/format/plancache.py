@@ -45,8 +45,8 @@ import torch
 
 from ckptcache.format._reduced import Reduction, reduction_of
 from ckptcache.format._tensor_columns import NotPlain as _NotPlain
-from ckptcache.format._tensor_columns import table_fields, tensor_items
 from ckptcache.format._tensor_columns import tensor_columns as _tensor_columns
+from ckptcache.format._tensor_columns import tensor_items
 from ckptcache.format.flatten import Flattened, flatten, gc_paused, v3_dtypes
 from ckptcache.format.manifest import ObjectPlan
 from ckptcache.format.objectio import plan_object, replan
@@ -82,9 +82,8 @@ class Structure:
     #: The values of the integers that :attr:`key` holds by their pickled width only
     #: (``BININT1``, ``BININT2`` or ``BININT``), in pickling order.
     ints: tuple[int, ...] = ()
-    #: Per tensor, as :func:`_tensor_columns` reads them: dtypes, dimensions, shapes,
-    #: strides and storage offsets (two arrays), storage indices, ``requires_grad``,
-    #: devices; then each storage's size (:func:`table_fields` spells them out).
+    #: Per tensor, as :func:`_tensor_columns` reads them: dtypes, shapes, strides, storage
+    #: offsets, storage indices, ``requires_grad``, devices; then each storage's size.
     columns: tuple[Any, ...] = ()
     #: Whether the object is made of the common containers, values and tensors only (no
     #: object described by its reduction): what a tensor table may stand for.
@@ -302,7 +301,7 @@ class PlanCache:
         agrees = structure is not None and _agrees(structure, flat)
         table = ""
         if agrees and structure is not None and structure.plain:
-            table = encode_table(obj, structure.tensors, table_fields(structure.columns))
+            table = encode_table(obj, structure.tensors, structure.columns)
         plan = plan_object(flat, path, namespace, table=table)
         with self._lock:
             self.misses += 1

@@ -328,26 +328,9 @@ def test_a_tensor_off_the_cpu_and_cuda_is_not_described():
 
 
 def test_dimensions_moved_between_tensors_change_the_key():
-    """Shapes and strides are kept as one array of numbers with each tensor's number of
-    dimensions: the same numbers split otherwise between two tensors is another key."""
     one = describe({"a": torch.zeros(2, 3), "b": torch.zeros(4)})
     other = describe({"a": torch.zeros(2), "b": torch.zeros(3, 4)})
     assert one is not None and other is not None and one.key != other.key
-
-
-def test_table_fields_are_the_tensors_own():
-    from ckptcache.format._tensor_columns import table_fields
-
-    state = _state()
-    structure = describe(state)
-    assert structure is not None
-    dtypes, shapes, strides, offsets, _, grads, devices, _ = table_fields(structure.columns)
-    ts = structure.tensors
-    assert dtypes == tuple(t.dtype for t in ts)
-    assert shapes == tuple(tuple(t.shape) for t in ts)
-    assert strides == tuple(t.stride() for t in ts)
-    assert offsets == tuple(t.storage_offset() for t in ts)
-    assert grads == tuple(t.requires_grad for t in ts) and set(devices) == {-1}
 
 
 def test_a_blocking_save_reads_no_version_counter_and_shares_the_plan():
