@@ -139,7 +139,10 @@ class VersionCheck:
         else:
             versions = [_version(t) for t in tensors]
             ids = [_storage_id(t) for t in tensors]
-        unwatched = _unwatched(flat, versions, ids)
+        # The walk's storages are its tensors' own: with every tensor counted, each storage
+        # is watched (a flatten's may hold storages no pickled tensor uses: looked at).
+        counted = bool(flat.versions) and None not in versions
+        unwatched = set() if counted else _unwatched(flat, versions, ids)
         #: ``flat`` with a private copy of each storage no counter watches.
         self.flat = flat
         if unwatched:

@@ -14,6 +14,7 @@ The order, with the lock of the connection held from the reservation to the comm
 from __future__ import annotations
 
 import atexit
+import operator
 import os
 import threading
 import time
@@ -52,6 +53,10 @@ __all__ = ["DURABILITY_LEVELS", "Saves", "check_durability"]
 #: path under no storage root is otherwise refused). The others: where the save is when it
 #: returns (this node's memory, also a backup node's, also storage); all are persisted.
 DURABILITY_LEVELS = ("memory", "local", "backup", "persisted")
+
+_location_of = operator.attrgetter("location")
+#: ``torch.serialization.location_tag`` of a CPU storage.
+_CPU_TAG = "cpu"
 
 #: Saves with a save thread in this process: their pending non-blocking saves are finished
 #: at interpreter exit (the thread is a daemon thread, which exit would otherwise stop).
@@ -115,7 +120,8 @@ class Saves:
         from ckptcache.format.gpu import record_ready
 
         t0 = time.perf_counter()
-        flat, plan = self.plan(obj, path)
+        # Only a non-blocking save checks version counters: a blocking one reads none.
+        flat, plan = self.plan(obj, path, versions=not blocking)
         job = _Job(obj, flat, plan, path, durability)
         job.t0 = t0
         if blocking:
@@ -124,7 +130,10 @@ class Saves:
         job.check = VersionCheck(obj, path, flat)
         job.flat = job.check.flat  # private copies of the storages no version counter watches
         # The copy runs on the save thread, whose current CUDA stream is not the trainer's.
-        job.ready = record_ready(job.flat.storages)
+        # The plan's locations are its storages' devices (the plan cache keys on them): a
+        # CPU-only save reads no storage's device and makes no CUDA call.
+        on_cpu = all(map(_CPU_TAG.__eq__, map(_location_of, job.flat.infos)))
+        job.ready = {} if on_cpu else record_ready(job.flat.storages)
 
         def run(copied: Callable[[], None]) -> None:
             job.copied = copied
@@ -150,14 +159,15 @@ class Saves:
         self._run(job)
         return plan.manifest.storages[0].offset - plan.manifest.payload_offset
 
-    def plan(self, obj: Any, path: str) -> tuple[Flattened, ObjectPlan]:
+    def plan(self, obj: Any, path: str, *, versions: bool = True) -> tuple[Flattened, ObjectPlan]:
         """``obj`` flattened and its segment planned, from this client's save plans by
-        structure (made at the first save: see :mod:`ckptcache.format.plancache`)."""
+        structure (made at the first save: see :mod:`ckptcache.format.plancache`);
+        ``versions``: record the tensors' version counters (a non-blocking save's check)."""
         from ckptcache.format.plancache import PlanCache
 
         if self._plans is None:
             self._plans = PlanCache()
-        return self._plans.prepare(obj, path, self._settings.namespace)
+        return self._plans.prepare(obj, path, self._settings.namespace, versions=versions)
 
     def background(self) -> LingeringPool:
         """The one thread that runs this client's non-blocking saves, in submission order.

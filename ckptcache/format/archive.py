@@ -60,46 +60,37 @@ class ArchivePlan:
     pickle_size: int
     #: Index in ``pieces`` of the ``.data/serialization_id`` record's bytes (-1: none).
     id_piece: int = -1
-    #: The pieces as one scatter (positions, bytes), made at the first write of a plan of
-    #: many pieces and carried to its replans: a state of thousands of tensors has three
-    #: pieces per tensor, and one slice assignment each cost more than the rest of a save.
-    _scatter: list[tuple[Any, Any]] = dataclasses.field(
+    #: The small pieces as one scatter (positions, bytes), with the indices of the pieces
+    #: written by slice (the large ones: the pickle, the central directory; and the two a
+    #: replan changes: the pickle and the serialization id), made at the first write of a
+    #: plan of many pieces and shared by its replans: a state of thousands of tensors has
+    #: three pieces per tensor, and one slice assignment each cost more than the rest of a
+    #: save.
+    _scatter: list[tuple[Any, Any, tuple[int, ...]]] = dataclasses.field(
         default_factory=list, init=False, compare=False, repr=False
     )
 
     def with_serialization_id(self, serialization_id: str) -> ArchivePlan:
         """This plan for an archive that differs only by its serialization id (as long)."""
-        offset, old = self.pieces[self.id_piece]
+        old = self.pieces[self.id_piece][1]
         new = serialization_id.encode()
         if self.id_piece < 0 or len(new) != len(old):
             raise ValueError("the serialization id must keep its length")
-        pieces = list(self.pieces)
-        pieces[self.id_piece] = (offset, new)
-        plan = dataclasses.replace(self, pieces=tuple(pieces))
-        if self._scatter:
-            positions, values = self._scatter[0]
-            start = sum(len(data) for _, data in self.pieces[: self.id_piece])
-            values = values.copy()
-            values[start : start + len(new)] = list(new)
-            plan._scatter.append((positions, values))
-        return plan
+        return self._with_piece(self.id_piece, new)
 
     def with_pickle(self, pickle_bytes: bytes) -> ArchivePlan:
         """This plan for an archive whose ``data.pkl`` is ``pickle_bytes`` (as long)."""
         offset, old = self.pieces[_PICKLE_PIECE]
         if len(pickle_bytes) != len(old) or offset != self.pickle_offset:
             raise ValueError("the pickle must keep its length")
-        pieces = list(self.pieces)
-        pieces[_PICKLE_PIECE] = (offset, pickle_bytes)
-        plan = dataclasses.replace(self, pieces=tuple(pieces))
-        if self._scatter:
-            import numpy as np
+        return self._with_piece(_PICKLE_PIECE, pickle_bytes)
 
-            positions, values = self._scatter[0]
-            start = len(self.pieces[0][1])  # the pickle follows its local header
-            values = values.copy()
-            values[start : start + len(pickle_bytes)] = np.frombuffer(pickle_bytes, np.uint8)
-            plan._scatter.append((positions, values))
+    def _with_piece(self, index: int, data: bytes) -> ArchivePlan:
+        """This plan with piece ``index`` (one the scatter leaves out) holding ``data``."""
+        pieces = list(self.pieces)
+        pieces[index] = (pieces[index][0], data)
+        plan = dataclasses.replace(self, pieces=tuple(pieces))
+        plan._scatter.extend(self._scatter)  # the scatter holds neither piece: shared as it is
         return plan
 
     def write_metadata(self, buf: memoryview) -> None:
@@ -111,18 +102,31 @@ class ArchivePlan:
         import numpy as np
 
         if not self._scatter:
-            lengths = np.fromiter((len(d) for _, d in self.pieces), np.int64, len(self.pieces))
-            starts = np.fromiter((o for o, _ in self.pieces), np.int64, len(self.pieces))
-            before = np.cumsum(lengths) - lengths  # where each piece starts in ``values``
-            positions = np.arange(int(lengths.sum())) + np.repeat(starts - before, lengths)
-            values = np.frombuffer(b"".join(d for _, d in self.pieces), dtype=np.uint8).copy()
-            self._scatter.append((positions, values))
-        positions, values = self._scatter[0]
+            self._scatter.append(self._make_scatter())
+        positions, values, direct = self._scatter[0]
         np.frombuffer(buf, dtype=np.uint8)[positions] = values
+        for index in direct:
+            offset, data = self.pieces[index]
+            buf[offset : offset + len(data)] = data
+
+    def _make_scatter(self) -> tuple[Any, Any, tuple[int, ...]]:
+        import numpy as np
+
+        direct = {_PICKLE_PIECE, self.id_piece} - {-1}
+        direct.update(i for i, (_, data) in enumerate(self.pieces) if len(data) >= _DIRECT_FROM)
+        small = [piece for i, piece in enumerate(self.pieces) if i not in direct]
+        lengths = np.fromiter((len(d) for _, d in small), np.int64, len(small))
+        starts = np.fromiter((o for o, _ in small), np.int64, len(small))
+        before = np.cumsum(lengths) - lengths  # where each piece starts in ``values``
+        positions = np.arange(int(lengths.sum())) + np.repeat(starts - before, lengths)
+        values = np.frombuffer(b"".join(d for _, d in small), dtype=np.uint8).copy()
+        return positions, values, tuple(sorted(direct))
 
 
 #: Plans of this many pieces or more write them as one scatter.
 _SCATTER_FROM = 64
+#: Pieces of this many bytes or more are written by slice, even in a scatter's plan.
+_DIRECT_FROM = 4096
 #: Index in ``pieces`` of ``data.pkl``'s bytes (its local header is piece 0).
 _PICKLE_PIECE = 1
 

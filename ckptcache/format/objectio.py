@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import mmap
 import operator
+import threading
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -31,6 +32,7 @@ from ckptcache.format.manifest import (
 )
 from ckptcache.format.shm import (
     checked_nbytes,
+    copy_cpu_storages,
     copy_storage_into,
     copy_storages_into,
     device_type,
@@ -110,6 +112,27 @@ def write_metadata(mapping: mmap.mmap, plan: ObjectPlan) -> None:
 
 _nbytes_of = operator.attrgetter("nbytes")
 _offset_of = operator.attrgetter("offset")
+_device = operator.attrgetter("device")
+_CPU = torch.device("cpu")
+#: Per storage records of the last plans written: ``id(records) -> (records, offsets, sizes)``
+#: (the records are kept, so an id is never reused while it is here). A replan shares its
+#: records with the plan it came from: repeated saves read no record field.
+_columns: dict[int, tuple[Any, list[int], list[int]]] = {}
+_columns_lock = threading.Lock()
+
+
+def _record_columns(records: tuple[Any, ...]) -> tuple[list[int], list[int]]:
+    """The offsets and sizes of ``records`` (read once per plan)."""
+    with _columns_lock:
+        known = _columns.get(id(records))
+    if known is not None and known[0] is records:
+        return known[1], known[2]
+    offsets, sizes = list(map(_offset_of, records)), list(map(_nbytes_of, records))
+    with _columns_lock:
+        _columns[id(records)] = (records, offsets, sizes)
+        while len(_columns) > 8:
+            del _columns[next(iter(_columns))]
+    return offsets, sizes
 
 
 def write_object(
@@ -124,21 +147,22 @@ def write_object(
     must still have the size it was planned with (else :class:`TensorMutated`, before any
     copy: see :func:`~ckptcache.format.shm.checked_nbytes`).
     """
-    records, storages = plan.manifest.storages, flat.storages
-    planned = list(map(_nbytes_of, records))
-    if list(map(torch.UntypedStorage.nbytes, storages)) != planned:
+    records, storages = plan.manifest.storages, list(flat.storages)
+    offsets, planned = _record_columns(records)
+    sizes = list(map(torch.UntypedStorage.nbytes, storages))
+    if sizes != planned:
         for record, storage in zip(records, storages, strict=True):  # name the one resized
             checked_nbytes(storage, record.nbytes, record.name)
-    runs = list(zip(map(_offset_of, records), storages, planned, strict=True))
-    kinds = list(map(device_type, storages))
+    if set(map(_device, storages)) <= {_CPU}:  # the usual case: no sort per storage
+        write_metadata(mapping, plan)
+        copy_cpu_storages(torch.frombuffer(mapping, dtype=torch.uint8), offsets, storages, sizes)
+        return
+    runs = list(zip(offsets, storages, planned, strict=True))
     on_cpu: list[tuple[int, torch.UntypedStorage, int]] = []
     on_device: list[tuple[int, torch.UntypedStorage, int]] = []
     elsewhere: list[tuple[int, torch.UntypedStorage, int]] = []
-    if set(kinds) <= {"cpu"}:  # the usual case: no sort per storage
-        on_cpu = runs
-    else:
-        for run, kind in zip(runs, kinds, strict=True):
-            (on_cpu if kind == "cpu" else on_device if kind == "cuda" else elsewhere).append(run)
+    for run, kind in zip(runs, map(device_type, storages), strict=True):
+        (on_cpu if kind == "cpu" else on_device if kind == "cuda" else elsewhere).append(run)
     write_metadata(mapping, plan)
     # Device-to-host copies start first (DMA into the pinned segment) and overlap the CPU ones.
     wait = copy_to_segment(mapping, on_device, ready) if on_device else None

@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import operator
 import threading
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -45,6 +44,9 @@ import numpy as np
 import torch
 
 from ckptcache.format._reduced import Reduction, reduction_of
+from ckptcache.format._tensor_columns import NotPlain as _NotPlain
+from ckptcache.format._tensor_columns import tensor_columns as _tensor_columns
+from ckptcache.format._tensor_columns import tensor_items
 from ckptcache.format.flatten import Flattened, flatten, gc_paused, v3_dtypes
 from ckptcache.format.manifest import ObjectPlan
 from ckptcache.format.objectio import plan_object, replan
@@ -61,10 +63,6 @@ _STATE = object()  # in a key: a reduced object's state follows (its ``BUILD``)
 _strided = torch.strided
 #: Per pickled width of an integer, its opcode (the byte before its little-endian payload).
 _INT_OPCODES = {1: ord("K"), 2: ord("M"), 4: ord("J")}
-
-
-class _NotPlain(Exception):
-    """The object holds something the walk does not describe: flatten it afresh."""
 
 
 @dataclass(frozen=True)
@@ -92,9 +90,10 @@ class Structure:
     plain: bool = False
 
 
-def describe(obj: Any) -> Structure | None:
+def describe(obj: Any, *, versions: bool = True) -> Structure | None:
     """The structure of ``obj``, or ``None`` if it holds anything but the common containers,
-    values and plain tensors (see the module docstring)."""
+    values and plain tensors (see the module docstring); ``versions``: read the tensors'
+    version counters too (:attr:`Structure.versions`, for a non-blocking save's check)."""
     key: list[Any] = []
     tensors: list[torch.Tensor] = []
     seen: dict[int, int] = {}  # id() of a tensor, dict or list -> index of its first visit
@@ -142,7 +141,7 @@ def describe(obj: Any) -> Structure | None:
             tensors.append(value)
         elif kind is dict or kind is _OrderedDict:
             add(len(value))
-            for k, v in value.items():
+            for k, v in () if tensor_items(value, key, seen, tensors) else value.items():
                 if type(k) is str:  # as ``visit(k)`` would add it, without the call
                     add(str)
                     add(k)
@@ -211,10 +210,10 @@ def describe(obj: Any) -> Structure | None:
     try:
         with gc_paused():
             visit(obj)
-            storages, versions, cdatas, columns = _tensor_columns(tensors, v3)
+            storages, counters, cdatas, columns = _tensor_columns(tensors, v3, versions)
             key.extend(columns)
         return Structure(
-            tuple(key), tuple(tensors), tuple(storages), tuple(versions), tuple(cdatas),
+            tuple(key), tuple(tensors), tuple(storages), tuple(counters), tuple(cdatas),
             tuple(ints), columns, plain=not reductions,
         )  # fmt: skip
     except (
@@ -231,102 +230,6 @@ def describe(obj: Any) -> Structure | None:
         # holds must not wait for that, or the caller's tensors would outlive their use.
         for held in (keep, seen, tensors, key, reductions, reducing, ints):
             held.clear()
-
-
-_Storage = torch.UntypedStorage
-_STRIDED = {torch.strided}
-_layout = operator.attrgetter("layout")
-_dtype = operator.attrgetter("dtype")
-_shape = operator.attrgetter("shape")
-_version = operator.attrgetter("_version")
-_cdata = operator.attrgetter("_cdata")
-_requires_grad = operator.attrgetter("requires_grad")
-_is_quantized = operator.attrgetter("is_quantized")
-_is_nested = operator.attrgetter("is_nested")
-_is_cpu = operator.attrgetter("is_cpu")
-_is_cuda = operator.attrgetter("is_cuda")
-_hooks = operator.attrgetter("_backward_hooks")
-_attributes = operator.attrgetter("__dict__")
-
-
-def _tensor_columns(
-    tensors: list[torch.Tensor], v3: frozenset[torch.dtype]
-) -> tuple[list[torch.UntypedStorage], list[int | None], list[int], tuple[Any, ...]]:
-    """The storages of ``tensors`` (each once, in pickling order) in first-use order; per
-    tensor its version counter and its storage's ``_cdata``; and eight columns of their
-    fields (:attr:`Structure.columns`), which the key holds after the walk's items. Raises
-    :class:`_NotPlain` for a tensor that is not a plain dense CPU/CUDA tensor, or storages the
-    flatten would refuse.
-
-    Each field is read for every tensor by ``map`` over a C getter: a tenth of a microsecond
-    a field, where a Python loop reading the same dozen fields cost 4-5 us a tensor. The
-    columns follow the walk's own items in the key, so two keys are equal exactly when the
-    walks and every tensor's fields are (the i-th column entry is the i-th tensor visited).
-    """
-    ts = tensors
-    if not ts:
-        return [], [], [], ((),) * 8
-    Tensor = _Tensor
-    if (
-        set(map(_layout, ts)) != _STRIDED
-        or any(map(_is_quantized, ts))
-        or any(map(_is_nested, ts))
-        or not (
-            all(map(_is_cpu, ts)) or all(map(operator.or_, map(_is_cpu, ts), map(_is_cuda, ts)))
-        )
-        or any(map(_hooks, ts))
-        or any(map(_attributes, ts))
-        or any(map(Tensor.is_conj, ts))
-        or any(map(Tensor.is_neg, ts))
-    ):
-        raise _NotPlain
-    dtypes = list(map(_dtype, ts))
-    if not v3.isdisjoint(dtypes):
-        raise _NotPlain
-    per_tensor = list(map(Tensor.untyped_storage, ts))
-    cdatas = list(map(_cdata, per_tensor))
-    order = list(dict.fromkeys(cdatas))  # each storage once, in first-use order
-    if len(order) == len(ts):  # no storage shared (most state dicts): nothing to reconcile
-        storages, storage_dtypes, indices = per_tensor, dtypes, tuple(range(len(ts)))
-    else:
-        # Every tensor over a storage has the storage's first dtype (as ``flatten`` requires).
-        if len(set(zip(cdatas, dtypes, strict=True))) != len(order):
-            raise _NotPlain
-        first = dict(zip(reversed(cdatas), reversed(per_tensor), strict=True))
-        storages = list(map(first.__getitem__, order))
-        first_dtype = dict(zip(reversed(cdatas), reversed(dtypes), strict=True))
-        storage_dtypes = list(map(first_dtype.__getitem__, order))
-        position = {c: i for i, c in enumerate(order)}
-        indices = tuple(map(position.__getitem__, cdatas))
-    # Two storages over the same memory must agree on the dtype: flatten refuses it, with its
-    # message. Distinct pointers (the usual case) cannot disagree.
-    ptrs = list(map(_Storage.data_ptr, storages))
-    if len(set(ptrs)) != len(ptrs):
-        placed = {(p, d) for p, d in zip(ptrs, storage_dtypes, strict=True) if p}
-        if len(placed) != len({p for p, _ in placed}):
-            raise _NotPlain
-    try:
-        versions: list[int | None] = list(map(_version, ts))
-    except RuntimeError:  # an inference-mode tensor among them: it has no counter
-        versions = [_version_or_none(t) for t in ts]
-    columns = (
-        tuple(dtypes),
-        tuple(map(_shape, ts)),
-        tuple(map(Tensor.stride, ts)),
-        tuple(map(Tensor.storage_offset, ts)),
-        indices,
-        tuple(map(_requires_grad, ts)),
-        tuple(map(Tensor.get_device, ts)),
-        tuple(map(_Storage.nbytes, storages)),
-    )
-    return storages, versions, cdatas, columns
-
-
-def _version_or_none(t: torch.Tensor) -> int | None:
-    try:
-        return t._version
-    except RuntimeError:  # an inference-mode tensor: no counter
-        return None
 
 
 @dataclass(frozen=True)
@@ -362,12 +265,15 @@ class PlanCache:
         self.hits = 0
         self.misses = 0
 
-    def prepare(self, obj: Any, path: str, namespace: str) -> tuple[Flattened, ObjectPlan]:
-        """``flatten(obj)`` and its plan for ``path``, reused where the structure is known.
+    def prepare(
+        self, obj: Any, path: str, namespace: str, *, versions: bool = True
+    ) -> tuple[Flattened, ObjectPlan]:
+        """``flatten(obj)`` and its plan for ``path``, reused where the structure is known;
+        ``versions``: record the tensors' version counters (:attr:`Flattened.versions`).
 
         Raises :class:`~ckptcache.errors.SerializationError` as :func:`flatten` does.
         """
-        structure = describe(obj)
+        structure = describe(obj, versions=versions)
         previous = None  # a plan of this structure with other integers, none of them placed
         if structure is not None:
             with self._lock:

@@ -40,6 +40,7 @@ from ckptcache.server.digester import Digester
 from ckptcache.server.eviction import EvictionPolicy
 from ckptcache.server.index import Generation
 from ckptcache.server.lineage import anchor_of, check_persistable, observe_base
+from ckptcache.server.manifest_memo import ManifestMemo
 from ckptcache.server.ownership import Saver
 from ckptcache.server.persist import Persister
 from ckptcache.server.pool import SegmentPool
@@ -101,6 +102,8 @@ class Saves:
         self.internal = Session(0, os.getpid(), os.getuid())
         #: Each admitted user's share of the budget (see server/shares.py).
         self.shares = self.eviction.shares
+        #: Manifests decoded in full, whose repeats a commit accepts from their bytes.
+        self.manifests = ManifestMemo()
 
     # ----------------------------------------------------------------- sessions
 
@@ -476,13 +479,13 @@ class Saves:
         if not (HEADER_SIZE <= req.manifest_offset <= cap - req.manifest_size):
             raise CorruptCheckpoint(f"commit of {res.path!r}: manifest outside the segment")
         view = segment.view()
-        try:
-            manifest = Manifest.from_json(
-                view[req.manifest_offset : req.manifest_offset + req.manifest_size],
-                segment_size=cap,
-            )
+        try:  # one copy of the bytes: the checks and the decode all see the same ones
+            data = bytes(view[req.manifest_offset : req.manifest_offset + req.manifest_size])
         finally:
             del view
+        manifest = self.manifests.decode(
+            data, path=res.path, namespace=res.namespace, segment_size=cap
+        )
         if (manifest.namespace, manifest.path) != (res.namespace, res.path):
             raise CorruptCheckpoint(
                 f"commit of {res.path!r}: manifest names {manifest.path!r} instead"

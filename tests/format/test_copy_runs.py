@@ -45,6 +45,28 @@ def test_split_cuts_runs_into_equal_shares_in_order():
     assert shm._split([], 2) == [[], []]
 
 
+@pytest.mark.parametrize("parts", [1, 2, 16])
+def test_split_of_many_small_runs_and_a_few_large_ones_keeps_every_byte_in_order(parts):
+    """A state dict's runs (thousands of small storages, a few large ones): every byte of every
+    run in exactly one piece, in order, large runs cut at shares, no piece past two shares."""
+    sizes = [65536] * 500 + [16 << 20] * 3 + [4096, 1] * 40
+    runs, dst, src = [], 1 << 40, 1 << 20
+    for n in sizes:
+        runs.append((dst, src, n))
+        dst, src = dst + n + 64, src + n + 4096
+    pieces = shm._split(runs, parts)
+    assert 1 <= len(pieces) <= parts
+    share = -(-sum(sizes) // parts)
+    assert all(sum(n for _, _, n in piece) <= 2 * share for piece in pieces)
+    merged: list[tuple[int, int, int]] = []
+    for d, s, n in (run for piece in pieces for run in piece):
+        if merged and merged[-1][0] + merged[-1][2] == d and merged[-1][1] + merged[-1][2] == s:
+            merged[-1] = (merged[-1][0], merged[-1][1], merged[-1][2] + n)  # a cut run, joined
+        else:
+            merged.append((d, s, n))
+    assert merged == runs
+
+
 def test_runs_outside_the_destination_or_off_the_cpu_are_refused():
     (s,) = _storages([16])
     dst = torch.zeros(32, dtype=torch.uint8)

@@ -168,8 +168,9 @@ def _with_hook(t: torch.Tensor) -> torch.Tensor:
         {"w": torch.ones(2), "a": _with_attribute(torch.ones(2))},
         {"w": torch.ones(2), "h": _with_hook(torch.ones(2, requires_grad=True))},
         {"q": torch.quantize_per_tensor(torch.ones(2), 0.5, 0, torch.qint8)},
+        {"r": torch.ones(2, dtype=torch.complex64).conj().imag},
     ],
-    ids=["parameter", "conj", "set", "neg", "attribute", "hook", "quantized"],
+    ids=["parameter", "conj", "set", "neg", "attribute", "hook", "quantized", "neg-real"],
 )
 def test_other_objects_are_flattened_every_time(odd):
     cache = PlanCache()
@@ -279,3 +280,98 @@ def test_metadata_of_many_pieces_written_as_one_scatter_is_the_pieces():
         plan.archive.pieces[plan.archive.id_piece]
         != replanned.archive.pieces[plan.archive.id_piece]
     )
+
+
+def _flat_level(n: int = 12) -> dict[Any, Any]:
+    return {f"layers.{i}.weight": torch.full((2, i + 1), float(i)) for i in range(n)}
+
+
+FLAT_CHANGES: dict[str, Callable[[dict[Any, Any]], Any]] = {
+    "none": lambda s: s,
+    "a tensor held twice": lambda s: s.update(twice=s["layers.3.weight"]),
+    "a tensor seen before the dict": lambda s: {"first": s["layers.5.weight"], "sd": s},
+    "an int key": lambda s: s.update({7: torch.ones(1)}),
+    "a parameter": lambda s: s.update(p=torch.nn.Parameter(torch.ones(2))),
+    "a scalar value": lambda s: s.update(step=3),
+    "a nested dict": lambda s: {"model": s, "opt": dict(_flat_level(9))},
+    "a view of another": lambda s: s.update(v=s["layers.4.weight"][1:]),
+}
+
+
+@pytest.mark.parametrize("change", list(FLAT_CHANGES), ids=list(FLAT_CHANGES))
+def test_a_flat_level_walked_in_one_step_is_walked_as_item_by_item(monkeypatch, change):
+    """A dict of string keys and tensors seen for the first time is added to the key by C
+    calls: the key, the tensors and their marks are the per-item walk's; anything else in
+    the dict (a tensor held twice or seen before, another key or value) walks it item by
+    item."""
+    from ckptcache.format import _tensor_columns
+
+    state = _flat_level()
+    obj = FLAT_CHANGES[change](state) or state
+    bulk = describe(obj)
+    monkeypatch.setattr(_tensor_columns, "_BULK_FROM", 1 << 30)
+    each = describe(obj)
+    assert (bulk is None) == (each is None)
+    if bulk is not None:
+        assert bulk.key == each.key and bulk.ints == each.ints
+        assert [id(t) for t in bulk.tensors] == [id(t) for t in each.tensors]
+        cache = PlanCache()
+        cache.prepare(obj, "/ckpt/a.pt", "ns")
+        _assert_plan_is_fresh(cache, obj)
+        assert cache.hits == 1
+
+
+def test_a_tensor_off_the_cpu_and_cuda_is_not_described():
+    state = _flat_level()
+    state["layers.2.weight"] = torch.empty(2, 3, device="meta")
+    assert describe(state) is None
+
+
+def test_dimensions_moved_between_tensors_change_the_key():
+    one = describe({"a": torch.zeros(2, 3), "b": torch.zeros(4)})
+    other = describe({"a": torch.zeros(2), "b": torch.zeros(3, 4)})
+    assert one is not None and other is not None and one.key != other.key
+
+
+def test_a_blocking_save_reads_no_version_counter_and_shares_the_plan():
+    cache = PlanCache()
+    state = _state()
+    cache.prepare(state, "/ckpt/a.pt", "ns", versions=False)
+    counted, _ = cache.prepare(state, "/ckpt/a.pt", "ns", versions=True)
+    blocking, _ = cache.prepare(state, "/ckpt/a.pt", "ns", versions=False)
+    assert (cache.hits, cache.misses) == (2, 1)
+    assert counted.versions == tuple(t._version for t in counted.tensors)
+    assert blocking.versions == () and blocking.skeleton == counted.skeleton
+    described = describe(state, versions=False)
+    assert described is not None and described.versions == ()
+
+
+def test_a_shared_scatter_writes_each_replan_s_own_pickle_and_id():
+    """The scatter leaves out the large pieces and the two a replan changes (the pickle, the
+    serialization id): replans share it and still write their own bytes."""
+    from ckptcache.format.archive import _DIRECT_FROM
+
+    state = {f"layers.{i}.weight": torch.full((i % 7 + 1,), float(i)) for i in range(300)}
+    state["step"] = 1
+    archive = PlanCache().prepare(state, "/ckpt/a.pt", "ns")[1].archive
+    assert max(len(data) for _, data in archive.pieces) >= _DIRECT_FROM
+    archive.write_metadata(memoryview(bytearray(archive.size)))  # the scatter made
+    pickled = bytearray(archive.pieces[1][1])
+    pickled[-5:-1] = b"\x00\x01\x02\x03"  # another pickle of the same length
+    others = (archive.with_serialization_id("9" * 40), archive.with_pickle(bytes(pickled)))
+    for other in others:
+        assert other._scatter and other._scatter[0] is archive._scatter[0]
+        scattered = bytearray(b"\xee" * other.size)
+        other.write_metadata(memoryview(scattered))
+        one_by_one = bytearray(b"\xee" * other.size)
+        for offset, data in other.pieces:
+            one_by_one[offset : offset + len(data)] = data
+        assert scattered == one_by_one
+
+
+@pytest.mark.parametrize("layout", [torch.strided, torch.jagged])
+def test_a_nested_tensor_is_not_described(layout):
+    """No column reads ``is_nested``: a strided nested tensor has no shape (the walk's read
+    raises) and a jagged one another layout; either way the walk hands it to the flatten."""
+    nested = torch.nested.nested_tensor([torch.ones(2), torch.ones(3)], layout=layout)
+    assert describe({f"w{i}": torch.ones(2) for i in range(9)} | {"n": nested}) is None

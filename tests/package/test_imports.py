@@ -141,10 +141,10 @@ PRIVATE_KEPT: dict[tuple[str, str], str] = {
         "enum's value table: a string enum field decoded without a try per member",
     **{(module, "typed._untyped_storage"): "torch's storage internals, as torch.save reads them"
        for module in ("ckptcache.format.flatten", "ckptcache.format.fast_unpickle")},
-    **{("ckptcache.format.plancache", what): "torch's storage identity, version counter and "
-       "hooks: what a cached plan's structure key is made of"
-       for what in ("a._cdata", "b._cdata", "storage._cdata", "t._backward_hooks",
-                    "t._version")},
+    **{("ckptcache.format.plancache", what): "torch's storage identity: a cached plan's "
+       "storages checked against a fresh flatten's" for what in ("a._cdata", "b._cdata")},
+    ("ckptcache.format._tensor_columns", "t._version"): "torch's version counter, read for "
+    "an inference-mode tensor one by one (it has none): the cached plan's structure key",
     ("ckptcache.format.archive", "plan._scatter"): "the archive plan's own member, in its module",
     ("ckptcache.client._connection", "conn._closed"): "rpyc's connection, disowned after a fork",
     ("ckptcache.client._connection", "conn._send"): "rpyc's connection, disowned after a fork",

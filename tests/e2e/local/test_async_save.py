@@ -240,13 +240,18 @@ def bump(tensor: torch.Tensor) -> None:
 
 
 def copy_stepping_midway(step: Callable[[], None]) -> Callable[..., None]:
-    """A stand-in for the segment copier (``copy_storages_into``) that copies the first half of
+    """A stand-in for the segment copier (``copy_cpu_storages``) that copies the first half of
     the first storage's bytes, runs ``step`` (the trainer's in-place update racing the copy),
     then copies the rest: the torn copy of the issue, made deterministic."""
 
-    def copy(dst: torch.Tensor, runs: Sequence[tuple[int, torch.UntypedStorage, int]]) -> None:
+    def copy(
+        dst: torch.Tensor,
+        offsets: Sequence[int],
+        storages: Sequence[torch.UntypedStorage],
+        sizes: Sequence[int],
+    ) -> None:
         pending = [step]
-        for offset, storage, nbytes in runs:
+        for offset, storage, nbytes in zip(offsets, storages, sizes, strict=True):
             src = torch.empty(0, dtype=torch.uint8).set_(storage)
             half = nbytes // 2
             dst[offset : offset + half].copy_(src[:half])
@@ -262,7 +267,7 @@ def test_inference_tensor_changed_during_the_copy_never_commits_torn_bytes(
 ):
     path = str(tmp_path / "i.pt")
     s = inference_state(2.0)
-    monkeypatch.setattr(objectio, "copy_storages_into", copy_stepping_midway(lambda: bump(s["w"])))
+    monkeypatch.setattr(objectio, "copy_cpu_storages", copy_stepping_midway(lambda: bump(s["w"])))
     handle = client.save(s, path, blocking=False)
     handle.wait()
     assert torch.equal(s["w"], torch.full((MIB,), 3.0))  # the step did run during the copy
@@ -282,7 +287,7 @@ def test_counted_tensor_beside_inference_tensors_is_still_checked_before_commit(
     s = {**inference_state(2.0), "counted": torch.full((MIB,), 2.0)}
     if where == "during":
         step = lambda: s["counted"].add_(1.0)  # noqa: E731
-        monkeypatch.setattr(objectio, "copy_storages_into", copy_stepping_midway(step))
+        monkeypatch.setattr(objectio, "copy_cpu_storages", copy_stepping_midway(step))
         handle = client.save(s, path, blocking=False)
     else:
         with copies_held(client):
