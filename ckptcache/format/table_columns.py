@@ -26,7 +26,15 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
-__all__ = ["CODES", "MAGIC", "Dense", "dense_places", "pack_dense", "unpack_dense"]
+__all__ = [
+    "CODES",
+    "MAGIC",
+    "Dense",
+    "contiguous_strides",
+    "dense_places",
+    "pack_dense",
+    "unpack_dense",
+]
 
 MAGIC = b"\xffckptT2\x00"
 _HEAD = struct.Struct("<QQQ")
@@ -59,7 +67,7 @@ def dense_places(columns: Sequence[Any]) -> list[bool]:
         offset == 0
         and uses[index] == 1
         and 0 < storage_sizes[index] == dtype.itemsize * math.prod(shape)
-        and tuple(stride) == _contiguous_strides(tuple(shape))
+        and tuple(stride) == contiguous_strides(tuple(shape))
         for dtype, shape, stride, offset, index in zip(
             dtypes, shapes, strides, offsets, indices, strict=True
         )
@@ -98,7 +106,7 @@ def unpack_dense(blob: memoryview) -> tuple[Dense, memoryview, memoryview]:
     return Dense(index, dims, code, ndim, grad), blob[at : at + strided_size], blob[end:]
 
 
-def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
     """The strides of a contiguous tensor of ``shape`` (as torch gives them: a dimension of
     size 1 or 0 still gets the product of the sizes after it)."""
     strides, expected = [], 1

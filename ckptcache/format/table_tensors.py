@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from ckptcache.format.fast_unpickle import NUMPY_TWINS
-from ckptcache.format.table_columns import CODES, Dense
+from ckptcache.format.table_columns import CODES, Dense, contiguous_strides
 
 __all__ = ["DTYPES", "make_dense", "make_strided"]
 
@@ -201,7 +201,7 @@ def _whole_storage(
     from offset 0, of a dtype numpy has and at a start aligned to it."""
     n = len(names)
     itemsizes = list(map(_ITEMSIZE.__getitem__, names))
-    dense = {shape: _contiguous_strides(shape) for shape in set(shapes)}
+    dense = {shape: contiguous_strides(shape) for shape in set(shapes)}
     numels = map(math.prod, shapes)
     covers = map(operator.eq, sizes, map(operator.mul, itemsizes, numels))
     ok = np.fromiter(covers, bool, n)  # exact in Python ints: no overflow
@@ -233,13 +233,3 @@ def _over_shared(
             untyped = storages[indices[i]] = bytes_.untyped_storage()
         empty = torch.empty((0,), dtype=DTYPES[names[i]])
         out[i] = empty.set_(untyped, offsets[i], shapes[i], strides[i])
-
-
-def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
-    """The strides of a contiguous tensor of ``shape`` (as torch gives them: a dimension of
-    size 1 or 0 still gets the product of the sizes after it)."""
-    strides, expected = [], 1
-    for size in reversed(shape):
-        strides.append(expected)
-        expected *= max(size, 1)
-    return tuple(reversed(strides))

@@ -270,12 +270,7 @@ def test_metadata_of_many_pieces_written_as_one_scatter_is_the_pieces():
     assert carried.archive._scatter
     for archive in (plan.archive, replanned.archive, carried.archive):
         assert len(archive.pieces) >= _SCATTER_FROM
-        scattered = bytearray(b"\xee" * archive.size)
-        archive.write_metadata(memoryview(scattered))
-        one_by_one = bytearray(b"\xee" * archive.size)
-        for offset, data in archive.pieces:
-            one_by_one[offset : offset + len(data)] = data
-        assert scattered == one_by_one
+        _assert_scatter_writes_pieces(archive)
     assert (
         plan.archive.pieces[plan.archive.id_piece]
         != replanned.archive.pieces[plan.archive.id_piece]
@@ -361,12 +356,7 @@ def test_a_shared_scatter_writes_each_replan_s_own_pickle_and_id():
     others = (archive.with_serialization_id("9" * 40), archive.with_pickle(bytes(pickled)))
     for other in others:
         assert other._scatter and other._scatter[0] is archive._scatter[0]
-        scattered = bytearray(b"\xee" * other.size)
-        other.write_metadata(memoryview(scattered))
-        one_by_one = bytearray(b"\xee" * other.size)
-        for offset, data in other.pieces:
-            one_by_one[offset : offset + len(data)] = data
-        assert scattered == one_by_one
+        _assert_scatter_writes_pieces(other)
 
 
 @pytest.mark.parametrize("layout", [torch.strided, torch.jagged])
@@ -375,3 +365,13 @@ def test_a_nested_tensor_is_not_described(layout):
     raises) and a jagged one another layout; either way the walk hands it to the flatten."""
     nested = torch.nested.nested_tensor([torch.ones(2), torch.ones(3)], layout=layout)
     assert describe({f"w{i}": torch.ones(2) for i in range(9)} | {"n": nested}) is None
+
+
+def _assert_scatter_writes_pieces(archive: Any) -> None:
+    """The archive's metadata written by its scatter equals its pieces written one by one."""
+    scattered = bytearray(b"\xee" * archive.size)
+    archive.write_metadata(memoryview(scattered))
+    one_by_one = bytearray(b"\xee" * archive.size)
+    for offset, data in archive.pieces:
+        one_by_one[offset : offset + len(data)] = data
+    assert scattered == one_by_one
