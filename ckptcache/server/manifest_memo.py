@@ -15,7 +15,11 @@ equal:
   anyway) and the creation time (one JSON number, checked by a strict pattern) replaced. Each
   replacement is one complete JSON token, so the bytes decode to the entry's manifest with
   those three values replaced: what a full decode would return;
-* the checks that depend on the segment (its size) are made again for every commit.
+* the checks that depend on the segment (its size) are made again for every commit;
+* the canonical check (an encode, as costly as the decode) is made only once a manifest is
+  likely to repeat: a manifest decoded in full is kept aside as a candidate, and made an
+  entry when a later one, matching no entry, is about as long. A save whose structure never
+  repeats pays the decode alone, as before the memo.
 
 Anything else (another plan, other bytes, text our encoder would not write) is decoded and
 checked in full, exactly as before: a client that lies in its manifest gains nothing from the
@@ -28,6 +32,7 @@ import dataclasses
 import json
 import re
 import threading
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from ckptcache.errors import CorruptCheckpoint
@@ -61,6 +66,8 @@ class ManifestMemo:
     def __init__(self, size: int = 8, max_bytes: int = 8 << 20):
         self._size, self._max_bytes = size, max_bytes
         self._entries: list[_Entry] = []  # newest last
+        #: Manifests decoded in full and their bytes, not checked canonical yet: newest last.
+        self._candidates: list[tuple[Manifest, bytes]] = []
         self._lock = threading.Lock()
         #: Commits accepted from an entry, and manifests decoded in full (for tests).
         self.hits = 0
@@ -74,32 +81,69 @@ class ManifestMemo:
         if data.startswith(head):
             with self._lock:
                 entries = list(self._entries)
-            for entry in reversed(entries):
-                manifest = _matched(entry, data, len(head), path, namespace)
-                if manifest is not None:
-                    _check_segment(manifest, segment_size)
-                    self.hits += 1
-                    return manifest
+            found = _first_match(reversed(entries), data, len(head), path, namespace)
+            if found is None:  # the candidates are checked only where no entry matched
+                found = _first_match(self._promoted(data), data, len(head), path, namespace)
+            if found is not None:
+                _check_segment(found, segment_size)
+                self.hits += 1
+                return found
         manifest = Manifest.from_json(data, segment_size=segment_size)
         self.misses += 1
         if len(data) <= self._max_bytes:
-            self._remember(manifest, data)
+            with self._lock:
+                self._candidates.append((manifest, data))
+                del self._candidates[: -self._size]
         return manifest
 
-    def _remember(self, manifest: Manifest, data: bytes) -> None:
-        if manifest.to_json() != data:
-            return  # not our encoder's text: where each field lies is not known
-        head = _head(manifest.path, manifest.namespace)
-        created = _dumps(manifest.created).encode()
-        tail = b',"digest_algorithm":' + data.rsplit(b',"digest_algorithm":', 1)[-1]
-        middle = data[len(head) : len(data) - len(tail) - len(created)]
-        if not middle.endswith(b',"created":') or head + middle + created + tail != data:
-            return
-        entry = _Entry(manifest, middle, tail)
+    def _promoted(self, data: bytes) -> list[_Entry]:
+        """The entries made of the candidates whose last bytes ``data`` ends with (likely the
+        same plan), which leave the candidates: the canonical check, once per plan."""
         with self._lock:
-            self._entries = [e for e in self._entries if e.middle != middle or e.tail != tail]
-            self._entries.append(entry)
+            alike: list[tuple[Manifest, bytes]] = []
+            rest: list[tuple[Manifest, bytes]] = []
+            for candidate in self._candidates:
+                (alike if abs(len(candidate[1]) - len(data)) <= _SLACK else rest).append(candidate)
+            self._candidates = rest
+        made = [e for e in (_entry_of(m, d) for m, d in alike) if e is not None]
+        with self._lock:
+            for entry in made:
+                self._entries = [e for e in self._entries
+                                 if e.middle != entry.middle or e.tail != entry.tail]  # fmt: skip
+                self._entries.append(entry)
             del self._entries[: -self._size]
+        return made
+
+
+#: How much longer or shorter than a candidate a repeat of its plan may be (its path,
+#: namespace and time differ): the cheap sign that makes a candidate worth the canonical
+#: check. A wrong guess costs one encode, once: a checked candidate leaves the candidates.
+_SLACK = 512
+
+
+def _entry_of(manifest: Manifest, data: bytes) -> _Entry | None:
+    """The entry of ``manifest`` decoded from ``data``, or None where ``data`` is not our
+    encoder's text of it (where each field lies is then not known)."""
+    if manifest.to_json() != data:
+        return None
+    head = _head(manifest.path, manifest.namespace)
+    created = _dumps(manifest.created).encode()
+    tail = b',"digest_algorithm":' + data.rsplit(b',"digest_algorithm":', 1)[-1]
+    middle = data[len(head) : len(data) - len(tail) - len(created)]
+    if not middle.endswith(b',"created":') or head + middle + created + tail != data:
+        return None
+    return _Entry(manifest, middle, tail)
+
+
+def _first_match(
+    entries: Iterable[_Entry], data: bytes, start: int, path: str, namespace: str
+) -> Manifest | None:
+    """The manifest of the first of ``entries`` that ``data`` matches (see :func:`_matched`)."""
+    for entry in entries:
+        manifest = _matched(entry, data, start, path, namespace)
+        if manifest is not None:
+            return manifest
+    return None
 
 
 def _matched(entry: _Entry, data: bytes, start: int, path: str, namespace: str) -> Manifest | None:
