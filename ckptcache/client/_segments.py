@@ -63,6 +63,8 @@ class WriteMaps:
 
         mapping = self._maps.get(segment)
         if mapping is None or len(mapping) < capacity:
+            if mapping is not None:  # a registration must end before its pages go
+                self._unmap(mapping, quiet=True)
             mapping = map_shared(self.seg_path(segment), capacity)
             self._maps[segment] = mapping
         return mapping
@@ -86,11 +88,17 @@ class WriteMaps:
         self._maps = {}
 
     @staticmethod
-    def _unmap(mapping: Mapping) -> None:
-        from ckptcache.format.gpu import unpin  # torch is loaded: this client mapped segments
+    def _unmap(mapping: Mapping, *, quiet: bool = False) -> None:
+        """Unregister, then unmap ``mapping``; ``quiet``: one still exported to a tensor stays
+        mapped until it goes."""
+        from ckptcache.format.gpu_pinning import unpin  # torch is loaded: segments were mapped
 
         unpin(mapping)
-        mapping.close()
+        try:
+            mapping.close()
+        except BufferError:
+            if not quiet:
+                raise
 
 
 def read_back(mapping: Mapping, plan: ObjectPlan) -> Any:

@@ -88,6 +88,8 @@ class SpareMapper:
         self.ready: dict[str, Mapping] = {}
         #: Whether the spares were asked for already (:meth:`warmup`, or a first contact).
         self.warmed = False
+        #: Whether the spares mapped now are registered for CUDA copies as well.
+        self._register = True
 
     def disown(self) -> None:
         """In a forked child: the parent's thread, locks and mappings are not ours."""
@@ -103,10 +105,15 @@ class SpareMapper:
         self.warmed = True
         # On the spare thread, which connects by itself: never on the caller's, which a
         # non-blocking save must not hold up behind a save in flight (it holds the lock).
-        self.refresh()
+        # Not registered for CUDA in this round: the save that made the contact may be
+        # copying into the spare right now, and its copies would wait for the registration
+        # (measured on an H200 host); that save registers its mapping once done.
+        self.refresh(register=False)
 
-    def refresh(self) -> threading.Event:
+    def refresh(self, *, register: bool = True) -> threading.Event:
         """Map new spares in the background; returns an event set once that is done.
+        ``register``: also register them for CUDA copies, where this process uses CUDA
+        (:mod:`ckptcache.format.gpu_pinning`).
 
         The thread stays a moment after its work (``_IDLE_SECONDS``): a save in that moment
         wakes it with an event instead of starting a thread, whose start waits for the new
@@ -115,6 +122,7 @@ class SpareMapper:
             self._stopped.clear()
             self._done.clear()
             self._again = True
+            self._register = register
             if self._thread is None or not self._thread.is_alive():
                 self._thread = StoppableThread(self._run, "ckptcache-spares", self.stop)
                 self._thread.start()
@@ -208,5 +216,19 @@ class SpareMapper:
                 self.ready[name] = mapping
             self.mapping_now.pop(name, None)
             event.set()
+        from ckptcache.format.gpu_pinning import reserve_if_cuda
+
+        register = None
         with port.lock:  # close() iterates the cache under this lock
+            if self._stopped.is_set():  # closed while we mapped: nobody would unmap it
+                stale = self.ready.pop(name, None)
+                if stale is not None:
+                    stale.close()
+                return
             self.adopt(name)
+            # Registered for DMA here, off the save's path; reserved under the lock, so a
+            # close() that unmaps it waits for the registration.
+            if mapping is not None and name in port and self._register:
+                register = reserve_if_cuda(mapping)
+        if register is not None:
+            register()

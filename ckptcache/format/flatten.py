@@ -296,8 +296,10 @@ def unflatten(
     weights_only: bool = True,
     map_location: MapLocation = None,
     load_array: ArrayLoader | None = None,
+    placed: bool = False,
 ) -> Any:
-    """Rebuild an object from its skeleton; ``load_storage(key, nbytes)`` returns CPU storages.
+    """Rebuild an object from its skeleton; ``load_storage(key, nbytes)`` returns CPU storages
+    (``placed``: storages already where ``map_location`` puts them, left there).
 
     With ``weights_only=True`` only torch's allowlist plus :func:`extra_safe_globals` may be
     unpickled; anything else raises :class:`UnsafeUnpickle`. ``load_array(key, nbytes)``
@@ -321,7 +323,9 @@ def unflatten(
             known = sizes[storage_type] = (dtype, torch._utils._element_size(dtype))
         dtype, element = known
         storage = load_storage(key, numel * element)
-        if map_location is not None or location != "cpu":  # torch.load: "cpu" stays put
+        # torch.load: "cpu" stays put. A placed storage skips torch's check of the device
+        # and its move (tens of microseconds a storage).
+        if not placed and (map_location is not None or location != "cpu"):
             storage = restore_location(storage, location, map_location)
         typed = loaded[key] = typed_storage(wrap_storage=storage, dtype=dtype, _internal=True)
         return typed

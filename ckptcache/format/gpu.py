@@ -1,64 +1,31 @@
-"""CUDA tensors straight into and out of segments, through page-locked (pinned) mappings.
+"""CUDA tensors straight into and out of segments.
 
-A copy between a device and pageable host memory is staged by the driver through a bounce
-buffer at a fraction of the link's speed. Registering the segment mapping itself with
-``cudaHostRegister`` makes it pinned memory: device-to-host copies on save and host-to-device
-copies on load then run as DMA at link speed, asynchronously on a side stream, synchronised
-before the save commits (or the load returns).
+Saves: device-to-host copies into the segment mapping on a side stream, synchronised before
+the commit. Once the mapping is registered as page-locked memory
+(:mod:`~ckptcache.format.gpu_pinning`, off the training thread) they run as DMA at the link's
+speed; before that, pageable. Small storages are gathered on the device first (one kernel for
+all of them) and moved by one copy per run of neighbours: a copy call costs several
+microseconds of CPU whatever its size.
 
-Nothing here runs without CUDA; it has not been run on GPU hardware by the test suite here
-(the ``gpu``-marked tests skip without a device).
+Loads to a device: through two page-locked staging buffers (:mod:`~ckptcache.format.
+gpu_staging`), never by registering the load's mapping (which would cost more than the copy).
 """
 
 from __future__ import annotations
 
-import logging
 import mmap
 import operator
 from collections.abc import Callable, Sequence
 
 import torch
 
-__all__ = ["copy_to_segment", "device_target", "load_to_device", "record_ready", "unpin"]
+from ckptcache.format.gpu_pinning import pieces, pin_later, pinned
+from ckptcache.format.gpu_staging import DeviceLoad
 
-log = logging.getLogger(__name__)
-
-#: cudaHostRegister flags: pin read-only, so a copy-on-write load mapping is not un-shared.
-_REGISTER_DEFAULT = 0
-_REGISTER_READ_ONLY = 8
-
-#: Address -> size of the mappings this process pinned (saves keep theirs across saves).
-_pinned: dict[int, int] = {}
-
-
-def _address(mapping: mmap.mmap) -> int:
-    probe = torch.frombuffer(mapping, dtype=torch.uint8, count=1)
-    address = int(probe.data_ptr())
-    del probe  # releases the buffer export: the mapping may be closed later
-    return address
-
-
-def _pin(mapping: mmap.mmap, flags: int) -> int | None:
-    """Register ``mapping`` as pinned memory; returns its address, or ``None`` if refused."""
-    address = _address(mapping)
-    if address in _pinned:
-        return address
-    rc = torch.cuda.cudart().cudaHostRegister(address, len(mapping), flags)
-    if int(rc) != 0:
-        log.debug("cudaHostRegister refused the segment mapping (%s): staged copies", rc)
-        return None
-    _pinned[address] = len(mapping)
-    return address
-
-
-def unpin(mapping: mmap.mmap) -> None:
-    """Unregister ``mapping`` if it was pinned (call before closing it)."""
-    if not _pinned or mapping.closed:
-        return
-    address = _address(mapping)
-    if _pinned.pop(address, None) is not None:
-        torch.cuda.cudart().cudaHostUnregister(address)
-
+__all__ = [
+    "GATHER_BELOW", "RUN_BYTES", "Item", "copy_to_segment", "device_target", "load_to_device",
+    "record_ready",
+]  # fmt: skip
 
 #: Per device, an event recorded on the saving thread's current stream when the save was
 #: submitted: what the copies must wait for when they run on another thread.
@@ -98,37 +65,88 @@ def _side_streams(
     return streams
 
 
+#: Storages smaller than this are gathered on the device and moved a run at a time.
+GATHER_BELOW = 1 << 20
+#: The most bytes one gathered run spans (its device buffer is reused in stream order).
+RUN_BYTES = 64 << 20
+#: The widest gap between two storages of one run (their archive metadata lies there).
+_RUN_GAP = 64 << 10
+
+#: ``(index in the plan's storages, offset in the segment, storage, planned nbytes)``.
+Item = tuple[int, int, torch.UntypedStorage, int]
+
+
 def copy_to_segment(
-    mapping: mmap.mmap,
-    items: Sequence[tuple[int, torch.UntypedStorage, int]],
-    ready: Ready | None = None,
+    mapping: mmap.mmap, items: Sequence[Item], ready: Ready | None = None
 ) -> Callable[[], None]:
-    """Start device-to-host copies of ``(offset, storage, planned nbytes)`` CUDA storages
-    into ``mapping``, after ``ready``'s events (:func:`record_ready`; without them, after
-    this thread's current streams); returns the function that waits for the copies (call it
+    """Start device-to-host copies of ``items`` (CUDA storages, in plan order) into
+    ``mapping``, after ``ready``'s events (:func:`record_ready`; without them, after this
+    thread's current streams); returns the function that waits for the copies (call it
     before the commit). A storage resized since it was planned raises
-    :class:`~ckptcache.errors.TensorMutated`."""
+    :class:`~ckptcache.errors.TensorMutated`, before any copy.
+
+    A gathered run also writes the bytes between its storages: write the archive's metadata
+    (every byte between two storages) after the wait.
+    """
     from ckptcache.format.shm import checked_nbytes
 
     if not items:
         return lambda: None
-    for _, storage, planned in items:  # all checked before the first copy starts
+    for _, _, storage, planned in items:  # all checked before the first copy starts
         checked_nbytes(storage, planned)
-    _pin(mapping, _REGISTER_DEFAULT)
-    streams = _side_streams({s.device for _, s, _ in items}, ready)
-    for offset, storage, nbytes in items:
-        if nbytes == 0:
-            continue
-        dst = torch.frombuffer(mapping, dtype=torch.uint8, count=nbytes, offset=offset)
-        src = torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
-        with torch.cuda.stream(streams[storage.device]):
-            dst.copy_(src, non_blocking=True)
+    dma = pinned(mapping)
+    streams = _side_streams({item[2].device for item in items}, ready)
+    whole = torch.frombuffer(mapping, dtype=torch.uint8)
+    for run in _runs(items):
+        device = run[0][2].device
+        first, end = run[0][1], run[-1][1] + run[-1][3]
+        with torch.cuda.stream(streams[device]):
+            if len(run) == 1:
+                src = _bytes_of(run[0][2])
+            else:  # one kernel gathers the run, laid out as in the segment
+                src = torch.empty(end - first, dtype=torch.uint8, device=device)
+                torch._foreach_copy_(
+                    [src[o - first : o - first + n] for _, o, _, n in run],
+                    [_bytes_of(s) for _, _, s, _ in run],
+                )  # fmt: skip
+            for a, b in pieces(first, end):  # each piece within one registration
+                whole[a:b].copy_(src[a - first : b - first], non_blocking=dma)
+            del src  # reused in stream order by the next run's buffer
+    del whole  # releases the mapping's buffer export
 
     def wait() -> None:
         for stream in streams.values():
             stream.synchronize()
+        if not dma:  # copied pageable: the next saves into this mapping by DMA
+            pin_later(mapping)  # once this one's copies are done: they would wait for it
 
     return wait
+
+
+def _bytes_of(storage: torch.UntypedStorage) -> torch.Tensor:
+    return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
+
+
+def _runs(items: Sequence[Item]) -> list[list[Item]]:
+    """``items`` split into runs to gather: neighbours in the plan, each small, on one
+    device, a run spanning at most :data:`RUN_BYTES`."""
+    runs: list[list[Item]] = []
+    for item in items:
+        index, offset, storage, nbytes = item
+        if runs and nbytes < GATHER_BELOW:
+            last = runs[-1][-1]
+            end = last[1] + last[3]
+            if (
+                last[0] == index - 1
+                and last[3] < GATHER_BELOW
+                and last[2].device == storage.device
+                and 0 <= offset - end <= _RUN_GAP
+                and offset + nbytes - runs[-1][0][1] <= RUN_BYTES
+            ):
+                runs[-1].append(item)
+                continue
+        runs.append([item])
+    return runs
 
 
 def device_target(map_location: object) -> torch.device | None:
@@ -141,32 +159,6 @@ def device_target(map_location: object) -> torch.device | None:
     return torch.device(
         "cuda", torch.cuda.current_device() if device.index is None else device.index
     )
-
-
-class DeviceLoad:
-    """Host-to-device copies from one load mapping, pinned read-only for their duration."""
-
-    def __init__(self, mapping: mmap.mmap, device: torch.device):
-        self.mapping = mapping
-        self.device = device
-        self.pinned = _pin(mapping, _REGISTER_READ_ONLY) is not None
-        self.stream = _side_streams({device})[device]
-
-    def storage(self, offset: int, nbytes: int) -> torch.UntypedStorage:
-        """A device storage filled (asynchronously) from ``offset`` of the mapping."""
-        out = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
-        if nbytes:
-            src = torch.frombuffer(self.mapping, dtype=torch.uint8, count=nbytes, offset=offset)
-            with torch.cuda.stream(self.stream):
-                out.copy_(src, non_blocking=self.pinned)
-            out.record_stream(self.stream)
-        return out.untyped_storage()
-
-    def finish(self) -> None:
-        """Wait for every copy, then unpin the mapping."""
-        self.stream.synchronize()
-        if self.pinned:
-            unpin(self.mapping)
 
 
 def load_to_device(mapping: mmap.mmap, device: torch.device) -> DeviceLoad:

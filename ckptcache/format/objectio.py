@@ -21,7 +21,7 @@ from ckptcache.errors import CorruptCheckpoint
 from ckptcache.format.archive import parse_archive, plan_archive
 from ckptcache.format.fast_unpickle import fast_load_applies
 from ckptcache.format.flatten import Flattened, MapLocation, unflatten
-from ckptcache.format.gpu import Ready, copy_to_segment, device_target, load_to_device
+from ckptcache.format.gpu import Item, Ready, copy_to_segment, device_target, load_to_device
 from ckptcache.format.layout import HEADER_SIZE, plan_segment
 from ckptcache.format.manifest import (
     Manifest,
@@ -159,11 +159,13 @@ def write_object(
         return
     runs = list(zip(offsets, storages, planned, strict=True))
     on_cpu: list[tuple[int, torch.UntypedStorage, int]] = []
-    on_device: list[tuple[int, torch.UntypedStorage, int]] = []
+    on_device: list[Item] = []
     elsewhere: list[tuple[int, torch.UntypedStorage, int]] = []
-    for run, kind in zip(runs, map(device_type, storages), strict=True):
-        (on_cpu if kind == "cpu" else on_device if kind == "cuda" else elsewhere).append(run)
-    write_metadata(mapping, plan)
+    for index, (run, kind) in enumerate(zip(runs, map(device_type, storages), strict=True)):
+        if kind == "cuda":
+            on_device.append((index, *run))
+        else:
+            (on_cpu if kind == "cpu" else elsewhere).append(run)
     # Device-to-host copies start first (DMA into the pinned segment) and overlap the CPU ones.
     wait = copy_to_segment(mapping, on_device, ready) if on_device else None
     if on_cpu:  # one parallel copy for every CPU storage
@@ -172,6 +174,9 @@ def write_object(
         copy_storage_into(mapping, offset, storage, nbytes)
     if wait is not None:
         wait()
+    # Last: a gathered device run also wrote the bytes between its storages, which are all
+    # archive metadata.
+    write_metadata(mapping, plan)
 
 
 def read_object(
@@ -294,7 +299,7 @@ def _rebuild(
     try:
         return unflatten(
             skeleton, load_storage, weights_only=weights_only, map_location=map_location,
-            load_array=load_array if whole is not None else None,
+            load_array=load_array if whole is not None else None, placed=to_device is not None,
         )  # fmt: skip
     finally:
         if to_device is not None:

@@ -186,3 +186,59 @@ def test_a_clean_stop_leaves_only_committed_generations(daemon_factory, tmp_path
     d.start()
     with d.client(fallback="raise") as c:
         assert torch.equal(c.load(kept, mmap=False)["w"], blob(2, 1.0)["w"])
+
+
+def test_a_spare_mapped_while_the_client_closes_is_unmapped_not_kept(
+    daemon_factory, tmp_path, monkeypatch
+):
+    """close() empties the cache of mappings; a spare the thread was mapping meanwhile must
+    not land in it afterwards (nobody would unmap it, or end its CUDA registration)."""
+    import ckptcache.format.shm as shm
+
+    d = daemon_factory("--memory-limit", "64MiB", "--pool-segments", "1", "--pool-bytes", "16MiB")
+    with d.client(fallback="raise") as teacher:
+        reply = _teach(teacher, tmp_path, 4)
+    (spare,), (capacity,) = reply.segments, reply.capacities
+    c = d.client(fallback="raise")
+    c.daemon_status()  # connected (where segments are), no spare mapped by its own thread
+    release, made = threading.Event(), []
+    real = shm.map_shared
+
+    def slow_map(path: str, size: int, **kw: object) -> object:
+        release.wait(30)
+        made.append(real(path, size, **kw))
+        return made[-1]
+
+    monkeypatch.setattr(shm, "map_shared", slow_map)
+    mapper = threading.Thread(target=c._spares._map, args=(spare, capacity), daemon=True)
+    mapper.start()
+    wait_until(lambda: spare in c._spares.mapping_now, what="the spare being mapped")
+    c.close()
+    release.set()
+    mapper.join(30)
+    assert not mapper.is_alive()
+    assert len(made) == 1 and made[0].closed
+    assert spare not in c._parts.maps and spare not in c._spares.ready
+
+
+def test_spares_are_registered_for_cuda_after_warmup_not_at_a_first_contact(
+    daemon_factory, tmp_path, monkeypatch
+):
+    """A first contact's spare is not registered: the save that made the contact may be
+    copying into it, and would wait for the registration. warmup() and the rounds after a
+    save do register (where the process uses CUDA: gpu_pinning decides that)."""
+    import ckptcache.format.gpu_pinning as gpu_pinning
+
+    d = daemon_factory("--memory-limit", "64MiB", "--pool-segments", "1", "--pool-bytes", "16MiB")
+    with d.client(fallback="raise") as teacher:
+        (spare,) = _teach(teacher, tmp_path, 4).segments
+    asked: list[object] = []
+    monkeypatch.setattr(gpu_pinning, "reserve_if_cuda", lambda mapping: asked.append(mapping))
+    with d.client(fallback="raise") as c:
+        assert not c.exists(str(tmp_path / "resume.pt"))  # the first contact
+        wait_until(lambda: spare in c._parts.maps, what="the spare mapped")
+        assert asked == []
+    with d.client(fallback="raise") as c:
+        c.warmup(wait=True)
+        assert spare in c._parts.maps
+        assert asked == [c._parts.maps._maps[spare]]
