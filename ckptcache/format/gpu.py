@@ -20,7 +20,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from ckptcache.format.gpu_pinning import pieces, pin_later, pinned
-from ckptcache.format.gpu_staging import DeviceLoad
+from ckptcache.format.gpu_staging import DeviceLoad, slot_size
 
 __all__ = [
     "GATHER_BELOW", "RUN_BYTES", "Item", "copy_to_segment", "device_target", "load_to_device",
@@ -161,6 +161,6 @@ def device_target(map_location: object) -> torch.device | None:
     )
 
 
-def load_to_device(mapping: mmap.mmap, device: torch.device) -> DeviceLoad:
-    """Start a load whose storages go straight to ``device``."""
-    return DeviceLoad(mapping, device)
+def load_to_device(mapping: mmap.mmap, device: torch.device, total: int) -> DeviceLoad:
+    """Start a load of ``total`` bytes of storages that go straight to ``device``."""
+    return DeviceLoad(mapping, device, slot_bytes=slot_size(total))

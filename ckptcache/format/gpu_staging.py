@@ -20,10 +20,17 @@ import mmap
 
 import torch
 
-__all__ = ["SLOT_BYTES", "DeviceLoad"]
+__all__ = ["SLOT_BYTES", "DeviceLoad", "slot_size"]
 
 #: The size of each of the two staging buffers (and of their device twins).
 SLOT_BYTES = 32 << 20
+
+
+def slot_size(total: int) -> int:
+    """The staging buffers' size for a load of ``total`` bytes: :data:`SLOT_BYTES`, or less
+    for a smaller load (whole MiB), so a small load neither allocates nor keeps (torch's
+    caching allocators keep what they handed out) 128 MiB of buffers."""
+    return max(1 << 20, min(SLOT_BYTES, -(-total // (1 << 20)) << 20))
 
 
 class DeviceLoad:

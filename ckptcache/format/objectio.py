@@ -263,7 +263,9 @@ def _rebuild(
     """Unpickle ``skeleton`` with each storage taken from ``places[key] = (offset, nbytes)``
     of ``mapping``: a view, a private copy, or a host-to-device copy (``map_location``)."""
     device = device_target(map_location)
-    to_device = load_to_device(mapping, device) if device is not None else None
+    to_device = None
+    if device is not None:
+        to_device = load_to_device(mapping, device, sum(n for _, n in places.values()))
     # One array over the whole mapping; each storage a slice of it: a tenth of the cost of
     # torch.frombuffer per storage, and the same result (a storage over the mapping's bytes
     # that keeps the mapping alive).

@@ -120,3 +120,12 @@ def test_storages_placed_by_a_device_load_are_not_moved_again(monkeypatch):
     assert set(got) == set(state) and all(torch.equal(got[k], v) for k, v in state.items())
     with pytest.raises(AssertionError, match="restored again"):
         fl.unflatten(flat.skeleton, lambda key, n: by_key[key], map_location="cpu")
+
+
+def test_a_small_load_gets_small_staging_buffers():
+    from ckptcache.format.gpu_staging import SLOT_BYTES, slot_size
+
+    assert slot_size(0) == slot_size(1) == 1 << 20
+    assert slot_size((1 << 20) + 1) == 2 << 20
+    assert slot_size(5 << 20) == 5 << 20
+    assert slot_size(10 * SLOT_BYTES) == SLOT_BYTES
