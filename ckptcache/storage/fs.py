@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import ctypes
 import errno
 import glob
 import os
@@ -18,6 +17,7 @@ from ckptcache.storage.base import (
     StoredVersion,
     WriteGuard,
 )
+from ckptcache.storage.writeback import BoundedWriteback
 
 __all__ = [
     "TEMP_MARK",
@@ -134,56 +134,9 @@ def check_guard(path: str, guard: WriteGuard | None, *, dir_fd: int | None = Non
 
 
 def stream_fill(produce: Producer) -> Callable[[int], None]:
-    """A ``fill(fd)`` that writes what ``produce`` streams, in order, starting the disk's
-    write-back as it goes (see :class:`_Writeback`)."""
-    return lambda fd: produce(_Writeback(fd).write)
-
-
-#: Bytes written between two starts of write-back (a 1 GiB write + fsync on this project's
-#: test VM: 2.85 s with none, 1.54 s every 32 MiB, 1.15 s every 8 MiB).
-_WRITEBACK = 8 << 20
-_SYNC_FILE_RANGE_WRITE = 2
-
-
-def _load_sync_file_range() -> Callable[[int, int, int, int], int] | None:
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        fn = libc.sync_file_range
-    except (OSError, AttributeError):  # not Linux: the fsync does all of it
-        return None
-    fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
-    fn.restype = ctypes.c_int
-    return fn  # type: ignore[no-any-return]
-
-
-_sync_file_range = _load_sync_file_range()
-
-
-class _Writeback:
-    """Writes in order and, every :data:`_WRITEBACK` bytes, starts the write-back of what it
-    wrote (``sync_file_range(SYNC_FILE_RANGE_WRITE)``: asynchronous, it returns once the I/O
-    is queued). Without it the kernel leaves the pages dirty until the fsync (far below its
-    background threshold), so the disk idles while the bytes are copied into the page cache
-    and the whole write-back is paid at the fsync; with it the disk starts at the first
-    8 MiB. Durability is unchanged: the fsync still waits for every page (and the metadata)
-    before anything is named."""
-
-    def __init__(self, fd: int):
-        self.fd = fd
-        self.offset = 0
-        self.started = 0
-        self.enabled = _sync_file_range is not None
-
-    def write(self, data: bytes | memoryview) -> None:
-        _write_all(self.fd, data)
-        self.offset += len(data)
-        if self.enabled and self.offset - self.started >= _WRITEBACK:
-            assert _sync_file_range is not None
-            # ctypes drops the interpreter lock for the call: the hashing thread runs on.
-            if _sync_file_range(self.fd, self.started, self.offset - self.started,
-                                _SYNC_FILE_RANGE_WRITE) != 0:  # fmt: skip
-                self.enabled = False  # e.g. a FUSE or network file system: the fsync does it
-            self.started = self.offset
+    """A ``fill(fd)`` that writes what ``produce`` streams, in order, with the disk's
+    write-back started as it goes and bounded (see :class:`BoundedWriteback`)."""
+    return lambda fd: produce(BoundedWriteback(fd).write)
 
 
 def _write_all(fd: int, data: bytes | memoryview) -> None:
