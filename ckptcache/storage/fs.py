@@ -17,6 +17,7 @@ from ckptcache.storage.base import (
     StoredVersion,
     WriteGuard,
 )
+from ckptcache.storage.handoff import threaded
 from ckptcache.storage.writeback import BoundedWriteback
 
 __all__ = [
@@ -134,9 +135,10 @@ def check_guard(path: str, guard: WriteGuard | None, *, dir_fd: int | None = Non
 
 
 def stream_fill(produce: Producer) -> Callable[[int], None]:
-    """A ``fill(fd)`` that writes what ``produce`` streams, in order, with the disk's
-    write-back started as it goes and bounded (see :class:`BoundedWriteback`)."""
-    return lambda fd: produce(BoundedWriteback(fd).write)
+    """A ``fill(fd)`` that writes what ``produce`` streams, in order, on a writer thread
+    (:func:`threaded`: the producer's work overlaps the writes), with the disk's write-back
+    started as it goes and bounded (see :class:`BoundedWriteback`)."""
+    return lambda fd: threaded(produce, BoundedWriteback(fd).write)
 
 
 def _write_all(fd: int, data: bytes | memoryview) -> None:

@@ -1,0 +1,107 @@
+"""A writer thread for streamed local writes: the producer's own work (hashing, CRC-32s,
+headers, gathering small records) runs while the previous pieces are copied into the page
+cache and written back, instead of between those writes.
+
+The persist's producer spent its time between writes on the same thread: a 2 GiB archive of
+8,288 records took 2.71 s to write through it against 1.70 s for the same bytes written
+plainly, and 0.68 s into a sink that writes nothing (``benchmarks/persist/README.md``).
+
+Pieces are handed over, not copied: a producer must not change a piece's bytes after passing
+it to the sink (every producer in the project passes views of sealed memory or fresh
+objects). At most :data:`QUEUED` bytes wait; the producer waits beyond that. The write is
+over only when :meth:`Handoff.finish` returns, so the caller's ``fsync`` still comes after
+every byte; an error of the writer thread is raised on the producer's side.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from collections.abc import Callable
+
+__all__ = ["QUEUED", "Handoff", "threaded"]
+
+#: Bytes handed over and not yet written, at most (four of the persist's 8 MiB writes).
+QUEUED = 32 << 20
+
+Write = Callable[[bytes | memoryview], None]
+
+
+class Handoff:
+    """Pieces from a producer thread to one writer thread, in order."""
+
+    def __init__(self, write: Write, *, queued: int = QUEUED):
+        self._write = write
+        self._limit = queued
+        self._pieces: deque[bytes | memoryview] = deque()
+        self._queued = 0
+        self._closed = False
+        self._error: BaseException | None = None
+        self._cond = threading.Condition()
+        # The thread inherits the caller's CPU and I/O priority (the persist worker's).
+        self._thread = threading.Thread(target=self._run, name="ckptcache-write", daemon=True)
+        self._thread.start()
+
+    def put(self, piece: bytes | memoryview) -> None:
+        """Queue ``piece`` (waits while :data:`QUEUED` bytes are queued); raises the writer's
+        error if it failed."""
+        size = len(piece)
+        with self._cond:
+            while self._error is None and self._queued and self._queued + size > self._limit:
+                self._cond.wait()
+            if self._error is not None:
+                raise self._error
+            self._pieces.append(piece)
+            self._queued += size
+            self._cond.notify_all()
+
+    def finish(self) -> None:
+        """Wait until every queued piece is written; raise the writer's error if any."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+
+    def abort(self) -> None:
+        """Drop what is queued and wait for the writer to stop (the producer failed): the
+        file descriptor may be closed once this returns."""
+        with self._cond:
+            self._closed = True
+            self._pieces.clear()
+            self._cond.notify_all()
+        self._thread.join()
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._pieces and not self._closed:
+                    self._cond.wait()
+                if not self._pieces:
+                    return
+                piece = self._pieces.popleft()
+            try:
+                self._write(piece)
+            except BaseException as e:  # raised on the producer's side
+                with self._cond:
+                    self._error = e
+                    self._pieces.clear()
+                    self._cond.notify_all()
+                return
+            with self._cond:
+                self._queued -= len(piece)
+                self._cond.notify_all()
+            del piece
+
+
+def threaded(produce: Callable[[Write], None], write: Write) -> None:
+    """Run ``produce`` on this thread with its pieces written by ``write`` on another; return
+    once all are written, or raise (the producer's error first) with the writer stopped."""
+    handoff = Handoff(write)
+    try:
+        produce(handoff.put)
+    except BaseException:
+        handoff.abort()
+        raise
+    handoff.finish()
