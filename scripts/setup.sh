@@ -24,6 +24,8 @@ if [ "${1:-}" = "test" ]; then
     # The cluster lab (tests/lab.py): network namespaces, tc shaping, nftables partitions.
     command -v nft >/dev/null 2>&1 || MISSING+=(nftables)
     { command -v ip && command -v tc; } >/dev/null 2>&1 || MISSING+=(iproute2)
+    # The persist's write-back test counts the kernel's record of its calls.
+    command -v strace >/dev/null 2>&1 || MISSING+=(strace)
     if [ ${#MISSING[@]} -gt 0 ]; then
         SUDO=""
         [ "$(id -u)" = "0" ] || SUDO="sudo -n"
