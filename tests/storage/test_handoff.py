@@ -100,3 +100,25 @@ def test_a_writers_error_is_raised_at_finish_when_nothing_more_is_put():
     handoff.put(b"x")
     with pytest.raises(OSError, match="Input/output"):
         handoff.finish()
+
+
+@pytest.mark.skipif(not hasattr(threading, "get_native_id"), reason="needs thread ids")
+def test_the_writer_runs_at_the_callers_cpu_priority():
+    """The persist worker lowers its own thread's priority (nice +10) so that it yields to
+    training; its writer thread must yield as well."""
+    seen: list[int] = []
+
+    def write(piece) -> None:
+        seen.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
+
+    def worker() -> None:
+        own = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, own, os.getpriority(os.PRIO_PROCESS, own) + 3)
+        threaded(lambda sink: sink(b"x"), write)
+        seen.append(os.getpriority(os.PRIO_PROCESS, own))
+
+    thread = threading.Thread(target=worker)
+    thread.start()
+    thread.join()
+    assert len(seen) == 2 and seen[0] == seen[1]
+    assert seen[0] == min(19, os.getpriority(os.PRIO_PROCESS, 0) + 3)
