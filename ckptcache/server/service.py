@@ -81,16 +81,24 @@ class CappedThreadedServer(ThreadedServer):  # type: ignore[misc]
     """rpyc's threaded server with :class:`CappedChannel` on every connection."""
 
     def _serve_client(self, sock: socket.socket, credentials: Any) -> None:
-        addrinfo = sock.getpeername()
         try:
+            addrinfo = sock.getpeername()
             config = dict(
                 self.protocol_config, credentials=credentials,
                 endpoints=(sock.getsockname(), addrinfo), logger=self.logger,
             )  # fmt: skip
             conn = self.service._connect(CappedChannel(SocketStream(sock)), config)
             self._handle_connection(conn)
-        except EOFError as e:
-            self.logger.warning("dropped a client connection: %s", e)
+        except (EOFError, OSError) as e:
+            # close() closes every client socket under the threads serving them: a thread
+            # then fails in select or recv on a descriptor that is gone (EBADF). That is the
+            # shutdown, not a client's fault; rpyc's caller would log it as an ERROR.
+            if not self.active:
+                self.logger.debug("client connection closed by the shutdown: %s", e)
+            elif isinstance(e, EOFError):
+                self.logger.warning("dropped a client connection: %s", e)
+            else:
+                raise
 
 
 def peer_credentials_authenticator(allowed_uids: tuple[int, ...]) -> Callable[..., Any]:
