@@ -12,9 +12,9 @@ import json
 import operator
 import struct
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, fields
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, overload
 
 from ckptcache.errors import CorruptCheckpoint
 from ckptcache.format.archive import ArchivePlan, ParsedArchive
@@ -24,6 +24,7 @@ from ckptcache.format.layout import HEADER_SIZE, SegmentLayout
 
 __all__ = [
     "MANIFEST_FORMAT",
+    "LazyRecords",
     "Manifest",
     "ObjectPlan",
     "StorageRecord",
@@ -71,8 +72,11 @@ def encode_records(records: Sequence[StorageRecord]) -> bytes:
     return json.dumps(columns, separators=(",", ":")).encode()
 
 
-def _decode_records(raw: Any, fmt: int) -> tuple[tuple[StorageRecord, ...], list[Any] | None]:
-    """The records, and (format 2) their columns as decoded."""
+def _decode_records(
+    raw: Any, fmt: int, *, lazy: bool = False
+) -> tuple[Sequence[StorageRecord], list[Any] | None]:
+    """The records, and (format 2) their columns as decoded; ``lazy``: the records made on
+    first use (:class:`LazyRecords`)."""
     if fmt == 1:
         return tuple(make_record(s[f] for f in _RECORD_FIELDS) for s in raw), None
     if not isinstance(raw, dict) or set(raw) != set(_RECORD_FIELDS):
@@ -80,7 +84,50 @@ def _decode_records(raw: Any, fmt: int) -> tuple[tuple[StorageRecord, ...], list
     columns = [raw[f] for f in _RECORD_FIELDS]
     if any(type(c) is not list for c in columns) or len({len(c) for c in columns}) != 1:
         raise ValueError("storage columns of different lengths")
+    if lazy:
+        return LazyRecords(columns), columns
     return tuple(map(make_record, zip(*columns, strict=True))), columns
+
+
+class LazyRecords(Sequence[StorageRecord]):
+    """A manifest's records made from its (checked) columns on first use. A zero-copy load
+    reads only the offsets and sizes, as columns: making thousands of records it never looks
+    at cost about as much as the manifest's JSON decode (4 ms at 8,288 records)."""
+
+    __slots__ = ("_columns", "_rows")
+
+    def __init__(self, columns: Sequence[Sequence[Any]]):
+        self._columns = columns
+        self._rows: tuple[StorageRecord, ...] | None = None
+
+    def rows(self) -> tuple[StorageRecord, ...]:
+        """The records as a tuple (made once)."""
+        if self._rows is None:
+            self._rows = tuple(map(make_record, zip(*self._columns, strict=True)))
+        return self._rows
+
+    def __len__(self) -> int:
+        return len(self._columns[0])
+
+    @overload
+    def __getitem__(self, i: int) -> StorageRecord: ...
+    @overload
+    def __getitem__(self, i: slice) -> tuple[StorageRecord, ...]: ...
+    def __getitem__(self, i: int | slice) -> StorageRecord | tuple[StorageRecord, ...]:
+        return self.rows()[i]
+
+    def __iter__(self) -> Iterator[StorageRecord]:
+        return iter(self.rows())
+
+    def __eq__(self, other: object) -> bool:
+        # As the tuple it stands for: a manifest read either way compares equal.
+        return self.rows() == (other.rows() if isinstance(other, LazyRecords) else other)
+
+    def __hash__(self) -> int:
+        return hash(self.rows())
+
+    def __repr__(self) -> str:
+        return repr(self.rows())
 
 
 @dataclass(frozen=True)
@@ -93,7 +140,8 @@ class Manifest:
     payload_size: int
     pickle_offset: int
     pickle_size: int
-    storages: tuple[StorageRecord, ...]
+    #: The records; a tuple, or :class:`LazyRecords` for a manifest read with ``keep_columns``.
+    storages: Sequence[StorageRecord]
     created: float
     digest_algorithm: str = DIGEST_ALGORITHM
     format: int = MANIFEST_FORMAT
@@ -144,7 +192,7 @@ class Manifest:
         fmt = raw.get("format")
         if fmt not in _READ_FORMATS:
             raise ValueError(f"unknown manifest format {fmt!r}")
-        storages, columns = _decode_records(raw.pop("storages"), fmt)
+        storages, columns = _decode_records(raw.pop("storages"), fmt, lazy=keep_columns)
         raw["format"] = MANIFEST_FORMAT
         manifest = cls(storages=storages, **raw)
         manifest._check(segment_size, columns)
@@ -171,11 +219,13 @@ class Manifest:
         if min(*heads, min(offsets, default=0), min(sizes, default=0)) < 0:
             raise ValueError("negative or non-integer offset")
         texts = (self.path, self.namespace, self.digest_algorithm)
-        kinds = set(map(type, texts)).union(
-            *(map(type, c) for c in (keys, dtypes, locations, names))
-        )
-        if not kinds <= {str}:
-            raise ValueError("a name, path or dtype that is not a string")
+        try:
+            # str.join refuses an item that is not a str, in one C pass a column: a quarter
+            # of the cost of collecting the items' types (JSON makes no str subclass).
+            for column in (texts, keys, dtypes, locations, names):
+                "".join(column)
+        except TypeError:
+            raise ValueError("a name, path or dtype that is not a string") from None
         if not isinstance(self.created, (int, float)) or isinstance(self.created, bool):
             raise ValueError("creation time is not a number")
         end = self.payload_offset + self.payload_size

@@ -121,7 +121,7 @@ _columns: dict[int, tuple[Any, list[int], list[int]]] = {}
 _columns_lock = threading.Lock()
 
 
-def _record_columns(records: tuple[Any, ...]) -> tuple[list[int], list[int]]:
+def _record_columns(records: Sequence[Any]) -> tuple[list[int], list[int]]:
     """The offsets and sizes of ``records`` (read once per plan)."""
     with _columns_lock:
         known = _columns.get(id(records))

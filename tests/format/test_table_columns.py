@@ -152,3 +152,28 @@ def test_a_manifests_columns_are_its_records_fields():
     assert kept == plain and "_columns" not in vars(plain)
     assert [tuple(c) for c in kept.columns()] == [tuple(c) for c in plain.columns()]
     assert [tuple(c) for c in plain.columns()] == list(zip(*plain.storages, strict=True))
+
+
+def test_a_loads_manifest_makes_its_records_on_first_use():
+    """A manifest read for a load (``keep_columns``) makes its records only when something
+    reads them, and they are then the eager decode's, one by one and as a whole; the columns
+    are checked all the same (a bad one is refused before any record is made)."""
+    import json
+
+    from ckptcache.errors import CorruptCheckpoint
+    from ckptcache.format.manifest import LazyRecords, Manifest
+
+    mapping, offset, size, _ = _written(_bulk_state())
+    data = bytes(memoryview(mapping)[offset : offset + size])
+    kept = Manifest.from_json(data, keep_columns=True)
+    plain = Manifest.from_json(data)
+    records = kept.storages
+    assert isinstance(records, LazyRecords) and type(plain.storages) is tuple
+    assert len(records) == len(plain.storages) and records._rows is None
+    assert records[0] == plain.storages[0] and records[-2:] == plain.storages[-2:]
+    assert list(records) == list(plain.storages) and hash(records) == hash(plain.storages)
+    assert kept == plain and plain == kept
+    raw = json.loads(data)
+    raw["storages"]["name"][1] = 7
+    with pytest.raises(CorruptCheckpoint, match="not a string"):
+        Manifest.from_json(json.dumps(raw).encode(), keep_columns=True)
