@@ -1,4 +1,5 @@
-"""Build hook: ship ``ckptcache-startup.pth`` into ``site-packages`` (metadata: pyproject.toml).
+"""Build hooks (metadata: pyproject.toml): ship ``ckptcache-startup.pth`` into
+``site-packages``, and build the copy extension (``ckptcache/format/_copy.c``).
 
 The file lets ``CKPTCACHE_DEEPSPEED=1`` switch the DeepSpeed adapter on with no code (see
 ``ckptcache/adapters/_startup.py``). A ``.pth`` file only takes effect at the top of a site
@@ -10,7 +11,7 @@ from __future__ import annotations
 
 import os
 
-from setuptools import setup
+from setuptools import Extension, setup
 from setuptools.command.build_py import build_py
 
 PTH = "ckptcache-startup.pth"
@@ -37,4 +38,9 @@ class BuildPyWithStartupHook(build_py):
         return outputs
 
 
-setup(cmdclass={"build_py": BuildPyWithStartupHook})
+# Optional: where it cannot be built (no C compiler), saves copy with libc's memmove
+# (ckptcache/format/fastcopy.py says which copy is in use).
+COPY = Extension("ckptcache.format._copy", ["ckptcache/format/_copy.c"], optional=True,
+                 extra_compile_args=["-O2"])  # fmt: skip
+
+setup(cmdclass={"build_py": BuildPyWithStartupHook}, ext_modules=[COPY])

@@ -12,22 +12,20 @@ Two kinds of mapping, chosen for their cost profile:
 
 from __future__ import annotations
 
-import ctypes
 import fcntl
-import itertools
 import mmap
 import operator
 import os
 import threading
 import weakref
 from collections.abc import Callable, Sequence
-from typing import Any
 
 import numpy as np
 import torch
 
 from ckptcache._workers import LingeringPool
 from ckptcache.errors import TensorMutated
+from ckptcache.format.fastcopy import copy_runs
 
 __all__ = [
     "Mapping",
@@ -140,7 +138,6 @@ _MIN_BYTES_PER_THREAD = 8 << 20
 #: Pieces per thread that the threads share out as they go.
 _PIECES_PER_THREAD = 8
 
-_memmove: Callable[[int, int, int], Any] | None = None
 #: Copy threads: daemon threads that end a moment after the last save's copy (a training
 #: process must not keep idle threads of ours, see ``ckptcache._workers``).
 _copiers: LingeringPool | None = None
@@ -154,16 +151,6 @@ def _after_fork_in_child() -> None:
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
-
-
-def _libc_memmove() -> Callable[[int, int, int], Any]:
-    global _memmove
-    if _memmove is None:
-        fn = ctypes.CDLL(None).memmove  # a CDLL call releases the GIL while it copies
-        fn.restype = ctypes.c_void_p
-        fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t]
-        _memmove = fn
-    return _memmove
 
 
 def _copier_pool(workers: int) -> LingeringPool:
@@ -212,7 +199,8 @@ def copy_storages_into(dst: torch.Tensor, runs: Sequence[Run]) -> None:
     A per-storage ``Tensor.copy_`` opens one intra-op parallel region per storage (hundreds
     per state dict): on a busy machine each waits for a descheduled worker, and a save's copy
     took up to 10x a memcpy of the same bytes. Here the bytes are cut into one equal share per
-    ``torch.get_num_threads()`` thread, each copied with ``memmove`` outside the GIL.
+    ``torch.get_num_threads()`` thread, each copied outside the GIL by
+    :func:`~ckptcache.format.fastcopy.copy_runs` (streaming stores where it can).
     Raises :class:`ValueError` for a run outside ``dst`` or a storage not on the CPU.
     """
     # Every check reads one field of every run at once (``map`` over a C getter): a save of
@@ -240,7 +228,7 @@ def copy_cpu_storages(
         raise ValueError("copy_storages_into needs a contiguous CPU uint8 destination")
     base, size = dst.data_ptr(), dst.numel()
     if offsets and (min(offsets) < 0 or max(map(operator.add, offsets, sizes)) > size):
-        # memmove checks nothing: never write outside
+        # the copy checks nothing: never write outside
         n, offset = next((n, o) for o, n in zip(offsets, sizes, strict=True)
                          if o < 0 or o + n > size)  # fmt: skip
         raise ValueError(f"storage of {n} bytes at {offset} is outside {size} bytes")
@@ -250,16 +238,13 @@ def copy_cpu_storages(
         jobs = [job for job in jobs if job[2]]
     total = sum(sizes)
     threads = max(1, min(torch.get_num_threads(), total // _MIN_BYTES_PER_THREAD))
-    memmove = _libc_memmove()
-
     # Many more pieces than threads, each thread taking the next one: a thread that the node's
     # other work (the daemon refilling its pool, say) deschedules holds up one piece, not half.
     pieces = iter(_split(jobs, threads * _PIECES_PER_THREAD if threads > 1 else 1))
 
     def work() -> None:
         for piece in pieces:  # next() on a shared iterator is atomic under the GIL
-            for _ in itertools.starmap(memmove, piece):
-                pass
+            copy_runs(piece)
 
     others = [_copier_pool(threads - 1).submit(work) for _ in range(threads - 1)]
     try:

@@ -129,3 +129,44 @@ def test_packed_item_resized_after_packing_is_refused():
     items[0].untyped_storage().resize_(2048)
     with pytest.raises(TensorMutated, match="resized from 1024 to 2048 bytes"):
         packed.materialize()
+
+
+def test_the_streaming_copy_is_built_and_in_use_on_x86_64():
+    """The install builds the copy extension (setup.py); on x86-64 it streams."""
+    import platform
+
+    from ckptcache.format import fastcopy
+
+    if platform.machine() != "x86_64":
+        pytest.skip("streaming stores are x86-64 only; elsewhere the extension memcpys")
+    assert fastcopy.COPY_IMPLEMENTATION in ("stream-avx2", "stream-sse2")
+
+
+@pytest.mark.parametrize("streaming", [True, False], ids=["extension", "memmove"])
+def test_copy_runs_lands_every_byte_at_every_alignment_and_length(monkeypatch, streaming):
+    """Lengths around the streaming threshold and the store widths, at destination and source
+    addresses off every alignment of a cache line: each run equals its source and nothing
+    between the runs is written, with the extension and with the memmove fallback."""
+    from ckptcache.format import fastcopy
+
+    if not streaming:
+        monkeypatch.setattr(fastcopy, "_LIB", None)
+    lengths = [0, 1, 15, 31, 127, 4096, (32 << 10) - 1, 32 << 10, (32 << 10) + 1,
+               (32 << 10) + 97, 100_000, (1 << 20) + 63]  # fmt: skip
+    shifts = [0, 1, 7, 16, 31, 33, 63]
+    src = torch.randint(0, 256, (4 << 20,), dtype=torch.uint8,
+                        generator=torch.Generator().manual_seed(3))  # fmt: skip
+    dst = torch.full((len(lengths) * len(shifts) * ((1 << 20) + 256),), 7, dtype=torch.uint8)
+    expected = dst.clone()
+    runs, at, placed = [], 0, []
+    for i, n in enumerate(lengths):
+        for j, shift in enumerate(shifts):
+            s_at = (i * 131 + j * 977) % (src.numel() - n - 64) + (shift + 5) % 64
+            d_at = at + shift
+            runs.append((dst.data_ptr() + d_at, src.data_ptr() + s_at, n))
+            placed.append((d_at, s_at, n))
+            at = d_at + n + 64  # a gap that must keep its bytes
+    fastcopy.copy_runs(runs)
+    for d_at, s_at, n in placed:
+        expected[d_at : d_at + n] = src[s_at : s_at + n]
+    assert torch.equal(dst, expected)
