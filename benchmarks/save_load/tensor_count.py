@@ -32,6 +32,7 @@ from ckptcache._units import format_bytes, parse_bytes
 from ckptcache.cli.bench import _wait_for_spare, wait_idle
 from ckptcache.cli.benchmarking import make_state, memcpy_seconds, mixed_state, running_daemon
 from ckptcache.client import Client
+from ckptcache.format.fastcopy import COPY_IMPLEMENTATION
 
 
 def make_state_of(nbytes: int, shape: str) -> dict[str, torch.Tensor]:
@@ -207,7 +208,8 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--profile", action="store_true", help="also profile a save and a load of mix")
     args = p.parse_args()
-    print(f"torch {torch.__version__}, {os.cpu_count()} CPUs, load {os.getloadavg()[0]:.2f}")
+    print(f"torch {torch.__version__}, {os.cpu_count()} CPUs, load {os.getloadavg()[0]:.2f}, "
+          f"save copy: {COPY_IMPLEMENTATION}")  # fmt: skip
     for size in args.sizes:
         nbytes = parse_bytes(size)
         counts, results = {}, {}
