@@ -77,12 +77,13 @@ int ckptcache_copy_kind(void)
 /* Copy ``count`` runs, each three uint64 (destination address, source address, bytes);
  * runs must not overlap. Every store is globally ordered before the function returns (the
  * caller then hands the segment to the daemon, another process). */
+/* ckptcache_copy_kind(), taken when the module is imported (before any copy thread runs). */
+static int copy_kind = -1;
+
 void ckptcache_copy_runs(const uint64_t *runs, size_t count)
 {
 #ifdef CKPT_X86
-    static int kind = -1;
-    if (kind < 0)
-        kind = ckptcache_copy_kind();
+    int kind = copy_kind >= 0 ? copy_kind : ckptcache_copy_kind();
     int streamed = 0;
 #endif
     for (size_t i = 0; i < count; i++) {
@@ -112,4 +113,8 @@ static struct PyModuleDef module = {
     "Streaming-store copy of a save's runs (called through ctypes).", -1, NULL,
 };
 
-PyMODINIT_FUNC PyInit__copy(void) { return PyModule_Create(&module); }
+PyMODINIT_FUNC PyInit__copy(void)
+{
+    copy_kind = ckptcache_copy_kind();
+    return PyModule_Create(&module);
+}
