@@ -139,7 +139,9 @@ def test_the_streaming_copy_is_built_and_in_use_on_x86_64():
 
     if platform.machine() != "x86_64":
         pytest.skip("streaming stores are x86-64 only; elsewhere the extension memcpys")
-    assert fastcopy.COPY_IMPLEMENTATION in ("stream-avx2", "stream-sse2")
+    assert fastcopy.COPY_IMPLEMENTATION in ("stream-avx2", "stream-sse2"), (
+        "the copy extension is not built in this tree: `pip install -e .` builds it"
+    )
 
 
 @pytest.mark.parametrize("streaming", [True, False], ids=["extension", "memmove"])
