@@ -229,14 +229,19 @@ class _Encoder:
         # each time, memoized after its items), each tuple memoized after its items. The
         # records are made in the order written: each takes the next memo index.
         repeated = self.repeated
+        key = keys[storage]
+        memo = self.memo
+        cls = self.class_refs.get(dtype)
+        if repeated is not None and cls is not None and id(key) not in memo:
+            self.write_repeated(i, value, repeated, cls, key, storage, dtype)
+            return
         if repeated is None:
             rebuild = self.global_record(torch._utils._rebuild_tensor_v2, _REBUILD)
             tag = self.str_record(_STORAGE_TAG)
         else:
             rebuild, tag, loc, hooks = repeated
-        cls = self.class_refs.get(dtype) or self.global_record(kind, _global(kind))
-        key = keys[storage]
-        index = self.memo.get(id(key))
+        cls = cls or self.global_record(kind, _global(kind))
+        index = memo.get(id(key))
         key_record = b"X" + _int_len(key) + self.memoize(key) if index is None else _get(index)
         if repeated is None:
             loc = self.str_record(self.location)
@@ -259,7 +264,6 @@ class _Encoder:
                 arguments_put, b"R", self.memoize(value),
             ))
         )  # fmt: skip
-        memo = self.memo
         if repeated is None:
             self.repeated = (
                 _get(memo[id(torch._utils._rebuild_tensor_v2)]),
@@ -269,6 +273,45 @@ class _Encoder:
             )
         if dtype not in self.class_refs:
             self.class_refs[dtype] = _get(memo[id(kind)])
+
+    def write_repeated(
+        self,
+        i: int,
+        value: torch.Tensor,
+        repeated: tuple[bytes, bytes, bytes, bytes],
+        cls: bytes,
+        key: str,
+        storage: int,
+        dtype: torch.dtype,
+    ) -> None:
+        """:meth:`write_tensor` for the usual tensor: every repeated record already memoized
+        and its storage new (what thousands of tensors are), the memo indices counted here."""
+        _, shapes, strides, offsets, _, requires_grad, _, sizes = self.columns
+        rebuild, tag, loc, hooks = repeated
+        c = self.count
+        self.memo[id(key)] = c  # ``keys`` keeps it alive
+        shape, stride = shapes[i], strides[i]
+        parts = [
+            rebuild, b"((", tag, cls, b"X", _int_len(key), _put(c), loc,
+            _int(sizes[storage] // dtype.itemsize), b"t", _put(c + 1), b"Q", _int(offsets[i]),
+            self.shape_bodies.get(shape) or self.tuple_body(shape),
+        ]  # fmt: skip
+        c += 2
+        if shape:
+            parts.append(_put(c))
+            c += 1
+        parts.append(self.shape_bodies.get(stride) or self.tuple_body(stride))
+        if stride:
+            parts.append(_put(c))
+            c += 1
+        parts += (
+            b"\x88" if requires_grad[i] else b"\x89", hooks, b")R", _put(c), b"t", _put(c + 1),
+            b"R", _put(c + 2),
+        )  # fmt: skip
+        self.memo[id(value)] = c + 2
+        self.keep.append(value)
+        self.count = c + 3
+        self.write(b"".join(parts))
 
     def save(self, value: Any) -> None:
         """Write ``value`` as the C pickler's ``save`` does, or raise :class:`_Unsupported`."""
