@@ -105,7 +105,7 @@ def _get(index: int) -> bytes:
     return b"h" + bytes((index,)) if index < 256 else b"j" + _LONG.pack(index)
 
 
-def _int_len(key: str) -> bytes:
+def _key_body(key: str) -> bytes:
     """A storage key's ``BINUNICODE`` length and bytes (decimal digits: ASCII)."""
     return _LONG.pack(len(key)) + key.encode("ascii")
 
@@ -242,7 +242,7 @@ class _Encoder:
             rebuild, tag, loc, hooks = repeated
         cls = cls or self.global_record(kind, _global(kind))
         index = memo.get(id(key))
-        key_record = b"X" + _int_len(key) + self.memoize(key) if index is None else _get(index)
+        key_record = b"X" + _key_body(key) + self.memoize(key) if index is None else _get(index)
         if repeated is None:
             loc = self.str_record(self.location)
         numel = _int(sizes[storage] // dtype.itemsize)
@@ -292,7 +292,7 @@ class _Encoder:
         self.memo[id(key)] = c  # ``keys`` keeps it alive
         shape, stride = shapes[i], strides[i]
         parts = [
-            rebuild, b"((", tag, cls, b"X", _int_len(key), _put(c), loc,
+            rebuild, b"((", tag, cls, b"X", _key_body(key), _put(c), loc,
             _int(sizes[storage] // dtype.itemsize), b"t", _put(c + 1), b"Q", _int(offsets[i]),
             self.shape_bodies.get(shape) or self.tuple_body(shape),
         ]  # fmt: skip

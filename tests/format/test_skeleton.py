@@ -34,6 +34,9 @@ _POOL = [
     torch.ones(1, 1, 1, 1, dtype=torch.float16),
     torch.tensor([True, False]),
     torch.zeros(300, dtype=torch.uint8)[::7],
+    *(torch.ones(2, dtype=d) for d in (torch.int8, torch.int16, torch.int32, torch.float64)),
+    torch.ones(2, dtype=torch.complex64),
+    torch.ones(2, dtype=torch.complex128),
 ]
 _STRINGS = ["w", "é", "ключ", "\U0001f600", "", "storage", "cpu", "0", "1", "latin1"]
 _INTS = [0, -1, 255, 256, 65535, 65536, 2**31 - 1, 2**31, -(2**31), -(2**31) - 1, 2**64, -(2**70)]
