@@ -50,6 +50,7 @@ from ckptcache.format._tensor_columns import tensor_items
 from ckptcache.format.flatten import Flattened, flatten, gc_paused, v3_dtypes
 from ckptcache.format.manifest import ObjectPlan
 from ckptcache.format.objectio import plan_object, replan
+from ckptcache.format.skeleton import encode_flattened
 from ckptcache.format.tensor_table import encode_table
 
 __all__ = ["PlanCache", "Structure", "describe"]
@@ -297,7 +298,14 @@ class PlanCache:
                     structure.versions, structure.storage_ids,
                 )  # fmt: skip
                 return flat, replan(entry.plan, path, namespace)
-        flat = flatten(obj)
+        fast = None
+        if structure is not None and structure.plain:
+            # Written from the walk, byte for byte what ``flatten`` pickles (or None: pickle).
+            fast = encode_flattened(
+                obj, structure.tensors, structure.storages, structure.columns,
+                structure.storage_ids,
+            )  # fmt: skip
+        flat = flatten(obj) if fast is None else fast
         agrees = structure is not None and _agrees(structure, flat)
         table = ""
         if agrees and structure is not None and structure.plain:

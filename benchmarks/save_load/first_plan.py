@@ -1,0 +1,70 @@
+"""The planning of a first save (a plan-cache miss) alone, and its parts, in one process.
+
+    python benchmarks/save_load/first_plan.py --rounds 7
+
+A first save of a state of thousands of tensors stalls the trainer for its planning: the
+walk (``describe``), the skeleton (``flatten``'s pickle, or the encoder of
+``ckptcache.format.skeleton`` where it applies), the tensor table, and the archive's layout
+and manifest (``plan_object``). This times ``PlanCache().prepare`` on a fresh cache (a miss)
+and each part, on ``tensor_count.py``'s ``mix`` state (75% of the bytes in 16 MiB tensors,
+the rest in 64 KiB ones), best of ``--rounds``. Runs on trees without the encoder too (its
+row is then left out), so a before/after comparison uses the same script.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+from collections.abc import Callable
+from typing import Any
+
+from ckptcache.cli.benchmarking import mixed_state
+from ckptcache.format.flatten import flatten
+from ckptcache.format.objectio import plan_object
+from ckptcache.format.plancache import PlanCache, describe
+from ckptcache.format.tensor_table import encode_table
+
+try:
+    from ckptcache.format.skeleton import encode_flattened
+except ImportError:  # a tree before the encoder
+    encode_flattened = None  # type: ignore[assignment]
+
+
+def best_of(rounds: int, fn: Callable[[], Any]) -> float:
+    """The best wall time of ``rounds`` calls of ``fn``, in seconds."""
+    best = float("inf")
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--rounds", type=int, default=7)
+    p.add_argument("--size", type=int, default=512, help="state size in MiB")
+    args = p.parse_args()
+    state = mixed_state(args.size << 20)
+    s = describe(state)
+    assert s is not None
+    flat = flatten(state)
+    parts: dict[str, Callable[[], Any]] = {
+        "prepare (miss, whole)": lambda: PlanCache().prepare(state, "/o", "ns"),
+        "describe": lambda: describe(state),
+        "flatten (pickler)": lambda: flatten(state),
+    }
+    if encode_flattened is not None:
+        parts["skeleton encoder"] = lambda: encode_flattened(
+            state, s.tensors, s.storages, s.columns, s.storage_ids
+        )
+    parts["encode_table"] = lambda: encode_table(state, s.tensors, s.columns)
+    parts["plan_object"] = lambda: plan_object(flat, "/o", "ns")
+    print(f"{len(state)} tensors, load {os.getloadavg()[0]:.2f}")
+    for name, fn in parts.items():
+        print(f"| {name} | {best_of(args.rounds, fn) * 1e3:.1f} ms |")
+
+
+if __name__ == "__main__":
+    main()
