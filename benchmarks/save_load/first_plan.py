@@ -15,11 +15,10 @@ from __future__ import annotations
 
 import argparse
 import os
-import time
 from collections.abc import Callable
 from typing import Any
 
-from ckptcache.cli.benchmarking import mixed_state
+from ckptcache.cli.benchmarking import best_of, mixed_state
 from ckptcache.format.flatten import flatten
 from ckptcache.format.objectio import plan_object
 from ckptcache.format.plancache import PlanCache, describe
@@ -29,16 +28,6 @@ try:
     from ckptcache.format.skeleton import encode_flattened
 except ImportError:  # a tree before the encoder
     encode_flattened = None  # type: ignore[assignment]
-
-
-def best_of(rounds: int, fn: Callable[[], Any]) -> float:
-    """The best wall time of ``rounds`` calls of ``fn``, in seconds."""
-    best = float("inf")
-    for _ in range(rounds):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return best
 
 
 def main() -> None:
