@@ -94,9 +94,10 @@ def best_of(n: int, fn: Callable[[], object]) -> float:
 def memcpy_seconds(state: dict[str, torch.Tensor], repeats: int = 3) -> float:
     """The physical limit of a save's copy: the bytes of every tensor of ``state`` moved into
     already-faulted memory (as a reused segment is), the faster of one ``copy_`` per tensor
-    and a copy spread over every core (``memmove`` per share, outside the GIL). A single
-    threaded copy is not the limit where several cores share the memory bandwidth: a save
-    that copies with all of them would beat it."""
+    and the save's own copy spread over every core (``copy_storages_into``: streaming stores
+    where the copy extension is built, ``memmove`` otherwise; outside the GIL). A single
+    threaded copy is not the limit where several cores share the memory bandwidth, nor a copy
+    with ordinary stores where the save streams: a save would beat either."""
     from ckptcache.format.shm import copy_storages_into
 
     dst = {k: torch.empty_like(v) for k, v in state.items()}
