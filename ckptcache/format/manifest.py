@@ -21,6 +21,7 @@ from ckptcache.format.archive import ArchivePlan, ParsedArchive
 from ckptcache.format.digest import DIGEST_ALGORITHM, digest_bytes, digest_hex
 from ckptcache.format.gcpause import gc_paused
 from ckptcache.format.layout import HEADER_SIZE, SegmentLayout
+from ckptcache.format.packed_records import PackedColumns, pack_columns
 
 __all__ = [
     "MANIFEST_FORMAT",
@@ -40,11 +41,11 @@ __all__ = [
     "verify_meta",
 ]
 
-#: 2 stores the storage records as columns (one JSON list per field): a state dict of
-#: thousands of tensors encodes and decodes in one pass of C code, not one object per record.
-#: Format 1 (one JSON object per record) is still read.
-MANIFEST_FORMAT = 2
-_READ_FORMATS = (1, 2)
+#: 3 stores the storage records packed (:mod:`ckptcache.format.packed_records`): numbers as
+#: arrays, strings as one text each column. Formats 2 (one JSON list per field) and 1 (one
+#: JSON object per record) are still read.
+MANIFEST_FORMAT = 3
+_READ_FORMATS = (1, 2, 3)
 
 
 class StorageRecord(NamedTuple):
@@ -65,20 +66,23 @@ make_record = functools.partial(tuple.__new__, StorageRecord)
 
 
 def encode_records(records: Sequence[StorageRecord]) -> bytes:
-    """The ``storages`` value of a format 2 manifest: one JSON list per field."""
-    if not records:
-        return json.dumps({key: [] for key in _RECORD_FIELDS}, separators=(",", ":")).encode()
-    columns = dict(zip(_RECORD_FIELDS, map(list, zip(*records, strict=True)), strict=True))
-    return json.dumps(columns, separators=(",", ":")).encode()
+    """The ``storages`` value of a format 3 manifest: the records packed."""
+    columns = list(zip(*records, strict=True)) if records else [()] * len(_RECORD_FIELDS)
+    return json.dumps(pack_columns(columns), separators=(",", ":")).encode()
 
 
 def _decode_records(
     raw: Any, fmt: int, *, lazy: bool = False
-) -> tuple[Sequence[StorageRecord], list[Any] | None]:
-    """The records, and (format 2) their columns as decoded; ``lazy``: the records made on
-    first use (:class:`LazyRecords`)."""
+) -> tuple[Sequence[StorageRecord], Sequence[Sequence[Any]] | None]:
+    """The records, and (formats 2 and 3) their columns as decoded; ``lazy``: the records
+    made on first use (:class:`LazyRecords`)."""
     if fmt == 1:
         return tuple(make_record(s[f] for f in _RECORD_FIELDS) for s in raw), None
+    if fmt == 3:
+        packed = PackedColumns(raw)
+        if lazy:
+            return LazyRecords(packed), packed
+        return tuple(map(make_record, zip(*packed, strict=True))), packed
     if not isinstance(raw, dict) or set(raw) != set(_RECORD_FIELDS):
         raise ValueError("storage columns missing or unknown")
     columns = [raw[f] for f in _RECORD_FIELDS]
@@ -209,21 +213,20 @@ class Manifest:
         return list(zip(*self.storages, strict=True)) if self.storages else [()] * 6
 
     def _check(self, segment_size: int | None, columns: Sequence[Any] | None = None) -> None:
-        # One pass per column, in C (map, set, min, max): thousands of records per manifest.
+        # One pass per column, in C (map, set, min, max, numpy): thousands of records.
         if columns is None:
             columns = list(zip(*self.storages, strict=True)) if self.storages else [()] * 6
-        keys, offsets, sizes, dtypes, locations, names = columns
         heads = (self.payload_offset, self.payload_size, self.pickle_offset, self.pickle_size)
-        if not set(map(type, heads)).union(map(type, offsets), map(type, sizes)) <= {int}:
-            raise ValueError("negative or non-integer offset")
-        if min(*heads, min(offsets, default=0), min(sizes, default=0)) < 0:
+        if not set(map(type, heads)) <= {int} or min(heads) < 0:
             raise ValueError("negative or non-integer offset")
         texts = (self.path, self.namespace, self.digest_algorithm)
         try:
             # str.join refuses an item that is not a str, in one C pass a column: a quarter
             # of the cost of collecting the items' types (JSON makes no str subclass).
-            for column in (texts, keys, dtypes, locations, names):
-                "".join(column)
+            "".join(texts)
+            if not isinstance(columns, PackedColumns):  # packed: its strings checked already
+                for column in (columns[0], columns[3], columns[4], columns[5]):
+                    "".join(column)
         except TypeError:
             raise ValueError("a name, path or dtype that is not a string") from None
         if not isinstance(self.created, (int, float)) or isinstance(self.created, bool):
@@ -231,18 +234,35 @@ class Manifest:
         end = self.payload_offset + self.payload_size
         if not (self.payload_offset <= self.pickle_offset <= end - self.pickle_size):
             raise ValueError("pickle outside the payload")
-        if offsets and (
-            min(offsets) < self.payload_offset or max(map(operator.add, offsets, sizes)) > end
-        ):
-            first = next(s for s in self.storages
-                         if not self.payload_offset <= s.offset <= end - s.nbytes)  # fmt: skip
-            raise ValueError(f"storage {first.key} outside the payload")
+        outside = (
+            columns.check_within(self.payload_offset, end)
+            if isinstance(columns, PackedColumns)
+            else _first_outside(columns[1], columns[2], self.payload_offset, end)
+        )
+        if outside is not None:
+            raise ValueError(f"storage {columns[0][outside]} outside the payload")
         if segment_size is not None and end > segment_size:
             raise ValueError("payload larger than the segment")
         if type(self.table) is not str:
             raise ValueError("a tensor table that is not a string")
         if self.digest_algorithm != DIGEST_ALGORITHM:
             raise ValueError(f"unknown digest algorithm {self.digest_algorithm!r}")
+
+
+def _first_outside(
+    offsets: Sequence[Any], sizes: Sequence[Any], start: int, end: int
+) -> int | None:
+    """The index of the first record (formats 1 and 2: columns of decoded JSON) not all in
+    ``[start, end)``, or ``None``; raises ``ValueError`` for a value that is not a
+    non-negative ``int``."""
+    if not set(map(type, offsets)).union(map(type, sizes)) <= {int}:
+        raise ValueError("negative or non-integer offset")
+    if min(offsets, default=0) < 0 or min(sizes, default=0) < 0:
+        raise ValueError("negative or non-integer offset")
+    if not offsets or (min(offsets) >= start and max(map(operator.add, offsets, sizes)) <= end):
+        return None
+    return next(i for i, (o, n) in enumerate(zip(offsets, sizes, strict=True))
+                if not start <= o <= end - n)  # fmt: skip
 
 
 @dataclass(frozen=True)

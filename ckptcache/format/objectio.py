@@ -30,6 +30,7 @@ from ckptcache.format.manifest import (
     make_record,
     verify_digests,
 )
+from ckptcache.format.packed_records import PackedColumns
 from ckptcache.format.shm import (
     checked_nbytes,
     copy_cpu_storages,
@@ -216,7 +217,13 @@ def read_object(
         and fast_load_applies()  # not under a fake tensor mode
     ):
         whole = np.frombuffer(mapping, dtype=np.uint8)
-        result = load_table(manifest.table, whole, (columns[1], columns[2]))
+        # Packed records give their offsets and sizes as arrays: no list made of them.
+        extents: tuple[Any, Any] = (
+            (columns.offsets, columns.sizes)
+            if isinstance(columns, PackedColumns)
+            else (columns[1], columns[2])
+        )
+        result = load_table(manifest.table, whole, extents)
         if result is not NOT_FAST:
             return result
     places = dict(zip(columns[0], zip(columns[1], columns[2], strict=True), strict=True))

@@ -197,25 +197,114 @@ def test_fast_tensor_reduction_writes_torch_own_records(monkeypatch):
         assert_same(back[key], expected[key])
 
 
-def test_manifest_json_stores_records_as_columns_and_reads_format_1():
-    """Format 2 encodes the storage records as one JSON list per field (the other fields as
-    ``dataclasses.asdict``); a format 1 manifest (one object per record) still decodes."""
+def _format_2(plan):
+    """``plan``'s manifest as format 2 wrote it (one JSON list per record field)."""
+    import dataclasses
+
+    raw = dataclasses.asdict(plan.manifest)
+    records = raw.pop("storages")
+    raw["storages"] = {
+        field: [list(r)[i] for r in records] for i, field in enumerate(StorageRecord._fields)
+    }
+    return {**raw, "format": 2}
+
+
+def test_manifest_json_packs_records_and_reads_formats_1_and_2():
+    """Format 3 packs the storage records (numbers as base64 int64 arrays, strings as one text
+    per column or a dictionary of values; the other fields as ``dataclasses.asdict``); format 2
+    (one list per field) and format 1 (one object per record) manifests still decode."""
+    import base64
     import dataclasses
     import json
 
     from ckptcache.format.objectio import plan_object
 
     plan = plan_object(flatten(_varied_state()), "/ckpt/a.pt", "ns")
+    records = plan.manifest.storages
     raw = json.loads(plan.manifest_bytes)
     expected = dataclasses.asdict(plan.manifest)
-    records = expected.pop("storages")
-    assert raw.pop("storages") == {
-        field: [list(r)[i] for r in records] for i, field in enumerate(StorageRecord._fields)
-    }
-    assert raw == expected and raw["format"] == 2
-    assert Manifest.from_json(plan.manifest_bytes) == plan.manifest
-    old = {**expected, "format": 1, "storages": [r._asdict() for r in plan.manifest.storages]}
+    expected.pop("storages")
+    packed = raw.pop("storages")
+    assert raw == expected and raw["format"] == 3
+    assert packed["n"] == len(records) and packed["key"] is None  # keys "0", "1", ...
+    offsets = np.frombuffer(base64.b64decode(packed["offset"]), dtype="<i8").tolist()
+    assert offsets == [r.offset for r in records]
+    assert packed["name"]["text"] == "".join(r.name for r in records)
+    dtypes = packed["dtype"]["values"]
+    codes = np.frombuffer(base64.b64decode(packed["dtype"]["codes"]), dtype="<u4").tolist()
+    assert [dtypes[c] for c in codes] == [r.dtype for r in records]
+    for lazy in (False, True):
+        assert Manifest.from_json(plan.manifest_bytes, keep_columns=lazy) == plan.manifest
+    assert Manifest.from_json(json.dumps(_format_2(plan)).encode()) == plan.manifest
+    old = {**expected, "format": 1, "storages": [r._asdict() for r in records]}
     assert Manifest.from_json(json.dumps(old).encode()) == plan.manifest
+
+
+def test_packed_records_keep_names_with_any_characters_and_other_keys():
+    """Names (and keys that are not ``"0"``, ``"1"``, ...) with separators, quotes, non-ASCII
+    and lone surrogates, and empty ones, come back as they were; so do no records at all."""
+    import dataclasses
+
+    from ckptcache.format.objectio import plan_object
+
+    plan = plan_object(flatten(_varied_state()), "/ckpt/a.pt", "ns")
+    names = ["a\nb", "", 'q"uote', "\u00e9t\u00e9 \ud800", "x" * 300, "\x00"]
+    odd = tuple(
+        StorageRecord(f"k{i}\n", r.offset, r.nbytes, r.dtype, r.location, names[i % len(names)])
+        for i, r in enumerate(plan.manifest.storages)
+    )
+    for storages in (odd, ()):
+        manifest = dataclasses.replace(plan.manifest, storages=storages)
+        for lazy in (False, True):
+            back = Manifest.from_json(manifest.to_json(), keep_columns=lazy)
+            assert tuple(back.storages) == storages and back == manifest
+            assert [list(c) for c in back.columns()] == [
+                list(c) for c in (zip(*storages, strict=True) if storages else [()] * 6)
+            ]
+
+
+def _b64_ints(values, dtype="<i8"):
+    import base64
+
+    return base64.b64encode(np.array(values, dtype=dtype).tobytes()).decode()
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (lambda s: s.__setitem__("offset", _b64_ints([-1] * s["n"])), "negative or non-integer"),
+        (lambda s: s.__setitem__("nbytes", _b64_ints([-1] * s["n"])), "negative or non-integer"),
+        (lambda s: s.__setitem__("offset", _b64_ints([1 << 40] * s["n"])), "outside the payload"),
+        (lambda s: s.__setitem__("offset", _b64_ints([(1 << 63) - 1] * s["n"])), "outside"),
+        (lambda s: s.__setitem__("nbytes", _b64_ints([(1 << 63) - 1] * s["n"])), "outside"),
+        (lambda s: s.__setitem__("offset", _b64_ints([0] * (s["n"] - 1))), "wrong length"),
+        (lambda s: s.__setitem__("offset", "not base64!"), "offsets are not valid base64"),
+        (lambda s: s.__setitem__("offset", 3), "not a base64 string"),
+        (lambda s: s.__setitem__("n", -1), "non-negative integer"),
+        (lambda s: s.__setitem__("n", True), "non-negative integer"),
+        (lambda s: s["dtype"].__setitem__("values", [3]), "not a string"),
+        (lambda s: s["dtype"].__setitem__("values", []), "code out of range"),
+        (lambda s: s["location"].__setitem__("codes", _b64_ints([9] * s["n"], "<u4")), "range"),
+        (lambda s: s["name"].__setitem__("text", s["name"]["text"] + "x"), "name column"),
+        (lambda s: s["name"].__setitem__("ends", _b64_ints(range(s["n"], 0, -1))), "name column"),
+        (lambda s: s["name"].__setitem__("text", 5), "name column"),
+        (lambda s: s.__setitem__("key", {"text": "", "ends": ""}), "wrong length"),
+        (lambda s: s.pop("location"), "missing or unknown"),
+        (lambda s: s.__setitem__("extra", []), "missing or unknown"),
+    ],
+)
+def test_malformed_packed_records_are_refused(change, message):
+    import json
+
+    from ckptcache.errors import CorruptCheckpoint
+    from ckptcache.format.objectio import plan_object
+
+    plan = plan_object(flatten(_varied_state()), "/ckpt/a.pt", "ns")
+    for lazy in (False, True):
+        raw = json.loads(plan.manifest_bytes)
+        change(raw["storages"])
+        with pytest.raises(CorruptCheckpoint, match=message):
+            Manifest.from_json(json.dumps(raw).encode(), keep_columns=lazy)
 
 
 @pytest.mark.parametrize(
@@ -232,14 +321,13 @@ def test_manifest_json_stores_records_as_columns_and_reads_format_1():
     ],
     ids=["negative", "float", "bool", "name", "outside", "short", "missing", "unknown"],
 )
-def test_malformed_manifest_columns_are_refused(change, message):
+def test_malformed_format_2_columns_are_refused(change, message):
     import json
 
     from ckptcache.errors import CorruptCheckpoint
     from ckptcache.format.objectio import plan_object
 
-    plan = plan_object(flatten(_varied_state()), "/ckpt/a.pt", "ns")
-    raw = json.loads(plan.manifest_bytes)
+    raw = _format_2(plan_object(flatten(_varied_state()), "/ckpt/a.pt", "ns"))
     change(raw["storages"])
     with pytest.raises(CorruptCheckpoint, match=message):
         Manifest.from_json(json.dumps(raw).encode())

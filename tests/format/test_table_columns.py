@@ -174,6 +174,6 @@ def test_a_loads_manifest_makes_its_records_on_first_use():
     assert list(records) == list(plain.storages) and hash(records) == hash(plain.storages)
     assert kept == plain and plain == kept
     raw = json.loads(data)
-    raw["storages"]["name"][1] = 7
+    raw["storages"]["dtype"]["values"][0] = 7
     with pytest.raises(CorruptCheckpoint, match="not a string"):
         Manifest.from_json(json.dumps(raw).encode(), keep_columns=True)

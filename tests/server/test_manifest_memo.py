@@ -5,10 +5,12 @@ same manifest, or the same refusal."""
 
 from __future__ import annotations
 
+import base64
 import dataclasses
 import json
 import random
 
+import numpy as np
 import pytest
 import torch
 
@@ -77,11 +79,17 @@ def test_a_lying_record_is_refused_as_a_full_decode_refuses_it(plan):
     memo = ManifestMemo()
     memo.decode(plan.manifest_bytes, path="/ckpt/a.pt", namespace=NS, segment_size=CAP)
     raw = json.loads(plan.manifest_bytes)
-    raw["storages"]["offset"][3] = raw["payload_offset"] + raw["payload_size"]  # past the end
+    offsets = np.frombuffer(base64.b64decode(raw["storages"]["offset"]), dtype="<i8").copy()
+
+    def with_offset_3(value: int) -> None:
+        offsets[3] = value
+        raw["storages"]["offset"] = base64.b64encode(offsets.tobytes()).decode()
+
+    with_offset_3(raw["payload_offset"] + raw["payload_size"])  # past the end
     lying = json.dumps(raw, separators=(",", ":")).encode()
     got, want = _both(memo, lying)
     assert got == want and isinstance(got, tuple) and "outside the payload" in got[1]
-    raw["storages"]["offset"][3] = raw["storages"]["offset"][2]  # inside, not where planned
+    with_offset_3(int(offsets[2]))  # inside, not where planned
     moved = json.dumps(raw, separators=(",", ":")).encode()
     got, want = _both(memo, moved)
     assert isinstance(got, Manifest) and got == want
@@ -146,7 +154,9 @@ def test_the_daemon_commits_a_repeat_from_the_memo_and_refuses_a_lying_one(make_
 
     def lying(plan):  # the same length, one record moved past the payload
         raw = json.loads(plan.manifest_bytes)
-        raw["storages"]["nbytes"][0] = raw["payload_size"] * 9
+        sizes = np.frombuffer(base64.b64decode(raw["storages"]["nbytes"]), dtype="<i8").copy()
+        sizes[0] = raw["payload_size"] * 9
+        raw["storages"]["nbytes"] = base64.b64encode(sizes.tobytes()).decode()
         return json.dumps(raw, separators=(",", ":")).encode()
 
     _, commit = reserve_and_write(lying)
