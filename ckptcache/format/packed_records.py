@@ -33,6 +33,8 @@ FIELDS = ("key", "offset", "nbytes", "dtype", "location", "name")
 _KEYS = frozenset(("n", *FIELDS))
 _INT64 = np.dtype("<i8")
 _CODE = np.dtype("<u4")
+#: Bounds from here on are checked in Python ints: two int64 values up to it cannot overflow.
+_HUGE = 1 << 62
 
 
 def _b64(array: np.ndarray) -> str:
@@ -156,7 +158,10 @@ class PackedColumns(Sequence[Sequence[Any]]):
         offsets, sizes = self.offsets, self.sizes
         if int(offsets.min()) < 0 or int(sizes.min()) < 0:
             raise ValueError("negative or non-integer offset")
-        # Each below ``end`` first, so their sum cannot wrap around in int64.
+        if end >= _HUGE:  # past any real segment: Python ints, which cannot wrap around
+            rows = zip(offsets.tolist(), sizes.tolist(), strict=True)
+            return next((i for i, (o, n) in enumerate(rows) if not start <= o <= end - n), None)
+        # Each at most ``end`` first, so their sum cannot wrap around in int64.
         bad = (offsets < start) | (offsets > end) | (sizes > end)
         if not bad.any():
             bad = offsets + sizes > end

@@ -269,6 +269,26 @@ def _b64_ints(values, dtype="<i8"):
     return base64.b64encode(np.array(values, dtype=dtype).tobytes()).decode()
 
 
+def test_packed_records_past_any_real_payload_are_refused_without_wrapping_around():
+    """Offsets and sizes near int64's end, with a payload that claims to be larger still (the
+    bounds then checked in Python ints): a sum that would wrap around is still outside."""
+    import dataclasses
+
+    from ckptcache.errors import CorruptCheckpoint
+    from ckptcache.format.objectio import plan_object
+
+    plan = plan_object(flatten(_varied_state()), "/ckpt/a.pt", "ns")
+    half = 1 << 62  # offset + nbytes is 1 << 63: negative, wrapped around in int64
+    record = plan.manifest.storages[0]._replace(offset=half, nbytes=half)
+    for payload_size in (half, half + 12345):
+        manifest = dataclasses.replace(
+            plan.manifest, storages=(record, *plan.manifest.storages[1:]),
+            payload_size=payload_size,
+        )  # fmt: skip
+        with pytest.raises(CorruptCheckpoint, match="outside the payload"):
+            Manifest.from_json(manifest.to_json(), keep_columns=True)
+
+
 @pytest.mark.parametrize(
     ("change", "message"),
     [
