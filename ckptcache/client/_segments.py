@@ -65,7 +65,8 @@ class WriteMaps:
         if mapping is None or len(mapping) < capacity:
             if mapping is not None:  # a registration must end before its pages go
                 self._unmap(mapping, quiet=True)
-            mapping = map_shared(self.seg_path(segment), capacity)
+            # A save waits for this mapping: its page tables are made by every copy thread.
+            mapping = map_shared(self.seg_path(segment), capacity, parallel=True)
             self._maps[segment] = mapping
         return mapping
 
