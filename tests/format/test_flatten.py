@@ -236,6 +236,14 @@ def test_manifest_json_packs_records_and_reads_formats_1_and_2():
     for lazy in (False, True):
         assert Manifest.from_json(plan.manifest_bytes, keep_columns=lazy) == plan.manifest
     assert Manifest.from_json(json.dumps(_format_2(plan)).encode()) == plan.manifest
+    # The bytes are one ``json.dumps`` of the fields in order (the table's text is cached
+    # between encodes, so a table of its own and one seen before must both come out so).
+    for table in ("", "QUJD", 'é"\\ \ud800', plan.manifest.table, "QUJD"):
+        manifest = dataclasses.replace(plan.manifest, table=table)
+        head = {**dataclasses.asdict(manifest), "storages": None}
+        whole = json.dumps(head, separators=(",", ":")).encode()
+        columns = json.dumps(packed, separators=(",", ":")).encode()
+        assert manifest.to_json() == whole.replace(b'"storages":null', b'"storages":' + columns)
     old = {**expected, "format": 1, "storages": [r._asdict() for r in records]}
     assert Manifest.from_json(json.dumps(old).encode()) == plan.manifest
 
