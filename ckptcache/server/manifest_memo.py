@@ -88,7 +88,9 @@ class ManifestMemo:
                 _check_segment(found, segment_size)
                 self.hits += 1
                 return found
-        manifest = Manifest.from_json(data, segment_size=segment_size)
+        # Its records are made when first read (the digests, the persist: after the commit's
+        # reply), not in the commit: every one is checked here all the same.
+        manifest = Manifest.from_json(data, segment_size=segment_size, keep_columns=True)
         self.misses += 1
         if len(data) <= self._max_bytes:
             with self._lock:
