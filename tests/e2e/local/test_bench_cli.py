@@ -34,7 +34,7 @@ def test_bench_json_reports_every_figure_and_matching_bytes(daemon_factory, tmp_
     # must be memory-only by choice (they are: durability="memory").
     d = daemon_factory("--memory-limit", "256MiB", "--persist-root", str(root), defaults=True)
     out = _bench(d, "--sizes", "8MiB", "--repeats", "1", "--json", "--root", str(root))
-    assert out.returncode == 0, out.stderr
+    assert out.returncode == 0, out.stderr + out.stdout
     result = json.loads(out.stdout)
     assert result["repeats"] == 1 and result["root"] == str(root)
     assert result["shm_huge_pages"] == huge_policy(d.shm_dir)  # the page size behind the figures
@@ -55,7 +55,7 @@ def test_bench_json_reports_every_figure_and_matching_bytes(daemon_factory, tmp_
 def test_bench_table_and_bad_sizes(daemon_factory):
     d = daemon_factory("--memory-limit", "128MiB")
     out = _bench(d, "--sizes", "4MiB", "--repeats", "1")
-    assert out.returncode == 0, out.stderr
+    assert out.returncode == 0, out.stderr + out.stdout
     assert "| ckptcache.save, repeated |" in out.stdout and "matched: True" in out.stdout
     assert f"segments on a tmpfs with huge={huge_policy(d.shm_dir)}" in out.stdout
     bad = _bench(d, "--sizes", "lots")
@@ -103,7 +103,7 @@ def test_bench_on_a_cluster_node_measures_the_backup_copy_and_a_peer_load(cluste
     # peer would then drop the backup copies whose survival the last line checks.
     a, b = cluster_factory(2, config="orphan_sweep: 0\n")
     out = _bench(a, "--sizes", "4MiB", "--repeats", "1", "--json")
-    assert out.returncode == 0, out.stderr
+    assert out.returncode == 0, out.stderr + out.stdout  # --json: an error is on stdout
     result = json.loads(out.stdout)
     assert sorted(result["cluster_nodes"]) == ["node0", "node1"]
     (entry,) = result["sizes"]
