@@ -81,7 +81,9 @@ def check_persistable(path: str) -> None:
         raise PathIsADirectory(f"cannot save {path!r}: it is an existing directory")
     head = os.path.dirname(path)
     while head and not os.path.isdir(head):
-        if os.path.lexists(head):
+        # Asked again after the existence test: a directory made between the two tests (the
+        # persist of this path's previous save making its directories) is not a refusal.
+        if os.path.lexists(head) and not os.path.isdir(head):
             raise ParentNotADirectory(f"cannot save {path!r}: {head!r} is not a directory")
         parent = os.path.dirname(head)
         if parent == head:
