@@ -101,10 +101,11 @@ def measure_state(state: dict[str, torch.Tensor], nbytes: int, root: str, repeat
             stalls, returns, loads = [], [], []
             for _ in range(repeats):
                 wait_idle(c, path)
+                # The limit sampled again right before each save: the machine's copy speed
+                # moves between moments, and a limit that gets fewer chances at a quiet one
+                # than the save can be beaten (mis-measured).
+                out["memcpy"] = min(out["memcpy"], memcpy_seconds(state))
                 stalls.append(_timed(lambda: c.save(state, path)))
-            # The limit sampled again between the saves: the machine's copy speed moves between
-            # moments, and a limit taken only before them can be beaten (mis-measured).
-            out["memcpy"] = min(out["memcpy"], memcpy_seconds(state))
             for _ in range(repeats):
                 wait_idle(c, path)
                 handle: Any = None
