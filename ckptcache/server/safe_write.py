@@ -27,9 +27,9 @@ from ckptcache.storage.fs import (
     TEMP_MARK,
     FileBackend,
     check_guard,
+    direct_stream_fill,
     link_unnamed,
     open_unnamed,
-    stream_fill,
 )
 
 __all__ = ["persist_write", "write_beneath"]
@@ -255,7 +255,7 @@ def persist_write(
     root = roots.local_root(target)
     if root is None:
         raise PathNotAllowed(f"cannot persist {target!r}: it is under no storage root")
-    fill = stream_fill(produce)
+    fill = direct_stream_fill(produce)  # O_DIRECT where the file system takes it
     if roots.implicit:
         # A daemon running as the user writes wherever the user could: symlinks the user
         # made above the save's directory are followed (not refused as leaving a root), and

@@ -17,6 +17,7 @@ from ckptcache.storage.base import (
     StoredVersion,
     WriteGuard,
 )
+from ckptcache.storage.direct import DirectWriter, direct_enabled, open_direct
 from ckptcache.storage.handoff import threaded
 from ckptcache.storage.writeback import BoundedWriteback
 
@@ -24,6 +25,7 @@ __all__ = [
     "TEMP_MARK",
     "FileBackend",
     "check_guard",
+    "direct_stream_fill",
     "file_version",
     "link_unnamed",
     "open_unnamed",
@@ -141,6 +143,27 @@ def stream_fill(produce: Producer) -> Callable[[int], None]:
     return lambda fd: threaded(produce, BoundedWriteback(fd).write)
 
 
+def direct_stream_fill(produce: Producer) -> Callable[[int], None]:
+    """A ``fill(fd)`` like :func:`stream_fill`, but with ``O_DIRECT`` where the file system
+    takes it (see :mod:`ckptcache.storage.direct`): large runs go from the producer's pages
+    to the disk without a copy into the page cache. Where direct writes are off
+    (``CKPTCACHE_DIRECT_IO=0``) or refused, the same bytes are written buffered."""
+
+    def fill(fd: int) -> None:
+        if not (direct_enabled() and open_direct(fd)):
+            stream_fill(produce)(fd)
+            return
+        writer = DirectWriter(fd)
+        try:
+            threaded(produce, writer.write)
+        except BaseException:
+            writer.release()
+            raise
+        writer.close()
+
+    return fill
+
+
 def _write_all(fd: int, data: bytes | memoryview) -> None:
     view = memoryview(data)
     while view:
@@ -199,7 +222,7 @@ class FileBackend(StorageBackend):
     def write_stream(
         self, path: str, produce: Producer, *, guard: WriteGuard | None = None
     ) -> None:
-        self._atomic(path, stream_fill(produce), guard)
+        self._atomic(path, direct_stream_fill(produce), guard)
 
     def version(self, path: str) -> StoredVersion | None:
         return file_version(path)

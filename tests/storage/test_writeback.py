@@ -18,6 +18,7 @@ import textwrap
 import pytest
 
 from ckptcache.storage import writeback
+from ckptcache.storage.direct import DIRECT_ENV
 from ckptcache.storage.fs import FileBackend
 from ckptcache.storage.writeback import MIN_WINDOW, WINDOW, BoundedWriteback, window_for
 
@@ -26,6 +27,12 @@ _ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__
 needs_sync_file_range = pytest.mark.skipif(
     writeback._sync_file_range is None, reason="no sync_file_range here"
 )
+
+
+@pytest.fixture(autouse=True)
+def _buffered(monkeypatch):
+    """These tests are about the buffered path (direct writes have their own tests)."""
+    monkeypatch.setenv(DIRECT_ENV, "0")
 
 
 def _pieces() -> list[bytes]:
