@@ -348,32 +348,33 @@ def _bulk_plan(
     """The plan of records laid out by :func:`layout_records` (no zip64 fields): the same
     pieces, in the same order, as :func:`_plan_one_by_one` gives."""
     local_pack = _LOCAL_HEADER.pack
-    descriptor_pack = struct.Struct("<IIII").pack
-    central_pack = _CENTRAL_HEADER.pack
     pieces: list[tuple[int, bytes]] = []
     append = pieces.append
     id_piece = -1
     last = len(names) - 1
-    central: list[bytes] = []
+    descriptors = iter(_descriptors(sizes))
+    # A local header depends only on its name's length and its padding: one pack per pair.
+    heads: dict[tuple[int, int], tuple[bytes, bytes]] = {}
     for i, (name, size, content, header, data) in enumerate(
         zip(names, sizes, contents, header_offsets, data_offsets, strict=True)
     ):
         n_name = len(name)
-        extra = _extra_of(data - header - _LOCAL_HEADER.size - n_name)
-        append((header, local_pack(0x04034B50, 0, _FLAGS, 0, 0, 0, 0, 0, 0, n_name, len(extra))
-                + name + extra))  # fmt: skip
+        key = (n_name, data - header)
+        head = heads.get(key)
+        if head is None:
+            extra = _extra_of(data - header - _LOCAL_HEADER.size - n_name)
+            head = (local_pack(0x04034B50, 0, _FLAGS, 0, 0, 0, 0, 0, 0, n_name, len(extra)),
+                    extra)  # fmt: skip
+            heads[key] = head
+        append((header, head[0] + name + head[1]))
         if content is not None:
             if i == last:  # the serialization id
                 id_piece = len(pieces)
             append((data, content))
         if size > 0:
-            append((data + size, descriptor_pack(0x08074B50, 0, size, size)))
-        central.append(
-            central_pack(0x02014B50, 0, 0, _FLAGS, 0, 0, 0, 0, size, size, n_name, 0,
-                         0, 0, 0, 0, header) + name
-        )  # fmt: skip
+            append((data + size, next(descriptors)))
     cd_offset = data_offsets[-1] + sizes[-1] + (_DESCRIPTOR_SIZE if sizes[-1] > 0 else 0)
-    directory = b"".join(central)
+    directory = _central_directory(names, sizes, header_offsets)
     append((cd_offset, directory + end_records(len(names), cd_offset, len(directory))))
     return ArchivePlan(
         size=cd_offset + len(directory) + 56 + 20 + 22,
@@ -383,6 +384,56 @@ def _bulk_plan(
         pickle_size=pickle_size,
         id_piece=id_piece,
     )
+
+
+def _descriptors(sizes: list[int]) -> list[bytes]:
+    """The data descriptor (no zip64 fields) of each non-empty record, packed in one step."""
+    import numpy as np
+
+    size = np.asarray(sizes, np.uint32)
+    size = size[size > 0]
+    rows = np.zeros((len(size), 4), "<u4")
+    rows[:, 0] = 0x08074B50
+    rows[:, 2] = size
+    rows[:, 3] = size
+    blob = rows.tobytes()
+    return [blob[i : i + _DESCRIPTOR_SIZE] for i in range(0, len(blob), _DESCRIPTOR_SIZE)]
+
+
+#: A central directory entry's fixed part (``_CENTRAL_HEADER``) as a numpy record.
+_CENTRAL_FIELDS = [
+    ("signature", "<u4"), ("made_by", "<u2"), ("needed", "<u2"), ("flags", "<u2"),
+    ("method", "<u2"), ("time", "<u2"), ("date", "<u2"), ("crc", "<u4"),
+    ("compressed", "<u4"), ("size", "<u4"), ("name_len", "<u2"), ("extra_len", "<u2"),
+    ("comment_len", "<u2"), ("disk", "<u2"), ("internal", "<u2"), ("external", "<u4"),
+    ("offset", "<u4"),
+]  # fmt: skip
+
+
+def _central_directory(names: list[bytes], sizes: list[int], header_offsets: list[int]) -> bytes:
+    """The central directory (no zip64 fields) of every record, made in bulk: each entry's
+    fixed part as one row of a record array, then the names scattered in after them."""
+    import numpy as np
+
+    n = len(names)
+    rows = np.zeros(n, np.dtype(_CENTRAL_FIELDS))
+    assert rows.itemsize == _CENTRAL_HEADER.size
+    name_len = np.fromiter(map(len, names), np.int64, n)
+    rows["signature"] = 0x02014B50
+    rows["flags"] = _FLAGS
+    rows["compressed"] = rows["size"] = sizes
+    rows["name_len"] = name_len
+    rows["offset"] = header_offsets
+    entry = _CENTRAL_HEADER.size + name_len
+    starts = np.cumsum(entry) - entry
+    out = np.empty(int(entry.sum()), np.uint8)
+    fixed = (starts[:, None] + np.arange(_CENTRAL_HEADER.size)).ravel()
+    out[fixed] = rows.view(np.uint8)
+    total = int(name_len.sum())
+    name_starts = np.cumsum(name_len) - name_len
+    at = np.arange(total) + np.repeat(starts + _CENTRAL_HEADER.size - name_starts, name_len)
+    out[at] = np.frombuffer(b"".join(names), np.uint8)
+    return out.tobytes()
 
 
 @dataclass(frozen=True)
