@@ -289,37 +289,34 @@ _DESCRIPTOR_SIZE = 16
 def layout_records(
     names: Sequence[bytes], sizes: Sequence[int], alignment: int = ARCHIVE_ALIGNMENT
 ) -> tuple[list[int], list[int]] | None:
-    """Every record's local header offset and data offset, in bulk: ``(header_offsets,
+    """Every record's local header offset and data offset: ``(header_offsets,
     data_offsets)`` for records ``names`` of ``sizes`` bytes laid out from offset 0 as
     :func:`plan_archive` lays them out; None when a record needs zip64 fields (a size or a
     header offset of 4 GiB or more), whose layout is left to the one-record-at-a-time path.
 
-    Every record's data starts aligned, so where the next record's data starts depends only
-    on this record's size and the next one's name: the offsets are one cumulative sum.
+    Integer arithmetic only, in one pass: no bytes are made here. Not numpy: its loops release
+    the GIL, and a save planned beside a busy thread (the client's own) then waits a switch
+    interval at each of them (many times the whole layout's cost).
     """
-    import numpy as np
-
-    n = len(names)
-    size = np.fromiter(sizes, np.int64, n)
-    if n == 0 or int(size.max()) >= _U32_MAX:
+    if not names or max(sizes) >= _U32_MAX:
         return None
-    name_len = np.fromiter(map(len, names), np.int64, n)
-    # What follows each record's data: its descriptor (miniz writes one after non-empty data).
-    tail = size + np.where(size > 0, _DESCRIPTOR_SIZE, 0)
-    # Each header starts where the previous record's tail ends; data starts are aligned, so
-    # a header's offset modulo the alignment is the previous tail's.
-    misalign = np.zeros(n, np.int64)
-    misalign[1:] = tail[:-1] % alignment
-    start = misalign + _LOCAL_HEADER.size + name_len
-    pad = (-start) % alignment
-    pad[(pad > 0) & (pad < 4)] += alignment  # the extra field's own 4 bytes must fit
-    header_to_data = _LOCAL_HEADER.size + name_len + pad
-    header = np.zeros(n, np.int64)
-    np.cumsum(header_to_data[:-1] + tail[:-1], out=header[1:])
-    if int(header[-1]) >= _U32_MAX:
+    headers: list[int] = []
+    datas: list[int] = []
+    offset = 0
+    fixed = _LOCAL_HEADER.size
+    for name, size in zip(names, sizes, strict=True):
+        start = offset + fixed + len(name)
+        pad = -start % alignment
+        if 0 < pad < 4:  # the extra field's own 4 bytes must fit
+            pad += alignment
+        headers.append(offset)
+        data = start + pad
+        datas.append(data)
+        # miniz writes a data descriptor only after non-empty records.
+        offset = data + size + (_DESCRIPTOR_SIZE if size > 0 else 0)
+    if headers[-1] >= _U32_MAX:
         return None
-    data = header + header_to_data
-    return header.tolist(), data.tolist()
+    return headers, datas
 
 
 #: The ``FB`` padding extra field for each padding length.
@@ -387,53 +384,22 @@ def _bulk_plan(
 
 
 def _descriptors(sizes: list[int]) -> list[bytes]:
-    """The data descriptor (no zip64 fields) of each non-empty record, packed in one step."""
-    import numpy as np
-
-    size = np.asarray(sizes, np.uint32)
-    size = size[size > 0]
-    rows = np.zeros((len(size), 4), "<u4")
-    rows[:, 0] = 0x08074B50
-    rows[:, 2] = size
-    rows[:, 3] = size
-    blob = rows.tobytes()
-    return [blob[i : i + _DESCRIPTOR_SIZE] for i in range(0, len(blob), _DESCRIPTOR_SIZE)]
+    """The data descriptor (no zip64 fields) of each non-empty record."""
+    pack = _DESCRIPTOR.pack
+    return [pack(0x08074B50, 0, size, size) for size in sizes if size > 0]
 
 
-#: A central directory entry's fixed part (``_CENTRAL_HEADER``) as a numpy record.
-_CENTRAL_FIELDS = [
-    ("signature", "<u4"), ("made_by", "<u2"), ("needed", "<u2"), ("flags", "<u2"),
-    ("method", "<u2"), ("time", "<u2"), ("date", "<u2"), ("crc", "<u4"),
-    ("compressed", "<u4"), ("size", "<u4"), ("name_len", "<u2"), ("extra_len", "<u2"),
-    ("comment_len", "<u2"), ("disk", "<u2"), ("internal", "<u2"), ("external", "<u4"),
-    ("offset", "<u4"),
-]  # fmt: skip
+_DESCRIPTOR = struct.Struct("<IIII")
 
 
 def _central_directory(names: list[bytes], sizes: list[int], header_offsets: list[int]) -> bytes:
-    """The central directory (no zip64 fields) of every record, made in bulk: each entry's
-    fixed part as one row of a record array, then the names scattered in after them."""
-    import numpy as np
-
-    n = len(names)
-    rows = np.zeros(n, np.dtype(_CENTRAL_FIELDS))
-    assert rows.itemsize == _CENTRAL_HEADER.size
-    name_len = np.fromiter(map(len, names), np.int64, n)
-    rows["signature"] = 0x02014B50
-    rows["flags"] = _FLAGS
-    rows["compressed"] = rows["size"] = sizes
-    rows["name_len"] = name_len
-    rows["offset"] = header_offsets
-    entry = _CENTRAL_HEADER.size + name_len
-    starts = np.cumsum(entry) - entry
-    out = np.empty(int(entry.sum()), np.uint8)
-    fixed = (starts[:, None] + np.arange(_CENTRAL_HEADER.size)).ravel()
-    out[fixed] = rows.view(np.uint8)
-    total = int(name_len.sum())
-    name_starts = np.cumsum(name_len) - name_len
-    at = np.arange(total) + np.repeat(starts + _CENTRAL_HEADER.size - name_starts, name_len)
-    out[at] = np.frombuffer(b"".join(names), np.uint8)
-    return out.tobytes()
+    """The central directory (no zip64 fields) of every record."""
+    pack = _CENTRAL_HEADER.pack
+    return b"".join([
+        pack(0x02014B50, 0, 0, _FLAGS, 0, 0, 0, 0, size, size, len(name), 0, 0, 0, 0, 0, header)
+        + name
+        for name, size, header in zip(names, sizes, header_offsets, strict=True)
+    ])  # fmt: skip
 
 
 @dataclass(frozen=True)
