@@ -5,10 +5,11 @@
 A first save of a state of thousands of tensors stalls the trainer for its planning: the
 walk (``describe``), the skeleton (``flatten``'s pickle, or the encoder of
 ``ckptcache.format.skeleton`` where it applies), the tensor table, and the archive's layout
-and manifest (``plan_object``). This times ``PlanCache().prepare`` on a fresh cache (a miss)
-and each part, on ``tensor_count.py``'s ``mix`` state (75% of the bytes in 16 MiB tensors,
-the rest in 64 KiB ones), best of ``--rounds``. Runs on trees without the encoder too (its
-row is then left out), so a before/after comparison uses the same script.
+and manifest (``plan_object``, and its ``plan_archive``). This times ``PlanCache().prepare``
+on a fresh cache (a miss) and each part, on ``tensor_count.py``'s ``mix`` state (75% of the
+bytes in 16 MiB tensors, the rest in 64 KiB ones), best of ``--rounds``. Runs on trees
+without the encoder too (its row is then left out), so a before/after comparison uses the
+same script.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ckptcache.cli.benchmarking import best_of, mixed_state
+from ckptcache.format.archive import plan_archive
 from ckptcache.format.flatten import flatten
 from ckptcache.format.objectio import plan_object
 from ckptcache.format.plancache import PlanCache, describe
@@ -50,6 +52,8 @@ def main() -> None:
         )
     parts["encode_table"] = lambda: encode_table(state, s.tensors, s.columns)
     parts["plan_object"] = lambda: plan_object(flat, "/o", "ns")
+    sizes = [i.nbytes for i in flat.infos]
+    parts["plan_archive (in plan_object)"] = lambda: plan_archive(flat.skeleton, sizes)
     print(f"{len(state)} tensors, load {os.getloadavg()[0]:.2f}")
     for name, fn in parts.items():
         print(f"| {name} | {best_of(args.rounds, fn) * 1e3:.1f} ms |")

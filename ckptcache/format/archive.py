@@ -222,15 +222,35 @@ def plan_archive(
     records: list[tuple[str, bytes | int]] = [*small_before]
     records += [(f"data/{i}", size) for i, size in enumerate(storage_sizes)]
     records += small_after
+    prefix = f"{archive_name}/"
+    names = [(prefix + name).encode() for name, _ in records]
+    sizes = [content if isinstance(content, int) else len(content) for _, content in records]
+    laid = layout_records(names, sizes, alignment)
+    if laid is None:  # an archive past 4 GiB: zip64 records, laid out one at a time
+        return _plan_one_by_one(
+            records, names, sizes, len(small_before), alignment, len(pickle_bytes)
+        )
+    header_offsets, data_offsets = laid
+    contents = [content if isinstance(content, bytes) else None for _, content in records]
+    return _bulk_plan(names, sizes, contents, header_offsets, data_offsets, alignment,
+                      len(small_before), len(storage_sizes), len(pickle_bytes))  # fmt: skip
 
+
+def _plan_one_by_one(
+    records: list[tuple[str, bytes | int]],
+    names: list[bytes],
+    sizes: list[int],
+    n_small: int,
+    alignment: int,
+    pickle_size: int,
+) -> ArchivePlan:
+    """:func:`plan_archive` one record at a time (any size or offset: zip64 where needed)."""
     pieces: list[tuple[int, bytes]] = []
     entries: list[_Entry] = []
     offset = 0
     id_piece = -1
-    for name, content in records:
-        full_name = f"{archive_name}/{name}".encode()
+    for (name, content), full_name, size in zip(records, names, sizes, strict=True):
         extra = _padding_extra(offset, len(full_name), alignment)
-        size = content if isinstance(content, int) else len(content)
         local = _LOCAL_HEADER.pack(
             0x04034B50, 0, _FLAGS, 0, 0, 0, 0, 0, 0, len(full_name), len(extra)
         )
@@ -251,17 +271,135 @@ def plan_archive(
     cd_offset = offset
     central = b"".join(_central_record(e) for e in entries)
     pieces.append((cd_offset, central + end_records(len(entries), cd_offset, len(central))))
-    size = cd_offset + len(central) + 56 + 20 + 22
-    n_small = len(small_before)
-    storage_offsets = tuple(e.data_offset for e in entries[n_small : n_small + len(storage_sizes)])
+    n_storages = len(records) - n_small - 2
     return ArchivePlan(
-        size=size,
+        size=cd_offset + len(central) + 56 + 20 + 22,
         pieces=tuple(pieces),
-        storage_offsets=storage_offsets,
+        storage_offsets=tuple(e.data_offset for e in entries[n_small : n_small + n_storages]),
         pickle_offset=entries[0].data_offset,
-        pickle_size=len(pickle_bytes),
+        pickle_size=pickle_size,
         id_piece=id_piece,
     )
+
+
+#: A data descriptor without zip64 fields (what every record of an archive under 4 GiB has).
+_DESCRIPTOR_SIZE = 16
+
+
+def layout_records(
+    names: Sequence[bytes], sizes: Sequence[int], alignment: int = ARCHIVE_ALIGNMENT
+) -> tuple[list[int], list[int]] | None:
+    """Every record's local header offset and data offset: ``(header_offsets,
+    data_offsets)`` for records ``names`` of ``sizes`` bytes laid out from offset 0 as
+    :func:`plan_archive` lays them out; None when a record needs zip64 fields (a size or a
+    header offset of 4 GiB or more), whose layout is left to the one-record-at-a-time path.
+
+    Integer arithmetic only, in one pass: no bytes are made here. Not numpy: its loops release
+    the GIL, and a save planned beside a busy thread (the client's own) then waits a switch
+    interval at each of them (many times the whole layout's cost).
+    """
+    if not names or max(sizes) >= _U32_MAX:
+        return None
+    headers: list[int] = []
+    datas: list[int] = []
+    offset = 0
+    fixed = _LOCAL_HEADER.size
+    for name, size in zip(names, sizes, strict=True):
+        start = offset + fixed + len(name)
+        pad = -start % alignment
+        if 0 < pad < 4:  # the extra field's own 4 bytes must fit
+            pad += alignment
+        headers.append(offset)
+        data = start + pad
+        datas.append(data)
+        # miniz writes a data descriptor only after non-empty records.
+        offset = data + size + (_DESCRIPTOR_SIZE if size > 0 else 0)
+    if headers[-1] >= _U32_MAX:
+        return None
+    return headers, datas
+
+
+#: The ``FB`` padding extra field for each padding length.
+_EXTRA_BY_PAD: dict[int, bytes] = {}
+
+
+def _extra_of(pad: int) -> bytes:
+    extra = _EXTRA_BY_PAD.get(pad)
+    if extra is None:
+        extra = b"FB" + struct.pack("<H", pad - 4) + b"Z" * (pad - 4) if pad else b""
+        _EXTRA_BY_PAD[pad] = extra
+    return extra
+
+
+def _bulk_plan(
+    names: list[bytes],
+    sizes: list[int],
+    contents: list[bytes | None],
+    header_offsets: list[int],
+    data_offsets: list[int],
+    alignment: int,
+    n_small: int,
+    n_storages: int,
+    pickle_size: int,
+) -> ArchivePlan:
+    """The plan of records laid out by :func:`layout_records` (no zip64 fields): the same
+    pieces, in the same order, as :func:`_plan_one_by_one` gives."""
+    local_pack = _LOCAL_HEADER.pack
+    pieces: list[tuple[int, bytes]] = []
+    append = pieces.append
+    id_piece = -1
+    last = len(names) - 1
+    descriptors = iter(_descriptors(sizes))
+    # A local header depends only on its name's length and its padding: one pack per pair.
+    heads: dict[tuple[int, int], tuple[bytes, bytes]] = {}
+    for i, (name, size, content, header, data) in enumerate(
+        zip(names, sizes, contents, header_offsets, data_offsets, strict=True)
+    ):
+        n_name = len(name)
+        key = (n_name, data - header)
+        head = heads.get(key)
+        if head is None:
+            extra = _extra_of(data - header - _LOCAL_HEADER.size - n_name)
+            head = (local_pack(0x04034B50, 0, _FLAGS, 0, 0, 0, 0, 0, 0, n_name, len(extra)),
+                    extra)  # fmt: skip
+            heads[key] = head
+        append((header, head[0] + name + head[1]))
+        if content is not None:
+            if i == last:  # the serialization id
+                id_piece = len(pieces)
+            append((data, content))
+        if size > 0:
+            append((data + size, next(descriptors)))
+    cd_offset = data_offsets[-1] + sizes[-1] + (_DESCRIPTOR_SIZE if sizes[-1] > 0 else 0)
+    directory = _central_directory(names, sizes, header_offsets)
+    append((cd_offset, directory + end_records(len(names), cd_offset, len(directory))))
+    return ArchivePlan(
+        size=cd_offset + len(directory) + 56 + 20 + 22,
+        pieces=tuple(pieces),
+        storage_offsets=tuple(data_offsets[n_small : n_small + n_storages]),
+        pickle_offset=data_offsets[0],
+        pickle_size=pickle_size,
+        id_piece=id_piece,
+    )
+
+
+def _descriptors(sizes: list[int]) -> list[bytes]:
+    """The data descriptor (no zip64 fields) of each non-empty record."""
+    pack = _DESCRIPTOR.pack
+    return [pack(0x08074B50, 0, size, size) for size in sizes if size > 0]
+
+
+_DESCRIPTOR = struct.Struct("<IIII")
+
+
+def _central_directory(names: list[bytes], sizes: list[int], header_offsets: list[int]) -> bytes:
+    """The central directory (no zip64 fields) of every record."""
+    pack = _CENTRAL_HEADER.pack
+    return b"".join([
+        pack(0x02014B50, 0, 0, _FLAGS, 0, 0, 0, 0, size, size, len(name), 0, 0, 0, 0, 0, header)
+        + name
+        for name, size, header in zip(names, sizes, header_offsets, strict=True)
+    ])  # fmt: skip
 
 
 @dataclass(frozen=True)
