@@ -228,8 +228,9 @@ def plan_archive(
     laid = layout_records(names, sizes, alignment)
     if laid is None:  # an archive past 4 GiB: zip64 records, laid out one at a time
         return _plan_one_by_one(
-            records, names, sizes, len(small_before), alignment, len(pickle_bytes)
-        )
+            records, names, sizes, len(small_before), len(storage_sizes), alignment,
+            len(pickle_bytes),
+        )  # fmt: skip
     header_offsets, data_offsets = laid
     contents = [content if isinstance(content, bytes) else None for _, content in records]
     return _bulk_plan(names, sizes, contents, header_offsets, data_offsets, alignment,
@@ -241,6 +242,7 @@ def _plan_one_by_one(
     names: list[bytes],
     sizes: list[int],
     n_small: int,
+    n_storages: int,
     alignment: int,
     pickle_size: int,
 ) -> ArchivePlan:
@@ -271,7 +273,6 @@ def _plan_one_by_one(
     cd_offset = offset
     central = b"".join(_central_record(e) for e in entries)
     pieces.append((cd_offset, central + end_records(len(entries), cd_offset, len(central))))
-    n_storages = len(records) - n_small - 2
     return ArchivePlan(
         size=cd_offset + len(central) + 56 + 20 + 22,
         pieces=tuple(pieces),
