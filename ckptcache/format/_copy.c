@@ -74,11 +74,12 @@ int ckptcache_copy_kind(void)
 #endif
 }
 
+/* ckptcache_copy_kind(), taken when the module is imported (before any copy thread runs). */
+static int copy_kind = -1;
+
 /* Copy ``count`` runs, each three uint64 (destination address, source address, bytes);
  * runs must not overlap. Every store is globally ordered before the function returns (the
  * caller then hands the segment to the daemon, another process). */
-/* ckptcache_copy_kind(), taken when the module is imported (before any copy thread runs). */
-static int copy_kind = -1;
 
 void ckptcache_copy_runs(const uint64_t *runs, size_t count)
 {

@@ -111,14 +111,14 @@ def populate_in_parallel(mapping: mmap.mmap) -> None:
     range the kernel does not populate faults in as the copy writes it, as it would anyway.
     """
     size = len(mapping)
-    threads = max(1, min(torch.get_num_threads(), size // _MIN_BYTES_PER_THREAD))
+    threads = _threads_for(size)
     view = ctypes.c_char.from_buffer(mapping)  # an export: the mapping cannot close under us
     try:
         base = ctypes.addressof(view)
         share = -(-size // threads // mmap.PAGESIZE) * mmap.PAGESIZE
         ranges = [(base + start, min(share, size - start)) for start in range(0, size, share)]
         pool = _copier_pool(len(ranges) - 1) if len(ranges) > 1 else None
-        others = [pool.submit(functools.partial(_populate, *r)) for r in ranges[1:] if pool]
+        others = [pool.submit(functools.partial(_populate, *r)) for r in ranges[1:]] if pool else []
         try:
             _populate(*ranges[0])
         finally:
@@ -203,6 +203,13 @@ def copy_storage_into(
 
 #: Below this many bytes per thread a save's copy runs on the calling thread alone.
 _MIN_BYTES_PER_THREAD = 8 << 20
+
+
+def _threads_for(nbytes: int) -> int:
+    """Copy threads for ``nbytes``: torch's thread count, at least 8 MiB each."""
+    return max(1, min(torch.get_num_threads(), nbytes // _MIN_BYTES_PER_THREAD))
+
+
 #: Pieces per thread that the threads share out as they go.
 _PIECES_PER_THREAD = 8
 
@@ -305,7 +312,7 @@ def copy_cpu_storages(
     if 0 in sizes:  # an empty storage may have no address at all: nothing to copy
         jobs = [job for job in jobs if job[2]]
     total = sum(sizes)
-    threads = max(1, min(torch.get_num_threads(), total // _MIN_BYTES_PER_THREAD))
+    threads = _threads_for(total)
     # Many more pieces than threads, each thread taking the next one: a thread that the node's
     # other work (the daemon refilling its pool, say) deschedules holds up one piece, not half.
     pieces = iter(_split(jobs, threads * _PIECES_PER_THREAD if threads > 1 else 1))
