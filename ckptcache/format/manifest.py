@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import functools
 import json
-import operator
 import struct
 import time
 from collections.abc import Iterator, Sequence
@@ -21,7 +20,7 @@ from ckptcache.format.archive import ArchivePlan, ParsedArchive
 from ckptcache.format.digest import DIGEST_ALGORITHM, digest_bytes, digest_hex
 from ckptcache.format.gcpause import gc_paused
 from ckptcache.format.layout import HEADER_SIZE, SegmentLayout
-from ckptcache.format.packed_records import PackedColumns, pack_columns
+from ckptcache.format.packed_records import PackedColumns, first_outside, pack_columns
 
 __all__ = [
     "MANIFEST_FORMAT",
@@ -279,10 +278,7 @@ def _first_outside(
         raise ValueError("negative or non-integer offset")
     if min(offsets, default=0) < 0 or min(sizes, default=0) < 0:
         raise ValueError("negative or non-integer offset")
-    if not offsets or (min(offsets) >= start and max(map(operator.add, offsets, sizes)) <= end):
-        return None
-    return next(i for i, (o, n) in enumerate(zip(offsets, sizes, strict=True))
-                if not start <= o <= end - n)  # fmt: skip
+    return first_outside(offsets, sizes, start, end)
 
 
 @dataclass(frozen=True)

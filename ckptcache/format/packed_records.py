@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["FIELDS", "PackedColumns", "pack_columns"]
+__all__ = ["FIELDS", "PackedColumns", "first_outside", "pack_columns"]
 
 #: The record fields, in :class:`~ckptcache.format.manifest.StorageRecord` order.
 FIELDS = ("key", "offset", "nbytes", "dtype", "location", "name")
@@ -129,6 +129,15 @@ class _Dictionary:
         return list(map(self.values.__getitem__, self.codes.tolist()))
 
 
+def first_outside(offsets: Sequence[int], sizes: Sequence[int], start: int, end: int) -> int | None:
+    """The index of the first record (non-negative ``int`` offsets and sizes) whose bytes
+    are not all in ``[start, end)``, or ``None``."""
+    if not offsets or (min(offsets) >= start and max(map(operator.add, offsets, sizes)) <= end):
+        return None
+    rows = enumerate(zip(offsets, sizes, strict=True))
+    return next(i for i, (o, n) in rows if not start <= o <= end - n)
+
+
 class PackedColumns(Sequence[Sequence[Any]]):
     """The six columns of packed records (:data:`FIELDS` order), each made into a list on
     first use; built from a decoded ``storages`` value, which is checked whole here (raises
@@ -159,8 +168,7 @@ class PackedColumns(Sequence[Sequence[Any]]):
         if int(offsets.min()) < 0 or int(sizes.min()) < 0:
             raise ValueError("negative or non-integer offset")
         if end >= _HUGE:  # past any real segment: Python ints, which cannot wrap around
-            rows = zip(offsets.tolist(), sizes.tolist(), strict=True)
-            return next((i for i, (o, n) in enumerate(rows) if not start <= o <= end - n), None)
+            return first_outside(offsets.tolist(), sizes.tolist(), start, end)
         # Each at most ``end`` first, so their sum cannot wrap around in int64.
         bad = (offsets < start) | (offsets > end) | (sizes > end)
         if not bad.any():
