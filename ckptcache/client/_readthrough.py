@@ -50,6 +50,7 @@ from ckptcache.format.layout import HEADER_SIZE, SegmentHeader
 from ckptcache.format.persisted import stream_archive
 from ckptcache.format.stored_load import read_verified
 from ckptcache.storage import backend_for
+from ckptcache.storage.handoff import Gather
 from ckptcache.wire.messages import ObjectInfo
 
 if TYPE_CHECKING:
@@ -191,7 +192,9 @@ def write_from_memory(client: Client, info: ObjectInfo) -> None:
             return
 
         def write(f: Any) -> None:
-            stream_archive(archive, _sink(f), path=info.path)
+            gather = Gather(_sink(f))  # a header or descriptor per call otherwise
+            stream_archive(archive, gather.write, path=info.path)
+            gather.flush()
             f.flush()
             os.utime(f.fileno(), ns=(stamp, stamp))
 

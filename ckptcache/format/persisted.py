@@ -29,12 +29,10 @@ while the bytes arrive; :func:`load_from_storage` builds the object over them.
 from __future__ import annotations
 
 import contextlib
-import io
 import json
 import mmap as mmap_module
 import os
 import struct
-import zipfile
 from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -42,16 +40,16 @@ from dataclasses import dataclass
 import xxhash
 
 from ckptcache.errors import CorruptCheckpoint
-from ckptcache.format.archive import (
-    PARSE_ERRORS,
-    ViewReader,
-    central_record,
-    count_records,
-    end_records,
-)
+from ckptcache.format.archive import central_record, count_records, end_records
 from ckptcache.format.crc import crc32
 from ckptcache.format.digest import DIGEST_ALGORITHM, digest_hex
 from ckptcache.format.names import storage_names
+from ckptcache.format.zip_records import (
+    ArchiveRecord,
+    central_offset,
+    list_records,
+    storage_corrupt,
+)
 from ckptcache.storage import StorageBackend, backend_for
 
 __all__ = [
@@ -76,8 +74,6 @@ DIGESTS_MEMBER = ".ckptcache/digests.json"
 DIGESTS_FORMAT = 1
 
 _CHUNK = 8 << 20  # hash and write granule
-#: Pieces below this are gathered into larger writes (copied once more: cheap next to a write).
-_SMALL_PIECE = 1 << 20
 #: Runs of records hashed ahead of the writes.
 _AHEAD = 2
 _LOCAL = struct.Struct("<IHHHHHIIIHH")
@@ -89,87 +85,6 @@ _END_SIZE = 56 + 20 + 22
 #: Reader threads of :func:`read_verified` (ranged reads, CRC-32s in parallel).
 
 Sink = Callable[[memoryview | bytes], None]
-
-
-@dataclass(frozen=True)
-class ArchiveRecord:
-    """One record of an archive: where its header, data and descriptor lie."""
-
-    name: str
-    header_offset: int
-    data_offset: int
-    size: int
-    crc: int
-    #: Offset of the next record's header (or of the central directory) after this one.
-    end: int
-
-
-def storage_corrupt(path: str, what: str, *, tensor: str | None = None) -> CorruptCheckpoint:
-    """The error for damage found in the stored object at ``path``."""
-    return CorruptCheckpoint(
-        f"checkpoint file {path!r} is corrupt in the storage tier: {what}",
-        tensor=tensor, tier="storage",
-    )  # fmt: skip
-
-
-def list_records(view: memoryview, path: str = "<archive>") -> tuple[list[ArchiveRecord], int]:
-    """The records of the zip archive in ``view`` in file order, and the central directory's
-    offset; raises :class:`CorruptCheckpoint` for a truncated or malformed archive, or one whose
-    central directory disagrees with its end record (count) or local headers (names)."""
-    try:
-        return _list_records(view, path)
-    except CorruptCheckpoint:
-        raise
-    except PARSE_ERRORS as e:  # zipfile trusts the sizes and versions it reads
-        raise storage_corrupt(path, f"{e} (truncated, or not a checkpoint archive)") from e
-
-
-def _list_records(view: memoryview, path: str) -> tuple[list[ArchiveRecord], int]:
-    infos = zipfile.ZipFile(io.BufferedReader(ViewReader(view))).infolist()
-    try:
-        listed = count_records(len(view), lambda offset, n: bytes(view[offset : offset + n]))
-    except ValueError as e:
-        raise storage_corrupt(path, str(e)) from e
-    if listed != len(infos):  # an entry's lengths changed: it swallowed or split others
-        raise storage_corrupt(
-            path, f"the end record counts {listed} records, the central directory {len(infos)}"
-        )
-    infos.sort(key=lambda i: i.header_offset)
-    cd_offset = central_offset(view, path)
-    records = []
-    for n, info in enumerate(infos):
-        if info.compress_type != zipfile.ZIP_STORED:
-            raise storage_corrupt(path, f"compressed record {info.filename!r}")
-        start = info.header_offset
-        local = bytes(view[start : start + _LOCAL.size])
-        if len(local) < _LOCAL.size or local[:4] != b"PK\x03\x04":
-            raise storage_corrupt(path, f"bad local header of record {info.filename!r}")
-        fields = _LOCAL.unpack(local)
-        name = bytes(view[start + _LOCAL.size : start + _LOCAL.size + fields[9]])
-        if name != info.orig_filename.encode("utf-8" if info.flag_bits & 0x800 else "cp437"):
-            raise storage_corrupt(path, f"the local header of record {info.filename!r} names "
-                                 f"{name!r}")  # fmt: skip
-        data = start + _LOCAL.size + fields[9] + fields[10]
-        end = infos[n + 1].header_offset if n + 1 < len(infos) else cd_offset
-        if data + info.file_size > end:
-            raise storage_corrupt(path, f"record {info.filename!r} runs past its end (truncated)")
-        records.append(ArchiveRecord(info.filename, start, data, info.file_size, info.CRC, end))
-    return records, cd_offset
-
-
-def central_offset(view: memoryview, path: str = "<archive>") -> int:
-    """Offset of the central directory, from the (zip64) end records at the end of ``view``
-    (only the last few dozen bytes need to be in place)."""
-    size = len(view)
-    eocd = bytes(view[size - 22 : size])
-    if size < 22 or eocd[:4] != b"PK\x05\x06":
-        raise storage_corrupt(path, "no end-of-central-directory record (truncated)")
-    (offset,) = struct.unpack_from("<I", eocd, 16)
-    if offset != 0xFFFFFFFF:
-        return int(offset)
-    locator = bytes(view[size - 42 : size - 22])
-    (eocd64,) = struct.unpack_from("<Q", locator, 8)
-    return int(struct.unpack_from("<Q", bytes(view[eocd64 : eocd64 + 56]), 48)[0])
 
 
 def _top_folder(records: list[ArchiveRecord]) -> str:
@@ -203,29 +118,6 @@ def _batches(records: list[ArchiveRecord]) -> list[list[ArchiveRecord]]:
         batches[-1].append(record)
         size += record.end - record.header_offset
     return batches
-
-
-class _Coalescer:
-    """Small pieces gathered into writes of up to :data:`_CHUNK` bytes: a state dict of
-    thousands of small tensors was three writes per record (header, data, descriptor)."""
-
-    def __init__(self, sink: Sink):
-        self._sink = sink
-        self._pending = bytearray()
-
-    def write(self, piece: memoryview | bytes) -> None:
-        if len(piece) >= _SMALL_PIECE:
-            self.flush()
-            self._sink(piece)
-            return
-        self._pending += piece
-        if len(self._pending) >= _CHUNK:
-            self.flush()
-
-    def flush(self) -> None:
-        if self._pending:
-            self._sink(memoryview(self._pending))
-            self._pending = bytearray()
 
 
 def _descriptor(view: memoryview, record: ArchiveRecord, crc: int) -> bytes:
@@ -274,6 +166,11 @@ def stream_archive(
 ) -> dict[str, int]:
     """Write the persisted form of the archive in ``view`` to ``sink`` in one pass.
 
+    ``sink`` gets the pieces as they lie (a record's header, its data in runs of at most
+    8 MiB, its descriptor): a sink that writes small pieces at a cost per call gathers them
+    itself (:class:`~ckptcache.storage.handoff.Gather`; the direct writer copies them into its
+    bounce buffers anyway, so a second gathering copy here would be waste).
+
     ``expected`` maps record data offsets (in ``view``) to ``(xxh3, tensor name)``:
     a record whose bytes hash differently raises :class:`CorruptCheckpoint` naming the tensor
     (``tier="local"``: the copy being persisted is bad). Returns every record's xxh3 by name;
@@ -283,7 +180,6 @@ def stream_archive(
     digests: dict[str, int] = {}
     crcs: dict[int, int] = {}
     meta = xxhash.xxh3_64()  # the structure around the records: a few bytes per record
-    out = _Coalescer(sink)
     batches = _batches(records)
     # The CRC-32s and digests of the next runs of records are taken on a second thread while
     # this one writes (the write needs a record's CRC only for its descriptor, after its
@@ -297,12 +193,10 @@ def stream_archive(
                 hashed = ahead[n].result()
                 for record, (crc, digest) in zip(batch, hashed, strict=True):
                     meta.update(view[record.header_offset : record.data_offset])
-                    out.write(view[record.header_offset : record.data_offset])
+                    sink(view[record.header_offset : record.data_offset])
                     for start in range(record.data_offset, record.data_offset + record.size,
                                        _CHUNK):  # fmt: skip
-                        out.write(
-                            view[start : min(start + _CHUNK, record.data_offset + record.size)]
-                        )
+                        sink(view[start : min(start + _CHUNK, record.data_offset + record.size)])
                     want = (expected or {}).get(record.data_offset)
                     if want is not None and want[0] != digest:
                         raise CorruptCheckpoint(
@@ -314,7 +208,7 @@ def stream_archive(
                         )
                     descriptor = _descriptor(view, record, crc)
                     meta.update(descriptor)
-                    out.write(descriptor)
+                    sink(descriptor)
                     crcs[record.header_offset] = crc
                     digests[record.name] = digest
                     if offsets is not None:
@@ -322,7 +216,6 @@ def stream_archive(
         finally:
             for future in ahead:
                 future.cancel()
-    out.flush()
     original_central = _patched_central(view, cd_offset, len(records), crcs)
     meta.update(original_central)
     member = _member(_top_folder(records), _digest_body(digests, meta.intdigest()), cd_offset)

@@ -15,6 +15,12 @@ offset, from an address and with a length that are multiples of the block size
   (``mmap``), written in whole blocks;
 * pads the last block with zeros and cuts the file back to its length (``ftruncate``).
 
+The caller's thread does the copying; the writes run on a writer thread of their own
+(:class:`~ckptcache.storage.handoff.Handoff`), each a bounce buffer's blocks and the large
+piece after them in one ``pwritev``. A direct write holds its thread until the disk has the
+bytes, so every copy made on the writing thread was time the disk sat idle: a 2 GiB archive of
+8,288 records spent 0.4 s of its 1.46 s gathering on the writer thread.
+
 Where the file system refuses a direct write (``EINVAL``: tmpfs on older kernels, some
 FUSE/NFS mounts, a block size over :data:`BLOCK`), the writer clears ``O_DIRECT`` and writes
 that piece and the rest buffered, with bounded write-back (see
@@ -29,9 +35,11 @@ import fcntl
 import logging
 import mmap
 import os
+from dataclasses import dataclass, field
 
 import numpy as np
 
+from ckptcache.storage.handoff import Handoff
 from ckptcache.storage.writeback import BoundedWriteback
 
 __all__ = ["BLOCK", "BOUNCE", "DIRECT_ENV", "DirectWriter", "direct_enabled", "open_direct"]
@@ -83,18 +91,55 @@ def _address(piece: memoryview) -> int:
     return int(np.frombuffer(piece, np.uint8).ctypes.data)
 
 
+@dataclass(eq=False)
+class _Bounce:
+    """A page-aligned buffer the small pieces are copied into."""
+
+    map: mmap.mmap = field(default_factory=lambda: mmap.mmap(-1, BOUNCE))
+
+    def __post_init__(self) -> None:
+        self.view = memoryview(self.map)
+
+    def close(self) -> None:
+        self.view.release()
+        try:
+            self.map.close()
+        except BufferError:
+            pass  # a slice lives on in an error's traceback: unmapped when it is collected
+
+
+@dataclass
+class _Run:
+    """Contiguous bytes for the writer thread: ``views`` at file ``offset``, whole blocks each;
+    ``bounce`` goes back to the spares once written."""
+
+    views: list[memoryview]
+    offset: int
+    bounce: _Bounce | None
+    direct: int  # bytes of ``views`` that are the caller's pages
+
+    def cost(self) -> int:
+        """What the run holds against the queue's bound: a bounce buffer counts whole (so at
+        most ``QUEUED // BOUNCE + 1`` of them exist), the caller's pages by their length."""
+        return (BOUNCE if self.bounce is not None else 0) + self.direct
+
+
 class DirectWriter:
     """Writes pieces in file order to ``fd`` (opened, ``O_DIRECT`` set by :func:`open_direct`);
-    call :meth:`close` after the last piece (writes the tail, sets the file's length)."""
+    call :meth:`close` after the last piece (writes the tail, waits for every write, sets the
+    file's length), or :meth:`abort` if the producer failed. A piece must not change once
+    passed (it may be written after the call returns)."""
 
     def __init__(self, fd: int):
         self.fd = fd
-        self._map = mmap.mmap(-1, BOUNCE)  # page-aligned
-        self._bounce = memoryview(self._map)
-        self._written = 0  # the file is written up to here (a block boundary while direct)
-        self._pending = 0  # bytes in the bounce buffer, the file's next ones after _written
+        self._spares: list[_Bounce] = []  # written and free again (the writer thread returns them)
+        self._made: list[_Bounce] = []
+        self._bounce = self._take()
+        self._offset = 0  # file offset of the bounce buffer's first byte (a block boundary)
+        self._pending = 0  # bytes in the bounce buffer
         self._buffered: BoundedWriteback | None = None  # set once direct writes are refused
         self.direct_bytes = 0  # written straight from the caller's pages
+        self._handoff: Handoff[_Run] = Handoff(self._write_run, size=_Run.cost)
 
     @property
     def buffered(self) -> bool:
@@ -104,93 +149,95 @@ class DirectWriter:
     def write(self, data: bytes | memoryview) -> None:
         """Take the next ``len(data)`` bytes of the file."""
         piece = memoryview(data).cast("B")
-        if self._buffered is not None:
-            self._buffered.write(piece)
-            return
         if len(piece) >= _DIRECT_MIN:
-            lead = (-(self._written + self._pending)) % BLOCK  # bytes to the next block
+            lead = (-(self._offset + self._pending)) % BLOCK  # bytes to the next block
             if (_address(piece) + lead) % BLOCK == 0:
                 body = (len(piece) - lead) // BLOCK * BLOCK
-                self._copy(piece[:lead])
-                self._flush()  # the bounce buffer holds whole blocks now: it is emptied
-                if self._buffered is not None:
-                    self._buffered.write(piece[lead:])
-                    return
-                self._direct(piece[lead : lead + body])
+                self._copy(piece[:lead])  # the bounce buffer holds whole blocks now
+                self._submit(piece[lead : lead + body])
                 piece = piece[lead + body :]
         self._copy(piece)
 
     def close(self) -> None:
         """Write what is left (its last block padded with zeros, then cut off by
-        ``ftruncate``); releases the bounce buffer."""
+        ``ftruncate``) and wait for every write; raises the first write's error. Releases
+        the bounce buffers."""
         try:
-            if self._buffered is None and self._pending:
-                size = self._written + self._pending
-                padded = -(-self._pending // BLOCK) * BLOCK
-                self._bounce[self._pending : padded] = bytes(padded - self._pending)
-                self._write_at(self._bounce[:padded], self._written)
-                os.ftruncate(self.fd, size)
-                self._pending = 0
+            size = self._offset + self._pending
+            padded = -(-self._pending // BLOCK) * BLOCK
+            self._bounce.view[self._pending : padded] = bytes(padded - self._pending)
+            self._pending = padded
+            self._submit(None)
+            self._handoff.finish()
+            os.ftruncate(self.fd, size)
         finally:
-            self.release()
+            self.abort()
 
-    def release(self) -> None:
-        """Free the bounce buffer (the write failed: nothing more is written)."""
-        self._bounce.release()
-        try:
-            self._map.close()
-        except BufferError:
-            pass  # a slice lives on in an error's traceback: unmapped when it is collected
+    def abort(self) -> None:
+        """Stop: drop what is queued, wait for the write under way, free the bounce buffers
+        (the write failed, or is over: nothing more is written)."""
+        self._handoff.abort()
+        for bounce in self._made:
+            bounce.close()
+        self._made.clear()
+        self._spares.clear()
+
+    def _take(self) -> _Bounce:
+        if self._spares:
+            return self._spares.pop()
+        bounce = _Bounce()
+        self._made.append(bounce)
+        return bounce
 
     def _copy(self, piece: memoryview) -> None:
         while piece:
-            if self._buffered is not None:  # refused on the way: the rest goes buffered
-                self._buffered.write(piece)
-                return
             n = min(len(piece), BOUNCE - self._pending)
-            self._bounce[self._pending : self._pending + n] = piece[:n]
+            self._bounce.view[self._pending : self._pending + n] = piece[:n]
             self._pending += n
             piece = piece[n:]
             if self._pending == BOUNCE:
-                self._flush()
+                self._submit(None)
 
-    def _flush(self) -> None:
-        """Write the bounce buffer's whole blocks; keep the rest (under a block) at its start
-        (or, once writes are buffered, write all of it)."""
-        whole = self._pending // BLOCK * BLOCK
-        if not whole:
+    def _submit(self, direct: memoryview | None) -> None:
+        """Hand the bounce buffer's bytes (whole blocks) and then ``direct`` to the writer
+        thread as one run; the next small pieces go into a spare bounce buffer."""
+        views = []
+        bounce = None
+        if self._pending:
+            bounce = self._bounce
+            views.append(bounce.view[: self._pending])
+        if direct is not None and len(direct):
+            views.append(direct)
+        if not views:
             return
-        rest = self._pending - whole
-        if self._write_at(self._bounce[:whole], self._written):
-            self._written += whole
-            self._bounce[:rest] = self._bounce[whole : whole + rest]
-            self._pending = rest
-        else:
-            assert self._buffered is not None
-            self._buffered.write(self._bounce[whole : whole + rest])
-            self._pending = 0
+        run = _Run(views, self._offset, bounce, len(direct) if direct is not None else 0)
+        self._offset += self._pending + run.direct
+        self._handoff.put(run)
+        if bounce is not None:  # taken after the wait: one of the queued ones may be free
+            self._bounce, self._pending = self._take(), 0
 
-    def _direct(self, piece: memoryview) -> None:
-        assert self._pending == 0
-        if self._write_at(piece, self._written):
-            self.direct_bytes += len(piece)
-        self._written += len(piece)
-
-    def _write_at(self, view: memoryview, start: int) -> bool:
-        """Write ``view`` at ``start`` directly; on ``EINVAL`` switch the file to buffered
-        writes and write it that way (False). Other errors (ENOSPC, EIO) are raised."""
-        done = 0
-        while done < len(view):
+    def _write_run(self, run: _Run) -> None:
+        """On the writer thread: write ``run`` directly; on ``EINVAL`` switch the file to
+        buffered writes and write the rest that way. Other errors (ENOSPC, EIO) are raised
+        (on the producer's side, by the handoff)."""
+        views, at = run.views, run.offset
+        while views and self._buffered is None:
             try:
-                done += os.pwrite(self.fd, view[done:], start + done)
+                done = os.pwritev(self.fd, views, at)
             except OSError as e:
                 if e.errno != errno.EINVAL:
                     raise
-                self._go_buffered(start + done, f"direct write refused ({e.strerror})")
-                assert self._buffered is not None
-                self._buffered.write(view[done:])
-                return False
-        return True
+                self._go_buffered(at, f"direct write refused ({e.strerror})")
+                break
+            at += done
+            views = _after(views, done)
+        if self._buffered is None:
+            self.direct_bytes += run.direct
+        else:
+            for view in views:
+                self._buffered.write(view)
+        if run.bounce is not None:
+            self._spares.append(run.bounce)
 
     def _go_buffered(self, at: int, why: str) -> None:
         flags = fcntl.fcntl(self.fd, fcntl.F_GETFL)
@@ -201,3 +248,15 @@ class DirectWriter:
         buffered.offset = buffered.started = buffered.settled = at
         self._buffered = buffered
         _count_fallback(why)
+
+
+def _after(views: list[memoryview], done: int) -> list[memoryview]:
+    """``views`` less their first ``done`` bytes (a short write)."""
+    rest = []
+    for view in views:
+        if done >= len(view):
+            done -= len(view)
+            continue
+        rest.append(view[done:])
+        done = 0
+    return rest

@@ -155,9 +155,9 @@ def direct_stream_fill(produce: Producer) -> Callable[[int], None]:
             return
         writer = DirectWriter(fd)
         try:
-            threaded(produce, writer.write)
+            produce(writer.write)  # copies here, writes on the writer's own thread
         except BaseException:
-            writer.release()
+            writer.abort()
             raise
         writer.close()
 

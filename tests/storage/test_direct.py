@@ -12,6 +12,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 import zipfile
 
 import pytest
@@ -23,6 +24,7 @@ from ckptcache.format.persisted import check_archive, stream_archive
 from ckptcache.storage import direct, fs
 from ckptcache.storage.direct import BLOCK, DIRECT_ENV, DirectWriter, open_direct
 from ckptcache.storage.fs import FileBackend
+from ckptcache.storage.handoff import QUEUED
 
 MIB = 1 << 20
 
@@ -114,6 +116,14 @@ def _pieces(total: int) -> list[bytes | memoryview]:
 def test_the_writer_writes_every_byte_at_its_place(tmp_path, total):
     pieces = _pieces(total)
     path = str(tmp_path / "w.bin")
+    writer = _write_pieces(path, pieces)
+    with open(path, "rb") as f:
+        assert f.read() == b"".join(bytes(p) for p in pieces)
+    if total >= 16 * MIB:
+        assert writer.direct_bytes > 8 * MIB
+
+
+def _write_pieces(path: str, pieces: list[bytes | memoryview]) -> DirectWriter:
     fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
     try:
         assert open_direct(fd)
@@ -123,23 +133,68 @@ def test_the_writer_writes_every_byte_at_its_place(tmp_path, total):
         writer.close()
     finally:
         os.close(fd)
+    return writer
+
+
+def test_a_slow_disk_gets_every_byte_and_the_bounce_buffers_stay_few(tmp_path, monkeypatch):
+    """The writer thread lags (each write sleeps) while the caller copies on: no bounce buffer
+    is refilled before it is written, and the buffers in use stay bounded by the queue."""
+    real = os.pwritev
+
+    def slow(fd: int, views: list[memoryview], offset: int) -> int:
+        time.sleep(0.005)
+        return real(fd, views, offset)
+
+    monkeypatch.setattr(direct.os, "pwritev", slow)
+    made: list[object] = []
+    real_take = DirectWriter._take
+
+    def take(self: DirectWriter) -> object:
+        bounce = real_take(self)
+        if bounce not in made:
+            made.append(bounce)
+        return bounce
+
+    monkeypatch.setattr(DirectWriter, "_take", take)
+    # 160 MiB of small pieces (copied: twenty bounce buffers' worth) and some large ones
+    pieces = [os.urandom(64 << 10) for _ in range(2048)] + _pieces(24 * MIB)
+    path = str(tmp_path / "slow.bin")
+    _write_pieces(path, pieces)
     with open(path, "rb") as f:
         assert f.read() == b"".join(bytes(p) for p in pieces)
-    if total >= 16 * MIB:
-        assert writer.direct_bytes > 8 * MIB
+    assert 2 <= len(made) <= QUEUED // direct.BOUNCE + 1
 
 
-def _refusing_pwrite(after: int):
-    real = os.pwrite
+def test_a_short_direct_write_is_finished(tmp_path, monkeypatch):
+    """``pwritev`` may write less than asked (a signal, a device limit): the rest follows."""
+    real = os.pwritev
+
+    def short(fd: int, views: list[memoryview], offset: int) -> int:
+        first = views[0]
+        if len(first) > BLOCK:  # one block of the first view only
+            return real(fd, [first[:BLOCK]], offset)
+        return real(fd, views, offset)
+
+    monkeypatch.setattr(direct.os, "pwritev", short)
+    pieces = _pieces(16 * MIB + 123)
+    path = str(tmp_path / "short.bin")
+    writer = _write_pieces(path, pieces)
+    with open(path, "rb") as f:
+        assert f.read() == b"".join(bytes(p) for p in pieces)
+    assert writer.direct_bytes > 8 * MIB and not writer.buffered
+
+
+def _refusing_pwritev(after: int):
+    real = os.pwritev
     calls = [0]
 
-    def pwrite(fd: int, data: memoryview, offset: int) -> int:
+    def pwritev(fd: int, views: list[memoryview], offset: int) -> int:
         calls[0] += 1
         if calls[0] > after:
             raise OSError(errno.EINVAL, os.strerror(errno.EINVAL))
-        return real(fd, data, offset)
+        return real(fd, views, offset)
 
-    return pwrite
+    return pwritev
 
 
 @pytest.mark.parametrize("after", [0, 1, 3])
@@ -150,7 +205,7 @@ def test_a_refused_direct_write_falls_back_to_the_same_bytes(tmp_path, monkeypat
     want = _persist(view, str(tmp_path / "buffered.pt"))
     monkeypatch.setenv(DIRECT_ENV, "1")
     before = direct.fallbacks
-    monkeypatch.setattr(direct.os, "pwrite", _refusing_pwrite(after))
+    monkeypatch.setattr(direct.os, "pwritev", _refusing_pwritev(after))
     assert _persist(view, str(tmp_path / "fallback.pt")) == want
     assert direct.fallbacks == before + 1
     assert spy[-1].buffered
@@ -189,16 +244,16 @@ def test_direct_writes_can_be_turned_off(tmp_path, monkeypatch, spy):
 
 
 def test_an_io_error_in_a_direct_write_fails_and_names_nothing(tmp_path, monkeypatch):
-    real = os.pwrite
+    real = os.pwritev
     calls = [0]
 
-    def failing(fd: int, data: memoryview, offset: int) -> int:
+    def failing(fd: int, views: list[memoryview], offset: int) -> int:
         calls[0] += 1
         if calls[0] == 3:
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-        return real(fd, data, offset)
+        return real(fd, views, offset)
 
-    monkeypatch.setattr(direct.os, "pwrite", failing)
+    monkeypatch.setattr(direct.os, "pwritev", failing)
     _mapping, view = _segment(STATES["few large"]())
     with pytest.raises(OSError) as info:
         _persist(view, str(tmp_path / "full.pt"))
