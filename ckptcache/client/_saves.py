@@ -248,7 +248,8 @@ class Saves:
             )  # fmt: skip
             self._connection.call("commit", commit, m.CommitReply)
             self._ledger.committed(job.path)
-            self._spares.refresh()  # map the spare the daemon makes for the next new path
+            # Map the spare the daemon makes for the next new path, once saves pause.
+            self._spares.refresh(after_save=True)
             return True
         except DaemonUnavailable as e:
             obj = job.obj

@@ -242,3 +242,39 @@ def test_spares_are_registered_for_cuda_after_warmup_not_at_a_first_contact(
         c.warmup(wait=True)
         assert spare in c._parts.maps
         assert asked == [c._parts.maps._maps[spare]]
+
+
+def test_the_spare_thread_waits_for_the_files_of_a_checkpoint_to_be_saved(
+    daemon_factory, tmp_path, monkeypatch
+):
+    """The files of one checkpoint are saved one after another: the spare thread's ``pool``
+    request (it holds the connection) comes only once saves have paused, never between
+    them, and the spares the last save left are mapped then."""
+    from ckptcache.client import _segments, _spares
+
+    monkeypatch.setattr(_spares, "_SETTLE_SECONDS", 2.0)  # far longer than a save here
+    asked: list[str] = []
+    real_pool = _segments.WriteMaps.pool
+
+    def pool(self):
+        asked.append(threading.current_thread().name)
+        return real_pool(self)
+
+    monkeypatch.setattr(_segments.WriteMaps, "pool", pool)
+    d = daemon_factory("--memory-limit", "64MiB", "--pool-segments", "2", "--pool-bytes", "16MiB")
+    with d.client(fallback="raise") as c:
+        _teach(c, tmp_path, 4, 4)
+        c.warmup(wait=True)
+        asked.clear()
+        files = {f"{name}.pt": blob(4, float(i)) for i, name in enumerate(["model", "optim"])}
+        for name, state in files.items():  # a checkpoint of two files, back to back
+            c.save(state, str(tmp_path / "iter_1" / name))
+        assert asked == []  # nothing sent between (or right after) the two saves
+        c._spares.refresh().wait()  # once saves paused: the spares the saves left, mapped
+        assert asked and set(asked) == {"ckptcache-spares"}
+        reply = wait_until(lambda: _settled(c, 2))
+        c._spares.refresh().wait()
+        assert all(s in c._parts.maps for s in reply.segments)
+        for name, state in files.items():
+            assert torch.equal(c.load(str(tmp_path / "iter_1" / name), mmap=False)["w"],
+                               state["w"])  # fmt: skip
