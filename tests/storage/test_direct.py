@@ -279,3 +279,34 @@ def test_a_file_size_limit_mid_write_fails_the_persist_and_names_nothing(tmp_pat
     done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     assert os.listdir(tmp_path) == []
+
+
+def test_a_bad_record_mid_persist_stops_the_writer_and_names_nothing(tmp_path):
+    """The persist's producer fails halfway (a record's digest does not match): the writer
+    thread is stopped with what it had queued, no file is named, no thread is left."""
+    import threading
+
+    import xxhash
+
+    from ckptcache.errors import CorruptCheckpoint
+    from ckptcache.format.persisted import list_records
+
+    mapping, view = _segment(STATES["mixed"]())
+    records, _ = list_records(view)
+    data = [r for r in records if r.size > 0]
+    bad = data[len(data) // 2]
+    expected = {r.data_offset: (xxhash.xxh3_64_intdigest(view[r.data_offset : r.data_offset
+                                                              + r.size]), r.name)
+                for r in data}  # fmt: skip
+    expected[bad.data_offset] = (expected[bad.data_offset][0] ^ 1, bad.name)
+    before = {t.ident for t in threading.enumerate()}
+    path = str(tmp_path / "bad.pt")
+    with pytest.raises(CorruptCheckpoint, match="it was not persisted") as info:
+        FileBackend().write_stream(
+            path, lambda sink: stream_archive(view, sink, path=path, expected=expected)
+        )
+    assert info.value.tensor == bad.name and info.value.tier == "local"
+    assert os.listdir(tmp_path) == []
+    assert {t.ident for t in threading.enumerate() if t.is_alive()} <= before
+    view.release()
+    mapping.close()
