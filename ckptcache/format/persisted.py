@@ -73,7 +73,12 @@ DIGESTS_MEMBER = ".ckptcache/digests.json"
 #: Version of the digest record's JSON; a reader refuses versions it does not know.
 DIGESTS_FORMAT = 1
 
-_CHUNK = 8 << 20  # hash and write granule
+_CHUNK = 8 << 20  # write granule
+#: Hash granule: the CRC-32 and the xxh3 read a chunk in turn, the second from the CPU's
+#: cache where the chunk fits its L2 (1 GiB hashed both ways: 0.074 s in 1 MiB chunks,
+#: 0.084 s in 8 MiB ones, on a CPU with 2 MiB of L2 per core), and the memory bus the
+#: disk's DMA shares is read once.
+_HASH_CHUNK = 1 << 20
 #: Runs of records hashed ahead of the writes.
 _AHEAD = 2
 _LOCAL = struct.Struct("<IHHHHHIIIHH")
@@ -99,8 +104,8 @@ def _hash_records(view: memoryview, records: list[ArchiveRecord]) -> list[tuple[
         crc = 0
         hasher = xxhash.xxh3_64()
         end = record.data_offset + record.size
-        for start in range(record.data_offset, end, _CHUNK):
-            chunk = view[start : min(start + _CHUNK, end)]
+        for start in range(record.data_offset, end, _HASH_CHUNK):
+            chunk = view[start : min(start + _HASH_CHUNK, end)]
             crc = crc32(chunk, crc)
             hasher.update(chunk)
         out.append((crc, hasher.intdigest()))
