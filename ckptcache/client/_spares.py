@@ -218,7 +218,8 @@ class SpareMapper:
             event = self.mapping_now[name] = threading.Event()
         mapping: Mapping | None = None
         try:
-            mapping = map_shared(port.seg_path(name), capacity)
+            # A step at a time: the trainer's allocations do not wait behind it.
+            mapping = map_shared(port.seg_path(name), capacity, background=True)
         except (OSError, ValueError) as e:
             # Taken meanwhile, and dropped (OSError) or trimmed below ``capacity`` (ValueError:
             # mmap refuses a length past the end of the file): nothing to warm.

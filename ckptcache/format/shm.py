@@ -29,6 +29,7 @@ import torch
 from ckptcache._workers import LingeringPool
 from ckptcache.errors import TensorMutated
 from ckptcache.format.fastcopy import copy_runs
+from ckptcache.format.pagetables import POPULATE_IN_PARALLEL, populate_in_steps, populate_range
 
 __all__ = [
     "Mapping",
@@ -54,50 +55,30 @@ def _open(path: str, writable: bool) -> int:
     return os.open(path, (os.O_RDWR if writable else os.O_RDONLY) | os.O_CLOEXEC)
 
 
-def map_shared(path: str, size: int, *, populate: bool = True, parallel: bool = False) -> Mapping:
+def map_shared(
+    path: str,
+    size: int,
+    *,
+    populate: bool = True,
+    parallel: bool = False,
+    background: bool = False,
+) -> Mapping:
     """Map ``size`` bytes of ``path`` read-write and shared, pre-faulting the page tables;
-    ``parallel``: by the copy threads at once (a mapping a save waits for), where the kernel
-    can (:func:`populate_in_parallel`)."""
+    where the kernel can, ``parallel``: by the copy threads at once (a mapping a save waits
+    for, :func:`populate_in_parallel`), ``background``: a step at a time (a mapping made
+    beside a running trainer, :func:`~ckptcache.format.pagetables.populate_in_steps`)."""
+    if parallel and background:
+        raise ValueError("a mapping is populated in parallel or in the background, not both")
     fd = _open(path, True)
     try:
-        split = populate and parallel and POPULATE_IN_PARALLEL
+        split = populate and (parallel or background) and POPULATE_IN_PARALLEL
         flags = mmap.MAP_SHARED | (mmap.MAP_POPULATE if populate and not split else 0)
         mapping = Mapping(fd, size, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
     finally:
         os.close(fd)
     if split:
-        populate_in_parallel(mapping)
+        (populate_in_parallel if parallel else populate_in_steps)(mapping)
     return mapping
-
-
-#: ``madvise`` advice (Linux 5.14 and later): fault in a range's page tables as reads would.
-_MADV_POPULATE_READ = 22
-_libc = ctypes.CDLL(None, use_errno=True)
-_libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-_libc.madvise.restype = ctypes.c_int
-
-
-def _populate(address: int, length: int) -> int:
-    """``errno`` of ``MADV_POPULATE_READ`` over the range (0: done); ``ctypes`` releases the
-    interpreter lock for the call."""
-    return 0 if _libc.madvise(address, length, _MADV_POPULATE_READ) == 0 else ctypes.get_errno()
-
-
-def _can_populate() -> bool:
-    probe = mmap.mmap(-1, mmap.PAGESIZE)
-    try:
-        view = ctypes.c_char.from_buffer(probe)
-        try:
-            return _populate(ctypes.addressof(view), mmap.PAGESIZE) == 0
-        finally:
-            del view
-    finally:
-        probe.close()
-
-
-#: Whether this kernel populates a range on request (else a mapping is made with
-#: ``MAP_POPULATE``, on one thread, as before).
-POPULATE_IN_PARALLEL = _can_populate()
 
 
 def populate_in_parallel(mapping: mmap.mmap) -> None:
@@ -118,9 +99,11 @@ def populate_in_parallel(mapping: mmap.mmap) -> None:
         share = -(-size // threads // mmap.PAGESIZE) * mmap.PAGESIZE
         ranges = [(base + start, min(share, size - start)) for start in range(0, size, share)]
         pool = _copier_pool(len(ranges) - 1) if len(ranges) > 1 else None
-        others = [pool.submit(functools.partial(_populate, *r)) for r in ranges[1:]] if pool else []
+        others = []
+        if pool is not None:
+            others = [pool.submit(functools.partial(populate_range, *r)) for r in ranges[1:]]
         try:
-            _populate(*ranges[0])
+            populate_range(*ranges[0])
         finally:
             for future in others:
                 future.result()

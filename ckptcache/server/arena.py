@@ -38,6 +38,7 @@ from ckptcache.format.layout import (
     SegmentState,
     align,
 )
+from ckptcache.format.pagetables import POPULATE_IN_PARALLEL, populate_in_steps
 from ckptcache.server import records, sealing
 
 __all__ = ["Arena", "Segment", "empty_header"]
@@ -321,9 +322,15 @@ class Arena:
             if self._owner_dir(uid):
                 os.fchown(fd, uid, gid)
             os.posix_fallocate(fd, 0, capacity)
-            flags = mmap.MAP_SHARED | (_MAP_POPULATE if populate else 0)
+            # A step at a time where the kernel can: MAP_POPULATE would hold the daemon's
+            # address-space lock for the whole spare, and every request thread's mmap and
+            # munmap (a reserve, a load, the interpreter's own arenas) behind it.
+            steps = populate and POPULATE_IN_PARALLEL
+            flags = mmap.MAP_SHARED | (_MAP_POPULATE if populate and not steps else 0)
             # Mapped before the seal: a sealed file refuses new writable mappings.
             mapping = mmap.mmap(fd, capacity, flags=flags)
+            if steps:
+                populate_in_steps(mapping)
             if sealable:
                 sealing.seal(fd, capacity)
             st = os.fstat(fd)

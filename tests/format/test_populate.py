@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from ckptcache.format import shm
+from ckptcache.format import pagetables, shm
 
 SIZE = 64 << 20  # eight copy shares of the minimum size
 PAGES = SIZE // mmap.PAGESIZE
@@ -57,12 +57,17 @@ def _faults_writing_every_page(mapping: mmap.mmap) -> int:
     return faults
 
 
-@pytest.mark.parametrize("parallel", [True, False], ids=["copy-threads", "map-populate"])
-def test_a_save_mapping_is_populated_and_shares_the_segments_bytes(segment, parallel, monkeypatch):
-    if not parallel:
+@pytest.mark.parametrize("how", ["copy-threads", "steps", "map-populate"])
+def test_a_save_mapping_is_populated_and_shares_the_segments_bytes(segment, how, monkeypatch):
+    """Populated by the copy threads (a save's mapping), a step at a time (a spare mapped
+    beside the trainer), or by ``MAP_POPULATE`` where the kernel cannot do either."""
+    if how == "map-populate":
         monkeypatch.setattr(shm, "POPULATE_IN_PARALLEL", False)
     torch.set_num_threads(max(2, torch.get_num_threads()))
-    mapping = shm.map_shared(segment, SIZE, parallel=True)
+    if how == "steps":
+        mapping = shm.map_shared(segment, SIZE, background=True)
+    else:
+        mapping = shm.map_shared(segment, SIZE, parallel=True)
     try:
         assert _resident_kib(mapping) == SIZE // 1024  # every page mapped before the copy
         assert _faults_writing_every_page(mapping) < PAGES // 100
@@ -89,3 +94,64 @@ def test_this_kernel_populates_on_request():
     """The kernels this project supports (5.14 and later) take ``MADV_POPULATE_READ``: a
     failed probe would silently fall back to one thread."""
     assert shm.POPULATE_IN_PARALLEL
+
+
+def test_a_background_mapping_is_populated_a_step_at_a_time(segment, monkeypatch):
+    """``MAP_POPULATE`` holds the address space's lock for the whole mapping (the trainer's
+    allocations wait behind it); in the background each call covers one step, in order."""
+    if not pagetables.POPULATE_IN_PARALLEL:
+        pytest.skip("this kernel has no MADV_POPULATE_READ (before 5.14): MAP_POPULATE is used")
+    calls: list[tuple[int, int]] = []
+    real = pagetables.populate_range
+
+    def populate(address: int, length: int) -> int:
+        calls.append((address, length))
+        return real(address, length)
+
+    monkeypatch.setattr(pagetables, "populate_range", populate)
+    step = 3 << 20  # not a divisor of the size: a last, short step
+    monkeypatch.setattr(pagetables, "POPULATE_STEP", step)
+    mapping = shm.map_shared(segment, SIZE, background=True)
+    try:
+        base = calls[0][0]
+        assert [(a - base, n) for a, n in calls] == [
+            (start, min(step, SIZE - start)) for start in range(0, SIZE, step)
+        ]
+        assert _resident_kib(mapping) == SIZE // 1024
+    finally:
+        mapping.close()
+
+
+def test_a_mapping_is_populated_in_parallel_or_in_the_background_not_both(segment):
+    with pytest.raises(ValueError, match="not both"):
+        shm.map_shared(segment, SIZE, parallel=True, background=True)
+
+
+def test_the_daemons_spares_are_populated_a_step_at_a_time(monkeypatch):
+    """The daemon's pool makes its spares beside its request threads: a step at a time, not
+    with ``MAP_POPULATE`` (which would hold its address space's lock for the whole spare);
+    every page is mapped once it is made."""
+    import shutil
+    import uuid
+
+    from ckptcache.server.arena import Arena
+
+    if not pagetables.POPULATE_IN_PARALLEL:
+        pytest.skip("this kernel has no MADV_POPULATE_READ (before 5.14): MAP_POPULATE is used")
+    calls: list[int] = []
+    real = pagetables.populate_range
+
+    def populate(address: int, length: int) -> int:
+        calls.append(length)
+        return real(address, length)
+
+    monkeypatch.setattr(pagetables, "populate_range", populate)
+    directory = f"/dev/shm/ckptcache-test-{uuid.uuid4().hex[:8]}"
+    arena = Arena(directory, 256 << 20, 0o700)
+    try:
+        segment = arena.allocate(arena.next_name(arena.uid), SIZE, arena.uid, populate=True)
+        assert sum(calls) == SIZE and max(calls) == pagetables.POPULATE_STEP
+        assert _resident_kib(segment.mapping) == SIZE // 1024
+        segment.mapping.close()
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
