@@ -39,8 +39,9 @@ _FOLLOW_SECONDS = 60.0
 #: After a save, the spares are asked for once no save has ended for this long. The files of
 #: one checkpoint are saved one after another (DeepSpeed's model and optimizer files, a
 #: Megatron rank's shards): the spare thread's ``pool`` request, sent right after a commit,
-#: held the connection while the daemon was busy with that commit (5-6 ms), and the next
-#: file's save waited for it (its reserve 1.0 -> 2.7-5.5 ms).
+#: held the connection for 3-6 ms (the daemon busy with that commit, the reply waiting for
+#: the interpreter lock the trainer held), and the next file's save waited for it (its
+#: reserve 1.0 -> 2.7-5.5 ms); its mapping then ran beside that save's copy.
 _SETTLE_SECONDS = 0.05
 #: How long the thread waits for the next save's request before it ends: a moment, so the
 #: files of one checkpoint saved one after the other share the thread, and no idle thread of
