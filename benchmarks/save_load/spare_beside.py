@@ -1,17 +1,19 @@
-"""What a trainer's allocations wait for while the client maps a spare segment beside it.
+"""What a process's allocations wait for while another of its threads maps a segment.
 
     python benchmarks/save_load/spare_beside.py --spare 576MiB --rounds 5
 
 After a save of a new path the client's spare thread maps the daemon's next spare while the
-trainer goes on. Populating a mapping's page tables holds the process's address-space lock
-(``mmap_lock``), and ``MAP_POPULATE`` holds it for the whole mapping: every ``mmap`` and
-``munmap`` of the trainer (a CPU tensor over glibc's mmap threshold, 32 MiB at most, is one
-of each) waits behind it. This maps a tmpfs file of ``--spare`` bytes on one thread, the way
-the spare thread did (``MAP_POPULATE``) and the way it does now (``MADV_POPULATE_READ`` a step
-at a time, ``map_shared(background=True)``), while the main thread makes and drops 64 MiB CPU
-tensors (one page touched each) in a loop, and reports the longest single allocation beside
-it, next to the same loop alone. Interleaved rounds; per column the median over rounds of
-each round's longest allocation, and the median time of the mapping itself.
+trainer goes on, and the daemon's pool makes that spare beside its request threads.
+Populating a mapping's page tables holds the process's address-space lock (``mmap_lock``),
+and ``MAP_POPULATE`` holds it for the whole mapping: every ``mmap`` and ``munmap`` of the
+process's other threads (a CPU tensor over glibc's mmap threshold, 32 MiB at most, is one of
+each) waits behind it. This maps a tmpfs file of ``--spare`` bytes on one thread with
+``MAP_POPULATE`` and with ``MADV_POPULATE_READ`` a step at a time
+(``ckptcache.format.pagetables.populate_in_steps``, what the daemon's pool does), while the
+main thread makes and drops 64 MiB CPU tensors (one page touched each) in a loop, and reports
+the longest single allocation beside it, next to the same loop alone. Interleaved rounds; per
+column the median over rounds of each round's longest allocation, and the median time of the
+mapping itself.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from collections.abc import Callable
 import torch
 
 from ckptcache._units import parse_bytes
-from ckptcache.format import shm
+from ckptcache.format import pagetables, shm
 
 _TENSOR = 64 << 20  # over glibc's largest mmap threshold: an mmap and a munmap each time
 
@@ -42,6 +44,12 @@ def _allocate_until(stop: threading.Event, out: list[float]) -> None:
         del tensor
         longest = max(longest, time.perf_counter() - t)
     out.append(longest)
+
+
+def _in_steps(path: str, size: int) -> shm.Mapping:
+    mapping = shm.map_shared(path, size, populate=False)
+    pagetables.populate_in_steps(mapping)
+    return mapping
 
 
 def _round(mapper: Callable[[], shm.Mapping] | None) -> tuple[float, float]:
@@ -79,8 +87,8 @@ def main() -> None:
         os.close(fd)
         modes: dict[str, Callable[[], shm.Mapping] | None] = {
             "alone": None,
-            "beside MAP_POPULATE (before)": lambda: shm.map_shared(path, size),
-            "beside steps (now)": lambda: shm.map_shared(path, size, background=True),
+            "beside MAP_POPULATE": lambda: shm.map_shared(path, size),
+            "beside steps": lambda: _in_steps(path, size),
         }
         longest: dict[str, list[float]] = {m: [] for m in modes}
         mapped: dict[str, list[float]] = {m: [] for m in modes}

@@ -219,8 +219,10 @@ class SpareMapper:
             event = self.mapping_now[name] = threading.Event()
         mapping: Mapping | None = None
         try:
-            # A step at a time: the trainer's allocations do not wait behind it.
-            mapping = map_shared(port.seg_path(name), capacity, background=True)
+            # MAP_POPULATE holds this process's address-space lock for the whole spare (the
+            # trainer's mmap/munmap wait), but populated a step at a time the next save was
+            # found waiting for this mapping more often (benchmarks/save_load/README.md).
+            mapping = map_shared(port.seg_path(name), capacity)
         except (OSError, ValueError) as e:
             # Taken meanwhile, and dropped (OSError) or trimmed below ``capacity`` (ValueError:
             # mmap refuses a length past the end of the file): nothing to warm.

@@ -12,8 +12,14 @@
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <errno.h>
 #include <stdint.h>
 #include <string.h>
+#include <sys/mman.h>
+
+#ifndef MADV_POPULATE_READ
+#define MADV_POPULATE_READ 22 /* Linux 5.14; older headers lack the name */
+#endif
 
 #if defined(__x86_64__)
 #include <immintrin.h>
@@ -109,9 +115,26 @@ void ckptcache_copy_runs(const uint64_t *runs, size_t count)
 #endif
 }
 
+/* Fault in the page tables of [addr, addr + len) ``step`` bytes at a time
+ * (MADV_POPULATE_READ): the process's address-space lock is free between steps, so the
+ * trainer's mmap and munmap calls do not wait for the whole range, and the loop runs in one
+ * ctypes call, without the interpreter lock (a loop in Python took it back between steps,
+ * waiting up to a switch interval each time beside a busy thread). Returns 0, or the errno of
+ * the first step the kernel refused (the rest is left to fault in when touched). */
+int ckptcache_populate_steps(char *addr, size_t len, size_t step)
+{
+    for (size_t done = 0; done < len; done += step) {
+        size_t n = len - done < step ? len - done : step;
+        if (madvise(addr + done, n, MADV_POPULATE_READ) != 0)
+            return errno;
+    }
+    return 0;
+}
+
 static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT, "_copy",
-    "Streaming-store copy of a save's runs (called through ctypes).", -1, NULL,
+    "Streaming-store copy of a save's runs, and page tables populated a step at a time "
+    "(called through ctypes).", -1, NULL,
 };
 
 PyMODINIT_FUNC PyInit__copy(void)

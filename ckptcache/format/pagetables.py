@@ -1,22 +1,30 @@
 """Page tables of a shared mapping made ahead of its use, a range at a time
-(``madvise(MADV_POPULATE_READ)``, Linux 5.14 and later). Torch-free: the client maps the
-daemon's segments with it, and the daemon its own spares.
+(``madvise(MADV_POPULATE_READ)``, Linux 5.14 and later). Torch-free: the daemon's pool makes
+its spares with it, and a save's mapping is populated by its copy threads with it.
 
-Why not ``MAP_POPULATE``: populating holds the process's address-space lock (``mmap_lock``)
-for reading, and ``MAP_POPULATE`` holds it for the whole mapping. Every ``mmap`` and
-``munmap`` of the process's other threads waits behind it (the lock being fair, their page
-faults then wait too): a trainer's allocation of a 64 MiB CPU tensor, made while the spare
-thread mapped a 576 MiB spare beside it, took the whole population (62-67 ms) instead of
-about 1 ms (``benchmarks/save_load/spare_beside.py``). Populated a step at a time, the lock
-is free between steps: the longest such allocation took 13-16 ms, and the mapping as long.
+Why not ``MAP_POPULATE`` for a mapping made beside other threads: populating holds the
+process's address-space lock (``mmap_lock``) for reading, and ``MAP_POPULATE`` holds it for
+the whole mapping. Every ``mmap`` and ``munmap`` of the process's other threads waits behind
+it (the lock being fair, their page faults then wait too): an allocation of a 64 MiB CPU
+tensor made while another thread mapped a 576 MiB spare took the whole population (47-67 ms)
+instead of about 1 ms (``benchmarks/save_load/spare_beside.py``). Populated a step at a
+time, the lock is free between steps: the longest such allocation took 13-17 ms, and the
+mapping as long.
 """
 
 from __future__ import annotations
 
 import ctypes
 import mmap
+from collections.abc import Callable
 
-__all__ = ["POPULATE_IN_PARALLEL", "POPULATE_STEP", "populate_in_steps", "populate_range"]
+__all__ = [
+    "NATIVE_STEPS",
+    "POPULATE_IN_PARALLEL",
+    "POPULATE_STEP",
+    "populate_in_steps",
+    "populate_range",
+]
 
 #: ``madvise`` advice: fault in a range's page tables as reads would.
 _MADV_POPULATE_READ = 22
@@ -51,6 +59,28 @@ def _can_populate() -> bool:
 POPULATE_IN_PARALLEL = _can_populate()
 
 
+def _native_steps() -> Callable[[int, int, int], int] | None:
+    """The copy extension's loop of steps (``ckptcache_populate_steps`` in ``_copy.c``), or
+    None where the extension was not built."""
+    try:
+        from ckptcache.format import _copy
+    except ImportError:
+        return None
+    fn = getattr(ctypes.CDLL(_copy.__file__), "ckptcache_populate_steps", None)
+    if fn is None:
+        return None
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t]
+    fn.restype = ctypes.c_int
+    return fn  # type: ignore[no-any-return]
+
+
+#: All the steps in one call without the interpreter lock, where the extension is built: a
+#: loop in Python takes the lock back between steps, and beside a busy thread (a trainer, the
+#: daemon's persist) waits up to a switch interval for it each time, so a 512 MiB spare was
+#: still being mapped when the next save wanted it (that save waited 13-30 ms).
+NATIVE_STEPS = _native_steps()
+
+
 def populate_in_steps(mapping: mmap.mmap, step: int | None = None) -> None:
     """Fault in the page tables of all of ``mapping`` :data:`POPULATE_STEP` bytes at a time,
     for a thread working beside others (see the module docstring). Best effort: a range the
@@ -59,6 +89,9 @@ def populate_in_steps(mapping: mmap.mmap, step: int | None = None) -> None:
     view = ctypes.c_char.from_buffer(mapping)  # an export: the mapping cannot close under us
     try:
         base, size = ctypes.addressof(view), len(mapping)
+        if NATIVE_STEPS is not None:
+            NATIVE_STEPS(base, size, step)
+            return
         for start in range(0, size, step):
             if populate_range(base + start, min(step, size - start)):
                 return

@@ -29,7 +29,7 @@ import torch
 from ckptcache._workers import LingeringPool
 from ckptcache.errors import TensorMutated
 from ckptcache.format.fastcopy import copy_runs
-from ckptcache.format.pagetables import POPULATE_IN_PARALLEL, populate_in_steps, populate_range
+from ckptcache.format.pagetables import POPULATE_IN_PARALLEL, populate_range
 
 __all__ = [
     "Mapping",
@@ -55,29 +55,19 @@ def _open(path: str, writable: bool) -> int:
     return os.open(path, (os.O_RDWR if writable else os.O_RDONLY) | os.O_CLOEXEC)
 
 
-def map_shared(
-    path: str,
-    size: int,
-    *,
-    populate: bool = True,
-    parallel: bool = False,
-    background: bool = False,
-) -> Mapping:
+def map_shared(path: str, size: int, *, populate: bool = True, parallel: bool = False) -> Mapping:
     """Map ``size`` bytes of ``path`` read-write and shared, pre-faulting the page tables;
-    where the kernel can, ``parallel``: by the copy threads at once (a mapping a save waits
-    for, :func:`populate_in_parallel`), ``background``: a step at a time (a mapping made
-    beside a running trainer, :func:`~ckptcache.format.pagetables.populate_in_steps`)."""
-    if parallel and background:
-        raise ValueError("a mapping is populated in parallel or in the background, not both")
+    ``parallel``: by the copy threads at once (a mapping a save waits for), where the kernel
+    can (:func:`populate_in_parallel`)."""
     fd = _open(path, True)
     try:
-        split = populate and (parallel or background) and POPULATE_IN_PARALLEL
+        split = populate and parallel and POPULATE_IN_PARALLEL
         flags = mmap.MAP_SHARED | (mmap.MAP_POPULATE if populate and not split else 0)
         mapping = Mapping(fd, size, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
     finally:
         os.close(fd)
     if split:
-        (populate_in_parallel if parallel else populate_in_steps)(mapping)
+        populate_in_parallel(mapping)
     return mapping
 
 

@@ -59,13 +59,14 @@ def _faults_writing_every_page(mapping: mmap.mmap) -> int:
 
 @pytest.mark.parametrize("how", ["copy-threads", "steps", "map-populate"])
 def test_a_save_mapping_is_populated_and_shares_the_segments_bytes(segment, how, monkeypatch):
-    """Populated by the copy threads (a save's mapping), a step at a time (a spare mapped
-    beside the trainer), or by ``MAP_POPULATE`` where the kernel cannot do either."""
+    """Populated by the copy threads (a save's mapping), a step at a time (as the daemon's
+    spares are), or by ``MAP_POPULATE`` where the kernel cannot do either."""
     if how == "map-populate":
         monkeypatch.setattr(shm, "POPULATE_IN_PARALLEL", False)
     torch.set_num_threads(max(2, torch.get_num_threads()))
     if how == "steps":
-        mapping = shm.map_shared(segment, SIZE, background=True)
+        mapping = shm.map_shared(segment, SIZE, populate=False)
+        pagetables.populate_in_steps(mapping)
     else:
         mapping = shm.map_shared(segment, SIZE, parallel=True)
     try:
@@ -96,35 +97,62 @@ def test_this_kernel_populates_on_request():
     assert shm.POPULATE_IN_PARALLEL
 
 
-def test_a_background_mapping_is_populated_a_step_at_a_time(segment, monkeypatch):
-    """``MAP_POPULATE`` holds the address space's lock for the whole mapping (the trainer's
-    allocations wait behind it); in the background each call covers one step, in order."""
+def _record_steps(monkeypatch, native: bool) -> list[tuple[int, int]]:
+    """The ranges populated, as ``(address, length)``: by the extension's loop (its call
+    split into the steps it makes) or by the Python loop's calls."""
+    calls: list[tuple[int, int]] = []
+    if native:
+        real_native = pagetables.NATIVE_STEPS
+        if real_native is None:
+            pytest.skip("the copy extension is not built here")
+
+        def steps(address: int, length: int, step: int) -> int:
+            calls.extend((address + s, min(step, length - s)) for s in range(0, length, step))
+            return real_native(address, length, step)
+
+        monkeypatch.setattr(pagetables, "NATIVE_STEPS", steps)
+    else:
+        monkeypatch.setattr(pagetables, "NATIVE_STEPS", None)
+        real = pagetables.populate_range
+
+        def populate(address: int, length: int) -> int:
+            calls.append((address, length))
+            return real(address, length)
+
+        monkeypatch.setattr(pagetables, "populate_range", populate)
+    return calls
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["extension", "python"])
+def test_a_background_mapping_is_populated_a_step_at_a_time(segment, monkeypatch, native):
+    """``MAP_POPULATE`` holds the address space's lock for the whole mapping (the process's
+    other threads' allocations wait behind it); a step at a time, each covers one range."""
     if not pagetables.POPULATE_IN_PARALLEL:
         pytest.skip("this kernel has no MADV_POPULATE_READ (before 5.14): MAP_POPULATE is used")
-    calls: list[tuple[int, int]] = []
-    real = pagetables.populate_range
-
-    def populate(address: int, length: int) -> int:
-        calls.append((address, length))
-        return real(address, length)
-
-    monkeypatch.setattr(pagetables, "populate_range", populate)
+    calls = _record_steps(monkeypatch, native)
     step = 3 << 20  # not a divisor of the size: a last, short step
     monkeypatch.setattr(pagetables, "POPULATE_STEP", step)
-    mapping = shm.map_shared(segment, SIZE, background=True)
+    mapping = shm.map_shared(segment, SIZE, populate=False)
+    pagetables.populate_in_steps(mapping)
     try:
         base = calls[0][0]
         assert [(a - base, n) for a, n in calls] == [
             (start, min(step, SIZE - start)) for start in range(0, SIZE, step)
         ]
         assert _resident_kib(mapping) == SIZE // 1024
+        assert _faults_writing_every_page(mapping) < PAGES // 100
     finally:
         mapping.close()
 
 
-def test_a_mapping_is_populated_in_parallel_or_in_the_background_not_both(segment):
-    with pytest.raises(ValueError, match="not both"):
-        shm.map_shared(segment, SIZE, parallel=True, background=True)
+def test_the_extension_populates_a_step_at_a_time_where_it_is_built():
+    """On x86-64 Linux the extension is built (as the copy's test requires), so the steps run
+    without the interpreter lock; a build that lost the function fails here."""
+    import platform
+
+    if platform.machine() != "x86_64" or not pagetables.POPULATE_IN_PARALLEL:
+        pytest.skip("the extension is required on x86-64 Linux 5.14+ only")
+    assert pagetables.NATIVE_STEPS is not None
 
 
 def test_the_daemons_spares_are_populated_a_step_at_a_time(monkeypatch):
@@ -138,19 +166,13 @@ def test_the_daemons_spares_are_populated_a_step_at_a_time(monkeypatch):
 
     if not pagetables.POPULATE_IN_PARALLEL:
         pytest.skip("this kernel has no MADV_POPULATE_READ (before 5.14): MAP_POPULATE is used")
-    calls: list[int] = []
-    real = pagetables.populate_range
-
-    def populate(address: int, length: int) -> int:
-        calls.append(length)
-        return real(address, length)
-
-    monkeypatch.setattr(pagetables, "populate_range", populate)
+    calls = _record_steps(monkeypatch, pagetables.NATIVE_STEPS is not None)
     directory = f"/dev/shm/ckptcache-test-{uuid.uuid4().hex[:8]}"
     arena = Arena(directory, 256 << 20, 0o700)
     try:
         segment = arena.allocate(arena.next_name(arena.uid), SIZE, arena.uid, populate=True)
-        assert sum(calls) == SIZE and max(calls) == pagetables.POPULATE_STEP
+        lengths = [n for _, n in calls]
+        assert sum(lengths) == SIZE and max(lengths) == pagetables.POPULATE_STEP
         assert _resident_kib(segment.mapping) == SIZE // 1024
         segment.mapping.close()
     finally:
