@@ -98,29 +98,36 @@ class Relay:
             proof = _read(down, 32)
             self.handshakes.append(hello + proof)
             up.sendall(proof)  # the two real nodes are now mutually authenticated
+            # The first frame says what the session is for (length, JSON, tag): the nodes'
+            # clock probes take the relayed route too, and pass untouched and unrecorded.
+            head = _read(down, 4)
+            body = _read(down, int.from_bytes(head, "big"))
+            if json.loads(body).get("op") == "clock":
+                up.sendall(head + body)
+                threading.Thread(target=self._pump, args=(up, down, False, 0, False),
+                                 daemon=True).start()  # fmt: skip
+                self._pump(down, up, False, 0, False)
+                return
+            self.sessions += 1
             if self.mode == "hijack":  # keep the session, talk to the node ourselves
-                self.sessions += 1
                 down.close()
                 request = json.dumps({"op": "fetch", "namespace": "default",
                                       "path": "/anything"}).encode()  # fmt: skip
                 up.sendall(len(request).to_bytes(4, "big") + request + bytes(16))
                 self.seen += _drain(up)
                 return
-            # The first frame says what the session is for (length, JSON, tag): the nodes'
-            # clock probes pass through a route too, and are not a save's copy.
-            head = _read(down, 4)
-            body = _read(down, int.from_bytes(head, "big"))
             up.sendall(head + body)
             if self.mode != "inject":
                 self.seen += head + body
-            if json.loads(body).get("op") != "clock":
-                self.sessions += 1
             threading.Thread(target=self._pump, args=(up, down, False), daemon=True).start()
             self._pump(down, up, self.mode == "inject", len(head + body))
         except (OSError, ValueError):
             pass
 
-    def _pump(self, src: socket.socket, dst: socket.socket, inject: bool, start: int = 0) -> None:
+    def _pump(
+        self, src: socket.socket, dst: socket.socket, inject: bool, start: int = 0,
+        record: bool = True,
+    ) -> None:  # fmt: skip
         forwarded = start
         try:
             while data := src.recv(1 << 16):
@@ -128,7 +135,7 @@ class Relay:
                     data = bytearray(data)
                     data[100_000 - forwarded] ^= 0x01  # one flipped bit in the payload
                     data = bytes(data)
-                if not inject:
+                if record and not inject:
                     self.seen += data
                 forwarded += len(data)
                 dst.sendall(data)
