@@ -29,6 +29,9 @@ class WriteMaps:
     def __init__(self, connection: Connection):
         self._connection = connection
         self._maps: dict[str, Mapping] = {}
+        #: Cached mappings whose page tables are not all made yet (a spare whose mapping a
+        #: save stopped): the save that gets one makes the rest on its copy threads.
+        self._unpopulated: set[str] = set()
 
     @property
     def lock(self) -> AbstractContextManager[Any]:
@@ -51,15 +54,18 @@ class WriteMaps:
     def __contains__(self, name: object) -> bool:
         return name in self._maps
 
-    def keep(self, name: str, mapping: Mapping) -> None:
-        """Cache ``mapping`` of ``name`` unless one is cached already (then it is closed)."""
+    def keep(self, name: str, mapping: Mapping, *, populated: bool = True) -> None:
+        """Cache ``mapping`` of ``name`` unless one is cached already (then it is closed);
+        ``populated``: whether all its page tables were made (else :meth:`get` makes them)."""
         if self._maps.setdefault(name, mapping) is not mapping:
             mapping.close()
+        elif not populated:
+            self._unpopulated.add(name)
 
     def get(self, segment: str, capacity: int) -> Mapping:
         """The cached mapping of ``segment`` (made if there is none, or too short: a spare
         trimmed by the daemon after we mapped it is shorter than our mapping)."""
-        from ckptcache.format.shm import map_shared
+        from ckptcache.format.shm import map_shared, populate_in_parallel
 
         mapping = self._maps.get(segment)
         if mapping is None or len(mapping) < capacity:
@@ -68,11 +74,17 @@ class WriteMaps:
             # A save waits for this mapping: its page tables are made by every copy thread.
             mapping = map_shared(self.seg_path(segment), capacity, parallel=True)
             self._maps[segment] = mapping
+            self._unpopulated.discard(segment)
+        elif segment in self._unpopulated:
+            # The rest of a spare's page tables (the ones made already cost little again).
+            populate_in_parallel(mapping)
+            self._unpopulated.discard(segment)
         return mapping
 
     def drop_stale(self) -> None:
         """Free the mappings of segments the daemon dropped (their pages are ours too)."""
         for name in [n for n in self._maps if not os.path.exists(self.seg_path(n))]:
+            self._unpopulated.discard(name)
             self._unmap(self._maps.pop(name))
 
     def close(self) -> None:
@@ -82,11 +94,11 @@ class WriteMaps:
                 self._unmap(mapping)
             except BufferError:
                 pass
-        self._maps = {}
+        self._maps, self._unpopulated = {}, set()
 
     def disown(self) -> None:
         """Forked: the parent's mappings are not ours to unpin or close."""
-        self._maps = {}
+        self._maps, self._unpopulated = {}, set()
 
     @staticmethod
     def _unmap(mapping: Mapping, *, quiet: bool = False) -> None:

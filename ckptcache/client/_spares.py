@@ -1,10 +1,17 @@
 """Mapping the daemon's spare segments ahead of use, so a save into one pays no page faults.
 
-Mapping a segment with ``MAP_POPULATE`` fills this process's page tables for every page: for
-a never-seen segment that costs about as much as the copy itself. The daemon keeps spares
-ready for saves of new paths (:mod:`ckptcache.server.pool`); this maps them in a background
-thread after each save and on :meth:`Client.warmup`, so the save that gets one finds its
-mapping cached like a reused segment's.
+Filling this process's page tables for every page of a never-seen segment costs about as
+much as the copy itself. The daemon keeps spares ready for saves of new paths
+(:mod:`ckptcache.server.pool`); this maps them in a background thread after each save and on
+:meth:`Client.warmup`, so the save that gets one finds its mapping cached like a reused
+segment's.
+
+The page tables are made a step at a time (:func:`ckptcache.format.pagetables.populate_in_steps`),
+not with ``MAP_POPULATE``, which holds the process's address-space lock for the whole spare:
+the trainer's own ``mmap`` and ``munmap`` (a CPU tensor's allocation, its free) waited for all
+of it, 47-67 ms for a 576 MiB spare. A save that wants a spare still being mapped stops the
+steps after the one under way and has its copy threads make the rest, instead of waiting for
+this one thread to finish it.
 
 The mapper sees the client through a narrow port (:class:`SparePort`: the lock, a ``pool``
 request, where segments are, the cache of mappings), not the client itself.
@@ -70,8 +77,19 @@ class SparePort(Protocol):
     def __contains__(self, name: object) -> bool:
         """Whether the client has mapped segment ``name`` already."""
 
-    def keep(self, name: str, mapping: Mapping) -> None:
-        """Cache ``mapping`` of ``name`` (or close it if one is cached already)."""
+    def keep(self, name: str, mapping: Mapping, *, populated: bool = True) -> None:
+        """Cache ``mapping`` of ``name`` (or close it if one is cached already);
+        ``populated``: whether all its page tables were made."""
+
+
+class _InProgress:
+    """A spare being mapped: set once it is (or failed); ``stop`` ends its steps early."""
+
+    def __init__(self) -> None:
+        from ckptcache.format.pagetables import Stop
+
+        self.done = threading.Event()
+        self.stop = Stop()
 
 
 class SpareMapper:
@@ -90,10 +108,13 @@ class SpareMapper:
         self._wake = threading.Event()
         self._done = threading.Event()
         self._done.set()
-        #: Segments being mapped right now: a save that needs one waits instead of mapping twice.
-        self.mapping_now: dict[str, threading.Event] = {}
+        #: Segments being mapped right now: a save that needs one stops the steps and waits
+        #: for the one under way, instead of mapping it twice.
+        self.mapping_now: dict[str, _InProgress] = {}
         #: Mappings made, not yet moved into the client's cache.
         self.ready: dict[str, Mapping] = {}
+        #: Those of :attr:`ready` whose page tables were not all made (stopped by a save).
+        self._partial: set[str] = set()
         #: Whether the spares were asked for already (:meth:`warmup`, or a first contact).
         self.warmed = False
         #: Whether the spares mapped now are registered for CUDA copies as well.
@@ -147,19 +168,26 @@ class SpareMapper:
         thread ends after the mapping in hand. The next :meth:`refresh` starts again."""
         self._stopped.set()
         self._wake.set()
+        for work in list(self.mapping_now.values()):
+            work.stop.set()  # no need to finish a spare nobody will use
 
     def wait_for(self, segment: str) -> None:
-        """If ``segment`` is being mapped now, wait until it is, then cache its mapping."""
-        event = self.mapping_now.get(segment)
-        if event is not None:
-            event.wait()
+        """If ``segment`` is being mapped now, stop its steps after the one under way and wait
+        for that, then cache its mapping (the cache makes the rest of its page tables, on
+        the save's copy threads)."""
+        work = self.mapping_now.get(segment)
+        if work is not None:
+            work.stop.set()
+            work.done.wait()
         self.adopt(segment)
 
     def adopt(self, segment: str) -> None:
         """Move a finished mapping into the client's cache (call under the client lock)."""
         mapping = self.ready.pop(segment, None)
         if mapping is not None:
-            self._port.keep(segment, mapping)
+            populated = segment not in self._partial
+            self._partial.discard(segment)
+            self._port.keep(segment, mapping, populated=populated)
 
     def _run(self) -> None:
         while True:
@@ -210,19 +238,22 @@ class SpareMapper:
                 return
 
     def _map(self, name: str, capacity: int) -> None:
+        from ckptcache.format.pagetables import POPULATE_IN_PARALLEL, populate_in_steps
         from ckptcache.format.shm import map_shared  # torch: only where spares are mapped
 
         port = self._port
         with port.lock:
             if name in port or name in self.mapping_now or name in self.ready:
                 return
-            event = self.mapping_now[name] = threading.Event()
+            work = self.mapping_now[name] = _InProgress()
         mapping: Mapping | None = None
+        whole = True
         try:
-            # MAP_POPULATE holds this process's address-space lock for the whole spare (the
-            # trainer's mmap/munmap wait), but populated a step at a time the next save was
-            # found waiting for this mapping more often (benchmarks/save_load/README.md).
-            mapping = map_shared(port.seg_path(name), capacity)
+            # A step at a time (the module docstring), where the kernel can: MAP_POPULATE
+            # otherwise, which no save can stop.
+            mapping = map_shared(port.seg_path(name), capacity, populate=not POPULATE_IN_PARALLEL)
+            if POPULATE_IN_PARALLEL:
+                whole = populate_in_steps(mapping, stop=work.stop)
         except (OSError, ValueError) as e:
             # Taken meanwhile, and dropped (OSError) or trimmed below ``capacity`` (ValueError:
             # mmap refuses a length past the end of the file): nothing to warm.
@@ -231,15 +262,18 @@ class SpareMapper:
             # Whatever happened, the event is set: a save waiting for this spare goes on.
             # Handed over without the client lock: a save holding it may be waiting for this.
             if mapping is not None and os.getpid() == port.pid:
+                if not whole:
+                    self._partial.add(name)
                 self.ready[name] = mapping
             self.mapping_now.pop(name, None)
-            event.set()
+            work.done.set()
         from ckptcache.format.gpu_pinning import reserve_if_cuda
 
         register = None
         with port.lock:  # close() iterates the cache under this lock
             if self._stopped.is_set():  # closed while we mapped: nobody would unmap it
                 stale = self.ready.pop(name, None)
+                self._partial.discard(name)
                 if stale is not None:
                     stale.close()
                 return

@@ -12,7 +12,6 @@
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
-#include <errno.h>
 #include <stdint.h>
 #include <string.h>
 #include <sys/mman.h>
@@ -119,16 +118,23 @@ void ckptcache_copy_runs(const uint64_t *runs, size_t count)
  * (MADV_POPULATE_READ): the process's address-space lock is free between steps, so the
  * trainer's mmap and munmap calls do not wait for the whole range, and the loop runs in one
  * ctypes call, without the interpreter lock (a loop in Python took it back between steps,
- * waiting up to a switch interval each time beside a busy thread). Returns 0, or the errno of
- * the first step the kernel refused (the rest is left to fault in when touched). */
-int ckptcache_populate_steps(char *addr, size_t len, size_t step)
+ * waiting up to a switch interval each time beside a busy thread). ``stop`` (may be NULL) is
+ * read before every step: another thread sets it to have the loop end after the step under
+ * way (a save that wants the mapping now populates the rest on its copy threads). Returns the
+ * bytes populated from ``addr`` on, all of ``len`` unless stopped or refused by the kernel
+ * (the rest is then left to fault in when touched). */
+size_t ckptcache_populate_until(char *addr, size_t len, size_t step, const volatile int *stop)
 {
-    for (size_t done = 0; done < len; done += step) {
+    size_t done = 0;
+    while (done < len) {
+        if (stop != NULL && *stop)
+            break;
         size_t n = len - done < step ? len - done : step;
         if (madvise(addr + done, n, MADV_POPULATE_READ) != 0)
-            return errno;
+            break;
+        done += n;
     }
-    return 0;
+    return done;
 }
 
 static struct PyModuleDef module = {

@@ -1,6 +1,8 @@
 """Page tables of a shared mapping made ahead of its use, a range at a time
 (``madvise(MADV_POPULATE_READ)``, Linux 5.14 and later). Torch-free: the daemon's pool makes
-its spares with it, and a save's mapping is populated by its copy threads with it.
+its spares with it, the client's spare thread maps them with it (a save that wants the spare
+stops the steps with a :class:`Stop`), and a save's mapping is populated by its copy threads
+with it.
 
 Why not ``MAP_POPULATE`` for a mapping made beside other threads: populating holds the
 process's address-space lock (``mmap_lock``) for reading, and ``MAP_POPULATE`` holds it for
@@ -22,6 +24,7 @@ __all__ = [
     "NATIVE_STEPS",
     "POPULATE_IN_PARALLEL",
     "POPULATE_STEP",
+    "Stop",
     "populate_in_steps",
     "populate_range",
 ]
@@ -59,18 +62,39 @@ def _can_populate() -> bool:
 POPULATE_IN_PARALLEL = _can_populate()
 
 
-def _native_steps() -> Callable[[int, int, int], int] | None:
-    """The copy extension's loop of steps (``ckptcache_populate_steps`` in ``_copy.c``), or
-    None where the extension was not built."""
+class Stop:
+    """A flag another thread raises to end a :func:`populate_in_steps` after its step under
+    way (a word the extension's loop reads before every step)."""
+
+    def __init__(self) -> None:
+        self._flag = ctypes.c_int(0)
+
+    def set(self) -> None:
+        """End the population after the step under way."""
+        self._flag.value = 1
+
+    def is_set(self) -> bool:
+        """Whether :meth:`set` was called."""
+        return bool(self._flag.value)
+
+    @property
+    def address(self) -> int:
+        """Where the flag is, for the extension."""
+        return ctypes.addressof(self._flag)
+
+
+def _native_steps() -> Callable[[int, int, int, int | None], int] | None:
+    """The copy extension's loop of steps (``ckptcache_populate_until`` in ``_copy.c``), or
+    None where the extension was not built (or is an older build without it)."""
     try:
         from ckptcache.format import _copy
     except ImportError:
         return None
-    fn = getattr(ctypes.CDLL(_copy.__file__), "ckptcache_populate_steps", None)
+    fn = getattr(ctypes.CDLL(_copy.__file__), "ckptcache_populate_until", None)
     if fn is None:
         return None
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t]
-    fn.restype = ctypes.c_int
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t, ctypes.c_void_p]
+    fn.restype = ctypes.c_size_t
     return fn  # type: ignore[no-any-return]
 
 
@@ -81,19 +105,24 @@ def _native_steps() -> Callable[[int, int, int], int] | None:
 NATIVE_STEPS = _native_steps()
 
 
-def populate_in_steps(mapping: mmap.mmap, step: int | None = None) -> None:
+def populate_in_steps(
+    mapping: mmap.mmap, step: int | None = None, stop: Stop | None = None
+) -> bool:
     """Fault in the page tables of all of ``mapping`` :data:`POPULATE_STEP` bytes at a time,
-    for a thread working beside others (see the module docstring). Best effort: a range the
-    kernel does not populate faults in when it is first touched, as it would anyway."""
+    for a thread working beside others (see the module docstring); ``stop``: end after the
+    step under way once it is set. Returns whether every step was made. Best effort: a range
+    the kernel does not populate faults in when it is first touched, as it would anyway."""
     step = POPULATE_STEP if step is None else step
     view = ctypes.c_char.from_buffer(mapping)  # an export: the mapping cannot close under us
     try:
         base, size = ctypes.addressof(view), len(mapping)
         if NATIVE_STEPS is not None:
-            NATIVE_STEPS(base, size, step)
-            return
+            return NATIVE_STEPS(base, size, step, None if stop is None else stop.address) == size
         for start in range(0, size, step):
-            if populate_range(base + start, min(step, size - start)):
-                return
+            if (stop is not None and stop.is_set()) or populate_range(
+                base + start, min(step, size - start)
+            ):
+                return False
+        return True
     finally:
         del view

@@ -106,9 +106,9 @@ def _record_steps(monkeypatch, native: bool) -> list[tuple[int, int]]:
         if real_native is None:
             pytest.skip("the copy extension is not built here")
 
-        def steps(address: int, length: int, step: int) -> int:
+        def steps(address: int, length: int, step: int, stop: int | None) -> int:
             calls.extend((address + s, min(step, length - s)) for s in range(0, length, step))
-            return real_native(address, length, step)
+            return real_native(address, length, step, stop)
 
         monkeypatch.setattr(pagetables, "NATIVE_STEPS", steps)
     else:
@@ -177,3 +177,42 @@ def test_the_daemons_spares_are_populated_a_step_at_a_time(monkeypatch):
         segment.mapping.close()
     finally:
         shutil.rmtree(directory, ignore_errors=True)
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["extension", "python"])
+def test_a_stopped_population_ends_after_the_step_under_way(segment, monkeypatch, native):
+    """A save that wants a spare being mapped stops its steps: the loop reads the flag before
+    every step, ends after the one under way and says it did not make them all; what it made
+    is mapped, the rest is not."""
+    if not pagetables.POPULATE_IN_PARALLEL:
+        pytest.skip("this kernel has no MADV_POPULATE_READ (before 5.14): MAP_POPULATE is used")
+    if native and pagetables.NATIVE_STEPS is None:
+        pytest.skip("the copy extension is not built here")
+    step = 4 << 20
+    stop = pagetables.Stop()
+    stop.set()
+    if not native:
+        monkeypatch.setattr(pagetables, "NATIVE_STEPS", None)
+    mapping = shm.map_shared(segment, SIZE, populate=False)
+    try:
+        assert pagetables.populate_in_steps(mapping, step, stop) is False
+        assert _resident_kib(mapping) == 0  # stopped before its first step
+        if not native:  # stopped by another thread during the third step
+            stop, real = pagetables.Stop(), pagetables.populate_range
+            calls: list[int] = []
+
+            def populate(address: int, length: int) -> int:
+                calls.append(length)
+                if len(calls) == 3:
+                    stop.set()
+                return real(address, length)
+
+            monkeypatch.setattr(pagetables, "populate_range", populate)
+            assert pagetables.populate_in_steps(mapping, step, stop) is False
+            assert calls == [step] * 3
+            # Three steps mapped (a step's last fault maps a few pages past it: fault-around).
+            assert 3 * step // 1024 <= _resident_kib(mapping) < 4 * step // 1024
+        assert pagetables.populate_in_steps(mapping, step, pagetables.Stop()) is True
+        assert _resident_kib(mapping) == SIZE // 1024
+    finally:
+        mapping.close()

@@ -7,7 +7,9 @@ from __future__ import annotations
 import os
 import signal
 import threading
+import time
 
+import pytest
 import torch
 
 from ckptcache.wire import messages as m
@@ -166,6 +168,83 @@ def test_a_spare_trimmed_before_the_client_maps_it_does_not_stall_the_save(
         assert done, "the save waited for a spare mapping that never came"
         assert _segment_of(c, path) == spare
         assert torch.equal(c.load(path, mmap=False)["w"], state["w"])
+
+
+def _stalled_steps(monkeypatch) -> tuple[threading.Event, list[bool]]:
+    """The spare thread's steps, made to wait for their stop (at most 30 s) as if the steps
+    were slow: returns the event set once they started, and whether each population was
+    stopped."""
+    from ckptcache.format import pagetables
+
+    started, stopped = threading.Event(), []
+
+    def slow_steps(mapping, step=None, stop=None):
+        started.set()
+        deadline = time.monotonic() + 30
+        while not (stop is not None and stop.is_set()) and time.monotonic() < deadline:
+            time.sleep(0.005)
+        stopped.append(stop is not None and stop.is_set())
+        return False
+
+    monkeypatch.setattr(pagetables, "populate_in_steps", slow_steps)
+    return started, stopped
+
+
+def test_a_save_stops_the_mapping_of_its_spare_and_its_copy_threads_make_the_rest(
+    daemon_factory, tmp_path, monkeypatch
+):
+    """The spare thread makes a spare's page tables a step at a time, so the trainer's own
+    mmap and munmap never wait for the whole spare. A save that gets the spare meanwhile
+    stops the steps (it waits for the one under way, not for all of them), and the rest of
+    the page tables are made on its copy threads before its copy."""
+    import ckptcache.format.shm as shm
+    from ckptcache.format import pagetables
+
+    if not pagetables.POPULATE_IN_PARALLEL:
+        pytest.skip("before Linux 5.14 the spare is mapped with MAP_POPULATE: nothing to stop")
+    d = daemon_factory("--memory-limit", "64MiB", "--pool-segments", "1", "--pool-bytes", "16MiB")
+    with d.client(fallback="raise") as teacher:  # its spare thread, not c's, may map the spare
+        (spare,), (capacity,) = _teach(teacher, tmp_path, 4).segments, _spares(teacher).capacities
+    started, stopped = _stalled_steps(monkeypatch)
+    populated: list[int] = []
+    real_parallel = shm.populate_in_parallel
+    monkeypatch.setattr(
+        shm, "populate_in_parallel", lambda mp: (populated.append(len(mp)), real_parallel(mp))
+    )
+    with d.client(fallback="raise") as c:
+        c.daemon_status()  # connected, no spare mapped by its own thread
+        mapper = threading.Thread(target=c._spares._map, args=(spare, capacity), daemon=True)
+        mapper.start()
+        assert started.wait(30), "the spare's steps never started"
+        path = str(tmp_path / "iter_1" / "model.pt")
+        state = blob(4, 5.0)
+        c.save(state, path)
+        mapper.join(30)
+        assert not mapper.is_alive()
+        assert stopped == [True]  # the save stopped the steps, rather than waiting them out
+        assert _segment_of(c, path) == spare and spare in c._parts.maps
+        assert populated == [capacity]  # the rest made by the save, before its copy
+        assert spare not in c._parts.maps._unpopulated
+        assert torch.equal(c.load(path, mmap=False)["w"], state["w"])
+
+
+def test_closing_the_client_stops_a_spare_being_mapped(daemon_factory, tmp_path, monkeypatch):
+    """close() stops the steps of a spare being mapped (nobody will use it) and unmaps what
+    they made."""
+    d = daemon_factory("--memory-limit", "64MiB", "--pool-segments", "1", "--pool-bytes", "16MiB")
+    with d.client(fallback="raise") as teacher:
+        (spare,), (capacity,) = _teach(teacher, tmp_path, 4).segments, _spares(teacher).capacities
+    started, stopped = _stalled_steps(monkeypatch)
+    c = d.client(fallback="raise")
+    c.daemon_status()
+    mapper = threading.Thread(target=c._spares._map, args=(spare, capacity), daemon=True)
+    mapper.start()
+    assert started.wait(30), "the spare's steps never started"
+    c.close()
+    mapper.join(30)
+    assert not mapper.is_alive()
+    assert stopped == [True]
+    assert spare not in c._parts.maps and spare not in c._spares.ready
 
 
 def test_a_clean_stop_leaves_only_committed_generations(daemon_factory, tmp_path):
