@@ -1,5 +1,5 @@
 """Build hooks (metadata: pyproject.toml): ship ``ckptcache-startup.pth`` into
-``site-packages``, and build the copy extension (``ckptcache/format/_copy.c``).
+``site-packages``, and build the copy and base64 extensions (``ckptcache/format/_copy.c``, ``_b64.c``).
 
 The file lets ``CKPTCACHE_DEEPSPEED=1`` switch the DeepSpeed adapter on with no code (see
 ``ckptcache/adapters/_startup.py``). A ``.pth`` file only takes effect at the top of a site
@@ -42,5 +42,8 @@ class BuildPyWithStartupHook(build_py):
 # (ckptcache/format/fastcopy.py says which copy is in use).
 COPY = Extension("ckptcache.format._copy", ["ckptcache/format/_copy.c"], optional=True,
                  extra_compile_args=["-O2"])  # fmt: skip
+# Optional too: where it cannot be built, base64 is decoded by binascii (ckptcache/format/b64.py).
+B64 = Extension("ckptcache.format._b64", ["ckptcache/format/_b64.c"], optional=True,
+                extra_compile_args=["-O2"])  # fmt: skip
 
-setup(cmdclass={"build_py": BuildPyWithStartupHook}, ext_modules=[COPY])
+setup(cmdclass={"build_py": BuildPyWithStartupHook}, ext_modules=[COPY, B64])

@@ -26,6 +26,8 @@ from typing import Any
 
 import numpy as np
 
+from ckptcache.format import b64
+
 __all__ = ["FIELDS", "PackedColumns", "first_outside", "pack_columns"]
 
 #: The record fields, in :class:`~ckptcache.format.manifest.StorageRecord` order.
@@ -78,7 +80,7 @@ def _array(value: Any, dtype: np.dtype, n: int, what: str) -> np.ndarray:
     if type(value) is not str:
         raise ValueError(f"storage {what} are not a base64 string")
     try:
-        raw = base64.b64decode(value, validate=True)
+        raw = b64.decode(value)
     except binascii.Error as e:
         raise ValueError(f"storage {what} are not valid base64 ({e})") from None
     if len(raw) != n * dtype.itemsize:

@@ -44,6 +44,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from ckptcache.format import b64
 from ckptcache.format.fast_unpickle import NOT_FAST
 from ckptcache.format.gcpause import gc_paused
 from ckptcache.format.table_columns import MAGIC, dense_places, pack_dense, unpack_dense
@@ -126,7 +127,7 @@ def load_table(table: str, whole: np.ndarray, places: tuple[Sequence[int], Seque
     mapping), the storages at ``places`` (their offsets and sizes, in manifest order, checked
     against the mapping by the manifest); :data:`NOT_FAST` where the table does not do."""
     try:
-        blob = memoryview(base64.b64decode(table, validate=True))
+        blob = memoryview(b64.decode(table))
         with gc_paused():
             if blob[: len(MAGIC)] == MAGIC:
                 tensors, tree = _format_2(blob, whole, places)
