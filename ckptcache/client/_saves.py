@@ -115,7 +115,18 @@ class Saves:
         self._plans: PlanCache | None = None
 
     def save(self, obj: Any, path: str, durability: str, blocking: bool) -> SaveHandle | None:
-        """Save ``obj`` under ``path`` (normalized, ``durability`` checked)."""
+        """Save ``obj`` under ``path`` (normalized, ``durability`` checked).
+
+        The cyclic garbage collector is held off for the call (for a non-blocking save, until
+        it returns): the plan's thousands of short-lived tuples set off collections, now and
+        then of the trainer's whole heap, inside the stall. Made and gone within the call,
+        they never reach one."""
+        from ckptcache.format.gcpause import gc_paused
+
+        with gc_paused():
+            return self._save(obj, path, durability, blocking)
+
+    def _save(self, obj: Any, path: str, durability: str, blocking: bool) -> SaveHandle | None:
         from ckptcache.client._async import VersionCheck, submit
         from ckptcache.format.gpu import record_ready
 
