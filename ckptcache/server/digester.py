@@ -107,6 +107,8 @@ class Digester:
             gen = self._queue.get()
             if gen is None:
                 return
+            # Background work: after the saves in flight (the next files of a checkpoint).
+            self.state.saves_in_flight.wait_after(gen.committed)
             if gen.digests is not None or gen.retired or gen.pins < 0:
                 continue
             if not self.state.pin_if_current(gen):

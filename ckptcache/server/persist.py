@@ -208,6 +208,9 @@ class Persister:
             if gen is None:
                 return
             try:
+                # Background work: after the saves in flight (the next files of a
+                # checkpoint), whose copies and requests it would slow (server/quiet.py).
+                self.state.saves_in_flight.wait_after(gen.committed)
                 lock = self._path_locks.setdefault(gen.key, threading.Lock())
                 with lock:
                     self._persist(gen)

@@ -118,6 +118,7 @@ class Saves:
             for res in session.reservations.values():
                 log.info("aborting reservation %d of %s (client gone)", res.id, res.path)
                 state.arena.release(res.segment)
+            state.saves_in_flight.end(len(session.reservations))
             session.reservations.clear()
             for lease, gen in session.leases.items():
                 drop_lease_locked(state, lease, gen)  # staging copies go with their leases
@@ -212,6 +213,7 @@ class Saves:
                 persist, saver, anchor=anchor, base=base, base_stamp=base_stamp,
             )  # fmt: skip
             session.reservations[res.id] = res
+            state.saves_in_flight.begin()
             session.note_mapped((segment.name,), state.arena.segments)  # the client maps it now
             state.update_gauges()
         return m.ReserveReply(res.id, segment.name, segment.capacity)
@@ -356,6 +358,7 @@ class Saves:
             raise CkptCacheError(
                 f"unknown reservation {req.reservation}: it was already committed or aborted"
             )
+        state.saves_in_flight.end()  # its copy is done: background work may follow it
         segment = res.segment
         try:
             if pinned and (res.persist or res.durability != "memory" or res.origin):
@@ -511,5 +514,6 @@ class Saves:
             res = session.reservations.pop(req.reservation, None)
             if res is not None:
                 state.arena.release(res.segment)
+                state.saves_in_flight.end()
         state.lock.notify_all()
         self.pool.refill()

@@ -31,6 +31,7 @@ from ckptcache.server.lock import Locked, StateLock
 from ckptcache.server.metrics import Metrics
 from ckptcache.server.ownership import Saver
 from ckptcache.server.persist_states import PersistStates
+from ckptcache.server.quiet import SavesInFlight
 from ckptcache.wire.states import PersistState, Tier
 
 __all__ = [
@@ -163,6 +164,8 @@ class CacheState:
         self.started = time.time()
         #: Objects arriving right now, by (namespace, path): relayed to peers as they land.
         self.inflight: dict[Key, Inflight] = {}
+        #: Reservations open now: background work waits for saves to pause (server/quiet.py).
+        self.saves_in_flight = SavesInFlight()
         #: When each path was last deleted here (wall clock): backup copies of generations
         #: saved before that are refused, so a delete is not undone by a copy in transit.
         self.deleted: dict[Key, float] = {}
