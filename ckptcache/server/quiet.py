@@ -70,5 +70,8 @@ class SavesInFlight:
     def wait_after(self, committed: float) -> bool:
         """:meth:`wait_quiet` for the background work of a generation committed at
         ``committed`` (wall clock): at most until :data:`MAX_WAIT_SECONDS` after its commit,
-        so work queued behind a save that never ends is not held up one wait after another."""
-        return self.wait_quiet(most=max(0.0, MAX_WAIT_SECONDS - (time.time() - committed)))
+        so work queued behind a save that never ends is not held up one wait after another.
+        Never longer than that bound: a copy's commit time comes from another node's clock,
+        which may be ahead of this one."""
+        left = MAX_WAIT_SECONDS - (time.time() - committed)
+        return self.wait_quiet(most=min(MAX_WAIT_SECONDS, max(0.0, left)))

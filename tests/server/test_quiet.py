@@ -49,6 +49,19 @@ def test_a_wait_is_bounded():
     assert in_flight.wait_after(time.time() - quiet.MAX_WAIT_SECONDS - 1) is False
 
 
+def test_a_commit_time_from_a_clock_ahead_waits_no_longer_than_the_bound(monkeypatch):
+    """A copy's commit time is the saving node's: an hour ahead must not hold its digest
+    and persist for an hour behind a save that never ends."""
+    monkeypatch.setattr(quiet, "MAX_WAIT_SECONDS", 0.05)
+    in_flight = SavesInFlight()
+    in_flight.begin()
+    done = threading.Event()
+    thread = threading.Thread(target=lambda: (in_flight.wait_after(time.time() + 3600), done.set()))
+    thread.start()
+    thread.join(30)
+    assert done.is_set()
+
+
 def test_ends_never_count_below_zero():
     in_flight = SavesInFlight()
     in_flight.end(3)
