@@ -30,23 +30,23 @@ class SavesInFlight:
     """Counts the reservations open (reserved, not yet committed or aborted)."""
 
     def __init__(self) -> None:
-        self._cond = threading.Condition(threading.Lock())
+        self._ended = threading.Condition(threading.Lock())
         self._open = 0
         self._last_end = float("-inf")  # monotonic
 
     def begin(self) -> None:
         """A reservation was made."""
-        with self._cond:
+        with self._ended:
             self._open += 1
 
     def end(self, count: int = 1) -> None:
         """``count`` reservations were committed, aborted or dropped with their connection."""
         if count <= 0:
             return
-        with self._cond:
+        with self._ended:
             self._open = max(0, self._open - count)
             self._last_end = time.monotonic()
-            self._cond.notify_all()
+            self._ended.notify_all()
 
     @property
     def open(self) -> int:
@@ -57,7 +57,7 @@ class SavesInFlight:
         """Wait until no reservation is open and none ended in the last ``settle`` seconds,
         at most ``most`` seconds; whether saves paused (``False``: the wait ran out)."""
         deadline = time.monotonic() + most
-        with self._cond:
+        with self._ended:
             while True:
                 now = time.monotonic()
                 if self._open == 0 and now - self._last_end >= settle:
@@ -65,7 +65,7 @@ class SavesInFlight:
                 if now >= deadline:
                     return False
                 until = deadline if self._open else min(deadline, self._last_end + settle)
-                self._cond.wait(max(0.0, until - now))
+                self._ended.wait(max(0.0, until - now))
 
     def wait_after(self, committed: float) -> bool:
         """:meth:`wait_quiet` for the background work of a generation committed at
