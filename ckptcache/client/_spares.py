@@ -111,10 +111,9 @@ class SpareMapper:
         #: Segments being mapped right now: a save that needs one stops the steps and waits
         #: for the one under way, instead of mapping it twice.
         self.mapping_now: dict[str, _InProgress] = {}
-        #: Mappings made, not yet moved into the client's cache.
-        self.ready: dict[str, Mapping] = {}
-        #: Those of :attr:`ready` whose page tables were not all made (stopped by a save).
-        self._partial: set[str] = set()
+        #: Mappings made, not yet moved into the client's cache, each with whether all its
+        #: page tables were made (not where a save stopped the steps).
+        self.ready: dict[str, tuple[Mapping, bool]] = {}
         #: Whether the spares were asked for already (:meth:`warmup`, or a first contact).
         self.warmed = False
         #: Whether the spares mapped now are registered for CUDA copies as well.
@@ -183,10 +182,9 @@ class SpareMapper:
 
     def adopt(self, segment: str) -> None:
         """Move a finished mapping into the client's cache (call under the client lock)."""
-        mapping = self.ready.pop(segment, None)
-        if mapping is not None:
-            populated = segment not in self._partial
-            self._partial.discard(segment)
+        made = self.ready.pop(segment, None)
+        if made is not None:
+            mapping, populated = made
             self._port.keep(segment, mapping, populated=populated)
 
     def _run(self) -> None:
@@ -262,9 +260,7 @@ class SpareMapper:
             # Whatever happened, the event is set: a save waiting for this spare goes on.
             # Handed over without the client lock: a save holding it may be waiting for this.
             if mapping is not None and os.getpid() == port.pid:
-                if not whole:
-                    self._partial.add(name)
-                self.ready[name] = mapping
+                self.ready[name] = (mapping, whole)
             self.mapping_now.pop(name, None)
             work.done.set()
         from ckptcache.format.gpu_pinning import reserve_if_cuda
@@ -273,9 +269,8 @@ class SpareMapper:
         with port.lock:  # close() iterates the cache under this lock
             if self._stopped.is_set():  # closed while we mapped: nobody would unmap it
                 stale = self.ready.pop(name, None)
-                self._partial.discard(name)
                 if stale is not None:
-                    stale.close()
+                    stale[0].close()
                 return
             self.adopt(name)
             # Registered for DMA here, off the save's path; reserved under the lock, so a
