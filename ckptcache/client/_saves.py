@@ -117,16 +117,23 @@ class Saves:
     def save(self, obj: Any, path: str, durability: str, blocking: bool) -> SaveHandle | None:
         """Save ``obj`` under ``path`` (normalized, ``durability`` checked).
 
-        The cyclic garbage collector is held off for the call (for a non-blocking save, until
-        it returns): the plan's thousands of short-lived tuples set off collections, now and
-        then of the trainer's whole heap, inside the stall. Made and gone within the call,
-        they never reach one."""
+        The cyclic garbage collector is held off until the save is committed (for a
+        non-blocking save, until it returns): the plan's thousands of short-lived tuples set
+        off collections, now and then of the trainer's whole heap, inside the stall. Made and
+        gone within the call, they never reach one. Not during ``durability="persisted"``'s
+        wait for storage, which may last minutes."""
         from ckptcache.format.gcpause import gc_paused
 
         with gc_paused():
-            return self._save(obj, path, durability, blocking)
+            handle, wait = self._save(obj, path, durability, blocking)
+        if wait:
+            self._waits.persisted(path, None, None)
+        return handle
 
-    def _save(self, obj: Any, path: str, durability: str, blocking: bool) -> SaveHandle | None:
+    def _save(
+        self, obj: Any, path: str, durability: str, blocking: bool
+    ) -> tuple[SaveHandle | None, bool]:
+        """:meth:`save` up to the commit: its handle, and whether it waits for storage now."""
         from ckptcache.client._async import VersionCheck, submit
         from ckptcache.format.gpu import record_ready
 
@@ -136,8 +143,7 @@ class Saves:
         job = _Job(obj, flat, plan, path, durability)
         job.t0 = t0
         if blocking:
-            self._run(job)
-            return None
+            return None, self._copy_in(job) and durability == "persisted"
         job.check = VersionCheck(obj, path, flat)
         job.flat = job.check.flat  # private copies of the storages no version counter watches
         # The copy runs on the save thread, whose current CUDA stream is not the trainer's.
@@ -150,7 +156,7 @@ class Saves:
             job.copied = copied
             self._run(job)
 
-        return submit(run, path, self.background(), owner=self._ledger)
+        return submit(run, path, self.background(), owner=self._ledger), False
 
     def save_packed(self, packed: Packed, path: str, durability: str) -> int:
         """Save the blob ``packed`` lays out, its items copied straight into the segment;
@@ -204,12 +210,16 @@ class Saves:
             return self._maps.get(segment, capacity)
 
     def _run(self, job: _Job) -> None:
-        with self._connection.lock:
-            reply = self._reserve(job)
-            committed = reply is not None and self._copy_and_commit(job, reply)
-        if committed and job.durability == "persisted":
+        if self._copy_in(job) and job.durability == "persisted":
             # Not Client.wait: on the save thread that would wait for this very save.
             self._waits.persisted(job.path, None, None)
+
+    def _copy_in(self, job: _Job) -> bool:
+        """Reserve, copy and commit ``job``; whether the daemon committed it (``False``: it
+        was written through instead)."""
+        with self._connection.lock:
+            reply = self._reserve(job)
+            return reply is not None and self._copy_and_commit(job, reply)
 
     def reserve_request(self, path: str, nbytes: int, durability: str) -> m.ReserveRequest:
         """The request for a segment of ``nbytes`` to save ``path`` in, for this user."""

@@ -52,3 +52,29 @@ def test_no_collection_inside_a_save_and_the_collector_is_back_after(client, tmp
     assert gc.isenabled()
     loaded = ckptcache.load(tmp_path / "b.pt")
     assert all(torch.equal(loaded[k], v) for k, v in state.items())
+
+
+def test_the_wait_for_storage_runs_with_the_collector_on(daemon_factory, tmp_path, monkeypatch):
+    """``durability="persisted"`` waits for storage after the commit, minutes at times: the
+    trainer's other threads must have their collector meanwhile."""
+    import ckptcache.client._waits as waits_module
+
+    seen: list[bool] = []
+    real = waits_module.Waits.persisted
+
+    def recorded(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        seen.append(gc.isenabled())
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(waits_module.Waits, "persisted", recorded)
+    root = tmp_path / "store"
+    root.mkdir()
+    d = daemon_factory("--memory-limit", "256MiB", "--persist-root", str(root))
+    state = _state(200)
+    path = str(root / "p.pt")
+    with d.client(fallback="raise") as c:
+        c.save(state, path, durability="persisted")
+        assert seen == [True]
+        assert c.status(path).persist_state == "persisted"
+    on_disk = torch.load(path)  # the persisted file itself, as plain torch reads it
+    assert all(torch.equal(on_disk[k], v) for k, v in state.items())
