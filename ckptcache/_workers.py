@@ -45,16 +45,18 @@ class LingeringPool:
     :class:`concurrent.futures.Future`. A worker ends :data:`LINGER_SECONDS` after its last
     job; the next ``submit`` starts one again."""
 
-    def __init__(self, max_workers: int, name: str, linger: float = LINGER_SECONDS):
+    def __init__(self, max_workers: int, name: str, linger: float | None = None):
         self.max_workers = max(1, max_workers)
         self._name = name
-        self._linger = linger
+        self._linger = LINGER_SECONDS if linger is None else linger  # read now, not at import
         self._cond = threading.Condition()
         self._jobs: collections.deque[tuple[Future[Any], Callable[[], Any]]] = collections.deque()
         self._workers = 0
         self._idle = 0  # workers waiting for a job (each will take one)
         self._stopping = False
         self._count = 0
+        #: The workers started, less those seen ended (joined by :meth:`join`).
+        self._threads: set[threading.Thread] = set()
 
     def submit(self, fn: Callable[[], Any]) -> Future[Any]:
         """Run ``fn`` on a worker (an idle one, else a new one up to ``max_workers``)."""
@@ -75,10 +77,22 @@ class LingeringPool:
             self._stopping = True
             self._cond.notify_all()
 
+    def join(self, timeout: float | None = None) -> None:
+        """Wait until the workers have ended after :meth:`stop` (the busy ones after their
+        jobs); a worker calling it does not wait for itself."""
+        with self._cond:
+            threads = list(self._threads)
+        for thread in threads:
+            if thread is not threading.current_thread():
+                thread.join(timeout)
+
     def _start_worker(self) -> None:
         self._count += 1
         self._workers += 1
-        StoppableThread(self._work, f"{self._name}_{self._count}", self.stop).start()
+        thread = StoppableThread(self._work, f"{self._name}_{self._count}", self.stop)
+        self._threads = {t for t in self._threads if t.is_alive()}
+        self._threads.add(thread)
+        thread.start()
 
     def _next(self) -> tuple[Future[Any], Callable[[], Any]] | None:
         """The next job, or ``None`` when this worker should end (idle for the linger time,

@@ -60,13 +60,14 @@ class Parts:
 
     def close(self) -> None:
         """Finish pending non-blocking saves, release pins, close the connections and the
-        cached write mappings."""
+        cached write mappings; its save and spare threads have ended when it returns."""
         self.saves.close()
         self.connection.close_waiter()
         with self.connection.lock:
             self.spares.stop()
             self.connection.close()
             self.maps.close()
+        self.spares.join()  # outside the lock, which the spare thread's round takes
 
 
 #: The parts of every live client, for the fork handler.

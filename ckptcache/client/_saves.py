@@ -218,8 +218,15 @@ class Saves:
         """Reserve, copy and commit ``job``; whether the daemon committed it (``False``: it
         was written through instead)."""
         with self._connection.lock:
-            reply = self._reserve(job)
-            return reply is not None and self._copy_and_commit(job, reply)
+            try:
+                reply = self._reserve(job)
+                return reply is not None and self._copy_and_commit(job, reply)
+            except BaseException as e:
+                if not isinstance(e, Exception):
+                    # A signal's (Ctrl-C), anywhere from the reservation to the commit: the
+                    # connection ends, and the daemon aborts the reservation with it.
+                    self._connection.drop()
+                raise
 
     def reserve_request(self, path: str, nbytes: int, durability: str) -> m.ReserveRequest:
         """The request for a segment of ``nbytes`` to save ``path`` in, for this user."""
@@ -280,7 +287,7 @@ class Saves:
                 obj = job.packed.materialize()
             self._fallback.write(obj, job.path, e)
             return False
-        except BaseException:
+        except Exception:
             self.abort(reply)
             raise
 
@@ -302,10 +309,12 @@ class Saves:
             handle.wait_done()
 
     def close(self) -> None:
-        """Finish the pending non-blocking saves and end their thread."""
+        """Finish the pending non-blocking saves and end their thread (ended when this
+        returns)."""
         if self._executor is not None and self.thread_pid == os.getpid():
             self.finish()
             self._executor.stop()
+            self._executor.join()
             self._executor = None
 
     def after_fork(self) -> None:

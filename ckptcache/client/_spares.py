@@ -18,7 +18,9 @@ request, where segments are, the cache of mappings), not the client itself.
 
 The thread is a daemon thread (it never keeps a process from exiting) and ends a moment
 (:data:`ckptcache._workers.LINGER_SECONDS`) after its work: the daemon's spares mapped, or the
-daemon done making them. ``stop()`` on it ends it at once, as thread-leak checks expect.
+daemon done making them. ``stop()`` on it ends it at once, as thread-leak checks expect:
+the loop reads the stop flag before every wait, so a thread stopped right after a save ends
+within a mapping step, not after its idle wait; ``Client.close()`` stops and joins it.
 """
 
 from __future__ import annotations
@@ -101,7 +103,8 @@ class SpareMapper:
 
     def _reset(self) -> None:
         self._lock = threading.Lock()
-        self._thread: StoppableThread | None = None
+        self._thread: StoppableThread | None = None  # cleared as the thread decides to end
+        self._last: StoppableThread | None = None  # the thread started last, for join()
         self._again = False
         self._not_before = 0.0  # no ``pool`` request before this (monotonic; see settle)
         self._stopped = threading.Event()
@@ -157,6 +160,7 @@ class SpareMapper:
             self._register = register
             if self._thread is None or not self._thread.is_alive():
                 self._thread = StoppableThread(self._run, "ckptcache-spares", self.stop)
+                self._last = self._thread
                 self._thread.start()
             else:
                 self._wake.set()
@@ -169,6 +173,13 @@ class SpareMapper:
         self._wake.set()
         for work in list(self.mapping_now.values()):
             work.stop.set()  # no need to finish a spare nobody will use
+
+    def join(self, timeout: float | None = None) -> None:
+        """Wait until the thread has ended after :meth:`stop` (a few milliseconds: the step
+        of a mapping under way). Not under the client's lock, which the thread's round takes."""
+        thread = self._last
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout)
 
     def wait_for(self, segment: str) -> None:
         """If ``segment`` is being mapped now, stop its steps after the one under way and wait
@@ -188,27 +199,36 @@ class SpareMapper:
             self._port.keep(segment, mapping, populated=populated)
 
     def _run(self) -> None:
+        idle_over = False  # the last idle wait ran out with nothing asked
         while True:
             with self._lock:
-                work = self._again
+                # The stop flag first, on every pass: a stop() that came during a round, a
+                # settle or a wait ends the thread now, not after one more idle wait.
+                stopped = self._stopped.is_set()
+                work = self._again and not stopped
+                if not work and (stopped or idle_over):
+                    # Decided under the lock that refresh() takes: a refresh from now on
+                    # starts a new thread instead of waking this one.
+                    self._thread = None
+                    self._done.set()
+                    return
                 settle = self._not_before - time.monotonic()
                 if not work:  # nothing asked since the last round: done until woken
                     self._done.set()
                     self._wake.clear()
-            if work and settle > 0 and not self._stopped.wait(settle):
-                continue  # a save ended a moment ago: look again once the time is up
-            if not work and (not self._wake.wait(_IDLE_SECONDS) or self._stopped.is_set()):
-                with self._lock:
-                    if self._wake.is_set() and not self._stopped.is_set():
-                        continue  # woken as the wait ran out: serve it
-                    self._thread = None  # the next refresh starts a new thread
-                    self._done.set()
-                    return
-            if work:
-                try:
-                    self._round()
-                except Exception:  # a failed round only costs page faults on a later save
-                    log.exception("mapping spare segments failed")
+            if not work:
+                # stop() sets the stop flag before the wake event: a stop the clear above
+                # undid was seen by the check above it, and a later one sets the event again.
+                idle_over = not self._wake.wait(_IDLE_SECONDS)
+                continue
+            idle_over = False
+            if settle > 0:  # a save ended a moment ago: look again once the time is up
+                self._stopped.wait(settle)
+                continue
+            try:
+                self._round()
+            except Exception:  # a failed round only costs page faults on a later save
+                log.exception("mapping spare segments failed")
 
     def _round(self) -> None:
         """Map the daemon's spares until it has none in the making (or asked again)."""
@@ -241,6 +261,8 @@ class SpareMapper:
 
         port = self._port
         with port.lock:
+            if self._stopped.is_set():  # stopped meanwhile: no further spare is mapped
+                return
             if name in port or name in self.mapping_now or name in self.ready:
                 return
             work = self.mapping_now[name] = _InProgress()
