@@ -1,5 +1,6 @@
 """Build hooks (metadata: pyproject.toml): ship ``ckptcache-startup.pth`` into
-``site-packages``, and build the copy and base64 extensions (``ckptcache/format/_copy.c``, ``_b64.c``).
+``site-packages``, and build the copy, base64 and collector extensions
+(``ckptcache/format/_copy.c``, ``_b64.c``, ``_gcpause.c``).
 
 The file lets ``CKPTCACHE_DEEPSPEED=1`` switch the DeepSpeed adapter on with no code (see
 ``ckptcache/adapters/_startup.py``). A ``.pth`` file only takes effect at the top of a site
@@ -46,4 +47,9 @@ COPY = Extension("ckptcache.format._copy", ["ckptcache/format/_copy.c"], optiona
 B64 = Extension("ckptcache.format._b64", ["ckptcache/format/_b64.c"], optional=True,
                 extra_compile_args=["-O2"])  # fmt: skip
 
-setup(cmdclass={"build_py": BuildPyWithStartupHook}, ext_modules=[COPY, B64])
+# Optional too: where it cannot be built, the collector's pauses are counted in Python, where a
+# Ctrl-C landing in their bookkeeping may leave the collector off (ckptcache/format/gcpause.py).
+GCPAUSE = Extension("ckptcache.format._gcpause", ["ckptcache/format/_gcpause.c"], optional=True,
+                    extra_compile_args=["-O2"])  # fmt: skip
+
+setup(cmdclass={"build_py": BuildPyWithStartupHook}, ext_modules=[COPY, B64, GCPAUSE])
