@@ -8,8 +8,10 @@ second connection (:meth:`Connection.waiting`) so they hold up no save or load.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import socket
 import threading
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -40,6 +42,19 @@ def make_inert(conn: Any) -> None:
     if conn is not None:
         conn._closed = True
         conn._send = lambda *args, **kwargs: None
+
+
+def _sever(conn: Any) -> None:
+    """End ``conn`` at once, in this process: its socket shut down first (the daemon sees the
+    stream end and aborts the connection's reservations and drops its pins), then nothing
+    sent nor waited for. rpyc's own ``close`` sends a close request and waits for its reply:
+    on a stream left out of step (a request cut short by a signal), or a daemon that stopped
+    answering, that wait lasts the whole request timeout."""
+    with contextlib.suppress(Exception):
+        conn._channel.stream.sock.shutdown(socket.SHUT_RDWR)
+    make_inert(conn)
+    with contextlib.suppress(Exception):
+        conn._channel.stream.close()
 
 
 def _text(value: Any) -> str | None:
@@ -126,13 +141,20 @@ class Connection:
             if remote is None or remote[0] is not self.rpc:
                 remote = self._remote_request = (self.rpc, self.rpc.root.request)
             text = remote[1](kind, body)
+            envelope = json.loads(text)
         except (EOFError, OSError, TimeoutError) as e:
             self.drop()
             raise DaemonUnavailable(
                 f"the ckptcache daemon at {self.settings.socket_path} went away during "
                 f"{kind!r} ({type(e).__name__}: {e}); restart it, committed checkpoints are kept"
             ) from e
-        envelope = json.loads(text)
+        except BaseException as e:
+            # A signal's exception (Ctrl-C) may land mid-frame: the stream is out of step
+            # and the request's effect (a reservation) unknown. The connection ends here, and
+            # with it what it held in the daemon; the next request makes a new one.
+            if not isinstance(e, Exception):
+                self.drop()
+            raise
         if not envelope.get("ok"):
             _raise_error(envelope.get("error", {}))
         result = envelope.get("result")
@@ -166,14 +188,13 @@ class Connection:
         return os.path.join(self.segments_dir, name)
 
     def drop(self) -> None:
-        """Close the connection (the next request makes a new one)."""
+        """End the connection at once (the next request makes a new one); the daemon aborts
+        its reservations and drops its pins. Safe to call from a handler of ``BaseException``:
+        it never waits on the daemon."""
         conn, self.rpc = self.rpc, None
         self._remote_request = None
         if conn is not None:
-            try:
-                conn.close()
-            except Exception:
-                pass
+            _sever(conn)
 
     def _flush_releases(self) -> None:
         pending, self._pending_release = self._pending_release, []

@@ -208,8 +208,12 @@ class Stager:
                 if self._settings.fallback == "raise":
                     raise
                 return None  # the connection is gone, and the reservation with it
-            except BaseException:
+            except Exception:
                 saves.abort(reply)
+                raise
+            except BaseException:
+                # A signal's (Ctrl-C): the connection ends, and the reservation with it.
+                self._connection.drop()
                 raise
         # No spare refresh here (a save's commit does one): its thread would take the GIL
         # from the trainer inside the stall; the release of the copy refreshes instead.

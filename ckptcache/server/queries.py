@@ -102,7 +102,7 @@ class Queries:
                 memory_used=arena.used, memory_free_pool=arena.free_bytes,
                 segments=len(arena.segments), free_segments=len(arena.free),
                 objects=len(state.index.paths()), generations=len(gens),
-                pinned=sum(1 for g in gens if g.pins), reservations=0,
+                pinned=sum(1 for g in gens if g.pins), reservations=state.saves_in_flight.open,
                 shm_dir=self.config.shm_dir, socket=self.config.socket,
                 persist_queue=len(self.persister.queue), persist_roots=self._roots(),
                 cluster_nodes=self.node_ids(), coordinator=self.config.coordinator,

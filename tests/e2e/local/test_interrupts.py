@@ -1,0 +1,161 @@
+"""A Ctrl-C (a ``KeyboardInterrupt`` raised by a signal handler) inside a save, a load or a
+wait, against a real daemon: the client's connection ends at once (the daemon aborts the
+interrupted reservation with it), the next call works, and the collector is back on.
+
+The interrupts are raised only while the operation's own frames run (:func:`_interrupt`): a
+signal landing in the test's loop would end the test instead of the operation."""
+
+from __future__ import annotations
+
+import gc
+import random
+import signal
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+import pytest
+import torch
+from rpyc.core.stream import SocketStream
+
+from ckptcache.client._connection import Connection
+from ckptcache.format import gcpause
+from ckptcache.wire import messages as m
+from tests.helpers import DaemonProc, assert_same, wait_until
+
+
+def _operation(run: Callable[[], Any]) -> Any:
+    """Runs ``run``: the frame :func:`_interrupt` looks for."""
+    return run()
+
+
+def _interrupt(signum: int, frame: FrameType | None) -> None:
+    while frame is not None:
+        if frame.f_code is _operation.__code__:
+            raise KeyboardInterrupt
+        frame = frame.f_back
+
+
+@pytest.fixture
+def sigalrm_interrupts() -> Iterator[None]:
+    previous = signal.signal(signal.SIGALRM, _interrupt)
+    yield
+    signal.setitimer(signal.ITIMER_REAL, 0)
+    signal.signal(signal.SIGALRM, previous)
+
+
+@pytest.fixture
+def persisting(daemon_factory: Callable[..., DaemonProc], tmp_path: Path) -> DaemonProc:
+    root = tmp_path / "ckpt"
+    root.mkdir()
+    return daemon_factory("--memory-limit", "1GiB", "--persist-root", str(root))
+
+
+def _state() -> dict[str, torch.Tensor]:
+    return {f"w{i}": torch.full((256, 1024), float(i)) for i in range(16)}  # 16 MiB
+
+
+def test_daemon_status_counts_open_reservations(daemon: DaemonProc, tmp_path: Path):
+    with daemon.client() as c:
+        conn: Connection = c._parts.connection  # type: ignore[attr-defined]
+        reply = conn.call(
+            "reserve", c._parts.saves.reserve_request(str(tmp_path / "a.pt"), 4096, "local"),
+            m.ReserveReply,
+        )  # fmt: skip
+        assert daemon.status().reservations == 1
+        conn.call("abort", m.AbortRequest(reply.reservation))
+        assert daemon.status().reservations == 0
+
+
+def test_ctrl_c_after_the_reservation_gives_its_memory_back(
+    daemon_factory: Callable[..., DaemonProc], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    """The interrupt lands as the reservation's reply is read: the daemon reserved the
+    memory, the client never learnt of it. The daemon aborts that reservation (it used to hold
+    its memory until the client's connection ended), so the next save fits."""
+    d = daemon_factory("--memory-limit", "80MiB")
+    reads = SocketStream.read
+    armed = [False]
+
+    def read(self: SocketStream, count: int) -> bytes:
+        data = reads(self, count)
+        if armed[0] and count > 5:  # the reply's body, after its header
+            armed[0] = False
+            raise KeyboardInterrupt
+        return data
+
+    requests = Connection.request
+
+    def request(self: Connection, kind: str, *args: Any, **kwargs: Any) -> Any:
+        armed[0] = kind == "reserve"
+        return requests(self, kind, *args, **kwargs)
+
+    state = {f"w{i}": torch.full((256, 1024), float(i)) for i in range(32)}  # 32 MiB
+    with d.client(timeout=20, fallback="raise") as c:
+        c.save(state, str(tmp_path / "a.pt"))
+        monkeypatch.setattr(SocketStream, "read", read)
+        monkeypatch.setattr(Connection, "request", request)
+        with pytest.raises(KeyboardInterrupt):
+            c.save(state, str(tmp_path / "b.pt"))
+        monkeypatch.undo()
+        assert gc.isenabled() and gcpause.open_regions() == 0
+        wait_until(lambda: d.status().reservations == 0, timeout=5, what="the abort")
+        state["w0"].fill_(7.0)
+        c.save(state, str(tmp_path / "c.pt"))  # fits: no BudgetExceeded
+        assert_same(c.load(str(tmp_path / "c.pt")), state)
+        assert not c.exists(str(tmp_path / "b.pt"))
+        assert c.daemon_status().reservations == 0
+
+
+def test_a_storm_of_ctrl_c_across_saves_loads_and_waits(
+    persisting: DaemonProc, tmp_path: Path, sigalrm_interrupts: None
+):
+    """200 saves, loads and waits, each with a SIGALRM at a random moment of its run raising
+    ``KeyboardInterrupt``: afterwards the collector is on, no reservation is open, every
+    segment is free once the objects are deleted, and every call works."""
+    paths = [str(tmp_path / "ckpt" / f"{i}.pt") for i in range(3)]
+    state = _state()
+    rng = random.Random(43)
+    interrupted = 0
+    with persisting.client(timeout=10) as c:
+        for p in paths:
+            c.save(state, p)
+        c.wait(prefix=str(tmp_path / "ckpt"))
+        t0 = time.perf_counter()
+        c.save(state, paths[0])
+        span = max(time.perf_counter() - t0, 0.002)
+        for i in range(200):
+            path = paths[i % len(paths)]
+            run: Callable[[], Any] = (
+                lambda p=path: c.save(state, p),
+                lambda p=path: c.load(p),
+                lambda p=path: c.wait(p, timeout=10),
+            )[i % 3]
+            try:
+                signal.setitimer(signal.ITIMER_REAL, rng.uniform(0.0001, span))
+                _operation(run)
+            except KeyboardInterrupt:
+                interrupted += 1
+            finally:
+                signal.setitimer(signal.ITIMER_REAL, 0)
+            c.daemon_status()  # answers at once: no DaemonUnavailable after the timeout
+        assert interrupted >= 20  # the storm did land inside the calls
+        assert gc.isenabled() and gcpause.open_regions() == 0
+        wait_until(lambda: persisting.status().reservations == 0, timeout=5, what="the aborts")
+        # Every call works: a save, its load and its persist.
+        state["w1"].fill_(-1.0)
+        c.save(state, paths[0], durability="persisted")
+        assert_same(c.load(paths[0]), state)
+        c.wait(prefix=str(tmp_path / "ckpt"), timeout=30)
+        assert_same(torch.load(paths[0], weights_only=True), state)
+        gc.collect()  # the loads' mappings, kept by the tracebacks of their interrupts
+        for p in paths:
+            c.delete(p)
+    st = persisting.status()
+    assert (st.reservations, st.objects, st.memory_stored) == (0, 0, 0)
+    wait_until(
+        lambda: (lambda s: s.segments == s.free_segments)(persisting.status()),
+        timeout=10, what="every segment free",
+    )  # fmt: skip
