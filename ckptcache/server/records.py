@@ -18,7 +18,10 @@ Layout of a record file (that of the header page, then the key)::
 
 Each write is one ``pwrite`` of a few hundred bytes: a daemon killed with ``-9`` leaves it
 whole. The record is removed when the segment stops holding a committed generation, and
-written again (saver, provenance, key, then the header last) at the next commit.
+written again (saver, provenance, key, then the header last) at the next commit. Its blocks
+are allocated at the reservation (:func:`prepare`): the record lies on the same tmpfs as the
+segments, which any local user can fill, and a commit must not fail for want of a page after
+the trainer's copy is done (a full file system refuses the reservation instead).
 
 Segments of root and the daemon's own uid written by an older version have no record: their
 header page is read as before. An admitted user's segment without a record is not adopted.
@@ -34,7 +37,7 @@ from typing import Protocol
 
 from ckptcache.format.layout import HEADER_SIZE
 
-__all__ = ["Segment", "drop", "page", "read_key", "write", "write_key"]
+__all__ = ["Segment", "drop", "page", "prepare", "read_key", "write", "write_key"]
 
 
 class Segment(Protocol):
@@ -68,6 +71,24 @@ def write(segment: Segment, offset: int, data: bytes) -> None:
     )
     try:
         os.pwrite(fd, data, offset)
+    finally:
+        os.close(fd)
+
+
+def prepare(segment: Segment, namespace: str, path: str) -> None:
+    """Allocate the blocks of ``segment``'s record for a commit of (``namespace``, ``path``)
+    now, so that the commit's writes never meet a full file system; ``OSError`` (``ENOSPC``)
+    where it is full. A record left by a reservation that is never committed is dropped with
+    the segment's next header (see :meth:`~ckptcache.server.arena.Segment.write_header`) or
+    at the next start (a record of a segment that is not committed)."""
+    if segment.record_path is None:
+        return
+    size = HEADER_SIZE + _KEY.size + len(namespace.encode()) + len(path.encode())
+    fd = os.open(
+        segment.record_path, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600
+    )
+    try:
+        os.posix_fallocate(fd, 0, size)
     finally:
         os.close(fd)
 

@@ -208,6 +208,7 @@ class Saves:
                 state.lock.wait(min(remaining, 0.5))
             if segment.sealable and session is not self.internal:
                 self._unseal_locked(segment)
+            self._prepare_record_locked(segment, req)
             res = Reservation(
                 state.next_id(), req.namespace, req.path, segment, req.nbytes, req.durability,
                 persist, saver, anchor=anchor, base=base, base_stamp=base_stamp,
@@ -244,6 +245,17 @@ class Saves:
             if gen.pins or self.eviction.on_its_way(gen):
                 return True
         return False
+
+    def _prepare_record_locked(self, segment: Segment, req: m.ReserveRequest) -> None:
+        """Allocate the daemon's record of the commit now (see :func:`records.prepare`): a
+        full file system refuses the reservation, before the trainer copies a byte, rather
+        than the commit after it."""
+        try:
+            records.prepare(segment, req.namespace, req.path)
+        except OSError as e:
+            self.state.arena.release(segment)
+            self.metrics.budget_failures.inc()
+            raise BudgetExceeded(_full(self.state.arena.directory, req.path, e)) from e
 
     def _unseal_locked(self, segment: Segment) -> None:
         """Let an admitted user's trainer open its segment for writing, until the commit."""
@@ -391,11 +403,18 @@ class Saves:
                 # than what was saved after it elsewhere.
                 committed_ns=int(res.saved_at * 1e9) if res.origin else self._stamp_locked(res),
             )  # fmt: skip
-            records.write_key(segment, res.namespace, res.path)
-            if res.saver is not None:
-                ownership.write_record(segment, res.saver)
-            write_provenance(segment, Provenance(res.base, res.anchor, memory_only=not res.persist))
-            segment.write_header(header)
+            try:  # blocks allocated at the reservation: only a failing file system refuses
+                records.write_key(segment, res.namespace, res.path)
+                if res.saver is not None:
+                    ownership.write_record(segment, res.saver)
+                write_provenance(
+                    segment, Provenance(res.base, res.anchor, memory_only=not res.persist)
+                )
+                segment.write_header(header)
+            except OSError as e:
+                state.arena.release(segment)  # its record with it: nothing is left behind
+                state.lock.notify_all()
+                raise BudgetExceeded(_full(state.arena.directory, res.path, e)) from e
             gen = Generation(
                 res.namespace, res.path, number, segment, manifest, size=manifest.payload_size,
                 needs_persist=res.persist, saver=res.saver, committed=header.committed_ns / 1e9,
@@ -517,3 +536,13 @@ class Saves:
                 state.saves_in_flight.end()
         state.lock.notify_all()
         self.pool.refill()
+
+
+def _full(directory: str, path: str, error: OSError) -> str:
+    """The refusal of a save of ``path`` whose segment or record the shared-memory file
+    system under ``directory`` has no room (or no will) for."""
+    return (
+        f"cannot record the save of {path!r} in {directory}: {error.strerror or error}. "
+        "The shared-memory file system is fuller than the budget assumes (another process "
+        "may have filled it); free it, lower --memory-limit or enlarge it"
+    )
