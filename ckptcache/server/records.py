@@ -37,7 +37,7 @@ from typing import Protocol
 
 from ckptcache.format.layout import HEADER_SIZE
 
-__all__ = ["Segment", "drop", "page", "prepare", "read_key", "write", "write_key"]
+__all__ = ["Segment", "drop", "is_staging", "page", "prepare", "read_key", "write", "write_key"]
 
 
 class Segment(Protocol):
@@ -58,6 +58,9 @@ class Segment(Protocol):
 
 _KEY = struct.Struct("<8sHH")
 _KEY_MAGIC = b"CKPTKEY\x00"
+#: The key of a staging copy (``commit_pinned``): it lives for its stager's lease, which no
+#: restart keeps, so a restarted daemon reclaims it instead of adopting it.
+_STAGING_MAGIC = b"CKPTSTG\x00"
 
 
 def write(segment: Segment, offset: int, data: bytes) -> None:
@@ -120,10 +123,20 @@ def drop(segment: Segment) -> None:
             os.unlink(segment.record_path)
 
 
-def write_key(segment: Segment, namespace: str, path: str) -> None:
-    """Record the (namespace, path) committed into ``segment``."""
+def write_key(segment: Segment, namespace: str, path: str, *, staging: bool = False) -> None:
+    """Record the (namespace, path) committed into ``segment``, and whether it is a staging
+    copy (see :func:`is_staging`)."""
     ns, p = namespace.encode(), path.encode()
-    write(segment, HEADER_SIZE, _KEY.pack(_KEY_MAGIC, len(ns), len(p)) + ns + p)
+    magic = _STAGING_MAGIC if staging else _KEY_MAGIC
+    write(segment, HEADER_SIZE, _KEY.pack(magic, len(ns), len(p)) + ns + p)
+
+
+def is_staging(segment: Segment) -> bool:
+    """Whether ``segment``'s record says it holds a staging copy."""
+    data = page(segment) if segment.record_path is not None else None
+    if data is None or len(data) < HEADER_SIZE + _KEY.size:
+        return False
+    return bytes(data[HEADER_SIZE : HEADER_SIZE + len(_STAGING_MAGIC)]) == _STAGING_MAGIC
 
 
 def read_key(data: bytes | memoryview) -> tuple[str, str] | None:
@@ -132,7 +145,7 @@ def read_key(data: bytes | memoryview) -> tuple[str, str] | None:
         return None
     magic, n_ns, n_path = _KEY.unpack_from(data, HEADER_SIZE)
     start = HEADER_SIZE + _KEY.size
-    if magic != _KEY_MAGIC or len(data) < start + n_ns + n_path:
+    if magic not in (_KEY_MAGIC, _STAGING_MAGIC) or len(data) < start + n_ns + n_path:
         return None
     try:
         ns = bytes(data[start : start + n_ns]).decode()

@@ -54,6 +54,12 @@ def recover(
                 log.info("reclaiming uncommitted segment %s", segment.name)
             arena.destroy(segment)
             continue
+        if records.is_staging(segment):
+            # Held for its stager's lease, which ended with the last incarnation's connections.
+            log.info("reclaiming staging copy in segment %s: its stager's lease is gone",
+                     segment.name)  # fmt: skip
+            arena.destroy(segment)
+            continue
         view = segment.view()
         try:
             manifest = Manifest.from_json(

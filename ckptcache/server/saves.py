@@ -271,7 +271,10 @@ class Saves:
         a budget full of checkpoints that can never be persisted fails at once."""
         kinds: dict[str, list[Generation]] = {}
         for gen in self.state.index:
-            if gen.pins:
+            if gen.staged_by:  # pinned too, but by its stager: say whose, and until when
+                uid = gen.saver.uid if gen.saver is not None else self.state.arena.uid
+                kind = f"staging copies of uid {uid} (held until their stager releases them)"
+            elif gen.pins:
                 kind = "pinned by loads"
             elif gen.persisted or not gen.needs_persist:
                 kind = "persisted" if gen.persisted else "memory-only (never persisted)"
@@ -287,7 +290,7 @@ class Saves:
         ]
         held = sum(g.segment.capacity for g in self.state.index)
         stuck = (
-            not kinds.get("pinned by loads")
+            not any(gen.pins for gen in self.state.index)
             and not kinds.get("waiting for their persist")
             and held + capacity > self.state.arena.limit
         )
@@ -404,7 +407,7 @@ class Saves:
                 committed_ns=int(res.saved_at * 1e9) if res.origin else self._stamp_locked(res),
             )  # fmt: skip
             try:  # blocks allocated at the reservation: only a failing file system refuses
-                records.write_key(segment, res.namespace, res.path)
+                records.write_key(segment, res.namespace, res.path, staging=pinned)
                 if res.saver is not None:
                     ownership.write_record(segment, res.saver)
                 write_provenance(

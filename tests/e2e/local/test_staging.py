@@ -166,3 +166,61 @@ def test_dcp_writer_gives_its_staging_copies_back_on_close(daemon, tmp_path):
         assert len(_staging(c)) == 1
         writer.close()  # an async_save that never reached write_data
         assert _staging(c) == []
+
+
+def test_staged_copies_do_not_outlive_their_stager_across_a_daemon_restart(daemon, tmp_path):
+    """Stage 4 x 8 MiB, kill -9 the daemon, restart it, kill -9 the stager: the copies were
+    held for the stager's lease, which no restart keeps, so the new daemon reclaims them (it
+    used to adopt them as memory-only objects, held until somebody ran rm)."""
+    env = {**os.environ, "PYTHONPATH": os.getcwd()}
+    stager = textwrap.dedent(
+        """
+        import sys, time, torch, ckptcache
+        c = ckptcache.Client(sys.argv[1])
+        staged = [c.stage([torch.full((2 << 20,), float(i))]) for i in range(4)]
+        print("STAGED", flush=True)
+        time.sleep(120)
+        """
+    )
+    kept = str(tmp_path / "kept.pt")
+    with daemon.client() as c:
+        c.save({"w": torch.ones(1024)}, kept, durability="memory")
+    proc = subprocess.Popen(
+        [sys.executable, "-c", stager, daemon.socket], env=env, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "STAGED"
+        with daemon.client() as c:
+            assert len(_staging(c)) == 4
+        daemon.restart()
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(30)
+    finally:
+        proc.kill()
+        proc.wait()
+    with daemon.client() as c:
+        assert _staging(c) == []
+        assert [o.path for o in c.list()] == [kept]  # the checkpoint itself was adopted
+        assert torch.equal(c.load(kept)["w"], torch.ones(1024))
+        status = c.daemon_status()
+        assert status.memory_stored < MIB and status.generations == 1
+    assert not any(
+        name.startswith("seg-")
+        and os.path.getsize(os.path.join(daemon.segments_dir, name)) >= 8 * MIB
+        for name in os.listdir(daemon.segments_dir)
+    )  # their segments are gone, not only unlisted
+
+
+def test_a_save_refused_for_staged_copies_names_them(daemon_factory, tmp_path):
+    """A budget held by staging copies: the refusal says so (and whose), not "pinned by
+    loads"."""
+    d = daemon_factory("--memory-limit", "24MiB", "--reserve-timeout", "1", "--pool-bytes", "0")
+    with d.client(fallback="raise") as c:
+        staged = [c.stage([torch.full((2 * MIB,), float(i))]) for i in range(2)]  # 2 x 8 MiB
+        with pytest.raises(BudgetExceeded) as refused:
+            c.save({"w": torch.ones(3 * MIB)}, str(tmp_path / "big.pt"))  # 12 MiB
+        message = str(refused.value)
+        assert f"staging copies of uid {os.geteuid()}" in message, message
+        assert "pinned by loads" not in message
+        for s in staged:
+            s.release()
