@@ -232,3 +232,42 @@ def wait_until(
                 f"timed out after {timeout}s waiting for {what or predicate} (last error: {last!r})"
             )
         time.sleep(interval)
+
+
+def run_on_terminal(
+    cmd: list[str], stream: str, env: dict[str, str] | None = None, timeout: float = 600
+) -> tuple[int, str, str]:
+    """Run ``cmd`` with ``stream`` (``"stdout"`` or ``"stderr"``) on a pseudo-terminal and the
+    other on a pipe, as a command run in a terminal and piped on one side sees them: returns
+    (exit code, what reached the terminal, what reached the pipe). The terminal's text has
+    its line ends as the terminal makes them (``\\r\\n``)."""
+    import pty
+
+    other = "stderr" if stream == "stdout" else "stdout"
+    master, slave = pty.openpty()
+    try:
+        pipes: dict[str, Any] = {stream: slave, other: subprocess.PIPE}
+        proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, **pipes)
+    finally:
+        os.close(slave)
+    chunks: list[bytes] = []
+
+    def read_terminal() -> None:
+        while True:
+            try:
+                data = os.read(master, 65536)
+            except OSError:  # EIO: every holder of the terminal's other end has closed it
+                return
+            if not data:
+                return
+            chunks.append(data)
+
+    reader = threading.Thread(target=read_terminal, daemon=True)
+    reader.start()
+    try:
+        out, err = proc.communicate(timeout=timeout)
+        reader.join(timeout)
+    finally:
+        os.close(master)
+    piped = err if other == "stderr" else out
+    return proc.returncode, b"".join(chunks).decode(errors="replace"), piped.decode()

@@ -18,6 +18,7 @@ import zipfile
 from collections.abc import Sequence
 from typing import Any, NoReturn
 
+from ckptcache._defaults import ROOT_SOCKET
 from ckptcache._units import format_bytes
 from ckptcache.cli.output import emit, emit_error, plain, table, when
 from ckptcache.client import in_storage, normalize_path
@@ -254,9 +255,9 @@ def _cmd_rm(args: argparse.Namespace) -> int:
 
 
 def _cmd_prefetch(args: argparse.Namespace) -> int:
+    drawn = not args.json and sys.stdout.isatty()  # a bar on a terminal; a table elsewhere
+
     def bar(done: int, total: int, path: str, tier: str) -> None:
-        if args.json:
-            return
         width = 30
         filled = width * done // total
         print(f"\r[{'#' * filled}{'-' * (width - filled)}] {done}/{total} {tier:<7} {path}",
@@ -264,24 +265,30 @@ def _cmd_prefetch(args: argparse.Namespace) -> int:
 
     paths = [normalize_path(p) for p in args.paths]
     with _client(args) as client:
-        tiers = client.prefetch(paths, progress=bar)
+        tiers = client.prefetch(paths, progress=bar if drawn else None)
     if args.json:
         print(json.dumps(dict(zip(paths, tiers, strict=True)), indent=2))
+    elif not drawn:
+        print(table(list(zip(paths, tiers, strict=True)), ("PATH", "TIER")))
     return 0
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
     from ckptcache._units import parse_bytes
-    from ckptcache.cli.bench import format_measures, run_bench  # imports torch: bench only
 
+    # The arguments first: a typo is reported at once, not after torch's import (seconds).
     try:
         sizes = [parse_bytes(s) for s in args.sizes]
     except ValueError as e:
         raise ConfigError(f"--sizes: {e}") from e
     if args.repeats < 1 or any(n <= 0 for n in sizes):
         raise ConfigError("--repeats and every --sizes value must be positive")
+    from ckptcache.cli.bench import format_measures, run_bench  # imports torch: bench only
+
     with _client(args) as c:
-        results = run_bench(c, sizes, repeats=args.repeats, root=args.root)
+        # The bar only where someone watches it: in a file or a pipe it is noise.
+        results = run_bench(c, sizes, repeats=args.repeats, root=args.root,
+                            progress=sys.stderr.isatty())  # fmt: skip
     print(json.dumps(results, indent=2) if args.json else format_measures(results))
     return 0 if all(s["matched"] for s in results["sizes"]) else 1
 
@@ -293,13 +300,26 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
 
 class _Parser(argparse.ArgumentParser):
-    """argparse, with usage errors as JSON when the command line asks for ``--json``."""
+    """argparse, with usage errors as JSON when the command line asks for ``--json``, and
+    a command's unknown arguments reported with that command's usage."""
 
-    def __init__(self, *args: Any, json_errors: bool = False, **kw: Any):
+    def __init__(self, *args: Any, json_errors: bool = False, command: bool = False, **kw: Any):
         if "description" in kw:
             kw["description"] = plain(kw["description"])
         super().__init__(*args, **kw)
         self.json_errors = json_errors
+        self.command = command
+
+    def parse_known_args(  # type: ignore[override]
+        self, args: Sequence[str] | None = None, namespace: argparse.Namespace | None = None
+    ) -> tuple[argparse.Namespace, list[str]]:
+        parsed, extras = super().parse_known_args(args, namespace)
+        if extras and self.command:
+            # A command's parser gets every argument after the command's name: what it does
+            # not know is its to report, with its usage (argparse would hand the arguments to
+            # the top-level parser, whose usage lists the commands instead).
+            self.error(f"unrecognized arguments: {' '.join(extras)}")
+        return parsed, extras
 
     def add_argument(self, *args: Any, **kw: Any) -> Any:
         if kw.get("help"):
@@ -340,15 +360,25 @@ _DAEMON_OPTIONS: tuple[tuple[str, type, str], ...] = (
 )
 
 
+#: Where a command finds its daemon (:func:`ckptcache._defaults.candidate_sockets`).
+_SOCKET_HELP = (
+    "daemon socket (default: $CKPTCACHE_SOCKET; else the first that exists of your own "
+    "daemon's, $XDG_RUNTIME_DIR/ckptcache/daemon.sock or, without XDG_RUNTIME_DIR, "
+    f"/tmp/ckptcache-UID/daemon.sock, and root's, {ROOT_SOCKET}; as root, root's)"
+)
+
+
 def _parser(json_errors: bool = False) -> argparse.ArgumentParser:
     p = _Parser(prog="ckptcache", description=__doc__.split("\n\n")[0], json_errors=json_errors,
                 epilog=plain(__doc__.split("\n\n", 1)[1]))  # fmt: skip
     sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
-    add = functools.partial(sub.add_parser, json_errors=json_errors)
+    add = functools.partial(sub.add_parser, json_errors=json_errors, command=True)
 
     def client_opts(sp: argparse.ArgumentParser) -> None:
-        sp.add_argument("--socket", help="daemon socket (default: $CKPTCACHE_SOCKET)")
-        sp.add_argument("--namespace", help="job namespace (default: $CKPTCACHE_NAMESPACE)")
+        sp.add_argument("--socket", help=_SOCKET_HELP)
+        sp.add_argument(
+            "--namespace", help="job namespace (default: $CKPTCACHE_NAMESPACE, else default)"
+        )
         sp.add_argument("--json", action="store_true", help="machine-readable output")
 
     d = add("daemon", help="run the cache daemon in the foreground")
@@ -374,8 +404,18 @@ def _parser(json_errors: bool = False) -> argparse.ArgumentParser:
     d.set_defaults(fn=_cmd_daemon)
 
     ls = add("ls", help="list cached checkpoints")
-    ls.add_argument("prefix", nargs="?", default="")
-    ls.add_argument("--all-namespaces", action="store_true")
+    ls.add_argument(
+        "prefix",
+        nargs="?",
+        default="",
+        help="only paths that start with it, resolved like inspect's path (relative to the "
+        "working directory; a trailing / keeps to that directory); default: every path",
+    )
+    ls.add_argument(
+        "--all-namespaces",
+        action="store_true",
+        help="every job's checkpoints, not only those of --namespace",
+    )
     client_opts(ls)
     ls.set_defaults(fn=_cmd_ls)
 
@@ -384,18 +424,20 @@ def _parser(json_errors: bool = False) -> argparse.ArgumentParser:
     st.set_defaults(fn=_cmd_status)
 
     ins = add("inspect", help="details of one checkpoint")
-    ins.add_argument("path")
+    ins.add_argument("path", help="the checkpoint's path (relative to the working directory)")
     ins.add_argument("--verify", action="store_true", help="recompute and check digests")
     client_opts(ins)
     ins.set_defaults(fn=_cmd_inspect)
 
     rm = add("rm", help="drop a checkpoint from memory (storage is untouched)")
-    rm.add_argument("path")
+    rm.add_argument("path", help="the checkpoint's path (relative to the working directory)")
     client_opts(rm)
     rm.set_defaults(fn=_cmd_rm)
 
     pf = add("prefetch", help="warm this node's cache (from peers or storage)")
-    pf.add_argument("paths", nargs="+")
+    pf.add_argument(
+        "paths", nargs="+", help="checkpoints to bring into this node's memory (paths or URLs)"
+    )
     client_opts(pf)
     pf.set_defaults(fn=_cmd_prefetch)
 

@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 from ckptcache.hugepages import huge_policy
+from tests.helpers import run_on_terminal
 
 EXPECTED = {
     "memcpy (limit)",
@@ -48,8 +49,22 @@ def test_bench_json_reports_every_figure_and_matching_bytes(daemon_factory, tmp_
         assert r["seconds"] > 0 and r["nbytes"] == entry["nbytes"]
         assert (r["vs_limit"] is None) == (r["limit"] == "")
     assert rows["ckptcache persist (after save returns)"]["limit"] == "raw write + fsync"
-    assert "6/6" in out.stderr and "#" in out.stderr  # the progress bar reached its end
+    assert "\r[" not in out.stderr  # no progress bar where stderr is no terminal
     assert os.listdir(root) == []  # the bench cleans up after itself
+
+
+def test_bench_draws_its_progress_bar_only_on_a_terminal(daemon_factory):
+    """On a terminal the bar reaches its end (five steps: no --root, no peers); in a pipe or
+    a file (CI logs) there is none, and the output is the same table."""
+    d = daemon_factory("--memory-limit", "128MiB")
+    cmd = [sys.executable, "-m", "ckptcache.cli", "bench", "--socket", d.socket,
+           "--sizes", "4MiB", "--repeats", "1"]  # fmt: skip
+    code, terminal, table = run_on_terminal(cmd, "stderr")
+    assert code == 0, terminal + table
+    assert "\r[" in terminal and "] 5/5 " in terminal and "| ckptcache.save, repeated |" in table
+    piped = _bench(d, "--sizes", "4MiB", "--repeats", "1")
+    assert piped.returncode == 0 and piped.stderr == "", piped.stderr
+    assert "| ckptcache.save, repeated |" in piped.stdout
 
 
 def test_bench_table_and_bad_sizes(daemon_factory):
@@ -115,7 +130,7 @@ def test_bench_on_a_cluster_node_measures_the_backup_copy_and_a_peer_load(cluste
         assert r["limit"] == "raw socket" and r["seconds"] > 0 and r["vs_limit"] > 0
         assert r["limit_seconds"] == rows["raw socket, loopback TCP (limit)"]["seconds"] > 0
         assert r["nbytes"] == entry["nbytes"]
-    assert "6/6" in out.stderr  # five local steps and the cluster's
+    assert "\r[" not in out.stderr  # no progress bar where stderr is no terminal
     with a.client() as ca, b.client() as cb:
         assert ca.list() == []  # the bench dropped what it cached on its node
         # A delete is local: the peer keeps its backup copies until they are evicted.

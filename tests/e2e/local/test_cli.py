@@ -12,7 +12,7 @@ import urllib.request
 
 import torch
 
-from tests.helpers import wait_until
+from tests.helpers import run_on_terminal, wait_until
 
 
 def cli(daemon, *args):
@@ -224,3 +224,109 @@ def test_demo_persists_the_save_of_a_trainer_killed_after_it():
                      out.stdout), out.stdout  # fmt: skip
     assert "reloaded state is bit-identical: True" in out.stdout
     assert "memcpy (physical limit)" in out.stdout
+
+
+COMMANDS = {"daemon": [], "ls": [], "status": [], "inspect": ["a.pt"], "rm": ["a.pt"],
+            "prefetch": ["a.pt"], "bench": [], "demo": []}  # fmt: skip
+
+
+def ckptcache_cmd(*args: str, **env: str) -> subprocess.CompletedProcess[str]:
+    """The real command, its help unwrapped (``COLUMNS``: one line per entry)."""
+    return subprocess.run([sys.executable, "-m", "ckptcache.cli", *args], capture_output=True,
+                          text=True, env={**os.environ, "COLUMNS": "1000", **env})  # fmt: skip
+
+
+def test_an_unknown_argument_of_a_command_is_reported_with_that_commands_usage():
+    """``ckptcache ls --bogus`` used to print the usage of ``ckptcache`` (the list of
+    commands), not of ``ls``."""
+    for command, required in COMMANDS.items():
+        out = ckptcache_cmd(command, *required, "--bogus")
+        assert out.returncode == 2 and out.stdout == "", (command, out.stderr)
+        assert out.stderr.startswith(f"usage: ckptcache {command} "), (command, out.stderr)
+        assert f"ckptcache {command}: error: unrecognized arguments: --bogus" in out.stderr
+        if command in ("daemon", "demo"):  # no --json of their own
+            continue
+        as_json = json.loads(ckptcache_cmd(command, *required, "--json", "--bogus").stdout)
+        assert as_json["error"]["message"] == (
+            f"ckptcache {command}: unrecognized arguments: --bogus"
+        )
+    top = ckptcache_cmd("--bogus", "ls")  # before the command: the top level's to report
+    assert top.returncode == 2 and top.stderr.startswith("usage: ckptcache [-h] {daemon,")
+
+
+def _entries(help_text: str) -> dict[str, str]:
+    """The arguments an argparse help lists, each with its help text ('' for none)."""
+    entries: dict[str, str] = {}
+    last = ""
+    for line in help_text.splitlines():
+        match = re.match(r"^  (\S.*?)(?:\s{2,}(\S.*))?$", line)
+        if match:
+            last = match.group(1)
+            entries[last] = match.group(2) or ""
+        elif last and line.startswith("   ") and not entries[last]:
+            entries[last] = line.strip()  # a long name's help starts on the next line
+        else:
+            last = ""
+    return entries
+
+
+def test_every_argument_of_every_command_has_help():
+    """``ls --help`` listed ``prefix`` and ``--all-namespaces`` with no text."""
+    for command in COMMANDS:
+        out = ckptcache_cmd(command, "--help")
+        assert out.returncode == 0
+        entries = _entries(out.stdout)
+        assert entries and all(entries.values()), (command, entries)
+    ls = _entries(ckptcache_cmd("ls", "--help").stdout)
+    assert "relative to the working directory" in ls["prefix"]
+    assert "--namespace" in ls["--all-namespaces"]
+
+
+def test_socket_help_names_every_socket_the_command_tries():
+    """A command without ``--socket`` tries ``$CKPTCACHE_SOCKET``, else its user's daemon,
+    else root's (``ckptcache._defaults.candidate_sockets``): its help says so, not only
+    "default: $CKPTCACHE_SOCKET"."""
+    from ckptcache._defaults import ROOT_SOCKET
+
+    for command in ("ls", "status", "inspect", "rm", "prefetch", "bench"):
+        text = _entries(ckptcache_cmd(command, "--help").stdout)["--socket SOCKET"]
+        assert "$CKPTCACHE_SOCKET" in text and ROOT_SOCKET in text, text
+        assert "$XDG_RUNTIME_DIR/ckptcache/daemon.sock" in text, text
+        assert "/tmp/ckptcache-UID/daemon.sock" in text and "the first that exists" in text
+    # What the help says is where the client looks, for this user.
+    env = {k: v for k, v in os.environ.items() if k != "CKPTCACHE_SOCKET"}
+    env["XDG_RUNTIME_DIR"] = "/run/user/4242"
+    code = "from ckptcache._defaults import candidate_sockets as c; print(*c())"
+    looked = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                            text=True, check=True).stdout.split()  # fmt: skip
+    user = ["/run/user/4242/ckptcache/daemon.sock"] if os.geteuid() != 0 else []
+    assert looked == [*user, ROOT_SOCKET]
+
+
+def test_bench_checks_its_arguments_before_importing_torch(tmp_path):
+    """A typo in ``--sizes`` is reported before torch is imported (seconds): here a torch
+    that cannot be imported stands in for the real one, and the error is the typo's."""
+    fake = tmp_path / "torch"
+    fake.mkdir()
+    (fake / "__init__.py").write_text("raise ImportError('torch imported before the check')\n")
+    for args in (["--sizes", "lots"], ["--sizes", "1MiB", "--repeats", "0"]):
+        out = ckptcache_cmd("bench", *args, PYTHONPATH=str(tmp_path))
+        assert out.returncode == 2, out.stderr
+        assert "torch imported" not in out.stderr and out.stderr.startswith("ckptcache: --")
+    assert ckptcache_cmd("bench", "--sizes", "lots", PYTHONPATH=str(tmp_path)).stderr == (
+        "ckptcache: --sizes: not a size: 'lots' (use a number with an optional unit: 4GiB, 512M)\n"
+    )
+
+
+def test_prefetch_draws_its_bar_on_a_terminal_and_lists_the_tiers_in_a_pipe(daemon, tmp_path):
+    paths = [str(tmp_path / f"{i}.pt") for i in range(2)]
+    with daemon.client() as c:
+        for p in paths:
+            c.save({"w": torch.zeros(4)}, p)
+    cmd = [sys.executable, "-m", "ckptcache.cli", "prefetch", *paths, "--socket", daemon.socket]
+    piped = subprocess.run(cmd, capture_output=True, text=True)
+    assert piped.returncode == 0 and "\r" not in piped.stdout and "[#" not in piped.stdout
+    assert piped.stdout.splitlines() == ["PATH" + " " * (len(paths[0]) - 2) + "TIER",
+                                         *(f"{p}  local" for p in paths)]  # fmt: skip
+    code, terminal, _ = run_on_terminal(cmd, "stdout")
+    assert code == 0 and f"\r[{'#' * 30}] 2/2 local   {paths[1]}" in terminal
