@@ -468,7 +468,8 @@ class Persister:
 
     def mark_persisted(self, gen: Generation) -> None:
         """Another member of the redundancy group persisted identical content."""
-        log.info("%s generation %d was persisted by its group", gen.path, gen.number)
+        # Routine, one a save: DEBUG, as each persist in _done.
+        log.debug("%s generation %d was persisted by its group", gen.path, gen.number)
         self._done(gen, 0.0, wrote=False)
 
     def _done(self, gen: Generation, seconds: float, *, wrote: bool = True) -> None:
@@ -487,8 +488,9 @@ class Persister:
                 gen.segment.write_header(replace(header, persisted=1))
             self.retention.apply_locked(gen.key)
         self.state.lock.notify_all()
-        if wrote:
-            log.info(
+        if wrote:  # routine, one a save: DEBUG (INFO is for what an operator acts on; a
+            # quick-start daemon logged one line a save into the user's terminal)
+            log.debug(
                 "persisted %s generation %d: %s in %.2fs (%.0f MB/s)",
                 gen.path, gen.number, format_bytes(gen.size), seconds, gen.size / seconds / 1e6,
             )  # fmt: skip

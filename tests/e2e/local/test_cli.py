@@ -193,6 +193,28 @@ def test_daemon_logs_no_line_per_connection_at_info(daemon, tmp_path):
     assert per_connection == [], per_connection
 
 
+def test_daemon_logs_no_line_per_persist_at_info(daemon_factory, tmp_path):
+    """The quick start's daemon logs into the user's terminal: each persist (one a save) was
+    an INFO line, 600 lines for 600 saves. They are at DEBUG: INFO names no saved path."""
+    root = tmp_path / "store"
+    root.mkdir()
+    for level in ("INFO", "DEBUG"):
+        d = daemon_factory("--memory-limit", "256MiB", "--persist-root", str(root),
+                           "--log-level", level)  # fmt: skip
+        paths = [str(root / level / f"iter_{i}" / "model.pt") for i in range(5)]
+        with d.client() as c:
+            for p in paths:
+                c.save({"w": torch.full((1024,), 1.0)}, p)
+            for p in paths:
+                c.wait(p)  # persisted
+        lines = d.log().splitlines()
+        assert any("ckptcache daemon ready" in line for line in lines)  # INFO is on
+        info = [line for line in lines if " INFO " in line and any(p in line for p in paths)]
+        assert info == [], info
+        persisted = {p for p in paths for line in lines if f"persisted {p} generation" in line}
+        assert persisted == (set(paths) if level == "DEBUG" else set())  # at DEBUG, each
+
+
 def test_restart_over_empty_leftover_segments_logs_no_error(daemon_factory):
     """A daemon stopped between creating a segment file and allocating or writing it leaves
     an empty file, or one of zeros: the next start removes them and says so, as INFO."""
