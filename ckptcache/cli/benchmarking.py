@@ -24,6 +24,8 @@ __all__ = [
     "EtcdServer",
     "Row",
     "best_of",
+    "copy_limit_label",
+    "copy_limit_seconds",
     "format_table",
     "free_port",
     "make_state",
@@ -116,6 +118,58 @@ def memcpy_seconds(state: dict[str, torch.Tensor], repeats: int = 3) -> float:
     return min(
         best_of(repeats, per_tensor), best_of(repeats, lambda: copy_storages_into(flat, runs))
     )
+
+
+def copy_limit_seconds(state: dict[str, torch.Tensor], repeats: int = 3) -> float:
+    """The limit a save's copy can reach: every storage of ``state`` copied by the save's own
+    copy engine (:func:`~ckptcache.format.shm.copy_storages_into`: streaming stores where the
+    copy extension is built, :func:`~ckptcache.format.shm.copy_threads` threads taking
+    shares) into a shared tmpfs mapping whose every page was touched first, as a spare's or a
+    reused segment's are; each storage at a 64-byte aligned offset, as in a segment. Best of
+    ``repeats``.
+
+    A save copies the same bytes the same way plus its own work (the plan, two round trips),
+    so it cannot beat this limit, while a limit measured with another copy (one ``copy_`` per
+    tensor, ``memmove``, one thread) can be beaten by the save's streaming stores."""
+    from ckptcache.format.shm import copy_storages_into, map_shared
+
+    runs: list[tuple[int, torch.UntypedStorage]] = []
+    seen: set[int] = set()
+    end = _SEGMENT_ALIGNMENT  # the segment's header comes first
+    for tensor in state.values():
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() in seen or storage.nbytes() == 0:
+            continue  # a storage shared by several tensors is saved once
+        seen.add(storage.data_ptr())
+        runs.append((end, storage))
+        end += -(-storage.nbytes() // _SEGMENT_ALIGNMENT) * _SEGMENT_ALIGNMENT
+    base = os.environ.get(ENV_SHM_BASE) or "/dev/shm"
+    with tempfile.NamedTemporaryFile(dir=base, prefix="ckptcache-limit-") as file:
+        os.posix_fallocate(file.fileno(), 0, end)
+        mapping = map_shared(file.name, end)
+        try:
+            dst = torch.frombuffer(mapping, dtype=torch.uint8)
+            dst.fill_(1)  # every page written once: allocated and mapped, as a reused segment's
+            copy = functools.partial(copy_storages_into, dst, runs)
+            seconds = best_of(repeats, copy)
+            del copy, dst  # the mapping closes only once no tensor exports it
+        finally:
+            mapping.close()
+    return seconds
+
+
+#: Where a segment places its storages (a multiple of it), as ``torch.save``'s archive does.
+_SEGMENT_ALIGNMENT = 64
+
+
+def copy_limit_label(nbytes: int) -> str:
+    """The name of :func:`copy_limit_seconds`'s row: the copy it measures, as it runs here."""
+    from ckptcache.format.fastcopy import COPY_IMPLEMENTATION
+    from ckptcache.format.shm import copy_threads
+
+    threads = copy_threads(nbytes)
+    return (f"copy limit (the save's own copy: {COPY_IMPLEMENTATION}, {threads} "
+            f"thread{'s' if threads > 1 else ''}, into touched memory)")  # fmt: skip
 
 
 def raw_socket_seconds(nbytes: int) -> float:

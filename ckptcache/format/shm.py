@@ -38,6 +38,7 @@ __all__ = [
     "copy_cpu_storages",
     "copy_storage_into",
     "copy_storages_into",
+    "copy_threads",
     "device_type",
     "map_private",
     "map_shared",
@@ -181,6 +182,12 @@ _MIN_BYTES_PER_THREAD = 8 << 20
 def _threads_for(nbytes: int) -> int:
     """Copy threads for ``nbytes``: torch's thread count, at least 8 MiB each."""
     return max(1, min(torch.get_num_threads(), nbytes // _MIN_BYTES_PER_THREAD))
+
+
+def copy_threads(nbytes: int) -> int:
+    """The threads a save's copy of ``nbytes`` runs on (benchmarks name them beside their
+    figures)."""
+    return _threads_for(nbytes)
 
 
 #: Pieces per thread that the threads share out as they go.
