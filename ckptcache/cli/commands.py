@@ -19,6 +19,7 @@ from collections.abc import Sequence
 from typing import Any, NoReturn
 
 from ckptcache._defaults import ROOT_SOCKET
+from ckptcache._escape import escape
 from ckptcache._units import format_bytes
 from ckptcache.cli.output import emit, emit_error, plain, table, when
 from ckptcache.client import in_storage, normalize_path
@@ -84,9 +85,9 @@ def _cmd_ls(args: argparse.Namespace) -> int:
     prefix = _prefix(args.prefix)
     with _client(args) as client:
         objects = client.list(prefix, all_namespaces=args.all_namespaces)
-    rows = [
-        (o.path, o.namespace, str(o.generation), str(o.generations), format_bytes(o.size),
-         ",".join(o.stages), o.persist_state, when(o.committed))
+    rows = [  # paths are any bytes: ESC or a line break would reach the terminal raw
+        (escape(o.path), escape(o.namespace), str(o.generation), str(o.generations),
+         format_bytes(o.size), ",".join(o.stages), o.persist_state, when(o.committed))
         for o in objects
     ]  # fmt: skip
     headers = ("PATH", "NAMESPACE", "GEN", "KEPT", "SIZE", "STAGES", "PERSIST", "COMMITTED")

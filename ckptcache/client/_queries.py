@@ -30,9 +30,16 @@ class Queries:
         namespace = self._settings.namespace
         try:
             return self._connection.call("stat", m.StatRequest(namespace, path), m.ObjectInfo)  # type: ignore[no-any-return]
-        except (CheckpointNotFound, DaemonUnavailable):
+        except (CheckpointNotFound, DaemonUnavailable) as e:
             if not complete_in_storage(path):
-                raise
+                if isinstance(e, DaemonUnavailable):
+                    raise
+                # The daemon's answer covers its memory alone ("load it from storage"):
+                # storage was looked at too, and holds nothing complete there either.
+                raise CheckpointNotFound(
+                    f"{path!r} is neither cached (namespace {namespace!r}) nor "
+                    f"{_on_storage(path)}; check the path"
+                ) from e
             size, mtime = (
                 (os.path.getsize(path), os.path.getmtime(path)) if not is_url(path) else (0, 0.0)
             )
@@ -87,3 +94,10 @@ class Queries:
     def daemon_status(self) -> m.DaemonStatus:
         """Daemon-wide counters."""
         return self._connection.call("status", m.StatusRequest(), m.DaemonStatus)  # type: ignore[no-any-return]
+
+
+def _on_storage(path: str) -> str:
+    """Where storage stands for a path it holds no complete checkpoint of."""
+    if not is_url(path) and os.path.lexists(path):
+        return "a complete checkpoint on storage (the file there is not one: inspect --verify)"
+    return "on storage"

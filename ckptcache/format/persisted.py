@@ -441,8 +441,13 @@ def verify_stored(path: str, *, deep: bool = True) -> None:
 
 
 def zip_marks(head: bytes, tail: bytes) -> bool:
-    """Whether an object's first and last bytes are those of a zip archive."""
-    return head[:4] == b"PK\x03\x04" or (len(tail) == 22 and tail[:4] == b"PK\x05\x06")
+    """Whether an object's first and last bytes are those of a zip archive, or of one cut
+    inside its first four bytes (a legacy pickle never starts with ``P``: it starts with its
+    protocol's opcode): such a file is a truncated archive, never a legacy one for torch's
+    unpickler to fail on."""
+    if head[:4] == b"PK\x03\x04" or (len(tail) == 22 and tail[:4] == b"PK\x05\x06"):
+        return True
+    return 0 < len(head) < 4 and b"PK\x03\x04".startswith(head)
 
 
 def check_stored(view: memoryview, path: str, deep: bool) -> None:

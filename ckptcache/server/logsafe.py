@@ -19,18 +19,11 @@ from collections.abc import Iterator
 from types import TracebackType
 from typing import IO
 
+from ckptcache._escape import escape
+
 __all__ = ["FORMAT", "SafeFormatter", "escape", "install"]
 
 FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
-
-_ESCAPES = {c: f"\\x{c:02x}" for c in (*range(0x20), 0x7F, *range(0x80, 0xA0))}
-_ESCAPES.update({ord("\n"): "\\n", ord("\r"): "\\r", 0x2028: "\\u2028", 0x2029: "\\u2029"})
-del _ESCAPES[ord("\t")]
-
-
-def escape(text: str) -> str:
-    """``text`` with every character that could break or recolour a log line escaped."""
-    return text.translate(_ESCAPES)
 
 
 class _EscapedTraceback(traceback.TracebackException):

@@ -37,7 +37,7 @@ def test_ls_status_inspect_rm(daemon, tmp_path):
     assert inspect["verify"]["ok"] is True and inspect["object"]["generation"] == 1
     assert cli(daemon, "rm", path).stdout.startswith("dropped 1 generation")
     missing = cli(daemon, "inspect", path)
-    assert missing.returncode == 1 and "not in the memory of node" in missing.stderr
+    assert missing.returncode == 1 and "neither cached" in missing.stderr
 
 
 def test_daemon_refuses_bad_config(tmp_path):

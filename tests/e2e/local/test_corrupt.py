@@ -10,6 +10,7 @@ import sys
 import pytest
 import torch
 
+import ckptcache
 from ckptcache.errors import CorruptCheckpoint
 from tests.helpers import read_only_dir, wait_until
 
@@ -131,3 +132,22 @@ def test_garbage_and_truncated_segments_are_dropped_at_restart(daemon, tmp_path)
         assert torch.equal(c.load(path, verify=True)["w"], torch.ones(10))
     log = daemon.log()
     assert "unreadable header" in log and "truncated" in log
+
+
+@pytest.mark.parametrize("keep", [1, 2, 3])
+def test_a_persisted_file_cut_to_a_few_bytes_is_corrupt(daemon_factory, tmp_path, keep):
+    """Cut inside the zip's first four bytes, it was taken for a legacy pickle and torch's
+    ``UnpicklingError`` came out; with a daemon (the copy in memory gone) and without."""
+    root = tmp_path / "ckpt"
+    root.mkdir()
+    d = daemon_factory("--persist-root", str(root))
+    path = str(root / "m.pt")
+    with d.client() as c:
+        c.save({"w": torch.ones(100)}, path, durability="persisted")
+        c.delete(path)
+        with open(path, "r+b") as f:
+            f.truncate(keep)
+        with pytest.raises(CorruptCheckpoint, match="too short to be a zip archive"):
+            c.load(path)
+    with pytest.raises(CorruptCheckpoint, match="too short to be a zip archive"):
+        ckptcache.Client(str(tmp_path / "none.sock")).load(path)  # no daemon: storage
