@@ -44,19 +44,6 @@ def make_inert(conn: Any) -> None:
         conn._send = lambda *args, **kwargs: None
 
 
-def _sever(conn: Any) -> None:
-    """End ``conn`` at once, in this process: its socket shut down first (the daemon sees the
-    stream end and aborts the connection's reservations and drops its pins), then nothing
-    sent nor waited for. rpyc's own ``close`` sends a close request and waits for its reply:
-    on a stream left out of step (a request cut short by a signal), or a daemon that stopped
-    answering, that wait lasts the whole request timeout."""
-    with contextlib.suppress(Exception):
-        conn._channel.stream.sock.shutdown(socket.SHUT_RDWR)
-    make_inert(conn)
-    with contextlib.suppress(Exception):
-        conn._channel.stream.close()
-
-
 def _text(value: Any) -> str | None:
     """A string field of a daemon's error reply (anything else: absent)."""
     return value if isinstance(value, str) else None
@@ -90,6 +77,8 @@ class Connection:
         self.rpc: Any = None
         #: (connection, its remote ``request``), looked up once: see :meth:`request`.
         self._remote_request: tuple[Any, Any] | None = None
+        #: The socket under :attr:`rpc`, kept to end it at once (see :meth:`drop`).
+        self._socket: socket.socket | None = None
         #: Counts connections made: a pin's lease is only released on the one that took it.
         self.epoch = 0
         self.pid = os.getpid()
@@ -116,6 +105,7 @@ class Connection:
         self.rpc = rpyc.utils.factory.connect_stream(
             SocketStream(sock), config={"sync_request_timeout": settings.timeout}
         )
+        self._socket = sock
         self.epoch += 1
         self._pending_release = []
         hello = self.request(
@@ -191,10 +181,19 @@ class Connection:
         """End the connection at once (the next request makes a new one); the daemon aborts
         its reservations and drops its pins. Safe to call from a handler of ``BaseException``:
         it never waits on the daemon."""
+        sock, self._socket = self._socket, None
         conn, self.rpc = self.rpc, None
         self._remote_request = None
-        if conn is not None:
-            _sever(conn)
+        # The socket shut down first: the daemon sees the stream end at once. rpyc's own
+        # close sends a close request and waits for its reply: on a stream left out of step
+        # (a request cut short by a signal), or a daemon that stopped answering, that wait
+        # lasts the whole request timeout. Nothing is sent on it afterwards (``make_inert``).
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+        make_inert(conn)
+        if sock is not None:
+            sock.close()
 
     def _flush_releases(self) -> None:
         pending, self._pending_release = self._pending_release, []
@@ -234,4 +233,5 @@ class Connection:
         """Forked: the parent's socket is not ours to use or close, nor its pins to release."""
         make_inert(self.rpc)
         self.rpc, self._pending_release = None, []
+        self._socket = None  # closed in this process alone once collected, never shut down
         self.pid = os.getpid()
