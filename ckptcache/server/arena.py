@@ -43,6 +43,9 @@ from ckptcache.server import records, sealing
 
 __all__ = ["Arena", "Segment", "empty_header"]
 
+#: An object under a MiB is given whole pages of this size (see Arena.capacity_for).
+_PAGE = mmap.PAGESIZE
+
 log = logging.getLogger(__name__)
 
 #: Linux only; elsewhere a spare's pages are faulted by their first write instead.
@@ -243,8 +246,12 @@ class Arena:
 
     @staticmethod
     def capacity_for(nbytes: int) -> int:
-        """Capacity of a new segment for ``nbytes``: rounded up so near sizes share segments."""
-        return align(max(nbytes, HEADER_SIZE), SEGMENT_GRANULE)
+        """Capacity of a new segment for ``nbytes``: rounded up so near sizes share segments
+        (to a whole MiB); an object under a MiB to whole pages only, so that it costs the
+        budget about its size (a DCP or Megatron rank writes many small files: ``.metadata``,
+        ``common.pt``; 1,000 saves of 4 KiB held 1,000 MiB at a MiB each)."""
+        nbytes = max(nbytes, HEADER_SIZE)
+        return align(nbytes, SEGMENT_GRANULE if nbytes >= SEGMENT_GRANULE else _PAGE)
 
     def take_free(
         self,

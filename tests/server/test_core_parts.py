@@ -48,16 +48,16 @@ def test_retention_keeps_the_newest_generations(make_core):
 
 
 def test_budget_evicts_only_unpinned_superseded_generations(make_core):
-    core = make_core(pool_bytes=0, memory_limit=3 * MIB, keep=2, reserve_timeout=0.2)
+    core = make_core(pool_bytes=0, memory_limit=6 * MIB, keep=2, reserve_timeout=0.2)
     session = core.saves.open_session(1, 0)
-    save_object(core, session, "/ckpt/a.pt", torch.zeros(1000))
-    save_object(core, session, "/ckpt/a.pt", torch.ones(1000))
+    save_object(core, session, "/ckpt/a.pt", torch.zeros(MIB // 4))
+    save_object(core, session, "/ckpt/a.pt", torch.ones(MIB // 4))
     lease = core.loads.open(session, m.OpenRequest(NS, "/ckpt/a.pt", generation=1))
-    save_object(core, session, "/ckpt/b.pt", torch.ones(1000))
-    assert core.state.arena.used == 3 * MIB
+    save_object(core, session, "/ckpt/b.pt", torch.ones(MIB // 4))
+    assert core.state.arena.used == 6 * MIB  # 2 MiB each: 1 MiB and a header
     # Full: generation 1 of a.pt is pinned and the rest are the newest of their paths.
     with pytest.raises(BudgetExceeded, match=r"no room for .* of '/ckpt/b\.pt'"):
-        save_object(core, session, "/ckpt/b.pt", torch.full((1000,), 2.0))
+        save_object(core, session, "/ckpt/b.pt", torch.full((MIB // 4,), 2.0))
     core.loads.release(session, m.ReleaseRequest((lease.lease,)))
     with core.state.lock.held():
         gens = [
@@ -65,10 +65,10 @@ def test_budget_evicts_only_unpinned_superseded_generations(make_core):
         ]
     for gen in gens:
         digested(gen)  # a digester still hashing generation 1 would keep it from eviction
-    assert save_object(core, session, "/ckpt/b.pt", torch.full((1000,), 2.0)).generation == 2
+    assert save_object(core, session, "/ckpt/b.pt", torch.full((MIB // 4,), 2.0)).generation == 2
     assert numbers(core, "/ckpt/a.pt") == [2]  # evicted: superseded and no longer pinned
     assert numbers(core, "/ckpt/b.pt") == [1, 2]
-    assert core.state.arena.used <= 3 * MIB
+    assert core.state.arena.used <= 6 * MIB
 
 
 def test_closing_a_session_drops_its_pins_and_reservations(make_core):

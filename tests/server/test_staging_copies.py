@@ -25,16 +25,17 @@ def held(core, path: str):
 
 
 def test_a_staging_copy_is_held_until_its_lease_is_released(make_core):
-    core = make_core(pool_bytes=0, memory_limit=3 * MIB, reserve_timeout=0.2)
+    # 2 MiB each (1 MiB and a header): an object under a MiB would cost only its pages.
+    core = make_core(pool_bytes=0, memory_limit=6 * MIB, reserve_timeout=0.2)
     session = core.saves.open_session(1, 0)
-    reply = stage_object(core, session, "/tmp/stage-a", torch.ones(1000))
+    reply = stage_object(core, session, "/tmp/stage-a", torch.ones(MIB // 4))
     gen = held(core, "/tmp/stage-a")
     assert (reply.generation, gen.staged_by, gen.pins) == (1, reply.lease, 1)
     assert gen.digests is None and not gen.needs_persist  # nobody but its holder needs it
-    save_object(core, session, "/ckpt/b.pt", torch.ones(1000))
-    save_object(core, session, "/ckpt/c.pt", torch.ones(1000))
+    save_object(core, session, "/ckpt/b.pt", torch.ones(MIB // 4))
+    save_object(core, session, "/ckpt/c.pt", torch.ones(MIB // 4))
     with pytest.raises(BudgetExceeded):  # full: the staging copy is not evicted for room
-        save_object(core, session, "/ckpt/d.pt", torch.ones(1000))
+        save_object(core, session, "/ckpt/d.pt", torch.ones(MIB // 4))
     assert held(core, "/tmp/stage-a") is gen
     # Another client's load of it pins it; that lease's end leaves the copy to its holder.
     reader = core.saves.open_session(2, 0)
@@ -43,7 +44,7 @@ def test_a_staging_copy_is_held_until_its_lease_is_released(make_core):
     assert held(core, "/tmp/stage-a") is gen and gen.pins == 1
     core.loads.release(session, m.ReleaseRequest((reply.lease,)))
     assert held(core, "/tmp/stage-a") is None and gen.removed and gen.pins == 0
-    assert save_object(core, session, "/ckpt/d.pt", torch.ones(1000)).generation == 1
+    assert save_object(core, session, "/ckpt/d.pt", torch.ones(MIB // 4)).generation == 1
     core.loads.release(session, m.ReleaseRequest((reply.lease,)))  # twice: ignored
 
 
