@@ -5,12 +5,14 @@ from __future__ import annotations
 import os
 
 __all__ = [
+    "ENV_ALLOW_STALE",
     "ENV_DAEMON_UID",
     "ENV_FALLBACK_LOG_EVERY",
     "ENV_NAMESPACE",
     "ENV_REQUIRE",
     "ENV_SOCKET",
     "candidate_sockets",
+    "default_allow_stale",
     "default_fallback",
     "default_namespace",
     "default_shm_dir",
@@ -39,6 +41,8 @@ def _user_socket(uid: int) -> str:
 
 #: ``1``: a missing daemon is an error (``DaemonUnavailable``), never a silent write-through.
 ENV_REQUIRE = "CKPTCACHE_REQUIRE"
+#: Set to a true value, loads accept a possibly older copy while the coordinator is down.
+ENV_ALLOW_STALE = "CKPTCACHE_ALLOW_STALE"
 #: Log a line every this many write-through fallbacks (the first one is always logged).
 ENV_FALLBACK_LOG_EVERY = "CKPTCACHE_FALLBACK_LOG_EVERY"
 
@@ -78,6 +82,11 @@ def default_fallback() -> str:
     """``"raise"`` when ``$CKPTCACHE_REQUIRE`` is set to a true value, else ``"write-through"``."""
     required = os.environ.get(ENV_REQUIRE, "").strip().lower() in ("1", "true", "yes", "on")
     return "raise" if required else "write-through"
+
+
+def default_allow_stale() -> bool:
+    """Whether ``$CKPTCACHE_ALLOW_STALE`` is set to a true value."""
+    return os.environ.get(ENV_ALLOW_STALE, "").strip().lower() in ("1", "true", "yes", "on")
 
 
 def fallback_log_every() -> int:

@@ -20,6 +20,7 @@ __all__ = [
     "DaemonUnavailable",
     "InvalidPath",
     "NameTooLong",
+    "NewestUnavailable",
     "ObjectTooLarge",
     "ParentNotADirectory",
     "PathIsADirectory",
@@ -146,4 +147,11 @@ class TensorMutated(CkptCacheError, RuntimeError):
 
 class CoordinatorUnavailable(CkptCacheError, ConnectionError):
     """The cluster's coordinator (etcd) cannot be reached, so other nodes' memory cannot be
-    searched: a path this node does not hold may still exist there. Retry when it is back."""
+    searched: a path this node does not hold may still exist there, and one it holds may have
+    been saved again elsewhere. Retry when it is back."""
+
+
+class NewestUnavailable(CkptCacheError, ConnectionError):
+    """The newest save of a path (made on another node) is in no reachable node's memory and
+    not on storage: an older copy exists, but is not returned in its place. Retry once that
+    node is back, or load a specific older checkpoint knowingly."""

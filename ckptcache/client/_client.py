@@ -62,7 +62,10 @@ class Client:
     ``"write-through"`` (save to the path with torch.save when the daemon is gone or full) or
     ``"raise"``; unset, ``$CKPTCACHE_REQUIRE=1`` means ``"raise"``. Every write-through is
     counted in ``fallbacks`` and reported once: a warning for the first of each cause, a log
-    line for every ``$CKPTCACHE_FALLBACK_LOG_EVERY``-th.
+    line for every ``$CKPTCACHE_FALLBACK_LOG_EVERY``-th. ``allow_stale``: while a cluster's
+    coordinator is unreachable, a load returns this node's copy or the stored file although
+    another node may have saved a newer one since (default ``$CKPTCACHE_ALLOW_STALE``, else
+    False: such a load raises :class:`~ckptcache.CoordinatorUnavailable`).
     A client may be shared by threads; after ``fork`` the child reconnects (with its own
     locks and threads: the parent's save in flight does not hang it).
     """
@@ -72,6 +75,7 @@ class Client:
     timeout = Setting()
     fallback = Setting()
     daemon_uid = Setting()
+    allow_stale = Setting()
 
     def __init__(
         self,
@@ -81,9 +85,12 @@ class Client:
         timeout: float = 60.0,
         fallback: str | None = None,
         daemon_uid: int | None = None,
+        allow_stale: bool | None = None,
     ):
         #: What this client was given, with the environment's defaults; its parts share it.
-        self.settings = Settings.resolve(socket_path, namespace, timeout, fallback, daemon_uid)
+        self.settings = Settings.resolve(
+            socket_path, namespace, timeout, fallback, daemon_uid, allow_stale
+        )
         self._parts = parts = build_parts(self.settings)
         self._connection, self._spares, self._saves = parts.connection, parts.spares, parts.saves
         self._loads, self._queries, self._waits = parts.loads, parts.queries, parts.waits

@@ -57,7 +57,7 @@ class Loads:
         local = verify is True
         request = m.OpenRequest(
             self._settings.namespace, path, need_digests=local,
-            timeout=self._settings.server_wait(),
+            timeout=self._settings.server_wait(), allow_stale=self._settings.allow_stale,
         )  # fmt: skip
         try:
             reply = self._connection.call("open", request, m.OpenReply)
@@ -156,6 +156,8 @@ class Loads:
         :meth:`Client.load`); ``reason`` is why the daemon did not serve it."""
         if isinstance(reason, DaemonUnavailable) and self._settings.fallback == "raise":
             raise reason
+        if isinstance(reason, CoordinatorUnavailable) and not self._settings.allow_stale:
+            raise reason  # another node may have saved it since: the file may be older
         if not in_storage(path):
             if isinstance(reason, CoordinatorUnavailable):
                 raise reason  # other nodes may hold it: "not found" would be a wrong answer

@@ -8,7 +8,12 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from ckptcache._defaults import candidate_sockets, default_fallback, default_namespace
+from ckptcache._defaults import (
+    candidate_sockets,
+    default_allow_stale,
+    default_fallback,
+    default_namespace,
+)
 
 __all__ = ["FALLBACKS", "Setting", "Settings", "discover_socket"]
 
@@ -33,6 +38,9 @@ class Settings:
     timeout: float
     fallback: str
     daemon_uid: int | None
+    #: While the cluster's coordinator is unreachable, load a possibly older copy (this
+    #: node's, or the stored file) instead of raising CoordinatorUnavailable.
+    allow_stale: bool = False
 
     @classmethod
     def resolve(
@@ -42,6 +50,7 @@ class Settings:
         timeout: float,
         fallback: str | None,
         daemon_uid: int | None,
+        allow_stale: bool | None = None,
     ) -> Settings:
         """The settings for these arguments (``None``: the environment's default)."""
         fallback = fallback or default_fallback()
@@ -50,6 +59,7 @@ class Settings:
         return cls(
             socket_path or discover_socket(), bool(socket_path), namespace or default_namespace(),
             timeout, fallback, daemon_uid,
+            default_allow_stale() if allow_stale is None else allow_stale,
         )  # fmt: skip
 
     def given(self) -> dict[str, Any]:
@@ -60,6 +70,7 @@ class Settings:
             "timeout": self.timeout,
             "fallback": self.fallback,
             "daemon_uid": self.daemon_uid,
+            "allow_stale": self.allow_stale,
         }
 
     def server_wait(self) -> float:

@@ -2,7 +2,7 @@
 
 Nothing in the cache takes its order from wall clocks alone, but people and some decisions
 read them: commit times in ``ls``/``status``, storage's modification times, the
-``conflict_window`` between saves on two nodes, the age of a holder. A node whose clock is
+the age of a holder. A node whose clock is
 far off makes those misleading, so every daemon measures its peers' clocks now and then (the
 next few in the ring of node ids, so that every node is measured by as many others however
 large the cluster) and warns, with the figure, above ``clock_offset_bound``.

@@ -17,9 +17,11 @@ Representatives are preferred by rendezvous hash (so groups spread over nodes) a
 unique by etcd's create-if-absent under the node lease. A node cut off from etcd stops
 claiming (its lease is unhealthy); its old group may be taken over, and since every member of
 a group holds identical bytes, a late write by the old representative cannot conflict.
-Different contents of one path saved within ``conflict_window`` are a digest disagreement:
-reported loudly; the first persisted content takes the path and every other content is
-persisted beside it as ``<path>.conflict-<digest>`` so nothing is silently dropped.
+Different contents of one path saved on different nodes at the same time (neither save had
+seen the other when it began) are a digest disagreement: reported loudly on both; the newer
+takes the path and every other content is persisted beside it as ``<path>.conflict-<digest>``
+so nothing is silently dropped. The newest save of a path, whichever node made it, is one
+answer for the whole cluster (:mod:`ckptcache.server.truth`).
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ from ckptcache.server.replication import Replication
 from ckptcache.server.roots import PersistRoots
 from ckptcache.server.state import CacheState
 from ckptcache.server.storage_read import StorageReader
+from ckptcache.server.truth import Truth
 from ckptcache.storage import StorageOptions
 from ckptcache.wire import peer
 
@@ -108,6 +111,8 @@ class Cluster:
         self.metrics = state.metrics
         self._stop = threading.Event()
         self.membership = Membership(cfg, state.metrics, ports.ensure_digests)
+        #: The cluster's newest save of each path (read at save and load, put at commit).
+        self.truth = Truth(self.membership, self._stop)
         self.replication = Replication(
             cfg, state, self.membership, ensure_digests=ports.ensure_digests,
             receive=ports.receive,
@@ -193,20 +198,37 @@ class Cluster:
         return self.membership.node_ids()
 
     def on_commit(self, gen: Generation, durability: str) -> None:
-        """A generation was committed here (see :meth:`Replication.on_commit`)."""
+        """A generation was committed here: a save of this node becomes the cluster's newest
+        save of its path before the save returns (:meth:`Truth.publish`), then its backup
+        copies (:meth:`Replication.on_commit`)."""
+        if not gen.origin:
+            self.truth.publish(gen)
         self.replication.on_commit(gen, durability)
 
     def on_retire(self, gen: Generation) -> None:
         """A generation left this node's index: withdraw its holding (in the background)."""
         self.membership.withdraw_holding(gen)
 
-    def load_remote(self, namespace: str, path: str, timeout: float = 120.0) -> Generation:
+    def newest(self, namespace: str, path: str) -> int:
+        """The stamp of the cluster's newest save of ``path`` (0: none recorded); raises
+        :class:`CoordinatorUnavailable`."""
+        return self.truth.seen(namespace, path)
+
+    def same_content(self, gen: Generation, stamp: int) -> bool:
+        """Whether a holder announces the save stamped ``stamp`` with ``gen``'s content (one
+        scan of the path's holders; called with ``gen``'s digests known)."""
+        return self.truth.holds(gen, stamp)
+
+    def load_remote(
+        self, namespace: str, path: str, timeout: float = 120.0, newer_than: int = 0
+    ) -> Generation:
         """Bring ``path`` into this node's memory from the cheapest remote tier.
 
         Peers first (any live holder, newest commit first; a corrupt copy is reported to its
         holder and the next one is tried). Else storage, read once per group: concurrent
         loaders elect one reader (``loads/<path>``), the others fetch from the first holder
         that appears; if the reader dies its lease ends and another member takes over.
-        Planned, then executed: :mod:`ckptcache.server.remote_load`.
+        Planned, then executed: :mod:`ckptcache.server.remote_load`. ``newer_than``: only a
+        copy of a save stamped at least that (ns), the cluster's newest, will do.
         """
-        return remote_load.load_remote(self.sources, namespace, path, timeout)
+        return remote_load.load_remote(self.sources, namespace, path, timeout, newer_than)

@@ -123,8 +123,6 @@ class DaemonConfig:
     lease_ttl: float = 5.0
     #: Seconds between sweeps dropping cached objects whose directory was removed (0: off).
     orphan_sweep: float = 30.0
-    #: Saves of one path with different contents within this many seconds are a conflict.
-    conflict_window: float = 60.0
     #: Optional TLS on the data plane: this node's certificate and key, and the cluster CA.
     tls_cert: str | None = None
     tls_key: str | None = None
@@ -338,7 +336,6 @@ VALIDATORS: dict[str, Validator] = {
     "secret_file": _optional_text,
     "lease_ttl": _seconds(zero_ok=False),
     "orphan_sweep": _seconds(zero_ok=True),
-    "conflict_window": _seconds(zero_ok=False),
     "tls_cert": _optional_text,
     "tls_key": _optional_text,
     "tls_ca": _optional_text,

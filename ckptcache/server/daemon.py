@@ -219,6 +219,7 @@ def build_core(config: DaemonConfig, metrics: Metrics | None = None) -> CacheCor
             resubmit=persister.submit, roots=roots, options=persister.options,
         ))  # fmt: skip
         saves.on_commit.append(cluster.on_commit)
+        saves.newest_seen = cluster.truth.seen
         state.on_retire.append(cluster.on_retire)
         cluster.start()  # before persisting: elections apply
     persister.start(cluster.election if cluster is not None else None)

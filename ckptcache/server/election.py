@@ -12,10 +12,13 @@ Lifecycle of a committed generation on a cluster node (called by the persister, 
 A redundancy group is (path, object digest): the nodes holding identical content of a path.
 Representatives are preferred by rendezvous hash (so groups spread over nodes) and made
 unique by the coordinator's create-if-absent under the node lease. Different contents of one
-path saved within ``conflict_window`` by different nodes (each node's newest) are a digest
-disagreement: the first persisted content takes the path and every other one is persisted
-beside it as ``<path>.conflict-<digest>``. A node saving a path again is never a disagreement.
-A ``persisted/`` record counts only while no other content of the path was persisted after it.
+path saved by different nodes at the same time (the saves *raced*: neither had seen the
+other when it began, :func:`ckptcache.server.truth.races`) are a digest disagreement: the
+newer save (by stamp, the cluster's newest) takes the path and every other one is persisted
+beside it as ``<path>.conflict-<digest>``, and both are reported. A save made after another
+completed is never a disagreement, whatever its node held before: it is the newest, and
+replaces the older content on storage. A ``persisted/`` record counts only while no newer
+content of the path was persisted.
 """
 
 from __future__ import annotations
@@ -34,16 +37,19 @@ from ckptcache.server.config import DaemonConfig
 from ckptcache.server.coord import CoordinatorUnavailable, NodeInfo, keys
 from ckptcache.server.coord.records import (
     HolderRecord,
+    LatestRecord,
     PersistedRecord,
     RepRecord,
     WriterRecord,
     parse_all,
+    parse_one,
 )
 from ckptcache.server.fetching import Fetching, PeerBusy
 from ckptcache.server.index import Generation
 from ckptcache.server.membership import Membership, path_hash
 from ckptcache.server.metrics import Metrics
 from ckptcache.server.state import CacheState
+from ckptcache.server.truth import races
 from ckptcache.server.writer_fence import WriterFence
 from ckptcache.storage.base import StoredVersion, WriteGuard
 from ckptcache.wire.states import ClaimRole, Tier
@@ -76,6 +82,11 @@ class FencedGuard(WriteGuard):
     def check(self, path: str, current: StoredVersion | None) -> None:
         self.still_writer()
         super().check(path, current)
+
+
+def _stamp(record: PersistedRecord) -> int:
+    """A persisted content's save stamp (ns); from the float for a record without it."""
+    return record.committed_ns or round(record.committed * 1e9)
 
 
 class Election:
@@ -134,6 +145,17 @@ class Election:
             return ClaimRole.RETRY, ""
         return ClaimRole.LEAD, self._conflict_target(gen, ph, digest) or target
 
+    def newer_saved(self, gen: Generation) -> bool:
+        """Whether the cluster's newest save of ``gen``'s path is newer than ``gen`` (one
+        coordinator read; False while it is unreachable)."""
+        ph = path_hash(gen.namespace, gen.path)
+        key = keys.latest_key(ph)
+        try:
+            newest = parse_one(LatestRecord, key, self.membership.coord.get(key))
+        except CoordinatorUnavailable:
+            return False
+        return newest is not None and newest.committed_ns > gen.committed_ns
+
     def fence(self, gen: Generation, guard: WriteGuard) -> WriteGuard:
         """``guard`` fenced by this node's writer role for ``gen`` (see :class:`FencedGuard`
         and :class:`~ckptcache.server.writer_fence.WriterFence`)."""
@@ -152,49 +174,38 @@ class Election:
         if mine is None:
             return False
         return all(
-            r.committed <= mine.committed for k, r in records.items() if k != key and not r.sidecar
+            _stamp(r) <= _stamp(mine) for k, r in records.items() if k != key and not r.sidecar
         )
 
-    def _concurrent_contents(self, gen: Generation, ph: str, digest: str) -> dict[str, float]:
-        """Other contents of the path that other nodes saved within ``conflict_window`` of
-        ``gen`` and still hold as their newest: a replica group that disagrees. A node's older
-        generation that it saved again since (kept by retention, still announced) is a
-        re-save, not a disagreement, and so is every generation of this node."""
-        window = self.config.conflict_window
-        entries: list[tuple[str, str, float]] = []  # (saving node, digest, committed)
+    def _concurrent_contents(self, gen: Generation, ph: str, digest: str) -> dict[str, int]:
+        """Other contents of the path whose saves raced with ``gen`` (made on another node
+        while ``gen`` was being saved, neither having seen the other), by digest, with their
+        stamps: a replica group that disagrees. Only each save's own node knows what it had
+        seen (a backup copy's holder does not), and a generation that is not a save of this
+        node races with nothing."""
         scanned = self.membership.coord.scan(keys.holders_prefix(ph))
         contents = {k: v for k, v in scanned.items() if keys.digest_of(k) != keys.INFLIGHT}
-        for key, h in parse_all(HolderRecord, contents).items():  # in flight: not a content
-            # A backup copy is its origin's save: this node's own older generation held
-            # by its backup node is a re-save, not a rival content.
-            entries.append((h.saver, keys.digest_of(key), h.committed))
-        newest: dict[str, float] = {}
-        for node, _, committed in entries:
-            newest[node] = max(newest.get(node, 0.0), committed)
         me = self.membership.node.node_id
         return {
-            d: committed
-            for node, d, committed in entries
-            if d != digest and node != me and committed >= newest[node]
-            and abs(committed - gen.committed) < window
+            keys.digest_of(key): h.committed_ns
+            for key, h in parse_all(HolderRecord, contents).items()  # in flight: no content
+            if keys.digest_of(key) != digest and h.node != me and not h.origin
+            and races(gen.seen_ns, gen.committed_ns, h.seen, h.committed_ns)
         }  # fmt: skip
 
     def _conflict_target(self, gen: Generation, ph: str, digest: str) -> str:
-        """Where this content goes: the path, or a sidecar when another content of the same
-        save already owns it."""
-        window = self.config.conflict_window
+        """Where this content goes: the path, or a sidecar when it raced with a newer save
+        of other content (which takes the path)."""
         others = self._concurrent_contents(gen, ph, digest)
         if not others:
             return gen.path
         if not gen.conflict:
-            gen.conflict = f"{len(others)} other content(s) saved within {window:g}s: " + ", ".join(
-                sorted(others)
-            )
+            gen.conflict = f"saved at the same time as {len(others)} other content(s) on other " \
+                "nodes: " + ", ".join(sorted(others))  # fmt: skip
             self.metrics.corrupt.labels(tier=Tier.GROUP).inc()
             log.error("digest disagreement on %s: this node holds %s, others hold %s",
                       gen.path, digest, sorted(others))  # fmt: skip
-        persisted = self.membership.coord.scan(keys.persisted_prefix(ph))
-        if any(keys.digest_of(k) in others for k in persisted):  # a disagreeing content won
+        if max(others.values()) > gen.committed_ns:  # a newer racing save takes the path
             return f"{gen.path}.conflict-{digest}"
         return gen.path
 
@@ -204,7 +215,7 @@ class Election:
         already complete on storage, so nothing waits for it but the standbys."""
         ph, digest = path_hash(gen.namespace, gen.path), object_digest(gen.digests or [])
         record = PersistedRecord(self.membership.node.node_id, target, time.time(),
-                                 gen.committed)  # fmt: skip
+                                 gen.committed, gen.committed_ns)  # fmt: skip
         try:
             self._record_persisted(ph, digest, record)
         except CoordinatorUnavailable as e:

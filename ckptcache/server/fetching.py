@@ -110,6 +110,7 @@ class Fetching:
                 namespace=key[0], path=key[1], nbytes=served.nbytes,
                 manifest_offset=served.manifest_offset, manifest_size=served.manifest_size,
                 persisted=served.persisted, committed=served.saved_at,
+                committed_ns=served.saved_ns,
             )))  # fmt: skip
             relay_in_flight(conn, self.state, served)
             return
@@ -122,7 +123,8 @@ class Fetching:
                 manifest_offset=header.manifest_offset, manifest_size=header.manifest_size,
                 generation=gen.number, manifest=gen.manifest.to_json().decode(),
                 skeleton_digest=header.skeleton_digest, persisted=gen.persisted,
-                committed=gen.committed, **saver_fields(gen.saver),
+                committed=gen.committed, committed_ns=gen.committed_ns,
+                **saver_fields(gen.saver),
             )))  # fmt: skip
             send_object(conn, gen, lambda: self.ensure_digests(gen))
         finally:
@@ -152,12 +154,13 @@ class Fetching:
                 return self.receive(
                     namespace, path, head.nbytes, head.manifest_offset, head.manifest_size,
                     fill, origin=node.node_id, persisted=head.persisted,  # not written back
-                    content_time=head.committed,
+                    content_time=head.committed, content_ns=head.committed_ns,
                 )  # fmt: skip
             try:
                 return receive_copy(conn.channel, head, self.receive, node.node_id,
                                     ready=False, started=started, persisted=head.persisted,
-                                    content_time=head.committed)  # fmt: skip
+                                    content_time=head.committed,
+                                    content_ns=head.committed_ns)  # fmt: skip
             except CorruptCheckpoint as e:
                 self.report_corrupt(node, namespace, path, str(e), head.generation)
                 raise

@@ -37,6 +37,9 @@ class Generation:
     #: The same in ns (recorded in the segment header); storage objects newer than this are
     #: never replaced by this generation.
     committed_ns: int = 0
+    #: For a save of this node: the stamp of the cluster's newest save of the path when it
+    #: began (:mod:`ckptcache.server.truth`); -1 for a copy or a recovered generation.
+    seen_ns: int = -1
     #: Deepest ancestor directory of the path that existed at save time ("" for URLs); see
     #: :mod:`ckptcache.server.lineage`.
     anchor: str = ""

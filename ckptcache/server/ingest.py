@@ -51,6 +51,7 @@ class Ingest:
         digests: Callable[[], list[int]] | None = None,
         saved_at: float | None = None,
         content_time: float = 0.0,
+        content_ns: int = 0,
         saver: Saver | None = None,
     ) -> Generation:
         """Take a copy from a peer or storage: reserve, ``fill`` the bytes after the header,
@@ -65,7 +66,9 @@ class Ingest:
         deleted here since (checked before and after the transfer). ``content_time``: when
         the sender says a fetched copy's content was saved. The copy keeps the origin's time
         as its commit time (what "newest wins" compares on storage and in memory), else the
-        time its read began (an upper bound). ``saver``: who saved it on the origin; a root
+        time its read began (an upper bound); ``content_ns``, when known, is the origin's
+        exact stamp, which the copy keeps (a stamp that came through a float would be a few
+        ns off, and no longer name the same save). ``saver``: who saved it on the origin; a root
         daemon holds and persists the copy as that user (else as itself: unknown saver).
         """
         state, saves, internal = self.state, self.saves, self.saves.internal
@@ -81,7 +84,7 @@ class Ingest:
         with state.lock.held():
             segment = internal.reservations[reply.reservation].segment
             flight = Inflight(segment, nbytes, manifest_offset, manifest_size, persisted=persisted,
-                              saved_at=content)  # fmt: skip
+                              saved_at=content, saved_ns=content_ns)  # fmt: skip
             state.inflight.setdefault(key, flight)
 
         def advance(n: int) -> None:
@@ -125,7 +128,7 @@ class Ingest:
             res.digests = table  # published with the generation: nobody hashes it again
             # Marked inside the commit, under the lock that publishes the generation: a
             # trainer's save of the same path committing meanwhile is never labelled a copy.
-            res.origin, res.saved_at = origin, content
+            res.origin, res.saved_at, res.saved_ns = origin, content, content_ns
             if persisted:
                 res.persist, res.stored = False, True
         try:

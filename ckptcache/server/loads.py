@@ -11,10 +11,16 @@ outside a cluster has none: a load it misses is read by the client itself, and a
 misses is read from storage by this daemon (:class:`StorageTier`, checked as it lands), so that
 ``prefetch`` warms this node's memory from storage as it does on a cluster.
 
-During a coordinator outage a miss raises :class:`~ckptcache.errors.CoordinatorUnavailable`
-(a ``ConnectionError``): other nodes' memory cannot be searched, so "not found" would be a
-wrong answer. The client then reads storage itself if the path is stored there; a prefetch
-does not warm this node from storage meanwhile (a peer may hold a newer save).
+On a cluster, a load of the newest generation first reads the cluster's newest save of the
+path (:mod:`ckptcache.server.truth`, one coordinator read): a copy here that is older (another
+node saved the path since) is not served; the newest is brought in from a peer or storage, or,
+where no reachable tier holds it, :class:`~ckptcache.errors.NewestUnavailable` says so.
+
+During a coordinator outage such a load raises :class:`~ckptcache.errors.CoordinatorUnavailable`
+(a ``ConnectionError``): whether this node's copy is the newest cannot be known, and other
+nodes' memory cannot be searched, so serving the copy or "not found" could both be wrong. A
+client that opted in to possibly-stale bytes (``allow_stale``) is served this node's copy, or
+reads storage itself.
 """
 
 from __future__ import annotations
@@ -44,15 +50,25 @@ log = logging.getLogger(__name__)
 class RemoteTier(Protocol):
     """Where a miss is loaded from: a peer's memory or the group's storage read."""
 
-    def load_remote(self, namespace: str, path: str, timeout: float) -> Generation:
-        """Bring ``path`` into this node's memory (raises :class:`CheckpointNotFound`)."""
+    def newest(self, namespace: str, path: str) -> int:
+        """The stamp of the cluster's newest save of ``path`` (0: none recorded)."""
+
+    def same_content(self, gen: Generation, stamp: int) -> bool:
+        """Whether the save stamped ``stamp`` has ``gen``'s content (digests known)."""
+
+    def load_remote(
+        self, namespace: str, path: str, timeout: float, newer_than: int = 0
+    ) -> Generation:
+        """Bring ``path`` into this node's memory (raises :class:`CheckpointNotFound`); with
+        ``newer_than``, a copy of a save stamped at least that."""
 
 
 class StorageTier(Protocol):
     """This node's own read of storage (:class:`~ckptcache.server.storage_read.StorageReader`)."""
 
-    def in_storage(self, path: str) -> bool:
-        """Whether storage holds ``path`` (under this daemon's roots)."""
+    def in_storage(self, path: str, newer_than: int = 0) -> bool:
+        """Whether storage holds ``path`` (under this daemon's roots), stamped at least
+        ``newer_than``."""
 
     def load(self, namespace: str, path: str, started: Callable[[], None]) -> Generation:
         """Read ``path`` into this node's memory, checked as it lands."""
@@ -85,25 +101,22 @@ class Loads:
         state = self.state
         t0 = time.perf_counter()
         tier = Tier.LOCAL
+        floor = 0
         if req.generation is None:
             self.retention.forget_replaced((req.namespace, req.path))
+            floor = self._newest(req)
         try:
-            with state.lock.held():
-                gen = state.lookup_visible_locked(
-                    req.namespace, req.path, req.generation, session, load=True
-                )
-                state.check_not_corrupt(gen)
-                state.pin_locked(gen)
-        except CheckpointNotFound:
+            gen = self._pin_here(session, req, floor)
+        except CheckpointNotFound as e:
             if req.generation is not None or (self.remote is None and not warm):
                 raise
             if self.remote is None and self.storage is None:
                 raise
             with state.lock.held():
                 held = state.index.generations((req.namespace, req.path))
-            if held:
+            if held and not isinstance(e, _Older):
                 raise  # held by another user: never replaced by a remote copy for this one
-            gen = self._load_remote(req.namespace, req.path, bounded(120.0, req.timeout))
+            gen = self._load_remote(req.namespace, req.path, bounded(120.0, req.timeout), floor)
             tier = _tier_of(gen)
             with state.lock.held():
                 if gen.removed:  # evicted or replaced since it arrived: serve what is here now
@@ -135,16 +148,74 @@ class Loads:
             tier,
         )  # fmt: skip
 
-    def _load_remote(self, namespace: str, path: str, timeout: float) -> Generation:
+    def _pin_here(self, session: Session, req: m.OpenRequest, floor: int) -> Generation:
+        """Pin this node's copy for ``req``, unless it is older than the cluster's newest
+        save (stamped ``floor``) with other content (raises :class:`_Older`)."""
+        state = self.state
+        known: Generation | None = None  # found to hold the newest save's content
+        for _ in range(2):
+            with state.lock.held():
+                gen = state.lookup_visible_locked(
+                    req.namespace, req.path, req.generation, session, load=True
+                )
+                if gen.committed_ns >= floor or gen is known:
+                    state.check_not_corrupt(gen)
+                    state.pin_locked(gen)
+                    return gen
+            # Outside the lock: a coordinator request. Checked again under it (a save here
+            # may have committed meanwhile).
+            if not self._same_content(gen, floor):
+                break
+            known = gen
+        raise _Older(f"{req.path!r}: this node's copy is older than the newest save")
+
+    def _same_content(self, gen: Generation, newest: int) -> bool:
+        """Whether ``gen``, saved before the cluster's newest save (stamped ``newest``), holds
+        the same bytes (data-parallel replicas saving one shard): served then, no copy made.
+        Known only once both digests are (no hashing here; unknown is "no")."""
+        assert self.remote is not None
+        return gen.digests is not None and self.remote.same_content(gen, newest)
+
+    def _newest(self, req: m.OpenRequest) -> int:
+        """The stamp of the cluster's newest save of the path (0: none, or no cluster): no
+        older copy is served. Unknowable while the coordinator is unreachable: raises
+        CoordinatorUnavailable, unless the client accepts possibly-stale bytes."""
+        from ckptcache.server.coord import CoordinatorUnavailable as Unreachable
+
+        if self.remote is None:
+            return 0
+        try:
+            return self.remote.newest(req.namespace, req.path)
+        except Unreachable as e:
+            if req.allow_stale:
+                log.warning(
+                    "load of %s: the coordinator is unreachable (%s); serving what "
+                    "this node holds, which may be older (allow_stale)",
+                    req.path,
+                    e,
+                )
+                return 0
+            raise CoordinatorUnavailable(
+                f"cannot tell whether node {self.config.node_id!r} holds the newest save of "
+                f"{req.path!r}: the coordinator is unreachable ({e}), and another node may have "
+                "saved it since. Retry once the coordinator is back, or accept a possibly older "
+                "copy with allow_stale=True (CKPTCACHE_ALLOW_STALE=1)"
+            ) from e
+
+    def _load_remote(
+        self, namespace: str, path: str, timeout: float, newer_than: int = 0
+    ) -> Generation:
         """A peer's copy or the group's storage read; without a cluster, this node's own
         storage read. Without a coordinator no holder can be found: CoordinatorUnavailable
-        says so (the client reads storage itself when the path is stored there)."""
+        says so. ``newer_than``: the cluster's newest save's stamp, below which no copy
+        will do (:class:`NewestUnavailable` when no reachable tier holds one)."""
         from ckptcache.server.coord import CoordinatorUnavailable as Unreachable
 
         if self.remote is None:
             return self._read_storage(namespace, path)
         try:
-            return self.remote.load_remote(namespace, path, timeout=timeout)
+            return self.remote.load_remote(namespace, path, timeout=timeout,
+                                           newer_than=newer_than)  # fmt: skip
         except Unreachable as e:
             raise CoordinatorUnavailable(
                 f"{path!r} is not in the memory of node {self.config.node_id!r}, and the "
@@ -200,6 +271,10 @@ class Loads:
                 req.namespace, req.path, req.generation, session, load=True
             )  # raises CheckpointNotFound
         self.retention.drop_corrupt(req.namespace, req.path, req.generation, req.detail)
+
+
+class _Older(CheckpointNotFound):
+    """This node's copy is older than the cluster's newest save: it is not served."""
 
 
 def _tier_of(gen: Generation) -> Tier:

@@ -156,11 +156,18 @@ class Membership:
 
     # ----------------------------------------------------------------- announcements
 
-    def holders(self, namespace: str, path: str) -> list[NodeInfo]:
-        """Live nodes announcing a copy of ``path`` (newest commit first)."""
+    def holders(self, namespace: str, path: str, newer_than: int = 0) -> list[NodeInfo]:
+        """Live nodes announcing a copy of ``path`` (newest commit first); with
+        ``newer_than``, only holdings of a save stamped at least that (ns), never a copy
+        in flight (its record names no stamp)."""
         ph = path_hash(namespace, path)
+        scanned = self.coord.scan(keys.holders_prefix(ph))
+        if newer_than:
+            held = parse_all(HolderRecord, {k: v for k, v in scanned.items()
+                                            if keys.digest_of(k) != keys.INFLIGHT})  # fmt: skip
+            scanned = {k: scanned[k] for k, h in held.items() if h.committed_ns >= newer_than}
         # Holdings and copies in flight alike: both name a node and a time, ranked together.
-        entries = parse_all(InFlightRecord, self.coord.scan(keys.holders_prefix(ph)))
+        entries = parse_all(InFlightRecord, scanned)
         live = {n.node_id: n for n in self.live_nodes()}
         if any(v.node not in live for v in entries.values()):
             # A holder that joined after this node's cached view was read (up to max_age
@@ -180,7 +187,8 @@ class Membership:
         ph = path_hash(gen.namespace, gen.path)
         me = self.node.node_id
         # origin: for a backup copy, whose save it is.
-        record = HolderRecord(me, gen.path, gen.number, gen.committed, gen.origin)
+        record = HolderRecord(me, gen.path, gen.number, gen.committed, gen.origin,
+                              gen.committed_ns, gen.seen_ns)  # fmt: skip
         self.coord.announce(keys.holder_key(ph, digest, me), record.to_dict())
         return ph, digest
 

@@ -115,6 +115,10 @@ class PersistElection(Protocol):
     def replace_corrupt(self, gen: Generation) -> bool:
         """Fetch a good copy of ``gen`` from the group; returns whether one was found."""
 
+    def newer_saved(self, gen: Generation) -> bool:
+        """Whether a newer save of ``gen``'s path was made anywhere in the cluster (False
+        when that cannot be known now)."""
+
     def fence(self, gen: Generation, guard: WriteGuard) -> WriteGuard:
         """``guard``, also raising :class:`Deposed` whenever it is consulted (before the
         upload, again right before the object becomes visible) once this node no longer
@@ -350,7 +354,14 @@ class Persister:
 
     def _conflict(self, gen: Generation, why: StorageConflict) -> None:
         """Another ckptcache writer replaced the object after this save: neither is
-        overwritten, the generation stays in memory and ``wait()`` raises."""
+        overwritten, the generation stays in memory and ``wait()`` raises. On a cluster whose
+        newest save of the path is newer than this one, that save's object is the newer
+        one: this generation is superseded and its memory freed, not held as a conflict."""
+        if self.election is not None and self.election.newer_saved(gen):
+            self._give_up_stale(gen, NewerObjectExists(
+                f"{gen.path} holds a newer save of the path, made on another node"
+            ))  # fmt: skip
+            return
         log.error("not persisting %s generation %d: %s", gen.path, gen.number, why)
         with self.state.lock.held():
             self.states.advance(gen, PersistState.CONFLICT, error=str(why))
@@ -381,7 +392,8 @@ class Persister:
         own = {g.committed_ns for g in gens if g.number < gen.number}
         newer = {g.committed_ns for g in gens if g.number > gen.number}
         own.update(self._written.get(gen.key, ()))
-        return WriteGuard(gen.committed_ns, gen.base, frozenset(own), frozenset(newer))
+        return WriteGuard(gen.committed_ns, gen.base, frozenset(own), frozenset(newer),
+                          gen.seen_ns)  # fmt: skip
 
     def _copy(
         self, gen: Generation, backend: StorageBackend, target: str, guard: WriteGuard

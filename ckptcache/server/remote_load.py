@@ -55,7 +55,12 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from ckptcache.errors import CheckpointNotFound, CkptCacheError, CorruptCheckpoint
+from ckptcache.errors import (
+    CheckpointNotFound,
+    CkptCacheError,
+    CorruptCheckpoint,
+    NewestUnavailable,
+)
 from ckptcache.server.backoff import Backoff
 from ckptcache.server.coord import NodeInfo, keys
 from ckptcache.server.coord.counting import CountingCoordinator
@@ -186,14 +191,27 @@ class _Load:
     busy: dict[str, float] = field(default_factory=dict)
     #: The last corrupt copy a peer sent: what the load reports if no other tier has it.
     corrupt: CorruptCheckpoint | None = None
+    #: The stamp of the cluster's newest save of the path: no older copy will do (0: any).
+    newer_than: int = 0
 
     def missing(self, what: str) -> CkptCacheError:
         """The error of a load that found no sound copy: the corrupt one it met, if any
-        ("not found" would hide that a copy exists and is damaged), else not found."""
+        ("not found" would hide that a copy exists and is damaged), else not found; when
+        a newer save than an older copy is known, :class:`NewestUnavailable` (the client must
+        not read the older stored file in its place)."""
         if self.corrupt is not None:
             e = self.corrupt
             return CorruptCheckpoint(f"{e}; {what}", tensor=e.tensor, tier=e.tier)
+        if self.newer_than:
+            return NewestUnavailable(
+                f"the newest save of {self.path!r} (stamped {self.newer_than} ns, made on "
+                f"another node) {what}; an older copy exists and is not returned in its place"
+            )
         return CheckpointNotFound(f"{self.path!r} {what}")
+
+    def fits(self, gen: Generation | None) -> Generation | None:
+        """``gen`` if it is a copy of the newest save (or any, without a floor)."""
+        return gen if gen is not None and gen.committed_ns >= self.newer_than else None
 
 
 def plan(src: Sources, load: _Load) -> Plan:
@@ -202,14 +220,14 @@ def plan(src: Sources, load: _Load) -> Plan:
     if local is not None:
         return Plan("local")
     me = src.membership.node.node_id
-    holders = [n for n in src.membership.holders(load.namespace, load.path)
+    holders = [n for n in src.membership.holders(load.namespace, load.path, load.newer_than)
                if n.node_id != me and n.node_id not in load.tried]  # fmt: skip
     if holders:
         now = time.monotonic()
         free = [n for n in holders if load.busy.get(n.node_id, 0.0) <= now - BUSY_FOR]
         return Plan("peer", free[0]) if free else Plan("busy")
     if load.in_storage is None:
-        load.in_storage = src.storage.in_storage(load.path)
+        load.in_storage = src.storage.in_storage(load.path, load.newer_than)
     if not load.in_storage:
         return Plan("none")
     alone = all(n.node_id == me for n in src.membership.live_nodes())
@@ -231,9 +249,13 @@ def execute(src: Sources, load: _Load, chosen: Plan) -> Generation | None:
     raise load.missing("is in no peer's memory and could not be read from storage")
 
 
-def load_remote(src: Sources, namespace: str, path: str, timeout: float) -> Generation:
-    """Plan, execute, re-plan on failure (bounded); logs the coordinator round trips."""
-    load = _Load(namespace, path, path_hash(namespace, path), time.monotonic() + timeout)
+def load_remote(
+    src: Sources, namespace: str, path: str, timeout: float, newer_than: int = 0
+) -> Generation:
+    """Plan, execute, re-plan on failure (bounded); logs the coordinator round trips.
+    ``newer_than``: only a copy of a save stamped at least that (ns) will do."""
+    load = _Load(namespace, path, path_hash(namespace, path), time.monotonic() + timeout,
+                 newer_than=newer_than)  # fmt: skip
     src.settling.wait(load.ph, timeout)
     with _tally(src) as counts:
         chosen = Plan("none")
@@ -244,6 +266,16 @@ def load_remote(src: Sources, namespace: str, path: str, timeout: float) -> Gene
                     gen = execute(src, load, chosen)
                 except NewerHeld:  # a save here committed while the copy arrived: it wins
                     gen = _held_here(src, load)
+                if gen is not None and load.fits(gen) is None:
+                    # An older save than the newest (a holder's record ran ahead of its
+                    # copy, a stored file not yet replaced): try the others.
+                    log.warning("%s: the %s copy is older than the newest save; not served",
+                                path, chosen.source)  # fmt: skip
+                    load.tried.add(chosen.node.node_id if chosen.node else chosen.source)
+                    load.failures += 1
+                    if chosen.source == "storage":
+                        load.in_storage = False
+                    continue
                 if gen is not None:
                     return gen
         finally:
@@ -256,8 +288,9 @@ def load_remote(src: Sources, namespace: str, path: str, timeout: float) -> Gene
 
 
 def _held_here(src: Sources, load: _Load) -> Generation | None:
-    """The copy another request of this daemon brought in meanwhile, if any."""
-    return src.state.find(load.namespace, load.path)
+    """The copy another request of this daemon brought in meanwhile, if any (a copy of the
+    newest save, when the load asks for that)."""
+    return load.fits(src.state.find(load.namespace, load.path))
 
 
 def _from_peer(src: Sources, load: _Load, node: NodeInfo) -> Generation | None:

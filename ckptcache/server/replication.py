@@ -123,7 +123,7 @@ class Replication:
                 manifest_offset=header.manifest_offset, manifest_size=header.manifest_size,
                 origin=self.membership.node.node_id, manifest=gen.manifest.to_json().decode(),
                 skeleton_digest=header.skeleton_digest, committed=gen.committed,
-                **saver_fields(gen.saver),
+                committed_ns=gen.committed_ns, **saver_fields(gen.saver),
             )  # fmt: skip
             with self.membership.dial(target) as conn:
                 t1 = time.perf_counter()
@@ -151,7 +151,8 @@ class Replication:
             saved_at = float(req.committed or time.time())
             try:
                 gen = receive_copy(conn, req, self.receive, conn.peer_id,  # the proven sender
-                                   ready=True, saved_at=saved_at)  # fmt: skip
+                                   ready=True, saved_at=saved_at,
+                                   content_ns=req.committed_ns)  # fmt: skip
             except NewerHeld as e:
                 gen = self._same_content_held(req, e)
             self._announce_before_ack(gen)

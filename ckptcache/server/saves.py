@@ -25,6 +25,7 @@ from ckptcache._units import format_bytes
 from ckptcache.errors import (
     BudgetExceeded,
     CkptCacheError,
+    CoordinatorUnavailable,
     CorruptCheckpoint,
     InvalidPath,
     ObjectTooLarge,
@@ -98,6 +99,10 @@ class Saves:
         #: Called (outside the lock) with each newly committed generation and the durability
         #: the client asked for; the cluster hooks replication in (and may raise).
         self.on_commit: list[Callable[[Generation, str], None]] = []
+        #: In a cluster: the stamp of the cluster's newest save of a path (0: none), read
+        #: when a save begins (:meth:`ckptcache.server.truth.Truth.seen`; may raise
+        #: CoordinatorUnavailable). None: this node's own saves are the only ones.
+        self.newest_seen: Callable[[str, str], int] | None = None
         #: The daemon's own session: copies received from peers or storage.
         self.internal = Session(0, os.getpid(), os.getuid())
         #: Each admitted user's share of the budget (see server/shares.py).
@@ -167,6 +172,7 @@ class Saves:
         saver = ownership.saver_for(session, req)
         anchor = anchor_of(req.path)  # which directories exist now (never resurrected later)
         base, base_stamp = observe_base(req.path) if persist else (None, 0)
+        seen = self._seen(session, req)
         if req.durability == "backup" and not self.backup_ready:
             raise ReplicationError(
                 "durability='backup' needs backup nodes: start the daemons with --backup auto "
@@ -211,13 +217,29 @@ class Saves:
             self._prepare_record_locked(segment, req)
             res = Reservation(
                 state.next_id(), req.namespace, req.path, segment, req.nbytes, req.durability,
-                persist, saver, anchor=anchor, base=base, base_stamp=base_stamp,
+                persist, saver, anchor=anchor, base=base, base_stamp=base_stamp, seen_ns=seen,
             )  # fmt: skip
             session.reservations[res.id] = res
             state.saves_in_flight.begin()
             session.note_mapped((segment.name,), state.arena.segments)  # the client maps it now
             state.update_gauges()
         return m.ReserveReply(res.id, segment.name, segment.capacity)
+
+    def _seen(self, session: Session, req: m.ReserveRequest) -> int:
+        """The stamp of the newest save of the path this save follows, cluster-wide (-1 for
+        the daemon's own copies and without a cluster). Through a coordinator outage, this
+        node's own newest save of the path: the save still goes ahead, and may be reported
+        as racing with a save made elsewhere meanwhile."""
+        if self.newest_seen is None or session is self.internal:
+            return -1
+        try:
+            return self.newest_seen(req.namespace, req.path)
+        except CoordinatorUnavailable as e:
+            log.warning("cannot read the newest save of %s (%s): ordering it by this node's "
+                        "own saves", req.path, e)  # fmt: skip
+            with self.state.lock.held():
+                newest = self.state.index.newest((req.namespace, req.path))
+            return newest.committed_ns if newest is not None else 0
 
     def _fit_share_locked(self, uid: int, capacity: int, what: str) -> Verdict:
         """Whether ``uid`` may take ``capacity`` more bytes; evicts its own generations that
@@ -404,7 +426,8 @@ class Saves:
                 digest_state=DigestState.PENDING, created_ns=header.created_ns,
                 # A copy keeps its content's time: a later persist of it must not look newer
                 # than what was saved after it elsewhere.
-                committed_ns=int(res.saved_at * 1e9) if res.origin else self._stamp_locked(res),
+                committed_ns=(res.saved_ns or int(res.saved_at * 1e9)) if res.origin
+                else self._stamp_locked(res),
             )  # fmt: skip
             try:  # blocks allocated at the reservation: only a failing file system refuses
                 records.write_key(segment, res.namespace, res.path, staging=pinned)
@@ -423,6 +446,7 @@ class Saves:
                 needs_persist=res.persist, saver=res.saver, committed=header.committed_ns / 1e9,
                 committed_ns=header.committed_ns, anchor=res.anchor, origin=res.origin,
                 base=res.base, observe_base=res.persist and res.base is None and "://" in res.path,
+                seen_ns=-1 if res.origin else res.seen_ns,
             )  # fmt: skip
             if res.stored:  # read back from its own storage path: already safe there
                 state.persist_states.advance(gen, PersistState.PERSISTED, persisted=True)
@@ -463,7 +487,8 @@ class Saves:
         one and a clock stepped back never reorders one node's saves."""
         newest = self.state.index.newest((res.namespace, res.path))
         last = newest.committed_ns if newest is not None else 0
-        return max(time.time_ns(), res.base_stamp + 1, last + 1)
+        # ``seen_ns``: the cluster's newest save of the path, made on any node.
+        return max(time.time_ns(), res.base_stamp + 1, last + 1, res.seen_ns + 1)
 
     def _refuse_older_copy_locked(self, res: Reservation) -> None:
         """A copy from a peer or storage never becomes newer than a generation this node

@@ -78,6 +78,8 @@ class Reservation:
     #: and its stamp (ns; 0 none).
     base: str | None = None
     base_stamp: int = 0
+    #: The stamp of the cluster's newest save of the path when this one began (-1: a copy).
+    seen_ns: int = -1
     #: A copy from a peer or storage: the node it came from ("storage" for a storage read).
     origin: str = ""
     #: The copy's bytes are those stored at the path: committed as persisted, never written.
@@ -85,6 +87,8 @@ class Reservation:
     #: When the copy's content was saved (wall clock, s; 0: unknown). A copy older than a
     #: generation this node committed meanwhile is refused at commit (newest wins).
     saved_at: float = 0.0
+    #: The same, the origin's exact stamp (ns; 0: unknown): the copy's commit stamp.
+    saved_ns: int = 0
 
 
 @dataclass(eq=False)
@@ -103,6 +107,7 @@ class Inflight:
     persisted: bool = False
     #: When the content was saved (see :attr:`Reservation.saved_at`; 0: unknown).
     saved_at: float = 0.0
+    saved_ns: int = 0
 
 
 @dataclass(eq=False)

@@ -74,15 +74,21 @@ class StorageReader:
             except Exception as e:  # storage down at start: the first read reports it
                 log.info("storage under %s not reachable yet: %s", root, e)
 
-    def in_storage(self, path: str) -> bool:
-        """Whether storage holds ``path`` (read only under this daemon's roots)."""
+    def in_storage(self, path: str, newer_than: int = 0) -> bool:
+        """Whether storage holds ``path`` (read only under this daemon's roots); with
+        ``newer_than``, an object stamped at least that (ns): the newest save, persisted,
+        or a write made after it."""
         try:
             if self.roots.root_for(path) is None:
                 return False  # the daemon reads storage only under its roots
         except PathNotAllowed:
             return False
         try:
-            return backend_for(path, self.options).exists(path)
+            backend = backend_for(path, self.options)
+            if not newer_than:
+                return backend.exists(path)
+            stamp = backend.commit_time_ns(path)
+            return stamp is not None and stamp >= newer_than
         except (OSError, ValueError, ImportError):
             return False
 
@@ -110,6 +116,9 @@ class StorageReader:
         self, namespace: str, path: str, started: Callable[[], None], streams: int
     ) -> Generation:
         backend = backend_for(path, self.options)
+        # The stored save's stamp, which the copy keeps: a load compares it with the
+        # cluster's newest save of the path (``server/truth.py``).
+        stamp = backend.commit_time_ns(path) or 0
         size = backend.size(path)
 
         def read(offset: int, n: int) -> bytes:
@@ -150,7 +159,7 @@ class StorageReader:
 
         gen = self.receive(
             namespace, path, layout.nbytes, layout.manifest_offset, capacity, fill,
-            origin="storage", persisted=True, digests=lambda: table,
+            origin="storage", persisted=True, digests=lambda: table, content_ns=stamp,
         )  # fmt: skip
         self.metrics.storage_reads.inc()
         log.info("read %s from storage for the group (%.0f MB/s)", path,

@@ -180,12 +180,14 @@ def receive_copy(
     saved_at: float | None = None,
     persisted: bool = False,
     content_time: float = 0.0,
+    content_ns: int = 0,
 ) -> Generation:
     """Receive one committed object announced by ``head`` and commit it here through
     ``receive`` (:meth:`ckptcache.server.ingest.Ingest.receive`). ``ready``: tell the sender
     (a push) to stream once room is reserved; ``started()`` runs when the bytes start;
     ``persisted``: the sender's copy is the one stored at the path (nothing to write);
-    ``content_time``: when the sender says the content was saved (0: unknown)."""
+    ``content_time``: when the sender says the content was saved (0: unknown), and
+    ``content_ns`` the save's exact stamp (0: unknown)."""
     manifest = Manifest.from_json(head.manifest.encode(), segment_size=head.nbytes)
     digest_offset = head.nbytes - 8 * len(manifest.storages)
     verified: list[int] = []
@@ -201,4 +203,5 @@ def receive_copy(
     return receive(head.namespace, head.path, head.nbytes, head.manifest_offset,
                    head.manifest_size, fill, origin=origin, digests=lambda: verified,
                    saved_at=saved_at, persisted=persisted, content_time=content_time,
+                   content_ns=content_ns,
                    saver=sent_saver(head))  # fmt: skip

@@ -92,7 +92,10 @@ class WriteGuard:
     by an earlier attempt of this very generation (same stamp), is older too. Anything else
     was written after the save was made: a foreign write (a ``torch.save`` written through,
     the user) is the newer one and wins (:class:`NewerObjectExists`); another ckptcache
-    writer's persist is a conflict only clocks could order (:class:`StorageConflict`).
+    writer's persist is a conflict only clocks could order (:class:`StorageConflict`),
+    unless the generation's cluster had ordered it: ``seen`` is the stamp of the newest save of
+    the path, on any node of the cluster, when this one began (-1: not known), so a ckptcache
+    object stamped no later was a save completed before this one, older whenever it landed.
     Without a ``base`` the stamps decide, as clocks allow.
     """
 
@@ -102,6 +105,7 @@ class WriteGuard:
     #: Stamps of newer generations of the path this daemon holds: one of them on storage
     #: makes this generation the older one.
     newer: frozenset[int] = frozenset()
+    seen: int = -1
 
     def check(self, path: str, current: StoredVersion | None) -> None:
         """Raise unless the generation may replace ``current`` (``None``: nothing there)."""
@@ -109,6 +113,8 @@ class WriteGuard:
             return
         if current.stamp_ns == self.stamp_ns or current.stamp_ns in self.own:
             return
+        if current.by_ckptcache and 0 <= current.stamp_ns <= self.seen:
+            return  # a save this one followed, persisted after this one began
         if current.stamp_ns in self.newer:
             raise NewerObjectExists(f"{path} holds a newer generation saved on this node")
         if self.base is None:

@@ -276,6 +276,9 @@ class OpenRequest(PathMessage):
     need_digests: bool = False
     #: The most the client waits for the reply (s): bounds a fetch from peers or storage.
     timeout: float | None = None
+    #: While the cluster's coordinator is unreachable, serve this node's copy although a
+    #: newer save may exist elsewhere (else CoordinatorUnavailable).
+    allow_stale: bool = False
 
 
 @message

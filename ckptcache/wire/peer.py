@@ -111,6 +111,12 @@ class PushRequest(_Extent, _CopyHead):
     manifest: str
     skeleton_digest: int
     committed: float
+    #: The origin's stamp of the save, exact (``committed`` is for clocks only; 0: unknown).
+    committed_ns: int = 0
+
+    def __post_init__(self) -> None:
+        _copy_head(self)  # not super(): a slots dataclass is a new class without its cell
+        _non_negative(self, "committed_ns")
 
 
 @message
@@ -168,6 +174,12 @@ class ObjectHead(_Extent, _CopyHead):
     persisted: bool = False
     #: When its content was saved (wall clock, s; 0: unknown): the receiver's copy keeps it.
     committed: float = 0.0
+    #: The same, the save's exact stamp in ns (0: unknown).
+    committed_ns: int = 0
+
+    def __post_init__(self) -> None:
+        _copy_head(self)  # not super(): a slots dataclass is a new class without its cell
+        _non_negative(self, "committed_ns")
 
 
 @message
@@ -179,9 +191,11 @@ class RelayHead(_Extent):
     persisted: bool = False
     #: When its content was saved (wall clock, s; 0: unknown).
     committed: float = 0.0
+    #: The same, the save's exact stamp in ns (0: unknown).
+    committed_ns: int = 0
 
     def __post_init__(self) -> None:
-        _non_negative(self, "nbytes", "manifest_offset", "manifest_size")
+        _non_negative(self, "nbytes", "manifest_offset", "manifest_size", "committed_ns")
         _wall_clock(self, "committed")
 
 

@@ -18,6 +18,7 @@ from ckptcache.server.coord import EmbeddedCoordinator, NodeInfo, keys
 from ckptcache.server.coord.records import (
     HolderRecord,
     InFlightRecord,
+    LatestRecord,
     LoaderRecord,
     MalformedRecord,
     PersistedRecord,
@@ -47,6 +48,7 @@ def test_every_key_is_the_string_daemons_have_always_used():
     assert keys.rep_key(PH, DIGEST) == "reps/ab12/cd34"
     assert keys.persisted_prefix(PH) == "persisted/ab12/"
     assert keys.persisted_key(PH, DIGEST) == "persisted/ab12/cd34"
+    assert keys.latest_key(PH) == "latest/ab12"
 
 
 def test_prefixes_cover_their_keys_and_digest_of_reads_the_slot():
@@ -63,15 +65,22 @@ def test_prefixes_cover_their_keys_and_digest_of_reads_the_slot():
 
 # --- records --------------------------------------------------------------------------------
 
+#: A save stamp in ns: more bits than a float keeps, so it must come back exact.
+STAMP = 1_765_000_000_123_456_789
+
 WIRE = [  # (record, the JSON object every version writes for it)
-    (HolderRecord("n1", "/p", 3, 12.5, "n0"),
-     {"node": "n1", "path": "/p", "generation": 3, "committed": 12.5, "origin": "n0"}),
+    (HolderRecord("n1", "/p", 3, 12.5, "n0", STAMP, STAMP - 7),
+     {"node": "n1", "path": "/p", "generation": 3, "committed": 12.5, "origin": "n0",
+      "committed_ns": STAMP, "seen": STAMP - 7}),
     (InFlightRecord("n1", 7.0), {"node": "n1", "committed": 7.0}),
     (RepRecord("n1", 8.0), {"node": "n1", "since": 8.0}),
     (WriterRecord("n1", DIGEST), {"node": "n1", "digest": DIGEST}),
     (LoaderRecord("n1"), {"node": "n1"}),
-    (PersistedRecord("n1", "/p.conflict-cd34", 9.0, 4.0),
-     {"node": "n1", "path": "/p.conflict-cd34", "time": 9.0, "committed": 4.0}),
+    (PersistedRecord("n1", "/p.conflict-cd34", 9.0, 4.0, STAMP),
+     {"node": "n1", "path": "/p.conflict-cd34", "time": 9.0, "committed": 4.0,
+      "committed_ns": STAMP}),
+    (LatestRecord("n1", "/p", 5, STAMP),
+     {"node": "n1", "path": "/p", "generation": 5, "committed_ns": STAMP}),
 ]  # fmt: skip
 
 
@@ -85,6 +94,7 @@ def test_a_record_writes_the_same_fields_and_reads_back_equal(record, wire):
 def test_fields_an_older_writer_left_out_take_the_defaults_readers_assumed():
     old = HolderRecord.from_dict({"node": "n1", "path": "/p", "generation": 1, "committed": 5})
     assert old == HolderRecord("n1", "/p", 1, 5.0, "")
+    assert (old.committed_ns, old.seen) == (0, -1)  # no stamp; races with nothing
     assert old.saver == "n1"  # no origin: the holder's own save
     assert HolderRecord.from_dict({"node": "n1", "origin": None}).saver == "n1"
     assert HolderRecord("n2", origin="n1").saver == "n1"
@@ -108,6 +118,7 @@ MALFORMED = [  # (record type, value, words the error must say)
     (WriterRecord, {"node": "n", "digest": 5}, "digest is not a string"),
     (LoaderRecord, "n1", "str, not an object"),
     (PersistedRecord, {"node": "n", "path": "/p", "time": {}}, "time is not a number"),
+    (LatestRecord, {"node": "n", "committed_ns": 1.5}, "committed_ns is not a whole number"),
 ]  # fmt: skip
 
 

@@ -6,6 +6,7 @@ Call order (one daemon)::
     coord.announce(key, value)       # leased keys: vanish when the node's lease expires
     coord.elect(key, value) -> bool  # create-if-absent under the lease: one winner per key
     coord.record(key, value)         # durable keys (no lease): survive every node
+    coord.advance(key, value, field) # durable, moves only forward in ``field`` (atomic)
     coord.get(key) / coord.scan(prefix) / coord.live_nodes()
     coord.wait_change(timeout)       # until a key may have changed (no request)
     coord.close()                    # revoke the lease: announcements and elections end now
@@ -41,6 +42,7 @@ __all__ = [
     "Coordinator",
     "CoordinatorUnavailable",
     "NodeInfo",
+    "order_of",
     "read_node",
     "sign_node",
     "verify_node",
@@ -103,6 +105,12 @@ def verify_node(node: NodeInfo, secret: bytes, prefix: str) -> bool:
     return bool(node.sig) and hmac.compare_digest(node.sig, _node_mac(node, secret, prefix))
 
 
+def order_of(value: dict[str, Any] | None, field: str) -> int:
+    """The integer ``field`` of a value :meth:`Coordinator.advance` keeps (-1: none)."""
+    found = None if value is None else value.get(field)
+    return found if isinstance(found, int) and not isinstance(found, bool) else -1
+
+
 def read_node(key: str, raw: object) -> NodeInfo | None:
     """The node record of ``key``, or None (logged) when it is malformed: a record nobody's
     daemon wrote names no node to dial, and must not stop the others from being listed."""
@@ -148,6 +156,16 @@ class Coordinator(abc.ABC):
     @abc.abstractmethod
     def record(self, key: str, value: dict[str, Any]) -> None:
         """Put a durable key (no lease)."""
+
+    @abc.abstractmethod
+    def advance(
+        self, key: str, value: dict[str, Any], field: str
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """Put the durable ``key`` to ``value`` unless it holds a value whose integer
+        ``field`` is not smaller than ``value``'s, in one atomic step (a compare-and-swap: no
+        put in between is lost or overwritten by an older one). Returns whether ``value`` was
+        put, and the value found there before (the newer one that stayed, when it was not).
+        A value whose ``field`` is missing or not an integer counts as the oldest."""
 
     @abc.abstractmethod
     def get(self, key: str) -> dict[str, Any] | None:

@@ -80,6 +80,12 @@ class CountingCoordinator(Coordinator):
         self._count("record")
         self.inner.record(key, value)
 
+    def advance(
+        self, key: str, value: dict[str, Any], field: str
+    ) -> tuple[bool, dict[str, Any] | None]:
+        self._count("advance")
+        return self.inner.advance(key, value, field)
+
     def get(self, key: str) -> dict[str, Any] | None:
         self._count("get")
         return self.inner.get(key)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 from typing import Any
 
-from ckptcache.server.coord.base import Coordinator, NodeInfo
+from ckptcache.server.coord.base import Coordinator, NodeInfo, order_of
 from ckptcache.server.coord.keys import node_key
 
 __all__ = ["EmbeddedCoordinator"]
@@ -61,6 +61,18 @@ class EmbeddedCoordinator(Coordinator):
         with self._lock:
             self._store[self.prefix + key] = value
             self._lock.notify_all()
+
+    def advance(
+        self, key: str, value: dict[str, Any], field: str
+    ) -> tuple[bool, dict[str, Any] | None]:
+        with self._lock:
+            found = self._store.get(self.prefix + key)
+            before = dict(found) if found is not None else None
+            if order_of(before, field) >= order_of(value, field):
+                return False, before
+            self._store[self.prefix + key] = dict(value)
+            self._lock.notify_all()
+            return True, before
 
     def get(self, key: str) -> dict[str, Any] | None:
         with self._lock:

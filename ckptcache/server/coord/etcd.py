@@ -32,6 +32,7 @@ from ckptcache.server.coord.base import (
     Coordinator,
     CoordinatorUnavailable,
     NodeInfo,
+    order_of,
     read_node,
 )
 from ckptcache.server.coord.keys import NODES, node_key
@@ -225,6 +226,30 @@ class EtcdCoordinator(Coordinator):
 
     def record(self, key: str, value: dict[str, Any]) -> None:
         self._put(key, value, lease=False)
+
+    def advance(
+        self, key: str, value: dict[str, Any], field: str
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """A read, then a transaction that puts only if the key's revision is still the one
+        read (0: absent); lost to a concurrent put, it reads again (each pass one put was
+        made, so it ends)."""
+        full = self.prefix + key
+        encoded = _b64(full.encode())
+        while True:
+            found = self._guard("get", self._client.get, full, metadata=True)
+            before = _decode(key, found[0][0]) if found else None
+            if order_of(before, field) >= order_of(value, field):
+                return False, before
+            revision = int(found[0][1].get("mod_revision", 0)) if found else 0
+            result = self._guard("advance", self._client.transaction, {
+                "compare": [{"key": encoded, "result": "EQUAL", "target": "MOD",
+                             "mod_revision": revision}],
+                "success": [{"request_put": {"key": encoded,
+                                             "value": _b64(json.dumps(value).encode())}}],
+                "failure": [],
+            })  # fmt: skip
+            if result.get("succeeded", False):
+                return True, before
 
     def get(self, key: str) -> dict[str, Any] | None:
         values = self._guard("get", self._client.get, self.prefix + key)

@@ -10,6 +10,7 @@ Keys are relative to the coordinator's prefix (``/ckptcache/<cluster>/<job>/``).
     loads/<path_hash>                            leased  the group's storage reader
     reps/<path_hash>/<digest>                    leased  elected representative of a group
     persisted/<path_hash>/<digest>               durable the group's persisted record
+    latest/<path_hash>                           durable the cluster's newest save of a path
 
 These strings are the wire between daemons of different versions sharing one etcd: a change
 here is a protocol change, so the unit tests pin each one.
@@ -25,6 +26,7 @@ __all__ = [
     "holder_key",
     "holders_prefix",
     "inflight_key",
+    "latest_key",
     "load_key",
     "node_key",
     "persisted_key",
@@ -88,6 +90,11 @@ def persisted_prefix(ph: str) -> str:
 def persisted_key(ph: str, digest: str) -> str:
     """The durable record that content ``digest`` of the path ``ph`` was persisted."""
     return f"{persisted_prefix(ph)}{digest}"
+
+
+def latest_key(ph: str) -> str:
+    """The durable record of the newest save of the path ``ph``, whichever node made it."""
+    return f"latest/{ph}"
 
 
 def digest_of(key: str) -> str:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
-from dataclasses import dataclass, fields
+from dataclasses import MISSING, dataclass, fields
 from typing import Any, ClassVar, Self, TypeVar, cast
 
 from ckptcache.errors import CkptCacheError
@@ -26,6 +26,7 @@ from ckptcache.errors import CkptCacheError
 __all__ = [
     "HolderRecord",
     "InFlightRecord",
+    "LatestRecord",
     "LoaderRecord",
     "MalformedRecord",
     "PersistedRecord",
@@ -64,12 +65,19 @@ def _text(raw: Mapping[str, Any], name: str, kind: str, default: str = "") -> st
     return value
 
 
-def _number(raw: Mapping[str, Any], name: str, kind: str) -> float:
-    value = raw.get(name, 0)
+def _number(
+    raw: Mapping[str, Any], name: str, kind: str, *, integral: bool, default: float = 0
+) -> float | int:
+    value = raw.get(name, default)
     # bool is an int to Python but never a time or a count on the wire.
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise MalformedRecord(f"{kind} record's {name} is not a number: {value!r}")
-    return float(value)
+    if not integral:
+        return float(value)
+    # A stamp in ns needs 61 bits: through a float it would come back up to 256 ns off.
+    if isinstance(value, float) and not value.is_integer():
+        raise MalformedRecord(f"{kind} record's {name} is not a whole number: {value!r}")
+    return int(value)
 
 
 class _Record:
@@ -95,8 +103,9 @@ class _Record:
             elif f.type == "str":
                 values[f.name] = _text(m, f.name, cls.KIND)
             else:  # a time or a count
-                number = _number(m, f.name, cls.KIND)
-                values[f.name] = int(number) if f.type == "int" else number
+                default = 0 if f.default is MISSING else f.default
+                values[f.name] = _number(m, f.name, cls.KIND, integral=f.type == "int",
+                                         default=default)  # fmt: skip
         for name in cls.REQUIRED:
             if not values[name]:
                 raise MalformedRecord(f"{cls.KIND} record has no {name}")
@@ -107,7 +116,9 @@ class _Record:
 class HolderRecord(_Record):
     """``holders/<ph>/<digest>/<node>``: ``node`` holds generation ``generation`` of
     ``path``, committed at ``committed`` (wall clock) by ``origin`` (a backup copy is its
-    origin's save; ``""`` for the node's own)."""
+    origin's save; ``""`` for the node's own); ``committed_ns`` is the save's stamp, exact
+    (0 from a writer that predates it), and ``seen`` the stamp of the newest save of the path
+    the save followed (-1: not known, a copy; see :func:`ckptcache.server.truth.races`)."""
 
     KIND: ClassVar[str] = "holder"
     node: str
@@ -115,6 +126,8 @@ class HolderRecord(_Record):
     generation: int = 0
     committed: float = 0.0
     origin: str = ""
+    committed_ns: int = 0
+    seen: int = -1
 
     @property
     def saver(self) -> str:
@@ -170,11 +183,26 @@ class PersistedRecord(_Record):
     path: str
     time: float = 0.0
     committed: float = 0.0
+    #: The content's save stamp, exact (0 from a writer that predates it).
+    committed_ns: int = 0
 
     @property
     def sidecar(self) -> bool:
         """Whether the content went beside the path (a digest disagreement's loser)."""
         return ".conflict-" in self.path
+
+
+@dataclass(frozen=True)
+class LatestRecord(_Record):
+    """``latest/<ph>`` (durable): the newest save of the path in the whole cluster, whichever
+    node made it: ``node`` saved it as its generation ``generation`` with the stamp
+    ``committed_ns`` (a hybrid logical clock, later than every save of the path it followed)."""
+
+    KIND: ClassVar[str] = "latest"
+    node: str
+    path: str = ""
+    generation: int = 0
+    committed_ns: int = 0
 
 
 R = TypeVar("R", bound=_Record)

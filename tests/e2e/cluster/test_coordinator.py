@@ -64,6 +64,36 @@ class Conformance:
         assert b.get("writer/x") == {"node": "b"}
         b.close()
 
+    def test_advance_moves_a_record_only_forward_and_loses_no_put(self):
+        a, b = self.make(), self.make()
+        a.join(NodeInfo("a", "h", ""))
+        b.join(NodeInfo("b", "h", ""))
+        stamp = 1_765_000_000_123_456_789  # a stamp in ns: beyond a float's 53 bits
+        assert a.advance("latest/p", {"node": "a", "ns": stamp}, "ns") == (True, None)
+        assert b.advance("latest/p", {"node": "b", "ns": stamp}, "ns") == (
+            False, {"node": "a", "ns": stamp},
+        )  # fmt: skip
+        assert b.advance("latest/p", {"node": "b", "ns": stamp + 1}, "ns") == (
+            True, {"node": "a", "ns": stamp},
+        )  # fmt: skip
+        assert a.get("latest/p") == {"node": "b", "ns": stamp + 1}  # exact, not a float's
+        # Racing advances: every one lands or finds a newer one, and the newest stays.
+        results: list[bool] = []
+        threads = [
+            threading.Thread(target=lambda c=c, i=i: results.append(
+                c.advance("latest/q", {"ns": stamp + i}, "ns")[0]))
+            for i, c in enumerate([a, b] * 8)
+        ]  # fmt: skip
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert a.get("latest/q") == {"ns": stamp + 15} and True in results
+        a.record("latest/r", {"ns": "not a number"})  # a hand edit: counts as the oldest
+        assert a.advance("latest/r", {"ns": 1}, "ns")[0] is True
+        a.close()
+        b.close()
+
     def test_records_are_durable_and_scans_are_relative(self):
         a, b = self.make(), self.make()
         a.join(NodeInfo("a", "h", ""))

@@ -7,7 +7,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ckptcache.errors import CheckpointNotFound, CorruptCheckpoint, ReplicationError
+from ckptcache.errors import (
+    CheckpointNotFound,
+    CoordinatorUnavailable,
+    CorruptCheckpoint,
+    ReplicationError,
+)
 from tests.e2e.local.test_corrupt import flip_bytes_of
 from tests.helpers import EtcdServer, assert_same, read_only_dir, wait_until
 
@@ -114,20 +119,40 @@ def test_etcd_lost_between_write_and_record(cluster_factory, tmp_path, own_etcd)
     assert [k for k in keys if "/persisted/" in k]
 
 
-def test_etcd_outage_loads_fall_back_to_storage(own_etcd, cluster_factory, tmp_path):
+def test_etcd_outage_loads_say_so_unless_stale_bytes_are_accepted(own_etcd, cluster_factory,
+                                                                    tmp_path):  # fmt: skip
+    """While etcd is down, no node can know whether another saved the path since: a load
+    raises CoordinatorUnavailable, from memory or storage alike, and returns the possibly
+    older bytes only to a client that opted in."""
     # own_etcd first: it is torn down after the daemons, which leave it cleanly.
     root = tmp_path / "ckpt"
     nodes = cluster_factory(2, "--persist-root", str(root), etcd=own_etcd)
-    path = root / "m.pt"
-    with nodes[0].client() as c:
+    path, held = root / "m.pt", root / "held.pt"
+    with nodes[0].client() as c, nodes[0].client(allow_stale=True) as stale:
         c.save(state(4), path, durability="persisted")
+        c.save(state(6), held, durability="persisted")
         c.delete(path)
         own_etcd.stop()
-        assert_same(state(4), c.load(path, verify=True))  # storage, not an error
+        for p in (path, held):  # in storage only / in this node's memory
+            with pytest.raises(CoordinatorUnavailable, match="coordinator is unreachable"):
+                c.load(p)
+        assert_same(state(4), stale.load(path, verify=True))  # storage, as opted in
+        assert_same(state(6), stale.load(held, verify=True))  # this node's memory
         wait_until(lambda: nodes[0].status().cluster_nodes == ())  # membership view expired
         with pytest.raises(ReplicationError, match="coordinator is unreachable"):
             c.save(state(5), root / "other.pt", durability="backup")
     own_etcd.start()
+    with nodes[0].client() as c:  # back: the answer is known again
+        wait_until(lambda: _loads(c, held), timeout=30)
+        assert_same(state(6), c.load(held))
+
+
+def _loads(c, path) -> bool:
+    try:
+        c.load(path)
+    except CoordinatorUnavailable:
+        return False
+    return True
 
 
 def _holds(d, path) -> bool:

@@ -18,7 +18,8 @@ FORGED = "2026-01-01 00:00:00,000 ERROR ckptcache.daemon: FORGED by a path"
 def test_a_path_with_a_line_break_writes_no_forged_line(cluster_factory, tmp_path):
     root = tmp_path / "ckpt"
     root.mkdir()
-    a, b = cluster_factory(2, "--persist-root", str(root))
+    # DEBUG: routine lines (a persist, a group's persist) name the path too.
+    a, b = cluster_factory(2, "--persist-root", str(root), "--log-level", "DEBUG")
     path = root / f"model\n{FORGED}\x1b[2K\u2028.pt"
     with a.client() as ca:
         ca.save({"w": torch.arange(1024)}, path, durability="backup")

@@ -24,7 +24,7 @@ def test_resave_replaces_the_path_although_the_backup_holds_the_old_save(cluster
         ca.save(state(1), path, durability="backup")
         wait_until(lambda: ca.status(path).persist_state == "persisted", timeout=60)
         assert b.info(path).generation >= 1  # b holds the old save as a's backup copy
-        ca.save(state(2), path, durability="persisted")  # well within conflict_window
+        ca.save(state(2), path, durability="persisted")  # seconds after the first
         assert not ca.status(path).conflict
     assert_same(state(2), torch.load(path, weights_only=True))
     assert sorted(p.name for p in path.parent.iterdir()) == ["model.pt"]  # no .conflict-*

@@ -1,0 +1,135 @@
+"""One truth across nodes: the newest save of each path, whichever node made it.
+
+Every node may save a path (a job's rank 0 comes back on another node after a failure and
+saves ``last.pt`` again), and every node may hold an older copy (a backup copy, a load's copy,
+its own earlier save). Which one is the newest is one answer for the whole cluster: the
+durable coordinator record ``latest/<path>`` (:class:`LatestRecord`), which only ever moves
+forward (:meth:`Coordinator.advance`, a compare-and-swap on etcd).
+
+Call order per save (the saves' hooks)::
+
+    seen = truth.seen(namespace, path)   # reserve: the newest save's stamp (1 coordinator read)
+    ... the stamp is made later than ``seen`` (a hybrid logical clock) ...
+    truth.publish(gen)                   # commit, before the save returns (1 read, 1 put)
+
+and per load of the newest generation::
+
+    record = truth.newest(namespace, path)   # 1 coordinator read; a copy older is not served
+
+Two saves *race* when neither saw the other at its reserve (``seen``): saves made on other
+nodes at the same time with different content. Only then do contents of one path conflict
+(:mod:`ckptcache.server.election`); a save made after every earlier one completed is the
+newest, whatever its node held before, and storage gets it.
+
+While the coordinator is unreachable a save still commits (a checkpoint error never stops
+training): its record is put once the coordinator answers, and until then other nodes do not
+know it (say so in Guarantees). A load that cannot read the record raises
+:class:`CoordinatorUnavailable` unless the client opted in to possibly-stale bytes.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import TYPE_CHECKING
+
+from ckptcache.format.manifest import object_digest
+from ckptcache.server.backoff import Backoff
+from ckptcache.server.coord import CoordinatorUnavailable, keys
+from ckptcache.server.coord.records import HolderRecord, LatestRecord, parse_all, parse_one
+from ckptcache.server.membership import Membership, path_hash
+
+if TYPE_CHECKING:
+    from ckptcache.server.index import Generation
+
+__all__ = ["UNSEEN", "Truth", "races"]
+
+log = logging.getLogger(__name__)
+
+#: ``seen`` of a generation that is not a save of this node (a copy), or was made by a
+#: version that did not record it: it races with nothing.
+UNSEEN = -1
+
+#: Putting a save's record while the coordinator is unreachable: tried again at this pace.
+PUBLISH_RETRY = Backoff(0.2, 5.0)
+
+
+def races(seen_a: int, stamp_a: int, seen_b: int, stamp_b: int) -> bool:
+    """Whether two saves of one path overlapped: neither had seen the other when it began.
+    A save whose ``seen`` is :data:`UNSEEN` races with nothing."""
+    if seen_a == UNSEEN or seen_b == UNSEEN:
+        return False
+    return seen_a < stamp_b and seen_b < stamp_a
+
+
+class Truth:
+    """This node's view of, and part in, the cluster's newest save of each path."""
+
+    def __init__(self, membership: Membership, stop: threading.Event):
+        self.membership = membership
+        self._stop = stop
+
+    def newest(self, namespace: str, path: str) -> LatestRecord | None:
+        """The cluster's newest save of ``path`` (None: no save recorded); raises
+        :class:`CoordinatorUnavailable`."""
+        key = keys.latest_key(path_hash(namespace, path))
+        return parse_one(LatestRecord, key, self.membership.coord.get(key))
+
+    def holds(self, gen: Generation, stamp: int) -> bool:
+        """Whether the save stamped ``stamp`` has the same content as ``gen`` (whose digests
+        are known), as its holders announce it: one scan of the path's holders."""
+        ph = path_hash(gen.namespace, gen.path)
+        digest = object_digest(gen.digests or [])
+        scanned = self.membership.coord.scan(keys.group_prefix(ph, digest))
+        return any(h.committed_ns == stamp for h in parse_all(HolderRecord, scanned).values())
+
+    def seen(self, namespace: str, path: str) -> int:
+        """The stamp of the newest save of ``path`` a save beginning now follows (0: none);
+        raises :class:`CoordinatorUnavailable`."""
+        record = self.newest(namespace, path)
+        return record.committed_ns if record is not None else 0
+
+    def publish(self, gen: Generation) -> None:
+        """Make ``gen``, a save just committed here, the cluster's newest save of its path
+        (unless a newer one is recorded already). Through an outage it is put once the
+        coordinator answers (in the background)."""
+        record = LatestRecord(self.membership.node.node_id, gen.path, gen.number,
+                              gen.committed_ns)  # fmt: skip
+        try:
+            self._advance(gen, record)
+        except CoordinatorUnavailable as e:
+            log.warning("cannot record %s generation %d as the newest save yet (%s); retrying",
+                        gen.path, gen.number, e)  # fmt: skip
+            threading.Thread(target=self._retry, args=(gen, record), name="latest-record",
+                             daemon=True).start()  # fmt: skip
+
+    def _advance(self, gen: Generation, record: LatestRecord) -> None:
+        key = keys.latest_key(path_hash(gen.namespace, gen.path))
+        coord = self.membership.coord
+        put, before = coord.advance(key, record.to_dict(), "committed_ns")
+        found = parse_one(LatestRecord, key, before)
+        if found is None or found.node == record.node:
+            return
+        if gen.seen_ns != UNSEEN and found.committed_ns > gen.seen_ns:
+            # A save of another node landed after this one began: they overlapped. The newer
+            # stamp is the newest either way; if their contents differ, the persist election
+            # reports the conflict on both nodes (from the holders' ``seen``).
+            log.warning(
+                "%s generation %d was saved while node %s saved it too (%s is newer)",
+                gen.path,
+                gen.number,
+                found.node,
+                "this one" if put else "that one",
+            )
+
+    def _retry(self, gen: Generation, record: LatestRecord) -> None:
+        failures = 0
+        while not self._stop.wait(PUBLISH_RETRY.delay(failures)):
+            try:
+                self._advance(gen, record)
+            except CoordinatorUnavailable:
+                failures += 1
+                continue
+            log.info("recorded %s generation %d as the newest save after a coordinator outage",
+                     gen.path, gen.number)  # fmt: skip
+            return

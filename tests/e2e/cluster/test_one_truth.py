@@ -1,0 +1,143 @@
+"""One truth across nodes: successive saves of one path from different nodes.
+
+A job whose rank 0 comes back on another node after a failure saves ``last.ckpt`` (or any
+fixed name) again there. That save is the newest, whatever the new node held before: storage
+gets it, and every node's next load returns it, never the copy a node kept from an earlier
+generation.
+"""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+import torch
+
+from tests.e2e.cluster.test_cluster import state
+from tests.helpers import assert_same, read_only_dir, wait_until
+
+
+def _save(node, obj, path, **kwargs):
+    with node.client() as c:
+        c.save(obj, path, durability="persisted", **kwargs)
+        st = c.status(path)
+        assert st.persist_state == "persisted", st
+        assert not st.conflict, st
+
+
+def _load(node, path):
+    with node.client() as c:
+        return c.load(path)
+
+
+def _stored(path, s3=None):
+    if s3 is None:
+        return torch.load(path, weights_only=True)
+    bucket, key = path[len("s3://") :].split("/", 1)
+    body = s3.get_object(Bucket=bucket, Key=key)["Body"].read()
+    return torch.load(io.BytesIO(body), weights_only=True)
+
+
+def _generations_from_three_nodes(nodes, path, s3=None):
+    a, b, c = nodes
+    _save(a, state(1), path)
+    assert_same(state(1), _load(b, path))
+    assert_same(state(1), _load(c, path))
+    _save(a, state(2), path)
+    assert_same(state(2), _stored(path, s3))
+    for node in nodes:  # b and c held generation 1 in memory: it is not the newest now
+        assert_same(state(2), _load(node, path))
+    _save(c, state(3), path)  # a node that held an older copy saves the newest
+    assert_same(state(3), _stored(path, s3))
+    for node in nodes:
+        assert_same(state(3), _load(node, path))
+
+
+def test_file_path_saved_from_three_nodes(cluster_factory, tmp_path):
+    root = tmp_path / "ckpt"
+    nodes = cluster_factory(3, "--persist-root", str(root))
+    path = root / "run" / "last.pt"
+    _generations_from_three_nodes(nodes, str(path))
+    assert sorted(p.name for p in path.parent.iterdir()) == ["last.pt"]  # no .conflict-*
+
+
+def test_s3_path_saved_from_three_nodes(cluster_factory, s3_server, s3_bucket):
+    nodes = cluster_factory(3, "--persist-root", f"s3://{s3_bucket}/run",
+                            "--s3-endpoint-url", s3_server.endpoint)  # fmt: skip
+    path = f"s3://{s3_bucket}/run/last.pt"
+    s3 = s3_server.client()
+    _generations_from_three_nodes(nodes, path, s3)
+    keys = [o["Key"] for o in s3.list_objects_v2(Bucket=s3_bucket).get("Contents", [])]
+    assert keys == ["run/last.pt"]
+
+
+@pytest.mark.parametrize("durability", ["local", "backup"])
+def test_a_node_never_serves_its_copy_after_another_node_saved(cluster_factory, tmp_path,
+                                                              durability):  # fmt: skip
+    """Not yet persisted: the newer save is in the saver's memory (and its backup's) only."""
+    root = tmp_path / "ckpt"
+    a, b, c = cluster_factory(3, "--persist-root", str(root))
+    path = root / "run" / "last.pt"
+    _save(a, state(1), path)
+    assert_same(state(1), _load(c, path))
+    with b.client() as cb:
+        cb.save(state(2), path, durability=durability)
+    for node in (a, b, c):
+        assert_same(state(2), _load(node, path))
+
+
+def test_a_representative_killed_mid_persist_and_restarted_saves_again(cluster_factory, tmp_path):
+    """The standby persists the group's content; the restarted representative finds its own
+    generation on storage (the same save, stamped the same to the ns on both nodes: a stamp
+    that came through a float was a few ns off and read as another writer's conflict, which
+    held the node's budget) and its next save fits."""
+    root = tmp_path / "ckpt"
+    target = root / "run"
+    target.mkdir(parents=True)
+    nodes = cluster_factory(2, "--persist-root", str(root), "--memory-limit", "256MiB")
+    path = target / "model.pt"
+    big = state(1, n=40 << 20 >> 2)  # 40 MiB: two of them and a backup copy fill the budget
+    with read_only_dir(target):  # the persist fails and retries: the representative is known
+        with nodes[0].client() as c:
+            c.save(big, path, durability="backup")
+        wait_until(lambda: sorted(d.info(path).persist_state for d in nodes)
+                   == ["persisting", "standby"], timeout=60)  # fmt: skip
+        rep = next(d for d in nodes if d.info(path).persist_state == "persisting")
+        rep.kill()
+    standby = next(d for d in nodes if d is not rep)
+    wait_until(lambda: standby.info(path).persist_state == "persisted", timeout=60)
+    rep.start()
+    wait_until(lambda: rep.info(path).persist_state == "persisted", timeout=60)
+    assert "another ckptcache writer" not in rep.log()
+    with rep.client() as c:
+        for step in (2, 3, 4):
+            c.save(state(step, n=40 << 20 >> 2), path, durability="persisted")
+            assert not c.status(path).conflict
+    assert_same(state(4, n=40 << 20 >> 2), torch.load(path, weights_only=True))
+
+
+def test_a_later_save_replaces_an_earlier_one_persisted_after_it_began(cluster_factory,
+                                                                      tmp_path):  # fmt: skip
+    """Node a saves, node b saves the path after it; both persists are held up, and a's lands
+    first. b's save followed a's: storage gets b's, never a conflict (nor a's kept)."""
+    root = tmp_path / "ckpt"
+    target = root / "run"
+    target.mkdir(parents=True)
+    a, b = cluster_factory(2, "--persist-root", str(root), "--backup", "none")
+    path = target / "last.pt"
+    with read_only_dir(target):  # every persist fails and retries until the directory opens
+        with a.client() as ca:
+            ca.save(state(1), path)
+        with b.client() as cb:
+            cb.save(state(2), path)
+        # a holds the path's writer role, failing; b waits for it.
+        wait_until(lambda: a.info(path).persist_error and b.info(path).persist_state
+                   in ("queued", "persisting"))  # fmt: skip
+    wait_until(lambda: b.info(path).persist_state == "persisted", timeout=60)
+    assert not b.info(path).conflict
+    assert_same(state(2), torch.load(path, weights_only=True))
+    for node in (a, b):
+        assert_same(state(2), _load(node, path))
+    wait_until(lambda: a.info(path).generation != 1 or a.info(path).persist_state
+               in ("superseded", "persisted"), timeout=60)  # fmt: skip
+    assert sorted(p.name for p in target.iterdir()) == ["last.pt"]
