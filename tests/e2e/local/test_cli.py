@@ -195,24 +195,29 @@ def test_daemon_logs_no_line_per_connection_at_info(daemon, tmp_path):
 
 def test_daemon_logs_no_line_per_persist_at_info(daemon_factory, tmp_path):
     """The quick start's daemon logs into the user's terminal: each persist (one a save) was
-    an INFO line, 600 lines for 600 saves. They are at DEBUG: INFO names no saved path."""
+    an INFO line, 600 lines for 600 saves, and so was each eviction of a persisted generation
+    once the budget was full. Both are at DEBUG: INFO names no saved path."""
     root = tmp_path / "store"
     root.mkdir()
     for level in ("INFO", "DEBUG"):
-        d = daemon_factory("--memory-limit", "256MiB", "--persist-root", str(root),
-                           "--log-level", level)  # fmt: skip
-        paths = [str(root / level / f"iter_{i}" / "model.pt") for i in range(5)]
+        # 12 saves of 6 MiB persisted under a 48 MiB budget: the later ones evict earlier ones.
+        d = daemon_factory("--memory-limit", "48MiB", "--pool-bytes", "0",
+                           "--persist-root", str(root), "--log-level", level)  # fmt: skip
+        paths = [str(root / level / f"iter_{i}" / "model.pt") for i in range(12)]
         with d.client() as c:
             for p in paths:
-                c.save({"w": torch.full((1024,), 1.0)}, p)
-            for p in paths:
-                c.wait(p)  # persisted
+                c.save({"w": torch.full((6 << 18,), 1.0)}, p)
+                c.wait(p)  # persisted, so evictable
         lines = d.log().splitlines()
         assert any("ckptcache daemon ready" in line for line in lines)  # INFO is on
         info = [line for line in lines if " INFO " in line and any(p in line for p in paths)]
         assert info == [], info
         persisted = {p for p in paths for line in lines if f"persisted {p} generation" in line}
-        assert persisted == (set(paths) if level == "DEBUG" else set())  # at DEBUG, each
+        evicted = [line for line in lines if " DEBUG " in line and "evicting " in line]
+        if level == "DEBUG":  # each persist and each eviction is there, at DEBUG
+            assert persisted == set(paths) and evicted
+        else:
+            assert persisted == set() and evicted == []
 
 
 def test_restart_over_empty_leftover_segments_logs_no_error(daemon_factory):
