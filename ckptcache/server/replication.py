@@ -140,7 +140,9 @@ class Replication:
                           gen.path, t1 - t0, t2 - t1, t3 - t2, t4 - t3)  # fmt: skip
                 if isinstance(done, peer.Refused):
                     raise ReplicationError(f"{target.node_id} rejected: {done.message}")
-            log.info("backup copy of %s generation %d on %s", gen.path, gen.number, target.node_id)
+            # Routine, one a save: DEBUG (a failed copy raises, or is logged as a warning;
+            # status says where the replicas are).
+            log.debug("backup copy of %s generation %d on %s", gen.path, gen.number, target.node_id)
         finally:
             self.state.unpin(gen)
 
