@@ -332,8 +332,9 @@ class Persister:
             except CkptCacheError as e:  # the keys go with the lease
                 log.warning("could not step down for %s: %s", gen.path, e)
 
-    def _give_up_stale(self, gen: Generation, why: OSError) -> None:
-        """Never write: the user removed the directory, or storage holds a newer object."""
+    def _give_up_stale(self, gen: Generation, why: OSError, *, peer_saved: bool = False) -> None:
+        """Never write: the user removed the directory, or storage holds a newer object
+        (``peer_saved``: a newer save of the path made on another node)."""
         state = (
             PersistState.DROPPED if isinstance(why, DirectoryRemoved) else PersistState.SUPERSEDED
         )
@@ -347,7 +348,9 @@ class Persister:
             if isinstance(why, DirectoryRemoved):
                 gen.orphaned = True  # evictable now, dropped by the next sweep
             else:  # storage holds the newest save: serving this copy would be stale
-                self.retention.retire_older_than_locked(gen.key, gen.committed_ns + 1)
+                self.retention.retire_older_than_locked(
+                    gen.key, gen.committed_ns + 1, remember=not peer_saved
+                )
         self.state.lock.notify_all()
         if self.election is not None:
             self.election.failed(gen)
@@ -360,7 +363,7 @@ class Persister:
         if self.election is not None and self.election.newer_saved(gen):
             self._give_up_stale(gen, NewerObjectExists(
                 f"{gen.path} holds a newer save of the path, made on another node"
-            ))  # fmt: skip
+            ), peer_saved=True)  # fmt: skip
             return
         log.error("not persisting %s generation %d: %s", gen.path, gen.number, why)
         with self.state.lock.held():

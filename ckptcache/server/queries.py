@@ -13,6 +13,7 @@ from collections.abc import Callable
 
 from ckptcache._version import __version__
 from ckptcache.hugepages import huge_policy
+from ckptcache.server import ownership
 from ckptcache.server.config import DaemonConfig
 from ckptcache.server.index import Generation
 from ckptcache.server.persist import Persister
@@ -65,10 +66,22 @@ class Queries:
         )  # fmt: skip
 
     def stat(self, session: Session, req: m.StatRequest) -> m.ObjectInfo:
-        """Status of a path's newest generation."""
+        """Status of a path's newest generation; of its last save, ``superseded``, when
+        storage superseded it and no newer save came since (server/superseded.py)."""
         with self.state.lock.held():
+            superseded = self._superseded_locked(session, (req.namespace, req.path))
+            if superseded is not None:
+                return superseded
             gen = self.state.lookup_visible_locked(req.namespace, req.path, None, session)
             return self.info(gen)
+
+    def _superseded_locked(self, session: Session, key: tuple[str, str]) -> m.ObjectInfo | None:
+        """The record of ``key``'s last save if storage superseded it and ``session`` may
+        see it, else None (under the lock)."""
+        record = self.state.superseded.get(key)
+        if record is None or not ownership.may_see(self.state, session, record):
+            return None
+        return record.info
 
     def list(self, session: Session, req: m.ListRequest) -> m.ListReply:
         """Newest generation of every path under a prefix."""
@@ -150,6 +163,12 @@ class Queries:
 
     def _settled(self, session: Session, req: m.WaitRequest) -> m.WaitReply | None:
         """The answer if the watched objects have settled, else None (under the lock)."""
+        if not req.prefix:
+            superseded = self._superseded_locked(session, (req.namespace, req.path))
+            if superseded is not None:  # out of memory, never persisted: the newer write won
+                return m.WaitReply(
+                    superseded.generation, WaitState.SUPERSEDED, superseded.persist_error
+                )
         pending = self._pending(session, req)
         if not req.prefix and pending[0].persist_state == PersistState.DROPPED:
             return m.WaitReply(pending[0].number, WaitState.DROPPED, pending[0].persist_error)

@@ -14,6 +14,7 @@ import logging
 import threading
 import time
 
+from ckptcache.server import ownership
 from ckptcache.server.config import DaemonConfig
 from ckptcache.server.eviction import EvictionPolicy
 from ckptcache.server.index import Generation, Key
@@ -68,9 +69,12 @@ class Retention:
                 continue
             self.state.retire_locked(old)
 
-    def retire_older_than_locked(self, key: Key, stored_ns: int) -> None:
+    def retire_older_than_locked(self, key: Key, stored_ns: int, *, remember: bool) -> None:
         """Retire the generations of ``key`` committed before the object on storage: neither
-        served nor persisted, storage holds a newer save."""
+        served nor persisted, storage holds a newer save. With ``remember`` (a write made
+        outside the cache, not a newer save of another node), ``status`` goes on saying the
+        newest of them was superseded (server/superseded.py)."""
+        superseded = []
         for gen in self.state.index.generations(key):
             if gen.committed_ns < stored_ns:
                 log.warning(
@@ -81,7 +85,10 @@ class Retention:
                     self.state.persist_states.advance(
                         gen, PersistState.SUPERSEDED, needs_persist=False
                     )
+                    superseded.append(gen)
                 self.state.retire_locked(gen)
+        if remember:
+            self.state.remember_superseded_locked(key, superseded)
 
     def forget_replaced(self, key: Key) -> None:
         """Retire the persisted copies of ``key`` once the file they wrote was replaced on
@@ -128,6 +135,8 @@ class Retention:
                         gen, PersistState.SUPERSEDED, needs_persist=False
                     )
                 state.retire_locked(gen)
+            if self._may_see_superseded(session, (req.namespace, req.path)):
+                state.superseded.forget((req.namespace, req.path))  # the write is newer
             state.update_gauges()
         if gens:
             log.info("%s written through: %d older generation(s) retired", req.path, len(gens))
@@ -145,12 +154,21 @@ class Retention:
                 # The mark refuses backup copies still in transit; never set by a user over
                 # another user's copies (that would refuse the owner's backups here).
                 state.deleted[key] = time.time()
-            if not gens:
+            forgotten = self._may_see_superseded(session, key)
+            if forgotten:  # the user is done with the path: storage speaks for it again
+                state.superseded.forget(key)
+            if not gens and not forgotten:
                 state.lookup_visible_locked(req.namespace, req.path, None, session)  # raises
             for gen in gens:
                 state.retire_locked(gen)
             state.update_gauges()
         return m.DeleteReply(len(gens))
+
+    def _may_see_superseded(self, session: Session, key: Key) -> bool:
+        """Whether ``session`` may see (and so clear) the record of a superseded save of
+        ``key`` (under the lock)."""
+        record = self.state.superseded.get(key)
+        return record is not None and ownership.may_see(self.state, session, record)
 
     def drop_corrupt(self, namespace: str, path: str, number: int, detail: str) -> None:
         """Bad bytes were found in a generation: drop it so nobody loads it again."""

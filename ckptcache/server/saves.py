@@ -456,6 +456,8 @@ class Saves:
             if res.digests is not None:
                 self.digester.record(gen, res.digests)
             state.index.add(gen)
+            if not res.stored:  # a newer save (a copy read back from storage is not one)
+                state.superseded.forget(gen.key)
             lease = 0
             if pinned:  # held before anyone else can see it: nothing drops it meanwhile
                 state.pin_locked(gen)

@@ -32,6 +32,7 @@ from ckptcache.server.metrics import Metrics
 from ckptcache.server.ownership import Saver
 from ckptcache.server.persist_states import PersistStates
 from ckptcache.server.quiet import SavesInFlight
+from ckptcache.server.superseded import SupersededSaves
 from ckptcache.wire.states import PersistState, Tier
 
 __all__ = [
@@ -174,6 +175,9 @@ class CacheState:
         #: When each path was last deleted here (wall clock): backup copies of generations
         #: saved before that are refused, so a delete is not undone by a copy in transit.
         self.deleted: dict[Key, float] = {}
+        #: The last save of each path that storage superseded after it left memory: what
+        #: ``status`` and ``wait`` say of the path until a newer save (server/superseded.py).
+        self.superseded = SupersededSaves()
         #: Called (under the lock) with each generation leaving the index.
         self.on_retire: list[Callable[[Generation], None]] = []
         self._ids = itertools.count(1)
@@ -254,6 +258,16 @@ class CacheState:
         else:
             self.arena.release(gen.segment)
         self.lock.notify_all()
+
+    def remember_superseded_locked(self, key: Key, retired: list[Generation]) -> None:
+        """Keep the newest of ``retired`` (saves of ``key`` that storage superseded, just out
+        of memory) as what ``status`` says of the path, unless this node committed a newer
+        generation of it (still held, or persisted and gone since)."""
+        if not retired:
+            return
+        newest = max(retired, key=lambda g: g.number)
+        if self.index.newest(key) is None and self.index.next_number(key) == newest.number + 1:
+            self.superseded.remember(newest)
 
     # ----------------------------------------------------------------- lookups
 

@@ -101,6 +101,37 @@ def test_restart_never_persists_an_older_generation_over_a_newer_file(daemon_fac
     assert f"dropping {path} generation 1: storage holds a newer object" in d.log()
 
 
+def test_a_save_superseded_by_a_write_by_hand_says_superseded_until_saved_again(
+    daemon_factory, tmp_path
+):
+    root = tmp_path / "ckpt"
+    target = root / "iter_1"
+    target.mkdir(parents=True)
+    path = target / "model.pt"
+    torch.save(blob(0.1, 0), path)  # the file the save finds (its base)
+    cfg = config(tmp_path, persist_retries=100, persist_backoff=0.1, persist_backoff_max=0.2)
+    d = daemon_factory("--persist-root", str(root), "--config", cfg)
+    with d.client() as c:
+        with read_only_dir(target):  # the persist cannot create its temporary file yet
+            c.save(blob(1, 1), path)
+            wait_until(lambda: c.status(path).persist_error)
+            torch.save(blob(0.2, 9), path)  # overwritten in place by hand: the newer write
+        c.wait(path, timeout=60)
+        st = c.status(path)
+        assert (st.persist_state, st.generation, st.stages) == ("superseded", 1, ())
+        assert "replaced on storage after this save" in st.persist_error
+        assert [o.path for o in c.list()] == []  # nothing of it is held
+        assert c.load(path)["step"] == 9  # the hand-written file
+        assert c.status(path).persist_state == "superseded"  # a load is not a newer save
+    with d.client() as c:  # another connection is told the same
+        assert c.status(path).persist_state == "superseded"
+        c.save(blob(1, 2), path)  # a newer save replaces the record
+        c.wait(path, timeout=60)
+        st = c.status(path)
+        assert (st.persist_state, st.generation) == ("persisted", 2)
+    assert torch.load(path)["step"] == 2
+
+
 def test_persist_stamps_the_commit_time_and_skips_a_newer_file(daemon_factory, tmp_path):
     root = tmp_path / "ckpt"
     root.mkdir()
