@@ -19,6 +19,7 @@ import logging
 import os
 import time
 from collections.abc import Callable, Collection
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import KW_ONLY, dataclass, replace
 
 from ckptcache._units import format_bytes
@@ -103,6 +104,9 @@ class Saves:
         #: when a save begins (:meth:`ckptcache.server.truth.Truth.seen`; may raise
         #: CoordinatorUnavailable). None: this node's own saves are the only ones.
         self.newest_seen: Callable[[str, str], int] | None = None
+        #: Where that read runs: beside the client's copy, so a large save's stall does not
+        #: grow by a coordinator round trip (the commit waits for it).
+        self._reads = ThreadPoolExecutor(4, thread_name_prefix="newest-seen")
         #: The daemon's own session: copies received from peers or storage.
         self.internal = Session(0, os.getpid(), os.getuid())
         #: Each admitted user's share of the budget (see server/shares.py).
@@ -172,7 +176,9 @@ class Saves:
         saver = ownership.saver_for(session, req)
         anchor = anchor_of(req.path)  # which directories exist now (never resurrected later)
         base, base_stamp = observe_base(req.path) if persist else (None, 0)
-        seen = self._seen(session, req)
+        seen = None
+        if self.newest_seen is not None and session is not self.internal:
+            seen = self._reads.submit(self._seen, req)
         if req.durability == "backup" and not self.backup_ready:
             raise ReplicationError(
                 "durability='backup' needs backup nodes: start the daemons with --backup auto "
@@ -217,7 +223,7 @@ class Saves:
             self._prepare_record_locked(segment, req)
             res = Reservation(
                 state.next_id(), req.namespace, req.path, segment, req.nbytes, req.durability,
-                persist, saver, anchor=anchor, base=base, base_stamp=base_stamp, seen_ns=seen,
+                persist, saver, anchor=anchor, base=base, base_stamp=base_stamp, seen=seen,
             )  # fmt: skip
             session.reservations[res.id] = res
             state.saves_in_flight.begin()
@@ -225,13 +231,11 @@ class Saves:
             state.update_gauges()
         return m.ReserveReply(res.id, segment.name, segment.capacity)
 
-    def _seen(self, session: Session, req: m.ReserveRequest) -> int:
-        """The stamp of the newest save of the path this save follows, cluster-wide (-1 for
-        the daemon's own copies and without a cluster). Through a coordinator outage, this
-        node's own newest save of the path: the save still goes ahead, and may be reported
-        as racing with a save made elsewhere meanwhile."""
-        if self.newest_seen is None or session is self.internal:
-            return -1
+    def _seen(self, req: m.ReserveRequest) -> int:
+        """The stamp of the newest save of the path this save follows, cluster-wide. Through
+        a coordinator outage, this node's own newest save of the path: the save still goes
+        ahead, and may be reported as racing with a save made elsewhere meanwhile."""
+        assert self.newest_seen is not None
         try:
             return self.newest_seen(req.namespace, req.path)
         except CoordinatorUnavailable as e:
@@ -397,6 +401,8 @@ class Saves:
                 f"unknown reservation {req.reservation}: it was already committed or aborted"
             )
         state.saves_in_flight.end()  # its copy is done: background work may follow it
+        if res.seen is not None:
+            res.seen_ns = res.seen.result()  # read while the client copied
         segment = res.segment
         try:
             if pinned and (res.persist or res.durability != "memory" or res.origin):

@@ -19,6 +19,7 @@ import logging
 import os
 import time
 from collections.abc import Callable, Collection, Iterable
+from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
 
 from ckptcache.errors import CheckpointNotFound, CkptCacheError, CorruptCheckpoint, InvalidPath
@@ -79,8 +80,10 @@ class Reservation:
     #: and its stamp (ns; 0 none).
     base: str | None = None
     base_stamp: int = 0
-    #: The stamp of the cluster's newest save of the path when this one began (-1: a copy).
+    #: The stamp of the cluster's newest save of the path when this one began (-1: a copy,
+    #: or no cluster), once ``seen`` (its read, begun at the reservation) is done.
     seen_ns: int = -1
+    seen: Future[int] | None = None
     #: A copy from a peer or storage: the node it came from ("storage" for a storage read).
     origin: str = ""
     #: The copy's bytes are those stored at the path: committed as persisted, never written.

@@ -29,9 +29,10 @@ know it (say so in Guarantees). A load that cannot read the record raises
 
 from __future__ import annotations
 
+import collections
 import logging
 import threading
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from ckptcache.format.manifest import object_digest
 from ckptcache.server.backoff import Backoff
@@ -53,6 +54,9 @@ UNSEEN = -1
 #: Putting a save's record while the coordinator is unreachable: tried again at this pace.
 PUBLISH_RETRY = Backoff(0.2, 5.0)
 
+#: Paths whose last read record is kept for their commit (the saves in flight at once).
+_READ_MAX = 4096
+
 
 def races(seen_a: int, stamp_a: int, seen_b: int, stamp_b: int) -> bool:
     """Whether two saves of one path overlapped: neither had seen the other when it began.
@@ -68,6 +72,12 @@ class Truth:
     def __init__(self, membership: Membership, stop: threading.Event):
         self.membership = membership
         self._stop = stop
+        #: The record each path's last :meth:`seen` read, with its revision: the commit's
+        #: compare-and-swap starts from it (one request, not a read and a put) while it is
+        #: still current; a stale one only costs the read it saved.
+        self._read: collections.OrderedDict[tuple[str, str], tuple[dict[str, Any] | None, int]]
+        self._read = collections.OrderedDict()
+        self._read_lock = threading.Lock()
 
     def newest(self, namespace: str, path: str) -> LatestRecord | None:
         """The cluster's newest save of ``path`` (None: no save recorded); raises
@@ -86,7 +96,14 @@ class Truth:
     def seen(self, namespace: str, path: str) -> int:
         """The stamp of the newest save of ``path`` a save beginning now follows (0: none);
         raises :class:`CoordinatorUnavailable`."""
-        record = self.newest(namespace, path)
+        key = keys.latest_key(path_hash(namespace, path))
+        raw, revision = self.membership.coord.read(key)
+        with self._read_lock:
+            self._read[(namespace, path)] = (raw, revision)
+            self._read.move_to_end((namespace, path))
+            while len(self._read) > _READ_MAX:
+                self._read.popitem(last=False)
+        record = parse_one(LatestRecord, key, raw)
         return record.committed_ns if record is not None else 0
 
     def publish(self, gen: Generation) -> None:
@@ -106,7 +123,9 @@ class Truth:
     def _advance(self, gen: Generation, record: LatestRecord) -> None:
         key = keys.latest_key(path_hash(gen.namespace, gen.path))
         coord = self.membership.coord
-        put, before = coord.advance(key, record.to_dict(), "committed_ns")
+        with self._read_lock:
+            expect = self._read.pop((gen.namespace, gen.path), None)
+        put, before = coord.advance(key, record.to_dict(), "committed_ns", expect)
         found = parse_one(LatestRecord, key, before)
         if found is None or found.node == record.node:
             return

@@ -6,6 +6,7 @@ Call order (one daemon)::
     coord.announce(key, value)       # leased keys: vanish when the node's lease expires
     coord.elect(key, value) -> bool  # create-if-absent under the lease: one winner per key
     coord.record(key, value)         # durable keys (no lease): survive every node
+    coord.read(key) -> (value, rev)  # a value and its revision, for a later advance
     coord.advance(key, value, field) # durable, moves only forward in ``field`` (atomic)
     coord.get(key) / coord.scan(prefix) / coord.live_nodes()
     coord.wait_change(timeout)       # until a key may have changed (no request)
@@ -157,15 +158,26 @@ class Coordinator(abc.ABC):
     def record(self, key: str, value: dict[str, Any]) -> None:
         """Put a durable key (no lease)."""
 
+    def read(self, key: str) -> tuple[dict[str, Any] | None, int]:
+        """The value of ``key`` (None: absent) and its revision (0: absent, or a coordinator
+        without revisions), to hand to :meth:`advance` as ``expect``."""
+        return self.get(key), 0
+
     @abc.abstractmethod
     def advance(
-        self, key: str, value: dict[str, Any], field: str
+        self,
+        key: str,
+        value: dict[str, Any],
+        field: str,
+        expect: tuple[dict[str, Any] | None, int] | None = None,
     ) -> tuple[bool, dict[str, Any] | None]:
         """Put the durable ``key`` to ``value`` unless it holds a value whose integer
         ``field`` is not smaller than ``value``'s, in one atomic step (a compare-and-swap: no
         put in between is lost or overwritten by an older one). Returns whether ``value`` was
         put, and the value found there before (the newer one that stayed, when it was not).
-        A value whose ``field`` is missing or not an integer counts as the oldest."""
+        A value whose ``field`` is missing or not an integer counts as the oldest.
+        ``expect``: what :meth:`read` returned earlier; while it is still current, the put
+        needs no read of its own (one request instead of two)."""
 
     @abc.abstractmethod
     def get(self, key: str) -> dict[str, Any] | None:

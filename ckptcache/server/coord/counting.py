@@ -80,11 +80,19 @@ class CountingCoordinator(Coordinator):
         self._count("record")
         self.inner.record(key, value)
 
+    def read(self, key: str) -> tuple[dict[str, Any] | None, int]:
+        self._count("get")
+        return self.inner.read(key)
+
     def advance(
-        self, key: str, value: dict[str, Any], field: str
+        self,
+        key: str,
+        value: dict[str, Any],
+        field: str,
+        expect: tuple[dict[str, Any] | None, int] | None = None,
     ) -> tuple[bool, dict[str, Any] | None]:
         self._count("advance")
-        return self.inner.advance(key, value, field)
+        return self.inner.advance(key, value, field, expect)
 
     def get(self, key: str) -> dict[str, Any] | None:
         self._count("get")

@@ -63,7 +63,11 @@ class EmbeddedCoordinator(Coordinator):
             self._lock.notify_all()
 
     def advance(
-        self, key: str, value: dict[str, Any], field: str
+        self,
+        key: str,
+        value: dict[str, Any],
+        field: str,
+        expect: tuple[dict[str, Any] | None, int] | None = None,
     ) -> tuple[bool, dict[str, Any] | None]:
         with self._lock:
             found = self._store.get(self.prefix + key)

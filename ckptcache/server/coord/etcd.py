@@ -227,20 +227,28 @@ class EtcdCoordinator(Coordinator):
     def record(self, key: str, value: dict[str, Any]) -> None:
         self._put(key, value, lease=False)
 
+    def read(self, key: str) -> tuple[dict[str, Any] | None, int]:
+        found = self._guard("get", self._client.get, self.prefix + key, metadata=True)
+        if not found:
+            return None, 0
+        return _decode(key, found[0][0]), int(found[0][1].get("mod_revision", 0))
+
     def advance(
-        self, key: str, value: dict[str, Any], field: str
+        self,
+        key: str,
+        value: dict[str, Any],
+        field: str,
+        expect: tuple[dict[str, Any] | None, int] | None = None,
     ) -> tuple[bool, dict[str, Any] | None]:
-        """A read, then a transaction that puts only if the key's revision is still the one
-        read (0: absent); lost to a concurrent put, it reads again (each pass one put was
-        made, so it ends)."""
-        full = self.prefix + key
-        encoded = _b64(full.encode())
+        """A read (or ``expect``), then a transaction that puts only if the key's revision is
+        still the one read (0: absent); lost to a concurrent put, it reads again (each pass
+        one put was made, so it ends)."""
+        encoded = _b64((self.prefix + key).encode())
         while True:
-            found = self._guard("get", self._client.get, full, metadata=True)
-            before = _decode(key, found[0][0]) if found else None
+            before, revision = expect if expect is not None else self.read(key)
+            expect = None
             if order_of(before, field) >= order_of(value, field):
                 return False, before
-            revision = int(found[0][1].get("mod_revision", 0)) if found else 0
             result = self._guard("advance", self._client.transaction, {
                 "compare": [{"key": encoded, "result": "EQUAL", "target": "MOD",
                              "mod_revision": revision}],
