@@ -26,6 +26,7 @@ damaged or truncated file is refused as before.
 
 from __future__ import annotations
 
+import functools
 import io
 import struct
 import threading
@@ -40,7 +41,7 @@ from ckptcache.errors import CorruptCheckpoint
 from ckptcache.format.archive import PARSE_ERRORS, ViewReader
 from ckptcache.format.crc import crc32, crc32_combine
 from ckptcache.format.persisted import DIGESTS_MEMBER, central_offset, check_archive
-from ckptcache.format.prefix_read import PrefixReads, plan_ranges
+from ckptcache.format.prefix_read import PrefixReads, plan_ranges, probe_streams
 from ckptcache.storage import StorageBackend
 from ckptcache.storage.reporting import read_into_reporting
 
@@ -152,8 +153,11 @@ def read_archive(
     *,
     concurrency: int,
     advance: Callable[[int], None],
-    chunk: int = 8 << 20,
+    chunk: int | Callable[[int], int] = 8 << 20,
     prefix_first: bool = False,
+    adapt: bool = False,
+    latency: float = 0.0,
+    chosen: Callable[[int], None] | None = None,
 ) -> dict[int, int]:
     """Fill ``view`` (exactly the object's size) with the archive stored at ``path`` by ranged
     reads on ``concurrency`` threads, check it as :func:`check_archive` with ``deep=True``
@@ -163,7 +167,10 @@ def read_archive(
     they are verified downstream). ``prefix_first``: keep that prefix moving when some
     requests are slower than others, and taper the ranges towards the end
     (:mod:`ckptcache.format.prefix_read`), for a read that is relayed as it lands.
-    Raises :class:`CorruptCheckpoint` for a damaged file.
+    ``adapt`` (with ``prefix_first``): ``concurrency`` is the most; the count is chosen by
+    :func:`~ckptcache.format.prefix_read.probe_streams` on the first bytes (``latency``: a
+    small request's time, taken off its rounds), reported to ``chosen``, and ``chunk`` may
+    be a function of it. Raises :class:`CorruptCheckpoint` for a damaged file.
     """
     size = len(view)
     _read_tail(backend, path, view)
@@ -173,11 +180,16 @@ def read_archive(
     need_crc = not any(i.filename.endswith("/" + DIGESTS_MEMBER) for i in infos)
     follower = _Follower(view, records, path)
 
-    chunk = max(BLOCK, -(-chunk // BLOCK) * BLOCK)  # whole blocks per range
-    if prefix_first:
-        ranges = plan_ranges(size, chunk, concurrency, BLOCK)
-    else:
-        ranges = [(off, min(chunk, size - off)) for off in range(0, size, chunk)]
+    def whole_blocks(streams: int) -> int:  # the range size, in whole blocks
+        n = chunk(streams) if callable(chunk) else chunk
+        return max(BLOCK, -(-n // BLOCK) * BLOCK)
+
+    ranges: list[tuple[int, int]] = []  # planned before a read starts; the probe's first
+    if prefix_first and not adapt:
+        ranges = plan_ranges(size, whole_blocks(concurrency), concurrency, BLOCK)
+    elif not prefix_first:
+        step = whole_blocks(concurrency)
+        ranges = [(off, min(step, size - off)) for off in range(0, size, step)]
     block_crcs: dict[int, int] = {}  # block start -> CRC-32 of the whole block
     done: set[int] = set()
     partial: dict[int, int] = {}  # range index -> its first bytes in place, before it lands
@@ -187,8 +199,12 @@ def read_archive(
         first = 0
         while first in done:
             first += 1
-        # The ranges are contiguous: the first one not landed starts where the others end.
-        landed = size if first == len(ranges) else ranges[first][0] + partial.get(first, 0)
+        # The ranges are contiguous: the first one not landed starts where the others end
+        # (while the probe runs, the ones planned so far: the last ends before ``size``).
+        if first < len(ranges):
+            landed = ranges[first][0] + partial.get(first, 0)
+        else:
+            landed = ranges[-1][0] + ranges[-1][1] if ranges else 0
         if landed > follower.prefix:  # only grows: computed and stored under one lock
             follower.prefix = landed
             advance(landed)
@@ -216,14 +232,38 @@ def read_archive(
         follower.follow()
 
     if prefix_first:
+        base = 0  # the probe's ranges, read before the others are planned
+        if adapt:
+            index: dict[int, int] = {}  # offset -> range index
+
+            def probe(off: int, n: int) -> None:
+                i = index[off]
+                read_into_reporting(backend, path, off, view[off : off + n],
+                                    functools.partial(landing, i))  # fmt: skip
+                land(i)
+
+            def read_round(off: int, n: int) -> None:
+                with lock:  # planned (in file order) before any of the round is read
+                    index[off] = len(ranges)
+                    ranges.append((off, n))
+                probe(off, n)
+
+            concurrency, probed = probe_streams(read_round, size, concurrency, latency=latency)
+            base = len(probed)
+            off = sum(n for _, n in probed)
+            with lock:
+                ranges.extend((off + o, n) for o, n in plan_ranges(
+                    size - off, whole_blocks(concurrency), concurrency, BLOCK))  # fmt: skip
+            if chosen is not None:
+                chosen(concurrency)
         # One range of slack past the first: a worker that lands its range early starts the
         # next at once; more slack only lets it race ahead of a slow first range.
         # Progress inside a range moves the prefix too: with ``concurrency`` ranges sharing
         # the link, the first lands last, and the relays would trail by that many ranges.
         reads = PrefixReads(
             lambda off, part, progress: read_into_reporting(backend, path, off, part, progress),
-            view, ranges, workers=concurrency, lead=concurrency + 1, landed=land,
-            progress=landing,
+            view, ranges[base:], workers=concurrency, lead=concurrency + 1,
+            landed=lambda i: land(base + i), progress=lambda i, n: landing(base + i, n),
         )  # fmt: skip
         reads.run()
     else:

@@ -18,7 +18,14 @@ ranges at once on a 100 Mbit/s link, relayed to a chain of nodes):
   (``progress``; S3's every :data:`~ckptcache.storage.s3.READ_PIECE` bytes), and the prefix
   follows the first range as it lands instead of jumping once it has all landed.
 
-Call order: :func:`plan_ranges`, then :meth:`PrefixReads.run` once (it returns when every
+How many ranges at once is itself a trade. Where one connection fills the reader's link, a
+second range only halves the rate of the one the prefix waits for, and the relays trail by
+what the second one landed ahead; where the store serves each connection at a fraction of the
+link (real object stores), one range at a time reads the object several times slower.
+:func:`probe_streams` tells the two apart at the start of the read, on a few small ranges.
+
+Call order: optionally :func:`probe_streams` over the object's first bytes, then
+:func:`plan_ranges` over the rest, then :meth:`PrefixReads.run` once (it returns when every
 range has landed, or raises the first read's error once the other workers stopped).
 """
 
@@ -26,10 +33,11 @@ from __future__ import annotations
 
 import functools
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
-__all__ = ["PrefixReads", "plan_ranges"]
+__all__ = ["PROBE", "PrefixReads", "more_streams", "plan_ranges", "probe_streams"]
 
 #: ``read_into(offset, view, progress)``: fill ``view`` with the object's bytes from
 #: ``offset``, calling ``progress(n)`` as the first ``n`` bytes of ``view`` are in place (at
@@ -39,6 +47,65 @@ ReadInto = Callable[[int, memoryview, Callable[[int], None]], None]
 
 def _ignore(index: int, n: int) -> None:
     """Progress within a range that nobody follows."""
+
+
+#: The range of one stream in a probe round. Where a second stream shares the link, the relays
+#: trail by at most this for the rest of the read (0.34 s at 50 Mbit/s); large enough that a
+#: round is not all request latency on a real object store (2 MiB is about 25 ms at S3's
+#: 85-90 MB/s per connection).
+PROBE = 2 << 20
+
+
+def more_streams(before: float, now: float, streams: int) -> bool:
+    """Whether ``streams`` ranged reads at once, together at ``now`` bytes/s, beat one fewer
+    at ``before``: the added stream brought at least half of one stream's share. Where the
+    link is the bound, ``now`` stays at ``before`` (the streams split it); where each
+    connection is, it grows by ``before / (streams - 1)``."""
+    return now >= before * (1 + 0.5 / (streams - 1))
+
+
+def probe_streams(
+    read: Callable[[int, int], None],
+    size: int,
+    most: int,
+    *,
+    latency: float = 0.0,
+    block: int = PROBE,
+) -> tuple[int, list[tuple[int, int]]]:
+    """Choose how many ranged reads at once (1 to ``most``) suit a store and link by reading
+    the object's first bytes in rounds: round ``k`` reads the next ``k`` ranges of ``block``
+    bytes at once, ``read(offset, n)`` each (in file order: the relays' prefix keeps moving),
+    and is kept while :func:`more_streams` says its rate beat the round before. Probing
+    stops at the first round that does not, at ``most``, or before the probe would pass
+    half the object (a small object is read on the streams chosen so far, at least one).
+
+    ``latency`` (seconds: a small request's round trip, measured beforehand) is taken off
+    each round's time, so that a store's time to the first byte, which parallel requests
+    overlap whatever bounds the bytes, does not pass for its rate (at most 7/8 of a round:
+    a latency measured a little long must not leave a round no time). Returns the count and
+    the ranges read, ``(offset, length)`` from offset 0.
+    """
+    streams, rate, off = 1, 0.0, 0
+    done: list[tuple[int, int]] = []
+    for k in range(1, max(1, most) + 1):
+        if off + k * block > size // 2:
+            break
+        batch = [(off + i * block, block) for i in range(k)]
+        t0 = time.monotonic()
+        if k == 1:
+            read(*batch[0])
+        else:
+            with ThreadPoolExecutor(k, thread_name_prefix="storage-probe") as pool:
+                for future in [pool.submit(read, o, n) for o, n in batch]:
+                    future.result()
+        elapsed = time.monotonic() - t0
+        now = k * block / max(elapsed - latency, elapsed / 8, 1e-9)
+        done += batch
+        off += k * block
+        if k > 1 and not more_streams(rate, now, k):
+            break
+        streams, rate = k, now
+    return streams, done
 
 
 def plan_ranges(size: int, chunk: int, workers: int, block: int) -> list[tuple[int, int]]:

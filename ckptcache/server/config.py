@@ -104,8 +104,10 @@ class DaemonConfig:
     #: Ranged GETs at once of a group's storage read, the one that peers relay as it lands
     #: (``s3_max_concurrency`` stays the count for persists and a lone node's reads). Relays
     #: trail the read by about the ranges in flight, and one connection gets a fraction of a
-    #: real object store's bandwidth: docs/restore.md says how to choose.
-    group_read_streams: int = 4
+    #: real object store's bandwidth. 0 ("auto", the default): chosen at the start of each
+    #: read, up to ``s3_max_concurrency``, by whether one more range raises the rate
+    #: (``format/prefix_read.py``); docs/restore.md says when to set a count.
+    group_read_streams: int = 0
     #: embedded:// (single node, the default) or etcd://host:port
     coordinator: str = "embedded://"
     cluster: str = "default"
@@ -215,6 +217,12 @@ def _count(minimum: int, message: str = "is too small") -> Validator:
     return check
 
 
+def _streams(value: Any) -> int:
+    if str(value).strip().lower() == "auto":
+        return 0  # chosen per read
+    return _count(0, "must be at least 1, or auto (0)")(value)
+
+
 def _seconds(*, zero_ok: bool) -> Validator:
     def check(value: Any) -> float:
         number = float(value)
@@ -321,7 +329,7 @@ VALIDATORS: dict[str, Validator] = {
     "s3_region": _optional_text,
     "s3_part_size": _s3_part_size,
     "s3_max_concurrency": _count(1),
-    "group_read_streams": _count(1, "must be at least 1"),
+    "group_read_streams": _streams,
     "persist_retries": _count(0),
     "persist_backoff": _seconds(zero_ok=True),
     "persist_backoff_max": _seconds(zero_ok=True),

@@ -96,8 +96,10 @@ class StorageReader:
         self, namespace: str, path: str, started: Callable[[], None], *, relayed: bool = False
     ) -> Generation:
         """Read a persisted archive into the arena with parallel ranged reads: a group's read,
-        which peers relay as it lands (``relayed``), on ``group_read_streams``; a lone node's
-        on ``s3_max_concurrency``."""
+        which peers relay as it lands (``relayed``), on ``group_read_streams`` (by default
+        as many as raise the read's rate, up to ``s3_max_concurrency``: see
+        :func:`~ckptcache.format.prefix_read.probe_streams`); a lone node's on
+        ``s3_max_concurrency``."""
         cfg = self.config
         streams = cfg.group_read_streams if relayed else cfg.s3_max_concurrency
         try:
@@ -121,12 +123,21 @@ class StorageReader:
         stamp = backend.commit_time_ns(path) or 0
         size = backend.size(path)
 
+        took: list[float] = []  # the end records' small reads: the store's request latency
+
         def read(offset: int, n: int) -> bytes:
             buf = bytearray(n)
+            t = time.perf_counter()
             backend.read_into(path, offset, memoryview(buf))
+            took.append(time.perf_counter() - t)
             return bytes(buf)
 
-        log.info("reading %s from storage (%d stream(s))", path, streams)
+        adapt = not streams  # 0: "auto"
+        most = streams or self.config.s3_max_concurrency
+        if adapt:
+            log.info("reading %s from storage (streams: auto, at most %d)", path, most)
+        else:
+            log.info("reading %s from storage (%d stream(s))", path, most)
         entries = count_records(size, read)
         capacity = 256 * entries + 4096  # manifest JSON, padded to this exact size
         layout = plan_segment(size, capacity, entries)
@@ -134,14 +145,19 @@ class StorageReader:
 
         table: list[int] = []
 
+        def chose(k: int) -> None:
+            log.info("reading %s from storage on %d of at most %d stream(s)", path, k, most)
+
         def fill(view: memoryview, advance: Callable[[int], None]) -> None:
             started()  # registered as in flight here: joiners may chain behind us now
             # Ranges are read in parallel, each record's digest (or CRC-32) computed as its
             # bytes land; relays follow the contiguous prefix that is done. A damaged file
             # is not served.
-            chunk = read_chunk(size, streams)
-            computed = read_archive(backend, path, view[:size], advance=advance, chunk=chunk,
-                                    concurrency=streams, prefix_first=True)  # fmt: skip
+            computed = read_archive(
+                backend, path, view[:size], advance=advance, prefix_first=True,
+                concurrency=most, chunk=lambda k: read_chunk(size, k),
+                adapt=adapt, latency=min(took, default=0.0), chosen=chose,
+            )  # fmt: skip
             parsed = parse_archive(view[:size])
             manifest = manifest_from_archive(parsed, path, namespace, size)
             encoded = manifest.to_json()

@@ -173,3 +173,31 @@ def test_an_s3_ranged_read_reports_each_piece_as_it_lands(s3_server, s3_bucket):
     assert reported == [READ_PIECE, 2 * READ_PIECE, 3 * READ_PIECE, len(view)]
     local = backend_for("/tmp/x")  # no reporting read: the whole view, once, at the end
     assert not isinstance(local, ReportingReads)
+
+
+def big_archive() -> bytes:
+    """A plain ``torch.save`` archive large enough for probe rounds of 1, 2 and 3 ranges."""
+    g = torch.Generator().manual_seed(11)
+    buf = io.BytesIO()
+    torch.save({"w": torch.randn(6_000_000, generator=g), "b": torch.arange(7)}, buf)  # 23 MiB
+    return buf.getvalue()
+
+
+@pytest.mark.parametrize("make", [torch_archive, big_archive])
+def test_a_read_that_chooses_its_streams_gives_the_same_bytes_and_digests(tmp_path, make):
+    data = make()
+    chosen: list[int] = []
+    digests, view, landed = read(tmp_path, data, concurrency=4, chunk=lambda k: k * BLOCK,
+                                 prefix_first=True, adapt=True, chosen=chosen.append)  # fmt: skip
+    assert bytes(view) == data
+    assert digests == check_archive(memoryview(data), "ref", deep=True)
+    assert landed == sorted(landed) and landed[-1] == len(data)
+    assert len(chosen) == 1 and 1 <= chosen[0] <= 4
+
+
+def test_a_flipped_byte_in_the_probed_bytes_is_refused(tmp_path):
+    data = bytearray(big_archive())
+    record = next(r for r in list_records(memoryview(bytes(data)))[0] if r.name.endswith("/0"))
+    data[record.data_offset + 100] ^= 0x10  # in the probe's first range
+    with pytest.raises(CorruptCheckpoint, match="does not match its CRC-32"):
+        read(tmp_path, bytes(data), concurrency=4, chunk=BLOCK, prefix_first=True, adapt=True)

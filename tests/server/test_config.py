@@ -70,6 +70,12 @@ def test_spare_pool_keys():
         load_config(None, {"pool_bytes": "lots"}, environ={})
 
 
+def test_the_group_read_chooses_its_streams_unless_set():
+    assert load_config(environ={}).group_read_streams == 0  # auto: chosen per read
+    assert load_config(overrides={"group_read_streams": "auto"}, environ={}).group_read_streams == 0
+    assert load_config(overrides={"group_read_streams": "3"}, environ={}).group_read_streams == 3
+
+
 def test_every_field_has_a_validator():
     import dataclasses
 
@@ -82,7 +88,7 @@ def test_every_field_has_a_validator():
     ("key", "value", "message"),
     [
         ("replicas", "0", "must be at least 1"),
-        ("group_read_streams", 0, "must be at least 1"),
+        ("group_read_streams", -1, "must be at least 1, or auto"),
         ("persist_workers", 0, "is too small"),
         ("persist_retries", -1, "is too small"),
         ("lease_ttl", 0, "must be positive"),

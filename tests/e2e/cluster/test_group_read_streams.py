@@ -1,5 +1,7 @@
 """A group's storage read, which peers relay as it lands, runs ``group_read_streams`` ranged GETs
-at once; persists and a lone node's reads keep ``s3_max_concurrency``.
+at once; persists and a lone node's reads keep ``s3_max_concurrency``. By default the group
+read chooses its count on the object's first bytes, up to ``s3_max_concurrency``, and then
+reads on that many.
 
 Observed at the S3 server itself (moto's, over real HTTP, in this process): every ranged GET
 it serves is counted while it is in flight, and held there for a moment, as a store that
@@ -11,6 +13,7 @@ wrong one shows it.
 from __future__ import annotations
 
 import io
+import re
 import threading
 import time
 from collections.abc import Iterator
@@ -69,9 +72,10 @@ def ranged_gets(s3_server: Any, monkeypatch: pytest.MonkeyPatch) -> Iterator[Ran
     yield gets
 
 
-def _stored(s3_server: Any, bucket: str, key: str, seed: int) -> tuple[str, dict]:
-    """An object written by plain ``torch.save`` (about 8 MiB: several ranges)."""
-    obj = state(seed, n=1 << 21)
+def _stored(s3_server: Any, bucket: str, key: str, seed: int, n: int = 1 << 21) -> tuple[str, dict]:
+    """An object written by plain ``torch.save`` (``n`` floats, about 8 MiB by default:
+    several ranges)."""
+    obj = state(seed, n=n)
     buf = io.BytesIO()
     torch.save(obj, buf)
     s3_server.client().put_object(Bucket=bucket, Key=key, Body=buf.getvalue())
@@ -111,3 +115,25 @@ def test_a_lone_node_reads_on_the_s3_concurrency(
         assert_same(obj, c.load(url))
     assert f"reading {url} from storage (3 stream(s))" in d.log()
     assert ranged_gets.most == 3
+
+
+def test_a_group_read_by_default_runs_the_streams_it_chose(
+    cluster_factory, s3_server, s3_bucket, ranged_gets
+):
+    url, obj = _stored(s3_server, s3_bucket, "run/group-auto.pt", seed=7, n=1 << 23)  # 32 MiB
+    nodes = cluster_factory(
+        3, "--persist-root", f"s3://{s3_bucket}/run", "--s3-endpoint-url", s3_server.endpoint,
+        "--backup", "none", config="s3_max_concurrency: 3\n",
+    )  # fmt: skip
+    for r in load_all(nodes, url):
+        assert not isinstance(r, Exception), r
+        assert_same(obj, r)
+    reader = next(d for d in nodes if f"reading {url} from storage" in d.log())
+    assert f"reading {url} from storage (streams: auto, at most 3)" in reader.log()
+    found = re.search(rf"reading {re.escape(url)} from storage on (\d) of at most 3", reader.log())
+    assert found, reader.log()
+    # The probe's rounds run 1, 2, ... ranges at once, then the read runs on its choice:
+    # never more at once than it chose, or than the round that showed one more was no gain.
+    chosen = int(found.group(1))
+    assert 1 <= chosen <= 3
+    assert ranged_gets.most == min(3, chosen + 1)
