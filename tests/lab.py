@@ -3,7 +3,10 @@
 Layout (every piece is a namespace this module creates; nothing touches the host's network)::
 
     <lab>-hub      a bridge ``br0``; one veth per member plugs into it
-    <lab>-etcd     etcd on 10.213.0.2:2379 (the coordinator)
+    <lab>-etcd     etcd on 10.213.0.2:2379 (the coordinator); with ``etcd_members=3`` two more
+                   members, <lab>-etcd1 on 10.213.0.4 and <lab>-etcd2 on 10.213.0.5, and each
+                   node reaches them through an ``etcd gateway`` in its own namespace
+                   (127.0.0.1:23790, the next member when one refuses), as a host would
     <lab>-s3       moto's S3 server on 10.213.0.3:5000 (the shared storage; ranged GETs
                    served by seek and read: tests/lab_s3.py)
     <lab>-n0 ...   one daemon per node on 10.213.0.(11 + i):7070
@@ -11,8 +14,10 @@ Layout (every piece is a namespace this module creates; nothing touches the host
 Bandwidth is shaped with ``tbf`` on both ends of each veth: a node's NIC is ``node_mbit`` in
 each direction, and the storage NIC (``storage_mbit``) is shared by every node that reads or
 writes storage at once. Partitions are nftables drop rules in a node's namespace (the kernel
-here has no ``netem``, so loss and delay are not emulated; a drop rule is the harsh case: a
-silent peer, no reset). Trainers talk to their daemon over its Unix socket, which works from
+here has no ``netem``, so delay is not emulated; a drop rule is the harsh case: a silent
+peer, no reset). Packet loss is a drop rule on a random share of packets (``numgen random mod
+100 < N``, :meth:`Lab.lose`); a peer that fails fast is a reject rule answering with a TCP
+reset (:meth:`Lab.refuse_coordinator`). Trainers talk to their daemon over its Unix socket, which works from
 any network namespace, so a test drives every node from its own process.
 
 Every namespace name starts with ``ckl-<owner pid>-<random>-``; :func:`sweep` removes those
@@ -61,6 +66,10 @@ T = TypeVar("T")
 
 SUBNET = "10.213.0"
 ETCD_IP = f"{SUBNET}.2"
+#: Every etcd member's address (the lab runs the first one, or all three).
+ETCD_IPS = (ETCD_IP, f"{SUBNET}.4", f"{SUBNET}.5")
+#: Where a node's etcd gateway listens, inside the node's namespace (three members).
+GATEWAY_PORT = 23790
 S3_IP = f"{SUBNET}.3"
 ETCD_PORT = 2379
 S3_PORT = 5000
@@ -256,8 +265,10 @@ class Lab:
     """N nodes, etcd and an S3 endpoint, each in its own network namespace.
 
     Call order: :meth:`start` (or use as a context manager), then any verbs
-    (:meth:`partition`, :meth:`heal`, :meth:`kill`, :meth:`restart`, :meth:`throttle`,
-    :meth:`throttle_storage`), then :meth:`stop`, which always removes everything.
+    (:meth:`partition`, :meth:`lose`, :meth:`refuse_coordinator`, :meth:`heal`, :meth:`kill`,
+    :meth:`restart`, :meth:`throttle`, :meth:`throttle_storage`, and for etcd's members
+    :meth:`kill_etcd_member`, :meth:`restart_etcd_member`, :meth:`isolate_etcd_member`), then
+    :meth:`stop`, which always removes everything.
     """
 
     n_nodes: int
@@ -272,9 +283,13 @@ class Lab:
     #: Extra daemon arguments (e.g. ``("--backup", "none")``).
     daemon_args: tuple[str, ...] = ()
     memory_limit: str = "512MiB"
+    #: etcd members: 1 (no gateway) or 3 (a gateway on every node).
+    etcd_members: int = 1
     lab_id: str = field(default_factory=lambda: f"{os.getpid()}-{uuid.uuid4().hex[:6]}")
     nodes: list[LabNode] = field(default_factory=list)
     _procs: list[subprocess.Popen[bytes]] = field(default_factory=list)
+    _etcd: list[subprocess.Popen[bytes] | None] = field(default_factory=list)
+    _s3_proc: subprocess.Popen[bytes] | None = None
     _namespaces: list[str] = field(default_factory=list)
     _own_workdir: bool = False
     _s3_client: Any = None
@@ -287,7 +302,18 @@ class Lab:
 
     @property
     def etcd_url(self) -> str:
+        """What the daemons are given: etcd itself, or (three members) their gateway."""
+        if self.etcd_members > 1:
+            return f"etcd://127.0.0.1:{GATEWAY_PORT}"
         return f"etcd://{ETCD_IP}:{ETCD_PORT}"
+
+    @property
+    def etcd_ips(self) -> tuple[str, ...]:
+        return ETCD_IPS[: self.etcd_members]
+
+    def etcd_role(self, member: int) -> str:
+        """The namespace role of etcd member ``member`` ("etcd", "etcd1", "etcd2")."""
+        return "etcd" if member == 0 else f"etcd{member}"
 
     @property
     def s3_endpoint(self) -> str:
@@ -310,6 +336,8 @@ class Lab:
         why = lab_available()
         if why:
             raise RuntimeError(why)
+        if self.etcd_members not in (1, 3):
+            raise ValueError(f"etcd_members must be 1 or 3, not {self.etcd_members}")
         sweep()  # leftovers of killed runs
         if self.workdir is None:
             self.workdir = Path(tempfile.mkdtemp(prefix=f"{PREFIX}-{self.lab_id}-"))
@@ -320,12 +348,15 @@ class Lab:
             # The processes start together and are waited for afterwards: most of a start is
             # Python importing (moto, the daemons), which the cores do side by side. Daemons
             # join etcd as they start, so they follow it; storage they reach only when asked.
-            self._start_etcd()
+            for member in range(self.etcd_members):
+                self._start_etcd(member)
             self._start_s3()
-            self._wait_http("etcd", f"http://{ETCD_IP}:{ETCD_PORT}/health", self._procs[0])
+            for member in range(self.etcd_members):
+                self.wait_etcd(member)
             for i in range(self.n_nodes):
                 self._start_node(i)
-            self._wait_http("s3", f"{self.s3_endpoint}/moto-api/", self._procs[1])
+            assert self._s3_proc is not None
+            self._wait_http("s3", f"{self.s3_endpoint}/moto-api/", self._s3_proc)
             self._make_bucket()
             for node in self.nodes:
                 node.daemon.wait_ready()
@@ -382,19 +413,43 @@ class Lab:
             _shape(hub, port, mbit, "add")
         return ns
 
-    def _start_etcd(self) -> None:
+    def _etcd_name(self, member: int) -> str:
+        return "lab" if member == 0 else f"lab{member}"
+
+    def _start_etcd(self, member: int) -> None:
+        """Member ``member``'s namespace (the first call) and process (every call: a restart
+        after :meth:`kill_etcd_member` keeps its data, as a rebooted host does)."""
         assert self.workdir is not None
-        ns = self._plug("etcd", ETCD_IP, None)
-        client, peer = f"http://{ETCD_IP}:{ETCD_PORT}", f"http://{ETCD_IP}:2380"
+        role, ip = self.etcd_role(member), ETCD_IPS[member]
+        ns = self.ns(role)
+        if ns not in self._namespaces:
+            self._plug(role, ip, None)
+        client, peer = f"http://{ip}:{ETCD_PORT}", f"http://{ip}:2380"
+        cluster = ",".join(
+            f"{self._etcd_name(m)}=http://{ETCD_IPS[m]}:2380" for m in range(self.etcd_members)
+        )
         # Its data on tmpfs: etcd fsyncs every write, and on this shared VM's disk an fsync
         # can take tens of milliseconds, a cost of the lab's disk that every election and
         # in-flight announcement of a restore paid. (Removed by stop() and sweep().)
-        data = Path(f"/dev/shm/{PREFIX}-{self.lab_id}-etcd")
-        cmd = ["ip", "netns", "exec", ns, "etcd", "--data-dir", str(data), "--name", "lab",
+        data = Path(f"/dev/shm/{PREFIX}-{self.lab_id}-{role}")
+        cmd = ["ip", "netns", "exec", ns, "etcd", "--data-dir", str(data),
+               "--name", self._etcd_name(member),
                "--listen-client-urls", client, "--advertise-client-urls", client,
                "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
-               "--initial-cluster", f"lab={peer}"]  # fmt: skip
-        self._spawn(cmd, self.workdir / "etcd.log")
+               "--initial-cluster", cluster, "--initial-cluster-token", self.lab_id]  # fmt: skip
+        log = self.workdir / ("etcd.log" if member == 0 else f"{role}.log")
+        proc = self._spawn(cmd, log)
+        while len(self._etcd) <= member:
+            self._etcd.append(None)
+        self._etcd[member] = proc
+
+    def wait_etcd(self, member: int) -> None:
+        """Until member ``member`` answers (its /health: a member of a cluster that has a
+        leader)."""
+        proc = self._etcd[member]
+        assert proc is not None
+        ip = ETCD_IPS[member]
+        self._wait_http(self.etcd_role(member), f"http://{ip}:{ETCD_PORT}/health", proc)
 
     def _start_s3(self) -> None:
         assert self.workdir is not None
@@ -403,7 +458,7 @@ class Lab:
         # reads the whole object for every range, a cost real storage does not have.
         cmd = ["ip", "netns", "exec", ns, sys.executable, "-m", "tests.lab_s3",
                "-H", S3_IP, "-p", str(S3_PORT)]  # fmt: skip
-        self._spawn(cmd, self.workdir / "s3.log", cwd=REPO)
+        self._s3_proc = self._spawn(cmd, self.workdir / "s3.log", cwd=REPO)
 
     def _wait_http(self, role: str, url: str, proc: subprocess.Popen[bytes]) -> None:
         _wait_http(self.ns(role), url, proc)
@@ -418,13 +473,16 @@ class Lab:
 
         in_netns(self.ns("s3"), make_bucket)
 
-    def _spawn(self, cmd: list[str], log_path: Path, cwd: Path | None = None) -> None:
+    def _spawn(
+        self, cmd: list[str], log_path: Path, cwd: Path | None = None
+    ) -> subprocess.Popen[bytes]:
         log = open(log_path, "ab")  # noqa: SIM115 - owned by the child
         env = {**os.environ, **S3_ENV}
         proc = subprocess.Popen(cmd, stdout=log, stderr=log, env=env, cwd=cwd,
                                 preexec_fn=_die_with_parent)  # fmt: skip
         log.close()
         self._procs.append(proc)
+        return proc
 
     def _config_file(self) -> Path:
         assert self.workdir is not None
@@ -443,6 +501,15 @@ class Lab:
         ns = self._plug(f"n{i}", ip, self.node_mbit)
         workdir = self.workdir / f"node{i}"
         workdir.mkdir(exist_ok=True)
+        if self.etcd_members > 1:
+            # The node's own gateway: a TCP proxy that moves to the next member when one
+            # refuses or is gone (not when one is cut off from its peers: that member still
+            # answers, with errors or not at all, until the request times out).
+            endpoints = ",".join(f"{m}:{ETCD_PORT}" for m in self.etcd_ips)
+            self._spawn(["ip", "netns", "exec", ns, "etcd", "gateway", "start",
+                         "--endpoints", endpoints, "--retry-delay", "1s",
+                         "--listen-addr", f"127.0.0.1:{GATEWAY_PORT}"],
+                        workdir / "gateway.log")  # fmt: skip
         args = ["--config", str(self._config_file()), "--coordinator", self.etcd_url,
                 "--cluster", "lab", "--listen", f"{ip}:{DATA_PORT}", "--node-id", f"node{i}",
                 "--host", f"host{i}", "--backup", "auto", "--memory-limit", self.memory_limit,
@@ -480,7 +547,7 @@ class Lab:
         "etcd" / "s3"), default everyone. Rules add up until :meth:`heal`."""
         if direction not in ("both", "in", "out"):
             raise ValueError(f"direction must be both, in or out, not {direction!r}")
-        ips = None if peers is None else [self._ip_of(p) for p in peers]
+        ips = None if peers is None else [ip for p in peers for ip in self._ips_of(p)]
         _ensure_table(node.ns)
         if direction in ("both", "in"):
             match = f"ip saddr {{ {', '.join(ips)} }}" if ips else 'iifname "eth0"'
@@ -494,10 +561,93 @@ class Lab:
         for node in nodes:
             self.partition(node, peers=["etcd"])
 
+    def lose(self, node: LabNode, percent: int) -> None:
+        """Drop ``percent`` % of the packets ``node`` sends and of those it receives, each
+        packet drawn at random (both ways: data and its ACKs). Until :meth:`heal`."""
+        if not 0 < percent < 100:
+            raise ValueError(f"percent must be in 1..99, not {percent}")
+        _ensure_table(node.ns)
+        for chain, match in (("in", 'iifname "eth0"'), ("out", 'oifname "eth0"')):
+            _nft(node.ns, f"add rule inet lab {chain} {match} numgen random mod 100 < "
+                          f"{percent} drop")  # fmt: skip
+
+    def refuse_coordinator(self, node: LabNode) -> None:
+        """etcd refuses ``node`` at once: every connection it opens to etcd (or to its
+        gateway) and every packet of one already open is answered with a TCP reset, as
+        from a host whose etcd is down. Until :meth:`heal`."""
+        _ensure_table(node.ns)
+        _nft(node.ns, f"add rule inet lab out tcp dport {{ {ETCD_PORT}, {GATEWAY_PORT} }} "
+                      "reject with tcp reset")  # fmt: skip
+
     def heal(self, node: LabNode | None = None) -> None:
-        """Remove the drop rules of ``node`` (default: of every node)."""
+        """Remove the rules of ``node`` (default: of every node and every etcd member)."""
         for n in [node] if node is not None else self.nodes:
             _nft(n.ns, "flush table inet lab", check=False)
+        if node is None:
+            for member in range(self.etcd_members):
+                _nft(self.ns(self.etcd_role(member)), "flush table inet lab", check=False)
+
+    # ---- etcd members ----------------------------------------------------------------------
+
+    def etcd_leader(self, timeout: float = 30.0) -> int:
+        """The index of the member that leads etcd now (asked of every live member until
+        one names a leader it can see)."""
+        import json
+        import urllib.request
+
+        deadline = time.monotonic() + timeout
+        while True:
+            ids: dict[int, int] = {}
+            leader = 0
+            for member, ip in enumerate(self.etcd_ips):
+                proc = self._etcd[member]
+                if proc is None or proc.poll() is not None:
+                    continue
+
+                def status(ip: str = ip) -> Any:
+                    req = urllib.request.Request(
+                        f"http://{ip}:{ETCD_PORT}/v3/maintenance/status", data=b"{}",
+                        method="POST",
+                    )  # fmt: skip
+                    return json.loads(urllib.request.urlopen(req, timeout=2).read())
+
+                try:
+                    out = in_netns(self.ns(self.etcd_role(member)), status)
+                except OSError:
+                    continue
+                ids[int(out["header"]["member_id"])] = member
+                leader = leader or int(out.get("leader", 0))
+            if leader in ids:
+                return ids[leader]
+            if time.monotonic() > deadline:
+                raise TimeoutError("no etcd member names a leader")
+            time.sleep(0.2)
+
+    def kill_etcd_member(self, member: int) -> None:
+        """kill -9 etcd member ``member`` (its data stays: :meth:`restart_etcd_member`)."""
+        proc = self._etcd[member]
+        if proc is not None and proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=10)
+
+    def restart_etcd_member(self, member: int) -> None:
+        """Start member ``member`` again on its data and wait until it answers."""
+        self.kill_etcd_member(member)
+        self._start_etcd(member)
+        self.wait_etcd(member)
+
+    def etcd_member_alive(self, member: int) -> bool:
+        proc = self._etcd[member]
+        return proc is not None and proc.poll() is None
+
+    def isolate_etcd_member(self, member: int) -> None:
+        """Cut member ``member`` off from the other members (both ways); the nodes still
+        reach it. Until :meth:`heal`."""
+        ns = self.ns(self.etcd_role(member))
+        others = ", ".join(ip for m, ip in enumerate(self.etcd_ips) if m != member)
+        _ensure_table(ns)
+        _nft(ns, f"add rule inet lab in ip saddr {{ {others} }} drop")
+        _nft(ns, f"add rule inet lab out ip daddr {{ {others} }} drop")
 
     def kill(self, node: LabNode) -> None:
         """kill -9 the node's daemon (its segments stay in shared memory, as on a host)."""
@@ -522,10 +672,10 @@ class Lab:
 
     # ---- access from the test process -------------------------------------------------
 
-    def _ip_of(self, peer: Any) -> str:
+    def _ips_of(self, peer: Any) -> list[str]:
         if isinstance(peer, LabNode):
-            return peer.ip
-        return {"etcd": ETCD_IP, "s3": S3_IP}[peer]
+            return [peer.ip]
+        return {"etcd": list(self.etcd_ips), "s3": [S3_IP]}[peer]
 
     def _boto3(self) -> Any:
         """One boto3 client for the test process (thread-safe; building one costs tens of
@@ -651,6 +801,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--storage-mbit", type=float, default=800.0)
     parser.add_argument("--lease-ttl", type=float, default=2.0)
     parser.add_argument("--dead-peer-timeout", type=float, default=10.0)
+    parser.add_argument("--etcd-members", type=int, default=1, choices=(1, 3))
     parser.add_argument("--sweep", action="store_true", help="only remove leftovers, then exit")
     args = parser.parse_args(argv)
     if args.sweep:
@@ -659,7 +810,8 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, _interrupt)  # unwinds like Ctrl-C: the teardown runs
     with running_lab(args.nodes, node_mbit=args.node_mbit, storage_mbit=args.storage_mbit,
                      lease_ttl=args.lease_ttl,
-                     dead_peer_timeout=args.dead_peer_timeout) as lab:  # fmt: skip
+                     dead_peer_timeout=args.dead_peer_timeout,
+                     etcd_members=args.etcd_members) as lab:  # fmt: skip
         print(lab.describe(), flush=True)
         print("Ctrl-C tears it down.", flush=True)
         with contextlib.suppress(KeyboardInterrupt):
