@@ -154,6 +154,8 @@ def _more_ckptcache_figures(
         out["ckptcache save(blocking=False) returns"] = min(returns)
         out["ckptcache save(blocking=False) wait()"] = min(waits)
         wait_idle(c, path)
+        STEPS.update(_steps_beside_a_save(c, state, path))
+        wait_idle(c, path)
         t, loaded = timed(lambda: c.load(path, map_location="cuda"), repeats)
         check_equal(state, loaded, "cuda")
         out["ckptcache load to cuda"] = t
@@ -168,6 +170,27 @@ def _more_ckptcache_figures(
 
 #: Whether to print a cProfile of one load to ``cuda`` (``--profile``).
 PROFILE = False
+
+#: Training steps alone and beside a non-blocking save (seconds; not limited by a copy).
+STEPS: dict[str, float] = {}
+
+
+def _steps_beside_a_save(c: Client, state: dict[str, torch.Tensor], path: str) -> dict:
+    """Ten training-like steps (a 8192^2 matmul each) alone, then begun right after
+    ``save(blocking=False)`` returned: what the save's copy takes from the step it overlaps."""
+    x = torch.randn(8192, 8192, device="cuda")
+
+    def steps() -> None:
+        for _ in range(10):
+            x.matmul(x)
+        torch.cuda.synchronize()
+
+    steps()  # warm the kernels
+    alone = timed(steps, 1)[0]
+    handle = c.save(state, path, blocking=False)
+    beside = timed(steps, 1)[0]
+    handle.wait()
+    return {"10 steps alone": alone, "10 steps beside save(blocking=False)": beside}
 
 
 def _profile(fn: Callable[[], Any]) -> None:
@@ -247,6 +270,11 @@ def main() -> None:
                 except Exception as e:  # a failing system is reported, the others still run
                     print(f"{part.__name__} failed: {type(e).__name__}: {e}")
             report(f"{format_bytes(nbytes)}, {shape} ({len(state)} tensors)", figures, d2h, h2d)
+            if STEPS:
+                alone, beside = STEPS.values()
+                print(f"\ntraining steps: {alone * 1e3:.1f} ms alone, {beside * 1e3:.1f} ms beside "
+                      f"a non-blocking save ({beside / alone:.2f}x)")  # fmt: skip
+                STEPS.clear()
             del state
             torch.cuda.empty_cache()
 
