@@ -250,6 +250,12 @@ class Persister:
                 self._retry_claim(gen)
                 return
         backend = backend_for(target, self.options)
+        if cluster is not None and self._on_storage(gen, backend, target):
+            log.info("%s generation %d is on storage already (an earlier representative wrote "
+                     "it): not written again", gen.path, gen.number)  # fmt: skip
+            self.mark_persisted(gen)
+            cluster.persisted(gen, target)
+            return
         t0 = time.perf_counter()
         error = ""
         for attempt in range(cfg.persist_retries + 1):
@@ -302,9 +308,7 @@ class Persister:
                 continue
             # The object is complete on storage: persisted now, whatever the coordinator says;
             # the group's record follows (retried in the background through an etcd outage).
-            if isinstance(backend, FileBackend):
-                version = file_version(target, inspect=False)
-                gen.stored = "" if version is None else version.identity
+            gen.stored = self._stored_identity(backend, target)
             self._done(gen, time.perf_counter() - t0)
             if cluster is not None:
                 cluster.persisted(gen, target)
@@ -318,6 +322,34 @@ class Persister:
         log.error("persist of %s generation %d failed for good: %s", gen.path, gen.number, error)
         if cluster is not None:
             cluster.failed(gen)
+
+    @staticmethod
+    def _on_storage(gen: Generation, backend: StorageBackend, target: str) -> bool:
+        """Whether ``target`` holds ``gen`` already: an object a ckptcache persist wrote with
+        this generation's save stamp (every holder of a generation has the same stamp, to the
+        nanosecond). A representative whose write landed while the coordinator refused it
+        (its fence trusts the lease's remaining time) could not record the persist; the
+        standby that takes the role once that lease lapses finds the object here instead of
+        writing it a second time. One ``stat`` or ``HEAD``; unreachable storage: not known,
+        and the write's own attempts report it."""
+        try:
+            current = backend.version(target)
+        except OSError:
+            return False
+        return current is not None and current.by_ckptcache and current.stamp_ns == gen.committed_ns
+
+    @staticmethod
+    def _stored_identity(backend: StorageBackend, target: str) -> str:
+        """The identity of the object just written (a ``stat``, an S3 HEAD; "" unknown): a
+        load compares it with storage's to find the object replaced by another writer."""
+        try:
+            if isinstance(backend, FileBackend):
+                version = file_version(target, inspect=False)
+            else:
+                version = backend.version(target)
+        except (OSError, ValueError):
+            return ""
+        return "" if version is None else version.identity
 
     def _retry_claim(self, gen: Generation) -> None:
         """Claim ``gen`` again in a second."""

@@ -1,5 +1,7 @@
 """Network faults on real daemons in network namespaces (tests/lab.py): partitions, one-way
-partitions, a coordinator cut off from half the nodes, a link slowed to a trickle.
+partitions, a coordinator cut off from half the nodes, a link slowed to a trickle, a lossy
+link, a coordinator that refuses connections, storage cut off from the representative, and a
+kill -9 during a partition (a three-member etcd: test_lab_etcd_members.py).
 
 Every test checks the same four promises:
 
@@ -15,10 +17,21 @@ injected at points the test waits for (a log line, a persist state), or, where n
 is visible, a fixed delay into a transfer that a throttled link stretches to several seconds.
 "Written once" is counted after a quiet window of 2 TTLs with no write (:class:`Writes`),
 watched from the heal on while the test checks its loads.
+
+The daemons run with a 2 s lease and a 3 s dead-peer time, so the file takes about three
+minutes. ``CKPTCACHE_LAB_DEFAULTS=1`` runs it at the daemon's own defaults (``lease_ttl`` and
+``dead_peer_timeout`` of :class:`~ckptcache.server.config.DaemonConfig`), the slow run whose
+times benchmarks/cluster/README.md reports::
+
+    CKPTCACHE_LAB_DEFAULTS=1 python -m pytest tests/e2e/cluster/test_lab_faults.py \
+        tests/e2e/cluster/test_lab_etcd_members.py --durations=0
 """
 
 from __future__ import annotations
 
+import collections
+import io
+import os
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -28,10 +41,14 @@ import pytest
 import torch
 
 from ckptcache.errors import CkptCacheError, CoordinatorUnavailable
+from ckptcache.server.config import DaemonConfig
 from tests.helpers import assert_same, wait_until
 from tests.lab import S3_ENV, Lab, LabNode, in_netns, lab_available
 
-pytestmark = pytest.mark.timeout(180)
+#: ``CKPTCACHE_LAB_DEFAULTS=1``: the daemons run at their default lease and dead-peer time.
+AT_DEFAULTS = os.environ.get("CKPTCACHE_LAB_DEFAULTS", "") == "1"
+
+pytestmark = pytest.mark.timeout(480 if AT_DEFAULTS else 180)
 
 #: A client's request timeout here: the daemon must answer (or fail typed) within it.
 CLIENT_TIMEOUT = 30.0
@@ -39,10 +56,12 @@ CLIENT_TIMEOUT = 30.0
 BOUND = CLIENT_TIMEOUT + 15.0
 NODE_MBIT = 200.0
 STORAGE_MBIT = 400.0
-TTL = 2.0
+TTL = DaemonConfig.lease_ttl if AT_DEFAULTS else 2.0
 #: The daemons' dead-peer time (``dead_peer_timeout``): what an operator on a quiet, fast
 #: fabric sets; every fault that cuts a transfer is found in this time (default 10 s).
-DEAD_PEER = 3.0
+DEAD_PEER = DaemonConfig.dead_peer_timeout if AT_DEFAULTS else 3.0
+#: The share of packets a lossy link drops, each way (%).
+LOSS = 10
 #: S3's smallest part: objects of a few parts are multipart uploads, whose completion is
 #: fenced by the writer role (a single PUT in flight is not: see the README's Guarantees).
 PART_MIB = 5
@@ -514,3 +533,129 @@ def test_kill_of_the_saver_loses_no_backed_up_checkpoint(lab: Lab, url: str) -> 
         assert_same(obj, load(n, url))
     wait_until(lambda: lab.versions(url) >= 1, timeout=BOUND, what="the backup node's persist")
     assert writes.settle() == 1
+
+
+def stored_steps(lab: Lab, path: str) -> collections.Counter[int]:
+    """How many times each generation (its ``step``) was written to ``path``: every version
+    the bucket keeps, read back."""
+    from tests.lab import BUCKET
+
+    key = lab.key_of(path)
+
+    def read_all(s3: Any) -> list[bytes]:
+        out = s3.list_object_versions(Bucket=BUCKET, Prefix=key)
+        ids = [v["VersionId"] for v in out.get("Versions", []) if v["Key"] == key]
+        return [s3.get_object(Bucket=BUCKET, Key=key, VersionId=i)["Body"].read() for i in ids]
+
+    steps = (torch.load(io.BytesIO(b), weights_only=True)["step"] for b in lab.s3(read_all))
+    return collections.Counter(steps)
+
+
+def test_packet_loss_on_the_savers_link(lab: Lab, url: str) -> None:
+    """A tenth of the saver's packets are lost both ways while it saves with a backup, its
+    group persists, and another node loads across its link: every step ends with the right
+    bytes or a typed error within the bound; storage gets the object once."""
+    a, b = lab.nodes[0], lab.nodes[1]
+    lab.lose(a, LOSS)
+    obj = state(13, mib=8)
+    result = save(a, obj, url, "backup")
+    if isinstance(result, BaseException):
+        assert isinstance(result, CkptCacheError), repr(result)
+    assert_newest_or_typed(load(b, url), obj)  # from a (across the lossy link) or storage
+    assert_newest_or_typed(load(a, url), obj)
+    lab.heal(a)
+    writes = Writes(lab, url)  # from the heal on
+    persisted_everywhere(lab, [a], url)
+    for n in lab.nodes:
+        assert_same(obj, load(n, url))
+    assert writes.settle() == 1
+    assert_same(obj, stored_object(lab, url))
+
+
+def test_coordinator_refusing_the_representative_as_it_finishes(lab: Lab, url: str) -> None:
+    """etcd refuses the representative (TCP resets) just before its upload completes: the
+    fence, unable to read the writer record, trusts the lease's remaining time, so the upload
+    may land. The standby that takes the role once the lease lapses must not write it a
+    second time; every node loads it, and storage holds it once."""
+    a = lab.nodes[0]
+    lab.throttle_storage(16)  # the upload takes seconds
+    obj = state(14, mib=3 * PART_MIB)
+    assert not isinstance(save(a, obj, url, "backup"), BaseException)
+    rep = _representative(lab, url)
+    writes = Writes(lab, url)  # from the fault on
+    lab.refuse_coordinator(rep)
+    lab.throttle_storage(STORAGE_MBIT)  # the rest of the upload lands in well under a lease
+    started = time.monotonic()
+    assert isinstance(load(rep, url), CoordinatorUnavailable)  # said at once, not timed out
+    assert time.monotonic() - started < TTL + 5
+    others = [n for n in lab.nodes if n is not rep]
+    wait_until(lambda: lab.versions(url) >= 1, timeout=BOUND, what="a write of the group")
+    for n in others:
+        assert_same(obj, load(n, url))
+    time.sleep(2 * TTL)  # the representative's lease is gone: a standby holds the role
+    lab.heal(rep)
+    wait_until(lambda: info(rep, url).persist_state == "persisted", timeout=BOUND,
+               what="the representative learning the group's write")  # fmt: skip
+    assert_same(obj, load(rep, url))
+    assert writes.settle(quiet=4 * TTL) == 1
+    assert stored_steps(lab, url) == {14: 1}
+
+
+def test_storage_cut_from_the_representative(lab: Lab, url: str) -> None:
+    """Storage is unreachable from the representative (etcd is not) mid-upload for longer
+    than a lease: the persist completes once, by a standby or after the heal; nothing is
+    lost, and every node loads the object meanwhile and after."""
+    a = lab.nodes[0]
+    lab.throttle_storage(16)
+    obj = state(15, mib=3 * PART_MIB)
+    assert not isinstance(save(a, obj, url, "backup"), BaseException)
+    rep = _representative(lab, url)
+    lab.partition(rep, peers=["s3"])
+    lab.throttle_storage(STORAGE_MBIT)
+    writes = Writes(lab, url)  # from the fault on
+    time.sleep(2 * TTL)  # past a lease: etcd still renews the representative's
+    for n in lab.nodes:  # memory holds it: the newest, from a peer or its own copy
+        assert_same(obj, load(n, url))
+    lab.heal(rep)
+    holders = [a, *[n for n in lab.nodes if n.node_id in info(a, url).replicas]]
+    persisted_everywhere(lab, holders, url)
+    assert_same(obj, stored_object(lab, url))
+    assert writes.settle(quiet=4 * TTL) == 1
+    assert stored_steps(lab, url) == {15: 1}
+
+
+def test_kill_of_the_saver_while_its_backup_node_is_partitioned(lab: Lab, url: str) -> None:
+    """Two faults at once: the node holding a backup copy is partitioned, then the saver is
+    killed (kill -9) before its persist lands. No reachable tier has the newest: loads
+    elsewhere say so (typed) within the bound; after the heal the backup node persists it
+    once, every node loads it, and the killed node, restarted, loads it and saves again."""
+    a = lab.nodes[0]
+    lab.throttle_storage(2)  # the persist cannot land before the kill
+    obj = state(16)
+    assert not isinstance(save(a, obj, url, "backup"), BaseException)
+    backup = next(n for n in lab.nodes if n.node_id in info(a, url).replicas)
+    lab.partition(backup)
+    lab.kill(a)
+    lab.throttle_storage(STORAGE_MBIT)
+    writes = Writes(lab, url)  # from the kill on
+    others = [n for n in lab.nodes if n not in (a, backup)]
+    results, threads = _load_on(others, url)
+    for t in threads:
+        t.join(BOUND + 10)
+        assert not t.is_alive()
+    for r in results:
+        assert_newest_or_typed(r, obj)
+    assert lab.versions(url) == 0  # nobody reachable held it
+    lab.heal(backup)
+    wait_until(lambda: lab.versions(url) >= 1, timeout=BOUND, what="the backup node's persist")
+    for n in [*others, backup]:
+        assert_same(obj, load(n, url))
+    lab.restart(a)
+    lab.wait_formed()
+    assert_same(obj, load(a, url))
+    newer = state(17)
+    assert not isinstance(save(a, newer, url, "persisted"), BaseException)
+    for n in lab.nodes:
+        assert_same(newer, load(n, url))
+    assert writes.settle() == 2
+    assert stored_steps(lab, url) == {16: 1, 17: 1}
