@@ -55,3 +55,18 @@ def test_file_version_tells_a_ckptcache_archive_from_a_foreign_file(tmp_path):
     assert file_version(str(folder)) is None and file_version(str(tmp_path / "none")) is None
     quick = file_version(str(ours), inspect=False)
     assert quick is not None and quick.identity == a.identity and not quick.by_ckptcache
+
+
+def test_a_save_the_cluster_ordered_before_this_one_is_replaced_whenever_it_landed():
+    """``seen``: the newest save of the path, cluster-wide, when this one began. A ckptcache
+    object stamped no later is that save (or an older one) persisted after this one began:
+    older, replaced; one stamped later, or a foreign write, is not."""
+    guard = WriteGuard(stamp_ns=20, base="", seen=12)
+    guard.check("p", StoredVersion(12, "k", by_ckptcache=True))
+    guard.check("p", StoredVersion(3, "k", by_ckptcache=True))
+    with pytest.raises(StorageConflict):  # made after this save began: only clocks order it
+        guard.check("p", StoredVersion(13, "k", by_ckptcache=True))
+    with pytest.raises(NewerObjectExists):  # a foreign write is never ordered by stamps
+        guard.check("p", StoredVersion(12, "k", by_ckptcache=False))
+    with pytest.raises(StorageConflict):  # not known (-1): as before
+        WriteGuard(stamp_ns=20, base="").check("p", StoredVersion(12, "k", by_ckptcache=True))
