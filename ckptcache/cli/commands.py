@@ -65,6 +65,7 @@ def _cmd_daemon(args: argparse.Namespace) -> int:
         "secret_file": args.secret_file,
         "cluster": args.cluster,
         "clock_offset_bound": args.clock_offset_bound,
+        "keep_on_stop": args.keep_on_stop or None,
     }
     config = load_config(args.config, {k: v for k, v in overrides.items() if v is not None})
     return run_daemon(config)
@@ -401,6 +402,12 @@ def _parser(json_errors: bool = False) -> argparse.ArgumentParser:
         help="warn when a peer's clock is off by more (default 1; 0: never)",
         type=float,
         metavar="SECONDS",
+    )
+    d.add_argument(
+        "--keep-on-stop",
+        action="store_true",
+        help="keep persisted checkpoints in memory at a clean stop, for the next start "
+        "(default: their memory is given back; unpersisted ones always stay)",
     )
     d.set_defaults(fn=_cmd_daemon)
 

@@ -125,6 +125,9 @@ class DaemonConfig:
     lease_ttl: float = 5.0
     #: Seconds between sweeps dropping cached objects whose directory was removed (0: off).
     orphan_sweep: float = 30.0
+    #: Keep every segment at a clean stop (SIGTERM/SIGINT). By default the persisted ones are
+    #: unlinked, their memory given back (storage holds them); unpersisted ones always stay.
+    keep_on_stop: bool = False
     #: Optional TLS on the data plane: this node's certificate and key, and the cluster CA.
     tls_cert: str | None = None
     tls_key: str | None = None
@@ -195,6 +198,17 @@ def _text(value: Any) -> str:
 
 def _optional_text(value: Any) -> str | None:
     return None if value in (None, "") else str(value)
+
+
+def _flag(value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text in ("1", "true", "yes", "on"):
+        return True
+    if text in ("0", "false", "no", "off"):
+        return False
+    raise ValueError("must be true or false")
 
 
 def _listen(value: Any) -> str:
@@ -344,6 +358,7 @@ VALIDATORS: dict[str, Validator] = {
     "secret_file": _optional_text,
     "lease_ttl": _seconds(zero_ok=False),
     "orphan_sweep": _seconds(zero_ok=True),
+    "keep_on_stop": _flag,
     "tls_cert": _optional_text,
     "tls_key": _optional_text,
     "tls_ca": _optional_text,

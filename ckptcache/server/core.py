@@ -24,10 +24,12 @@ Parts, each with one job: :mod:`~ckptcache.server.saves` (sessions, budget, comm
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from ckptcache._units import format_bytes
 from ckptcache.server.config import DaemonConfig
 from ckptcache.server.digester import Digester
 from ckptcache.server.ingest import Ingest
@@ -41,6 +43,8 @@ from ckptcache.server.state import CacheState, Session
 from ckptcache.wire import messages as m
 
 __all__ = ["CacheCore", "Session"]
+
+log = logging.getLogger(__name__)
 
 
 class _Stoppable(Protocol):
@@ -89,10 +93,20 @@ class CacheCore:
         }
 
     def shutdown(self) -> None:
-        """Stop background workers (segments stay on disk for the next incarnation)."""
+        """Stop background workers. Unpersisted segments stay for the next incarnation;
+        persisted ones are unlinked (they are on storage) unless ``keep_on_stop``."""
         self.retention.stop()
         self.pool.stop()
         self.persister.stop()
         if self.cluster is not None:
             self.cluster.stop()
         self.digester.stop()
+        if self.config.keep_on_stop:
+            return
+        count, released = self.retention.release_persisted_at_stop()
+        with self.state.lock.held():
+            kept, used = len(list(self.state.index)), self.state.arena.used
+        log.info(
+            "released %d persisted generation(s), %s, on storage; %d unpersisted kept for "
+            "the next start (%s)", count, format_bytes(released), kept, format_bytes(used),
+        )  # fmt: skip

@@ -181,6 +181,26 @@ class Retention:
                 state.retire_locked(gen)
                 state.update_gauges()
 
+    def release_persisted_at_stop(self) -> tuple[int, int]:
+        """At a clean stop, unlink the segments of persisted generations: storage holds
+        them, and a stopped daemon's memory should go back to the machine. Every other
+        generation (queued, failing, memory-only, a conflict) stays for the next start.
+        Returns (generations released, bytes of segment given back).
+
+        Call after the workers stopped (nothing is persisting, digesting or replicating):
+        the generations leave without the retire hooks, the process is ending. A client
+        still mapping one keeps its mapping (unlinking never disturbs it).
+        """
+        state = self.state
+        count = released = 0
+        with state.lock.held():
+            for gen in [g for g in state.index if g.persisted and not g.staged_by]:
+                state.index.remove(gen)
+                gen.removed = True
+                count, released = count + 1, released + gen.segment.capacity
+                state.arena.destroy(gen.segment)
+        return count, released
+
     def mark_orphans_locked(self) -> int:
         """Flag generations whose save directory was removed.
 
