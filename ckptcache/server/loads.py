@@ -103,7 +103,7 @@ class Loads:
         tier = Tier.LOCAL
         floor = 0
         if req.generation is None:
-            self.retention.forget_replaced((req.namespace, req.path))
+            self.retention.forget_replaced((req.namespace, req.path), objects=self.remote is None)
             floor = self._newest(req)
         try:
             gen = self._pin_here(session, req, floor)

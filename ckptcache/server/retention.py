@@ -19,8 +19,10 @@ from ckptcache.server.config import DaemonConfig
 from ckptcache.server.eviction import EvictionPolicy
 from ckptcache.server.index import Generation, Key
 from ckptcache.server.lineage import is_orphaned, removed_reason
+from ckptcache.server.persist import storage_options
 from ckptcache.server.provenance import Provenance, write_provenance
 from ckptcache.server.state import CacheState, Session, check_key
+from ckptcache.storage import backend_for
 from ckptcache.storage.fs import file_version
 from ckptcache.wire import messages as m
 from ckptcache.wire.states import PersistState, Tier
@@ -39,6 +41,8 @@ class Retention:
     def __init__(self, config: DaemonConfig, state: CacheState, eviction: EvictionPolicy):
         self.config = config
         self.state = state
+        #: How storage is reached (the S3 endpoint), as the persister reaches it.
+        self.options = storage_options(config)
         #: Decides what keep-N may retire (never a generation storage has not received).
         self.eviction = eviction
         self._stopping = threading.Event()
@@ -90,18 +94,29 @@ class Retention:
         if remember:
             self.state.remember_superseded_locked(key, superseded)
 
-    def forget_replaced(self, key: Key) -> None:
-        """Retire the persisted copies of ``key`` once the file they wrote was replaced on
-        storage (a newer save by another daemon sharing the storage): a load then reads the
-        newer file, never the older cached copy. One ``stat``; files only (an object store
-        would cost a HEAD per load). A file removed by the user leaves the copies served."""
+    def forget_replaced(self, key: Key, *, objects: bool = True) -> None:
+        """Retire the persisted copies of ``key`` once the object they wrote was replaced on
+        storage (a newer save by another daemon sharing the storage, a plain ``torch.save``):
+        a load then reads the newer object, never the older cached copy. One ``stat`` for a
+        file; one HEAD for an object-store path (``objects``: a daemon in a cluster leaves
+        them to the cluster's newest-save record, which costs one coordinator read instead).
+        An object removed by the user leaves the copies served."""
         path = key[1]
         state = self.state
         with state.lock.held():
             newest = state.index.newest(key)
-            if newest is None or not newest.persisted or not newest.stored or "://" in path:
+            if newest is None or not newest.persisted or not newest.stored:
                 return
-        version = file_version(path, inspect=False)
+        if "://" not in path:
+            version = file_version(path, inspect=False)
+        elif not objects:
+            return
+        else:
+            try:
+                version = backend_for(path, self.options).version(path)
+            except (OSError, ValueError, ImportError) as e:
+                log.debug("cannot compare %s with storage: %s", path, e)
+                return
         if version is None or version.identity == newest.stored:
             return
         with state.lock.held():
