@@ -68,9 +68,9 @@ def one(stage: list[tuple[str, str]], keyword: str) -> str:
 
 
 def flags(args: list[str]) -> dict[str, str]:
-    """``--flag=value`` arguments by flag (every one in that form)."""
-    assert all(re.fullmatch(r"--[a-z0-9-]+=\S+", a) for a in args), args
-    return dict(a.split("=", 1) for a in args)
+    """``--flag=value`` arguments by flag (every one in that form, or a bare switch: "")."""
+    assert all(re.fullmatch(r"--[a-z0-9-]+(=\S+)?", a) for a in args), args
+    return {flag: value for flag, _, value in (a.partition("=") for a in args)}
 
 
 def test_the_image_runs_the_daemon_as_root(recipe, container):
@@ -117,6 +117,7 @@ def test_the_manifests_flags_are_the_daemon_commands(recipe, container):
     assert parsed.fn.__name__ == "_cmd_daemon"
     given = flags(args)
     assert given["--socket"] == SOCKET and given["--shm-dir"] == SHM_DIR
+    assert parsed.keep_on_stop  # a restart (an upgrade) keeps the node's warm cache
     defaults = flags(json.loads(one(final_stage(recipe), "CMD")))
     assert defaults == {"--socket": SOCKET, "--shm-dir": SHM_DIR}
     assert {"name": "CKPTCACHE_NODE_ID",
@@ -173,3 +174,4 @@ def test_the_systemd_unit_runs_the_same_daemon():
     assert os.path.basename(argv[0]) == "ckptcache" and argv[1] == "daemon"
     parsed = _parser().parse_args(argv[1:])
     assert (parsed.socket, parsed.shm_dir) == (SOCKET, SHM_DIR)
+    assert parsed.keep_on_stop  # a restart (an upgrade) keeps the node's warm cache
