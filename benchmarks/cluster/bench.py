@@ -38,6 +38,7 @@ from ckptcache._units import parse_bytes  # noqa: E402
 from ckptcache.cli.benchmarking import make_state  # noqa: E402
 from ckptcache.client import Client  # noqa: E402
 from ckptcache.format.archive_read import BLOCK  # noqa: E402
+from ckptcache.format.prefix_read import PROBE  # noqa: E402
 from ckptcache.server.config import load_config  # noqa: E402
 from ckptcache.server.transfer import RELAY_RECORD  # noqa: E402
 from tests.helpers import wait_until  # noqa: E402
@@ -242,7 +243,10 @@ def model_seconds(
     # The first joiner trails the reader by the ranges that land together at the end of its
     # read (tapered to one block each: server/storage_read.py, format/prefix_read.py), and
     # each later hop by one relay record.
-    first = streams * BLOCK  # the group read's streams (group_read_streams)
+    # By default (0, "auto") the read chooses its streams on its first bytes: where one
+    # connection fills the link it keeps one, and the probe's second range (PROBE bytes) has
+    # landed ahead of the prefix once.
+    first = streams * BLOCK if streams else BLOCK + PROBE  # group_read_streams
     return nbytes / min(link, storage) + first / link + (n - 1) * RELAY_RECORD / link
 
 
