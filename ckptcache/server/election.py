@@ -28,6 +28,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, fields
+from typing import Any
 
 from ckptcache.errors import CkptCacheError
 from ckptcache.format.digest import digest_bytes
@@ -134,16 +135,30 @@ class Election:
         if rank:
             time.sleep(min(0.2 * rank, 1.0))  # the preferred node gets a head start
         rep = keys.rep_key(ph, digest)
-        if not self.membership.coord.elect(rep, RepRecord(me, time.time()).to_dict()):
+        if not self._elect(rep, RepRecord(me, time.time()).to_dict(), ("node",)):
             return ClaimRole.STANDBY, ""
         if self._stored(ph, digest):
             # A previous representative finished (and stepped down) while we waited.
             self.membership.release(rep)
             return ClaimRole.DONE, gen.path
-        if not self.membership.coord.elect(keys.writer_key(ph), WriterRecord(me, digest).to_dict()):
+        writer = WriterRecord(me, digest).to_dict()
+        if not self._elect(keys.writer_key(ph), writer, ("node", "digest")):
             self.membership.coord.release(rep)
             return ClaimRole.RETRY, ""
         return ClaimRole.LEAD, self._conflict_target(gen, ph, digest) or target
+
+    def _elect(self, key: str, value: dict[str, Any], same: tuple[str, ...]) -> bool:
+        """Win ``key`` for this node, or find it this node's already (its ``same`` fields
+        equal ``value``'s). A claim that failed after it won (a later request failed, or etcd
+        created the key and its answer was lost) leaves the key under this node's lease: the
+        claim a second later must take it up, not wait as the standby of itself."""
+        coord = self.membership.coord
+        if coord.elect(key, value):
+            return True
+        if not coord.healthy():
+            return False  # cut off: never take up a role it may not be able to keep
+        held = coord.get(key)
+        return held is not None and all(held.get(f) == value[f] for f in same)
 
     def newer_saved(self, gen: Generation) -> bool:
         """Whether the cluster's newest save of ``gen``'s path is newer than ``gen`` (one

@@ -156,3 +156,29 @@ def test_stepping_down_never_takes_another_nodes_role(make_core, tmp_path, share
     lead_coord.release(f"writer/{ph}")  # the lead finishes: the standby's persist goes through
     wait_until(lambda: _persisted(standby, path, gen.number), what="persisted after the lead")
     assert _stored(path) == 3.0
+
+
+def test_a_claim_that_fails_after_it_won_the_roles_leads_when_claimed_again(node):
+    """A coordinator request fails after this node won the representative's and the writer's
+    keys (a later step of the claim failed; or etcd created a key and its answer was lost):
+    the claim a second later finds the keys its own and leads, instead of waiting as the
+    standby of itself until its lease lapses. In the cluster lab (etcd's leader cut off from
+    the other members, then healed) a ``durability="persisted"`` save waited forever."""
+    from ckptcache.server.coord import CoordinatorUnavailable
+
+    core, session, root = node
+    path = f"{root}/k.pt"
+    election = core.persister.election
+    target = election._conflict_target
+    calls = []
+
+    def fail_once_after_the_election(gen, ph, digest):
+        calls.append(gen.number)
+        if len(calls) == 2:  # the claim's last request, both roles won
+            raise CoordinatorUnavailable("etcd scan failed: Service Unavailable")
+        return target(gen, ph, digest)
+
+    election._conflict_target = fail_once_after_the_election
+    _save_persisted(core, session, path, 5.0)
+    assert len(calls) >= 3  # claimed again
+    assert _stored(path) == 5.0
