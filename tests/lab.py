@@ -377,7 +377,10 @@ class Lab:
         for proc in self._procs:
             if proc.poll() is None:
                 proc.kill()
-                proc.wait(timeout=10)
+                # A process in uninterruptible IO (the S3 server writing an object on a
+                # loaded machine) dies later: its namespace's teardown below waits for it.
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    proc.wait(timeout=10)
         for ns in reversed(self._namespaces):
             _kill_namespace(ns)
         self._namespaces.clear()
