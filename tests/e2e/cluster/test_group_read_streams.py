@@ -128,6 +128,7 @@ def test_a_group_read_by_default_runs_the_streams_it_chose(
     for r in load_all(nodes, url):
         assert not isinstance(r, Exception), r
         assert_same(obj, r)
+    assert sorted(d.info(url).last_load_tier for d in nodes) == ["peer", "peer", "storage"]
     reader = next(d for d in nodes if f"reading {url} from storage" in d.log())
     assert f"reading {url} from storage (streams: auto, at most 3)" in reader.log()
     found = re.search(rf"reading {re.escape(url)} from storage on (\d) of at most 3", reader.log())
