@@ -18,8 +18,10 @@ after one untimed round that warms imports, threads and the page cache):
 * **peer memory**: a copy pulled from a peer is verified by the receiving daemon, tensor by
   tensor, as the bytes land. End to end on two daemons (one etcd), next to a raw loopback
   socket moving the same bytes; the receive's hashing isolated in process: the daemon's
-  receive (:func:`ckptcache.server.transfer.receive_object`, a helper thread hashing each
-  tensor once its last byte has landed) against the same receive without it, over loopback.
+  receive (:func:`ckptcache.server.transfer.receive_object`, each tensor hashed record by
+  record as the records are reported in place: on the data plane by the thread that checks
+  their tags, here by the receiving thread) against the same receive without it, over
+  loopback.
 
 Needs etcd-server for the peer scenario (``--no-peer`` skips it).
 """

@@ -6,17 +6,19 @@ authenticated records of the connection's :class:`~ckptcache.server.dataplane.Ch
     segment bytes [HEADER_SIZE, digest_offset)   payload + manifest, by sendfile
     digest table (8 bytes per storage)            computed by the sender while it sent
 
-The receiver hashes every storage as soon as its last byte has landed (a helper thread follows
-the receive position), so by the time the table arrives only the comparison is left: every
-hop verifies every tensor without a second pass over the bytes.
+The receiver hashes every storage record by record as the records are authenticated (in the
+thread that checks each record's tag, right after that check, while the record is in cache),
+so by the time the table arrives only the comparison is left: every hop verifies every tensor
+without another pass over memory or another thread per transfer.
 """
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
+
+import xxhash
 
 from ckptcache.errors import CorruptCheckpoint
 from ckptcache.format.digest import digest_bytes, digest_hex
@@ -56,41 +58,41 @@ def send_object(channel: Channel, gen: Generation, digests: Callable[[], list[in
         channel.send_bytes(pack_digests(table.result()))
 
 
-class _Hasher(threading.Thread):
-    """Hashes each storage once the receive position has passed its end."""
+class _Digests:
+    """Hashes each storage record by record as its bytes are in place and authenticated, in
+    the thread that reports them (the tag check's, right after its pass over the record, so
+    the record is hashed while it is still in cache, with no thread of its own to wake)."""
 
     def __init__(self, view: memoryview, manifest: Manifest):
-        super().__init__(name="receive-hash", daemon=True)
         self.view = view
-        self.storages = manifest.storages
-        self.digests: list[int] = [0] * len(manifest.storages)
-        self.received = 0
-        self.done = False
-        self.error: BaseException | None = None
-        self.progress = threading.Condition()
+        storages = manifest.storages
+        order = sorted(range(len(storages)), key=lambda i: storages[i].offset)
+        self.spans = [(i, storages[i].offset - HEADER_SIZE,
+                       storages[i].offset - HEADER_SIZE + storages[i].nbytes)
+                      for i in order]  # fmt: skip
+        self.digests: list[int] = [0] * len(storages)
+        self.next = 0  # index into spans of the storage being hashed
+        self.fed = 0  # bytes of the view fed to ``state`` (within the current storage)
+        self.state = xxhash.xxh3_64()
 
-    def advance(self, received: int, *, done: bool = False) -> None:
-        with self.progress:
-            self.received, self.done = received, done
-            self.progress.notify()
+    def advance(self, received: int) -> None:
+        """The first ``received`` bytes of the view are in place: hash what they complete."""
+        while self.next < len(self.spans):
+            i, start, end = self.spans[self.next]
+            lo, hi = max(start, self.fed), min(end, received)
+            if hi > lo:
+                with self.view[lo:hi] as part:
+                    self.state.update(part)
+                self.fed = hi
+            if received < end:
+                return
+            self.digests[i] = self.state.intdigest()
+            self.state.reset()
+            self.next += 1
 
-    def run(self) -> None:
-        try:
-            order = sorted(range(len(self.storages)), key=lambda i: self.storages[i].offset)
-            for i in order:
-                record = self.storages[i]
-                start, end = (
-                    record.offset - HEADER_SIZE,
-                    record.offset - HEADER_SIZE + record.nbytes,
-                )
-                with self.progress:
-                    while self.received < end and not self.done:
-                        self.progress.wait()
-                    if self.received < end:
-                        return  # the stream ended early; the receiver reports it
-                self.digests[i] = digest_bytes(self.view[start:end])
-        except BaseException as e:  # surfaced by receive_object
-            self.error = e
+    @property
+    def complete(self) -> bool:
+        return self.next == len(self.spans)
 
 
 def receive_object(
@@ -106,24 +108,17 @@ def receive_object(
     follow it)."""
     body = digest_offset - HEADER_SIZE
     n = len(manifest.storages)
-    hasher = _Hasher(view, manifest)
-    hasher.start()
-    pos = 0
+    hasher = _Digests(view, manifest)
 
     def landed(n: int) -> None:
-        nonlocal pos
-        pos = n
+        advance(n)  # relays first: they forward the record while it is hashed here
         hasher.advance(n)
-        advance(n)
 
-    try:
-        channel.recv_into(view[:body], landed)
-        channel.recv_into(view[body : body + 8 * n])
-    finally:
-        hasher.advance(pos, done=True)
-        hasher.join()
-    if hasher.error is not None:
-        raise hasher.error
+    channel.recv_into(view[:body], landed)
+    channel.recv_into(view[body : body + 8 * n])
+    if not hasher.complete:  # every byte up to the table was reported; never expected
+        raise CorruptCheckpoint(f"copy of {manifest.path!r} from a peer ended before its "
+                                "last tensor", tier=Tier.PEER)  # fmt: skip
     expected = unpack_digests(view[body : body + 8 * n], n)
     for record, got, want in zip(manifest.storages, hasher.digests, expected, strict=True):
         if got != want:
