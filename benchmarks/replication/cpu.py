@@ -9,7 +9,8 @@ processes, ``/proc/<pid>/stat`` utime + stime of the daemons):
 * raw ``sendfile -> recv_into`` between two processes (the kernel's TCP path: the limit);
 * the same transfer through the data plane's authenticated :class:`Channel`;
 * one core's xxh3 (the digest every hop checks) and Poly1305 (the record tag) over the same
-  bytes, no transfer (what a single pass over the bytes costs);
+  bytes, no transfer (what a single pass over the bytes costs), and the kernel's first touch
+  of a new segment's pages (what a receive into memory the node has not used pays);
 * a backup push: ``save(durability="backup")`` on a daemon with a backup node, less
   ``save(durability="local")`` on a daemon without one (both daemons' CPU);
 * a peer fetch: a load on a node that does not hold the object (both daemons' CPU);
