@@ -18,6 +18,7 @@ import yaml
 from ckptcache._defaults import ENV_SOCKET, default_shm_dir, default_socket
 from ckptcache._units import parse_bytes
 from ckptcache.errors import ConfigError
+from ckptcache.storage.base import StorageOptions
 
 __all__ = ["VALIDATORS", "DaemonConfig", "RetentionRule", "load_config"]
 
@@ -147,6 +148,16 @@ class DaemonConfig:
     clock_offset_bound: float = 1.0
     #: Seconds between two measurements of a peer's clock offset (0: not measured).
     clock_check_interval: float = 60.0
+
+    def storage_options(self) -> StorageOptions:
+        """The storage settings of this configuration (what every backend is built with)."""
+        return StorageOptions(
+            s3_endpoint_url=self.s3_endpoint_url,
+            s3_region=self.s3_region,
+            s3_part_size=self.s3_part_size,
+            s3_max_concurrency=self.s3_max_concurrency,
+            s3_connections=max(self.s3_max_concurrency, self.group_read_streams),
+        )
 
     def cluster_secret(self) -> bytes | None:
         """The shared secret, from ``secret``, ``secret_file`` or $CKPTCACHE_CLUSTER_SECRET."""

@@ -41,7 +41,7 @@ from ckptcache.server.lineage import DirectoryRemoved
 from ckptcache.server.provenance import Provenance, write_provenance
 from ckptcache.server.roots import PersistRoots
 from ckptcache.server.safe_write import persist_write
-from ckptcache.storage import StorageBackend, StorageOptions, backend_for
+from ckptcache.storage import StorageBackend, backend_for
 from ckptcache.storage.base import NewerObjectExists, Sink, StorageConflict, WriteGuard
 from ckptcache.storage.fs import FileBackend, file_version
 from ckptcache.wire.states import ClaimRole, PersistState, Tier
@@ -51,7 +51,7 @@ if TYPE_CHECKING:
     from ckptcache.server.retention import Retention
     from ckptcache.server.state import CacheState
 
-__all__ = ["Deposed", "PersistElection", "Persister", "lower_thread_priority", "storage_options"]
+__all__ = ["Deposed", "PersistElection", "Persister", "lower_thread_priority"]
 
 log = logging.getLogger(__name__)
 
@@ -75,17 +75,6 @@ def lower_thread_priority(nice: int = 10) -> None:
             libc.syscall(_IOPRIO_SET, 1, tid, ioprio)  # IOPRIO_WHO_PROCESS
         except OSError:
             pass
-
-
-def storage_options(cfg: DaemonConfig) -> StorageOptions:
-    """The storage settings of a daemon configuration."""
-    return StorageOptions(
-        s3_endpoint_url=cfg.s3_endpoint_url,
-        s3_region=cfg.s3_region,
-        s3_part_size=cfg.s3_part_size,
-        s3_max_concurrency=cfg.s3_max_concurrency,
-        s3_connections=max(cfg.s3_max_concurrency, cfg.group_read_streams),
-    )
 
 
 class PersistElection(Protocol):
@@ -156,7 +145,7 @@ class Persister:
         cfg = config
         #: Waits between a failed persist's attempts (``persist_backoff``, ``persist_backoff_max``).
         self.retry_backoff = Backoff(cfg.persist_backoff, cfg.persist_backoff_max)
-        self.options = storage_options(cfg)
+        self.options = cfg.storage_options()
         self.queue: collections.deque[Generation] = collections.deque()
         self._path_locks: dict[tuple[str, str], threading.Lock] = {}
         #: Stamps this daemon wrote per path (the last few): its own older writes, which a

@@ -19,7 +19,6 @@ from ckptcache.server.config import DaemonConfig
 from ckptcache.server.eviction import EvictionPolicy
 from ckptcache.server.index import Generation, Key
 from ckptcache.server.lineage import is_orphaned, removed_reason
-from ckptcache.server.persist import storage_options
 from ckptcache.server.provenance import Provenance, write_provenance
 from ckptcache.server.state import CacheState, Session, check_key
 from ckptcache.storage import backend_for
@@ -42,7 +41,7 @@ class Retention:
         self.config = config
         self.state = state
         #: How storage is reached (the S3 endpoint), as the persister reaches it.
-        self.options = storage_options(config)
+        self.options = config.storage_options()
         #: Decides what keep-N may retire (never a generation storage has not received).
         self.eviction = eviction
         self._stopping = threading.Event()
