@@ -17,9 +17,9 @@ from collections.abc import Callable
 
 from ckptcache.errors import CorruptCheckpoint, PathNotAllowed
 from ckptcache.format.archive import count_records, parse_archive
+from ckptcache.format.archive_read import read_archive
 from ckptcache.format.layout import HEADER_SIZE, plan_segment
 from ckptcache.format.manifest import manifest_from_archive, pack_digests
-from ckptcache.server.archive_read import read_archive
 from ckptcache.server.config import DaemonConfig
 from ckptcache.server.index import Generation
 from ckptcache.server.metrics import Metrics

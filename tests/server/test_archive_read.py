@@ -16,9 +16,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ckptcache.errors import CorruptCheckpoint
+from ckptcache.format.archive_read import BLOCK, read_archive
 from ckptcache.format.crc import CRC32_IMPLEMENTATION, crc32, crc32_combine
 from ckptcache.format.persisted import check_archive, list_records, stream_archive
-from ckptcache.server.archive_read import BLOCK, read_archive
 from ckptcache.storage import backend_for
 from ckptcache.storage.reporting import ReportingReads, read_into_reporting
 from ckptcache.storage.s3 import READ_PIECE
