@@ -127,6 +127,7 @@ class Cluster:
         self.election = Election(
             cfg, state, self.membership, self.fetching, metrics=state.metrics,
             protect=self.replication.protect, mark_persisted=ports.mark_persisted,
+            stored=self.truth.stored,
             resubmit=ports.resubmit, stop=self._stop,
         )  # fmt: skip
         self.sources = remote_load.Sources(
@@ -202,7 +203,10 @@ class Cluster:
         save of its path before the save returns (:meth:`Truth.publish`), then its backup
         copies (:meth:`Replication.on_commit`)."""
         if not gen.origin:
-            self.truth.publish(gen)
+            # A save that asked for a backup or storage waits a lease's time for its record
+            # (its durability needs the cluster anyway); others return through an outage.
+            patience = self.config.lease_ttl if durability in ("backup", "persisted") else 0.0
+            self.truth.publish(gen, patience)
         self.replication.on_commit(gen, durability)
 
     def on_retire(self, gen: Generation) -> None:

@@ -103,6 +103,7 @@ class Election:
         metrics: Metrics,
         protect: Callable[[Generation], None],
         mark_persisted: Callable[[Generation], None],
+        stored: Callable[[Generation], None],
         resubmit: Callable[[Generation], None],
         stop: threading.Event,
     ):
@@ -115,6 +116,8 @@ class Election:
         self.protect = protect
         #: The persister's: the group persisted a standby's content / take over its persist.
         self.mark_persisted = mark_persisted
+        #: The newest-save record's last try before a persist is reported (Truth.stored).
+        self._publish_stored = stored
         self.resubmit = resubmit
         self._stop = stop
         self._standby: dict[Generation, tuple[str, str]] = {}
@@ -159,6 +162,10 @@ class Election:
             return False  # cut off: never take up a role it may not be able to keep
         held = coord.get(key)
         return held is not None and all(held.get(f) == value[f] for f in same)
+
+    def stored(self, gen: Generation) -> None:
+        """``gen`` reached storage at its path: one more try at its newest-save record."""
+        self._publish_stored(gen)
 
     def newer_saved(self, gen: Generation) -> bool:
         """Whether the cluster's newest save of ``gen``'s path is newer than ``gen`` (one

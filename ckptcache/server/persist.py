@@ -108,6 +108,10 @@ class PersistElection(Protocol):
         """Whether a newer save of ``gen``'s path was made anywhere in the cluster (False
         when that cannot be known now)."""
 
+    def stored(self, gen: Generation) -> None:
+        """``gen`` reached storage: make sure the cluster knows it as the newest save of its
+        path, if it is (best effort), before the persist is reported."""
+
     def fence(self, gen: Generation, guard: WriteGuard) -> WriteGuard:
         """``guard``, also raising :class:`Deposed` whenever it is consulted (before the
         upload, again right before the object becomes visible) once this node no longer
@@ -298,6 +302,8 @@ class Persister:
             # The object is complete on storage: persisted now, whatever the coordinator says;
             # the group's record follows (retried in the background through an etcd outage).
             gen.stored = self._stored_identity(backend, target)
+            if cluster is not None and target == gen.path:
+                cluster.stored(gen)  # known newest before wait() says persisted
             self._done(gen, time.perf_counter() - t0)
             if cluster is not None:
                 cluster.persisted(gen, target)

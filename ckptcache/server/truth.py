@@ -32,6 +32,7 @@ from __future__ import annotations
 import collections
 import logging
 import threading
+import time
 from typing import TYPE_CHECKING, Any
 
 from ckptcache.format.manifest import object_digest
@@ -53,6 +54,9 @@ UNSEEN = -1
 
 #: Putting a save's record while the coordinator is unreachable: tried again at this pace.
 PUBLISH_RETRY = Backoff(0.2, 5.0)
+
+#: How long a persist tries to put its generation's newest-save record before reporting.
+STORED_PATIENCE = 2.0
 
 #: Paths whose last read record is kept for their commit (the saves in flight at once).
 _READ_MAX = 4096
@@ -106,19 +110,53 @@ class Truth:
         record = parse_one(LatestRecord, key, raw)
         return record.committed_ns if record is not None else 0
 
-    def publish(self, gen: Generation) -> None:
+    def publish(self, gen: Generation, patience: float = 0.0) -> None:
         """Make ``gen``, a save just committed here, the cluster's newest save of its path
-        (unless a newer one is recorded already). Through an outage it is put once the
-        coordinator answers (in the background)."""
-        record = LatestRecord(self.membership.node.node_id, gen.path, gen.number,
-                              gen.committed_ns)  # fmt: skip
-        try:
-            self._advance(gen, record)
-        except CoordinatorUnavailable as e:
-            log.warning("cannot record %s generation %d as the newest save yet (%s); retrying",
-                        gen.path, gen.number, e)  # fmt: skip
-            threading.Thread(target=self._retry, args=(gen, record), name="latest-record",
-                             daemon=True).start()  # fmt: skip
+        (unless a newer one is recorded already), tried again for up to ``patience`` seconds
+        (a request lost to one etcd member, a leader being elected). Past that, through an
+        outage, it is put once the coordinator answers (in the background), and the persist
+        tries again when the generation reaches storage (:meth:`stored`)."""
+        record = self._record(gen)
+        failed = self._advance_within(gen, record, patience)
+        if failed is None:
+            return
+        log.warning("cannot record %s generation %d as the newest save yet (%s); retrying",
+                    gen.path, gen.number, failed)  # fmt: skip
+        threading.Thread(target=self._retry, args=(gen, record), name="latest-record",
+                         daemon=True).start()  # fmt: skip
+
+    def stored(self, gen: Generation) -> None:
+        """``gen`` (a save of this node or a backup copy) reached storage: one more try at
+        its newest-save record before the persist is reported, so that a save whose record
+        was lost (or is still being retried) is known to every node once ``wait()`` says
+        persisted. Tried for up to :data:`STORED_PATIENCE` seconds (the persist worker's time,
+        not the trainer's); an unreachable coordinator leaves it to the retries."""
+        failed = self._advance_within(gen, self._record(gen), STORED_PATIENCE)
+        if failed is not None:
+            log.debug("newest-save record of %s not put at its persist: %s", gen.path, failed)
+
+    def _advance_within(
+        self, gen: Generation, record: LatestRecord, patience: float
+    ) -> CoordinatorUnavailable | None:
+        """:meth:`_advance`, tried again with backoff for up to ``patience`` seconds; the
+        last failure when it never got through."""
+        deadline = time.monotonic() + patience
+        failures = 0
+        while True:
+            try:
+                self._advance(gen, record)
+                return None
+            except CoordinatorUnavailable as e:
+                delay = PUBLISH_RETRY.delay(failures)
+                failures += 1
+                if time.monotonic() + delay > deadline:
+                    return e
+                time.sleep(delay)
+
+    def _record(self, gen: Generation) -> LatestRecord:
+        saver = gen.origin if gen.origin and gen.origin != "storage" else ""
+        return LatestRecord(saver or self.membership.node.node_id, gen.path, gen.number,
+                            gen.committed_ns)  # fmt: skip
 
     def _advance(self, gen: Generation, record: LatestRecord) -> None:
         key = keys.latest_key(path_hash(gen.namespace, gen.path))

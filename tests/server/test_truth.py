@@ -25,7 +25,7 @@ def _truth(store: dict, node: str) -> Truth:
 
 
 def _gen(stamp: int, seen: int = 0, digests: list[int] | None = None) -> SimpleNamespace:
-    return SimpleNamespace(namespace="ns", path="/p", number=1, committed_ns=stamp,
+    return SimpleNamespace(namespace="ns", path="/p", number=1, committed_ns=stamp, origin="",
                            seen_ns=seen, digests=digests)  # fmt: skip
 
 
