@@ -200,11 +200,55 @@ def _build(config: Path, site: Path) -> subprocess.CompletedProcess[str]:
                           timeout=120)  # fmt: skip
 
 
-def test_docs_site_builds_and_a_broken_link_fails_it(tmp_path):
+@pytest.fixture(scope="module")
+def site(tmp_path_factory) -> Path:
+    """The site as ``mkdocs build --strict`` writes it from the repository's docs."""
     pytest.importorskip("mkdocs")
-    good = _build(ROOT / "mkdocs.yml", tmp_path / "site")
-    assert good.returncode == 0, good.stderr
-    assert (tmp_path / "site" / "adapters" / "dcp" / "index.html").is_file()
+    out = tmp_path_factory.mktemp("docs") / "site"
+    built = _build(ROOT / "mkdocs.yml", out)
+    assert built.returncode == 0, built.stderr
+    return out
+
+
+# An asset a page loads: <script src=...>, <link href=...> (stylesheets, preconnects, icons).
+_ASSET = re.compile(r"<(?:script|link)\b[^>]*?\b(?:src|href)=[\"']?([^\"'\s>]+)", re.I)
+
+
+def test_docs_site_loads_nothing_from_another_host(site):
+    """The site works offline: no page loads a script, style or font from elsewhere, and the
+    diagrams are drawn by the bundled Mermaid (with its licence beside it)."""
+    pages = sorted(site.rglob("*.html"))
+    assert len(pages) > 20
+    remote = [(str(p.relative_to(site)), url) for p in pages
+              for url in _ASSET.findall(p.read_text()) if re.match(r"(?:[a-z]+:)?//", url, re.I)]  # fmt: skip
+    assert remote == []
+    bundled = site / "assets" / "mermaid"
+    assert (bundled / "mermaid.min.js").read_text().rstrip().endswith('globalThis["mermaid"] = '
+                                                               'globalThis.__esbuild_esm_mermaid_nm["mermaid"].default;')  # fmt: skip
+    assert "MIT License" in (bundled / "LICENSE").read_text()
+    # Every ```mermaid fence of docs/ is a diagram on its page, on a page that loads the script.
+    fences = sum(p.read_text().count("```mermaid\n") for p in (ROOT / "docs").rglob("*.md"))
+    drawn = 0
+    for page in pages:
+        text = page.read_text()
+        if 'class="mermaid"' in text:
+            drawn += text.count('class="mermaid"')
+            scripts = _ASSET.findall(text)
+            assert any(u.endswith("assets/mermaid/mermaid.min.js") for u in scripts), page
+    assert fences >= 5 and drawn == fences
+
+
+def test_docs_site_has_a_generated_api_reference(site):
+    """docs/reference.md is rendered from the docstrings: each public name has its entry."""
+    page = (site / "reference" / "index.html").read_text()
+    for name in ("ckptcache.save", "ckptcache.load", "ckptcache.Client", "ckptcache.Client.stage",
+                 "ckptcache.errors.CkptCacheError", "ckptcache.adapters.dcp"):  # fmt: skip
+        assert f'id="{name}"' in page, name
+    assert ":func:`" not in page and ":class:`" not in page  # the reST roles were converted
+
+
+def test_docs_site_builds_and_a_broken_link_fails_it(site, tmp_path):
+    assert (site / "adapters" / "dcp" / "index.html").is_file()
     for broken, said in (
         ("[gone](no-such-page.md)", "not found among documentation files"),
         ("[gone](api.md#no-such-anchor)", "does not contain an anchor"),
