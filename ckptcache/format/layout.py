@@ -34,13 +34,13 @@ __all__ = [
 ]
 
 MAGIC = b"CKPTSEG\x00"
-#: 2 added the skeleton and manifest digests; version 1 headers are still read (no digests).
+#: The one header layout read (until a release freezes one, a layout change bumps this and
+#: segments of another version are refused).
 LAYOUT_VERSION = 2
 HEADER_SIZE = 4096
 #: Segment capacities are rounded up to this, so slightly different sizes reuse one segment.
 SEGMENT_GRANULE = 1 << 20
 
-_HEADER_V1 = struct.Struct("<8sIIQQQQQQIIQQI")
 _HEADER = struct.Struct("<8sIIQQQQQQIIQQIQQ")
 
 
@@ -83,7 +83,7 @@ class SegmentHeader:
     #: 1 once phase 2 wrote this generation to storage (survives daemon restarts).
     persisted: int = 0
     #: xxh3 of the pickle skeleton and of the manifest bytes, recorded with the digest
-    #: table (0: not recorded, e.g. a version 1 segment).
+    #: table (0: not recorded yet).
     skeleton_digest: int = 0
     manifest_digest: int = 0
 
@@ -105,23 +105,22 @@ class SegmentHeader:
         if bytes(data[:8]) != MAGIC:
             raise CorruptCheckpoint("bad segment magic")
         version = struct.unpack_from("<I", data, 8)[0]
-        if version not in (1, LAYOUT_VERSION):
+        if version != LAYOUT_VERSION:
             raise CorruptCheckpoint(
-                f"unknown segment layout version {version} (this version reads 1 and "
-                f"{LAYOUT_VERSION}): written by a newer ckptcache"
+                f"unknown segment layout version {version} (this version reads "
+                f"{LAYOUT_VERSION} only): written by another ckptcache version"
             )
-        fields = (_HEADER if version == LAYOUT_VERSION else _HEADER_V1).unpack_from(data)
+        fields = _HEADER.unpack_from(data)
         try:
             state, digest_state = SegmentState(fields[2]), DigestState(fields[10])
         except ValueError as e:
             raise CorruptCheckpoint(f"segment header: {e}") from e
-        # Version 1 headers end before the two recorded digests (their defaults: 0).
-        digests = dict(zip(("skeleton_digest", "manifest_digest"), fields[14:], strict=False))
         return cls(
             state=state, generation=fields[3], payload_offset=fields[4],
             payload_size=fields[5], manifest_offset=fields[6], manifest_size=fields[7],
             digest_offset=fields[8], n_storages=fields[9], digest_state=digest_state,
-            created_ns=fields[11], committed_ns=fields[12], persisted=fields[13], **digests,
+            created_ns=fields[11], committed_ns=fields[12], persisted=fields[13],
+            skeleton_digest=fields[14], manifest_digest=fields[15],
         )  # fmt: skip
 
 

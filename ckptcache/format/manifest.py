@@ -20,7 +20,7 @@ from ckptcache.format.archive import ArchivePlan, ParsedArchive
 from ckptcache.format.digest import DIGEST_ALGORITHM, digest_bytes, digest_hex
 from ckptcache.format.gcpause import gc_paused
 from ckptcache.format.layout import HEADER_SIZE, SegmentLayout
-from ckptcache.format.packed_records import PackedColumns, first_outside, pack_columns
+from ckptcache.format.packed_records import PackedColumns, pack_columns
 
 __all__ = [
     "MANIFEST_FORMAT",
@@ -40,11 +40,10 @@ __all__ = [
     "verify_meta",
 ]
 
-#: 3 stores the storage records packed (:mod:`ckptcache.format.packed_records`): numbers as
-#: arrays, strings as one text each column. Formats 2 (one JSON list per field) and 1 (one
-#: JSON object per record) are still read.
+#: The one manifest format read: the storage records packed
+#: (:mod:`ckptcache.format.packed_records`), numbers as arrays, strings as one text each
+#: column. Until a release freezes one, a change bumps this and other formats are refused.
 MANIFEST_FORMAT = 3
-_READ_FORMATS = (1, 2, 3)
 
 
 class StorageRecord(NamedTuple):
@@ -65,37 +64,26 @@ make_record = functools.partial(tuple.__new__, StorageRecord)
 
 
 def encode_records(records: Sequence[StorageRecord]) -> bytes:
-    """The ``storages`` value of a format 3 manifest: the records packed."""
+    """The ``storages`` value of a manifest: the records packed."""
     columns = list(zip(*records, strict=True)) if records else [()] * len(_RECORD_FIELDS)
     return json.dumps(pack_columns(columns), separators=(",", ":")).encode()
 
 
 def _decode_records(
-    raw: Any, fmt: int, *, lazy: bool = False
-) -> tuple[Sequence[StorageRecord], Sequence[Sequence[Any]] | None]:
-    """The records, and (formats 2 and 3) their columns as decoded; ``lazy``: the records
-    made on first use (:class:`LazyRecords`)."""
-    if fmt == 1:
-        return tuple(make_record(s[f] for f in _RECORD_FIELDS) for s in raw), None
-    if fmt == 3:
-        packed = PackedColumns(raw)
-        if lazy:
-            return LazyRecords(packed), packed
-        return tuple(map(make_record, zip(*packed, strict=True))), packed
-    if not isinstance(raw, dict) or set(raw) != set(_RECORD_FIELDS):
-        raise ValueError("storage columns missing or unknown")
-    columns = [raw[f] for f in _RECORD_FIELDS]
-    if any(type(c) is not list for c in columns) or len({len(c) for c in columns}) != 1:
-        raise ValueError("storage columns of different lengths")
+    raw: Any, *, lazy: bool = False
+) -> tuple[Sequence[StorageRecord], PackedColumns]:
+    """The records and their columns as decoded; ``lazy``: the records made on first use
+    (:class:`LazyRecords`)."""
+    packed = PackedColumns(raw)
     if lazy:
-        return LazyRecords(columns), columns
-    return tuple(map(make_record, zip(*columns, strict=True))), columns
+        return LazyRecords(packed), packed
+    return tuple(map(make_record, zip(*packed, strict=True))), packed
 
 
 class LazyRecords(Sequence[StorageRecord]):
     """A manifest's records made from its (checked) columns on first use. A zero-copy load
     reads only the offsets and sizes, as columns: making thousands of records it never looks
-    at cost about as much as the manifest's JSON decode (4 ms at 8,288 records)."""
+    at costs about as much as the manifest's JSON decode."""
 
     __slots__ = ("_columns", "_rows")
 
@@ -182,7 +170,7 @@ class Manifest:
         try:
             # Tens of thousands of short-lived objects for a state of thousands of tensors:
             # generation-2 collections they would set off scan the whole heap of the daemon
-            # or trainer (held off, the decode of 20,000 records took 35 ms instead of 60).
+            # or trainer.
             with gc_paused():
                 return cls._decoded(data, segment_size, keep_columns)
         except (ValueError, TypeError, KeyError, AttributeError, RecursionError) as e:
@@ -195,13 +183,14 @@ class Manifest:
         """:meth:`from_json`'s work; raises ``ValueError`` and kin on anything malformed."""
         raw: dict[str, Any] = json.loads(bytes(data))
         fmt = raw.get("format")
-        if fmt not in _READ_FORMATS:
-            raise ValueError(f"unknown manifest format {fmt!r}")
-        storages, columns = _decode_records(raw.pop("storages"), fmt, lazy=keep_columns)
-        raw["format"] = MANIFEST_FORMAT
+        if fmt != MANIFEST_FORMAT:
+            raise ValueError(
+                f"unknown manifest format {fmt!r} (this version reads {MANIFEST_FORMAT} only)"
+            )
+        storages, columns = _decode_records(raw.pop("storages"), lazy=keep_columns)
         manifest = cls(storages=storages, **raw)
         manifest._check(segment_size, columns)
-        if keep_columns and columns is not None:
+        if keep_columns:
             object.__setattr__(manifest, "_columns", columns)
         return manifest
 
@@ -213,33 +202,23 @@ class Manifest:
             return kept  # type: ignore[no-any-return]
         return list(zip(*self.storages, strict=True)) if self.storages else [()] * 6
 
-    def _check(self, segment_size: int | None, columns: Sequence[Any] | None = None) -> None:
-        # One pass per column, in C (map, set, min, max, numpy): thousands of records.
-        if columns is None:
-            columns = list(zip(*self.storages, strict=True)) if self.storages else [()] * 6
+    def _check(self, segment_size: int | None, columns: PackedColumns) -> None:
+        # The records' strings were checked as they were unpacked; their bounds in one numpy
+        # pass (thousands of records).
         heads = (self.payload_offset, self.payload_size, self.pickle_offset, self.pickle_size)
         if not set(map(type, heads)) <= {int} or min(heads) < 0:
             raise ValueError("negative or non-integer offset")
         texts = (self.path, self.namespace, self.digest_algorithm)
         try:
-            # str.join refuses an item that is not a str, in one C pass a column: a quarter
-            # of the cost of collecting the items' types (JSON makes no str subclass).
-            "".join(texts)
-            if not isinstance(columns, PackedColumns):  # packed: its strings checked already
-                for column in (columns[0], columns[3], columns[4], columns[5]):
-                    "".join(column)
+            "".join(texts)  # refuses an item that is not a str (JSON makes no subclass)
         except TypeError:
-            raise ValueError("a name, path or dtype that is not a string") from None
+            raise ValueError("a path, namespace or algorithm that is not a string") from None
         if not isinstance(self.created, (int, float)) or isinstance(self.created, bool):
             raise ValueError("creation time is not a number")
         end = self.payload_offset + self.payload_size
         if not (self.payload_offset <= self.pickle_offset <= end - self.pickle_size):
             raise ValueError("pickle outside the payload")
-        outside = (
-            columns.check_within(self.payload_offset, end)
-            if isinstance(columns, PackedColumns)
-            else _first_outside(columns[1], columns[2], self.payload_offset, end)
-        )
+        outside = columns.check_within(self.payload_offset, end)
         if outside is not None:
             raise ValueError(f"storage {columns[0][outside]} outside the payload")
         if segment_size is not None and end > segment_size:
@@ -266,19 +245,6 @@ def _table_json(table: str) -> bytes:
     encoded = json.dumps(table).encode()
     _last_table = (table, encoded)
     return encoded
-
-
-def _first_outside(
-    offsets: Sequence[Any], sizes: Sequence[Any], start: int, end: int
-) -> int | None:
-    """The index of the first record (formats 1 and 2: columns of decoded JSON) not all in
-    ``[start, end)``, or ``None``; raises ``ValueError`` for a value that is not a
-    non-negative ``int``."""
-    if not set(map(type, offsets)).union(map(type, sizes)) <= {int}:
-        raise ValueError("negative or non-integer offset")
-    if min(offsets, default=0) < 0 or min(sizes, default=0) < 0:
-        raise ValueError("negative or non-integer offset")
-    return first_outside(offsets, sizes, start, end)
 
 
 @dataclass(frozen=True)

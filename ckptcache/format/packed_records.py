@@ -1,9 +1,7 @@
-"""A manifest's storage records packed (manifest format 3).
+"""A manifest's storage records packed.
 
-Format 2 stored one JSON list per record field. For a state of 8,288 tensors, a load spent
-about 2 ms decoding those 33,000 short strings and 16,600 numbers from JSON and 1 ms checking
-their types, on every load, for a record it then never reads.
-
+A load reads the offsets and sizes of the records and little else: one JSON value per field
+of every record would be decoded and type-checked on every load for records it never reads.
 Packed, the records are a few long JSON strings:
 
 * ``offset`` and ``nbytes``: little-endian int64 arrays, base64; their type is fixed by the
@@ -61,7 +59,7 @@ def _numbered(keys: Sequence[str]) -> bool:
 
 
 def pack_columns(columns: Sequence[Sequence[Any]]) -> dict[str, Any]:
-    """The packed ``storages`` value of a format 3 manifest, from the records' six columns
+    """The packed ``storages`` value of a manifest, from the records' six columns
     (:data:`FIELDS` order). The same columns always pack to the same value."""
     keys, offsets, sizes, dtypes, locations, names = columns
     return {

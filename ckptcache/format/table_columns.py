@@ -1,19 +1,19 @@
-"""A tensor table's columns, format 2: the dense tensors as packed arrays.
+"""A tensor table's columns: the dense tensors as packed arrays.
 
 Most tensors of a state dict alone cover their whole storage, contiguous from offset 0: for
-those a load needs only the dtype, the shape and which storage, and format 2 writes them as
+those a load needs only the dtype, the shape and which storage, and the table writes them as
 little-endian arrays that a load reads with ``np.frombuffer`` and checks with a few numpy
-comparisons, instead of tuples unpickled and checked number by number (format 1, still read).
-The other tensors (views, tied weights, offsets, empty ones) follow as format 1's pickled
-columns, and the tree after them. The layout, after the table's base64::
+comparisons, instead of tuples unpickled and checked number by number. The other tensors
+(views, tied weights, offsets, empty ones) follow as pickled columns, and the tree after
+them. The layout, after the table's base64::
 
     magic (8 bytes) | n_dense, n_dims, strided_size (3 x uint64)
     | storage index (int64 x n_dense) | dims (int64 x n_dims)
     | dtype code, ndim, requires_grad (uint8 x n_dense each)
     | strided columns (pickle, strided_size bytes) | tree (pickle)
 
-The magic read as format 1's leading length is past any table, so a reader that knows only
-format 1 finds it malformed and loads by the skeleton.
+The magic names the layout: a table without it is not read (the load takes the skeleton's
+path), and a layout change takes a new magic.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ __all__ = [
 
 MAGIC = b"\xffckptT2\x00"
 _HEAD = struct.Struct("<QQQ")
-#: Dtype codes of format 2 (an append-only list: a code names its dtype for good).
+#: The table's dtype codes (an append-only list: a code names its dtype for good).
 CODES: tuple[torch.dtype, ...] = (
     torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32,
     torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128,
@@ -58,7 +58,7 @@ class Dense(NamedTuple):
 
 def dense_places(columns: Sequence[Any]) -> list[bool]:
     """Per tensor of the plan cache's ``columns``, whether it alone covers its whole,
-    non-empty storage, contiguous from offset 0 (what format 2 packs)."""
+    non-empty storage, contiguous from offset 0 (what the table packs)."""
     dtypes, shapes, strides, offsets, indices, _, _, storage_sizes = columns
     uses: dict[int, int] = {}
     for index in indices:
@@ -75,7 +75,7 @@ def dense_places(columns: Sequence[Any]) -> list[bool]:
 
 
 def pack_dense(columns: Sequence[Any], dense: Sequence[bool], strided_size: int) -> bytes:
-    """Format 2's head and packed arrays for the tensors marked ``dense`` (in order), to be
+    """The table's head and packed arrays for the tensors marked ``dense`` (in order), to be
     followed by ``strided_size`` bytes of strided columns and the tree."""
     dtypes, shapes, _, _, indices, requires_grad, _, _ = columns
     picked = [i for i, d in enumerate(dense) if d]
@@ -91,7 +91,7 @@ def pack_dense(columns: Sequence[Any], dense: Sequence[bool], strided_size: int)
 
 
 def unpack_dense(blob: memoryview) -> tuple[Dense, memoryview, memoryview]:
-    """The dense columns of a format 2 table's bytes, its strided columns' bytes and its
+    """The dense columns of a table's bytes, its strided columns' bytes and its
     tree's bytes. Raises ``ValueError`` where the lengths do not add up."""
     n_dense, n_dims, strided_size = _HEAD.unpack_from(blob, len(MAGIC))
     at = len(MAGIC) + _HEAD.size

@@ -35,9 +35,9 @@ DTYPES: dict[str, torch.dtype] = {str(d).removeprefix("torch."): d for d in CODE
 _CODE_BY_NAME = {name: c for c, name in enumerate(DTYPES)}
 #: Dtype name -> its item size.
 _ITEMSIZE = {name: d.itemsize for name, d in DTYPES.items()}
-#: Format 2's dtype code -> the dtype's item size.
+#: The table's dtype code -> the dtype's item size.
 _ITEMSIZE_BY_CODE = np.array([d.itemsize for d in CODES], dtype=np.int64)
-#: Format 2's dtype code -> the numpy dtype whose array carries its bytes: its twin, or for
+#: The table's dtype code -> the numpy dtype whose array carries its bytes: its twin, or for
 #: bfloat16 int16 (the tensor then viewed as bfloat16: :data:`_CARRIED`).
 _CARRIER = [NUMPY_TWINS[d] if d in NUMPY_TWINS else np.dtype(f"<i{d.itemsize}") for d in CODES]
 _CARRIED = {c for c, d in enumerate(CODES) if d not in NUMPY_TWINS}
@@ -47,7 +47,7 @@ def make_strided(
     fields: Any, whole: np.ndarray, places: tuple[Sequence[int], Sequence[int]]
 ) -> list[torch.Tensor] | None:
     """Every tensor of the pickled columns ``fields`` (dtype names, shapes, strides, storage
-    offsets, storage indices, ``requires_grad``: format 1) over ``whole`` (a uint8 array over
+    offsets, storage indices, ``requires_grad``) over ``whole`` (a uint8 array over
     the mapping), the storages at ``places`` (their offsets and sizes in the mapping, by
     storage index); None where the columns do not check out."""
     if not _well_formed(fields, len(places[0])):
@@ -58,7 +58,7 @@ def make_strided(
         return None  # the manifest's check rules this out; a slice would clip it silently
     own = _whole_storage(names, shapes, strides, offsets, indices, starts, sizes)
     out: list[Any] = [None] * len(names)
-    if own:  # made as format 2's dense tensors are
+    if own:  # made as the packed dense tensors are
         arrays = (np.asarray(places[0], dtype=np.int64), np.asarray(places[1], dtype=np.int64))
         made = make_dense(_as_dense(fields, own), whole, arrays)
         if made is None:
@@ -87,7 +87,7 @@ def _as_dense(fields: tuple[Any, ...], own: list[int]) -> Dense:
 def make_dense(
     dense: Dense, whole: np.ndarray, places: tuple[np.ndarray, np.ndarray]
 ) -> list[torch.Tensor] | None:
-    """The tensors of format 2's packed columns (:mod:`~ckptcache.format.table_columns`),
+    """The tensors of a table's packed columns (:mod:`~ckptcache.format.table_columns`),
     each ``from_numpy`` of a typed slice of ``whole`` (``torch.frombuffer`` for a dtype numpy
     lacks) covering its whole storage; ``places``: the storages' offsets and sizes as int64
     arrays. None where the columns do not check out: a code off the list, a storage index

@@ -2,15 +2,15 @@
 
 The archive's skeleton is what ``torch.load`` reads: every tensor in it is a ``REDUCE`` of
 ``_rebuild_tensor_v2`` over a storage's persistent id, and the unpickler calls back into
-Python for each (persistent id, rebuild, the tensor made over the mapping): 15-25 us a tensor,
-most of a load of thousands of small tensors. A save whose object is made only of the common
+Python for each (persistent id, rebuild, the tensor made over the mapping): most of a load of
+thousands of small tensors. A save whose object is made only of the common
 containers and values and plain CPU tensors (a structure the save-plan cache describes with no
 reduced object in it) also writes, in its manifest, a **tensor table**:
 
-* the tensors' fields as columns, taken from the plan cache's walk: format 2
-  (:mod:`~ckptcache.format.table_columns`) packs the tensors that alone cover their storage
-  as little-endian arrays and pickles the others' columns (dtype, shape, strides, storage
-  offset, storage index, ``requires_grad``) as format 1 pickled every tensor's;
+* the tensors' fields as columns, taken from the plan cache's walk
+  (:mod:`~ckptcache.format.table_columns`): the tensors that alone cover their storage as
+  packed little-endian arrays, the others' columns (dtype, shape, strides, storage offset,
+  storage index, ``requires_grad``) pickled;
 * the object's *tree*: the same object pickled with each tensor replaced by its index in the
   columns (a persistent id), so no tensor reduction is in it.
 
@@ -18,7 +18,8 @@ A zero-copy load then makes the tensors from the columns in bulk
 (:mod:`~ckptcache.format.table_tensors`: C calls mapped over all of them, each tensor its own
 storage of exactly its bytes), and unpickles the tree in the C unpickler with
 ``persistent_load`` a lookup in the made tensors: no Python call per tensor inside the
-unpickler. Format 1 tables (the release before) still load.
+unpickler. A table of another layout (no :data:`~ckptcache.format.table_columns.MAGIC` in
+front) is not read: the load takes the skeleton's path.
 
 It is no less safe than the skeleton's own fast path (:mod:`ckptcache.format.fast_unpickle`):
 the tree's unpickler resolves only ``OrderedDict`` (every opcode that calls something goes
@@ -37,7 +38,6 @@ import base64
 import collections
 import io
 import pickle
-import struct
 from collections.abc import Sequence
 from typing import Any
 
@@ -53,7 +53,6 @@ from ckptcache.format.table_tensors import DTYPES, make_dense, make_strided
 __all__ = ["MAX_TABLE_CHARS", "NOT_FAST", "encode_table", "load_table"]
 
 _Tensor = torch.Tensor
-_LENGTH = struct.Struct("<Q")
 #: Each dtype a table may name -> its name.
 _NAMES = {d: name for name, d in DTYPES.items()}
 #: The longest table a manifest takes; a larger object is saved without one.
@@ -74,7 +73,7 @@ class _TreePickler(pickle.Pickler):
 
 
 def encode_table(obj: Any, tensors: Sequence[torch.Tensor], columns: Sequence[Any]) -> str:
-    """The tensor table of ``obj`` (ASCII, for the manifest; format 2,
+    """The tensor table of ``obj`` (ASCII, for the manifest;
     :mod:`~ckptcache.format.table_columns`), or ``""`` where it cannot have one: a tensor
     off the CPU or of a dtype outside the list, or a table longer than
     :data:`MAX_TABLE_CHARS`.
@@ -129,13 +128,9 @@ def load_table(table: str, whole: np.ndarray, places: tuple[Sequence[int], Seque
     try:
         blob = memoryview(b64.decode(table))
         with gc_paused():
-            if blob[: len(MAGIC)] == MAGIC:
-                tensors, tree = _format_2(blob, whole, places)
-            else:  # format 1: every tensor's columns pickled, then the tree
-                (meta_size,) = _LENGTH.unpack_from(blob)
-                body = blob[_LENGTH.size :]
-                fields = _Closed(io.BytesIO(body[:meta_size])).load()
-                tensors, tree = make_strided(fields, whole, places), body[meta_size:]
+            if blob[: len(MAGIC)] != MAGIC:
+                return NOT_FAST  # another layout's table: the skeleton's path
+            tensors, tree = _columns(blob, whole, places)
             if tensors is None:
                 return NOT_FAST
             unpickler = _Tree(io.BytesIO(tree))
@@ -145,10 +140,10 @@ def load_table(table: str, whole: np.ndarray, places: tuple[Sequence[int], Seque
         return NOT_FAST
 
 
-def _format_2(
+def _columns(
     blob: memoryview, whole: np.ndarray, places: tuple[Sequence[int], Sequence[int]]
 ) -> tuple[list[torch.Tensor] | None, memoryview]:
-    """The tensors of a format 2 table (the dense ones, then the others) and its tree's
+    """The tensors of a table (the dense ones, then the others) and its tree's
     bytes; None for the tensors where they do not check out."""
     dense, strided, tree = unpack_dense(blob)
     arrays = (np.asarray(places[0], dtype=np.int64), np.asarray(places[1], dtype=np.int64))

@@ -176,14 +176,15 @@ class _StorageCheck:
 
 
 def _recorded_header(segment: Segment, page: bytes | memoryview | None) -> SegmentHeader | None:
-    """The header the daemon recorded for an admitted user's segment; None without one (a
-    segment of an older version, or one its user wrote a header into)."""
+    """The header the daemon recorded for an admitted user's segment; None without one, or
+    with one it cannot read (another layout version's, or one its user wrote a header into)."""
     if page is None:
         log.error("segment %s has no record of the daemon's: not adopted", segment.name)
         return None
     try:
         header = SegmentHeader.unpack(page[:HEADER_SIZE])
-    except ValueError:
+    except ValueError as e:
+        log.error("reclaiming segment %s: its recorded header is unreadable (%s)", segment.name, e)
         return None
     segment.header = header
     return header

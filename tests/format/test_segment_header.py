@@ -23,3 +23,17 @@ def test_positional_construction_is_refused():
 def test_every_field_survives_pack_and_unpack():
     header = SegmentHeader(**FIELDS)  # type: ignore[arg-type]
     assert SegmentHeader.unpack(header.pack()) == header
+
+
+@pytest.mark.parametrize("version", [1, 3, 0])
+def test_a_header_of_another_layout_version_is_refused(version):
+    """One layout version is read: a header of another (an unreleased earlier one, a newer
+    one) is refused as corrupt, naming its version, and never read as this one's."""
+    import struct
+
+    from ckptcache.errors import CorruptCheckpoint
+
+    data = bytearray(SegmentHeader(**FIELDS).pack().ljust(HEADER_SIZE, b"\0"))  # type: ignore[arg-type]
+    struct.pack_into("<I", data, 8, version)
+    with pytest.raises(CorruptCheckpoint, match=f"unknown segment layout version {version} "):
+        SegmentHeader.unpack(bytes(data))

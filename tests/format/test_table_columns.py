@@ -1,4 +1,4 @@
-"""The tensor table's format 2 (dense tensors as packed arrays): tensors made in bulk keep
+"""The tensor table's packed columns (dense tensors as packed arrays): tensors made in bulk keep
 their own storages as the skeleton's path makes them, and any packed column that does not
 check out leaves the load to the skeleton."""
 
@@ -65,7 +65,7 @@ def test_bulk_tensors_own_exactly_their_storages():
 
 
 def _edit(table: str, change) -> str:
-    """``table`` (format 2) with its packed columns, strided columns and tree as ``change``
+    """``table`` with its packed columns, strided columns and tree as ``change``
     returns them (given a dict of the columns as writable arrays, and the two byte strings)."""
     blob = memoryview(base64.b64decode(table))
     dense, strided, tree = table_columns.unpack_dense(blob)
@@ -94,7 +94,7 @@ def _strided_names_a_dense_storage(columns, strided, tree):
     return columns, pickle.dumps(tuple(fields), protocol=5), tree
 
 
-#: Format 2 tables that must not load (the state's first dense tensor is 3 x 4 float32).
+#: Tables that must not load (the state's first dense tensor is 3 x 4 float32).
 BAD_TABLES_2 = {
     "a dtype code off the list": _set("code", 200),
     "a storage index past the storages": _set("storage", 1000),

@@ -12,6 +12,7 @@ import io
 import json
 import mmap
 import pickle
+import struct
 from typing import Any
 
 import pytest
@@ -20,17 +21,18 @@ import torch
 from ckptcache.format import tensor_table
 from ckptcache.format.objectio import read_object, replan, write_object
 from ckptcache.format.plancache import PlanCache, describe
-from ckptcache.format.table_columns import MAGIC
+from ckptcache.format.table_columns import MAGIC, unpack_dense
 from tests.helpers import assert_same
 
 
-def _written(state: Any, *, table: str = "format 2") -> tuple[mmap.mmap, int, int, str]:
+def _written(state: Any, *, table: str = "written") -> tuple[mmap.mmap, int, int, str]:
     """``state`` saved into a private mapping as a client would, its manifest with the table
-    the save writes (``"format 2"``), with none (``"none"``) or with the table the release
-    before wrote (``"format 1"``); the mapping, the manifest's place and the table."""
+    the save writes (``"written"``), with none (``"none"``) or with a table of the layout
+    before the packed columns (``"unpacked"``); the mapping, the manifest's place and the
+    table."""
     flat, plan = PlanCache().prepare(state, "/ckpt/t.pt", "ns")
-    if table != "format 2":
-        text = _format_1(state) if table == "format 1" else ""
+    if table != "written":
+        text = _unpacked(state) if table == "unpacked" else ""
         plan = replan(
             dataclasses.replace(plan, manifest=dataclasses.replace(plan.manifest, table=text)),
             "/ckpt/t.pt", "ns",
@@ -40,9 +42,9 @@ def _written(state: Any, *, table: str = "format 2") -> tuple[mmap.mmap, int, in
     return mapping, plan.layout.manifest_offset, len(plan.manifest_bytes), plan.manifest.table
 
 
-def _format_1(state: Any) -> str:
-    """The table of ``state`` as the release before wrote it: every tensor's columns pickled
-    as tuples (format 1), then the tree."""
+def _unpacked(state: Any) -> str:
+    """The table of ``state`` in the layout before the packed columns, never released: its
+    length, every tensor's columns pickled as tuples, then the tree."""
     structure = describe(state)
     assert structure is not None
     names = tuple(str(d).removeprefix("torch.") for d in structure.columns[0])
@@ -52,7 +54,7 @@ def _format_1(state: Any) -> str:
     tree = io.BytesIO()
     index = {id(t): i for i, t in enumerate(structure.tensors)}
     tensor_table._TreePickler(tree, index).dump(state)
-    return base64.b64encode(tensor_table._LENGTH.pack(len(meta)) + meta + tree.getvalue()).decode()
+    return base64.b64encode(struct.pack("<Q", len(meta)) + meta + tree.getvalue()).decode()
 
 
 def _places(mapping: mmap.mmap, offset: int, size: int) -> tuple[tuple[int, ...], ...]:
@@ -88,14 +90,11 @@ def _state() -> dict[str, Any]:
     }
 
 
-@pytest.mark.parametrize("written_by", ["format 2", "format 1"])
-def test_the_table_gives_the_object_the_skeleton_gives(written_by):
-    """Both the table a save writes now (format 2) and the one the release before wrote
-    (format 1, still read) give the object the skeleton gives."""
+def test_the_table_gives_the_object_the_skeleton_gives():
     state = _state()
-    mapping, offset, size, table = _written(state, table=written_by)
+    mapping, offset, size, table = _written(state)
     assert table  # a plain state gets one
-    assert base64.b64decode(table).startswith(MAGIC) == (written_by == "format 2")
+    assert base64.b64decode(table).startswith(MAGIC)
     whole = tensor_table.np.frombuffer(mapping, dtype=tensor_table.np.uint8)
     fast = tensor_table.load_table(table, whole, _places(mapping, offset, size))
     assert fast is not tensor_table.NOT_FAST  # the table itself made it
@@ -112,14 +111,27 @@ def test_the_table_gives_the_object_the_skeleton_gives(written_by):
     assert start <= fast["model"]["w"].data_ptr() < start + len(mapping)
 
 
+def test_a_table_of_another_layout_is_not_read():
+    """A table without the packed columns' magic (the layout before them, never released) is
+    not read: the load takes the skeleton's path and gives the object all the same."""
+    state = _state()
+    mapping, offset, size, table = _written(state, table="unpacked")
+    whole = tensor_table.np.frombuffer(mapping, dtype=tensor_table.np.uint8)
+    places = _places(mapping, offset, size)
+    assert tensor_table.load_table(table, whole, places) is tensor_table.NOT_FAST
+    assert_same(read_object(mapping, offset, size), state, exact=True)
+
+
 def _with_table(table: str, change) -> str:
+    """``table`` with its pickled (strided) columns and its tree as ``change`` returns them."""
     blob = base64.b64decode(table)
-    (meta_size,) = tensor_table._LENGTH.unpack_from(blob)
-    meta = pickle.loads(blob[8 : 8 + meta_size])
-    tree = blob[8 + meta_size :]
-    meta, tree = change(list(meta), tree)
+    _, strided, tree = unpack_dense(memoryview(blob))
+    arrays = blob[len(MAGIC) + 24 : len(blob) - len(strided) - len(tree)]
+    n_dense, n_dims, _ = struct.unpack_from("<QQQ", blob, len(MAGIC))
+    meta, tree = change(list(pickle.loads(strided)), bytes(tree))
     new_meta = pickle.dumps(tuple(meta), protocol=5)
-    return base64.b64encode(tensor_table._LENGTH.pack(len(new_meta)) + new_meta + tree).decode()
+    head = MAGIC + struct.pack("<QQQ", n_dense, n_dims, len(new_meta))
+    return base64.b64encode(head + arrays + new_meta + tree).decode()
 
 
 class _Boom:
@@ -132,8 +144,8 @@ def _hostile_tree(meta, tree):
 
 
 def _column(index: int, change: Any) -> Any:
-    """A bad table: ``table`` with column ``index`` (names, shapes, strides, offsets,
-    storage indices, requires_grad) changed entry by entry."""
+    """A bad table: ``table`` with pickled column ``index`` (names, shapes, strides,
+    offsets, storage indices, requires_grad) changed entry by entry."""
 
     def bad(table: str) -> str:
         def edit(meta: list[Any], tree: bytes) -> tuple[list[Any], bytes]:
@@ -145,7 +157,7 @@ def _column(index: int, change: Any) -> Any:
     return bad
 
 
-#: Format 1 tables (every tensor's columns pickled) that must not load.
+#: Tables whose pickled columns (the tensors that are not dense) must not load.
 BAD_TABLES = {
     "not base64": lambda t: "!" + t[1:],
     "cut short": lambda t: t[: len(t) // 2 // 4 * 4],
@@ -160,9 +172,10 @@ BAD_TABLES = {
 @pytest.mark.parametrize("bad", list(BAD_TABLES), ids=list(BAD_TABLES))
 def test_a_table_that_does_not_check_out_leaves_the_load_to_the_skeleton(bad, capsys):
     state = _state()
-    mapping, offset, size, table = _written(state, table="format 1")
+    mapping, offset, size, table = _written(state)
     whole = tensor_table.np.frombuffer(mapping, dtype=tensor_table.np.uint8)
     places = _places(mapping, offset, size)
+    assert tensor_table.load_table(table, whole, places) is not tensor_table.NOT_FAST
     assert tensor_table.load_table(BAD_TABLES[bad](table), whole, places) is tensor_table.NOT_FAST
     assert "ran code" not in capsys.readouterr().out
 

@@ -131,7 +131,10 @@ def test_edited_skeleton_is_caught(daemon, tmp_path):
             c.load(path, verify=True)
 
 
-def test_segment_of_an_unknown_layout_version_is_reclaimed(daemon, tmp_path):
+@pytest.mark.parametrize("version", [1, 99])
+def test_segment_of_an_unknown_layout_version_is_reclaimed(daemon, tmp_path, version):
+    """A segment of another layout (an unreleased earlier one, a newer one) is reclaimed at
+    start with a log line naming its version."""
     path = tmp_path / "m.pt"
     with daemon.client() as c:
         c.save({"w": torch.ones(100)}, path)
@@ -139,10 +142,10 @@ def test_segment_of_an_unknown_layout_version_is_reclaimed(daemon, tmp_path):
     daemon.kill()
     with open(seg, "r+b") as f:
         f.seek(8)
-        f.write(struct.pack("<I", 99))
+        f.write(struct.pack("<I", version))
     daemon.restart()
     with daemon.client() as c:
         assert not c.exists(path)
         c.save({"w": torch.zeros(10)}, path)  # the daemon works on
         assert_same({"w": torch.zeros(10)}, c.load(path))
-    assert "unknown segment layout version 99" in daemon.log()
+    assert f"unknown segment layout version {version} " in daemon.log()
