@@ -47,10 +47,10 @@ log = logging.getLogger(__name__)
 _FOLLOW_SECONDS = 60.0
 #: After a save, the spares are asked for once no save has ended for this long. The files of
 #: one checkpoint are saved one after another (DeepSpeed's model and optimizer files, a
-#: Megatron rank's shards): the spare thread's ``pool`` request, sent right after a commit,
-#: held the connection for 3-6 ms (the daemon busy with that commit, the reply waiting for
-#: the interpreter lock the trainer held), and the next file's save waited for it (its
-#: reserve 1.0 -> 2.7-5.5 ms); its mapping then ran beside that save's copy.
+#: Megatron rank's shards): a ``pool`` request sent right after a commit would hold the
+#: connection (the daemon busy with that commit, the reply waiting for the interpreter lock
+#: the trainer holds) while the next file's save waits for it, and its mapping would run
+#: beside that save's copy.
 _SETTLE_SECONDS = 0.05
 #: How long the thread waits for the next save's request before it ends: a moment, so the
 #: files of one checkpoint saved one after the other share the thread, and no idle thread of
@@ -137,8 +137,8 @@ class SpareMapper:
         # On the spare thread, which connects by itself: never on the caller's, which a
         # non-blocking save must not hold up behind a save in flight (it holds the lock).
         # Not registered for CUDA in this round: the save that made the contact may be
-        # copying into the spare right now, and its copies would wait for the registration
-        # (measured on an H200 host); that save registers its mapping once done.
+        # copying into the spare right now, and its copies would wait for the registration;
+        # that save registers its mapping once done.
         self.refresh(register=False)
 
     def refresh(self, *, register: bool = True, after_save: bool = False) -> threading.Event:

@@ -35,8 +35,8 @@ __all__ = ["CHUNK_BYTES", "pieces", "pin", "pin_later", "pinned", "reserve_if_cu
 log = logging.getLogger(__name__)
 
 #: A mapping is registered a piece of this size at a time. The driver holds other threads'
-#: CUDA calls while it registers (a save's copies waited for the whole registration of its
-#: segment, measured on an H200 host): short pieces keep each wait short.
+#: CUDA calls while it registers (a save's copies would wait for the whole registration of
+#: its segment): short pieces keep each wait short.
 CHUNK_BYTES = 16 << 20
 
 _lock = threading.Lock()
@@ -133,8 +133,9 @@ def pieces(first: int, end: int) -> list[tuple[int, int]]:
 
 def reserve_if_cuda(mapping: mmap.mmap) -> Callable[[], bool] | None:
     """Where this process uses CUDA and ``mapping`` is not registered: mark its registration
-    as under way (so :func:`unpin` waits for it) and return the call that makes it (about
-    0.7 s a GiB: make it on a background thread, without locks held). ``None`` otherwise."""
+    as under way (so :func:`unpin` waits for it) and return the call that makes it (slow,
+    in proportion to the size: make it on a background thread, without locks held).
+    ``None`` otherwise."""
     if mapping.closed or not (torch.cuda.is_available() and torch.cuda.is_initialized()):
         return None
     address = _address(mapping)

@@ -35,7 +35,7 @@ _libc = ctypes.CDLL(None, use_errno=True)
 _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
 _libc.madvise.restype = ctypes.c_int
 
-#: Bytes whose page tables :func:`populate_in_steps` makes per call (about 2 ms of the lock).
+#: Bytes whose page tables :func:`populate_in_steps` makes per call (a short hold of the lock).
 POPULATE_STEP = 16 << 20
 
 
@@ -100,8 +100,8 @@ def _native_steps() -> Callable[[int, int, int, int | None], int] | None:
 
 #: All the steps in one call without the interpreter lock, where the extension is built: a
 #: loop in Python takes the lock back between steps, and beside a busy thread (a trainer, the
-#: daemon's persist) waits up to a switch interval for it each time, so a 512 MiB spare was
-#: still being mapped when the next save wanted it (that save waited 13-30 ms).
+#: daemon's persist) waits up to a switch interval for it each time, so a spare could still
+#: be being mapped when the next save wants it.
 NATIVE_STEPS = _native_steps()
 
 

@@ -75,9 +75,8 @@ DIGESTS_FORMAT = 1
 
 _CHUNK = 8 << 20  # write granule
 #: Hash granule: the CRC-32 and the xxh3 read a chunk in turn, the second from the CPU's
-#: cache where the chunk fits its L2 (1 GiB hashed both ways: 0.074 s in 1 MiB chunks,
-#: 0.084 s in 8 MiB ones, on a CPU with 2 MiB of L2 per core), and the memory bus the
-#: disk's DMA shares is read once.
+#: cache where the chunk fits its L2, and the memory bus the disk's DMA shares is read
+#: once.
 _HASH_CHUNK = 1 << 20
 #: Runs of records hashed ahead of the writes.
 _AHEAD = 2

@@ -1,16 +1,15 @@
 """Parallel ranged reads that keep the landed prefix of an object moving.
 
 A group's storage read is relayed as it lands, and relays can only follow the *contiguous*
-prefix of landed bytes. Two things held that prefix back, measured in the cluster lab (4
-ranges at once on a 100 Mbit/s link, relayed to a chain of nodes):
+prefix of landed bytes. Two things hold that prefix back:
 
 * TCP flows that share a link are unfair over seconds. With every range handed to the next
-  free thread, one slow request held the prefix while the others raced ahead: single ranges
-  took 3-4 s where their neighbours took 1 s, and the relay then had 26 MiB to catch up on.
-  Here no range starts more than ``lead`` ranges past the first one that has not landed: once
-  the others are that far ahead they wait, and the slow request has the link to itself.
-* Ranges in flight together land together. The last ``workers`` ranges of a read all
-  finished at its very end, so the relay started on the last ``workers x chunk`` bytes only
+  free thread, one slow request holds the prefix while the others race ahead, and the relay
+  then has all they landed to catch up on. Here no range starts more than ``lead`` ranges
+  past the first one that has not landed: once the others are that far ahead they wait, and
+  the slow request has the link to itself.
+* Ranges in flight together land together. The last ``workers`` ranges of a read would all
+  finish at its very end, and the relay start on the last ``workers x chunk`` bytes only
   then. :func:`plan_ranges` tapers the ranges towards the end (halving down to one block),
   so the tail the relay waits for is a few blocks.
 * Ranges in flight together share the link, so the first one, which the prefix waits for,

@@ -75,8 +75,9 @@ def map_shared(path: str, size: int, *, populate: bool = True, parallel: bool = 
 def populate_in_parallel(mapping: mmap.mmap) -> None:
     """Fault in the page tables of all of ``mapping`` by the copy threads, each its share.
 
-    A new 2 GiB segment has 524,288 pages of 4 KiB to map: ``MAP_POPULATE`` did that on one
-    thread in about 150 ms, longer than the save's copy that waits for it. The work splits by
+    A new segment of gigabytes has hundreds of thousands of 4 KiB pages to map:
+    ``MAP_POPULATE`` does that on one thread, longer than the save's copy that waits for it.
+    The work splits by
     range. Faulting as reads maps 16 pages a fault (the kernel's fault-around), and on a
     tmpfs (shmem) shared mapping a read fault maps the page writable (shmem asks for no
     notice of a first write), so the save's writes that follow take no fault. Best effort: a
@@ -253,7 +254,7 @@ def copy_storages_into(dst: torch.Tensor, runs: Sequence[Run]) -> None:
 
     A per-storage ``Tensor.copy_`` opens one intra-op parallel region per storage (hundreds
     per state dict): on a busy machine each waits for a descheduled worker, and a save's copy
-    took up to 10x a memcpy of the same bytes. Here the bytes are cut into one equal share per
+    takes many times a memcpy of the same bytes. Here the bytes are cut into one equal share per
     ``torch.get_num_threads()`` thread, each copied outside the GIL by
     :func:`~ckptcache.format.fastcopy.copy_runs` (streaming stores where it can).
     Raises :class:`ValueError` for a run outside ``dst`` or a storage not on the CPU.

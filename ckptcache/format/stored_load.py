@@ -109,8 +109,8 @@ def _private_memory(size: int) -> mmap_module.mmap:
 
     Asked for in 2 MiB pages where the kernel offers them on request (transparent huge pages
     in ``madvise`` mode, the usual default): a fresh buffer is faulted in as the reads land,
-    and 4 KiB pages cost one fault each, which was most of the time of a load from a
-    page-cached file (measured: 0.26 s for 256 MiB, 0.06-0.10 s with huge pages). Unlike a
+    and 4 KiB pages cost one fault each, most of the time of a load from a page-cached
+    file. Unlike a
     save, a load from storage is no stall of training's steps, so the compaction a huge
     page may cost is acceptable here."""
     mapping = mmap_module.mmap(-1, size, flags=_ANONYMOUS)

@@ -19,8 +19,8 @@ import time
 
 __all__ = ["MAX_WAIT_SECONDS", "SETTLE_SECONDS", "SavesInFlight"]
 
-#: After the last save ended, the next file of the checkpoint comes within this (DeepSpeed's
-#: own work between its two files took 1-2 ms); a persist waits this much longer for it.
+#: After the last save ended, the next file of the checkpoint comes within this (a
+#: framework's own work between its files is short); a persist waits this much longer for it.
 SETTLE_SECONDS = 0.01
 #: The longest one generation's background work waits for saves to pause.
 MAX_WAIT_SECONDS = 1.0

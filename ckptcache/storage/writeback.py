@@ -25,11 +25,11 @@ from collections.abc import Callable
 
 __all__ = ["STEP", "WINDOW", "BoundedWriteback", "background_threshold", "window_for"]
 
-#: Bytes written between two starts of write-back (1 GiB write + fsync on the test VM: 2.85 s
-#: with none, 1.54 s every 32 MiB, 1.15 s every 8 MiB).
+#: Bytes written between two starts of write-back: small steps keep the disk busy while the
+#: writer goes on (benchmarks/persist/README.md has the figures).
 STEP = 8 << 20
-#: Written bytes let wait in the page cache, at most: 2 GiB write + fsync on the test VM, three
-#: interleaved rounds, medians, 32 MiB 2.57 s, 128 MiB 1.79 s, 512 MiB 2.66 s.
+#: Written bytes let wait in the page cache, at most (the fastest window measured; see
+#: benchmarks/persist/README.md).
 WINDOW = 128 << 20
 #: Never below this: the disk needs several steps queued to stay busy.
 MIN_WINDOW = 4 * STEP

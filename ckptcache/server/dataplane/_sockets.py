@@ -39,7 +39,7 @@ def recv_exact_into(sock: socket.socket, view: memoryview, deadline: float | Non
 #: Seconds a peer may leave our bytes (or keep-alive probes) unacknowledged before its
 #: connection fails (``TCP_USER_TIMEOUT``), by default: the daemon's ``dead_peer_timeout``.
 #: A peer cut off by a partition, or whose host died, is found in this time rather than after
-#: the 300 s socket timeout, which held a ``durability="backup"`` save past its client's
+#: the socket timeout, which would hold a ``durability="backup"`` save past its client's
 #: timeout; a slow but live peer keeps acknowledging and never trips it.
 DEAD_PEER_SECONDS = 10.0
 
