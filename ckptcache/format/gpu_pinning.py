@@ -2,8 +2,8 @@
 
 A device-to-host copy into pinned memory runs as DMA at the link's speed; into pageable memory
 the driver stages it through a bounce buffer at about a quarter of that. Registering a mapping
-(``cudaHostRegister``) costs about 0.7 s a GiB (measured on an H200 host), far more than one
-pageable copy of it, so a save never registers on its own path:
+(``cudaHostRegister``) costs far more than one pageable copy of it
+(``benchmarks/gpu/README.md``), so a save never registers on its own path:
 
 * the spare mapper registers each spare it maps once CUDA is in use (:func:`reserve_if_cuda`,
   on its background thread), so a warmed-up client's first save runs by DMA;

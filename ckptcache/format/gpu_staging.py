@@ -1,7 +1,7 @@
 """A load's storages moved to a device through two page-locked staging buffers.
 
-Registering the load's mapping as page-locked memory costs about 0.7 s a GiB (measured on an
-H200 host), thirty times the copy it would speed up, and a copy from pageable memory is
+Registering the load's mapping as page-locked memory costs many times the copy it would
+speed up (``benchmarks/gpu/README.md``), and a copy from pageable memory is
 staged by the driver at about a quarter of the link's speed. Instead, two staging buffers of
 :data:`SLOT_BYTES` each, page-locked once per process (torch's caching host allocator keeps
 them), take turns: the CPU copies storages into one while the other's bytes move to the

@@ -7,11 +7,9 @@ with it.
 Why not ``MAP_POPULATE`` for a mapping made beside other threads: populating holds the
 process's address-space lock (``mmap_lock``) for reading, and ``MAP_POPULATE`` holds it for
 the whole mapping. Every ``mmap`` and ``munmap`` of the process's other threads waits behind
-it (the lock being fair, their page faults then wait too): an allocation of a 64 MiB CPU
-tensor made while another thread mapped a 576 MiB spare took the whole population (47-67 ms)
-instead of about 1 ms (``benchmarks/save_load/spare_beside.py``). Populated a step at a
-time, the lock is free between steps: the longest such allocation took 13-17 ms, and the
-mapping as long.
+it (the lock being fair, their page faults then wait too): an allocation made while another
+thread maps a spare waits for the whole population (``benchmarks/save_load/spare_beside.py``).
+Populated a step at a time, the lock is free between steps.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 at the speed of a repeated one.
 
 A new segment costs a first touch of every page (``fallocate`` zeroing them in tmpfs, then the
-page tables of every mapping): measured here several times a memcpy. The pool pays that in the
+page tables of every mapping): several times a memcpy. The pool pays that in the
 background, so the next new path (the next iteration's directory, another rank's shard, a
 backup copy or a storage read arriving) finds a segment ready. The daemon's own mapping of a
 spare is populated when it is made (receives write through it); clients map the spares ahead

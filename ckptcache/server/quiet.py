@@ -2,9 +2,10 @@
 
 A checkpoint is several files saved back to back (DeepSpeed's model and optimizer files, a
 Megatron rank's shards, the ranks of a node). The digest and the persist of the first file
-started at its commit, beside the next file's save: on two cores their work took the
-interpreter lock from the daemon's request threads (the next file's ``reserve`` took 0.7-5.3
-ms) and the cores from the trainer's copy (14.6-24 ms for 252 MiB). They are background
+started at its commit would run beside the next file's save: on few cores their work takes
+the interpreter lock from the daemon's request threads (the next file's ``reserve`` waits)
+and the cores from the trainer's copy (``benchmarks/frameworks/README.md``). They are
+background
 work: the digester and the persist workers wait, before each generation, until no save is in
 flight and none ended for a moment, at most a second after the generation's commit (a node
 that never stops saving, or a save that never ends, still digests and persists). A caller

@@ -20,8 +20,9 @@ storage itself, as it would have without this node).
 **The load is answered before the bookkeeping** (:class:`Settling`). Once the copy is verified
 and committed here, the trainer has what it asked for; what is left tells the others about it:
 announce the holding, leave the in-flight key, step down from the election: three coordinator
-requests, which the lab measured at up to 0.9 s on a loaded machine while the same daemon
-relayed. They run after the answer, in that order, on a thread of their own. Why that is safe:
+requests, slow on a loaded machine while the same daemon relays
+(``benchmarks/cluster/README.md``). They run after the answer, in that order, on a thread of
+their own. Why that is safe:
 
 * *No acknowledged checkpoint is lost.* A remote load acknowledges no save, and the answer comes
   only after ``receive`` has checked every byte against its digests and committed the copy:

@@ -65,9 +65,9 @@ class StorageReader:
 
     def warm(self) -> None:
         """Build the storage clients of the persist roots and ask each root once (in the
-        background, at start). Building an S3 client loads botocore's service model: about
-        1 s of CPU, measured in the cluster lab, which the first restore otherwise paid on
-        every node at once, before the group's read could begin."""
+        background, at start). Building an S3 client loads botocore's service model, about a
+        second of CPU that the first restore would otherwise pay on every node at once,
+        before the group's read could begin."""
         for root in self.roots.urls:  # local roots need no client
             try:
                 backend_for(root, self.options).exists(root)

@@ -2,9 +2,8 @@
 headers, gathering small records) runs while the previous pieces are copied into the page
 cache and written back, instead of between those writes.
 
-The persist's producer spent its time between writes on the same thread: a 2 GiB archive of
-8,288 records took 2.71 s to write through it against 1.70 s for the same bytes written
-plainly, and 0.68 s into a sink that writes nothing (``benchmarks/persist/README.md``).
+On the producer's own thread, the time it spends between writes would leave the disk idle
+(``benchmarks/persist/README.md``).
 
 Pieces are handed over, not copied: a producer must not change a piece's bytes after passing
 it to the sink (every producer in the project passes views of sealed memory or fresh
