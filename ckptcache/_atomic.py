@@ -2,7 +2,8 @@
 
 A reader sees the old file or the complete new one, never a partial write, and a failed write
 leaves nothing behind. The daemon's persist path has its own, stricter variant
-(``O_TMPFILE`` + ``linkat`` relative to a held directory: :mod:`ckptcache.server.safe_write`);
+(``O_TMPFILE`` + ``linkat`` relative to a held directory:
+:mod:`ckptcache.server.persist.safe_write`);
 everything else that writes files goes through here. Torch-free.
 """
 

@@ -15,7 +15,7 @@ pytest_plugins = ["tests._require_all"]
 
 # A persist-state change the daemon's table does not list raises in every daemon the suite
 # builds or starts (inherited by their processes), so the whole suite proves the table
-# complete; production applies, logs and counts one (ckptcache.server.persist_states).
+# complete; production applies, logs and counts one (ckptcache.server.persist.states).
 os.environ["CKPTCACHE_STRICT_STATES"] = "1"
 
 

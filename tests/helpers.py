@@ -124,7 +124,7 @@ class DaemonProc:
             warnings.warn(f"daemon {self.workdir.name} ignored SIGTERM for 30 s", stacklevel=2)
             self.kill()
         if os.path.isdir(self.shm_dir):
-            from ckptcache.server.sealing import unseal_tree
+            from ckptcache.server.memory.sealing import unseal_tree
 
             unseal_tree(self.shm_dir)  # admitted users' segments are sealed (chattr +a)
         shutil.rmtree(self.shm_dir, ignore_errors=True)

@@ -40,8 +40,8 @@ from ckptcache.cli.benchmarking import make_state  # noqa: E402
 from ckptcache.client import Client  # noqa: E402
 from ckptcache.format.archive_read import BLOCK  # noqa: E402
 from ckptcache.format.prefix_read import PROBE  # noqa: E402
+from ckptcache.server.cluster.transfer import RELAY_RECORD  # noqa: E402
 from ckptcache.server.config import load_config  # noqa: E402
-from ckptcache.server.transfer import RELAY_RECORD  # noqa: E402
 from tests.helpers import wait_until  # noqa: E402
 from tests.lab import Lab, LabNode  # noqa: E402
 
@@ -255,7 +255,7 @@ def model_seconds(
     if mode == "direct":  # every node reads its own copy through the shared storage link
         return max(nbytes / link, n * nbytes / storage)
     # The first joiner trails the reader by the ranges that land together at the end of its
-    # read (tapered to one block each: server/storage_read.py, format/prefix_read.py), and
+    # read (tapered to one block each: server/restore/storage_read.py, format/prefix_read.py), and
     # each later hop by one relay record.
     # By default (0, "auto") the read chooses its streams on its first bytes: where one
     # connection fills the link it keeps one, and the probe's second range (PROBE bytes) has

@@ -34,7 +34,7 @@ from ckptcache.cli.benchmarking import (
     running_s3,
 )
 from ckptcache.client import Client
-from ckptcache.server.persist import lower_thread_priority
+from ckptcache.server.persist.persister import lower_thread_priority
 
 
 def _sync_file_range() -> Any:

@@ -40,7 +40,7 @@ from ckptcache.cli.benchmarking import (
     torch_save_fast,
 )
 from ckptcache.client import Client
-from ckptcache.server.dataplane import RECORD_SIZE, Channel
+from ckptcache.server.cluster.dataplane import RECORD_SIZE, Channel
 
 SECRET = "bench-secret"
 

@@ -49,7 +49,7 @@ import xxhash
 from ckptcache._units import parse_bytes
 from ckptcache.cli.benchmarking import EtcdServer, make_state, running_cluster
 from ckptcache.client import Client
-from ckptcache.server.dataplane import RECORD_SIZE, Channel
+from ckptcache.server.cluster.dataplane import RECORD_SIZE, Channel
 
 GiB = float(1 << 30)
 SECRET = "bench-secret"

@@ -4,7 +4,8 @@
     python benchmarks/scale/bench.py --quick    # N = 64 only
 
 Each simulated node is the daemon's own etcd coordinator (see ``sim.py``) driven through the
-call sequences of ``ckptcache/server/cluster.py``; storage reads, peer transfers and persists
+call sequences of ``ckptcache/server/cluster/cluster.py``; storage reads, peer transfers and
+persists
 are modelled delays. For each N it measures: the join wave; steady state (keys, requests per
 second, etcd CPU and RSS) without and with the backup monitor; save waves with groups of
 R = 2, 4, 8; restart waves (time until every node has a plan, storage reads per group, relay
@@ -47,7 +48,7 @@ from sim import (
 )
 
 from ckptcache.cli.benchmarking import EtcdServer
-from ckptcache.server.coord import CoordinatorUnavailable
+from ckptcache.server.cluster.coord import CoordinatorUnavailable
 
 WAVE_TIMEOUT = 120.0
 

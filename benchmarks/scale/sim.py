@@ -1,8 +1,8 @@
 """Simulated nodes on the real etcd coordinator: the control plane is real, bytes are modelled.
 
-Every simulated node owns one :class:`~ckptcache.server.coord.etcd.EtcdCoordinator` built by
+Every simulated node owns one :class:`~ckptcache.server.cluster.coord.etcd.EtcdCoordinator` built by
 the daemon's own factory (its own HTTP session, lease and keep-alive thread) and drives it
-through the call sequences of :mod:`ckptcache.server.cluster` with the daemon's key schema
+through the call sequences of :mod:`ckptcache.server.cluster.cluster` with the daemon's key schema
 (``path_hash`` included). Only the data plane is replaced: a storage read, a peer transfer or
 a persist is a delay. Nodes are step generators run by :class:`Scheduler` on a bounded thread
 pool: a node that waits (the rank head start, a standby's 0.5 s monitor, a loader's 50 ms poll)
@@ -22,9 +22,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ckptcache.format.digest import digest_bytes, digest_hex
-from ckptcache.server.cluster import path_hash
-from ckptcache.server.coord import NodeInfo, make_coordinator
-from ckptcache.server.coord.etcd import EtcdCoordinator
+from ckptcache.server.cluster.cluster import path_hash
+from ckptcache.server.cluster.coord import NodeInfo, make_coordinator
+from ckptcache.server.cluster.coord.etcd import EtcdCoordinator
 
 #: A node's behaviour: a generator yielding seconds to wait before its next step.
 Steps = Generator[float, None, Any]

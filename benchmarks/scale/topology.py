@@ -20,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from ckptcache._units import parse_bytes
 
-CHUNK = 16 << 20  # the data plane's relay chunk (ckptcache/server/transfer.py)
+CHUNK = 16 << 20  # the data plane's relay chunk (ckptcache/server/cluster/transfer.py)
 
 
 def chain_seconds(n: int, size: int, bandwidth: float, hop: float, chunk: int = CHUNK) -> float:

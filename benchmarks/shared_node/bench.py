@@ -4,8 +4,9 @@
         --trees before=/path/to/old/checkout after=.
 
 An admitted user's segment is sealed by the daemon at each commit and unsealed at each
-reservation (``ckptcache/server/sealing.py``), and the daemon records each commit in its own
-directory (``server/records.py``): this measures what that costs the user, next to a memcpy of
+reservation (``ckptcache/server/memory/sealing.py``), and the daemon records each commit in its own
+directory (``server/memory/records.py``): this measures what that costs the user, next to a memcpy
+of
 the same tensors measured in the same process. Each tree (a source checkout) is measured in
 turn in one run, its daemon and client imported from it; sizes interleave trees so that the
 machine's drift hits both alike. Needs root (a root daemon and a second local user).

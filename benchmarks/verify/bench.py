@@ -18,7 +18,7 @@ after one untimed round that warms imports, threads and the page cache):
 * **peer memory**: a copy pulled from a peer is verified by the receiving daemon, tensor by
   tensor, as the bytes land. End to end on two daemons (one etcd), next to a raw loopback
   socket moving the same bytes; the receive's hashing isolated in process: the daemon's
-  receive (:func:`ckptcache.server.transfer.receive_object`, each tensor hashed record by
+  receive (:func:`ckptcache.server.cluster.transfer.receive_object`, each tensor hashed record by
   record as the records are reported in place: on the data plane by the thread that checks
   their tags, here by the receiving thread) against the same receive without it, over
   loopback.
@@ -58,7 +58,7 @@ from ckptcache.format.flatten import flatten
 from ckptcache.format.layout import HEADER_SIZE
 from ckptcache.format.manifest import compute_digests, pack_digests
 from ckptcache.format.objectio import plan_object, write_object
-from ckptcache.server.transfer import receive_object
+from ckptcache.server.cluster.transfer import receive_object
 from ckptcache.storage import backend_for
 
 Timed = dict[str, list[float]]

@@ -2,7 +2,7 @@
 
 Filling this process's page tables for every page of a never-seen segment costs about as
 much as the copy itself. The daemon keeps spares ready for saves of new paths
-(:mod:`ckptcache.server.pool`); this maps them in a background thread after each save and on
+(:mod:`ckptcache.server.memory.pool`); this maps them in a background thread after each save and on
 :meth:`Client.warmup`, so the save that gets one finds its mapping cached like a reused
 segment's.
 

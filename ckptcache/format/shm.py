@@ -114,7 +114,7 @@ def map_private(
 
     ``hold_lock`` keeps a shared ``flock`` on the file for as long as the mapping lives (the
     kernel drops it if the process dies): the daemon never reuses a segment someone still
-    maps (see ``ckptcache.server.arena.mapped_by_others``), whatever happened to the
+    maps (see ``ckptcache.server.memory.arena.mapped_by_others``), whatever happened to the
     client's connection.
     """
     fd = _open(path, False)

@@ -17,9 +17,9 @@ can never be freed while a worker reads it.
 
 Parts, each with one job: :mod:`~ckptcache.server.saves` (sessions, budget, commit),
 :mod:`~ckptcache.server.ingest` (copies from peers and storage),
-:mod:`~ckptcache.server.digester`, :mod:`~ckptcache.server.retention`,
-:mod:`~ckptcache.server.persist`, :mod:`~ckptcache.server.loads`,
-:mod:`~ckptcache.server.queries`; in a cluster, :mod:`~ckptcache.server.cluster`.
+:mod:`~ckptcache.server.persist.digester`, :mod:`~ckptcache.server.memory.retention`,
+:mod:`~ckptcache.server.persist.persister`, :mod:`~ckptcache.server.restore.loads`,
+:mod:`~ckptcache.server.restore.queries`; in a cluster, :mod:`~ckptcache.server.cluster.cluster`.
 """
 
 from __future__ import annotations
@@ -31,13 +31,13 @@ from typing import Any, Protocol
 
 from ckptcache._units import format_bytes
 from ckptcache.server.config import DaemonConfig
-from ckptcache.server.digester import Digester
 from ckptcache.server.ingest import Ingest
-from ckptcache.server.loads import Loads
-from ckptcache.server.persist import Persister
-from ckptcache.server.pool import SegmentPool
-from ckptcache.server.queries import Queries
-from ckptcache.server.retention import Retention
+from ckptcache.server.memory.pool import SegmentPool
+from ckptcache.server.memory.retention import Retention
+from ckptcache.server.persist.digester import Digester
+from ckptcache.server.persist.persister import Persister
+from ckptcache.server.restore.loads import Loads
+from ckptcache.server.restore.queries import Queries
 from ckptcache.server.saves import Saves
 from ckptcache.server.state import CacheState, Session
 from ckptcache.wire import messages as m

@@ -34,17 +34,19 @@ from ckptcache.server import logsafe
 from ckptcache.server.backoff import ACCEPT
 from ckptcache.server.config import DaemonConfig
 from ckptcache.server.core import CacheCore
-from ckptcache.server.digester import Digester
-from ckptcache.server.eviction import EvictionPolicy
 from ckptcache.server.ingest import Ingest
-from ckptcache.server.loads import Loads
+from ckptcache.server.memory.eviction import EvictionPolicy
+from ckptcache.server.memory.pool import SegmentPool
+from ckptcache.server.memory.retention import Retention
+from ckptcache.server.memory.shares import Shares
 from ckptcache.server.metrics import Metrics
-from ckptcache.server.persist import Persister
-from ckptcache.server.pool import SegmentPool
-from ckptcache.server.queries import Queries
-from ckptcache.server.recovery import recover
-from ckptcache.server.retention import Retention
-from ckptcache.server.roots import PersistRoots
+from ckptcache.server.persist.digester import Digester
+from ckptcache.server.persist.persister import Persister
+from ckptcache.server.persist.roots import PersistRoots
+from ckptcache.server.reindex import recover
+from ckptcache.server.restore.loads import Loads
+from ckptcache.server.restore.queries import Queries
+from ckptcache.server.restore.storage_read import StorageReader
 from ckptcache.server.saves import Saves
 from ckptcache.server.service import (
     RPC_CONFIG,
@@ -52,8 +54,6 @@ from ckptcache.server.service import (
     CappedThreadedServer,
     peer_credentials_authenticator,
 )
-from ckptcache.server.shares import Shares
-from ckptcache.server.storage_read import StorageReader
 
 __all__ = ["Daemon", "build_core", "run_daemon"]
 
@@ -211,7 +211,7 @@ def build_core(config: DaemonConfig, metrics: Metrics | None = None) -> CacheCor
     pool.start()
     cluster = None
     if clustered:
-        from ckptcache.server.cluster import Cluster, ClusterPorts
+        from ckptcache.server.cluster.cluster import Cluster, ClusterPorts
 
         cluster = Cluster(config, state, ClusterPorts(
             receive=ingest.receive, ensure_digests=digester.ensure,

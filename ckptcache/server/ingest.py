@@ -2,7 +2,8 @@
 
 Call order of :meth:`Ingest.receive`: refuse a path deleted since the copy was saved ->
 reserve (internal session) -> register the object in flight (peers asking for it are relayed
-its bytes as they land, see :func:`ckptcache.server.transfer.relay_in_flight`) -> ``fill`` ->
+its bytes as they land, see :func:`ckptcache.server.cluster.transfer.relay_in_flight`) -> ``fill``
+->
 validate the manifest and verify (or compute) every digest -> refuse a delete that came during
 the transfer -> commit as this node's generation, marked (origin, persisted) in the commit
 itself, unless a save of the same path committed here meanwhile is newer
@@ -19,7 +20,7 @@ from dataclasses import replace
 from ckptcache.errors import CheckpointNotFound
 from ckptcache.format.layout import HEADER_SIZE
 from ckptcache.format.manifest import compute_digests, pack_digests, unpack_digests, verify_digests
-from ckptcache.server.index import Generation
+from ckptcache.server.memory.index import Generation
 from ckptcache.server.ownership import Saver
 from ckptcache.server.saves import Saves
 from ckptcache.server.state import CacheState, Inflight

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from ckptcache._secure_fs import current_umask
 from ckptcache.errors import InvalidPath, PathNotAllowed
-from ckptcache.server import records
+from ckptcache.server.memory import records
 
 if TYPE_CHECKING:
     from ckptcache.wire import messages as m
@@ -39,7 +39,7 @@ __all__ = [
     "write_record",
 ]
 
-#: The saver record's place in the daemon's record of a segment (see server/records.py).
+#: The saver record's place in the daemon's record of a segment (see server/memory/records.py).
 _RECORD_OFFSET = 3072
 _RECORD = struct.Struct("<8siii")
 _MAGIC = b"CKPTOWN\x00"
@@ -215,7 +215,7 @@ def write_record(segment: Segment, saver: Saver) -> None:
 def read_record(segment: Segment, daemon_uid: int) -> Saver:
     """The saver of a segment adopted at start.
 
-    The record is the daemon's own (:mod:`ckptcache.server.records`); it is checked all the
+    The record is the daemon's own (:mod:`ckptcache.server.memory.records`); it is checked all the
     same, as a segment of an older version kept it in bytes the saver could overwrite: its
     uid is believed only when it agrees with who owns the file (an admitted user's segments
     are that user's files), and its gid only when that user is a member of the group (a

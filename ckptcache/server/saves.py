@@ -35,22 +35,23 @@ from ckptcache.errors import (
 )
 from ckptcache.format.layout import HEADER_SIZE, DigestState, SegmentHeader, SegmentState, align
 from ckptcache.format.manifest import Manifest
-from ckptcache.server import ownership, records
-from ckptcache.server.arena import Arena, Segment
+from ckptcache.server import ownership
 from ckptcache.server.config import DaemonConfig
-from ckptcache.server.digester import Digester
-from ckptcache.server.eviction import EvictionPolicy
-from ckptcache.server.index import Generation
-from ckptcache.server.lineage import anchor_of, check_persistable, observe_base
 from ckptcache.server.manifest_memo import ManifestMemo
+from ckptcache.server.memory import records
+from ckptcache.server.memory.arena import Arena, Segment
+from ckptcache.server.memory.eviction import EvictionPolicy
+from ckptcache.server.memory.index import Generation
+from ckptcache.server.memory.pool import SegmentPool
+from ckptcache.server.memory.retention import Retention
+from ckptcache.server.memory.shares import Verdict
+from ckptcache.server.memory.staging import drop_lease_locked
 from ckptcache.server.ownership import Saver
-from ckptcache.server.persist import Persister
-from ckptcache.server.pool import SegmentPool
-from ckptcache.server.provenance import Provenance, write_provenance
-from ckptcache.server.retention import Retention
-from ckptcache.server.roots import PersistRoots
-from ckptcache.server.shares import Verdict
-from ckptcache.server.staging import drop_lease_locked
+from ckptcache.server.persist.digester import Digester
+from ckptcache.server.persist.lineage import anchor_of, check_persistable, observe_base
+from ckptcache.server.persist.persister import Persister
+from ckptcache.server.persist.provenance import Provenance, write_provenance
+from ckptcache.server.persist.roots import PersistRoots
 from ckptcache.server.state import (
     CacheState,
     NewerHeld,
@@ -90,7 +91,7 @@ class Saves:
     retention: Retention
     digester: Digester
     roots: PersistRoots
-    #: What may be evicted for room, in which order (see server/eviction.py).
+    #: What may be evicted for room, in which order (see server/memory/eviction.py).
     eviction: EvictionPolicy
     #: Whether backup copies can be made (a cluster with backup nodes configured).
     backup_ready: bool
@@ -101,7 +102,7 @@ class Saves:
         #: the client asked for; the cluster hooks replication in (and may raise).
         self.on_commit: list[Callable[[Generation, str], None]] = []
         #: In a cluster: the stamp of the cluster's newest save of a path (0: none), read
-        #: when a save begins (:meth:`ckptcache.server.truth.Truth.seen`; may raise
+        #: when a save begins (:meth:`ckptcache.server.cluster.truth.Truth.seen`; may raise
         #: CoordinatorUnavailable). None: this node's own saves are the only ones.
         self.newest_seen: Callable[[str, str], int] | None = None
         #: Where that read runs: beside the client's copy, so a large save's stall does not
@@ -109,7 +110,7 @@ class Saves:
         self._reads = ThreadPoolExecutor(4, thread_name_prefix="newest-seen")
         #: The daemon's own session: copies received from peers or storage.
         self.internal = Session(0, os.getpid(), os.getuid())
-        #: Each admitted user's share of the budget (see server/shares.py).
+        #: Each admitted user's share of the budget (see server/memory/shares.py).
         self.shares = self.eviction.shares
         #: Manifests decoded in full, whose repeats a commit accepts from their bytes.
         self.manifests = ManifestMemo()
@@ -516,7 +517,7 @@ class Saves:
     @staticmethod
     def _seal_for_commit(segment: Segment, res: Reservation) -> None:
         """Seal the segment its user wrote before reading a byte of it (see
-        :mod:`ckptcache.server.sealing`); a file cut meanwhile is refused."""
+        :mod:`ckptcache.server.memory.sealing`); a file cut meanwhile is refused."""
         try:
             size = segment.seal()
         except OSError as e:

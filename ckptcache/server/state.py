@@ -24,16 +24,17 @@ from dataclasses import dataclass, field, replace
 
 from ckptcache.errors import CheckpointNotFound, CkptCacheError, CorruptCheckpoint, InvalidPath
 from ckptcache.format.layout import HEADER_SIZE, SegmentState
-from ckptcache.server import ownership, sealing
-from ckptcache.server.arena import Arena, Segment
+from ckptcache.server import ownership
 from ckptcache.server.config import DaemonConfig
-from ckptcache.server.index import Generation, Index, Key
 from ckptcache.server.lock import Locked, StateLock
+from ckptcache.server.memory import sealing
+from ckptcache.server.memory.arena import Arena, Segment
+from ckptcache.server.memory.index import Generation, Index, Key
+from ckptcache.server.memory.superseded import SupersededSaves
 from ckptcache.server.metrics import Metrics
 from ckptcache.server.ownership import Saver
-from ckptcache.server.persist_states import PersistStates
+from ckptcache.server.persist.states import PersistStates
 from ckptcache.server.quiet import SavesInFlight
-from ckptcache.server.superseded import SupersededSaves
 from ckptcache.wire.states import PersistState, Tier
 
 __all__ = [
@@ -74,7 +75,7 @@ class Reservation:
     saver: Saver | None = None
     #: Digests already known (a copy received and verified): recorded at commit.
     digests: list[int] | None = None
-    #: Deepest ancestor directory that existed at save time (see ckptcache.server.lineage).
+    #: Deepest ancestor directory that existed at save time (see ckptcache.server.persist.lineage).
     anchor: str = ""
     #: The object on storage when the save was made: its identity ("" none, None not known)
     #: and its stamp (ns; 0 none).
@@ -179,7 +180,7 @@ class CacheState:
         #: saved before that are refused, so a delete is not undone by a copy in transit.
         self.deleted: dict[Key, float] = {}
         #: The last save of each path that storage superseded after it left memory: what
-        #: ``status`` and ``wait`` say of the path until a newer save (server/superseded.py).
+        #: ``status`` and ``wait`` say of the path until a newer save (server/memory/superseded.py).
         self.superseded = SupersededSaves()
         #: Called (under the lock) with each generation leaving the index.
         self.on_retire: list[Callable[[Generation], None]] = []

@@ -1,6 +1,6 @@
 """Data-plane messages between daemons: frozen dataclasses carried as JSON records.
 
-Framing and authentication are the data plane's (:mod:`ckptcache.server.dataplane`); this
+Framing and authentication are the data plane's (:mod:`ckptcache.server.cluster.dataplane`); this
 module only says what the JSON of each record means. Every request carries its kind in
 ``"op"``; a reply carries ``"ok"`` and, when refused, the error type and message.
 

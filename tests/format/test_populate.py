@@ -162,7 +162,7 @@ def test_the_daemons_spares_are_populated_a_step_at_a_time(monkeypatch):
     import shutil
     import uuid
 
-    from ckptcache.server.arena import Arena
+    from ckptcache.server.memory.arena import Arena
 
     if not pagetables.POPULATE_IN_PARALLEL:
         pytest.skip("this kernel has no MADV_POPULATE_READ (before 5.14): MAP_POPULATE is used")

@@ -67,19 +67,19 @@ CIRCLE_ALLOWED: dict[tuple[str, str], str] = {}
 
 def test_the_graph_sees_real_imports_and_skips_deferred_ones():
     graph = import_graph(_modules())
-    assert "ckptcache.server.persist" in graph["ckptcache.server.core"]
+    assert "ckptcache.server.persist.persister" in graph["ckptcache.server.core"]
     assert "ckptcache.server.core" in graph["ckptcache.server.service"]
     assert "ckptcache.server.state" in graph["ckptcache.server.saves"]
     assert "ckptcache.client" in graph["ckptcache.api"]
     assert "ckptcache.adapters._common" in graph["ckptcache.adapters.dcp"]  # from pkg import mod
     # Deferred: under TYPE_CHECKING (persist -> state) or inside a function (daemon -> cluster).
-    assert "ckptcache.server.state" not in graph["ckptcache.server.persist"]
-    assert "ckptcache.server.cluster" not in graph["ckptcache.server.daemon"]
+    assert "ckptcache.server.state" not in graph["ckptcache.server.persist.persister"]
+    assert "ckptcache.server.cluster.cluster" not in graph["ckptcache.server.daemon"]
     assert "ckptcache.server.daemon" not in graph["ckptcache.cli.commands"]
     # ``from ckptcache import errors`` depends on the submodule, not on the package's face.
     assert "ckptcache" not in graph["ckptcache.wire.messages"]
     everything = import_graph(_modules(), ALL_TIMES)
-    assert "ckptcache.server.state" in everything["ckptcache.server.persist"]
+    assert "ckptcache.server.state" in everything["ckptcache.server.persist.persister"]
     assert "ckptcache.server.daemon" in everything["ckptcache.cli.commands"]
 
 
@@ -316,7 +316,7 @@ def test_format_and_wire_know_neither_the_daemon_nor_the_client():
 
 
 def test_the_layer_checks_find_planted_violations():
-    known = {"ckptcache.packing", "ckptcache.server.arena", "ckptcache.server.state"}
+    known = {"ckptcache.packing", "ckptcache.server.memory.arena", "ckptcache.server.state"}
     planted = {
         "ckptcache.planted": parse(
             "ckptcache.planted",
@@ -338,7 +338,7 @@ def test_the_layer_checks_find_planted_violations():
         "ckptcache.format.planted": parse(
             "ckptcache.format.planted",
             "from ckptcache.storage import backend_for\n"
-            "def f():\n    from ckptcache.server import arena\n",
+            "def f():\n    from ckptcache.server.memory import arena\n",
         ),
     }
     assert server_imports(planted, known) == {("ckptcache.planted", "ckptcache.server.state")}
@@ -348,7 +348,7 @@ def test_the_layer_checks_find_planted_violations():
     }
     assert format_wire_imports(planted, known) == {
         ("ckptcache.wire.planted", "ckptcache.client"),
-        ("ckptcache.format.planted", "ckptcache.server.arena"),
+        ("ckptcache.format.planted", "ckptcache.server.memory.arena"),
     }
 
 

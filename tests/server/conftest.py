@@ -13,9 +13,9 @@ import torch
 from ckptcache.format.flatten import flatten
 from ckptcache.format.manifest import ObjectPlan
 from ckptcache.format.objectio import plan_object, write_object
-from ckptcache.server import membership as membership_module
+from ckptcache.server.cluster import membership as membership_module
+from ckptcache.server.cluster.coord.embedded import EmbeddedCoordinator
 from ckptcache.server.config import DaemonConfig
-from ckptcache.server.coord.embedded import EmbeddedCoordinator
 from ckptcache.server.daemon import build_core
 from ckptcache.wire import messages as m
 from tests.helpers import wait_until

@@ -15,14 +15,14 @@ from collections.abc import Callable
 
 import rpyc
 
-from ckptcache.server.daemon import ControlServer
-from ckptcache.server.dataplane import (
+from ckptcache.server.cluster.dataplane import (
     ConnectionLimits,
     DataPlaneClient,
     DataPlaneServer,
     recv_msg,
     send_msg,
 )
+from ckptcache.server.daemon import ControlServer
 from tests.helpers import wait_until
 
 

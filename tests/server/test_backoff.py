@@ -9,8 +9,9 @@ import random
 import pytest
 
 from ckptcache.errors import ConfigError
-from ckptcache.server import election, remote_load
 from ckptcache.server.backoff import ACCEPT, Backoff
+from ckptcache.server.cluster import election
+from ckptcache.server.restore import remote_load
 
 
 def _old_accept(n: int) -> float:

@@ -14,8 +14,8 @@ import torch
 
 from ckptcache.errors import CkptCacheError
 from ckptcache.format.manifest import object_digest
-from ckptcache.server.coord import EmbeddedCoordinator, NodeInfo, keys
-from ckptcache.server.coord.records import (
+from ckptcache.server.cluster.coord import EmbeddedCoordinator, NodeInfo, keys
+from ckptcache.server.cluster.coord.records import (
     HolderRecord,
     InFlightRecord,
     LatestRecord,
@@ -27,7 +27,7 @@ from ckptcache.server.coord.records import (
     parse_all,
     parse_one,
 )
-from ckptcache.server.membership import path_hash
+from ckptcache.server.cluster.membership import path_hash
 from ckptcache.wire.states import PersistState
 from tests.helpers import wait_until
 from tests.server.conftest import NS, save_object
@@ -135,7 +135,7 @@ def test_a_scan_keeps_the_good_records_and_logs_a_bad_key_once(caplog):
         "holders/ab/cd/bad": {"committed": 2.0},
         "holders/ab/cd/worse": "not json object",
     }
-    with caplog.at_level(logging.WARNING, logger="ckptcache.server.coord.records"):
+    with caplog.at_level(logging.WARNING, logger="ckptcache.server.cluster.coord.records"):
         for _ in range(3):
             parsed = parse_all(HolderRecord, scan)
             assert parsed == {"holders/ab/cd/good": HolderRecord("good", committed=2.0)}

@@ -15,7 +15,7 @@ import threading
 
 import pytest
 
-from ckptcache.server.dataplane import RECORD_SIZE, Channel, ChannelTampered
+from ckptcache.server.cluster.dataplane import RECORD_SIZE, Channel, ChannelTampered
 
 SECRET = b"k" * 32
 TRANSCRIPT = b"transcript"

@@ -14,14 +14,14 @@ import threading
 import pytest
 
 from ckptcache.errors import ConfigError
-from ckptcache.server.config import DaemonConfig, load_config
-from ckptcache.server.dataplane import (
+from ckptcache.server.cluster.dataplane import (
     ConnectionLimits,
     DataPlaneClient,
     DataPlaneServer,
     recv_msg,
     send_msg,
 )
+from ckptcache.server.config import DaemonConfig, load_config
 
 SECRET = b"s" * 32
 

@@ -12,8 +12,8 @@ import time
 import pytest
 import torch
 
-from ckptcache.server import fetching as fetching_module
-from ckptcache.server.membership import path_hash
+from ckptcache.server.cluster.membership import path_hash
+from ckptcache.server.restore import fetching as fetching_module
 from ckptcache.wire import messages as m
 from ckptcache.wire import peer
 from ckptcache.wire.states import ClaimRole, PersistState
@@ -164,7 +164,7 @@ def test_a_claim_that_fails_after_it_won_the_roles_leads_when_claimed_again(node
     the claim a second later finds the keys its own and leads, instead of waiting as the
     standby of itself until its lease lapses. In the cluster lab (etcd's leader cut off from
     the other members, then healed) a ``durability="persisted"`` save waited forever."""
-    from ckptcache.server.coord import CoordinatorUnavailable
+    from ckptcache.server.cluster.coord import CoordinatorUnavailable
 
     core, session, root = node
     path = f"{root}/k.pt"

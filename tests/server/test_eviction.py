@@ -1,4 +1,4 @@
-"""The eviction policy (:mod:`ckptcache.server.eviction`): which generations may leave memory,
+"""The eviction policy (:mod:`ckptcache.server.memory.eviction`): which generations may leave memory,
 in which order, and what is protected (pinned, the newest unpersisted save, another user's
 unpersisted generation, anything storage has not received beyond ``keep``)."""
 
@@ -10,12 +10,12 @@ import uuid
 
 import pytest
 
-from ckptcache.server.arena import Arena
-from ckptcache.server.eviction import EvictionPolicy
-from ckptcache.server.index import Generation, Index
+from ckptcache.server.memory.arena import Arena
+from ckptcache.server.memory.eviction import EvictionPolicy
+from ckptcache.server.memory.index import Generation, Index
+from ckptcache.server.memory.shares import Shares
 from ckptcache.server.ownership import Saver
-from ckptcache.server.persist_states import PersistStates
-from ckptcache.server.shares import Shares
+from ckptcache.server.persist.states import PersistStates
 from ckptcache.wire.states import PersistState
 
 ME = os.geteuid()

@@ -6,8 +6,8 @@ import threading
 
 import pytest
 
-from ckptcache.server import fetching
-from ckptcache.server.fetching import FANOUT, PeerBusy, _Sends
+from ckptcache.server.restore import fetching
+from ckptcache.server.restore.fetching import FANOUT, PeerBusy, _Sends
 
 
 def test_a_second_send_of_the_same_object_is_refused_while_the_first_runs():

@@ -1,4 +1,4 @@
-"""The persist-state table (:mod:`ckptcache.server.persist_states`): its shape, the one way a
+"""The persist-state table (:mod:`ckptcache.server.persist.states`): its shape, the one way a
 state changes, and what an unlisted change does under the strict switch and without it."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from ckptcache.server.metrics import Metrics
-from ckptcache.server.persist_states import (
+from ckptcache.server.persist.states import (
     STRICT_ENV,
     TRANSITIONS,
     PersistStates,
@@ -116,7 +116,7 @@ def test_an_unlisted_transition_in_production_is_applied_logged_and_counted(capl
     metrics = Metrics()
     states = PersistStates(metrics, strict=False)
     gen = Gen(persist_state=PersistState.MEMORY_ONLY)
-    with caplog.at_level(logging.ERROR, logger="ckptcache.server.persist_states"):
+    with caplog.at_level(logging.ERROR, logger="ckptcache.server.persist.states"):
         states.advance(gen, PersistState.PERSISTING)
     assert gen.persist_state == PersistState.PERSISTING  # the persist goes on
     assert states.unlisted == 1
@@ -157,7 +157,7 @@ def _assigned_attributes(node: ast.AST) -> list[ast.Attribute]:
 
 
 def test_no_module_but_the_state_machine_assigns_persist_state():
-    machine = PACKAGE / "server" / "persist_states.py"
+    machine = PACKAGE / "server" / "persist" / "states.py"
     offenders = []
     for source in sorted(PACKAGE.rglob("*.py")):
         if source == machine:

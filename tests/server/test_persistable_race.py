@@ -9,7 +9,7 @@ import os
 import pytest
 
 from ckptcache.errors import ParentNotADirectory
-from ckptcache.server import lineage
+from ckptcache.server.persist import lineage
 
 
 def test_a_directory_made_between_the_two_tests_is_no_refusal(tmp_path, monkeypatch):

@@ -1,4 +1,4 @@
-"""The facts a restart needs (:mod:`ckptcache.server.provenance`): the record round-trips,
+"""The facts a restart needs (:mod:`ckptcache.server.persist.provenance`): the record round-trips,
 and what it cannot keep is left to be recomputed, never invented."""
 
 from __future__ import annotations
@@ -9,13 +9,13 @@ from dataclasses import dataclass
 import pytest
 
 from ckptcache.format.layout import HEADER_SIZE
-from ckptcache.server.provenance import Provenance, read_provenance, write_provenance
+from ckptcache.server.persist.provenance import Provenance, read_provenance, write_provenance
 
 
 @dataclass
 class _Segment:
     mapping: mmap.mmap
-    record_path: str | None = None  # no daemon record: the page itself (server/records.py)
+    record_path: str | None = None  # no daemon record: the page itself (server/memory/records.py)
     sealable: bool = False
 
 

@@ -11,9 +11,9 @@ from ckptcache.format.flatten import flatten
 from ckptcache.format.layout import HEADER_SIZE
 from ckptcache.format.manifest import compute_digests, pack_digests
 from ckptcache.format.objectio import plan_object, read_object, write_object
-from ckptcache.server import transfer
-from ckptcache.server.dataplane import Channel
-from ckptcache.server.transfer import receive_relayed, relay_in_flight
+from ckptcache.server.cluster import transfer
+from ckptcache.server.cluster.dataplane import Channel
+from ckptcache.server.cluster.transfer import receive_relayed, relay_in_flight
 
 
 def test_relay_forwards_bytes_before_the_source_has_them_all(make_core, monkeypatch):

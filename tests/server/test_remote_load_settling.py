@@ -12,8 +12,8 @@ import threading
 import torch
 
 from ckptcache.format.manifest import object_digest
-from ckptcache.server.coord import CoordinatorUnavailable, keys
-from ckptcache.server.membership import path_hash
+from ckptcache.server.cluster.coord import CoordinatorUnavailable, keys
+from ckptcache.server.cluster.membership import path_hash
 from ckptcache.wire import messages as m
 from tests.helpers import wait_until
 from tests.server.conftest import NS

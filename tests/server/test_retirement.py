@@ -15,7 +15,7 @@ import torch
 from ckptcache.errors import CheckpointNotFound
 from ckptcache.format.layout import HEADER_SIZE, SegmentState
 from ckptcache.format.manifest import compute_digests, meta_digests
-from ckptcache.server.replication import Replication
+from ckptcache.server.cluster.replication import Replication
 from ckptcache.server.state import NewerHeld
 from ckptcache.wire import messages as m
 from ckptcache.wire import peer

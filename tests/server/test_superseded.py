@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from ckptcache.server.superseded import SupersededSaves
+from ckptcache.server.memory.superseded import SupersededSaves
 
 
 def gen(path: str, number: int, error: str = "") -> SimpleNamespace:

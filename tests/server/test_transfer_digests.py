@@ -14,8 +14,8 @@ from ckptcache.format.flatten import flatten
 from ckptcache.format.layout import HEADER_SIZE
 from ckptcache.format.manifest import Manifest, compute_digests, pack_digests
 from ckptcache.format.objectio import plan_object, write_object
-from ckptcache.server.dataplane import Channel
-from ckptcache.server.transfer import receive_object
+from ckptcache.server.cluster.dataplane import Channel
+from ckptcache.server.cluster.transfer import receive_object
 
 
 def _image() -> tuple[bytearray, Manifest, int]:

@@ -1,4 +1,4 @@
-"""The cluster's newest save of a path (``server/truth.py``) on the embedded coordinator:
+"""The cluster's newest save of a path (``server/cluster/truth.py``) on the embedded coordinator:
 the record only moves forward, a save's stamp names it exactly, and races are symmetric."""
 
 from __future__ import annotations
@@ -9,10 +9,10 @@ from types import SimpleNamespace
 import pytest
 
 from ckptcache.format.manifest import object_digest
-from ckptcache.server.coord import EmbeddedCoordinator, NodeInfo, keys
-from ckptcache.server.coord.records import HolderRecord
-from ckptcache.server.membership import path_hash
-from ckptcache.server.truth import UNSEEN, Truth, races
+from ckptcache.server.cluster.coord import EmbeddedCoordinator, NodeInfo, keys
+from ckptcache.server.cluster.coord.records import HolderRecord
+from ckptcache.server.cluster.membership import path_hash
+from ckptcache.server.cluster.truth import UNSEEN, Truth, races
 
 STAMP = 1_765_000_000_123_456_789  # beyond a float's 53 bits: must stay exact
 

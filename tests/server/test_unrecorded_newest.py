@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from ckptcache.errors import CkptCacheError
-from ckptcache.server.coord import CoordinatorUnavailable
+from ckptcache.server.cluster.coord import CoordinatorUnavailable
 from ckptcache.wire import messages as m
 from ckptcache.wire.states import PersistState
 from tests.helpers import wait_until

@@ -11,16 +11,16 @@ from pathlib import Path
 
 import pytest
 
-from ckptcache.server.coord import (
+from ckptcache.server.cluster.coord import (
     Coordinator,
     CoordinatorUnavailable,
     NodeInfo,
     keys,
     make_coordinator,
 )
-from ckptcache.server.coord.records import WriterRecord
-from ckptcache.server.persist import Deposed
-from ckptcache.server.writer_fence import WriterFence
+from ckptcache.server.cluster.coord.records import WriterRecord
+from ckptcache.server.cluster.writer_fence import WriterFence
+from ckptcache.server.persist.persister import Deposed
 
 PH, DIGEST = "ph", "digest"
 

@@ -9,7 +9,7 @@ import pytest
 
 from ckptcache.adapters._common import is_memory_only
 from ckptcache.errors import ProtocolMismatch
-from ckptcache.server.index import Generation
+from ckptcache.server.memory.index import Generation
 from ckptcache.wire import messages as m
 from ckptcache.wire.states import ClaimRole, PersistState, Tier, WaitState
 

@@ -20,8 +20,8 @@ from typing import Any
 import pytest
 import torch
 
-from ckptcache.server.coord import NodeInfo
-from ckptcache.server.coord.etcd import EtcdCoordinator
+from ckptcache.server.cluster.coord import NodeInfo
+from ckptcache.server.cluster.coord.etcd import EtcdCoordinator
 from tests.helpers import assert_same
 
 #: How long the proxy holds each write of a holder announcement (seconds).

@@ -12,7 +12,7 @@ import threading
 
 import pytest
 
-from ckptcache.server.clock import ClockWatch, Sample, sample_of
+from ckptcache.server.cluster.clock import ClockWatch, Sample, sample_of
 from ckptcache.server.metrics import Metrics
 from tests.helpers import wait_until
 
@@ -55,7 +55,7 @@ def test_a_peer_an_hour_ahead_is_reported_with_the_figure(cluster_factory, daemo
     assert abs(_offsets(a)["node1"]) < 60
     assert a.status().clock_offset_bound == float(BOUND)  # the flag reached the daemon
 
-    warning = f"WARNING ckptcache.server.clock: clock of node late is +{seen:.3f} s off"
+    warning = f"WARNING ckptcache.server.cluster.clock: clock of node late is +{seen:.3f} s off"
     wait_until(lambda: warning in a.log(), what="the warning with the figure")
     wait_until(lambda: "clock of node late is +3" in c.log(), what="node1's warning")
     wait_until(lambda: "clock of node node0 is -3" in late.log(), what="the late node's")
@@ -78,7 +78,7 @@ def test_one_warning_per_excursion_beyond_the_bound(caplog):
     there, told when it is back; the figure is kept and exported either way."""
     metrics = Metrics()
     watch = ClockWatch(None, metrics, bound=1.0, interval=60.0, stop=threading.Event())  # type: ignore[arg-type]
-    caplog.set_level(logging.INFO, logger="ckptcache.server.clock")
+    caplog.set_level(logging.INFO, logger="ckptcache.server.cluster.clock")
     for offset in (-2.5, -2.4, 0.2, 3.0):
         watch.record("n1", Sample(offset, 0.001))
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from ckptcache.errors import ReplicationError
-from ckptcache.server.dataplane import DataPlaneClient, PeerRefused
+from ckptcache.server.cluster.dataplane import DataPlaneClient, PeerRefused
 from tests.helpers import assert_same, read_only_dir, wait_until
 
 

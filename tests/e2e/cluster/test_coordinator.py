@@ -8,13 +8,13 @@ import uuid
 
 import pytest
 
-from ckptcache.server.coord import (
+from ckptcache.server.cluster.coord import (
     CoordinatorUnavailable,
     EmbeddedCoordinator,
     NodeInfo,
     make_coordinator,
 )
-from ckptcache.server.coord.counting import CountingCoordinator
+from ckptcache.server.cluster.coord.counting import CountingCoordinator
 from tests.helpers import wait_until
 
 

@@ -132,7 +132,7 @@ def test_etcd_leader_killed(lab: Lab, url: str) -> None:
     strict=False,  # 2 of 5 runs: it depends on which member a gateway picks per request
     reason="a save acknowledged persisted whose newest-save record etcd did not take (its "
     "advance went to the cut-off leader) is unknown to the other nodes until the background "
-    "retry puts it: their loads serve their older copy (server/truth.py publish; "
+    "retry puts it: their loads serve their older copy (server/cluster/truth.py publish; "
     "deterministic in tests/server/test_unrecorded_newest.py)",
 )
 def test_etcd_leader_cut_off_from_the_other_members(lab: Lab, url: str) -> None:

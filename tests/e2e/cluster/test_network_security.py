@@ -17,7 +17,7 @@ from collections.abc import Callable
 import pytest
 
 from ckptcache.errors import ReplicationError
-from ckptcache.server.coord import NodeInfo, sign_node
+from ckptcache.server.cluster.coord import NodeInfo, sign_node
 from tests.e2e.cluster.test_cluster import _has, state
 from tests.helpers import wait_until
 

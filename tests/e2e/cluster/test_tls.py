@@ -6,7 +6,12 @@ import datetime
 
 import pytest
 
-from ckptcache.server.dataplane import DataPlaneClient, DataPlaneServer, PeerRefused, TLSConfig
+from ckptcache.server.cluster.dataplane import (
+    DataPlaneClient,
+    DataPlaneServer,
+    PeerRefused,
+    TLSConfig,
+)
 from tests.e2e.cluster.test_cluster import state
 from tests.helpers import assert_same, wait_until
 

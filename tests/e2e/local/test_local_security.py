@@ -320,7 +320,7 @@ def test_a_forged_group_in_a_users_segment_record_is_not_believed_after_a_restar
     of (written there before a daemon restart) falls back to the user's primary group."""
     import mmap
 
-    from ckptcache.server.arena import Segment
+    from ckptcache.server.memory.arena import Segment
     from ckptcache.server.ownership import Saver, read_record, write_record
 
     (alice,) = users(1)

@@ -1,0 +1,202 @@
+"""Moving one committed object between daemons with hashing overlapped with the transfer.
+
+Stream layout after the request/reply headers (whose JSON carries the manifest), in
+authenticated records of the connection's :class:`~ckptcache.server.cluster.dataplane.Channel`::
+
+    segment bytes [HEADER_SIZE, digest_offset)   payload + manifest, by sendfile
+    digest table (8 bytes per storage)            computed by the sender while it sent
+
+The receiver hashes every storage record by record as the records are authenticated (in the
+thread that checks each record's tag, right after that check, while the record is in cache),
+so by the time the table arrives only the comparison is left: every hop verifies every tensor
+without another pass over memory or another thread per transfer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING
+
+import xxhash
+
+from ckptcache.errors import CorruptCheckpoint
+from ckptcache.format.digest import digest_bytes, digest_hex
+from ckptcache.format.layout import HEADER_SIZE
+from ckptcache.format.manifest import Manifest, pack_digests, unpack_digests
+from ckptcache.server.cluster.dataplane import Channel, send_msg
+from ckptcache.server.ownership import sent_saver
+from ckptcache.wire import peer
+from ckptcache.wire.states import Tier
+
+if TYPE_CHECKING:
+    from ckptcache.server.memory.index import Generation
+    from ckptcache.server.state import CacheState, Inflight
+
+__all__ = [
+    "RELAY_RECORD",
+    "check_skeleton",
+    "receive_copy",
+    "receive_object",
+    "receive_relayed",
+    "relay_in_flight",
+    "send_object",
+]
+
+#: Record size of a relay: the next hop forwards a record once it is in and checked, so each
+#: hop of a restore chain adds about one record's time on the link.
+RELAY_RECORD = 1 << 20
+
+
+def send_object(channel: Channel, gen: Generation, digests: Callable[[], list[int]]) -> None:
+    """Send ``gen``'s body while ``digests()`` runs alongside, then its digest table."""
+    header = gen.segment.read_header()
+    with ThreadPoolExecutor(1) as pool, gen.segment.opened() as fd:
+        table = pool.submit(digests)
+        channel.send_file(fd, HEADER_SIZE, header.digest_offset - HEADER_SIZE,
+                          gen.segment.mapping)  # fmt: skip
+        channel.send_bytes(pack_digests(table.result()))
+
+
+class _Digests:
+    """Hashes each storage record by record as its bytes are in place and authenticated, in
+    the thread that reports them (the tag check's, right after its pass over the record, so
+    the record is hashed while it is still in cache, with no thread of its own to wake)."""
+
+    def __init__(self, view: memoryview, manifest: Manifest):
+        self.view = view
+        storages = manifest.storages
+        order = sorted(range(len(storages)), key=lambda i: storages[i].offset)
+        self.spans = [(i, storages[i].offset - HEADER_SIZE,
+                       storages[i].offset - HEADER_SIZE + storages[i].nbytes)
+                      for i in order]  # fmt: skip
+        self.digests: list[int] = [0] * len(storages)
+        self.next = 0  # index into spans of the storage being hashed
+        self.fed = 0  # bytes of the view fed to ``state`` (within the current storage)
+        self.state = xxhash.xxh3_64()
+
+    def advance(self, received: int) -> None:
+        """The first ``received`` bytes of the view are in place: hash what they complete."""
+        while self.next < len(self.spans):
+            i, start, end = self.spans[self.next]
+            lo, hi = max(start, self.fed), min(end, received)
+            if hi > lo:
+                with self.view[lo:hi] as part:
+                    self.state.update(part)
+                self.fed = hi
+            if received < end:
+                return
+            self.digests[i] = self.state.intdigest()
+            self.state.reset()
+            self.next += 1
+
+    @property
+    def complete(self) -> bool:
+        return self.next == len(self.spans)
+
+
+def receive_object(
+    channel: Channel,
+    view: memoryview,
+    manifest: Manifest,
+    digest_offset: int,
+    advance: Callable[[int], None],
+) -> list[int]:
+    """Fill ``view`` (the segment from ``HEADER_SIZE`` on) from ``channel``, verifying every tensor
+    against the table that closes the stream; returns the verified digests. ``advance(n)``
+    reports each time the first ``n`` bytes of ``view`` are in place and authenticated (relays
+    follow it)."""
+    body = digest_offset - HEADER_SIZE
+    n = len(manifest.storages)
+    hasher = _Digests(view, manifest)
+
+    def landed(n: int) -> None:
+        advance(n)  # relays first: they forward the record while it is hashed here
+        hasher.advance(n)
+
+    channel.recv_into(view[:body], landed)
+    channel.recv_into(view[body : body + 8 * n])
+    if not hasher.complete:  # every byte up to the table was reported; never expected
+        raise CorruptCheckpoint(f"copy of {manifest.path!r} from a peer ended before its "
+                                "last tensor", tier=Tier.PEER)  # fmt: skip
+    expected = unpack_digests(view[body : body + 8 * n], n)
+    for record, got, want in zip(manifest.storages, hasher.digests, expected, strict=True):
+        if got != want:
+            raise CorruptCheckpoint(
+                f"copy of {manifest.path!r} from a peer is corrupt: tensor {record.name!r} has "
+                f"digest {digest_hex(got)}, expected {digest_hex(want)}",
+                tensor=record.name, tier=Tier.PEER,
+            )  # fmt: skip
+    advance(body + 8 * n)
+    return expected
+
+
+def relay_in_flight(channel: Channel, state: CacheState, flight: Inflight) -> None:
+    """Send an object that is still arriving here, chunk by chunk as it lands.
+
+    The bytes go out in order; if the copy being received fails, the connection is cut and
+    the downstream node tries another holder (it verifies every digest at the end anyway).
+    """
+    sent = HEADER_SIZE
+    with flight.segment.opened() as fd:
+        while sent < flight.nbytes:
+            ready = state.wait_ready(flight, sent)
+            channel.send_file(fd, sent, ready - sent, flight.segment.mapping,
+                              record=RELAY_RECORD)  # fmt: skip
+            sent = ready
+
+
+def receive_relayed(channel: Channel, view: memoryview, advance: Callable[[int], None]) -> None:
+    """Receive a relayed stream (the whole segment body, table last) in order."""
+    channel.recv_into(view, advance)
+
+
+def check_skeleton(view: memoryview, manifest: Manifest, expected: int) -> None:
+    """The skeleton that arrived (``view`` starts at the payload) against the sender's digest."""
+    start = manifest.pickle_offset - HEADER_SIZE
+    got = digest_bytes(view[start : start + manifest.pickle_size])
+    if expected and got != expected:
+        raise CorruptCheckpoint(
+            f"skeleton (pickle) of {manifest.path!r} arrived with digest {digest_hex(got)}, "
+            f"expected {digest_hex(expected)}",
+            tensor="<skeleton>",
+            tier=Tier.PEER,
+        )
+
+
+def receive_copy(
+    channel: Channel,
+    head: peer.PushRequest | peer.ObjectHead,
+    receive: Callable[..., Generation],
+    origin: str,
+    *,
+    ready: bool,
+    started: Callable[[], None] | None = None,
+    saved_at: float | None = None,
+    persisted: bool = False,
+    content_time: float = 0.0,
+    content_ns: int = 0,
+) -> Generation:
+    """Receive one committed object announced by ``head`` and commit it here through
+    ``receive`` (:meth:`ckptcache.server.ingest.Ingest.receive`). ``ready``: tell the sender
+    (a push) to stream once room is reserved; ``started()`` runs when the bytes start;
+    ``persisted``: the sender's copy is the one stored at the path (nothing to write);
+    ``content_time``: when the sender says the content was saved (0: unknown), and
+    ``content_ns`` the save's exact stamp (0: unknown)."""
+    manifest = Manifest.from_json(head.manifest.encode(), segment_size=head.nbytes)
+    digest_offset = head.nbytes - 8 * len(manifest.storages)
+    verified: list[int] = []
+
+    def fill(view: memoryview, advance: Callable[[int], None]) -> None:
+        if started is not None:
+            started()
+        if ready:  # reserved: the sender may stream the bytes
+            send_msg(channel, peer.encode(peer.Ack()))
+        verified.extend(receive_object(channel, view, manifest, digest_offset, advance))
+        check_skeleton(view, manifest, head.skeleton_digest)
+
+    return receive(head.namespace, head.path, head.nbytes, head.manifest_offset,
+                   head.manifest_size, fill, origin=origin, digests=lambda: verified,
+                   saved_at=saved_at, persisted=persisted, content_time=content_time,
+                   content_ns=content_ns,
+                   saver=sent_saver(head))  # fmt: skip

@@ -1,0 +1,146 @@
+"""Digests of committed generations: computed once, off the trainer's critical path.
+
+Call order: every commit hands its generation to :meth:`Digester.put`; the background loop
+(:meth:`Digester.start`) pins, hashes and records it. A caller that needs the digests at once
+(a backup push, a verified load, a persist) calls :meth:`Digester.ensure`; a copy that arrived
+with verified digests records them with :meth:`Digester.record`. Single flight per
+generation: the loop and a caller never hash the same bytes twice.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from dataclasses import replace
+
+from ckptcache.errors import CorruptCheckpoint
+from ckptcache.format.layout import DigestState
+from ckptcache.format.manifest import (
+    compute_digests,
+    meta_digests,
+    pack_digests,
+    verify_digests,
+    verify_meta,
+)
+from ckptcache.server.memory.index import Generation
+from ckptcache.server.persist.persister import lower_thread_priority
+from ckptcache.server.state import CacheState, Session
+from ckptcache.wire import messages as m
+from ckptcache.wire.states import Tier
+
+__all__ = ["Digester"]
+
+log = logging.getLogger(__name__)
+
+
+class Digester:
+    """Computes, records and verifies the per-storage digests of generations."""
+
+    def __init__(self, state: CacheState):
+        self.state = state
+        self._queue: queue.Queue[Generation | None] = queue.Queue()
+        self._thread = threading.Thread(target=self._loop, name="digester", daemon=True)
+
+    def start(self) -> None:
+        """Start the background digester."""
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Stop the background digester (waits a few seconds for the current hash)."""
+        self._queue.put(None)
+        if self._thread.is_alive():
+            self._thread.join(timeout=5)
+
+    def put(self, gen: Generation) -> None:
+        """Hash ``gen`` in the background."""
+        self._queue.put(gen)
+
+    def ensure(self, gen: Generation) -> list[int]:
+        """Digests of ``gen``, computed now if the background worker has not yet."""
+        if gen.digests is not None:
+            return gen.digests
+        self.state.pin(gen)
+        try:
+            return self.compute(gen)
+        finally:
+            self.state.unpin(gen)
+
+    def compute(self, gen: Generation) -> list[int]:
+        """Compute and record ``gen``'s digests; the caller holds a pin."""
+        with gen.digest_lock:
+            if gen.digests is not None:
+                return gen.digests
+            view = gen.segment.view()
+            try:
+                digests = compute_digests(view, gen.manifest)
+            finally:
+                del view
+            return self.record(gen, digests)
+
+    def record(self, gen: Generation, digests: list[int]) -> list[int]:
+        """Record ``digests`` in ``gen`` and its segment (takes the state lock, re-entrant)."""
+        with self.state.lock.held():
+            if gen.digests is None:
+                gen.digests = digests
+                header = gen.segment.read_header()
+                table = pack_digests(digests)
+                mapping = gen.segment.mapping
+                mapping[header.digest_offset : header.digest_offset + len(table)] = table
+                view = gen.segment.view()
+                try:  # the skeleton and manifest are small: hashed here, with the table
+                    skeleton, manifest = meta_digests(
+                        view, gen.manifest, header.manifest_offset, header.manifest_size
+                    )
+                finally:
+                    del view
+                gen.segment.write_header(replace(
+                    header, digest_state=DigestState.VALID, skeleton_digest=skeleton,
+                    manifest_digest=manifest,
+                ))  # fmt: skip
+            return gen.digests
+
+    def _loop(self) -> None:
+        # Digests are off the trainer's critical path; keep them from competing with training.
+        lower_thread_priority()
+        while True:
+            gen = self._queue.get()
+            if gen is None:
+                return
+            # Background work: after the saves in flight (the next files of a checkpoint).
+            self.state.saves_in_flight.wait_after(gen.committed)
+            if gen.digests is not None or gen.retired or gen.pins < 0:
+                continue
+            if not self.state.pin_if_current(gen):
+                continue  # retired before we got to it
+            try:
+                self.compute(gen)
+            except Exception:
+                log.exception("digest of %s generation %d failed", gen.path, gen.number)
+            finally:
+                self.state.unpin(gen)
+
+    def verify(self, session: Session, req: m.VerifyRequest) -> m.VerifyReply:
+        """Recompute digests of the newest generation and compare with the recorded ones."""
+        state = self.state
+        with state.lock.held():
+            gen = state.lookup_visible_locked(req.namespace, req.path, None, session)
+            state.pin_locked(gen)
+        try:
+            recorded = gen.digests if gen.digests is not None else self.compute(gen)
+            header = gen.segment.read_header()
+            view = gen.segment.view()
+            try:
+                verify_meta(
+                    view, gen.manifest, header.manifest_offset, header.manifest_size,
+                    (header.skeleton_digest, header.manifest_digest), tier=Tier.LOCAL,
+                )  # fmt: skip
+                verify_digests(view, gen.manifest, recorded, tier=Tier.LOCAL)
+            finally:
+                del view
+        except CorruptCheckpoint as e:
+            state.metrics.corrupt.labels(tier=Tier.LOCAL).inc()
+            return m.VerifyReply(False, gen.number, len(gen.manifest.storages), str(e))
+        finally:
+            state.unpin(gen)
+        return m.VerifyReply(True, gen.number, len(gen.manifest.storages))

@@ -1,0 +1,192 @@
+"""Copies between peers on request: serving fetches, fetching, and corruption reports.
+
+Serving (:meth:`Fetching.on_fetch`): a copy still arriving here is relayed as it lands
+(:class:`~ckptcache.wire.peer.RelayHead`), else the newest sound generation is sent, pinned
+(:class:`~ckptcache.wire.peer.ObjectHead`). A node sends one object to at most
+:data:`FANOUT` peers at a time and refuses more with :class:`PeerBusy`: the refused peer
+chains behind one that is receiving it (it relays as the bytes land), so N nodes restoring
+together form a chain in which every uplink carries the object once, instead of a star in
+which the first holder's uplink carries it N - 1 times.
+
+Fetching (:meth:`Fetching.fetch_from`) receives either and commits it here. A fetched copy
+found corrupt is reported to its holder (:meth:`Fetching.report_corrupt` ->
+:meth:`Fetching.on_corrupt` there), which drops the generation it served.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+from collections.abc import Callable, Iterator
+
+from ckptcache.errors import (
+    CheckpointNotFound,
+    CkptCacheError,
+    CorruptCheckpoint,
+    ReplicationError,
+)
+from ckptcache.server.cluster.coord import NodeInfo
+from ckptcache.server.cluster.dataplane import Channel, recv_msg, send_msg
+from ckptcache.server.cluster.membership import Membership
+from ckptcache.server.cluster.transfer import (
+    receive_copy,
+    receive_relayed,
+    relay_in_flight,
+    send_object,
+)
+from ckptcache.server.memory.index import Generation
+from ckptcache.server.ownership import saver_fields
+from ckptcache.server.state import CacheState, Inflight
+from ckptcache.wire import peer
+
+__all__ = ["FANOUT", "Fetching", "PeerBusy"]
+
+log = logging.getLogger(__name__)
+
+#: Peers one object is sent to at once from this node. One: a chain moves each object over
+#: each uplink once, and relaying as the bytes land keeps its depth to one record per hop.
+FANOUT = 1
+
+
+class PeerBusy(ReplicationError):
+    """The peer is already sending this object to :data:`FANOUT` others: ask one of them."""
+
+
+class _Sends:
+    """Sends in progress per object (``key``), bounded by :data:`FANOUT`."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._count: dict[tuple[str, str], int] = {}
+
+    @contextlib.contextmanager
+    def slot(self, key: tuple[str, str]) -> Iterator[None]:
+        with self._lock:
+            if self._count.get(key, 0) >= FANOUT:
+                raise PeerBusy(f"already sending {key[1]!r} to {FANOUT} peer(s)")
+            self._count[key] = self._count.get(key, 0) + 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._count[key] -= 1
+                if not self._count[key]:
+                    del self._count[key]
+
+
+class Fetching:
+    """Peer-to-peer copies on request."""
+
+    def __init__(
+        self,
+        state: CacheState,
+        membership: Membership,
+        *,
+        ensure_digests: Callable[[Generation], list[int]],
+        receive: Callable[..., Generation],
+        drop_corrupt: Callable[[str, str, int, str], None],
+    ):
+        self.state = state
+        self.membership = membership
+        self.ensure_digests = ensure_digests
+        self.receive = receive
+        self.drop_corrupt = drop_corrupt
+        self._sends = _Sends()
+
+    def on_fetch(self, conn: Channel, req: peer.FetchRequest) -> None:
+        """Handler of :class:`~ckptcache.wire.peer.FetchRequest`."""
+        key = (req.namespace, req.path)
+        try:
+            with self._sends.slot(key):
+                self._serve(conn, key)
+        except PeerBusy as e:
+            send_msg(conn, peer.refusal(e))
+
+    def _serve(self, conn: Channel, key: tuple[str, str]) -> None:
+        try:
+            served = self.state.flight_or_pinned(key)
+        except CkptCacheError as e:
+            send_msg(conn, peer.refusal(e))
+            return
+        if isinstance(served, Inflight):  # still arriving here: relay it chunk by chunk
+            log.info("relaying %s to a peer while it arrives", key[1])
+            send_msg(conn, peer.encode(peer.RelayHead(
+                namespace=key[0], path=key[1], nbytes=served.nbytes,
+                manifest_offset=served.manifest_offset, manifest_size=served.manifest_size,
+                persisted=served.persisted, committed=served.saved_at,
+                committed_ns=served.saved_ns,
+            )))  # fmt: skip
+            relay_in_flight(conn, self.state, served)
+            return
+        gen = served
+        try:
+            header = gen.segment.read_header()
+            send_msg(conn, peer.encode(peer.ObjectHead(
+                namespace=gen.namespace, path=gen.path,
+                nbytes=header.digest_offset + 8 * header.n_storages,
+                manifest_offset=header.manifest_offset, manifest_size=header.manifest_size,
+                generation=gen.number, manifest=gen.manifest.to_json().decode(),
+                skeleton_digest=header.skeleton_digest, persisted=gen.persisted,
+                committed=gen.committed, committed_ns=gen.committed_ns,
+                **saver_fields(gen.saver),
+            )))  # fmt: skip
+            send_object(conn, gen, lambda: self.ensure_digests(gen))
+        finally:
+            self.state.unpin(gen)
+
+    def fetch_from(
+        self, node: NodeInfo, namespace: str, path: str, started: Callable[[], None]
+    ) -> Generation:
+        """Copy ``node``'s newest copy of ``path`` here (``started()`` once bytes land)."""
+        with self.membership.dial(node) as conn:
+            send_msg(conn.channel, peer.encode(peer.FetchRequest(namespace, path)))
+            head = peer.decode_fetch_reply(recv_msg(conn.channel))
+            if isinstance(head, peer.Refused):
+                if head.error == "CheckpointNotFound":
+                    raise CheckpointNotFound(f"{node.node_id}: {head.message}")
+                if head.error == "PeerBusy":
+                    raise PeerBusy(f"{node.node_id}: {head.message}")
+                raise ReplicationError(f"{node.node_id}: {head.message}")
+            if (head.namespace, head.path) != (namespace, path):
+                raise ReplicationError(f"{node.node_id} answered for another path")
+            if isinstance(head, peer.RelayHead):
+
+                def fill(view: memoryview, advance: Callable[[int], None]) -> None:
+                    started()
+                    receive_relayed(conn.channel, view, advance)
+
+                return self.receive(
+                    namespace, path, head.nbytes, head.manifest_offset, head.manifest_size,
+                    fill, origin=node.node_id, persisted=head.persisted,  # not written back
+                    content_time=head.committed, content_ns=head.committed_ns,
+                )  # fmt: skip
+            try:
+                return receive_copy(conn.channel, head, self.receive, node.node_id,
+                                    ready=False, started=started, persisted=head.persisted,
+                                    content_time=head.committed,
+                                    content_ns=head.committed_ns)  # fmt: skip
+            except CorruptCheckpoint as e:
+                self.report_corrupt(node, namespace, path, str(e), head.generation)
+                raise
+
+    def report_corrupt(
+        self, node: NodeInfo, namespace: str, path: str, detail: str, generation: int
+    ) -> None:
+        """Tell ``node`` its ``generation`` of ``path`` was corrupt (best effort)."""
+        report = peer.CorruptReport(namespace, path, detail, generation)
+        try:
+            with self.membership.dial(node, timeout=10) as conn:
+                send_msg(conn.channel, peer.encode(report))
+                recv_msg(conn.channel)
+        except (OSError, CkptCacheError):
+            pass
+
+    def on_corrupt(self, conn: Channel, req: peer.CorruptReport) -> None:
+        """Handler of :class:`~ckptcache.wire.peer.CorruptReport`: drop the copy served."""
+        # Only the generation that was served: a newer one saved since is another content
+        # (dropping it would lose the newest save); a relay's bytes were checked where they
+        # landed here.
+        if req.generation:
+            self.drop_corrupt(req.namespace, req.path, req.generation, f"peer found: {req.detail}")
+        send_msg(conn, peer.encode(peer.Ack()))
