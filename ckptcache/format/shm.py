@@ -26,6 +26,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import torch
 
+from ckptcache._signals import signals_deferred
 from ckptcache._workers import LingeringPool
 from ckptcache.errors import TensorMutated
 from ckptcache.format.fastcopy import copy_runs
@@ -91,14 +92,15 @@ def populate_in_parallel(mapping: mmap.mmap) -> None:
         share = -(-size // threads // mmap.PAGESIZE) * mmap.PAGESIZE
         ranges = [(base + start, min(share, size - start)) for start in range(0, size, share)]
         pool = _copier_pool(len(ranges) - 1) if len(ranges) > 1 else None
-        others = []
-        if pool is not None:
-            others = [pool.submit(functools.partial(populate_range, *r)) for r in ranges[1:]]
-        try:
-            populate_range(*ranges[0])
-        finally:
-            for future in others:
-                future.result()
+        with signals_deferred():  # no lock of the pool's is left half taken (_signals.py)
+            others = []
+            if pool is not None:
+                others = [pool.submit(functools.partial(populate_range, *r)) for r in ranges[1:]]
+            try:
+                populate_range(*ranges[0])
+            finally:
+                for future in others:
+                    future.result()
     finally:
         del view
 
@@ -302,12 +304,16 @@ def copy_cpu_storages(
         for piece in pieces:  # next() on a shared iterator is atomic under the GIL
             copy_runs(piece)
 
-    others = [_copier_pool(threads - 1).submit(work) for _ in range(threads - 1)]
-    try:
+    if threads == 1:
         work()
-    finally:
-        for future in others:  # the storages must outlive every copy, even on an error
-            future.result()
+        return
+    with signals_deferred():  # no lock of the pool's is left half taken (_signals.py)
+        others = [_copier_pool(threads - 1).submit(work) for _ in range(threads - 1)]
+        try:
+            work()
+        finally:
+            for future in others:  # the storages must outlive every copy, even on an error
+                future.result()
 
 
 def storage_view(mapping: mmap.mmap, offset: int, nbytes: int) -> torch.UntypedStorage:

@@ -107,6 +107,7 @@ def _interrupt(signum: int, frame: FrameType | None) -> None:
 
 
 @pytest.mark.skipif(not gcpause.IN_C, reason="the collector extension is not built")
+@pytest.mark.timeout(120, method="thread")  # the storm takes SIGALRM, the suite's own timer
 def test_a_storm_of_interrupts_never_leaves_the_collector_off():
     """SIGALRM every 100 us raising ``KeyboardInterrupt`` while regions open and close:
     wherever the exception lands (before, inside or after a region's bookkeeping), no

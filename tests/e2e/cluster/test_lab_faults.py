@@ -659,3 +659,28 @@ def test_kill_of_the_saver_while_its_backup_node_is_partitioned(lab: Lab, url: s
         assert_same(newer, load(n, url))
     assert writes.settle() == 2
     assert stored_steps(lab, url) == {16: 1, 17: 1}
+
+
+def test_successive_saves_from_different_nodes_across_a_partition(lab: Lab, url: str) -> None:
+    """One path saved again from node to node (a job's rank 0 coming back elsewhere), a
+    partition in between: storage holds the newest after each save, and every node's next
+    load returns it, never the copy it kept of an older one; a node cut off says so."""
+    a, b, c, _ = lab.nodes
+    first, second, third = state(21), state(22), state(23)
+    assert not isinstance(save(a, first, url, "persisted"), BaseException)
+    for n in lab.nodes:  # every node holds the first now
+        assert_same(first, load(n, url))
+    lab.partition(c)
+    assert not isinstance(save(b, second, url, "persisted"), BaseException)
+    assert_same(second, stored_object(lab, url))
+    for n in lab.nodes:
+        if n is not c:
+            assert_same(second, load(n, url))
+    assert_newest_or_typed(load(c, url), second)  # cut off: typed, never the first
+    lab.heal(c)
+    assert_same(second, load(c, url))
+    assert not isinstance(save(c, third, url, "persisted"), BaseException)
+    assert_same(third, stored_object(lab, url))
+    for n in lab.nodes:
+        assert_same(third, load(n, url))
+    assert stored_steps(lab, url) == {21: 1, 22: 1, 23: 1}  # each generation written once

@@ -109,6 +109,9 @@ def test_ctrl_c_after_the_reservation_gives_its_memory_back(
         assert c.daemon_status().reservations == 0
 
 
+# The storm takes SIGALRM, which the suite's own timeout would use: a watchdog thread instead
+# (a hang fails the run with every thread's stack, never waits out CI's limit).
+@pytest.mark.timeout(240, method="thread")
 def test_a_storm_of_ctrl_c_across_saves_loads_and_waits(
     persisting: DaemonProc, tmp_path: Path, sigalrm_interrupts: None
 ):
