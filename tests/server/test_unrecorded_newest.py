@@ -28,6 +28,21 @@ def _persisted(core, path: str, number: int) -> bool:
     return gen is not None and gen.persist_state == PersistState.PERSISTED
 
 
+def _two_nodes_holding_the_first(make_core, tmp_path):
+    """A saver and a loader on one coordinator, the path's first save persisted and loaded
+    by the loader: (saver, loader, the saver's session, the loader's, the path)."""
+    root = str(tmp_path / "store")
+    os.makedirs(root)
+    saver, loader = _core(make_core, root, "saver"), _core(make_core, root, "loader")
+    path = f"{root}/m.pt"
+    session = saver.saves.open_session(1, os.getuid())
+    first = save_object(saver, session, path, torch.full((64,), 1.0))
+    wait_until(lambda: _persisted(saver, path, first.generation), what="generation 1 persisted")
+    loads = loader.saves.open_session(1, os.getuid())
+    loader.loads.open(loads, m.OpenRequest(NS, path, timeout=20))  # the loader holds it now
+    return saver, loader, session, loads, path
+
+
 @pytest.mark.xfail(
     strict=True,
     reason="a coordinator that refuses a save's newest-save record for longer than the save "
@@ -38,15 +53,7 @@ def _persisted(core, path: str, number: int) -> bool:
 def test_a_save_acknowledged_persisted_is_the_newest_for_every_node(
     make_core, tmp_path, shared_coordinator
 ):
-    root = str(tmp_path / "store")
-    os.makedirs(root)
-    saver, loader = _core(make_core, root, "saver"), _core(make_core, root, "loader")
-    path = f"{root}/m.pt"
-    session = saver.saves.open_session(1, os.getuid())
-    first = save_object(saver, session, path, torch.full((64,), 1.0))
-    wait_until(lambda: _persisted(saver, path, first.generation), what="generation 1 persisted")
-    loads = loader.saves.open_session(1, os.getuid())
-    loader.loads.open(loads, m.OpenRequest(NS, path, timeout=20))  # the loader holds it now
+    saver, loader, session, loads, path = _two_nodes_holding_the_first(make_core, tmp_path)
 
     def refuse(*args, **kwargs):
         raise CoordinatorUnavailable("etcd advance failed: ConnectionTimeoutError")
@@ -76,15 +83,7 @@ def test_a_record_refused_for_a_moment_is_in_before_the_save_is_safe(
     node's load returns it."""
     from tests.server.conftest import written
 
-    root = str(tmp_path / "store")
-    os.makedirs(root)
-    saver, loader = _core(make_core, root, "saver"), _core(make_core, root, "loader")
-    path = f"{root}/m.pt"
-    session = saver.saves.open_session(1, os.getuid())
-    first = save_object(saver, session, path, torch.full((64,), 1.0))
-    wait_until(lambda: _persisted(saver, path, first.generation), what="generation 1 persisted")
-    loads = loader.saves.open_session(1, os.getuid())
-    loader.loads.open(loads, m.OpenRequest(NS, path, timeout=20))  # the loader holds it now
+    saver, loader, session, loads, path = _two_nodes_holding_the_first(make_core, tmp_path)
     coord = saver.cluster.membership.coord
     advance, refusals = coord.advance, [2]
 
