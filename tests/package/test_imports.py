@@ -240,6 +240,7 @@ NEUTRAL = (
     "ckptcache._atomic",
     "ckptcache._defaults",
     "ckptcache._secure_fs",
+    "ckptcache._signals",
     "ckptcache._units",
     "ckptcache._version",
     "ckptcache._workers",
