@@ -128,7 +128,7 @@ class Cluster:
         self.election = Election(
             cfg, state, self.membership, self.fetching, metrics=state.metrics,
             protect=self.replication.protect, mark_persisted=ports.mark_persisted,
-            stored=self.truth.stored,
+            truth=self.truth,
             resubmit=ports.resubmit, stop=self._stop,
         )  # fmt: skip
         self.sources = remote_load.Sources(
@@ -217,7 +217,8 @@ class Cluster:
     def newest(self, namespace: str, path: str) -> int:
         """The stamp of the cluster's newest save of ``path`` (0: none recorded); raises
         :class:`CoordinatorUnavailable`."""
-        return self.truth.seen(namespace, path)
+        newest = self.truth.newest(namespace, path)
+        return newest.committed_ns if newest is not None else 0
 
     def same_content(self, gen: Generation, stamp: int) -> bool:
         """Whether a holder announces the save stamped ``stamp`` with ``gen``'s content (one

@@ -37,15 +37,13 @@ from ckptcache.server.backoff import Backoff
 from ckptcache.server.cluster.coord import CoordinatorUnavailable, NodeInfo, keys
 from ckptcache.server.cluster.coord.records import (
     HolderRecord,
-    LatestRecord,
     PersistedRecord,
     RepRecord,
     WriterRecord,
     parse_all,
-    parse_one,
 )
 from ckptcache.server.cluster.membership import Membership, path_hash
-from ckptcache.server.cluster.truth import races
+from ckptcache.server.cluster.truth import Truth, races
 from ckptcache.server.cluster.writer_fence import WriterFence
 from ckptcache.server.config import DaemonConfig
 from ckptcache.server.memory.index import Generation
@@ -103,7 +101,7 @@ class Election:
         metrics: Metrics,
         protect: Callable[[Generation], None],
         mark_persisted: Callable[[Generation], None],
-        stored: Callable[[Generation], None],
+        truth: Truth,
         resubmit: Callable[[Generation], None],
         stop: threading.Event,
     ):
@@ -116,8 +114,9 @@ class Election:
         self.protect = protect
         #: The persister's: the group persisted a standby's content / take over its persist.
         self.mark_persisted = mark_persisted
-        #: The newest-save record's last try before a persist is reported (Truth.stored).
-        self._publish_stored = stored
+        #: The cluster's newest save of each path (read when a conflict may be a supersede,
+        #: put once more before a persist is reported).
+        self.truth = truth
         self.resubmit = resubmit
         self._stop = stop
         self._standby: dict[Generation, tuple[str, str]] = {}
@@ -165,15 +164,13 @@ class Election:
 
     def stored(self, gen: Generation) -> None:
         """``gen`` reached storage at its path: one more try at its newest-save record."""
-        self._publish_stored(gen)
+        self.truth.stored(gen)
 
     def newer_saved(self, gen: Generation) -> bool:
         """Whether the cluster's newest save of ``gen``'s path is newer than ``gen`` (one
         coordinator read; False while it is unreachable)."""
-        ph = path_hash(gen.namespace, gen.path)
-        key = keys.latest_key(ph)
         try:
-            newest = parse_one(LatestRecord, key, self.membership.coord.get(key))
+            newest = self.truth.newest(gen.namespace, gen.path)
         except CoordinatorUnavailable:
             return False
         return newest is not None and newest.committed_ns > gen.committed_ns
