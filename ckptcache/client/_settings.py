@@ -56,6 +56,8 @@ class Settings:
         fallback = fallback or default_fallback()
         if fallback not in FALLBACKS:
             raise ValueError(f"fallback must be 'write-through' or 'raise', not {fallback!r}")
+        if allow_stale is not None and not isinstance(allow_stale, bool):
+            raise TypeError(f"allow_stale must be True, False or None, not {allow_stale!r}")
         return cls(
             socket_path or discover_socket(), bool(socket_path), namespace or default_namespace(),
             timeout, fallback, daemon_uid,

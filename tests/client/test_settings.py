@@ -61,6 +61,12 @@ def test_an_unknown_fallback_is_refused(bad):
     assert bad not in FALLBACKS
 
 
+@pytest.mark.parametrize("bad", ["yes", 1, "0"])
+def test_allow_stale_that_is_not_a_bool_is_refused(bad):
+    with pytest.raises(TypeError, match="allow_stale must be True, False or None"):
+        resolve(allow_stale=bad)
+
+
 def test_given_rebuilds_the_same_settings(monkeypatch, tmp_path):
     explicit = resolve(socket_path=str(tmp_path / "a.sock"), namespace="n", fallback="raise",
                        daemon_uid=1234, allow_stale=True)  # fmt: skip
