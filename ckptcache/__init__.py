@@ -60,16 +60,18 @@ _LAZY = {
 
 # Submodules that importing this package used to load as a side effect: code that does
 # ``import ckptcache`` and then uses ``ckptcache.api.…`` keeps working. Public modules that
-# moved keep their old names here: the format modules and ``packing`` into
-# ``ckptcache.format``, the command, bench and demo modules into ``ckptcache.cli``.
+# moved keep their old names here: the format modules into ``ckptcache.format``, the codec
+# modules and ``packing`` into ``ckptcache.codec``, the command, bench and demo modules into
+# ``ckptcache.cli``.
 _SUBMODULES = {
     "api": "ckptcache.api",
     "client": "ckptcache.client",
+    "codec": "ckptcache.codec",
     "format": "ckptcache.format",
     "storage": "ckptcache.storage",
     "wire": "ckptcache.wire",
-    **{n: f"ckptcache.format.{n}"
-       for n in ("archive", "flatten", "layout", "manifest", "objectio", "packing", "shm")},
+    **{n: f"ckptcache.format.{n}" for n in ("archive", "layout", "manifest")},
+    **{n: f"ckptcache.codec.{n}" for n in ("flatten", "objectio", "packing", "shm")},
     **{n: f"ckptcache.cli.{n}" for n in ("bench", "benchmarking", "demo")},
 }  # fmt: skip
 

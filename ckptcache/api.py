@@ -12,7 +12,7 @@ from ckptcache.wire.messages import ObjectInfo
 
 if TYPE_CHECKING:
     from ckptcache.client import SaveHandle
-    from ckptcache.format.flatten import MapLocation
+    from ckptcache.codec.flatten import MapLocation
 
 __all__ = [
     "default_client",

@@ -21,7 +21,7 @@ from torch import nn
 
 from ckptcache.cli.benchmarking import memcpy_seconds, running_daemon
 from ckptcache.client import Client
-from ckptcache.format.flatten import flatten
+from ckptcache.codec.flatten import flatten
 from ckptcache.recovery import StepGuard
 
 

@@ -35,7 +35,7 @@ def cache_loader(socket: str, url: str, copy: bool) -> Loader:
     """A warmed-up client of the node's daemon, and the load to run on the start line (the
     tier it came from is asked after the times are taken: not part of the load)."""
     from ckptcache.client import Client
-    from ckptcache.format import objectio  # noqa: F401 - what the first load imports
+    from ckptcache.codec import objectio  # noqa: F401 - what the first load imports
 
     client = Client(socket, fallback="raise", timeout=600)
     client.warmup(wait=True)

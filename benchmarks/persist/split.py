@@ -20,8 +20,8 @@ from collections.abc import Callable
 
 from ckptcache._units import parse_bytes
 from ckptcache.cli.benchmarking import make_state, mixed_state
-from ckptcache.format.flatten import flatten
-from ckptcache.format.objectio import plan_object, write_object
+from ckptcache.codec.flatten import flatten
+from ckptcache.codec.objectio import plan_object, write_object
 from ckptcache.format.persisted import stream_archive
 from ckptcache.storage.fs import FileBackend
 

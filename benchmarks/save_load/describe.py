@@ -1,4 +1,4 @@
-"""The save-plan cache's walk alone (``ckptcache.format.plancache.describe``): microseconds per
+"""The save-plan cache's walk alone (``ckptcache.codec.plan.cache.describe``): microseconds per
 tensor for the states of ``tensor_count.py`` and a MoE-like state, in one process, no daemon.
 
     python benchmarks/save_load/describe.py --rounds 9
@@ -16,7 +16,7 @@ import time
 
 import torch
 
-from ckptcache.format.plancache import describe
+from ckptcache.codec.plan.cache import describe
 
 
 def states() -> dict[str, dict[str, torch.Tensor]]:

@@ -4,7 +4,7 @@
 
 A first save of a state of thousands of tensors stalls the trainer for its planning: the
 walk (``describe``), the skeleton (``flatten``'s pickle, or the encoder of
-``ckptcache.format.skeleton`` where it applies), the tensor table, and the archive's layout
+``ckptcache.codec.skeleton`` where it applies), the tensor table, and the archive's layout
 and manifest (``plan_object``, and its ``plan_archive``). This times ``PlanCache().prepare``
 on a fresh cache (a miss) and each part, on ``tensor_count.py``'s ``mix`` state (75% of the
 bytes in 16 MiB tensors, the rest in 64 KiB ones), best of ``--rounds``. Runs on trees
@@ -20,14 +20,14 @@ from collections.abc import Callable
 from typing import Any
 
 from ckptcache.cli.benchmarking import best_of, mixed_state
+from ckptcache.codec.flatten import flatten
+from ckptcache.codec.objectio import plan_object
+from ckptcache.codec.plan.cache import PlanCache, describe
+from ckptcache.codec.table.table import encode_table
 from ckptcache.format.archive import plan_archive
-from ckptcache.format.flatten import flatten
-from ckptcache.format.objectio import plan_object
-from ckptcache.format.plancache import PlanCache, describe
-from ckptcache.format.tensor_table import encode_table
 
 try:
-    from ckptcache.format.skeleton import encode_flattened
+    from ckptcache.codec.skeleton import encode_flattened
 except ImportError:  # a tree before the encoder
     encode_flattened = None  # type: ignore[assignment]
 

@@ -29,7 +29,8 @@ from collections.abc import Callable
 import torch
 
 from ckptcache._units import parse_bytes
-from ckptcache.format import pagetables, shm
+from ckptcache.codec import shm
+from ckptcache.format import pagetables
 
 _TENSOR = 64 << 20  # over glibc's largest mmap threshold: an mmap and a munmap each time
 

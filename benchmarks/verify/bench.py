@@ -52,12 +52,12 @@ from ckptcache.cli.benchmarking import (
     running_daemon,
 )
 from ckptcache.client import Client
+from ckptcache.codec.flatten import flatten
+from ckptcache.codec.objectio import plan_object, write_object
 from ckptcache.errors import CheckpointNotFound
 from ckptcache.format.archive_read import read_archive
-from ckptcache.format.flatten import flatten
 from ckptcache.format.layout import HEADER_SIZE
 from ckptcache.format.manifest import compute_digests, pack_digests
-from ckptcache.format.objectio import plan_object, write_object
 from ckptcache.server.cluster.transfer import receive_object
 from ckptcache.storage import backend_for
 

@@ -100,7 +100,7 @@ def memcpy_seconds(state: dict[str, torch.Tensor], repeats: int = 3) -> float:
     where the copy extension is built, ``memmove`` otherwise; outside the GIL). A single
     threaded copy is not the limit where several cores share the memory bandwidth, nor a copy
     with ordinary stores where the save streams: a save would beat either."""
-    from ckptcache.format.shm import copy_storages_into
+    from ckptcache.codec.shm import copy_storages_into
 
     dst = {k: torch.empty_like(v) for k, v in state.items()}
     offsets, total = [], 0
@@ -122,8 +122,8 @@ def memcpy_seconds(state: dict[str, torch.Tensor], repeats: int = 3) -> float:
 
 def copy_limit_seconds(state: dict[str, torch.Tensor], repeats: int = 3) -> float:
     """The limit a save's copy can reach: every storage of ``state`` copied by the save's own
-    copy engine (:func:`~ckptcache.format.shm.copy_storages_into`: streaming stores where the
-    copy extension is built, :func:`~ckptcache.format.shm.copy_threads` threads taking
+    copy engine (:func:`~ckptcache.codec.shm.copy_storages_into`: streaming stores where the
+    copy extension is built, :func:`~ckptcache.codec.shm.copy_threads` threads taking
     shares) into a shared tmpfs mapping whose every page was touched first, as a spare's or a
     reused segment's are; each storage at a 64-byte aligned offset, as in a segment. Best of
     ``repeats``.
@@ -131,7 +131,7 @@ def copy_limit_seconds(state: dict[str, torch.Tensor], repeats: int = 3) -> floa
     A save copies the same bytes the same way plus its own work (the plan, two round trips),
     so it cannot beat this limit, while a limit measured with another copy (one ``copy_`` per
     tensor, ``memmove``, one thread) can be beaten by the save's streaming stores."""
-    from ckptcache.format.shm import copy_storages_into, map_shared
+    from ckptcache.codec.shm import copy_storages_into, map_shared
 
     runs: list[tuple[int, torch.UntypedStorage]] = []
     seen: set[int] = set()
@@ -164,8 +164,8 @@ _SEGMENT_ALIGNMENT = 64
 
 def copy_limit_label(nbytes: int) -> str:
     """The name of :func:`copy_limit_seconds`'s row: the copy it measures, as it runs here."""
+    from ckptcache.codec.shm import copy_threads
     from ckptcache.format.fastcopy import COPY_IMPLEMENTATION
-    from ckptcache.format.shm import copy_threads
 
     threads = copy_threads(nbytes)
     return (f"copy limit (the save's own copy: {COPY_IMPLEMENTATION}, {threads} "

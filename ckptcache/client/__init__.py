@@ -25,7 +25,7 @@ from ckptcache.client._saves import DURABILITY_LEVELS
 if TYPE_CHECKING:
     from ckptcache.client._async import SaveHandle, wait_for_copies
     from ckptcache.client._staging import Staged
-    from ckptcache.format.packing import Packed
+    from ckptcache.codec.packing import Packed
 
 __all__ = [
     "DURABILITY_LEVELS",
@@ -49,7 +49,7 @@ __all__ = [
 _LAZY = {
     "SaveHandle": "ckptcache.client._async",
     "wait_for_copies": "ckptcache.client._async",
-    "Packed": "ckptcache.format.packing",
+    "Packed": "ckptcache.codec.packing",
     "Staged": "ckptcache.client._staging",
 }
 

@@ -41,7 +41,7 @@ import torch
 from ckptcache.errors import TensorMutated
 
 if TYPE_CHECKING:
-    from ckptcache.format.flatten import Flattened
+    from ckptcache.codec.flatten import Flattened
 
 __all__ = ["SaveHandle", "VersionCheck", "pending_saves", "wait_for_copies"]
 
@@ -159,7 +159,7 @@ class VersionCheck:
 
     def check(self) -> None:
         """Raise :class:`TensorMutated` naming the first tensor modified since submit."""
-        from ckptcache.format.shm import checked_nbytes
+        from ckptcache.codec.shm import checked_nbytes
 
         # All counters and sizes read at once (``map`` over C getters); only a difference is
         # looked at tensor by tensor, to name it.
@@ -185,7 +185,7 @@ class VersionCheck:
         changed since; the others are still checked by :meth:`check` after the write)."""
         if not self._copied:
             return obj
-        from ckptcache.format.flatten import unflatten
+        from ckptcache.codec.flatten import unflatten
 
         storages = self.flat.storages
         return unflatten(
@@ -197,7 +197,7 @@ class VersionCheck:
 
     def _name(self, tensor: torch.Tensor, index: int) -> str:
         """The state-dict path of ``tensor`` where a container walk finds it, else a label."""
-        from ckptcache.format.flatten import tensor_names
+        from ckptcache.codec.flatten import tensor_names
 
         try:
             name = tensor_names(self._obj).get(tensor.untyped_storage()._cdata)

@@ -45,9 +45,9 @@ if TYPE_CHECKING:
 
     from ckptcache.client._async import SaveHandle
     from ckptcache.client._staging import Staged
-    from ckptcache.format.flatten import MapLocation
-    from ckptcache.format.packing import Packed
-    from ckptcache.format.shm import Mapping
+    from ckptcache.codec.flatten import MapLocation
+    from ckptcache.codec.packing import Packed
+    from ckptcache.codec.shm import Mapping
 
 __all__ = ["Client"]
 
@@ -147,7 +147,7 @@ class Client:
 
     def save_packed(self, packed: Packed, path: Any, *, durability: str = "local") -> int:
         """Save the ``uint8`` blob that ``packed`` lays out (see
-        :mod:`ckptcache.format.packing`) under ``path``, its items copied straight into the
+        :mod:`ckptcache.codec.packing`) under ``path``, its items copied straight into the
         segment: no blob is made, so the stall is one copy of the items' bytes. Returns where
         the blob's bytes start in the archive persisted at ``path``. Without a daemon the blob
         is made and written through, as :meth:`save` would write it."""

@@ -21,6 +21,7 @@ from ckptcache import errors
 from ckptcache.client._connection import Connection
 from ckptcache.client._paths import in_storage
 from ckptcache.client._settings import Settings
+from ckptcache.codec.stored_load import load_from_storage
 from ckptcache.errors import (
     CheckpointNotFound,
     CoordinatorUnavailable,
@@ -29,14 +30,13 @@ from ckptcache.errors import (
 )
 from ckptcache.format.layout import HEADER_SIZE, SegmentHeader
 from ckptcache.format.manifest import Manifest, unpack_digests, verify_meta
-from ckptcache.format.stored_load import load_from_storage
 from ckptcache.storage import backend_for
 from ckptcache.wire import messages as m
 from ckptcache.wire.states import Tier
 
 if TYPE_CHECKING:
-    from ckptcache.format.flatten import MapLocation
-    from ckptcache.format.shm import Mapping
+    from ckptcache.codec.flatten import MapLocation
+    from ckptcache.codec.shm import Mapping
 
 __all__ = ["Loads"]
 
@@ -95,7 +95,7 @@ class Loads:
 
     def _map(self, reply: m.OpenReply) -> Mapping:
         """The pinned segment of ``reply``, mapped copy-on-write; its pin goes with it."""
-        from ckptcache.format.shm import map_private
+        from ckptcache.codec.shm import map_private
 
         return map_private(
             self._connection.seg_path(reply.segment), reply.size,
@@ -130,7 +130,7 @@ class Loads:
         self, reply: m.OpenReply, map_location: MapLocation, weights_only: bool,
         mmap: bool | None, verify: bool,
     ) -> Any:  # fmt: skip
-        from ckptcache.format.objectio import read_object
+        from ckptcache.codec.objectio import read_object
 
         mapping = self._map(reply)
         digests = None

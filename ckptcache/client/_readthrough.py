@@ -44,11 +44,11 @@ from typing import IO, TYPE_CHECKING, Any, cast
 
 from ckptcache._atomic import atomic_write
 from ckptcache.client._paths import is_url
+from ckptcache.codec.stored_load import read_verified
 from ckptcache.errors import CheckpointNotFound, DaemonUnavailable
 from ckptcache.format.archive import ViewReader
 from ckptcache.format.layout import HEADER_SIZE, SegmentHeader
 from ckptcache.format.persisted import stream_archive
-from ckptcache.format.stored_load import read_verified
 from ckptcache.storage import backend_for
 from ckptcache.storage.handoff import Gather
 from ckptcache.wire.messages import ObjectInfo
@@ -102,7 +102,7 @@ class BlobFile(ViewReader):
     without a copy (a read before that offset raises ``OSError``)."""
 
     def __init__(self, blob: torch.Tensor):
-        from ckptcache.format.packing import storage_offsets
+        from ckptcache.codec.packing import storage_offsets
 
         view = blob.numpy().data if blob.numel() else memoryview(b"")
         super().__init__(view, storage_offsets(blob)[0])

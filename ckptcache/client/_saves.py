@@ -39,12 +39,12 @@ from ckptcache.wire import messages as m
 # control-plane commands (ckptcache ls, status, ...) start without torch.
 if TYPE_CHECKING:
     from ckptcache.client._async import SaveHandle, VersionCheck
-    from ckptcache.format.flatten import Flattened
-    from ckptcache.format.gpu import Ready
+    from ckptcache.codec.flatten import Flattened
+    from ckptcache.codec.gpu.copy import Ready
+    from ckptcache.codec.packing import Packed
+    from ckptcache.codec.plan.cache import PlanCache
+    from ckptcache.codec.shm import Mapping
     from ckptcache.format.manifest import ObjectPlan
-    from ckptcache.format.packing import Packed
-    from ckptcache.format.plancache import PlanCache
-    from ckptcache.format.shm import Mapping
 
 __all__ = ["DURABILITY_LEVELS", "Saves", "check_durability"]
 
@@ -135,7 +135,7 @@ class Saves:
     ) -> tuple[SaveHandle | None, bool]:
         """:meth:`save` up to the commit: its handle, and whether it waits for storage now."""
         from ckptcache.client._async import VersionCheck, submit
-        from ckptcache.format.gpu import record_ready
+        from ckptcache.codec.gpu.copy import record_ready
 
         t0 = time.perf_counter()
         # Only a non-blocking save checks version counters: a blocking one reads none.
@@ -163,8 +163,8 @@ class Saves:
         returns where the blob's bytes start in the archive persisted at ``path``."""
         import torch
 
-        from ckptcache.format.flatten import flatten
-        from ckptcache.format.objectio import plan_object
+        from ckptcache.codec.flatten import flatten
+        from ckptcache.codec.objectio import plan_object
 
         t0 = time.perf_counter()
         # Never written nor read: its storage gives the archive the blob's layout.
@@ -178,9 +178,9 @@ class Saves:
 
     def plan(self, obj: Any, path: str, *, versions: bool = True) -> tuple[Flattened, ObjectPlan]:
         """``obj`` flattened and its segment planned, from this client's save plans by
-        structure (made at the first save: see :mod:`ckptcache.format.plancache`);
+        structure (made at the first save: see :mod:`ckptcache.codec.plan.cache`);
         ``versions``: record the tensors' version counters (a non-blocking save's check)."""
-        from ckptcache.format.plancache import PlanCache
+        from ckptcache.codec.plan.cache import PlanCache
 
         if self._plans is None:
             self._plans = PlanCache()
@@ -256,7 +256,7 @@ class Saves:
     def _copy_and_commit(self, job: _Job, reply: m.ReserveReply) -> bool:
         """Copy ``job`` into its reserved segment and commit it; ``False`` when the daemon
         went away meanwhile and the job was written through instead."""
-        from ckptcache.format.objectio import write_object
+        from ckptcache.codec.objectio import write_object
 
         released = False
         try:

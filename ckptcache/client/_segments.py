@@ -12,9 +12,9 @@ from ckptcache.client._connection import Connection
 from ckptcache.wire import messages as m
 
 if TYPE_CHECKING:
+    from ckptcache.codec.packing import Packed
+    from ckptcache.codec.shm import Mapping
     from ckptcache.format.manifest import ObjectPlan
-    from ckptcache.format.packing import Packed
-    from ckptcache.format.shm import Mapping
 
 __all__ = ["WriteMaps", "read_back", "write_packed"]
 
@@ -65,7 +65,7 @@ class WriteMaps:
     def get(self, segment: str, capacity: int) -> Mapping:
         """The cached mapping of ``segment`` (made if there is none, or too short: a spare
         trimmed by the daemon after we mapped it is shorter than our mapping)."""
-        from ckptcache.format.shm import map_shared, populate_in_parallel
+        from ckptcache.codec.shm import map_shared, populate_in_parallel
 
         mapping = self._maps.get(segment)
         if mapping is None or len(mapping) < capacity:
@@ -104,7 +104,7 @@ class WriteMaps:
     def _unmap(mapping: Mapping, *, quiet: bool = False) -> None:
         """Unregister, then unmap ``mapping``; ``quiet``: one still exported to a tensor stays
         mapped until it goes."""
-        from ckptcache.format.gpu_pinning import unpin  # torch is loaded: segments were mapped
+        from ckptcache.codec.gpu.pinning import unpin  # torch is loaded: segments were mapped
 
         unpin(mapping)
         try:
@@ -121,7 +121,7 @@ def read_back(mapping: Mapping, plan: ObjectPlan) -> Any:
     that the commit's round trip (and any replication) overlaps training: if the commit then
     fails, the live tensors may hold the next step already, and only the segment still holds
     what was saved. Reading it back costs a second copy, on this rare path alone."""
-    from ckptcache.format.objectio import read_object
+    from ckptcache.codec.objectio import read_object
 
     return read_object(
         mapping, plan.layout.manifest_offset, len(plan.manifest_bytes),
@@ -134,7 +134,7 @@ def write_packed(mapping: Mapping, plan: ObjectPlan, packed: Packed) -> None:
     metadata and the manifest as usual, then the items straight into the storage's place."""
     import torch
 
-    from ckptcache.format.objectio import write_metadata
+    from ckptcache.codec.objectio import write_metadata
 
     write_metadata(mapping, plan)
     (record,) = plan.manifest.storages

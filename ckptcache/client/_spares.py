@@ -36,7 +36,7 @@ from ckptcache import errors
 from ckptcache._workers import LINGER_SECONDS, StoppableThread
 
 if TYPE_CHECKING:
-    from ckptcache.format.shm import Mapping
+    from ckptcache.codec.shm import Mapping
     from ckptcache.wire.messages import PoolReply
 
 __all__ = ["SpareMapper", "SparePort"]
@@ -144,7 +144,7 @@ class SpareMapper:
     def refresh(self, *, register: bool = True, after_save: bool = False) -> threading.Event:
         """Map new spares in the background; returns an event set once that is done.
         ``register``: also register them for CUDA copies, where this process uses CUDA
-        (:mod:`ckptcache.format.gpu_pinning`). ``after_save``: a save just ended, so wait
+        (:mod:`ckptcache.codec.gpu.pinning`). ``after_save``: a save just ended, so wait
         until none has ended for :data:`_SETTLE_SECONDS` (the next file of the checkpoint
         must not wait for this thread's request on the connection).
 
@@ -256,8 +256,8 @@ class SpareMapper:
                 return
 
     def _map(self, name: str, capacity: int) -> None:
+        from ckptcache.codec.shm import map_shared  # torch: only where spares are mapped
         from ckptcache.format.pagetables import POPULATE_IN_PARALLEL, populate_in_steps
-        from ckptcache.format.shm import map_shared  # torch: only where spares are mapped
 
         port = self._port
         with port.lock:
@@ -285,7 +285,7 @@ class SpareMapper:
                 self.ready[name] = (mapping, whole)
             self.mapping_now.pop(name, None)
             work.done.set()
-        from ckptcache.format.gpu_pinning import reserve_if_cuda
+        from ckptcache.codec.gpu.pinning import reserve_if_cuda
 
         register = None
         with port.lock:  # close() iterates the cache under this lock

@@ -8,7 +8,7 @@ which a background writer then reads. The order of :meth:`Stager.stage`:
    name of its own, one copy in through the client's reused shared mapping, then
    ``commit_pinned``: the daemon publishes it and pins it for this connection under a lease
    in the same request (no eviction or retention drops it meanwhile);
-2. map the segment copy-on-write (:func:`~ckptcache.format.shm.map_private`, as a zero-copy
+2. map the segment copy-on-write (:func:`~ckptcache.codec.shm.map_private`, as a zero-copy
    load does: a shared ``flock`` keeps the daemon from reusing the segment while the mapping
    lives) and build each tensor over its storage's bytes there, from the plan: no ``open``
    request, no unpickling. A write to a staged tensor faults in a private page: neither the
@@ -40,7 +40,7 @@ from ckptcache.wire import messages as m
 if TYPE_CHECKING:
     import torch
 
-    from ckptcache.format.flatten import Flattened
+    from ckptcache.codec.flatten import Flattened
     from ckptcache.format.manifest import ObjectPlan
 
 __all__ = ["Staged", "Stager"]
@@ -182,7 +182,7 @@ class Stager:
         ``memory``, pinned for this connection: ``commit_pinned``); ``None`` when the daemon
         is gone or full (the caller copies them itself), unless the client raises then.
         The trainer is held throughout: the originals cannot change under the copy."""
-        from ckptcache.format.objectio import write_object
+        from ckptcache.codec.objectio import write_object
 
         t0 = time.perf_counter()
         saves = self._saves
@@ -220,7 +220,7 @@ class Stager:
         return _Staging(reply.segment, reply.capacity, held.lease, epoch, flat, plan)
 
     def _map(self, staging: _Staging, on_unmap: Callable[[], None]) -> Any:
-        from ckptcache.format.shm import map_private
+        from ckptcache.codec.shm import map_private
 
         path = self._connection.seg_path(staging.segment)
         return map_private(path, staging.capacity, on_unmap, hold_lock=True)

@@ -30,9 +30,11 @@ from dataclasses import dataclass
 from typing import Any, BinaryIO
 
 from ckptcache._atomic import atomic_write
+from ckptcache.codec.flatten import Flattened, flatten
+from ckptcache.codec.objectio import plan_object, read_object, write_object
+from ckptcache.codec.shm import Mapping, map_shared
 from ckptcache.data._crypto import NONCE_SIZE, TAG_SIZE, BatchCipher
 from ckptcache.errors import ConfigError, CorruptCheckpoint
-from ckptcache.format.flatten import Flattened, flatten
 from ckptcache.format.layout import HEADER_SIZE, DigestState, SegmentHeader, SegmentState
 from ckptcache.format.manifest import (
     Manifest,
@@ -41,8 +43,6 @@ from ckptcache.format.manifest import (
     pack_digests,
     unpack_digests,
 )
-from ckptcache.format.objectio import plan_object, read_object, write_object
-from ckptcache.format.shm import Mapping, map_shared
 
 __all__ = [
     "NAMESPACE",

@@ -2,7 +2,7 @@
 
 Two readers use it: the daemon's storage read for its group (into a segment) and the client's
 own read of a stored file (into private memory,
-:func:`ckptcache.format.stored_load.load_from_storage` and :func:`ckptcache.open`). Checking
+:func:`ckptcache.codec.stored_load.load_from_storage` and :func:`ckptcache.open`). Checking
 after the read would be a second pass: :func:`~ckptcache.format.persisted.check_archive` over
 all of it (the xxh3 of every record, and zip's CRC-32 for archives that carry no digest record,
 as plain ``torch.save`` files do), which at ~2 GB/s for CRC-32 on one core costs more than

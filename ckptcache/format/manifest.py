@@ -136,7 +136,7 @@ class Manifest:
     created: float
     digest_algorithm: str = DIGEST_ALGORITHM
     format: int = MANIFEST_FORMAT
-    #: The tensor table (:mod:`ckptcache.format.tensor_table`), or ``""``: a faster way to
+    #: The tensor table (:mod:`ckptcache.codec.table.table`), or ``""``: a faster way to
     #: the same object for a zero-copy load; the skeleton is always there.
     table: str = ""
 
@@ -251,7 +251,7 @@ def _table_json(table: str) -> bytes:
 class ObjectPlan:
     """The complete plan for writing one flattened object into a segment.
 
-    Built on the client side by :func:`ckptcache.format.objectio.plan_object`.
+    Built on the client side by :func:`ckptcache.codec.objectio.plan_object`.
     """
 
     layout: SegmentLayout

@@ -5,7 +5,7 @@ state-dict path (``model.layers.3.weight``). This module reads the skeleton (``d
 an unpickler that builds stand-ins instead of objects: no global is ever imported, no code of
 the checkpoint runs, and neither torch nor NumPy is loaded (the daemon names the tensor of a
 corrupt storage read too). The names are the ones a save records
-(:func:`ckptcache.format.flatten.flatten`): the path of the first tensor, in depth-first order,
+(:func:`ckptcache.codec.flatten.flatten`): the path of the first tensor, in depth-first order,
 that uses the storage, through mappings, lists, tuples and ``argparse.Namespace``.
 
 Only error messages use this, so any skeleton it cannot read gives no names rather than an
@@ -136,7 +136,7 @@ def first_paths(
     root is ``"<root>"``). A container reached twice is walked once; a leaf whose key is
     ``None`` is passed over, and so is a value that is neither a leaf nor a container.
 
-    The one walk behind a tensor's name at save time (:func:`ckptcache.format.flatten.
+    The one walk behind a tensor's name at save time (:func:`ckptcache.codec.flatten.
     tensor_names`, over the live object) and in a stored skeleton (:func:`storage_names`), so
     that both name a storage alike."""
     names: dict[K, str] = {}

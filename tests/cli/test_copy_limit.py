@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-import ckptcache.format.shm as shm
+import ckptcache.codec.shm as shm
 from ckptcache.cli.benchmarking import copy_limit_label, copy_limit_seconds, make_state
 from ckptcache.format.fastcopy import COPY_IMPLEMENTATION
 

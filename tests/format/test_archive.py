@@ -6,8 +6,8 @@ import zipfile
 
 import torch
 
+from ckptcache.codec.flatten import flatten
 from ckptcache.format.archive import plan_archive
-from ckptcache.format.flatten import flatten
 
 
 def write_archive(obj, path):

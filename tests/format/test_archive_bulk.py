@@ -17,6 +17,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from ckptcache.codec.flatten import flatten
 from ckptcache.format.archive import (
     ARCHIVE_ALIGNMENT,
     ArchivePlan,
@@ -25,7 +26,6 @@ from ckptcache.format.archive import (
     layout_records,
     plan_archive,
 )
-from ckptcache.format.flatten import flatten
 
 _U32_MAX = 0xFFFFFFFF
 _LOCAL = struct.Struct("<IHHHHHIIIHH")

@@ -20,12 +20,12 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from ckptcache.codec.flatten import flatten
+from ckptcache.codec.objectio import plan_object, write_object
 from ckptcache.errors import CorruptCheckpoint
 from ckptcache.format.archive import ParsedArchive, count_records, parse_archive, plan_archive
-from ckptcache.format.flatten import flatten
 from ckptcache.format.layout import HEADER_SIZE, DigestState, SegmentHeader, SegmentState
 from ckptcache.format.manifest import Manifest
-from ckptcache.format.objectio import plan_object, write_object
 from tests.fuzzing import FUZZ, json_paths, json_values, mutations, replace_field
 from tests.helpers import assert_same
 

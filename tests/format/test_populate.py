@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 import torch
 
-from ckptcache.format import pagetables, shm
+from ckptcache.codec import shm
+from ckptcache.format import pagetables
 
 SIZE = 64 << 20  # eight copy shares of the minimum size
 PAGES = SIZE // mmap.PAGESIZE

@@ -12,10 +12,10 @@ import pytest
 import torch
 import xxhash
 
+from ckptcache.codec.flatten import flatten
+from ckptcache.codec.objectio import plan_object, write_object
 from ckptcache.errors import CorruptCheckpoint
 from ckptcache.format import persisted
-from ckptcache.format.flatten import flatten
-from ckptcache.format.objectio import plan_object, write_object
 from ckptcache.format.persisted import check_archive, list_records, stream_archive
 from ckptcache.storage.handoff import Gather
 

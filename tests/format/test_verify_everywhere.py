@@ -17,12 +17,12 @@ import io
 import pytest
 import torch
 
+from ckptcache.codec.flatten import flatten
+from ckptcache.codec.stored_load import load_from_storage
 from ckptcache.errors import CorruptCheckpoint
 from ckptcache.format.archive_read import read_archive
-from ckptcache.format.flatten import flatten
 from ckptcache.format.names import storage_names
 from ckptcache.format.persisted import check_archive, stream_archive
-from ckptcache.format.stored_load import load_from_storage
 from tests.helpers import assert_same
 
 MASKS = (0x01, 0x80)

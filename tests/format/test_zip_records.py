@@ -15,10 +15,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from ckptcache.codec.flatten import flatten
+from ckptcache.codec.objectio import plan_object, write_object
 from ckptcache.errors import CorruptCheckpoint
 from ckptcache.format.archive import PARSE_ERRORS, ViewReader, count_records, end_records
-from ckptcache.format.flatten import flatten
-from ckptcache.format.objectio import plan_object, write_object
 from ckptcache.format.persisted import stream_archive
 from ckptcache.format.zip_records import ArchiveRecord, central_offset, list_records
 

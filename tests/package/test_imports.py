@@ -11,7 +11,7 @@ import time). The rules, over all of ``ckptcache/``:
 * no module uses a private name (``_x``) of a module, package or object it is not part of;
 * the trainer side (everything outside ``ckptcache/server/``) never imports the daemon at
   import time; the adapters import only the public faces; ``format/`` and ``wire/`` know
-  neither the daemon nor the client.
+  neither the daemon nor the client, and ``format/`` imports neither torch nor ``codec/``.
 
 What breaks a rule today is listed as data below, each with its reason: the test fails on any
 new violation, and on a listed one that is gone (so the lists only shrink). The restructuring
@@ -125,11 +125,11 @@ PRIVATE_ALLOWED: dict[tuple[str, str], str] = {}
 #: Private names that are not ours to fix: other projects' internals the package relies on
 #: by design, and a class's own members used by its own module's functions.
 PRIVATE_KEPT: dict[tuple[str, str], str] = {
-    **{("ckptcache.format.flatten", what): "torch's storage internals, as torch.save reads them"
+    **{("ckptcache.codec.flatten", what): "torch's storage internals, as torch.save reads them"
        for what in ("storage._cdata", "value._pickle_storage_type", "value._size",
                     "value._untyped_storage", "value.untyped_storage()._cdata",
                     "obj._backward_hooks")},
-    ("ckptcache.format.flatten", "multiarray._reconstruct"):
+    ("ckptcache.codec.flatten", "multiarray._reconstruct"):
         "numpy's unpickling entry point, allowed as torch's weights-only unpickler allows it",
     **{("ckptcache.client._async", what): "torch's storage identity and version counter: how a "
        "tensor changed during a non-blocking save is seen"
@@ -140,10 +140,10 @@ PRIVATE_KEPT: dict[tuple[str, str], str] = {
     ("ckptcache.wire.messages", "hint._value2member_map_"):
         "enum's value table: a string enum field decoded without a try per member",
     **{(module, "typed._untyped_storage"): "torch's storage internals, as torch.save reads them"
-       for module in ("ckptcache.format.flatten", "ckptcache.format.fast_unpickle")},
-    **{("ckptcache.format.plancache", what): "torch's storage identity: a cached plan's "
+       for module in ("ckptcache.codec.flatten", "ckptcache.codec.fast_unpickle")},
+    **{("ckptcache.codec.plan.cache", what): "torch's storage identity: a cached plan's "
        "storages checked against a fresh flatten's" for what in ("a._cdata", "b._cdata")},
-    ("ckptcache.format._tensor_columns", "t._version"): "torch's version counter, read for "
+    ("ckptcache.codec.plan.columns", "t._version"): "torch's version counter, read for "
     "an inference-mode tensor one by one (it has none): the cached plan's structure key",
     ("ckptcache.format.archive", "plan._scatter"): "the archive plan's own member, in its module",
     ("ckptcache.client._connection", "conn._closed"): "rpyc's connection, disowned after a fork",
@@ -230,9 +230,11 @@ PUBLIC_FACES = {
     "ckptcache.wire.states",
 }
 
-#: What ``format/`` and ``wire/`` may import: each other, and the modules shared by the
-#: daemon and the client that belong to neither (errors, storage backends, torch-free helpers).
+#: What ``format/``, ``codec/`` and ``wire/`` may import: each other, and the modules shared by
+#: the daemon and the client that belong to neither (errors, storage backends, torch-free
+#: helpers).
 NEUTRAL = (
+    "ckptcache.codec",
     "ckptcache.format",
     "ckptcache.wire",
     "ckptcache.errors",
@@ -285,11 +287,11 @@ def adapter_imports(modules: dict[str, Module], known: set[str]) -> set[tuple[st
 
 
 def format_wire_imports(modules: dict[str, Module], known: set[str]) -> set[tuple[str, str]]:
-    """``format/`` and ``wire/`` imports, at any time, of the daemon or the client."""
+    """``format/``, ``codec/`` and ``wire/`` imports, at any time, of the daemon or the client."""
     return {
         (m, t)
         for m, t in _deps(modules, known, ALL_TIMES)
-        if (inside(m, "ckptcache.format") or inside(m, "ckptcache.wire"))
+        if any(inside(m, p) for p in ("ckptcache.format", "ckptcache.codec", "ckptcache.wire"))
         and not any(inside(t, n) for n in NEUTRAL)
     }
 
@@ -314,6 +316,30 @@ def test_the_adapters_import_only_the_public_faces():
 def test_format_and_wire_know_neither_the_daemon_nor_the_client():
     found = format_wire_imports(_modules(), set(_modules()))
     _check(found, FORMAT_WIRE_ALLOWED, "format/ or wire/ imports the daemon or the client")
+
+
+def torch_in_format(modules: dict[str, Module], known: set[str]) -> set[tuple[str, str]]:
+    """``format/`` imports, at any time, of torch or of the codec: the format is the layer
+    the daemon reads without torch."""
+    return {
+        (name, i.target)
+        for name, module in modules.items()
+        if inside(name, "ckptcache.format")
+        for i in imports(module, known)
+        if inside(i.target, "torch") or inside(i.target, "ckptcache.codec")
+    }
+
+
+def test_the_format_imports_neither_torch_nor_the_codec():
+    assert torch_in_format(_modules(), set(_modules())) == set()
+    planted = {"ckptcache.format.planted": parse(
+        "ckptcache.format.planted",
+        "def f():\n    import torch\n    from ckptcache.codec import shm\n",
+    )}  # fmt: skip
+    assert torch_in_format(planted, {"ckptcache.codec.shm"}) == {
+        ("ckptcache.format.planted", "torch"),
+        ("ckptcache.format.planted", "ckptcache.codec.shm"),
+    }
 
 
 def test_the_layer_checks_find_planted_violations():

@@ -10,9 +10,9 @@ from typing import NamedTuple
 import pytest
 import torch
 
-from ckptcache.format.flatten import flatten
+from ckptcache.codec.flatten import flatten
+from ckptcache.codec.objectio import plan_object, write_object
 from ckptcache.format.manifest import ObjectPlan
-from ckptcache.format.objectio import plan_object, write_object
 from ckptcache.server.cluster import membership as membership_module
 from ckptcache.server.cluster.coord.embedded import EmbeddedCoordinator
 from ckptcache.server.config import DaemonConfig

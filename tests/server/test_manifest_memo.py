@@ -14,10 +14,10 @@ import numpy as np
 import pytest
 import torch
 
+from ckptcache.codec.objectio import replan
+from ckptcache.codec.plan.cache import PlanCache
 from ckptcache.errors import CorruptCheckpoint
 from ckptcache.format.manifest import Manifest
-from ckptcache.format.objectio import replan
-from ckptcache.format.plancache import PlanCache
 from ckptcache.server.manifest_memo import ManifestMemo
 from ckptcache.wire import messages as m
 from tests.server.conftest import NS

@@ -7,10 +7,10 @@ import threading
 
 import torch
 
-from ckptcache.format.flatten import flatten
+from ckptcache.codec.flatten import flatten
+from ckptcache.codec.objectio import plan_object, read_object, write_object
 from ckptcache.format.layout import HEADER_SIZE
 from ckptcache.format.manifest import compute_digests, pack_digests
-from ckptcache.format.objectio import plan_object, read_object, write_object
 from ckptcache.server.cluster import transfer
 from ckptcache.server.cluster.dataplane import Channel
 from ckptcache.server.cluster.transfer import receive_relayed, relay_in_flight

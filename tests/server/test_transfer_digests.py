@@ -9,11 +9,11 @@ import threading
 import pytest
 import torch
 
+from ckptcache.codec.flatten import flatten
+from ckptcache.codec.objectio import plan_object, write_object
 from ckptcache.errors import CorruptCheckpoint
-from ckptcache.format.flatten import flatten
 from ckptcache.format.layout import HEADER_SIZE
 from ckptcache.format.manifest import Manifest, compute_digests, pack_digests
-from ckptcache.format.objectio import plan_object, write_object
 from ckptcache.server.cluster.dataplane import Channel
 from ckptcache.server.cluster.transfer import receive_object
 

@@ -7,9 +7,10 @@ authenticated records of the connection's :class:`~ckptcache.server.cluster.data
     digest table (8 bytes per storage)            computed by the sender while it sent
 
 The receiver hashes every storage record by record as the records are authenticated (in the
-thread that checks each record's tag, right after that check, while the record is in cache),
-so by the time the table arrives only the comparison is left: every hop verifies every tensor
-without another pass over memory or another thread per transfer.
+thread that checks each record's tag, in the same pass over the record as the check: see
+:meth:`~ckptcache.server.cluster.dataplane.Channel.recv_into`), so by the time the table
+arrives only the comparison is left: every hop verifies every tensor without another pass over
+memory or another thread per transfer.
 """
 
 from __future__ import annotations
@@ -18,13 +19,11 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
-import xxhash
-
 from ckptcache.errors import CorruptCheckpoint
 from ckptcache.format.digest import digest_bytes, digest_hex
 from ckptcache.format.layout import HEADER_SIZE
 from ckptcache.format.manifest import Manifest, pack_digests, unpack_digests
-from ckptcache.server.cluster.dataplane import Channel, send_msg
+from ckptcache.server.cluster.dataplane import Channel, Span, Xxh3, send_msg
 from ckptcache.server.ownership import sent_saver
 from ckptcache.wire import peer
 from ckptcache.wire.states import Tier
@@ -59,40 +58,47 @@ def send_object(channel: Channel, gen: Generation, digests: Callable[[], list[in
 
 
 class _Digests:
-    """Hashes each storage record by record as its bytes are in place and authenticated, in
-    the thread that reports them (the tag check's, right after its pass over the record, so
-    the record is hashed while it is still in cache, with no thread of its own to wake)."""
+    """Hashes each storage record by record as its bytes are received, in the pass that checks
+    each record's tag (a :class:`~ckptcache.server.cluster.dataplane.RecordHasher`): the digests
+    are kept only once the record's tag checked."""
 
-    def __init__(self, view: memoryview, manifest: Manifest):
-        self.view = view
+    def __init__(self, manifest: Manifest):
         storages = manifest.storages
         order = sorted(range(len(storages)), key=lambda i: storages[i].offset)
-        self.spans = [(i, storages[i].offset - HEADER_SIZE,
-                       storages[i].offset - HEADER_SIZE + storages[i].nbytes)
-                      for i in order]  # fmt: skip
+        self.spans_of = [(i, storages[i].offset - HEADER_SIZE,
+                          storages[i].offset - HEADER_SIZE + storages[i].nbytes)
+                         for i in order]  # fmt: skip
         self.digests: list[int] = [0] * len(storages)
-        self.next = 0  # index into spans of the storage being hashed
-        self.fed = 0  # bytes of the view fed to ``state`` (within the current storage)
-        self.state = xxhash.xxh3_64()
+        self.planned = 0  # index into spans_of of the first storage not yet fully planned
+        self.next = 0  # index into spans_of of the first storage without its digest
+        self.state = Xxh3()
 
-    def advance(self, received: int) -> None:
-        """The first ``received`` bytes of the view are in place: hash what they complete."""
-        while self.next < len(self.spans):
-            i, start, end = self.spans[self.next]
-            lo, hi = max(start, self.fed), min(end, received)
-            if hi > lo:
-                with self.view[lo:hi] as part:
-                    self.state.update(part)
-                self.fed = hi
-            if received < end:
-                return
-            self.digests[i] = self.state.intdigest()
-            self.state.reset()
+    def spans(self, start: int, end: int) -> list[Span]:
+        """What to hash of bytes ``[start, end)`` (relative to ``start``); records arrive in
+        order, so every storage's bytes are planned once, in order."""
+        out: list[Span] = []
+        while self.planned < len(self.spans_of):
+            _i, lo, hi = self.spans_of[self.planned]
+            if lo >= end and not (lo == hi == end):
+                break
+            a, b = max(lo, start), min(hi, end)
+            ends = hi <= end
+            if b > a or ends:
+                out.append((max(a - start, 0), max(b - start, 0), ends))
+            if not ends:
+                break
+            self.planned += 1
+        return out
+
+    def hashed(self, digests: list[int]) -> None:
+        """Digests of the storages completed by the record just authenticated, in order."""
+        for digest in digests:
+            self.digests[self.spans_of[self.next][0]] = digest
             self.next += 1
 
     @property
     def complete(self) -> bool:
-        return self.next == len(self.spans)
+        return self.next == len(self.spans_of)
 
 
 def receive_object(
@@ -108,13 +114,8 @@ def receive_object(
     follow it)."""
     body = digest_offset - HEADER_SIZE
     n = len(manifest.storages)
-    hasher = _Digests(view, manifest)
-
-    def landed(n: int) -> None:
-        advance(n)  # relays first: they forward the record while it is hashed here
-        hasher.advance(n)
-
-    channel.recv_into(view[:body], landed)
+    hasher = _Digests(manifest)
+    channel.recv_into(view[:body], advance, hasher)
     channel.recv_into(view[body : body + 8 * n])
     if not hasher.complete:  # every byte up to the table was reported; never expected
         raise CorruptCheckpoint(f"copy of {manifest.path!r} from a peer ended before its "

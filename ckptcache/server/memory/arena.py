@@ -54,7 +54,7 @@ _MAP_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
 
 def mapped_by_others(segment: Segment) -> bool:
     """Whether a process holds a load mapping of ``segment``: clients hold a shared ``flock``
-    on the segment file for as long as a load mapping lives (``ckptcache.format.shm.map_private``).
+    on the segment file for as long as a load mapping lives (``ckptcache.codec.shm.map_private``).
 
     A file swapped in under the segment's name (a symlink, a FIFO: an admitted user may write
     its own segment directory) counts as mapped, so the segment is never reused; the open

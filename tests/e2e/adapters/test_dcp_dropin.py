@@ -217,7 +217,7 @@ def test_persisted_rank_file_matches_what_the_writer_recorded(persisting_client,
 def test_packed_items_are_torch_save_archives_at_the_recorded_offsets():
     """The offsets the writer records are where torch.save (the write-through fallback) and
     the daemon's persisted archive put the blob's bytes; each span loads on its own."""
-    from ckptcache.format import packing
+    from ckptcache.codec import packing
     from ckptcache.format.archive import parse_archive
 
     items = [torch.randn(3, 5), torch.arange(7), b"raw bytes item", torch.zeros(0)]
@@ -241,7 +241,7 @@ def test_save_packed_writes_the_blob_straight_into_the_cache_and_through_to_a_fi
     """``Client.save_packed`` stores exactly the blob ``pack`` makes (as a cached ``uint8``
     tensor, and persisted at the returned offset); without a daemon it writes that same file
     with torch.save."""
-    from ckptcache.format import packing
+    from ckptcache.codec import packing
 
     items = [torch.randn(64, 33), b"some bytes", torch.arange(10)[2:5], torch.zeros(0)]
     blob, spans = packing.pack(items)

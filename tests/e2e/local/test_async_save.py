@@ -19,9 +19,9 @@ import torch
 import ckptcache
 import ckptcache.client._async
 from ckptcache.client._async import VersionCheck
+from ckptcache.codec import objectio
+from ckptcache.codec.flatten import flatten
 from ckptcache.errors import CkptCacheWarning, ReplicationError, TensorMutated
-from ckptcache.format import objectio
-from ckptcache.format.flatten import flatten
 from ckptcache.recovery import StepGuard
 
 MIB = 1 << 20

@@ -17,7 +17,7 @@ import torch
 
 import ckptcache._workers as workers
 import ckptcache.client._spares as spares
-import ckptcache.format.shm as shm
+import ckptcache.codec.shm as shm
 
 #: The idle wait of every client thread in these tests.
 HOUR = 3600.0

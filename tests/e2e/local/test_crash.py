@@ -10,8 +10,8 @@ import textwrap
 
 import torch
 
-from ckptcache.format.flatten import flatten
-from ckptcache.format.objectio import plan_object
+from ckptcache.codec.flatten import flatten
+from ckptcache.codec.objectio import plan_object
 from ckptcache.wire import messages as m
 from tests.helpers import assert_same, wait_until
 

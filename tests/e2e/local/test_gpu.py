@@ -1,16 +1,16 @@
 """CUDA tensors: device-to-host into the segment on save (pageable until the mapping is
 registered in the background, DMA after; small storages gathered on the device), and
 host-to-device through the staging buffers on load. Skipped without a CUDA device; the
-CPU-side rules run everywhere (and tests/format/test_gpu_paths.py checks the arithmetic)."""
+CPU-side rules run everywhere (and tests/codec/test_gpu_paths.py checks the arithmetic)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from ckptcache.format import gpu as _gpu
-from ckptcache.format import gpu_pinning
-from ckptcache.format.gpu_staging import SLOT_BYTES
+from ckptcache.codec.gpu import copy as _gpu
+from ckptcache.codec.gpu import pinning as gpu_pinning
+from ckptcache.codec.gpu.staging import SLOT_BYTES
 from tests.helpers import wait_until
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

@@ -197,7 +197,7 @@ def test_a_save_stops_the_mapping_of_its_spare_and_its_copy_threads_make_the_res
     mmap and munmap never wait for the whole spare. A save that gets the spare meanwhile
     stops the steps (it waits for the one under way, not for all of them), and the rest of
     the page tables are made on its copy threads before its copy."""
-    import ckptcache.format.shm as shm
+    import ckptcache.codec.shm as shm
     from ckptcache.format import pagetables
 
     if not pagetables.POPULATE_IN_PARALLEL:
@@ -272,7 +272,7 @@ def test_a_spare_mapped_while_the_client_closes_is_unmapped_not_kept(
 ):
     """close() empties the cache of mappings; a spare the thread was mapping meanwhile must
     not land in it afterwards (nobody would unmap it, or end its CUDA registration)."""
-    import ckptcache.format.shm as shm
+    import ckptcache.codec.shm as shm
 
     d = daemon_factory("--memory-limit", "64MiB", "--pool-segments", "1", "--pool-bytes", "16MiB")
     with d.client(fallback="raise") as teacher:
@@ -306,7 +306,7 @@ def test_spares_are_registered_for_cuda_after_warmup_not_at_a_first_contact(
     """A first contact's spare is not registered: the save that made the contact may be
     copying into it, and would wait for the registration. warmup() and the rounds after a
     save do register (where the process uses CUDA: gpu_pinning decides that)."""
-    import ckptcache.format.gpu_pinning as gpu_pinning
+    import ckptcache.codec.gpu.pinning as gpu_pinning
 
     d = daemon_factory("--memory-limit", "64MiB", "--pool-segments", "1", "--pool-bytes", "16MiB")
     with d.client(fallback="raise") as teacher:

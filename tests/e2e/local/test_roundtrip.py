@@ -10,7 +10,7 @@ import torch
 
 import ckptcache
 from ckptcache.errors import CheckpointNotFound, InvalidPath, SerializationError, UnsafeUnpickle
-from tests.format.test_flatten import DTYPES, Evil, sample
+from tests.codec.test_flatten import DTYPES, Evil, sample
 from tests.helpers import assert_same, wait_until
 
 
@@ -157,9 +157,9 @@ def test_malformed_requests_get_typed_errors(daemon):
 
 
 def test_commit_with_a_bad_manifest_is_refused_and_nothing_is_published(daemon, tmp_path):
+    from ckptcache.codec.flatten import flatten
+    from ckptcache.codec.objectio import plan_object, write_object
     from ckptcache.errors import CorruptCheckpoint
-    from ckptcache.format.flatten import flatten
-    from ckptcache.format.objectio import plan_object, write_object
     from ckptcache.wire import messages as m
 
     path = str(tmp_path / "bad.pt")

@@ -21,10 +21,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from ckptcache.codec import shm
 from ckptcache.data import default_cache_dir
 from ckptcache.data._store import BatchDir
 from ckptcache.errors import ConfigError
-from ckptcache.format import shm
 from tests.helpers import assert_same, wait_until
 from tests.local_users import ChildError, shared_daemon, users
 from tests.local_users import run_as as _run_as

@@ -1,6 +1,6 @@
 """The objects beyond plain containers whose pickling the plan cache can predict.
 
-The plan cache (:mod:`ckptcache.format.plancache`) reuses a skeleton when a new object's
+The plan cache (:mod:`ckptcache.codec.plan.cache`) reuses a skeleton when a new object's
 description equals an old one's, so a description must decide every byte the pickler writes.
 For an object that is not a builtin container, the pickler (protocol 2, ``flatten``'s pickler)
 writes whatever its reduction returns: ``obj.__reduce_ex__(2)``, then the callable (or, for

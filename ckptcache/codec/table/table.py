@@ -8,20 +8,20 @@ containers and values and plain CPU tensors (a structure the save-plan cache des
 reduced object in it) also writes, in its manifest, a **tensor table**:
 
 * the tensors' fields as columns, taken from the plan cache's walk
-  (:mod:`~ckptcache.format.table_columns`): the tensors that alone cover their storage as
+  (:mod:`~ckptcache.codec.table.columns`): the tensors that alone cover their storage as
   packed little-endian arrays, the others' columns (dtype, shape, strides, storage offset,
   storage index, ``requires_grad``) pickled;
 * the object's *tree*: the same object pickled with each tensor replaced by its index in the
   columns (a persistent id), so no tensor reduction is in it.
 
 A zero-copy load then makes the tensors from the columns in bulk
-(:mod:`~ckptcache.format.table_tensors`: C calls mapped over all of them, each tensor its own
+(:mod:`~ckptcache.codec.table.tensors`: C calls mapped over all of them, each tensor its own
 storage of exactly its bytes), and unpickles the tree in the C unpickler with
 ``persistent_load`` a lookup in the made tensors: no Python call per tensor inside the
-unpickler. A table of another layout (no :data:`~ckptcache.format.table_columns.MAGIC` in
+unpickler. A table of another layout (no :data:`~ckptcache.codec.table.columns.MAGIC` in
 front) is not read: the load takes the skeleton's path.
 
-It is no less safe than the skeleton's own fast path (:mod:`ckptcache.format.fast_unpickle`):
+It is no less safe than the skeleton's own fast path (:mod:`ckptcache.codec.fast_unpickle`):
 the tree's unpickler resolves only ``OrderedDict`` (every opcode that calls something goes
 through ``find_class``), the columns are read by an unpickler that resolves nothing, and a
 tensor is only made over a storage of this mapping whose bounds the manifest's check has
@@ -44,11 +44,11 @@ from typing import Any
 import numpy as np
 import torch
 
+from ckptcache.codec.fast_unpickle import NOT_FAST
+from ckptcache.codec.table.columns import MAGIC, dense_places, pack_dense, unpack_dense
+from ckptcache.codec.table.tensors import DTYPES, make_dense, make_strided
 from ckptcache.format import b64
-from ckptcache.format.fast_unpickle import NOT_FAST
 from ckptcache.format.gcpause import gc_paused
-from ckptcache.format.table_columns import MAGIC, dense_places, pack_dense, unpack_dense
-from ckptcache.format.table_tensors import DTYPES, make_dense, make_strided
 
 __all__ = ["MAX_TABLE_CHARS", "NOT_FAST", "encode_table", "load_table"]
 
@@ -74,12 +74,12 @@ class _TreePickler(pickle.Pickler):
 
 def encode_table(obj: Any, tensors: Sequence[torch.Tensor], columns: Sequence[Any]) -> str:
     """The tensor table of ``obj`` (ASCII, for the manifest;
-    :mod:`~ckptcache.format.table_columns`), or ``""`` where it cannot have one: a tensor
+    :mod:`~ckptcache.codec.table.columns`), or ``""`` where it cannot have one: a tensor
     off the CPU or of a dtype outside the list, or a table longer than
     :data:`MAX_TABLE_CHARS`.
 
     ``tensors`` and ``columns`` are the plan cache's walk of ``obj``
-    (:attr:`~ckptcache.format.plancache.Structure.tensors` and ``.columns``): every tensor
+    (:attr:`~ckptcache.codec.plan.cache.Structure.tensors` and ``.columns``): every tensor
     once, in pickling order, and their dtypes, shapes, strides, offsets, storage indices,
     ``requires_grad``, devices, and each storage's size.
     """

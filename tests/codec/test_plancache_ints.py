@@ -16,10 +16,10 @@ from typing import Any
 import pytest
 import torch
 
+from ckptcache.codec.flatten import flatten
+from ckptcache.codec.objectio import ObjectPlan, plan_object, read_object, write_object
+from ckptcache.codec.plan.cache import PlanCache, describe
 from ckptcache.format.archive import _SCATTER_FROM
-from ckptcache.format.flatten import flatten
-from ckptcache.format.objectio import ObjectPlan, plan_object, read_object, write_object
-from ckptcache.format.plancache import PlanCache, describe
 from tests.helpers import assert_same
 
 

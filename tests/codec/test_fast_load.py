@@ -15,8 +15,8 @@ import pytest
 import torch
 from torch import _weights_only_unpickler
 
+from ckptcache.codec.flatten import flatten, unflatten
 from ckptcache.errors import UnsafeUnpickle
-from ckptcache.format.flatten import flatten, unflatten
 from tests.helpers import assert_same
 
 

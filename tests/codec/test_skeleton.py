@@ -14,9 +14,9 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ckptcache.format.flatten import flatten
-from ckptcache.format.plancache import PlanCache, describe
-from ckptcache.format.skeleton import encode_flattened, encode_skeleton
+from ckptcache.codec.flatten import flatten
+from ckptcache.codec.plan.cache import PlanCache, describe
+from ckptcache.codec.skeleton import encode_flattened, encode_skeleton
 
 _BASE = torch.arange(24, dtype=torch.float32).reshape(4, 6)
 #: Tensors drawn from one pool: shared tensors, views of one storage, odd shapes and dtypes.

@@ -2,7 +2,7 @@
 
 Saves: device-to-host copies into the segment mapping on a side stream, synchronised before
 the commit. Once the mapping is registered as page-locked memory
-(:mod:`~ckptcache.format.gpu_pinning`, off the training thread) they run as DMA at the link's
+(:mod:`~ckptcache.codec.gpu.pinning`, off the training thread) they run as DMA at the link's
 speed; before that, pageable. Small storages are gathered on the device first (one kernel for
 all of them) and moved by one copy per run of neighbours: a copy call costs several
 microseconds of CPU whatever its size.
@@ -19,8 +19,8 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from ckptcache.format.gpu_pinning import pieces, pin_later, pinned
-from ckptcache.format.gpu_staging import DeviceLoad, slot_size
+from ckptcache.codec.gpu.pinning import pieces, pin_later, pinned
+from ckptcache.codec.gpu.staging import DeviceLoad, slot_size
 
 __all__ = [
     "GATHER_BELOW", "RUN_BYTES", "Item", "copy_to_segment", "device_target", "load_to_device",
@@ -88,7 +88,7 @@ def copy_to_segment(
     A gathered run also writes the bytes between its storages: write the archive's metadata
     (every byte between two storages) after the wait.
     """
-    from ckptcache.format.shm import checked_nbytes
+    from ckptcache.codec.shm import checked_nbytes
 
     if not items:
         return lambda: None

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from ckptcache.codec import packing, shm
+from ckptcache.codec.shm import copy_storages_into
 from ckptcache.errors import TensorMutated
-from ckptcache.format import packing, shm
-from ckptcache.format.shm import copy_storages_into
 
 
 def _storages(sizes: list[int], seed: int = 0) -> list[torch.UntypedStorage]:

@@ -13,7 +13,7 @@ Objects built of the common containers and values take this path: ``dict``, ``Or
 (with its attributes, as ``state_dict()``'s ``_metadata``), ``list``, ``tuple``, ``str``,
 ``bytes``, ``int``, ``float``, ``bool``, ``None`` and plain dense CPU/CUDA tensors (no
 subclass, Python attributes, hooks, conj/neg bits or exotic layout); and, for the rest, the
-objects whose reduction is known (:mod:`ckptcache.format._reduced`): ``torch.Size``, enum
+objects whose reduction is known (:mod:`ckptcache.codec.plan.reduced`): ``torch.Size``, enum
 members, named tuples, and instances pickled by ``object``'s default reduction (dataclasses,
 DeepSpeed's ``LossScaler``), each described by its class and its reduction's output, described
 in turn. Anything else is flattened afresh on every save, as before. A cached plan is only
@@ -43,15 +43,15 @@ from typing import Any
 import numpy as np
 import torch
 
-from ckptcache.format._reduced import Reduction, reduction_of
-from ckptcache.format._tensor_columns import NotPlain as _NotPlain
-from ckptcache.format._tensor_columns import tensor_columns as _tensor_columns
-from ckptcache.format._tensor_columns import tensor_items
-from ckptcache.format.flatten import Flattened, flatten, gc_paused, v3_dtypes
+from ckptcache.codec.flatten import Flattened, flatten, gc_paused, v3_dtypes
+from ckptcache.codec.objectio import plan_object, replan
+from ckptcache.codec.plan.columns import NotPlain as _NotPlain
+from ckptcache.codec.plan.columns import tensor_columns as _tensor_columns
+from ckptcache.codec.plan.columns import tensor_items
+from ckptcache.codec.plan.reduced import Reduction, reduction_of
+from ckptcache.codec.skeleton import encode_flattened
+from ckptcache.codec.table.table import encode_table
 from ckptcache.format.manifest import ObjectPlan
-from ckptcache.format.objectio import plan_object, replan
-from ckptcache.format.skeleton import encode_flattened
-from ckptcache.format.tensor_table import encode_table
 
 __all__ = ["PlanCache", "Structure", "describe"]
 

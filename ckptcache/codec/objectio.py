@@ -17,11 +17,21 @@ from typing import Any
 import numpy as np
 import torch
 
+from ckptcache.codec.fast_unpickle import fast_load_applies
+from ckptcache.codec.flatten import Flattened, MapLocation, unflatten
+from ckptcache.codec.gpu.copy import Item, Ready, copy_to_segment, device_target, load_to_device
+from ckptcache.codec.shm import (
+    checked_nbytes,
+    copy_cpu_storages,
+    copy_storage_into,
+    copy_storages_into,
+    device_type,
+    storage_copy,
+    storage_view,
+)
+from ckptcache.codec.table.table import NOT_FAST, load_table
 from ckptcache.errors import CorruptCheckpoint
 from ckptcache.format.archive import parse_archive, plan_archive
-from ckptcache.format.fast_unpickle import fast_load_applies
-from ckptcache.format.flatten import Flattened, MapLocation, unflatten
-from ckptcache.format.gpu import Item, Ready, copy_to_segment, device_target, load_to_device
 from ckptcache.format.layout import HEADER_SIZE, plan_segment
 from ckptcache.format.manifest import (
     Manifest,
@@ -31,16 +41,6 @@ from ckptcache.format.manifest import (
     verify_digests,
 )
 from ckptcache.format.packed_records import PackedColumns
-from ckptcache.format.shm import (
-    checked_nbytes,
-    copy_cpu_storages,
-    copy_storage_into,
-    copy_storages_into,
-    device_type,
-    storage_copy,
-    storage_view,
-)
-from ckptcache.format.tensor_table import NOT_FAST, load_table
 
 __all__ = [
     "plan_object",
@@ -54,7 +54,7 @@ __all__ = [
 
 def plan_object(flat: Flattened, path: str, namespace: str, table: str = "") -> ObjectPlan:
     """Compute the archive, the manifest and the segment layout for ``flat``; ``table``: its
-    tensor table, if it has one (:mod:`ckptcache.format.tensor_table`)."""
+    tensor table, if it has one (:mod:`ckptcache.codec.table.table`)."""
     created = time.time()
     infos = flat.infos
     archive = plan_archive(
@@ -142,11 +142,11 @@ def write_object(
     """Copy archive metadata, every storage and the manifest to their places in ``mapping``.
 
     ``ready``: for a copy on another thread than the one that made the tensors, the CUDA
-    events its device-to-host copies wait for (:func:`~ckptcache.format.gpu.record_ready`).
+    events its device-to-host copies wait for (:func:`~ckptcache.codec.gpu.copy.record_ready`).
 
     The header is left alone: whoever owns the segment's state publishes it. Each storage
     must still have the size it was planned with (else :class:`TensorMutated`, before any
-    copy: see :func:`~ckptcache.format.shm.checked_nbytes`).
+    copy: see :func:`~ckptcache.codec.shm.checked_nbytes`).
     """
     records, storages = plan.manifest.storages, list(flat.storages)
     offsets, planned = _record_columns(records)
@@ -241,7 +241,7 @@ def read_archive_object(
     map_location: MapLocation = None,
 ) -> Any:
     """Rebuild the object of the ``torch.save`` archive that fills ``mapping`` (a stored file
-    read into memory, already checked: :func:`ckptcache.format.stored_load.read_verified`); the
+    read into memory, already checked: :func:`ckptcache.codec.stored_load.read_verified`); the
     CPU storages are views of ``mapping``, which they keep alive."""
     view = memoryview(mapping)
     try:

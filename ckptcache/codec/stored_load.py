@@ -51,7 +51,7 @@ def load_from_storage(
     if verify:
         mapping = read_verified(path, mapped=mmap is True)
         if mapping is not None:
-            from ckptcache.format.objectio import read_archive_object  # torch: client side only
+            from ckptcache.codec.objectio import read_archive_object  # torch: client side only
 
             return read_archive_object(
                 mapping, path=path, weights_only=weights_only, map_location=map_location

@@ -14,10 +14,10 @@ from typing import Any
 import pytest
 import torch
 
+from ckptcache.codec.flatten import flatten
+from ckptcache.codec.objectio import plan_object, read_object, write_object
+from ckptcache.codec.plan.cache import PlanCache, describe
 from ckptcache.errors import SerializationError
-from ckptcache.format.flatten import flatten
-from ckptcache.format.objectio import plan_object, read_object, write_object
-from ckptcache.format.plancache import PlanCache, describe
 from tests.helpers import assert_same
 
 
@@ -299,7 +299,7 @@ def test_a_flat_level_walked_in_one_step_is_walked_as_item_by_item(monkeypatch, 
     calls: the key, the tensors and their marks are the per-item walk's; anything else in
     the dict (a tensor held twice or seen before, another key or value) walks it item by
     item."""
-    from ckptcache.format import _tensor_columns
+    from ckptcache.codec.plan import columns as _tensor_columns
 
     state = _flat_level()
     obj = FLAT_CHANGES[change](state) or state

@@ -25,8 +25,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from ckptcache.format.fast_unpickle import NUMPY_TWINS
-from ckptcache.format.table_columns import CODES, Dense, contiguous_strides
+from ckptcache.codec.fast_unpickle import NUMPY_TWINS
+from ckptcache.codec.table.columns import CODES, Dense, contiguous_strides
 
 __all__ = ["DTYPES", "make_dense", "make_strided"]
 
@@ -87,7 +87,7 @@ def _as_dense(fields: tuple[Any, ...], own: list[int]) -> Dense:
 def make_dense(
     dense: Dense, whole: np.ndarray, places: tuple[np.ndarray, np.ndarray]
 ) -> list[torch.Tensor] | None:
-    """The tensors of a table's packed columns (:mod:`~ckptcache.format.table_columns`),
+    """The tensors of a table's packed columns (:mod:`~ckptcache.codec.table.columns`),
     each ``from_numpy`` of a typed slice of ``whole`` (``torch.frombuffer`` for a dtype numpy
     lacks) covering its whole storage; ``places``: the storages' offsets and sizes as int64
     arrays. None where the columns do not check out: a code off the list, a storage index

@@ -9,8 +9,9 @@ import mmap
 import pytest
 import torch
 
-from ckptcache.format import gpu, gpu_pinning
-from ckptcache.format.gpu_staging import DeviceLoad
+from ckptcache.codec.gpu import copy as gpu
+from ckptcache.codec.gpu import pinning as gpu_pinning
+from ckptcache.codec.gpu.staging import DeviceLoad
 
 CPU = torch.device("cpu")
 
@@ -105,7 +106,7 @@ def test_copies_are_cut_where_registration_pieces_meet():
 def test_storages_placed_by_a_device_load_are_not_moved_again(monkeypatch):
     # A load to a device makes each storage there itself; torch's restore (a device check
     # and a move per storage) is skipped for it, and only for it.
-    from ckptcache.format import flatten as fl
+    from ckptcache.codec import flatten as fl
 
     state = {"a": torch.arange(6.0), "b": torch.ones(3, dtype=torch.int64)}
     flat = fl.flatten(state)
@@ -123,7 +124,7 @@ def test_storages_placed_by_a_device_load_are_not_moved_again(monkeypatch):
 
 
 def test_a_small_load_gets_small_staging_buffers():
-    from ckptcache.format.gpu_staging import SLOT_BYTES, slot_size
+    from ckptcache.codec.gpu.staging import SLOT_BYTES, slot_size
 
     assert slot_size(0) == slot_size(1) == 1 << 20
     assert slot_size((1 << 20) + 1) == 2 << 20

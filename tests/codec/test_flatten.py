@@ -14,8 +14,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from ckptcache.codec.flatten import flatten, unflatten
 from ckptcache.errors import SerializationError, UnsafeUnpickle
-from ckptcache.format.flatten import flatten, unflatten
 from ckptcache.format.manifest import Manifest, StorageRecord
 from tests.helpers import assert_same
 
@@ -173,7 +173,7 @@ def test_fast_tensor_reduction_writes_torch_own_records(monkeypatch):
     ``Tensor.__reduce_ex__``, and the result loads back equal (also with torch.load)."""
     import io
 
-    import ckptcache.format.flatten as flatten_module
+    import ckptcache.codec.flatten as flatten_module
 
     state = _varied_state()
     fast = flatten(state)
@@ -204,7 +204,7 @@ def test_manifest_json_packs_records():
     import dataclasses
     import json
 
-    from ckptcache.format.objectio import plan_object
+    from ckptcache.codec.objectio import plan_object
 
     plan = plan_object(flatten(_varied_state()), "/ckpt/a.pt", "ns")
     records = plan.manifest.storages
@@ -237,7 +237,7 @@ def test_packed_records_keep_names_with_any_characters_and_other_keys():
     and lone surrogates, and empty ones, come back as they were; so do no records at all."""
     import dataclasses
 
-    from ckptcache.format.objectio import plan_object
+    from ckptcache.codec.objectio import plan_object
 
     plan = plan_object(flatten(_varied_state()), "/ckpt/a.pt", "ns")
     names = ["a\nb", "", 'q"uote', "\u00e9t\u00e9 \ud800", "x" * 300, "\x00"]
@@ -266,8 +266,8 @@ def test_packed_records_past_any_real_payload_are_refused_without_wrapping_aroun
     bounds then checked in Python ints): a sum that would wrap around is still outside."""
     import dataclasses
 
+    from ckptcache.codec.objectio import plan_object
     from ckptcache.errors import CorruptCheckpoint
-    from ckptcache.format.objectio import plan_object
 
     plan = plan_object(flatten(_varied_state()), "/ckpt/a.pt", "ns")
     half = 1 << 62  # offset + nbytes is 1 << 63: negative, wrapped around in int64
@@ -308,8 +308,8 @@ def test_packed_records_past_any_real_payload_are_refused_without_wrapping_aroun
 def test_malformed_packed_records_are_refused(change, message):
     import json
 
+    from ckptcache.codec.objectio import plan_object
     from ckptcache.errors import CorruptCheckpoint
-    from ckptcache.format.objectio import plan_object
 
     plan = plan_object(flatten(_varied_state()), "/ckpt/a.pt", "ns")
     for lazy in (False, True):
@@ -325,8 +325,8 @@ def test_a_manifest_of_another_format_is_refused(fmt):
     is refused as corrupt, naming the format, and never read as this one."""
     import json
 
+    from ckptcache.codec.objectio import plan_object
     from ckptcache.errors import CorruptCheckpoint
-    from ckptcache.format.objectio import plan_object
 
     raw = json.loads(plan_object(flatten(_varied_state()), "/ckpt/a.pt", "ns").manifest_bytes)
     raw["format"] = fmt
@@ -355,7 +355,7 @@ def test_packed_records_round_trip_any_records(rows, numbered):
     or lazily."""
     import dataclasses
 
-    from ckptcache.format.objectio import plan_object
+    from ckptcache.codec.objectio import plan_object
 
     plan = plan_object(flatten(_varied_state()), "/ckpt/a.pt", "ns")
     records = tuple(

@@ -20,9 +20,9 @@ from typing import Any
 
 import torch
 
+from ckptcache.codec.flatten import flatten
+from ckptcache.codec.shm import bytes_of, checked_nbytes, copy_storages_into
 from ckptcache.format.archive import ARCHIVE_ALIGNMENT, ArchivePlan, plan_archive
-from ckptcache.format.flatten import flatten
-from ckptcache.format.shm import bytes_of, checked_nbytes, copy_storages_into
 
 __all__ = ["Packed", "Span", "pack", "storage_offsets"]
 

@@ -280,7 +280,7 @@ def copy_cpu_storages(
     dst: torch.Tensor, offsets: list[int], storages: list[torch.UntypedStorage], sizes: list[int]
 ) -> None:
     """:func:`copy_storages_into` for a caller that has checked already that ``storages`` are
-    CPU storages of ``sizes`` bytes (as :func:`~ckptcache.format.objectio.write_object`
+    CPU storages of ``sizes`` bytes (as :func:`~ckptcache.codec.objectio.write_object`
     does); raises :class:`ValueError` for a run outside ``dst``."""
     if dst.dtype != torch.uint8 or dst.device.type != "cpu" or not dst.is_contiguous():
         raise ValueError("copy_storages_into needs a contiguous CPU uint8 destination")

@@ -1,6 +1,6 @@
 """A first save's skeleton written from the plan cache's walk, without the pickler.
 
-:func:`~ckptcache.format.flatten.flatten` pickles the object with a pickler whose
+:func:`~ckptcache.codec.flatten.flatten` pickles the object with a pickler whose
 ``reducer_override`` and ``persistent_id`` run in Python for every tensor and storage: a
 third of the planning of a first save of thousands of tensors. For an object made of the
 common containers and values and plain dense CPU tensors (what the plan cache's walk calls
@@ -19,7 +19,7 @@ and containers are written as the pickler writes them.
 
 Anything outside that set (``bytes``, subclasses, other objects, a recursive tuple) makes
 :func:`encode_skeleton` return ``None``: the caller pickles as before. The tests compare both
-on random structures (``tests/format/test_skeleton.py``).
+on random structures (``tests/codec/test_skeleton.py``).
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from ckptcache.format.flatten import PICKLE_PROTOCOL, Flattened, StorageInfo, tensor_names
+from ckptcache.codec.flatten import PICKLE_PROTOCOL, Flattened, StorageInfo, tensor_names
 
 __all__ = ["encode_flattened", "encode_skeleton"]
 

@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from ckptcache.format.fast_unpickle import _Pending
-from ckptcache.format.flatten import flatten, unflatten
+from ckptcache.codec.fast_unpickle import _Pending
+from ckptcache.codec.flatten import flatten, unflatten
 
 
 def _archive(obj):

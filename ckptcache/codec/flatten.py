@@ -21,8 +21,8 @@ from typing import Any
 
 import torch
 
+from ckptcache.codec.fast_unpickle import NOT_FAST, ArrayLoader, fast_load_applies, fast_unpickle
 from ckptcache.errors import SerializationError, UnsafeUnpickle
-from ckptcache.format.fast_unpickle import NOT_FAST, ArrayLoader, fast_load_applies, fast_unpickle
 from ckptcache.format.gcpause import gc_paused
 from ckptcache.format.names import first_paths
 
@@ -304,7 +304,7 @@ def unflatten(
     With ``weights_only=True`` only torch's allowlist plus :func:`extra_safe_globals` may be
     unpickled; anything else raises :class:`UnsafeUnpickle`. ``load_array(key, nbytes)``
     (zero-copy loads) gives a storage's bytes as an array over the mapping, from which a
-    tensor covering its whole storage is made directly (:mod:`ckptcache.format.fast_unpickle`).
+    tensor covering its whole storage is made directly (:mod:`ckptcache.codec.fast_unpickle`).
     """
     loaded: dict[str, torch.storage.TypedStorage] = {}
     sizes: dict[Any, tuple[torch.dtype, int]] = {}  # storage class -> (dtype, element size)

@@ -20,9 +20,9 @@ from typing import Any
 import pytest
 import torch
 
-from ckptcache.format.flatten import flatten
-from ckptcache.format.objectio import ObjectPlan, plan_object, read_object, write_object
-from ckptcache.format.plancache import PlanCache, describe
+from ckptcache.codec.flatten import flatten
+from ckptcache.codec.objectio import ObjectPlan, plan_object, read_object, write_object
+from ckptcache.codec.plan.cache import PlanCache, describe
 from tests.helpers import assert_same
 
 

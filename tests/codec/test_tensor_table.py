@@ -18,10 +18,10 @@ from typing import Any
 import pytest
 import torch
 
-from ckptcache.format import tensor_table
-from ckptcache.format.objectio import read_object, replan, write_object
-from ckptcache.format.plancache import PlanCache, describe
-from ckptcache.format.table_columns import MAGIC, unpack_dense
+from ckptcache.codec.objectio import read_object, replan, write_object
+from ckptcache.codec.plan.cache import PlanCache, describe
+from ckptcache.codec.table import table as tensor_table
+from ckptcache.codec.table.columns import MAGIC, unpack_dense
 from tests.helpers import assert_same
 
 

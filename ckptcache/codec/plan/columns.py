@@ -1,4 +1,4 @@
-"""The tensors of a plan cache's walk, read in columns (:mod:`ckptcache.format.plancache`).
+"""The tensors of a plan cache's walk, read in columns (:mod:`ckptcache.codec.plan.cache`).
 
 Each field is read for every tensor by ``map`` over a C getter: a tenth of a microsecond a
 field, where a Python step per tensor reading the same dozen fields cost 4-5 us. The flat

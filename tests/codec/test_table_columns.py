@@ -15,9 +15,10 @@ import numpy as np
 import pytest
 import torch
 
-from ckptcache.format import table_columns, tensor_table
-from ckptcache.format.objectio import read_object
-from tests.format.test_tensor_table import _Boom, _places, _state, _written
+from ckptcache.codec.objectio import read_object
+from ckptcache.codec.table import columns as table_columns
+from ckptcache.codec.table import table as tensor_table
+from tests.codec.test_tensor_table import _Boom, _places, _state, _written
 from tests.helpers import assert_same
 
 _HEAD = struct.Struct("<QQQ")
