@@ -52,4 +52,11 @@ B64 = Extension("ckptcache.format._b64", ["ckptcache/format/_b64.c"], optional=T
 GCPAUSE = Extension("ckptcache.format._gcpause", ["ckptcache/format/_gcpause.c"], optional=True,
                     extra_compile_args=["-O2"])  # fmt: skip
 
-setup(cmdclass={"build_py": BuildPyWithStartupHook}, ext_modules=[COPY, B64, GCPAUSE])
+# Optional too: where it cannot be built (no compiler or no OpenSSL headers), the data plane tags
+# records with cryptography's Poly1305 and hashes them in a second pass
+# (ckptcache/server/cluster/dataplane/_tagging.py says which is in use).
+RECORDS = Extension("ckptcache.server.cluster.dataplane._records",
+                    ["ckptcache/server/cluster/dataplane/_records.c"], optional=True,
+                    libraries=["crypto"], extra_compile_args=["-O2"])  # fmt: skip
+
+setup(cmdclass={"build_py": BuildPyWithStartupHook}, ext_modules=[COPY, B64, GCPAUSE, RECORDS])

@@ -11,6 +11,9 @@ reorder, replay or cut records unnoticed. Records are authenticated, not encrypt
 payloads
 leave by ``sendfile`` from the segment; their tags are computed alongside (sender) and checked
 one record behind the receive position (receiver), so authentication overlaps the transfer.
+Tags are computed in C with the interpreter lock released where the record extension is built
+(:mod:`~ckptcache.server.cluster.dataplane._tagging`), and a receiver that digests what it
+receives does so in the same pass as the tag check.
 A JSON message (:func:`send_msg` / :func:`recv_msg`) is one record.
 """
 
@@ -25,18 +28,19 @@ import socket
 import struct
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor, wait
-from typing import Any
-
-from cryptography.hazmat.primitives.poly1305 import Poly1305
+from typing import Any, Protocol
 
 from ckptcache.errors import CkptCacheError
+from ckptcache.server.cluster.dataplane import _tagging
 from ckptcache.server.cluster.dataplane._sockets import recv_exact, recv_exact_into
+from ckptcache.server.cluster.dataplane._tagging import Span, Xxh3
 
 __all__ = [
     "MAX_MESSAGE",
     "RECORD_SIZE",
     "Channel",
     "ChannelTampered",
+    "RecordHasher",
     "mac",
     "recv_msg",
     "send_msg",
@@ -55,6 +59,23 @@ RECORD_SIZE = 4 << 20
 class ChannelTampered(CkptCacheError, ConnectionError):
     """A record on an authenticated connection failed its tag (injected, altered, reordered
     or cut): the connection is dropped and nothing it carried is used."""
+
+
+class RecordHasher(Protocol):
+    """Digests taken in the same pass as each received record's tag check (see
+    :meth:`Channel.recv_into`): what to hash of each record, and the digests it completed."""
+
+    #: The running digest, fed across records in order.
+    state: Xxh3
+
+    def spans(self, start: int, end: int) -> list[Span]:
+        """What to hash of bytes ``[start, end)`` of the view being filled, in order, as
+        ``(lo, hi, ends)`` relative to ``start``."""
+        ...
+
+    def hashed(self, digests: list[int]) -> None:
+        """The digests of the storages that the record just checked completed, in order."""
+        ...
 
 
 def mac(secret: bytes, *parts: bytes) -> bytes:
@@ -85,10 +106,7 @@ class Channel:
 
     @staticmethod
     def _tag(key: bytes, seq: int, head: bytes, payload: Any) -> bytes:
-        poly = Poly1305(mac(key, _SEQ.pack(seq)))
-        poly.update(head)
-        poly.update(payload)
-        return poly.finalize()
+        return _tagging.tag(mac(key, _SEQ.pack(seq)), head, payload)
 
     def _next_send(self) -> int:
         seq, self._send_seq = self._send_seq, self._send_seq + 1
@@ -99,7 +117,10 @@ class Channel:
         return seq
 
     def _check(self, seq: int, head: bytes, payload: Any, tag: bytes) -> None:
-        if not hmac.compare_digest(self._tag(self._recv_key, seq, head, payload), tag):
+        self._verify(seq, self._tag(self._recv_key, seq, head, payload), tag)
+
+    def _verify(self, seq: int, computed: bytes, tag: bytes) -> None:
+        if not hmac.compare_digest(computed, tag):
             raise ChannelTampered(
                 f"record {seq} from data-plane peer {self.peer_id or '?'} failed authentication"
             )
@@ -175,11 +196,18 @@ class Channel:
                 self.sock.sendall(tag.result())
                 pos += n
 
-    def recv_into(self, view: memoryview, progress: Callable[[int], None] | None = None) -> None:
+    def recv_into(
+        self,
+        view: memoryview,
+        progress: Callable[[int], None] | None = None,
+        hasher: RecordHasher | None = None,
+    ) -> None:
         """Fill ``view`` from records. Each record's tag is checked while the next one arrives;
         ``progress(n)`` reports each time the first ``n`` bytes are in place *and* verified:
         as soon as the check ends (from the checking thread), not when the next record is in,
-        so a relay forwards a record one record's time sooner."""
+        so a relay forwards a record one record's time sooner. With ``hasher``, what it asks
+        of each record is hashed in the same pass as the tag check (the record read from
+        memory once), and the digests reach it once the tag checked, before ``progress``."""
         pos = 0
         pending: Future[None] | None = None
         failed: list[BaseException] = []  # a check or a progress report that failed
@@ -208,7 +236,7 @@ class Channel:
                 recv_exact_into(self.sock, view[pos : pos + n])
                 tag = recv_exact(self.sock, _TAG)
                 check = self._helper().submit(self._check_region, self._next_recv(), head,
-                                              view, pos, n, tag)  # fmt: skip
+                                              view, pos, n, tag, hasher)  # fmt: skip
                 pos += n
                 if pos < len(view):  # the last one is reported below, once all are done
                     check.add_done_callback(reported(pos))
@@ -227,10 +255,23 @@ class Channel:
                 wait([pending])  # an earlier error is propagating; never leave a check behind
 
     def _check_region(
-        self, seq: int, head: bytes, view: memoryview, start: int, n: int, tag: bytes
+        self,
+        seq: int,
+        head: bytes,
+        view: memoryview,
+        start: int,
+        n: int,
+        tag: bytes,
+        hasher: RecordHasher | None,
     ) -> None:
         with view[start : start + n] as part:  # released before the caller may unmap ``view``
-            self._check(seq, head, part, tag)
+            if hasher is None:
+                self._check(seq, head, part, tag)
+                return
+            got, digests = _tagging.tag_and_hash(mac(self._recv_key, _SEQ.pack(seq)), head, part,
+                                        hasher.spans(start, start + n), hasher.state)  # fmt: skip
+            self._verify(seq, got, tag)
+        hasher.hashed(digests)  # only once the record is known authentic
 
     def close(self) -> None:
         """Close the connection (and the tag helper)."""
