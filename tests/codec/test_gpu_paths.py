@@ -9,7 +9,7 @@ import mmap
 import pytest
 import torch
 
-from ckptcache.codec.gpu import copy as gpu
+from ckptcache.codec.gpu import copy as gpu_copy
 from ckptcache.codec.gpu import pinning as gpu_pinning
 from ckptcache.codec.gpu.staging import DeviceLoad
 
@@ -53,17 +53,17 @@ def test_a_finished_staged_load_releases_the_mapping():
         load.storage(0, 1)
 
 
-def _items(*specs: tuple[int, int, int]) -> list[gpu.Item]:
+def _items(*specs: tuple[int, int, int]) -> list[gpu_copy.Item]:
     """(index, offset, nbytes) -> items over CPU storages of those sizes."""
     return [(i, o, torch.UntypedStorage(n), n) for i, o, n in specs]
 
 
-def _shape(runs: list[list[gpu.Item]]) -> list[list[int]]:
+def _shape(runs: list[list[gpu_copy.Item]]) -> list[list[int]]:
     return [[item[0] for item in run] for run in runs]
 
 
 def test_runs_gather_small_neighbours_only():
-    small, big = 4096, gpu.GATHER_BELOW
+    small, big = 4096, gpu_copy.GATHER_BELOW
     items = _items(
         (0, 0, small), (1, 4160, small),  # neighbours: one run
         (3, 8256, small),  # index 2 (another device, or the CPU) lies between: a new run
@@ -71,17 +71,17 @@ def test_runs_gather_small_neighbours_only():
         (5, 12352 + big + 64, small), (6, 12352 + big + 4224, small),
         (7, 12352 + big + 4224 + small + 128 * 1024, small),  # a gap wider than metadata
     )  # fmt: skip
-    assert _shape(gpu._runs(items)) == [[0, 1], [3], [4], [5, 6], [7]]
+    assert _shape(gpu_copy._runs(items)) == [[0, 1], [3], [4], [5, 6], [7]]
 
 
 def test_runs_stop_at_the_run_size():
-    n = gpu.GATHER_BELOW // 2
-    count = gpu.RUN_BYTES // n + 3
+    n = gpu_copy.GATHER_BELOW // 2
+    count = gpu_copy.RUN_BYTES // n + 3
     items = _items(*[(i, i * n, n) for i in range(count)])
-    runs = gpu._runs(items)
-    assert [len(r) for r in runs] == [gpu.RUN_BYTES // n, 3]
+    runs = gpu_copy._runs(items)
+    assert [len(r) for r in runs] == [gpu_copy.RUN_BYTES // n, 3]
     for run in runs:
-        assert run[-1][1] + run[-1][3] - run[0][1] <= gpu.RUN_BYTES
+        assert run[-1][1] + run[-1][3] - run[0][1] <= gpu_copy.RUN_BYTES
 
 
 def test_pinning_bookkeeping_without_cuda(monkeypatch):
@@ -106,21 +106,21 @@ def test_copies_are_cut_where_registration_pieces_meet():
 def test_storages_placed_by_a_device_load_are_not_moved_again(monkeypatch):
     # A load to a device makes each storage there itself; torch's restore (a device check
     # and a move per storage) is skipped for it, and only for it.
-    from ckptcache.codec import flatten as fl
+    from ckptcache.codec import flatten
 
     state = {"a": torch.arange(6.0), "b": torch.ones(3, dtype=torch.int64)}
-    flat = fl.flatten(state)
+    flat = flatten.flatten(state)
     by_key = dict(zip((i.key for i in flat.infos), flat.storages, strict=True))
 
     def restore(*args: object) -> object:
         raise AssertionError("restored again")
 
-    monkeypatch.setattr(fl, "restore_location", restore)
-    got = fl.unflatten(flat.skeleton, lambda key, n: by_key[key], map_location="cpu",
-                       placed=True)  # fmt: skip
+    monkeypatch.setattr(flatten, "restore_location", restore)
+    got = flatten.unflatten(flat.skeleton, lambda key, n: by_key[key], map_location="cpu",
+                            placed=True)  # fmt: skip
     assert set(got) == set(state) and all(torch.equal(got[k], v) for k, v in state.items())
     with pytest.raises(AssertionError, match="restored again"):
-        fl.unflatten(flat.skeleton, lambda key, n: by_key[key], map_location="cpu")
+        flatten.unflatten(flat.skeleton, lambda key, n: by_key[key], map_location="cpu")
 
 
 def test_a_small_load_gets_small_staging_buffers():

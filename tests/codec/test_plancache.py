@@ -299,12 +299,12 @@ def test_a_flat_level_walked_in_one_step_is_walked_as_item_by_item(monkeypatch, 
     calls: the key, the tensors and their marks are the per-item walk's; anything else in
     the dict (a tensor held twice or seen before, another key or value) walks it item by
     item."""
-    from ckptcache.codec.plan import columns as _tensor_columns
+    from ckptcache.codec.plan import columns as plan_columns
 
     state = _flat_level()
     obj = FLAT_CHANGES[change](state) or state
     bulk = describe(obj)
-    monkeypatch.setattr(_tensor_columns, "_BULK_FROM", 1 << 30)
+    monkeypatch.setattr(plan_columns, "_BULK_FROM", 1 << 30)
     each = describe(obj)
     assert (bulk is None) == (each is None)
     if bulk is not None:

@@ -45,9 +45,7 @@ import torch
 
 from ckptcache.codec.flatten import Flattened, flatten, gc_paused, v3_dtypes
 from ckptcache.codec.objectio import plan_object, replan
-from ckptcache.codec.plan.columns import NotPlain as _NotPlain
-from ckptcache.codec.plan.columns import tensor_columns as _tensor_columns
-from ckptcache.codec.plan.columns import tensor_items
+from ckptcache.codec.plan.columns import NotPlain, tensor_columns, tensor_items
 from ckptcache.codec.plan.reduced import Reduction, reduction_of
 from ckptcache.codec.skeleton import encode_flattened
 from ckptcache.codec.table.table import encode_table
@@ -83,7 +81,7 @@ class Structure:
     #: The values of the integers that :attr:`key` holds by their pickled width only
     #: (``BININT1``, ``BININT2`` or ``BININT``), in pickling order.
     ints: tuple[int, ...] = ()
-    #: Per tensor, as :func:`_tensor_columns` reads them: dtypes, shapes, strides, storage
+    #: Per tensor, as :func:`tensor_columns` reads them: dtypes, shapes, strides, storage
     #: offsets, storage indices, ``requires_grad``, devices; then each storage's size.
     columns: tuple[Any, ...] = ()
     #: Whether the object is made of the common containers, values and tensors only (no
@@ -137,7 +135,7 @@ def describe(obj: Any, *, versions: bool = True) -> Structure | None:
             keep.append(value)
         add(kind)
         if kind is _Tensor:
-            # Its fields go in columns after the walk (:func:`_tensor_columns`): read for all
+            # Its fields go in columns after the walk (:func:`tensor_columns`): read for all
             # tensors at once, by C loops, not a dozen Python attribute reads per tensor.
             tensors.append(value)
         elif kind is dict or kind is _OrderedDict:
@@ -182,17 +180,17 @@ def describe(obj: Any, *, versions: bool = True) -> Structure | None:
             reductions[kind] = reduction_of(kind)
         how = reductions[kind]
         if how is None:
-            raise _NotPlain
+            raise NotPlain
         if how.by_name:  # a class: written by name, equal exactly when it is the same class
             add(value)
             return
         if id(value) in reducing:
-            raise _NotPlain  # reached from its own arguments: the pickler's recursive case
+            raise NotPlain  # reached from its own arguments: the pickler's recursive case
         assert how.reduce is not None
         reducing.add(id(value))
         output = how.reduce(value)
         if output is None:
-            raise _NotPlain
+            raise NotPlain
         func, args, state = output
         if func is None:  # copyreg.__newobj__: NEWOBJ writes the class, then the rest
             add(_NEWOBJ)
@@ -211,14 +209,14 @@ def describe(obj: Any, *, versions: bool = True) -> Structure | None:
     try:
         with gc_paused():
             visit(obj)
-            storages, counters, cdatas, columns = _tensor_columns(tensors, v3, versions)
+            storages, counters, cdatas, columns = tensor_columns(tensors, v3, versions)
             key.extend(columns)
         return Structure(
             tuple(key), tuple(tensors), tuple(storages), tuple(counters), tuple(cdatas),
             tuple(ints), columns, plain=not reductions,
         )  # fmt: skip
     except (
-        _NotPlain,
+        NotPlain,
         RecursionError,
         RuntimeError,
         NotImplementedError,

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ckptcache.codec.gpu import copy as _gpu
+from ckptcache.codec.gpu import copy as gpu_copy
 from ckptcache.codec.gpu import pinning as gpu_pinning
 from ckptcache.codec.gpu.staging import SLOT_BYTES
 from tests.helpers import wait_until
@@ -22,15 +22,15 @@ def test_record_ready_makes_no_cuda_call_for_cpu_storages(monkeypatch):
 
     monkeypatch.setattr(torch.cuda, "current_stream", no_cuda)
     monkeypatch.setattr(torch.cuda, "Event", no_cuda)
-    assert _gpu.record_ready([torch.ones(4).untyped_storage()]) == {}
+    assert gpu_copy.record_ready([torch.ones(4).untyped_storage()]) == {}
 
 
 def test_device_target_only_for_plain_cuda_locations():
-    assert _gpu.device_target(None) is None
-    assert _gpu.device_target("cpu") is None
-    assert _gpu.device_target({"cuda:0": "cpu"}) is None
+    assert gpu_copy.device_target(None) is None
+    assert gpu_copy.device_target("cpu") is None
+    assert gpu_copy.device_target({"cuda:0": "cpu"}) is None
     if not torch.cuda.is_available():
-        assert _gpu.device_target("cuda") is None  # the CPU path is untouched
+        assert gpu_copy.device_target("cuda") is None  # the CPU path is untouched
 
 
 @pytest.mark.gpu
