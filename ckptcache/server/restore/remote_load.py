@@ -220,9 +220,7 @@ def plan(src: Sources, load: _Load) -> Plan:
     local = _held_here(src, load)
     if local is not None:
         return Plan("local")
-    me = src.membership.node.node_id
-    holders = [n for n in src.membership.holders(load.namespace, load.path, load.newer_than)
-               if n.node_id != me and n.node_id not in load.tried]  # fmt: skip
+    holders = _untried_holders(src, load)
     if holders:
         now = time.monotonic()
         free = [n for n in holders if load.busy.get(n.node_id, 0.0) <= now - BUSY_FOR]
@@ -231,8 +229,19 @@ def plan(src: Sources, load: _Load) -> Plan:
         load.in_storage = src.storage.in_storage(load.path, load.newer_than)
     if not load.in_storage:
         return Plan("none")
+    me = src.membership.node.node_id
     alone = all(n.node_id == me for n in src.membership.live_nodes())
     return Plan("storage", alone=alone)
+
+
+def _untried_holders(src: Sources, load: _Load) -> list[NodeInfo]:
+    """The other nodes holding a copy ``load`` may take (of the newest save, when it asks for
+    that) that it has not tried yet. Planning and the storage reader's last look ask the same
+    question: a holder only one of them counted (an older copy) made the reader step back for
+    a peer that the plan never asks, until the deadline."""
+    me = src.membership.node.node_id
+    return [n for n in src.membership.holders(load.namespace, load.path, load.newer_than)
+            if n.node_id != me and n.node_id not in load.tried]  # fmt: skip
 
 
 def execute(src: Sources, load: _Load, chosen: Plan) -> Generation | None:
@@ -341,9 +350,7 @@ def _from_storage(src: Sources, load: _Load, alone: bool) -> Generation | None:
         return None
     with contextlib.ExitStack() as held:
         held.callback(src.membership.release, key)  # closed last: the election
-        if any(
-            n.node_id not in load.tried for n in src.membership.holders(load.namespace, load.path)
-        ):
+        if _untried_holders(src, load):
             return None  # the previous reader finished (and stepped down) while we planned
         announce = held.enter_context(src.membership.in_flight(load.ph))
         gen = src.storage.load(load.namespace, load.path, announce, relayed=True)

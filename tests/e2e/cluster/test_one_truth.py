@@ -141,3 +141,20 @@ def test_a_later_save_replaces_an_earlier_one_persisted_after_it_began(cluster_f
     wait_until(lambda: a.info(path).generation != 1 or a.info(path).persist_state
                in ("superseded", "persisted"), timeout=60)  # fmt: skip
     assert sorted(p.name for p in target.iterdir()) == ["last.pt"]
+
+
+def test_a_node_holding_an_older_copy_never_keeps_the_newest_from_storage(cluster_factory,
+                                                                         tmp_path):  # fmt: skip
+    """The newest save is only on storage (its saver is gone, no backup), and a live peer
+    still holds an older copy: a third node reads storage. Its group read waited on that peer
+    as if it were about to serve the path, which the newest-only plan never asks it to, until
+    the load's deadline."""
+    root = tmp_path / "ckpt"
+    a, b, c = cluster_factory(3, "--persist-root", str(root), "--backup", "none")
+    path = root / "run" / "last.pt"
+    _save(a, state(1), path)
+    assert_same(state(1), _load(b, path))  # b holds generation 1 from here on
+    _save(a, state(2), path)
+    a.kill()
+    assert_same(state(2), _load(c, path))
+    assert_same(state(2), _load(b, path))
