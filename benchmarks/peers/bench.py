@@ -91,7 +91,7 @@ def report(rows: list[dict], sizes: list[int], shapes: list[str], systems: list[
         tensors[(r["shape"], r["size"])] = r["tensors"]
         if r.get("mismatch"):
             mismatches.append(f"{r['system']} {r['shape']} {r['size'] >> 20} MiB: {r['mismatch']}")
-        for key in (*METRICS, "memcpy", "raw_write"):
+        for key in (*METRICS, "memcpy", "raw_write", "held"):
             if key in r:
                 samples[(r["system"], r["shape"], r["size"], key)].append(r[key])
     for k, v in samples.items():
@@ -121,6 +121,10 @@ def report(rows: list[dict], sizes: list[int], shapes: list[str], systems: list[
                     limit = med.get(("limits", shape, s, LIMIT_OF[m]))
                     line.append(cell(med.get((system, shape, s, m)), limit))
             out.append("| " + " | ".join(line) + " |")
+    held = {k: v for k, v in med.items() if k[3] == "held"}
+    if held:
+        out.append("\nMemory held once the saves are settled (segment files, x the state):\n")
+        out += [f"* {GUARANTEES[k[0]][0]}, {k[1]} {mib(k[2])}: {v:.2f}x" for k, v in held.items()]
     if errors:
         out.append("\nErrors (a system with no figures above refused to run here):\n")
         out += [f"* {GUARANTEES.get(s, (s,))[0]}: `{e}`" for s, e in errors.items()]

@@ -31,6 +31,11 @@ GUARANTEES: dict[str, tuple[str, str]] = {
         "daemon outside the trainer; shm copy survives the trainer; xxh3 digests; persist "
         "verified, CRC-32, fsync; two generations kept",
     ),
+    "ckptcache_1.2x": (
+        "ckptcache, budget 1.2x the state",
+        "as ckptcache, with a memory budget of 1.2x the state: one generation in memory, the "
+        "previous one's memory given to the next save once it is on storage",
+    ),
     "gemini": (
         "lm-resiliency 0.2.0 (open Gemini)",
         "buffers in the trainer's own memory (lost with the process); disk flush = torch.save "
@@ -98,6 +103,11 @@ class System:
         """Only where ``separate_durable``."""
         raise NotImplementedError
 
+    def held(self) -> int | None:
+        """Bytes of memory the system holds for its checkpoints once its saves are settled
+        (None: not measured for this system)."""
+        return None
+
     def load(self) -> Any:
         raise NotImplementedError
 
@@ -110,6 +120,11 @@ class Ckptcache(System):
     the client warms up at start as a trainer does. Saves are blocking; load is the default
     zero-copy load."""
 
+    def budget(self, nbytes: int) -> int:
+        """The daemon's memory budget for a state of ``nbytes``: room for every generation
+        it keeps and its spares."""
+        return 4 * nbytes + (256 << 20)
+
     def __init__(self, workdir: str, nbytes: int):
         super().__init__(workdir, nbytes)
         import contextlib
@@ -118,7 +133,7 @@ class Ckptcache(System):
         from ckptcache.client import Client
 
         self._stack = contextlib.ExitStack()
-        budget = str(4 * nbytes + (256 << 20))
+        budget = str(self.budget(nbytes))
         daemon = self._stack.enter_context(
             running_daemon("--persist-root", workdir, "--memory-limit", budget)
         )
@@ -135,8 +150,20 @@ class Ckptcache(System):
     def load(self) -> Any:
         return self.client.load(self.path)
 
+    def held(self) -> int | None:
+        """Bytes of the daemon's segment files (generations, spares, free segments)."""
+        return self.client.daemon_status().memory_used
+
     def close(self) -> None:
         self._stack.close()
+
+
+class CkptcacheTight(Ckptcache):
+    """The same daemon with a budget of 1.2x the state (``docs/tuning.md``, "Sizing the
+    memory budget"): the memory a DLRover-like single generation holds."""
+
+    def budget(self, nbytes: int) -> int:
+        return int(1.2 * nbytes)
 
 
 class _NaturalReplicas:
@@ -398,6 +425,7 @@ class TorchSave(System):
 
 SYSTEMS: dict[str, type[System]] = {
     "ckptcache": Ckptcache,
+    "ckptcache_1.2x": CkptcacheTight,
     "gemini": Gemini,
     "dlrover": DLRover,
     "nvrx_async": NVRxAsync,

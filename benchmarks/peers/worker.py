@@ -73,7 +73,11 @@ def measure_system(name: str, state: Any, directory: str, nbytes: int) -> dict[s
         load = time.perf_counter() - t0
         wrong = states.mismatch(state, loaded)
         del loaded
-        return {"stall": stall, "durable": durable, "load": load, "mismatch": wrong}
+        row = {"stall": stall, "durable": durable, "load": load, "mismatch": wrong}
+        held = system.held()
+        if held is not None:
+            row["held"] = held / nbytes
+        return row
     finally:
         system.close()
 
