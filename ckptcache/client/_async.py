@@ -185,10 +185,10 @@ class VersionCheck:
         changed since; the others are still checked by :meth:`check` after the write)."""
         if not self._copied:
             return obj
-        from ckptcache.codec.flatten import unflatten
+        from ckptcache.codec.decode import decode_skeleton
 
         storages = self.flat.storages
-        return unflatten(
+        return decode_skeleton(
             self.flat.skeleton,
             lambda key, _nbytes: storages[int(key)],
             weights_only=False,  # the skeleton was pickled here, from the caller's own object

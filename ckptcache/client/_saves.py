@@ -14,7 +14,6 @@ The order, with the lock of the connection held from the reservation to the comm
 from __future__ import annotations
 
 import atexit
-import operator
 import os
 import threading
 import time
@@ -53,10 +52,6 @@ __all__ = ["DURABILITY_LEVELS", "Saves", "check_durability"]
 #: path under no storage root is otherwise refused). The others: where the save is when it
 #: returns (this node's memory, also a backup node's, also storage); all are persisted.
 DURABILITY_LEVELS = ("memory", "local", "backup", "persisted")
-
-_location_of = operator.attrgetter("location")
-#: ``torch.serialization.location_tag`` of a CPU storage.
-_CPU_TAG = "cpu"
 
 #: Saves with a save thread in this process: their pending non-blocking saves are finished
 #: at interpreter exit (the thread is a daemon thread, which exit would otherwise stop).
@@ -147,10 +142,8 @@ class Saves:
         job.check = VersionCheck(obj, path, flat)
         job.flat = job.check.flat  # private copies of the storages no version counter watches
         # The copy runs on the save thread, whose current CUDA stream is not the trainer's.
-        # The plan's locations are its storages' devices (the plan cache keys on them): a
-        # CPU-only save reads no storage's device and makes no CUDA call.
-        on_cpu = all(map(_CPU_TAG.__eq__, map(_location_of, job.flat.infos)))
-        job.ready = {} if on_cpu else record_ready(job.flat.storages)
+        # A CPU-only save (decided when it was flattened) makes no CUDA call.
+        job.ready = {} if job.flat.on_cpu else record_ready(job.flat.storages)
 
         def run(copied: Callable[[], None]) -> None:
             job.copied = copied
@@ -163,28 +156,27 @@ class Saves:
         returns where the blob's bytes start in the archive persisted at ``path``."""
         import torch
 
-        from ckptcache.codec.flatten import flatten
-        from ckptcache.codec.objectio import plan_object
+        from ckptcache.codec.encode import encode
 
         t0 = time.perf_counter()
         # Never written nor read: its storage gives the archive the blob's layout.
         placeholder = torch.empty(packed.nbytes, dtype=torch.uint8)
-        flat = flatten(placeholder)
-        plan = plan_object(flat, path, self._settings.namespace)
+        flat, plan = encode(placeholder, path, self._settings.namespace)
         job = _Job(placeholder, flat, plan, path, durability)
         job.t0, job.packed = t0, packed
         self._run(job)
         return plan.manifest.storages[0].offset - plan.manifest.payload_offset
 
     def plan(self, obj: Any, path: str, *, versions: bool = True) -> tuple[Flattened, ObjectPlan]:
-        """``obj`` flattened and its segment planned, from this client's save plans by
-        structure (made at the first save: see :mod:`ckptcache.codec.plan.cache`);
+        """``obj`` flattened and its segment planned (:func:`~ckptcache.codec.encode.encode`),
+        with this client's save plans by structure (made at the first save: they need torch);
         ``versions``: record the tensors' version counters (a non-blocking save's check)."""
+        from ckptcache.codec.encode import encode
         from ckptcache.codec.plan.cache import PlanCache
 
         if self._plans is None:
             self._plans = PlanCache()
-        return self._plans.prepare(obj, path, self._settings.namespace, versions=versions)
+        return encode(obj, path, self._settings.namespace, plans=self._plans, versions=versions)
 
     def background(self) -> LingeringPool:
         """The one thread that runs this client's non-blocking saves, in submission order.

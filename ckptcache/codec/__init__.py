@@ -3,6 +3,7 @@
 Built on :mod:`ckptcache.format` (the torch-free layout); the client, the adapters and the
 data-loader batch cache use it, the daemon never does.
 
+- ``encode``, ``decode``: the one entry each way, each stating its fast-path order;
 - ``flatten``, ``skeleton``: an object into its tensors and its pickled skeleton, and back;
 - ``objectio``: a flattened object written into a mapped segment, and rebuilt from one;
 - ``shm``: the segment mappings and the copy into them;

@@ -3,9 +3,10 @@
 ``flatten`` pickles an object the way ``torch.save`` does (same ``persistent_id`` records, so
 shared storages stay shared, views and non-contiguous tensors keep their strides, every dtype
 round-trips), but instead of writing storage bytes it returns the storages so the caller can
-copy each one once, straight into its final place. ``unflatten`` is the inverse: it unpickles
-a skeleton, asking a callback for each storage's bytes, with ``weights_only`` semantics of
-``torch.load``.
+copy each one once, straight into its final place. The inverse, ``unpickle``, unpickles a
+skeleton with the storages that ``storage_loader`` makes from a callback's bytes, with
+``weights_only`` semantics of ``torch.load``; which decoder rebuilds an object (this one or a
+faster one) is chosen in :mod:`ckptcache.codec.decode` alone.
 """
 
 from __future__ import annotations
@@ -21,7 +22,6 @@ from typing import Any
 
 import torch
 
-from ckptcache.codec.fast_unpickle import NOT_FAST, ArrayLoader, fast_load_applies, fast_unpickle
 from ckptcache.errors import SerializationError, UnsafeUnpickle
 from ckptcache.format.gcpause import gc_paused
 from ckptcache.format.names import first_paths
@@ -34,8 +34,9 @@ __all__ = [
     "flatten",
     "gc_paused",
     "restore_location",
+    "storage_loader",
     "tensor_names",
-    "unflatten",
+    "unpickle",
     "v3_dtypes",
 ]
 
@@ -73,6 +74,10 @@ class Flattened:
     #: (empty: not taken): its version counter (``None``: it has none) and storage ``_cdata``.
     versions: tuple[int | None, ...] = ()
     storage_ids: tuple[int, ...] = ()
+    #: Whether every storage is on the CPU, decided once where the storages were found (the
+    #: copy into a segment and a non-blocking save's CUDA events follow it). ``False`` when
+    #: not known: the copy then sorts the storages by device itself.
+    on_cpu: bool = False
 
     @property
     def nbytes(self) -> int:
@@ -183,6 +188,7 @@ def flatten(obj: Any) -> Flattened:
     storages: list[torch.UntypedStorage] = []
     infos: list[StorageInfo] = []
     dtypes_by_ptr: dict[int, torch.dtype] = {}
+    locations: set[str] = set()
 
     storage_types = (torch.storage.TypedStorage, torch.UntypedStorage)
 
@@ -215,12 +221,14 @@ def flatten(obj: Any) -> Flattened:
         if key is None:
             key = keys[storage._cdata] = str(len(keys))
             storages.append(storage)
+            location = torch.serialization.location_tag(storage)
+            locations.add(location)
             infos.append(
                 StorageInfo(
                     key=key,
                     nbytes=storage.nbytes(),
                     dtype=str(dtype).removeprefix("torch."),
-                    location=torch.serialization.location_tag(storage),
+                    location=location,
                     name=names.get(storage._cdata, f"<storage {key}>"),
                 )
             )
@@ -241,7 +249,10 @@ def flatten(obj: Any) -> Flattened:
             "(tensors, containers, and picklable Python values); convert or drop the "
             "offending value"
         ) from e
-    return Flattened(buf.getvalue(), tuple(infos), tuple(storages), tuple(pickler.tensors))
+    return Flattened(
+        buf.getvalue(), tuple(infos), tuple(storages), tuple(pickler.tensors),
+        on_cpu=locations <= {"cpu"},
+    )  # fmt: skip
 
 
 def extra_safe_globals() -> list[Any]:
@@ -286,26 +297,18 @@ def restore_location(
     return result
 
 
+#: ``load_storage(key, nbytes)``: the CPU storage of a skeleton's storage record ``key``.
 StorageLoader = Callable[[str, int], torch.UntypedStorage]
+#: An unpickler's ``persistent_load``: a storage record of the skeleton to its typed storage.
+PersistentLoad = Callable[[Any], torch.storage.TypedStorage]
 
 
-def unflatten(
-    skeleton: bytes | memoryview,
-    load_storage: StorageLoader,
-    *,
-    weights_only: bool = True,
-    map_location: MapLocation = None,
-    load_array: ArrayLoader | None = None,
-    placed: bool = False,
-) -> Any:
-    """Rebuild an object from its skeleton; ``load_storage(key, nbytes)`` returns CPU storages
-    (``placed``: storages already where ``map_location`` puts them, left there).
-
-    With ``weights_only=True`` only torch's allowlist plus :func:`extra_safe_globals` may be
-    unpickled; anything else raises :class:`UnsafeUnpickle`. ``load_array(key, nbytes)``
-    (zero-copy loads) gives a storage's bytes as an array over the mapping, from which a
-    tensor covering its whole storage is made directly (:mod:`ckptcache.codec.fast_unpickle`).
-    """
+def storage_loader(
+    load_storage: StorageLoader, map_location: MapLocation = None, placed: bool = False
+) -> PersistentLoad:
+    """The ``persistent_load`` of an unpickler of a skeleton: each storage record made into a
+    typed storage over ``load_storage(key, nbytes)``'s CPU storage, moved where
+    ``map_location`` says (``placed``: storages already there, left there), once per key."""
     loaded: dict[str, torch.storage.TypedStorage] = {}
     sizes: dict[Any, tuple[torch.dtype, int]] = {}  # storage class -> (dtype, element size)
     typed_storage = torch.storage.TypedStorage
@@ -330,15 +333,20 @@ def unflatten(
         typed = loaded[key] = typed_storage(wrap_storage=storage, dtype=dtype, _internal=True)
         return typed
 
-    if weights_only and fast_load_applies():
-        result = fast_unpickle(
-            skeleton, persistent_load, load_array if map_location is None else None
-        )
-        if result is not NOT_FAST:
-            return result
-        # Something beyond the common case (or damage): torch's own unpickler decides, with
-        # the storages already made.
+    return persistent_load
 
+
+def unpickle(
+    skeleton: bytes | memoryview, persistent_load: PersistentLoad, *, weights_only: bool = True
+) -> Any:
+    """Rebuild an object from its skeleton with pickle's unpickler (torch's weights-only one
+    under ``weights_only``), its storages from ``persistent_load`` (:func:`storage_loader`):
+    the decoder of every skeleton, the last that :func:`~ckptcache.codec.decode.decode_skeleton`
+    tries.
+
+    With ``weights_only=True`` only torch's allowlist plus :func:`extra_safe_globals` may be
+    unpickled; anything else raises :class:`UnsafeUnpickle`.
+    """
     if weights_only:
         from torch import _weights_only_unpickler
 

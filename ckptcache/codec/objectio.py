@@ -1,4 +1,5 @@
-"""Write a flattened object into a mapped segment, and rebuild it from one.
+"""Write a flattened object into a mapped segment, and rebuild it from one (through
+:func:`~ckptcache.codec.decode.decode`).
 
 Shared by the daemon client and by the data-loader batch cache, so every shared-memory object
 in ckptcache has one layout (header, torch.save-compatible archive, manifest, digests).
@@ -14,23 +15,18 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-import numpy as np
 import torch
 
-from ckptcache.codec.fast_unpickle import fast_load_applies
-from ckptcache.codec.flatten import Flattened, MapLocation, unflatten
-from ckptcache.codec.gpu.copy import Item, Ready, copy_to_segment, device_target, load_to_device
+from ckptcache.codec.decode import Stored, decode
+from ckptcache.codec.flatten import Flattened, MapLocation
+from ckptcache.codec.gpu.copy import Item, Ready, copy_to_segment
 from ckptcache.codec.shm import (
     checked_nbytes,
     copy_cpu_storages,
     copy_storage_into,
     copy_storages_into,
     device_type,
-    storage_copy,
-    storage_view,
 )
-from ckptcache.codec.table.table import NOT_FAST, load_table
-from ckptcache.errors import CorruptCheckpoint
 from ckptcache.format.archive import parse_archive, plan_archive
 from ckptcache.format.layout import HEADER_SIZE, plan_segment
 from ckptcache.format.manifest import (
@@ -113,8 +109,6 @@ def write_metadata(mapping: mmap.mmap, plan: ObjectPlan) -> None:
 
 _nbytes_of = operator.attrgetter("nbytes")
 _offset_of = operator.attrgetter("offset")
-_device = operator.attrgetter("device")
-_CPU = torch.device("cpu")
 #: Per storage records of the last plans written: ``id(records) -> (records, offsets, sizes)``
 #: (the records are kept, so an id is never reused while it is here). A replan shares its
 #: records with the plan it came from: repeated saves read no record field.
@@ -154,7 +148,7 @@ def write_object(
     if sizes != planned:
         for record, storage in zip(records, storages, strict=True):  # name the one resized
             checked_nbytes(storage, record.nbytes, record.name)
-    if set(map(_device, storages)) <= {_CPU}:  # the usual case: no sort per storage
+    if flat.on_cpu:  # the usual case: no sort per storage
         write_metadata(mapping, plan)
         copy_cpu_storages(torch.frombuffer(mapping, dtype=torch.uint8), offsets, storages, sizes)
         return
@@ -195,7 +189,8 @@ def read_object(
 
     With ``zero_copy`` the CPU storages are views of ``mapping`` (which they keep alive);
     otherwise private copies. ``digests``, when given, are checked first and a mismatch raises
-    :class:`CorruptCheckpoint` naming the tensor.
+    :class:`~ckptcache.errors.CorruptCheckpoint` naming the tensor. The decoders are tried in
+    :mod:`ckptcache.codec.decode`'s order.
     """
     view = memoryview(mapping)
     try:
@@ -210,27 +205,18 @@ def read_object(
     finally:
         view.release()
     columns = manifest.columns()  # key, offset, nbytes, ...
-    if (
-        manifest.table
-        and zero_copy
-        and device_target(map_location) is None
-        and fast_load_applies()  # not under a fake tensor mode
-    ):
-        whole = np.frombuffer(mapping, dtype=np.uint8)
-        # Packed records give their offsets and sizes as arrays: no list made of them.
-        extents: tuple[Any, Any] = (
-            (columns.offsets, columns.sizes)
-            if isinstance(columns, PackedColumns)
-            else (columns[1], columns[2])
-        )
-        result = load_table(manifest.table, whole, extents)
-        if result is not NOT_FAST:
-            return result
-    places = dict(zip(columns[0], zip(columns[1], columns[2], strict=True), strict=True))
-    return _rebuild(
-        mapping, skeleton, places, path=manifest.path, tier=tier, zero_copy=zero_copy,
-        weights_only=weights_only, map_location=map_location,
-    )  # fmt: skip
+    # Packed records give their offsets and sizes as arrays: no list made of them.
+    extents: tuple[Any, Any] = (
+        (columns.offsets, columns.sizes)
+        if isinstance(columns, PackedColumns)
+        else (columns[1], columns[2])
+    )
+
+    def places() -> dict[str, tuple[int, int]]:
+        return dict(zip(columns[0], zip(columns[1], columns[2], strict=True), strict=True))
+
+    stored = Stored(mapping, skeleton, places, manifest.path, tier, manifest.table, extents)
+    return decode(stored, zero_copy=zero_copy, weights_only=weights_only, map_location=map_location)
 
 
 def read_archive_object(
@@ -250,66 +236,5 @@ def read_archive_object(
         skeleton = bytes(view[po : po + parsed.pickle_size])
     finally:
         view.release()
-    return _rebuild(
-        mapping, skeleton, dict(parsed.storages), path=path, tier="storage", zero_copy=True,
-        weights_only=weights_only, map_location=map_location,
-    )  # fmt: skip
-
-
-def _rebuild(
-    mapping: mmap.mmap,
-    skeleton: bytes,
-    places: dict[str, tuple[int, int]],
-    *,
-    path: str,
-    tier: str,
-    zero_copy: bool,
-    weights_only: bool,
-    map_location: MapLocation,
-) -> Any:
-    """Unpickle ``skeleton`` with each storage taken from ``places[key] = (offset, nbytes)``
-    of ``mapping``: a view, a private copy, or a host-to-device copy (``map_location``)."""
-    device = device_target(map_location)
-    to_device = None
-    if device is not None:
-        to_device = load_to_device(mapping, device, sum(n for _, n in places.values()))
-    # One array over the whole mapping; each storage a slice of it: a tenth of the cost of
-    # torch.frombuffer per storage, and the same result (a storage over the mapping's bytes
-    # that keeps the mapping alive).
-    whole = np.frombuffer(mapping, dtype=np.uint8) if zero_copy and to_device is None else None
-    from_numpy = torch.from_numpy
-
-    def load_storage(key: str, nbytes: int) -> torch.UntypedStorage:
-        offset, size = places.get(key, (0, -1))
-        if size != nbytes:
-            raise CorruptCheckpoint(
-                f"skeleton of {path!r} refers to storage {key} that the {tier} copy does not "
-                "hold", tier=tier,
-            )  # fmt: skip
-        if to_device is not None:  # host-to-device from the pinned mapping, no CPU copy
-            return to_device.storage(offset, nbytes)
-        if whole is not None and nbytes:
-            if offset < 0 or offset + nbytes > len(whole):  # a slice would be cut short
-                raise CorruptCheckpoint(f"storage {key} of {path!r} lies outside the {tier} copy",
-                                        tier=tier)  # fmt: skip
-            return from_numpy(whole[offset : offset + nbytes]).untyped_storage()
-        if zero_copy:
-            return storage_view(mapping, offset, nbytes)
-        return storage_copy(mapping, offset, nbytes)
-
-    def load_array(key: str, nbytes: int) -> np.ndarray | None:
-        """Storage ``key``'s bytes as a slice of ``whole``, for a tensor made straight over
-        them (None: the storage is made by ``load_storage``, with its errors)."""
-        offset, size = places.get(key, (0, -1))
-        if whole is None or size != nbytes or offset < 0 or offset + nbytes > len(whole):
-            return None
-        return whole[offset : offset + nbytes]
-
-    try:
-        return unflatten(
-            skeleton, load_storage, weights_only=weights_only, map_location=map_location,
-            load_array=load_array if whole is not None else None, placed=to_device is not None,
-        )  # fmt: skip
-    finally:
-        if to_device is not None:
-            to_device.finish()
+    stored = Stored(mapping, skeleton, lambda: dict(parsed.storages), path, "storage")
+    return decode(stored, weights_only=weights_only, map_location=map_location)

@@ -40,6 +40,7 @@ __all__ = [
     "copy_storage_into",
     "copy_storages_into",
     "copy_threads",
+    "device_of",
     "device_type",
     "map_private",
     "map_shared",
@@ -159,7 +160,8 @@ def checked_nbytes(storage: torch.UntypedStorage, planned: int | None, name: str
 
 
 _Storage = torch.UntypedStorage
-#: A storage's (or tensor's) device type, read by ``map`` for thousands at once.
+#: A storage's (or tensor's) device, and its type, read by ``map`` for thousands at once.
+device_of = operator.attrgetter("device")
 device_type = operator.attrgetter("device.type")
 
 #: ``(offset, storage)``, or ``(offset, storage, planned nbytes)`` to have the size checked.
@@ -244,7 +246,6 @@ def _split(runs: list[tuple[int, int, int]], parts: int) -> list[list[tuple[int,
 
 
 _third = operator.itemgetter(2)
-_device = operator.attrgetter("device")
 _CPU = torch.device("cpu")
 
 
@@ -266,7 +267,7 @@ def copy_storages_into(dst: torch.Tensor, runs: Sequence[Run]) -> None:
     entries = list(runs)
     offsets = [entry[0] for entry in entries]
     storages = [entry[1] for entry in entries]
-    if not set(map(_device, storages)) <= {_CPU}:  # devices compare in C; their types do not
+    if not set(map(device_of, storages)) <= {_CPU}:  # devices compare in C; their types do not
         other = next(s.device for s in storages if s.device.type != "cpu")
         raise ValueError(f"copy_storages_into copies CPU storages, not {other}")
     sizes = list(map(_Storage.nbytes, storages))

@@ -463,4 +463,5 @@ def encode_flattened(
         )
         for s in range(len(storages))
     )
-    return Flattened(skeleton, infos, tuple(storages), tuple(tensors))
+    # encode_skeleton writes none but CPU tensors (it returned None above otherwise).
+    return Flattened(skeleton, infos, tuple(storages), tuple(tensors), on_cpu=True)

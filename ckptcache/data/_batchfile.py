@@ -30,8 +30,9 @@ from dataclasses import dataclass
 from typing import Any, BinaryIO
 
 from ckptcache._atomic import atomic_write
-from ckptcache.codec.flatten import Flattened, flatten
-from ckptcache.codec.objectio import plan_object, read_object, write_object
+from ckptcache.codec.encode import encode
+from ckptcache.codec.flatten import Flattened
+from ckptcache.codec.objectio import read_object, write_object
 from ckptcache.codec.shm import Mapping, map_shared
 from ckptcache.data._crypto import NONCE_SIZE, TAG_SIZE, BatchCipher
 from ckptcache.errors import ConfigError, CorruptCheckpoint
@@ -117,8 +118,8 @@ class PreparedBatch:
 
 def prepare_batch(key: str, obj: Any) -> PreparedBatch:
     """Flatten ``obj`` (no tensor bytes copied) and plan its segment under ``key``."""
-    flat = flatten(obj)
-    return PreparedBatch(key, flat, plan_object(flat, key, NAMESPACE))
+    flat, plan = encode(obj, key, NAMESPACE)
+    return PreparedBatch(key, flat, plan)
 
 
 def write_batch(directory: str, name: str, batch: PreparedBatch, cipher: BatchCipher | None) -> int:

@@ -15,7 +15,8 @@ import pytest
 import torch
 from torch import _weights_only_unpickler
 
-from ckptcache.codec.flatten import flatten, unflatten
+from ckptcache.codec.decode import decode_skeleton
+from ckptcache.codec.flatten import flatten
 from ckptcache.errors import UnsafeUnpickle
 from tests.helpers import assert_same
 
@@ -27,7 +28,7 @@ def _load(obj_or_skeleton: Any, storages: dict[str, torch.UntypedStorage] | None
         storages = {i.key: s for i, s in zip(flat.infos, flat.storages, strict=True)}
     else:
         skeleton = obj_or_skeleton
-    return unflatten(skeleton, lambda key, nbytes: storages[key], weights_only=True)
+    return decode_skeleton(skeleton, lambda key, nbytes: storages[key], weights_only=True)
 
 
 def _torch_load(obj: Any) -> Any:

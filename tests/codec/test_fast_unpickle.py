@@ -7,8 +7,9 @@ import numpy as np
 import pytest
 import torch
 
+from ckptcache.codec.decode import decode_skeleton
 from ckptcache.codec.fast_unpickle import _Pending
-from ckptcache.codec.flatten import flatten, unflatten
+from ckptcache.codec.flatten import flatten
 
 
 def _archive(obj):
@@ -53,7 +54,7 @@ def test_tensors_made_from_the_array_equal_the_saved_ones_and_keep_shared_storag
         "grad": torch.ones(3, requires_grad=True),
     }  # fmt: skip
     skeleton, load_storage, load_array, arrays = _archive(state)
-    out = unflatten(skeleton, load_storage, load_array=load_array)
+    out = decode_skeleton(skeleton, load_storage, load_array=load_array)
     assert out.keys() == state.keys()
     for key, want in state.items():
         got = out[key]
@@ -70,7 +71,7 @@ def test_tensors_made_from_the_array_equal_the_saved_ones_and_keep_shared_storag
 def test_a_bare_storage_in_the_state_is_left_to_torchs_unpickler():
     w = torch.arange(6.0)
     skeleton, load_storage, load_array, _ = _archive({"storage": w.storage(), "w": w})
-    out = unflatten(skeleton, load_storage, load_array=load_array)
+    out = decode_skeleton(skeleton, load_storage, load_array=load_array)
     assert type(out["storage"]) is torch.storage.TypedStorage
     assert out["storage"].tolist() == w.tolist() and torch.equal(out["w"], w)
 
@@ -84,7 +85,7 @@ def test_a_persistent_id_reused_through_the_memo_never_reaches_the_result():
     crafted = skeleton[: persid + 1] + b"q\xff" + skeleton[persid + 1 :]  # BINPUT 255
     crafted = crafted.replace(b"X\x02\x00\x00\x00yy", b"h\xff")  # "yy": BINGET 255
     assert crafted != skeleton
-    out = unflatten(crafted, load_storage, load_array=load_array)
+    out = decode_skeleton(crafted, load_storage, load_array=load_array)
     assert not _pending_in(out)
     assert torch.equal(out["w"], w) and type(out["x"]) is torch.storage.TypedStorage
 
@@ -97,7 +98,7 @@ def test_an_array_that_does_not_match_its_storage_is_not_used(bad):
     def load_array(key: str, nbytes: int) -> np.ndarray | None:
         return np.zeros(nbytes // 2, dtype=np.uint8) if bad == "short" else None
 
-    out = unflatten(skeleton, load_storage, load_array=load_array)
+    out = decode_skeleton(skeleton, load_storage, load_array=load_array)
     assert torch.equal(out["w"], w)
 
 
@@ -115,11 +116,11 @@ def test_a_shaped_tensor_is_made_over_the_array_with_its_shape_and_strides(tenso
     """The shape is given to the array (or, without a numpy twin, to the tensor); either way the
     tensor lies over the loader's array, not over a copy."""
     skeleton, load_storage, load_array, arrays = _archive({"t": tensor})
-    got = unflatten(skeleton, load_storage, load_array=load_array)["t"]
+    got = decode_skeleton(skeleton, load_storage, load_array=load_array)["t"]
     assert arrays == ["0"]
     assert got.dtype == tensor.dtype and got.shape == tensor.shape
     assert got.stride() == tensor.stride() and got.is_contiguous()
     assert torch.equal(got, tensor)
     got.view(-1)[0] = 7  # the bytes are the array's: a write shows through a second load
-    again = unflatten(skeleton, load_storage, load_array=load_array)["t"]
+    again = decode_skeleton(skeleton, load_storage, load_array=load_array)["t"]
     assert again.view(-1)[0].item() == 7

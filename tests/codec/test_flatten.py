@@ -1,4 +1,4 @@
-"""flatten/unflatten: the torch.save object model, weights_only, and bad input."""
+"""flatten and decode_skeleton: the torch.save object model, weights_only, and bad input."""
 
 from __future__ import annotations
 
@@ -14,7 +14,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ckptcache.codec.flatten import flatten, unflatten
+from ckptcache.codec.decode import decode_skeleton
+from ckptcache.codec.flatten import flatten
 from ckptcache.errors import SerializationError, UnsafeUnpickle
 from ckptcache.format.manifest import Manifest, StorageRecord
 from tests.helpers import assert_same
@@ -35,7 +36,7 @@ def roundtrip(obj, **kw):
         out.copy_(torch.empty(0, dtype=torch.uint8).set_(data[key]))
         return out.untyped_storage()
 
-    return flat, unflatten(flat.skeleton, load, **kw)
+    return flat, decode_skeleton(flat.skeleton, load, **kw)
 
 
 def sample(dtype: torch.dtype, n: int = 6) -> torch.Tensor:
@@ -89,11 +90,11 @@ def test_weights_only_refuses_code_and_false_trusts_it():
     flat = flatten({"x": Evil(), "t": torch.ones(1)})
     loader = lambda key, n: torch.UntypedStorage(n)  # noqa: E731
     with pytest.raises(UnsafeUnpickle, match="weights_only") as err:
-        unflatten(flat.skeleton, loader, weights_only=True)
+        decode_skeleton(flat.skeleton, loader, weights_only=True)
     assert isinstance(err.value, pickle.UnpicklingError)
     # a trusted load runs the reduce; use a harmless callable to prove the path works
     safe = flatten({"x": collections.Counter("aab")})
-    assert unflatten(safe.skeleton, loader, weights_only=False)["x"]["a"] == 2
+    assert decode_skeleton(safe.skeleton, loader, weights_only=False)["x"]["a"] == 2
 
 
 def test_unpicklable_values_raise_serialization_error():

@@ -107,6 +107,7 @@ def test_storages_placed_by_a_device_load_are_not_moved_again(monkeypatch):
     # A load to a device makes each storage there itself; torch's restore (a device check
     # and a move per storage) is skipped for it, and only for it.
     from ckptcache.codec import flatten
+    from ckptcache.codec.decode import decode_skeleton
 
     state = {"a": torch.arange(6.0), "b": torch.ones(3, dtype=torch.int64)}
     flat = flatten.flatten(state)
@@ -116,11 +117,11 @@ def test_storages_placed_by_a_device_load_are_not_moved_again(monkeypatch):
         raise AssertionError("restored again")
 
     monkeypatch.setattr(flatten, "restore_location", restore)
-    got = flatten.unflatten(flat.skeleton, lambda key, n: by_key[key], map_location="cpu",
-                            placed=True)  # fmt: skip
+    got = decode_skeleton(flat.skeleton, lambda key, n: by_key[key], map_location="cpu",
+                          placed=True)  # fmt: skip
     assert set(got) == set(state) and all(torch.equal(got[k], v) for k, v in state.items())
     with pytest.raises(AssertionError, match="restored again"):
-        flatten.unflatten(flat.skeleton, lambda key, n: by_key[key], map_location="cpu")
+        decode_skeleton(flat.skeleton, lambda key, n: by_key[key], map_location="cpu")
 
 
 def test_a_small_load_gets_small_staging_buffers():

@@ -7,20 +7,20 @@ speed; before that, pageable. Small storages are gathered on the device first (o
 all of them) and moved by one copy per run of neighbours: a copy call costs several
 microseconds of CPU whatever its size.
 
-Loads to a device: through two page-locked staging buffers (:mod:`~ckptcache.format.
-gpu_staging`), never by registering the load's mapping (which would cost more than the copy).
+Loads to a device: through two page-locked staging buffers (:mod:`~ckptcache.codec.gpu.
+staging`), never by registering the load's mapping (which would cost more than the copy).
 """
 
 from __future__ import annotations
 
 import mmap
-import operator
 from collections.abc import Callable, Sequence
 
 import torch
 
 from ckptcache.codec.gpu.pinning import pieces, pin_later, pinned
 from ckptcache.codec.gpu.staging import DeviceLoad, slot_size
+from ckptcache.codec.shm import checked_nbytes, device_of
 
 __all__ = [
     "GATHER_BELOW", "RUN_BYTES", "Item", "copy_to_segment", "device_target", "load_to_device",
@@ -32,9 +32,6 @@ __all__ = [
 Ready = dict[torch.device, torch.cuda.Event]
 
 
-_device_of = operator.attrgetter("device")
-
-
 def record_ready(storages: Sequence[torch.UntypedStorage]) -> Ready:
     """Call on the caller's thread at submit: an event per CUDA device of ``storages`` on
     that thread's current stream (the current stream is per thread, so the background save
@@ -42,7 +39,7 @@ def record_ready(storages: Sequence[torch.UntypedStorage]) -> Ready:
     CUDA call made, when no storage is on a CUDA device."""
     # ``UntypedStorage.is_cuda`` is a Python property: one ``device`` read per storage by
     # ``map``, then a look at the few distinct devices.
-    devices = {d for d in set(map(_device_of, storages)) if d.type == "cuda"}
+    devices = {d for d in set(map(device_of, storages)) if d.type == "cuda"}
     ready: Ready = {}
     for device in devices:
         event = torch.cuda.Event()
@@ -88,8 +85,6 @@ def copy_to_segment(
     A gathered run also writes the bytes between its storages: write the archive's metadata
     (every byte between two storages) after the wait.
     """
-    from ckptcache.codec.shm import checked_nbytes
-
     if not items:
         return lambda: None
     for _, _, storage, planned in items:  # all checked before the first copy starts

@@ -87,6 +87,8 @@ class Structure:
     #: Whether the object is made of the common containers, values and tensors only (no
     #: object described by its reduction): what a tensor table may stand for.
     plain: bool = False
+    #: Whether every tensor is on the CPU (:attr:`Flattened.on_cpu`).
+    on_cpu: bool = False
 
 
 def describe(obj: Any, *, versions: bool = True) -> Structure | None:
@@ -209,11 +211,11 @@ def describe(obj: Any, *, versions: bool = True) -> Structure | None:
     try:
         with gc_paused():
             visit(obj)
-            storages, counters, cdatas, columns = tensor_columns(tensors, v3, versions)
+            storages, counters, cdatas, columns, on_cpu = tensor_columns(tensors, v3, versions)
             key.extend(columns)
         return Structure(
             tuple(key), tuple(tensors), tuple(storages), tuple(counters), tuple(cdatas),
-            tuple(ints), columns, plain=not reductions,
+            tuple(ints), columns, plain=not reductions, on_cpu=on_cpu,
         )  # fmt: skip
     except (
         NotPlain,
@@ -293,7 +295,7 @@ class PlanCache:
             if entry is not None:
                 flat = Flattened(
                     entry.flat.skeleton, entry.flat.infos, structure.storages, structure.tensors,
-                    structure.versions, structure.storage_ids,
+                    structure.versions, structure.storage_ids, on_cpu=structure.on_cpu,
                 )  # fmt: skip
                 return flat, replan(entry.plan, path, namespace)
         fast = None

@@ -14,6 +14,8 @@ from typing import Any
 
 import torch
 
+from ckptcache.codec.shm import device_of
+
 __all__ = ["NotPlain", "tensor_columns", "tensor_items"]
 
 _Tensor = torch.Tensor
@@ -65,7 +67,6 @@ _requires_grad = operator.attrgetter("requires_grad")
 _DTYPES = frozenset(d for d in vars(torch).values() if isinstance(d, torch.dtype))
 _QUANTIZED = frozenset(d for d in _DTYPES if str(d).startswith(("torch.qint", "torch.quint")))
 _COMPLEX = frozenset(d for d in _DTYPES if d.is_complex)
-_device = operator.attrgetter("device")
 _is_cpu = operator.attrgetter("is_cpu")
 _hooks = operator.attrgetter("_backward_hooks")
 _attributes = operator.attrgetter("__dict__")
@@ -73,11 +74,12 @@ _attributes = operator.attrgetter("__dict__")
 
 def tensor_columns(
     tensors: list[torch.Tensor], v3: frozenset[torch.dtype], versions: bool = True
-) -> tuple[list[torch.UntypedStorage], list[int | None], list[int], tuple[Any, ...]]:
+) -> tuple[list[torch.UntypedStorage], list[int | None], list[int], tuple[Any, ...], bool]:
     """The storages of ``tensors`` (each once, in pickling order) in first-use order; per
     tensor its version counter (none read without ``versions``: only a non-blocking save
-    checks them) and its storage's ``_cdata``; and eight columns of their
-    fields (:attr:`Structure.columns`), which the key holds after the walk's items. Raises
+    checks them) and its storage's ``_cdata``; eight columns of their fields
+    (:attr:`Structure.columns`), which the key holds after the walk's items; and whether every
+    tensor is on the CPU (:attr:`~ckptcache.codec.flatten.Flattened.on_cpu`). Raises
     :class:`NotPlain` for a tensor that is not a plain dense CPU/CUDA tensor, or storages the
     flatten would refuse.
 
@@ -88,11 +90,11 @@ def tensor_columns(
     """
     ts = tensors
     if not ts:
-        return [], [], [], ((),) * 8
+        return [], [], [], ((),) * 8, True
     Tensor = _Tensor
     # All on the CPU (the usual case): one flag per tensor, no device object made.
     on_cpu = all(map(_is_cpu, ts))
-    devices = {_CPU} if on_cpu else set(map(_device, ts))
+    devices = {_CPU} if on_cpu else set(map(device_of, ts))
     dtypes = list(map(_dtype, ts))
     kinds = set(dtypes)
     # Three flags follow from the dtypes, so their columns are read only where they can be
@@ -147,7 +149,7 @@ def tensor_columns(
         (-1,) * len(ts) if on_cpu else tuple(map(Tensor.get_device, ts)),
         tuple(map(_Storage.nbytes, storages)),
     )
-    return storages, counters, cdatas, columns
+    return storages, counters, cdatas, columns, on_cpu
 
 
 def _version_or_none(t: torch.Tensor) -> int | None:
