@@ -13,4 +13,5 @@ mypy
 mkdocs build --strict
 # A skipped test fails the run (tests/_require_all.py): every area must really run here, only
 # tests marked gpu may skip (their reasons are listed by -ra).
-CKPTCACHE_REQUIRE_ALL=1 python -m pytest -p no:cacheprovider "$@"
+# The slowest tests are listed at the end: the suite is kept well under 20 minutes.
+CKPTCACHE_REQUIRE_ALL=1 python -m pytest -p no:cacheprovider --durations=25 "$@"
