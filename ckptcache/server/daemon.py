@@ -208,7 +208,10 @@ def build_core(config: DaemonConfig, metrics: Metrics | None = None) -> CacheCor
     )  # fmt: skip
     ingest = Ingest(state, saves)
     recover(state, roots, retention, digester, persister)
+    with state.lock.held():
+        pool.seed(state.index)  # what earlier saves here were: spares before a save asks
     pool.start()
+    pool.refill()
     cluster = None
     if clustered:
         from ckptcache.server.cluster.cluster import Cluster, ClusterPorts

@@ -9,10 +9,12 @@ Built by :func:`ckptcache.server.daemon.build_core` on a private shm directory.
 from __future__ import annotations
 
 import os
+import time
 
 import torch
 
 from ckptcache.format.layout import HEADER_SIZE
+from ckptcache.server.state import Incoming
 from ckptcache.wire import messages as m
 from tests.helpers import wait_until
 from tests.server.conftest import NS, object_bytes, save_object
@@ -120,10 +122,10 @@ def test_a_receive_takes_a_spare_and_the_pool_refills(make_core):
         view[:] = buf[HEADER_SIZE:]
         advance(len(view))
 
-    gen = core.ingest.receive(
+    gen = core.ingest.receive(Incoming(
         NS, "/ckpt/b.pt", plan.layout.nbytes, plan.layout.manifest_offset,
         len(plan.manifest_bytes), fill, "peer", verify=False,
-    )  # fmt: skip
+    ))  # fmt: skip
     assert gen.segment.name in first  # a spare, not a segment made inline
     with core.state.lock.held():
         assert gen.segment.capacity == 4 * MIB  # a 16 MiB spare trimmed to a 3 MiB object
@@ -204,3 +206,26 @@ def test_a_freed_segment_becomes_the_spare_when_the_budget_has_no_room_for_one(m
         assert bytes(view[record.offset : record.offset + record.nbytes]) == value.numpy().tobytes()
     finally:
         del view
+
+
+def test_a_restarted_daemon_sizes_its_spares_from_the_adopted_records(make_core):
+    """A restart adopts the committed generations; their records size the spares at once, so
+    the next job's first save finds one made, where a fresh daemon holds none."""
+    shm = f"/dev/shm/ckptcache-test-restart-{os.getpid()}"
+    options = {"memory_limit": 64 * MIB, "pool_segments": 2, "pool_bytes": 32 * MIB}
+    first = make_core(shm_dir=shm, **options)
+    session = first.saves.open_session(1, 0)
+    save_object(first, session, "/ckpt/job/step-1/model.pt", payload(3))
+    save_object(first, session, "/ckpt/job/step-1/optim.pt", payload(5))
+    first.shutdown()  # a clean stop keeps memory-only generations for the next incarnation
+    # Segment names carry the incarnation (start second and pid): in one process, the next
+    # core must start in another second not to reuse the first one's names.
+    time.sleep(1.1)
+    second = make_core(shm_dir=shm, **options)
+    listed = second.queries.list(second.saves.open_session(1, 0), m.ListRequest(NS, "/ckpt/job"))
+    assert {info.path for info in listed.objects} == {
+        "/ckpt/job/step-1/model.pt",
+        "/ckpt/job/step-1/optim.pt",
+    }
+    reply = wait_until(lambda: settled(second, 2), what="spares sized from the records")
+    assert sorted(reply.capacities) == [4 * MIB, 6 * MIB]

@@ -24,7 +24,9 @@ never competes with the client's copy for the CPU.
 Sizes come from what is saved: the pool keeps one spare per recent save that wanted a new
 segment (at most ``segments`` of them), each of that save's size (checkpoints of one job repeat
 their sizes, e.g. a model file and an optimizer file per step), and none before the first such
-save: a daemon that nobody saves to holds no spare. ``nbytes`` (``--pool-bytes``) only bounds
+save: a daemon that nobody saves to holds no spare. A restarted daemon takes the sizes from the
+records of the generations it adopted (:meth:`SegmentPool.seed`): the next job's first save
+finds its spare made. ``nbytes`` (``--pool-bytes``) only bounds
 the total; a save larger than it is never pre-made. A spare that serves none of the recent
 sizes (too small, or more than twice too big) is replaced in the background. A spare at most
 twice the size a save needs is handed over whole (trimming the tail would cost the save a
@@ -54,10 +56,12 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Iterable
 
 from ckptcache.format.layout import SegmentState
 from ckptcache.server.lock import Locked
 from ckptcache.server.memory.arena import Arena, Segment, empty_header, mapped_by_others
+from ckptcache.server.memory.index import Generation
 from ckptcache.wire import messages as m
 
 __all__ = ["SegmentPool"]
@@ -119,6 +123,16 @@ class SegmentPool:
         at the next :meth:`refill`, not now: the save's copy is about to run)."""
         if self.segments and capacity <= self.nbytes:
             self.recent.append(capacity)
+
+    def seed(self, generations: Iterable[Generation]) -> None:
+        """Size the spares from the records of earlier saves (``generations``: what a restart
+        adopted): the newest ones of the daemon's own user, one spare per segment size, as
+        if those saves had just wanted a new segment. A job's first save on a restarted
+        daemon then finds a spare made while the job starts, not an allocation of its own.
+        Grown at the next :meth:`refill` (under the state lock, like :meth:`note`)."""
+        own = [g for g in generations if g.segment.owner == self.arena.uid]
+        for gen in sorted(own, key=lambda g: g.committed)[-self.segments :]:
+            self.note(gen.segment.capacity)
 
     def claim(self, segment: Segment, nbytes: int) -> None:
         """``segment`` was just taken from the free list for ``nbytes``: if it was a spare, it
