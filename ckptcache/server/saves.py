@@ -1,9 +1,10 @@
-"""Saves: sessions, reservations within the memory budget, and commit.
+"""Saves: sessions, reservations, and commit (the room for a reservation is
+:mod:`ckptcache.server.memory.budget`'s).
 
 Call order (per client connection, see :mod:`ckptcache.wire.messages`)::
 
     session = saves.open_session(pid, uid)
-    saves.reserve(session, ReserveRequest)  -> segment to copy into (reuse, create, evict, wait)
+    saves.reserve(session, ReserveRequest)  -> segment to copy into (Budget.room_locked)
     saves.commit(session, CommitRequest)    -> generation published (or saves.abort)
     saves.commit_pinned(session, CommitRequest) -> a staging copy, held by a lease
     saves.close_session(session)            -> everything the connection held is let go
@@ -18,18 +19,16 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Callable, Collection
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import KW_ONLY, dataclass, replace
 
-from ckptcache._units import format_bytes
 from ckptcache.errors import (
     BudgetExceeded,
     CkptCacheError,
     CoordinatorUnavailable,
     CorruptCheckpoint,
     InvalidPath,
-    ObjectTooLarge,
     PathNotAllowed,
     ReplicationError,
 )
@@ -39,14 +38,13 @@ from ckptcache.server import ownership
 from ckptcache.server.config import DaemonConfig
 from ckptcache.server.manifest_memo import ManifestMemo
 from ckptcache.server.memory import records
-from ckptcache.server.memory.arena import Arena, Segment
+from ckptcache.server.memory.arena import Segment
+from ckptcache.server.memory.budget import Budget
 from ckptcache.server.memory.eviction import EvictionPolicy
 from ckptcache.server.memory.index import Generation
 from ckptcache.server.memory.pool import SegmentPool
 from ckptcache.server.memory.retention import Retention
-from ckptcache.server.memory.shares import Verdict
 from ckptcache.server.memory.staging import drop_lease_locked
-from ckptcache.server.ownership import Saver
 from ckptcache.server.persist.digester import Digester
 from ckptcache.server.persist.lineage import anchor_of, check_persistable, observe_base
 from ckptcache.server.persist.persister import Persister
@@ -110,8 +108,11 @@ class Saves:
         self._reads = ThreadPoolExecutor(4, thread_name_prefix="newest-seen")
         #: The daemon's own session: copies received from peers or storage.
         self.internal = Session(0, os.getpid(), os.getuid())
-        #: Each admitted user's share of the budget (see server/memory/shares.py).
-        self.shares = self.eviction.shares
+        #: Room for each reservation within the budget and its user's share.
+        self.budget = Budget(
+            self.config, self.state, pool=self.pool, retention=self.retention,
+            eviction=self.eviction,
+        )  # fmt: skip
         #: Manifests decoded in full, whose repeats a commit accepts from their bytes.
         self.manifests = ManifestMemo()
 
@@ -185,40 +186,12 @@ class Saves:
                 "durability='backup' needs backup nodes: start the daemons with --backup auto "
                 "(or a list of node ids), --listen and a shared --coordinator"
             )
-        limit = self.config.memory_limit
-        if Arena.capacity_for(req.nbytes) > limit:
-            raise ObjectTooLarge(
-                f"{req.path!r} needs {format_bytes(req.nbytes)}, more than the daemon's whole "
-                f"memory budget of {format_bytes(limit)}; raise --memory-limit or save this "
-                "object without the cache"
-            )
+        self.budget.check_whole(req.path, req.nbytes)
         deadline = time.monotonic() + bounded(self.config.reserve_timeout, req.timeout)
         state = self.state
-        what = f"{format_bytes(req.nbytes)} of {req.path!r}"
         with state.lock.held():
             ownership.check_may_save(state, session, (req.namespace, req.path))
-            while True:
-                share = self._fit_share_locked(saver.uid, Arena.capacity_for(req.nbytes), what)
-                if not share.fits:
-                    if deadline <= time.monotonic() or not self._own_pending_locked(saver.uid):
-                        self.metrics.budget_failures.inc()
-                        raise BudgetExceeded(share.message)
-                    state.lock.wait(min(deadline - time.monotonic(), 0.5))
-                    continue
-                segment = self._try_allocate(req.nbytes, saver, session.mapped)
-                if segment is not None:
-                    break
-                remaining = deadline - time.monotonic()
-                held, stuck = self._held_locked(Arena.capacity_for(req.nbytes))
-                if remaining <= 0 or stuck:
-                    self.metrics.budget_failures.inc()
-                    waited = "" if stuck else f" within {self.config.reserve_timeout:g}s"
-                    raise BudgetExceeded(
-                        f"no room for {format_bytes(req.nbytes)} of {req.path!r}{waited}: "
-                        f"{format_bytes(state.arena.used)} of {format_bytes(limit)} in use; "
-                        f"{held}"
-                    )
-                state.lock.wait(min(remaining, 0.5))
+            segment = self.budget.room_locked(req.path, req.nbytes, saver, session.mapped, deadline)
             if segment.sealable and session is not self.internal:
                 self._unseal_locked(segment)
             self._prepare_record_locked(segment, req)
@@ -246,34 +219,6 @@ class Saves:
                 newest = self.state.index.newest((req.namespace, req.path))
             return newest.committed_ns if newest is not None else 0
 
-    def _fit_share_locked(self, uid: int, capacity: int, what: str) -> Verdict:
-        """Whether ``uid`` may take ``capacity`` more bytes; evicts its own generations that
-        are safe to drop (never another user's) until it may, if it can."""
-        shares = self.shares
-        while True:
-            verdict = shares.check(uid, capacity, what)
-            if verdict.fits:
-                return verdict
-            own = self.eviction.own_victims(self.state.index, uid)
-            if not own:
-                return verdict
-            # Routine under a full budget (one a save): DEBUG; ckptcache_evictions counts them.
-            log.debug("evicting %s generation %d (its user's share is full)", own[0].path,
-                      own[0].number)  # fmt: skip
-            self.metrics.evictions.inc()
-            self.state.retire_locked(own[0])
-
-    def _own_pending_locked(self, uid: int) -> bool:
-        """Whether waiting can bring ``uid`` under its share: some of its generations are
-        pinned by loads or on their way to storage (then evictable)."""
-        user = self.shares.user_of(uid)
-        for gen in self.state.index:
-            if self.shares.owner(gen) != user:
-                continue
-            if gen.pins or self.eviction.on_its_way(gen):
-                return True
-        return False
-
     def _prepare_record_locked(self, segment: Segment, req: m.ReserveRequest) -> None:
         """Allocate the daemon's record of the commit now (see :func:`records.prepare`): a
         full file system refuses the reservation, before the trainer copies a byte, rather
@@ -292,90 +237,6 @@ class Saves:
         except OSError as e:
             self.state.arena.release(segment)
             raise CkptCacheError(f"cannot hand segment {segment.name} to its user: {e}") from e
-
-    def _held_locked(self, capacity: int) -> tuple[str, bool]:
-        """What holds the budget and what to do, and whether waiting can help (nothing is
-        pinned or on its way to storage, and saves in flight cannot explain the shortfall):
-        a budget full of checkpoints that can never be persisted fails at once."""
-        kinds: dict[str, list[Generation]] = {}
-        for gen in self.state.index:
-            if gen.staged_by:  # pinned too, but by its stager: say whose, and until when
-                uid = gen.saver.uid if gen.saver is not None else self.state.arena.uid
-                kind = f"staging copies of uid {uid} (held until their stager releases them)"
-            elif gen.pins:
-                kind = "pinned by loads"
-            elif gen.persisted or not gen.needs_persist:
-                kind = "persisted" if gen.persisted else "memory-only (never persisted)"
-            elif not self.eviction.on_its_way(gen):  # failed or conflict
-                kind = f"{gen.persist_state} persists"
-            else:
-                kind = "waiting for their persist"
-            kinds.setdefault(kind, []).append(gen)
-        parts = [
-            f"{format_bytes(sum(g.segment.capacity for g in gens))} in {len(gens)} "
-            f"{kind} (e.g. {gens[0].path!r})"
-            for kind, gens in sorted(kinds.items())
-        ]
-        held = sum(g.segment.capacity for g in self.state.index)
-        stuck = (
-            not any(gen.pins for gen in self.state.index)
-            and not kinds.get("waiting for their persist")
-            and held + capacity > self.state.arena.limit
-        )
-        advice = (
-            "Delete what is not needed (ckptcache rm PATH), save under a --persist-root, or "
-            "raise --memory-limit"
-            if stuck
-            else "Raise --memory-limit, keep fewer generations, or wait for persistence"
-        )
-        return f"held: {'; '.join(parts) or 'nothing committed'}. {advice}", bool(stuck)
-
-    def _try_allocate(
-        self, nbytes: int, saver: Saver | None = None, mapped: Collection[str] = ()
-    ) -> Segment | None:
-        """A segment for ``nbytes`` (under the lock): free list (first what the client maps
-        already, ``mapped``), spare pool, eviction of generations safe to drop, a new segment;
-        None while everything is pinned."""
-        state = self.state
-        arena = state.arena
-        capacity = Arena.capacity_for(nbytes)
-        owner = saver.uid if saver is not None else None
-        tight = arena.used + capacity > arena.limit
-        segment = arena.take_free(nbytes, tight=tight, owner=owner, mapped=mapped)
-        if segment is not None:
-            self.pool.claim(segment, nbytes)
-        else:
-            segment = self.pool.take(nbytes, arena.uid if owner is None else owner)
-        if segment is not None:
-            return segment
-        arena.shrink_free(capacity)
-        uid = arena.uid if owner is None else owner
-        while arena.used + capacity > arena.limit:
-            victims = self._victims_locked(uid)
-            if not victims and self.retention.mark_orphans_locked():
-                victims = self._victims_locked(uid)
-            if not victims:
-                return None
-            log.debug("evicting %s generation %d", victims[0].path, victims[0].number)
-            self.metrics.evictions.inc()
-            state.retire_locked(victims[0])
-            segment = arena.take_free(nbytes, tight=True, owner=owner, mapped=mapped)
-            if segment is not None:
-                self.pool.claim(segment, nbytes)
-                return segment
-            arena.shrink_free(capacity)
-        try:
-            return arena.create(nbytes, None if saver is None else (saver.uid, saver.gid))
-        except OSError as e:
-            raise BudgetExceeded(
-                f"cannot allocate {format_bytes(capacity)} in {arena.directory}: {e.strerror}. "
-                "The shared-memory file system is fuller than the budget assumes; lower "
-                "--memory-limit or enlarge /dev/shm"
-            ) from e
-
-    def _victims_locked(self, uid: int) -> list[Generation]:
-        """What a save of ``uid`` may evict: never another user's unpersisted generation."""
-        return self.eviction.victims(self.state.index, uid)
 
     # ----------------------------------------------------------------- commit
 
