@@ -1,4 +1,5 @@
-"""Ingest: take a copy from a peer or from storage into this node's memory.
+"""Ingest: take a copy from a peer or from storage (an
+:class:`~ckptcache.server.state.Incoming`) into this node's memory.
 
 Call order of :meth:`Ingest.receive`: refuse a path deleted since the copy was saved ->
 reserve (internal session) -> register the object in flight (peers asking for it are relayed
@@ -14,16 +15,14 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable
 from dataclasses import replace
 
 from ckptcache.errors import CheckpointNotFound
 from ckptcache.format.layout import HEADER_SIZE
 from ckptcache.format.manifest import compute_digests, pack_digests, unpack_digests, verify_digests
 from ckptcache.server.memory.index import Generation
-from ckptcache.server.ownership import Saver
 from ckptcache.server.saves import Saves
-from ckptcache.server.state import CacheState, Inflight
+from ckptcache.server.state import CacheState, Incoming, Inflight
 from ckptcache.wire import messages as m
 from ckptcache.wire.states import Tier
 
@@ -37,55 +36,26 @@ class Ingest:
         self.state = state
         self.saves = saves
 
-    def receive(
-        self,
-        namespace: str,
-        path: str,
-        nbytes: int,
-        manifest_offset: int,
-        manifest_size: int,
-        fill: Callable[[memoryview, Callable[[int], None]], None],
-        origin: str,
-        *,
-        verify: bool = True,
-        persisted: bool = False,
-        digests: Callable[[], list[int]] | None = None,
-        saved_at: float | None = None,
-        content_time: float = 0.0,
-        content_ns: int = 0,
-        saver: Saver | None = None,
-    ) -> Generation:
-        """Take a copy from a peer or storage: reserve, ``fill`` the bytes after the header,
-        verify every digest against the table that came with them (``verify``) or compute the
-        table (a copy read from storage), and commit it as this node's generation.
-        ``digests()``, when given, returns the digests ``fill`` already verified.
-
-        ``fill(view, advance)`` calls ``advance(n)`` whenever the first ``n`` bytes of ``view``
-        are final: until the commit, peers asking for the same path are relayed those bytes
-        as they land (see :attr:`CacheState.inflight`), so a broadcast is pipelined hop by hop.
-        ``saved_at``: the origin's commit time of a backup copy; refused if the path was
-        deleted here since (checked before and after the transfer). ``content_time``: when
-        the sender says a fetched copy's content was saved. The copy keeps the origin's time
-        as its commit time (what "newest wins" compares on storage and in memory), else the
-        time its read began (an upper bound); ``content_ns``, when known, is the origin's
-        exact stamp, which the copy keeps (a stamp that came through a float would be a few
-        ns off, and no longer name the same save). ``saver``: who saved it on the origin; a root
-        daemon holds and persists the copy as that user (else as itself: unknown saver).
-        """
+    def receive(self, copy: Incoming) -> Generation:
+        """Take ``copy`` in: reserve, fill the bytes after the header, verify every digest
+        (or compute the table), and commit it as this node's generation."""
         state, saves, internal = self.state, self.saves, self.saves.internal
+        namespace, path, nbytes, saved_at = copy.namespace, copy.path, copy.nbytes, copy.saved_at
         self._refuse_deleted(namespace, path, saved_at)
         started = time.time()  # a copy of unknown age was saved before its read began
-        content = saved_at or content_time or started
+        content = saved_at or copy.content_time or started
         request = m.ReserveRequest(namespace, path, nbytes)
+        saver = copy.saver
         if saver is not None and os.geteuid() == 0:  # only root may save on behalf of a user
             request = replace(request, uid=saver.uid, gid=saver.gid, umask=saver.umask)
         reply = saves.reserve(internal, request)
         key = (namespace, path)
-        commit = m.CommitRequest(reply.reservation, manifest_offset, manifest_size)
+        commit = m.CommitRequest(reply.reservation, copy.manifest_offset, copy.manifest_size)
         with state.lock.held():
             segment = internal.reservations[reply.reservation].segment
-            flight = Inflight(segment, nbytes, manifest_offset, manifest_size, persisted=persisted,
-                              saved_at=content, saved_ns=content_ns)  # fmt: skip
+            flight = Inflight(segment, nbytes, copy.manifest_offset, copy.manifest_size,
+                              persisted=copy.persisted, saved_at=content,
+                              saved_ns=copy.content_ns)  # fmt: skip
             state.inflight.setdefault(key, flight)
 
         def advance(n: int) -> None:
@@ -94,7 +64,7 @@ class Ingest:
         try:
             view = segment.view()
             try:
-                fill(view[HEADER_SIZE:nbytes], advance)
+                copy.fill(view[HEADER_SIZE:nbytes], advance)
             finally:
                 del view
             manifest, header = saves.validate(
@@ -103,9 +73,9 @@ class Ingest:
             view = segment.view()
             try:
                 start, n = header.digest_offset, header.n_storages
-                if digests is not None:
-                    table = digests()
-                elif verify:
+                if copy.digests is not None:
+                    table = copy.digests()
+                elif copy.verify:
                     table = unpack_digests(view[start : start + 8 * n], n)
                     verify_digests(view, manifest, table, tier=Tier.PEER)
                 else:
@@ -129,8 +99,8 @@ class Ingest:
             res.digests = table  # published with the generation: nobody hashes it again
             # Marked inside the commit, under the lock that publishes the generation: a
             # trainer's save of the same path committing meanwhile is never labelled a copy.
-            res.origin, res.saved_at, res.saved_ns = origin, content, content_ns
-            if persisted:
+            res.origin, res.saved_at, res.saved_ns = copy.origin, content, copy.content_ns
+            if copy.persisted:
                 res.persist, res.stored = False, True
         try:
             number = saves.commit(internal, commit).generation

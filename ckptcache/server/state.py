@@ -20,7 +20,7 @@ import os
 import time
 from collections.abc import Callable, Collection, Iterable
 from concurrent.futures import Future
-from dataclasses import dataclass, field, replace
+from dataclasses import KW_ONLY, dataclass, field, replace
 
 from ckptcache.errors import CheckpointNotFound, CkptCacheError, CorruptCheckpoint, InvalidPath
 from ckptcache.format.layout import HEADER_SIZE, SegmentState
@@ -39,6 +39,8 @@ from ckptcache.wire.states import PersistState, Tier
 
 __all__ = [
     "CacheState",
+    "Fill",
+    "Incoming",
     "Inflight",
     "NewerHeld",
     "Reservation",
@@ -113,6 +115,50 @@ class Inflight:
     #: When the content was saved (see :attr:`Reservation.saved_at`; 0: unknown).
     saved_at: float = 0.0
     saved_ns: int = 0
+
+
+#: ``fill(view, advance)``: writes a copy's bytes (those after the segment header) into
+#: ``view``, calling ``advance(n)`` whenever the first ``n`` bytes of ``view`` are final.
+Fill = Callable[[memoryview, Callable[[int], None]], None]
+
+
+@dataclass(frozen=True)
+class Incoming:
+    """A copy arriving from a peer or from storage: what
+    :meth:`ckptcache.server.ingest.Ingest.receive` takes into this node's memory."""
+
+    namespace: str
+    path: str
+    #: The segment's size, and where its manifest lies in it.
+    nbytes: int
+    manifest_offset: int
+    manifest_size: int
+    #: Writes the bytes. Until the commit, peers asking for the same path are relayed them
+    #: as they land (see :attr:`CacheState.inflight`), so a broadcast is pipelined hop by hop.
+    fill: Fill
+    #: The node it comes from ("storage" for a storage read).
+    origin: str
+    _: KW_ONLY
+    #: Verify every digest against the table that came with the bytes (else compute the
+    #: table: a copy read from storage).
+    verify: bool = True
+    #: The bytes are those stored at the path: committed as persisted, never written.
+    persisted: bool = False
+    #: The digests ``fill`` verified already, once it is done (the table is not read).
+    digests: Callable[[], list[int]] | None = None
+    #: The origin's commit time of a backup copy: refused if the path was deleted here since
+    #: (checked before and after the transfer).
+    saved_at: float | None = None
+    #: When the sender says a fetched copy's content was saved (0: unknown). The copy keeps
+    #: the origin's time as its commit time (what "newest wins" compares on storage and in
+    #: memory), else the time its read began (an upper bound).
+    content_time: float = 0.0
+    #: The origin's exact stamp (0: unknown), which the copy keeps: a stamp that came through
+    #: a float would be a few ns off, and no longer name the same save.
+    content_ns: int = 0
+    #: Who saved it on the origin; a root daemon holds and persists the copy as that user
+    #: (else as itself: unknown saver).
+    saver: Saver | None = None
 
 
 @dataclass(eq=False)

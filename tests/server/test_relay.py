@@ -14,6 +14,7 @@ from ckptcache.format.manifest import compute_digests, pack_digests
 from ckptcache.server.cluster import transfer
 from ckptcache.server.cluster.dataplane import Channel
 from ckptcache.server.cluster.transfer import receive_relayed, relay_in_flight
+from ckptcache.server.state import Incoming
 
 
 def test_relay_forwards_bytes_before_the_source_has_them_all(make_core, monkeypatch):
@@ -64,16 +65,18 @@ def test_relay_forwards_bytes_before_the_source_has_them_all(make_core, monkeypa
 
             receive_relayed(b, view, tracking)
 
-        received.append(downstream.ingest.receive("default", "/ckpt/model.pt", plan.layout.nbytes,
-                                           plan.layout.manifest_offset, len(plan.manifest_bytes),
-                                           fill, origin="up"))  # fmt: skip
+        received.append(downstream.ingest.receive(Incoming(
+            "default", "/ckpt/model.pt", plan.layout.nbytes, plan.layout.manifest_offset,
+            len(plan.manifest_bytes), fill, origin="up",
+        )))  # fmt: skip
 
     threads = [threading.Thread(target=relay), threading.Thread(target=receive_down)]
     for t in threads:
         t.start()
-    gen_up = upstream.ingest.receive("default", "/ckpt/model.pt", plan.layout.nbytes,
-                              plan.layout.manifest_offset, len(plan.manifest_bytes), slow_fill,
-                              origin="storage", verify=True)  # fmt: skip
+    gen_up = upstream.ingest.receive(Incoming(
+        "default", "/ckpt/model.pt", plan.layout.nbytes, plan.layout.manifest_offset,
+        len(plan.manifest_bytes), slow_fill, origin="storage", verify=True,
+    ))  # fmt: skip
     for t in threads:
         t.join(60)
     assert relayed == [] and len(received) == 1

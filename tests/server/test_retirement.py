@@ -16,7 +16,7 @@ from ckptcache.errors import CheckpointNotFound
 from ckptcache.format.layout import HEADER_SIZE, SegmentState
 from ckptcache.format.manifest import compute_digests, meta_digests
 from ckptcache.server.cluster.replication import Replication
-from ckptcache.server.state import NewerHeld
+from ckptcache.server.state import Incoming, NewerHeld
 from ckptcache.wire import messages as m
 from ckptcache.wire import peer
 from ckptcache.wire.states import PersistState
@@ -122,9 +122,9 @@ def test_an_ingested_copy_never_labels_or_outranks_a_save_committed_meanwhile(ma
         save_object(core, session, path, torch.full((100,), 2.0))  # the trainer's newer save
 
     with pytest.raises(NewerHeld):
-        core.ingest.receive(NS, path, plan.layout.nbytes, plan.layout.manifest_offset,
-                            len(plan.manifest_bytes), trainer_saves_meanwhile, "storage",
-                            verify=False, persisted=True)  # fmt: skip
+        core.ingest.receive(Incoming(NS, path, plan.layout.nbytes, plan.layout.manifest_offset,
+                                     len(plan.manifest_bytes), trainer_saves_meanwhile,
+                                     "storage", verify=False, persisted=True))  # fmt: skip
     gens = core.state.index.generations((NS, path))
     assert len(gens) == 1
     newest = gens[0]
@@ -144,9 +144,9 @@ def test_an_ingested_storage_copy_is_marked_persisted_in_its_commit(make_core, t
         view[:] = buf[HEADER_SIZE : HEADER_SIZE + len(view)]
         advance(len(view))
 
-    gen = core.ingest.receive(NS, path, plan.layout.nbytes, plan.layout.manifest_offset,
-                              len(plan.manifest_bytes), fill, "storage", verify=False,
-                              persisted=True)  # fmt: skip
+    gen = core.ingest.receive(Incoming(NS, path, plan.layout.nbytes, plan.layout.manifest_offset,
+                                       len(plan.manifest_bytes), fill, "storage", verify=False,
+                                       persisted=True))  # fmt: skip
     assert gen is _generation(core, path)
     assert gen.origin == "storage" and gen.persisted
     assert gen.persist_state == PersistState.PERSISTED
@@ -202,9 +202,9 @@ def test_a_copy_keeps_the_commit_time_of_its_content(make_core):
         advance(len(view))
 
     saved_on_origin = 1_700_000_000.25
-    gen = core.ingest.receive(NS, path, plan.layout.nbytes, plan.layout.manifest_offset,
-                              len(plan.manifest_bytes), fill, "origin-node", verify=False,
-                              saved_at=saved_on_origin)  # fmt: skip
+    gen = core.ingest.receive(Incoming(NS, path, plan.layout.nbytes, plan.layout.manifest_offset,
+                                       len(plan.manifest_bytes), fill, "origin-node",
+                                       verify=False, saved_at=saved_on_origin))  # fmt: skip
     assert gen.committed_ns == int(saved_on_origin * 1e9)
     assert gen.segment.read_header().committed_ns == gen.committed_ns
     assert gen.committed == pytest.approx(saved_on_origin, abs=1e-6)  # ns, back in seconds

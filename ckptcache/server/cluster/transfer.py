@@ -25,6 +25,7 @@ from ckptcache.format.layout import HEADER_SIZE
 from ckptcache.format.manifest import Manifest, pack_digests, unpack_digests
 from ckptcache.server.cluster.dataplane import Channel, Span, Xxh3, send_msg
 from ckptcache.server.ownership import sent_saver
+from ckptcache.server.state import Incoming
 from ckptcache.wire import peer
 from ckptcache.wire.states import Tier
 
@@ -168,7 +169,7 @@ def check_skeleton(view: memoryview, manifest: Manifest, expected: int) -> None:
 def receive_copy(
     channel: Channel,
     head: peer.PushRequest | peer.ObjectHead,
-    receive: Callable[..., Generation],
+    receive: Callable[[Incoming], Generation],
     origin: str,
     *,
     ready: bool,
@@ -196,8 +197,7 @@ def receive_copy(
         verified.extend(receive_object(channel, view, manifest, digest_offset, advance))
         check_skeleton(view, manifest, head.skeleton_digest)
 
-    return receive(head.namespace, head.path, head.nbytes, head.manifest_offset,
-                   head.manifest_size, fill, origin=origin, digests=lambda: verified,
-                   saved_at=saved_at, persisted=persisted, content_time=content_time,
-                   content_ns=content_ns,
-                   saver=sent_saver(head))  # fmt: skip
+    return receive(Incoming(head.namespace, head.path, head.nbytes, head.manifest_offset,
+                            head.manifest_size, fill, origin=origin, digests=lambda: verified,
+                            saved_at=saved_at, persisted=persisted, content_time=content_time,
+                            content_ns=content_ns, saver=sent_saver(head)))  # fmt: skip

@@ -37,7 +37,7 @@ from ckptcache.server.cluster.transfer import (
 )
 from ckptcache.server.memory.index import Generation
 from ckptcache.server.ownership import saver_fields
-from ckptcache.server.state import CacheState, Inflight
+from ckptcache.server.state import CacheState, Incoming, Inflight
 from ckptcache.wire import peer
 
 __all__ = ["FANOUT", "Fetching", "PeerBusy"]
@@ -84,7 +84,7 @@ class Fetching:
         membership: Membership,
         *,
         ensure_digests: Callable[[Generation], list[int]],
-        receive: Callable[..., Generation],
+        receive: Callable[[Incoming], Generation],
         drop_corrupt: Callable[[str, str, int, str], None],
     ):
         self.state = state
@@ -156,11 +156,11 @@ class Fetching:
                     started()
                     receive_relayed(conn.channel, view, advance)
 
-                return self.receive(
+                return self.receive(Incoming(
                     namespace, path, head.nbytes, head.manifest_offset, head.manifest_size,
                     fill, origin=node.node_id, persisted=head.persisted,  # not written back
                     content_time=head.committed, content_ns=head.committed_ns,
-                )  # fmt: skip
+                ))  # fmt: skip
             try:
                 return receive_copy(conn.channel, head, self.receive, node.node_id,
                                     ready=False, started=started, persisted=head.persisted,

@@ -24,6 +24,7 @@ from ckptcache.server.config import DaemonConfig
 from ckptcache.server.memory.index import Generation
 from ckptcache.server.metrics import Metrics
 from ckptcache.server.persist.roots import PersistRoots
+from ckptcache.server.state import Incoming
 from ckptcache.storage import StorageOptions, backend_for
 from ckptcache.wire.states import Tier
 
@@ -55,7 +56,7 @@ class StorageReader:
         *,
         roots: PersistRoots,
         options: StorageOptions,
-        receive: Callable[..., Generation],
+        receive: Callable[[Incoming], Generation],
     ):
         self.config = config
         self.metrics = metrics
@@ -173,10 +174,10 @@ class StorageReader:
             view[dstart : dstart + 8 * len(table)] = pack_digests(table)
             advance(layout.nbytes - HEADER_SIZE)
 
-        gen = self.receive(
+        gen = self.receive(Incoming(
             namespace, path, layout.nbytes, layout.manifest_offset, capacity, fill,
             origin="storage", persisted=True, digests=lambda: table, content_ns=stamp,
-        )  # fmt: skip
+        ))  # fmt: skip
         self.metrics.storage_reads.inc()
         log.info("read %s from storage for the group (%.0f MB/s)", path,
                  size / max(time.perf_counter() - t0, 1e-9) / 1e6)  # fmt: skip
