@@ -34,6 +34,7 @@ import builtins
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
+from ckptcache.client._loads import LoadOptions
 from ckptcache.client._parts import build_parts
 from ckptcache.client._paths import normalize_path
 from ckptcache.client._saves import check_durability
@@ -190,7 +191,8 @@ class Client:
         digest here (a stored file's structure still is)."""
         path = normalize_path(path)
         self._spares.first_contact()
-        return self._loads.load(path, map_location, weights_only, mmap, verify)
+        options = LoadOptions(map_location, weights_only, mmap, verify)
+        return self._loads.load(path, options)
 
     def map_local(self, path: Any) -> tuple[Mapping, m.OpenReply]:
         """Pin the newest generation of ``path`` and map its segment (read-only for the

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import os
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ckptcache import errors
@@ -38,9 +39,26 @@ if TYPE_CHECKING:
     from ckptcache.codec.flatten import MapLocation
     from ckptcache.codec.shm import Mapping
 
-__all__ = ["Loads"]
+__all__ = ["LoadOptions", "Loads"]
 
 log = logging.getLogger("ckptcache.client")
+
+
+@dataclass(frozen=True)
+class LoadOptions:
+    """The options of a load (:meth:`Client.load`), the same for each place it may be read
+    from: the daemon's segment or the stored file."""
+
+    #: Where the storages go, with ``torch.load``'s rules.
+    map_location: MapLocation = None
+    #: Unpickle only torch's allowlist (and ckptcache's few additions).
+    weights_only: bool = True
+    #: None: zero-copy views where the bytes allow; False: private copies; True: a stored
+    #: file mapped, not read.
+    mmap: bool | None = None
+    #: None: check what crosses a tier and trust this node's memory; True: check this node's
+    #: memory too; False: check no digest here.
+    verify: bool | None = None
 
 
 class Loads:
@@ -49,12 +67,9 @@ class Loads:
     def __init__(self, settings: Settings, connection: Connection):
         self._settings, self._connection = settings, connection
 
-    def load(
-        self, path: str, map_location: MapLocation, weights_only: bool, mmap: bool | None,
-        verify: bool | None,
-    ) -> Any:  # fmt: skip
+    def load(self, path: str, options: LoadOptions) -> Any:
         """See :meth:`Client.load` (``path`` normalized)."""
-        local = verify is True
+        local = options.verify is True
         request = m.OpenRequest(
             self._settings.namespace, path, need_digests=local,
             timeout=self._settings.server_wait(), allow_stale=self._settings.allow_stale,
@@ -62,10 +77,10 @@ class Loads:
         try:
             reply = self._connection.call("open", request, m.OpenReply)
         except (CheckpointNotFound, DaemonUnavailable, CoordinatorUnavailable) as e:
-            return self._load_file(path, map_location, weights_only, mmap, e, verify)
+            return self._load_file(path, options, e)
         log.debug("load of %s served from the %s tier", path, reply.tier)
         try:
-            return self._load_segment(reply, map_location, weights_only, mmap, local)
+            return self._load_segment(reply, options)
         except CorruptCheckpoint as e:
             usable = self._file_not_older_than(path, reply.generation)
             report = m.ReportCorruptRequest(
@@ -84,7 +99,7 @@ class Loads:
                     "save), so it is not loaded in its place",
                     tensor=e.tensor, tier=e.tier,
                 ) from e  # fmt: skip
-            return self._load_file(path, map_location, weights_only, mmap, e, verify)
+            return self._load_file(path, options, e)
 
     def map_local(self, path: str) -> tuple[Mapping, m.OpenReply]:
         """See :meth:`Client.map_local` (``path`` normalized)."""
@@ -126,15 +141,14 @@ class Loads:
         # Commit times travel as float seconds (exact to about 0.2 us at today's dates).
         return stamp is not None and stamp >= round(info.committed * 1e9) - 1_000
 
-    def _load_segment(
-        self, reply: m.OpenReply, map_location: MapLocation, weights_only: bool,
-        mmap: bool | None, verify: bool,
-    ) -> Any:  # fmt: skip
+    def _load_segment(self, reply: m.OpenReply, options: LoadOptions) -> Any:
+        """The object of the segment ``reply`` names, its digests checked first where
+        ``options.verify`` is True."""
         from ckptcache.codec.objectio import read_object
 
         mapping = self._map(reply)
         digests = None
-        if verify:
+        if options.verify is True:
             if not reply.digests_valid:
                 raise CorruptCheckpoint("the daemon returned no digests to verify against")
             table = memoryview(mapping)[
@@ -144,16 +158,14 @@ class Loads:
             table.release()
             _verify_meta(mapping, reply)
         return read_object(
-            mapping, reply.manifest_offset, reply.manifest_size, zero_copy=mmap is not False,
-            weights_only=weights_only, map_location=map_location, digests=digests,
+            mapping, reply.manifest_offset, reply.manifest_size,
+            zero_copy=options.mmap is not False, weights_only=options.weights_only,
+            map_location=options.map_location, digests=digests,
         )  # fmt: skip
 
-    def _load_file(
-        self, path: str, map_location: MapLocation, weights_only: bool, mmap: bool | None,
-        reason: errors.CkptCacheError, verify: bool | None = None,
-    ) -> Any:  # fmt: skip
-        """Read the stored file at ``path`` here, checked unless ``verify is False`` (see
-        :meth:`Client.load`); ``reason`` is why the daemon did not serve it."""
+    def _load_file(self, path: str, options: LoadOptions, reason: errors.CkptCacheError) -> Any:
+        """Read the stored file at ``path`` here, checked unless ``options.verify`` is False
+        (see :meth:`Client.load`); ``reason`` is why the daemon did not serve it."""
         if isinstance(reason, DaemonUnavailable) and self._settings.fallback == "raise":
             raise reason
         if isinstance(reason, CoordinatorUnavailable) and not self._settings.allow_stale:
@@ -167,8 +179,9 @@ class Loads:
                 "(and the namespace, if the job sets one)"
             ) from reason
         return load_from_storage(
-            path, map_location, weights_only=weights_only, mmap=mmap, verify=verify is not False
-        )
+            path, options.map_location, weights_only=options.weights_only, mmap=options.mmap,
+            verify=options.verify is not False,
+        )  # fmt: skip
 
 
 def _verify_meta(mapping: Mapping, reply: m.OpenReply) -> None:
