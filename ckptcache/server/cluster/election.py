@@ -162,9 +162,10 @@ class Election:
         held = coord.get(key)
         return held is not None and all(held.get(f) == value[f] for f in same)
 
-    def stored(self, gen: Generation) -> None:
-        """``gen`` reached storage at its path: one more try at its newest-save record."""
-        self.truth.stored(gen)
+    def stored(self, gen: Generation) -> bool:
+        """``gen`` reached storage at its path: its newest-save record is put before the
+        persist is reported (False: the daemon stopped first; see :meth:`Truth.stored`)."""
+        return self.truth.stored(gen)
 
     def newer_saved(self, gen: Generation) -> bool:
         """Whether the cluster's newest save of ``gen``'s path is newer than ``gen`` (one

@@ -23,8 +23,10 @@ newest, whatever its node held before, and storage gets it.
 
 While the coordinator is unreachable a save still commits (a checkpoint error never stops
 training): its record is put once the coordinator answers, and until then other nodes do not
-know it (say so in Guarantees). A load that cannot read the record raises
-:class:`CoordinatorUnavailable` unless the client opted in to possibly-stale bytes.
+know it (say so in Guarantees). Its persist is not reported until the record is in
+(:meth:`Truth.stored`): ``persisted`` always means every node's load returns it. A load that
+cannot read the record raises :class:`CoordinatorUnavailable` unless the client opted in to
+possibly-stale bytes.
 """
 
 from __future__ import annotations
@@ -55,7 +57,8 @@ UNSEEN = -1
 #: Putting a save's record while the coordinator is unreachable: tried again at this pace.
 PUBLISH_RETRY = Backoff(0.2, 5.0)
 
-#: How long a persist tries to put its generation's newest-save record before reporting.
+#: How long a persist tries to put its generation's newest-save record before it says, once,
+#: that it is waiting for the coordinator (it keeps trying: see :meth:`Truth.stored`).
 STORED_PATIENCE = 2.0
 
 #: Paths whose last read record is kept for their commit (the saves in flight at once).
@@ -125,15 +128,32 @@ class Truth:
         threading.Thread(target=self._retry, args=(gen, record), name="latest-record",
                          daemon=True).start()  # fmt: skip
 
-    def stored(self, gen: Generation) -> None:
-        """``gen`` (a save of this node or a backup copy) reached storage: one more try at
-        its newest-save record before the persist is reported, so that a save whose record
-        was lost (or is still being retried) is known to every node once ``wait()`` says
-        persisted. Tried for up to :data:`STORED_PATIENCE` seconds (the persist worker's time,
-        not the trainer's); an unreachable coordinator leaves it to the retries."""
-        failed = self._advance_within(gen, self._record(gen), STORED_PATIENCE)
-        if failed is not None:
-            log.debug("newest-save record of %s not put at its persist: %s", gen.path, failed)
+    def stored(self, gen: Generation) -> bool:
+        """``gen`` (a save of this node or a backup copy) reached storage: put its newest-save
+        record before the persist is reported, so that every node knows a save once
+        ``wait()`` says it is persisted. A record lost, or still being retried since the
+        commit, would otherwise leave other nodes serving their older copies of a save
+        reported persisted. Tried until it is in, on the persist worker's time (never the
+        trainer's): a persist needs the coordinator for its claim in any case. False when the
+        daemon stops first (the persist is not reported; the next start finds the object)."""
+        record = self._record(gen)
+        failed = self._advance_within(gen, record, STORED_PATIENCE)
+        if failed is None:
+            return True
+        log.warning("%s generation %d is on storage; waiting for the coordinator to record it "
+                    "as the newest save before reporting it persisted (%s)",
+                    gen.path, gen.number, failed)  # fmt: skip
+        failures = 0
+        while not self._stop.wait(PUBLISH_RETRY.delay(failures)):
+            try:
+                self._advance(gen, record)
+            except CoordinatorUnavailable:
+                failures += 1
+                continue
+            log.info("recorded %s generation %d as the newest save; persisted",
+                     gen.path, gen.number)  # fmt: skip
+            return True
+        return False
 
     def _advance_within(
         self, gen: Generation, record: LatestRecord, patience: float

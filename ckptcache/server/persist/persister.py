@@ -108,9 +108,9 @@ class PersistElection(Protocol):
         """Whether a newer save of ``gen``'s path was made anywhere in the cluster (False
         when that cannot be known now)."""
 
-    def stored(self, gen: Generation) -> None:
-        """``gen`` reached storage: make sure the cluster knows it as the newest save of its
-        path, if it is (best effort), before the persist is reported."""
+    def stored(self, gen: Generation) -> bool:
+        """``gen`` reached storage: the cluster knows it as the newest save of its path (if
+        it is) before the persist is reported; False when the daemon stops first."""
 
     def fence(self, gen: Generation, guard: WriteGuard) -> WriteGuard:
         """``guard``, also raising :class:`Deposed` whenever it is consulted (before the
@@ -246,6 +246,8 @@ class Persister:
         if cluster is not None and self._on_storage(gen, backend, target):
             log.info("%s generation %d is on storage already (an earlier representative wrote "
                      "it): not written again", gen.path, gen.number)  # fmt: skip
+            if target == gen.path and not cluster.stored(gen):
+                return  # stopping: not reported; the next start finds the object
             self.mark_persisted(gen)
             cluster.persisted(gen, target)
             return
@@ -299,11 +301,12 @@ class Persister:
                 if attempt < cfg.persist_retries:
                     time.sleep(self.retry_backoff.delay(attempt))
                 continue
-            # The object is complete on storage: persisted now, whatever the coordinator says;
-            # the group's record follows (retried in the background through an etcd outage).
+            # The object is complete on storage: reported once its newest-save record is in
+            # (every node loads it from then on); the group's persisted record follows
+            # (retried in the background through an etcd outage).
             gen.stored = self._stored_identity(backend, target)
-            if cluster is not None and target == gen.path:
-                cluster.stored(gen)  # known newest before wait() says persisted
+            if cluster is not None and target == gen.path and not cluster.stored(gen):
+                return  # stopping: not reported; the next start finds the object
             self._done(gen, time.perf_counter() - t0)
             if cluster is not None:
                 cluster.persisted(gen, target)

@@ -128,13 +128,6 @@ def test_etcd_leader_killed(lab: Lab, url: str) -> None:
     assert set(acked) >= {200, 201, 202}  # two of three members: nothing may fail
 
 
-@pytest.mark.xfail(
-    strict=False,  # passes since a save waits for its record; kept for the case below
-    reason="a newest-save record refused for longer than the save waits for it (lease_ttl) "
-    "and its persist does, while the node's other requests pass, is unknown to the other "
-    "nodes until the background retry puts it: their loads serve their older copy "
-    "(Guarantees, Limits; deterministic in tests/server/test_unrecorded_newest.py)",
-)
 def test_etcd_leader_cut_off_from_the_other_members(lab: Lab, url: str) -> None:
     """etcd's leader is cut off from the other two members; nodes still reach all three, and
     a gateway may keep sending a node's requests to the old leader, which cannot serve them.
