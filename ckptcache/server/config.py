@@ -98,6 +98,10 @@ class DaemonConfig:
     persist_retries: int = 5
     persist_backoff: float = 0.5
     persist_backoff_max: float = 30.0
+    #: Copy the records that did not change since the previous persist of a local path from
+    #: that file (``copy_file_range``: a reflink where the file system shares blocks), each
+    #: checked as read back; off: every persist writes the whole file (docs/persistence.md).
+    incremental_persist: bool = True
     s3_endpoint_url: str | None = None
     s3_region: str | None = None
     s3_part_size: int = 64 << 20
@@ -358,6 +362,7 @@ VALIDATORS: dict[str, Validator] = {
     "persist_retries": _count(0),
     "persist_backoff": _seconds(zero_ok=True),
     "persist_backoff_max": _seconds(zero_ok=True),
+    "incremental_persist": _flag,
     "coordinator": _coordinator,
     "cluster": _text,
     "job": _text,

@@ -8,6 +8,9 @@ Exchanges (one connection may carry several, one after the other)::
 
     push:    PushRequest  -> Ack (reserved: send the bytes) | Refused
              <segment body, digest table>      -> Pushed | Refused
+             (striped: the first stripe of the body here, then the table once every
+             stripe is in; each other stripe on a connection of its own:)
+    stripe:  PushStripe   -> Ack <its stripe of the body> -> Ack | Refused
     fetch:   FetchRequest -> ObjectHead <segment body, digest table>
                            | RelayHead  <segment body as it lands here>
                            | Refused
@@ -20,6 +23,7 @@ else escapes a decoder, whatever the bytes.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 from dataclasses import dataclass
 from typing import Any, ClassVar, TypeVar
@@ -28,12 +32,14 @@ from ckptcache.errors import ProtocolMismatch
 from ckptcache.wire.messages import PathMessage, build, message
 
 __all__ = [
+    "MAX_STREAMS",
     "Ack",
     "CorruptReport",
     "FetchRequest",
     "ObjectHead",
     "PeerRequest",
     "PushRequest",
+    "PushStripe",
     "Pushed",
     "Refused",
     "RelayHead",
@@ -53,6 +59,9 @@ def _non_negative(message: Any, *names: str) -> None:
         if getattr(message, name) < 0:
             raise ValueError(f"{type(message).__name__}.{name}: must be >= 0")
 
+
+#: Most connections one transfer is split across (a bound on what a peer may ask for).
+MAX_STREAMS = 64
 
 #: Latest wall-clock time (s) a commit time may name: it is stored in ns in a uint64 header
 #: field (and compared with storage's times), so anything beyond is a bad message.
@@ -113,10 +122,32 @@ class PushRequest(_Extent, _CopyHead):
     committed: float
     #: The origin's stamp of the save, exact (``committed`` is for clocks only; 0: unknown).
     committed_ns: int = 0
+    #: Connections the sender may split the body across (1: all on this one); the receiver
+    #: answers where each stripe starts in :attr:`Ack.stripes`.
+    streams: int = 1
+    #: Names the transfer on the other connections (:class:`PushStripe`); empty with one.
+    token: str = ""
 
     def __post_init__(self) -> None:
         _copy_head(self)  # not super(): a slots dataclass is a new class without its cell
         _non_negative(self, "committed_ns")
+        if not 1 <= self.streams <= MAX_STREAMS:
+            raise ValueError(f"PushRequest.streams: must be 1 to {MAX_STREAMS}")
+
+
+@message
+class PushStripe:
+    """One more connection of a striped push: stripe ``index`` (1 on; 0 is the offer's own
+    connection) of the transfer named ``token``, sent once the receiver answers :class:`Ack`,
+    acknowledged once its bytes are in and checked."""
+
+    OP: ClassVar[str] = "push_stripe"
+    token: str
+    index: int
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.index < MAX_STREAMS:
+            raise ValueError(f"PushStripe.index: must be 1 to {MAX_STREAMS - 1}")
 
 
 @message
@@ -139,13 +170,26 @@ class CorruptReport(PathMessage):
         _non_negative(self, "generation")
 
 
-PeerRequest = PushRequest | FetchRequest | CorruptReport
-_REQUESTS: dict[str, type[Any]] = {c.OP: c for c in (PushRequest, FetchRequest, CorruptReport)}
+PeerRequest = PushRequest | PushStripe | FetchRequest | CorruptReport
+_REQUESTS: dict[str, type[Any]] = {
+    c.OP: c for c in (PushRequest, PushStripe, FetchRequest, CorruptReport)
+}
 
 
 @message
 class Ack:
     """Go on (a push may send its bytes; a report was taken)."""
+
+    #: Where each stripe of a push's body starts (offsets from the end of the segment header,
+    #: the first 0), as the receiver planned them (at most the offer's
+    #: :attr:`PushRequest.streams`); empty: the whole body on the offer's connection.
+    stripes: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        starts = self.stripes
+        increasing = all(b > a for a, b in itertools.pairwise(starts))
+        if starts and (len(starts) > MAX_STREAMS or starts[0] != 0 or not increasing):
+            raise ValueError(f"Ack.stripes: at most {MAX_STREAMS} increasing offsets from 0")
 
 
 @message
@@ -199,10 +243,16 @@ class RelayHead(_Extent):
         _wall_clock(self, "committed")
 
 
+#: Fields newer than the format older nodes read (they refuse unknown fields): left out at
+#: their defaults, so a message that does not use them is the one older nodes speak.
+_NEWER: dict[str, Any] = {"streams": 1, "token": "", "stripes": ()}
+
+
 def encode(message: Any) -> dict[str, Any]:
     """The JSON object of a peer message (requests carry ``op``; replies ``ok``, and
     ``relay`` for a :class:`RelayHead`)."""
-    body = dataclasses.asdict(message)
+    body = {k: v for k, v in dataclasses.asdict(message).items()
+            if k not in _NEWER or v != _NEWER[k]}  # fmt: skip
     op = getattr(type(message), "OP", None)
     if op is not None:
         return {"op": op, **body}

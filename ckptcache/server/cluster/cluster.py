@@ -146,6 +146,7 @@ class Cluster:
             self.server = DataPlaneServer(
                 cfg.listen, secret, {  # one handler per message kind
                     peer.PushRequest.OP: _typed(peer.PushRequest, self.replication.on_push),
+                    peer.PushStripe.OP: _typed(peer.PushStripe, self.replication.on_push_stripe),
                     peer.FetchRequest.OP: _typed(peer.FetchRequest, self.fetching.on_fetch),
                     peer.CorruptReport.OP: _typed(peer.CorruptReport, self.fetching.on_corrupt),
                     clock.OP: clock.on_probe,

@@ -7,13 +7,16 @@ brings them up to ``replicas`` backup copies) -> :meth:`Replication.check_replic
 cluster monitor (re-replicates copies on nodes that left) -> :meth:`Replication.stop`.
 A push: :class:`~ckptcache.wire.peer.PushRequest` -> ``Ack`` -> bytes -> (the receiver
 commits the copy and announces itself as a holder) -> ``Pushed``: once a push is acknowledged,
-every node finds the copy.
+every node finds the copy. A large push is split into stripes, each on a connection of its own
+(:class:`~ckptcache.wire.peer.PushStripe`, :mod:`~ckptcache.server.cluster.stripes`), up to
+the ``data_plane_streams`` of both nodes.
 """
 
 from __future__ import annotations
 
 import logging
 import queue
+import secrets
 import threading
 import time
 from collections.abc import Callable
@@ -24,7 +27,14 @@ from ckptcache.format.manifest import Manifest
 from ckptcache.server.cluster.coord import CoordinatorUnavailable, NodeInfo
 from ckptcache.server.cluster.dataplane import Channel, recv_msg, send_msg
 from ckptcache.server.cluster.membership import Membership
-from ckptcache.server.cluster.transfer import receive_copy, send_object
+from ckptcache.server.cluster.stripes import Sinks, auto_streams
+from ckptcache.server.cluster.transfer import (
+    receive_copy,
+    send_object,
+    send_stripe,
+    send_striped,
+    serve_stripe,
+)
 from ckptcache.server.config import DaemonConfig
 from ckptcache.server.memory.index import Generation
 from ckptcache.server.ownership import saver_fields
@@ -49,6 +59,7 @@ class Replication:
 
     def __post_init__(self) -> None:
         self._work: queue.Queue[Generation | None] = queue.Queue()
+        self._sinks = Sinks()  # striped pushes being received here
 
     def start(self) -> None:
         """Start the worker that announces and protects generations."""
@@ -123,16 +134,33 @@ class Replication:
                 manifest_offset=header.manifest_offset, manifest_size=header.manifest_size,
                 origin=self.membership.node.node_id, manifest=gen.manifest.to_json().decode(),
                 skeleton_digest=header.skeleton_digest, committed=gen.committed,
-                committed_ns=gen.committed_ns, **saver_fields(gen.saver),
+                committed_ns=gen.committed_ns, token="", **saver_fields(gen.saver),
             )  # fmt: skip
+            streams = auto_streams(self.config.data_plane_streams)
+            if streams > 1:
+                offer = replace(offer, streams=streams, token=secrets.token_hex(16))
             with self.membership.dial(target) as conn:
                 t1 = time.perf_counter()
                 send_msg(conn.channel, peer.encode(offer))
                 ready = peer.decode_ack(recv_msg(conn.channel))
+                if (isinstance(ready, peer.Refused) and ready.error == "ProtocolMismatch"
+                        and offer.streams > 1):  # fmt: skip
+                    # A node that predates striped pushes: the whole body on this connection.
+                    offer = replace(offer, streams=1, token="")
+                    send_msg(conn.channel, peer.encode(offer))
+                    ready = peer.decode_ack(recv_msg(conn.channel))
                 if isinstance(ready, peer.Refused):
                     raise ReplicationError(f"{target.node_id} refused: {ready.message}")
                 t2 = time.perf_counter()
-                send_object(conn.channel, gen, lambda: self.ensure_digests(gen))
+                if len(ready.stripes) > 1:
+
+                    def stripe(index: int, lo: int, hi: int) -> None:
+                        self._push_stripe(gen, target, offer.token, index, lo, hi)
+
+                    send_striped(conn.channel, gen, lambda: self.ensure_digests(gen),
+                                 list(ready.stripes), stripe)  # fmt: skip
+                else:
+                    send_object(conn.channel, gen, lambda: self.ensure_digests(gen))
                 t3 = time.perf_counter()
                 done = peer.decode_pushed(recv_msg(conn.channel))
                 t4 = time.perf_counter()
@@ -146,15 +174,30 @@ class Replication:
         finally:
             self.state.unpin(gen)
 
+    def _push_stripe(
+        self, gen: Generation, target: NodeInfo, token: str, index: int, lo: int, hi: int
+    ) -> None:
+        """Send stripe ``index`` (``[lo, hi)`` of the body) of a striped push on a connection
+        of its own, until the receiver acknowledges it in and checked."""
+        with self.membership.dial(target) as conn:
+            send_stripe(conn.channel, gen, token, index, lo, hi)
+
+    def on_push_stripe(self, conn: Channel, req: peer.PushStripe) -> None:
+        """Handler of :class:`~ckptcache.wire.peer.PushStripe`: one stripe of a push this node
+        is taking (from the node that offered it, once)."""
+        serve_stripe(self._sinks, conn, req)
+
     def on_push(self, conn: Channel, req: peer.PushRequest) -> None:
         """Handler of :class:`~ckptcache.wire.peer.PushRequest`: take a backup copy, announce
         it, then acknowledge it (see :meth:`_announce_before_ack`)."""
         try:
             saved_at = float(req.committed or time.time())
             try:
+                streams = min(req.streams, auto_streams(self.config.data_plane_streams))
                 gen = receive_copy(conn, req, self.receive, conn.peer_id,  # the proven sender
-                                   ready=True, saved_at=saved_at,
-                                   content_ns=req.committed_ns)  # fmt: skip
+                                   ready=True, saved_at=saved_at, content_ns=req.committed_ns,
+                                   streams=streams if req.token else 1,
+                                   striped=lambda s: self._sinks.open(req.token, s))  # fmt: skip
             except NewerHeld as e:
                 gen = self._same_content_held(req, e)
             self._announce_before_ack(gen)

@@ -15,15 +15,18 @@ memory or another thread per transfer.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING
 
-from ckptcache.errors import CorruptCheckpoint
+from ckptcache.errors import CkptCacheError, CorruptCheckpoint, ReplicationError
 from ckptcache.format.digest import digest_bytes, digest_hex
 from ckptcache.format.layout import HEADER_SIZE
 from ckptcache.format.manifest import Manifest, pack_digests, unpack_digests
-from ckptcache.server.cluster.dataplane import Channel, Span, Xxh3, send_msg
+from ckptcache.server.cluster import stripes
+from ckptcache.server.cluster.dataplane import Channel, Span, Xxh3, recv_msg, send_msg
 from ckptcache.server.ownership import sent_saver
 from ckptcache.server.state import Incoming
 from ckptcache.wire import peer
@@ -41,7 +44,13 @@ __all__ = [
     "receive_relayed",
     "relay_in_flight",
     "send_object",
+    "send_range",
+    "send_stripe",
+    "send_striped",
+    "serve_stripe",
 ]
+
+log = logging.getLogger(__name__)
 
 #: Record size of a relay: the next hop forwards a record once it is in and checked, so each
 #: hop of a restore chain adds about one record's time on the link.
@@ -56,6 +65,69 @@ def send_object(channel: Channel, gen: Generation, digests: Callable[[], list[in
         channel.send_file(fd, HEADER_SIZE, header.digest_offset - HEADER_SIZE,
                           gen.segment.mapping)  # fmt: skip
         channel.send_bytes(pack_digests(table.result()))
+
+
+def send_range(channel: Channel, gen: Generation, lo: int, hi: int) -> None:
+    """Send bytes ``[lo, hi)`` of ``gen``'s body (offsets from the end of its header)."""
+    with gen.segment.opened() as fd:
+        channel.send_file(fd, HEADER_SIZE + lo, hi - lo, gen.segment.mapping)
+
+
+def send_striped(
+    channel: Channel,
+    gen: Generation,
+    digests: Callable[[], list[int]],
+    starts: list[int],
+    stripe: Callable[[int, int, int], None],
+) -> None:
+    """:func:`send_object` split into the stripes that start at ``starts``: the first on
+    ``channel``, each other one by ``stripe(index, lo, hi)`` (its own connection) at the same
+    time, and the digest table once every stripe was acknowledged (the receiver's sign that
+    the transfer is whole)."""
+    header = gen.segment.read_header()
+    spans = stripes.ranges(starts, header.digest_offset - HEADER_SIZE)
+    with ThreadPoolExecutor(len(spans), thread_name_prefix="stripe") as pool:
+        table = pool.submit(digests)
+        others = [pool.submit(stripe, i, lo, hi) for i, (lo, hi) in enumerate(spans) if i]
+        send_range(channel, gen, *spans[0])
+        for other in others:
+            other.result()  # the first failure; the caller's hang-up stops the receiver
+        channel.send_bytes(pack_digests(table.result()))
+
+
+def send_stripe(
+    channel: Channel, gen: Generation, token: str, index: int, lo: int, hi: int
+) -> None:
+    """Send stripe ``index`` (``[lo, hi)`` of ``gen``'s body) of the striped push ``token`` on
+    ``channel``, a connection of its own, until the receiver acknowledges it in and checked."""
+    send_msg(channel, peer.encode(peer.PushStripe(token=token, index=index)))
+    ready = peer.decode_ack(recv_msg(channel))
+    if isinstance(ready, peer.Refused):
+        raise ReplicationError(f"{channel.peer_id} refused stripe {index}: {ready.message}")
+    send_range(channel, gen, lo, hi)
+    done = peer.decode_ack(recv_msg(channel))
+    if isinstance(done, peer.Refused):
+        raise ReplicationError(f"{channel.peer_id} rejected stripe {index}: {done.message}")
+
+
+def serve_stripe(sinks: stripes.Sinks, channel: Channel, req: peer.PushStripe) -> None:
+    """The receiving end of :func:`send_stripe`: the stripe lands in the view of the push it
+    names (offered by the same node, the stripe not taken yet), else it is refused."""
+    sink = sinks.join(req.token, req.index, channel)
+    if sink is None:
+        send_msg(channel, peer.refusal(ReplicationError(
+            f"no striped push {req.token!r} from {channel.peer_id} with a free stripe "
+            f"{req.index} here")))  # fmt: skip
+        return
+    try:
+        send_msg(channel, peer.encode(peer.Ack()))
+        sink.receive(req.index, channel)
+    except CorruptCheckpoint as e:
+        send_msg(channel, peer.refusal(e))
+        raise ConnectionError(f"stripe {req.index} refused: {e}") from e
+    finally:
+        sink.release(channel)
+    send_msg(channel, peer.encode(peer.Ack()))
 
 
 class _Digests:
@@ -121,15 +193,43 @@ def receive_object(
     if not hasher.complete:  # every byte up to the table was reported; never expected
         raise CorruptCheckpoint(f"copy of {manifest.path!r} from a peer ended before its "
                                 "last tensor", tier=Tier.PEER)  # fmt: skip
-    expected = unpack_digests(view[body : body + 8 * n], n)
-    for record, got, want in zip(manifest.storages, hasher.digests, expected, strict=True):
+    expected = _compare(manifest, hasher.digests, view[body : body + 8 * n])
+    advance(body + 8 * n)
+    return expected
+
+
+def receive_striped(
+    channel: Channel, sink: stripes.StripeSink, manifest: Manifest, digest_offset: int
+) -> list[int]:
+    """:func:`receive_object` for a body split into ``sink``'s stripes: the first one and the
+    table on ``channel``, the others on connections of their own (which join ``sink``)."""
+    view, body, n = sink.view, digest_offset - HEADER_SIZE, len(manifest.storages)
+    try:
+        if not sink.claim(0, channel):
+            raise ConnectionError("striped transfer cancelled")
+        sink.receive(0, channel)
+        channel.recv_into(view[body : body + 8 * n])  # sent once every stripe is in
+        sink.wait()
+    except (OSError, CkptCacheError) as e:
+        if sink.error is not None and sink.error is not e:
+            raise sink.error from e  # the stripe that failed first says why
+        raise
+    expected = _compare(manifest, sink.finish(), view[body : body + 8 * n])
+    sink.report(body + 8 * n)
+    return expected
+
+
+def _compare(manifest: Manifest, digests: list[int], table: memoryview) -> list[int]:
+    """The sender's digest ``table``, once every digest computed here matches it."""
+    n = len(manifest.storages)
+    expected = unpack_digests(table, n)
+    for record, got, want in zip(manifest.storages, digests, expected, strict=True):
         if got != want:
             raise CorruptCheckpoint(
                 f"copy of {manifest.path!r} from a peer is corrupt: tensor {record.name!r} has "
                 f"digest {digest_hex(got)}, expected {digest_hex(want)}",
                 tensor=record.name, tier=Tier.PEER,
             )  # fmt: skip
-    advance(body + 8 * n)
     return expected
 
 
@@ -178,13 +278,17 @@ def receive_copy(
     persisted: bool = False,
     content_time: float = 0.0,
     content_ns: int = 0,
+    streams: int = 1,
+    striped: Callable[[stripes.StripeSink], AbstractContextManager[object]] | None = None,
 ) -> Generation:
     """Receive one committed object announced by ``head`` and commit it here through
     ``receive`` (:meth:`ckptcache.server.ingest.Ingest.receive`). ``ready``: tell the sender
     (a push) to stream once room is reserved; ``started()`` runs when the bytes start;
     ``persisted``: the sender's copy is the one stored at the path (nothing to write);
     ``content_time``: when the sender says the content was saved (0: unknown), and
-    ``content_ns`` the save's exact stamp (0: unknown)."""
+    ``content_ns`` the save's exact stamp (0: unknown). With ``streams`` over 1 (a push),
+    the body may come in up to that many stripes, whose other connections find the transfer
+    while ``striped(sink)`` holds it open."""
     manifest = Manifest.from_json(head.manifest.encode(), segment_size=head.nbytes)
     digest_offset = head.nbytes - 8 * len(manifest.storages)
     verified: list[int] = []
@@ -192,9 +296,19 @@ def receive_copy(
     def fill(view: memoryview, advance: Callable[[int], None]) -> None:
         if started is not None:
             started()
-        if ready:  # reserved: the sender may stream the bytes
-            send_msg(channel, peer.encode(peer.Ack()))
-        verified.extend(receive_object(channel, view, manifest, digest_offset, advance))
+        body = digest_offset - HEADER_SIZE
+        starts = stripes.plan(manifest, body, streams) if ready and striped else [0]
+        if len(starts) > 1 and striped is not None:
+            sink = stripes.StripeSink(view, manifest, starts, body, channel.peer_id, advance)
+            log.debug("receiving %s from %s in %d stripes", head.path, channel.peer_id,
+                      len(starts))  # fmt: skip
+            with striped(sink):  # no stripe writes into the view once this ends
+                send_msg(channel, peer.encode(peer.Ack(stripes=tuple(starts))))
+                verified.extend(receive_striped(channel, sink, manifest, digest_offset))
+        else:
+            if ready:  # reserved: the sender may stream the bytes
+                send_msg(channel, peer.encode(peer.Ack()))
+            verified.extend(receive_object(channel, view, manifest, digest_offset, advance))
         check_skeleton(view, manifest, head.skeleton_digest)
 
     return receive(Incoming(head.namespace, head.path, head.nbytes, head.manifest_offset,
