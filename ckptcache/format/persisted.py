@@ -36,6 +36,7 @@ import struct
 from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import xxhash
 
@@ -56,6 +57,8 @@ __all__ = [
     "DIGESTS_FORMAT",
     "DIGESTS_MEMBER",
     "ArchiveRecord",
+    "CopiedRange",
+    "WrittenRecord",
     "central_offset",
     "check_archive",
     "check_stored",
@@ -89,17 +92,56 @@ _END_SIZE = 56 + 20 + 22
 #: Reader threads of :func:`read_verified` (ranged reads, CRC-32s in parallel).
 
 Sink = Callable[[memoryview | bytes], None]
+#: Passes over the next ``n`` bytes of the output without writing them (someone else fills
+#: them before the object is complete).
+Skip = Callable[[int], None]
+
+
+class CopiedRange(NamedTuple):
+    """The part ``[start, end)`` of a record's data that is not streamed: the caller fills it
+    in the output (a copy from an earlier file) and checks the whole record there before the
+    object becomes visible. ``digest`` and ``crc`` are those of the whole record, for the
+    descriptor and the digest record."""
+
+    start: int
+    end: int
+    digest: int
+    crc: int
+
+
+class WrittenRecord(NamedTuple):
+    """One record as the stream wrote it: where its data lies in the output (the same offset
+    as in the view: the output mirrors the archive up to its central directory) and the
+    xxh3 and CRC-32 of that data."""
+
+    name: str
+    data_offset: int
+    size: int
+    digest: int
+    crc: int
+
+
+#: Chooses, from the archive's records, those whose data is copied rather than streamed
+#: (by data offset).
+Reuse = Callable[[list[ArchiveRecord]], Mapping[int, CopiedRange]]
 
 
 def _top_folder(records: list[ArchiveRecord]) -> str:
     return records[0].name.split("/", 1)[0] if records else "archive"
 
 
-def _hash_records(view: memoryview, records: list[ArchiveRecord]) -> list[tuple[int, int]]:
+def _hash_records(
+    view: memoryview, records: list[ArchiveRecord], copied: Mapping[int, CopiedRange]
+) -> list[tuple[int, int]]:
     """Each record's (CRC-32, xxh3), both taken chunk by chunk while the chunk is in cache
-    (zlib and xxhash release the interpreter lock: this runs beside the writes)."""
+    (zlib and xxhash release the interpreter lock: this runs beside the writes). A copied
+    record is not read: its values are the copy's (checked where it lands)."""
     out = []
     for record in records:
+        reused = copied.get(record.data_offset)
+        if reused is not None:
+            out.append((reused.crc, reused.digest))
+            continue
         crc = 0
         hasher = xxhash.xxh3_64()
         end = record.data_offset + record.size
@@ -167,6 +209,9 @@ def stream_archive(
     path: str,
     expected: Mapping[int, tuple[int, str]] | None = None,
     offsets: dict[int, int] | None = None,
+    reuse: Reuse | None = None,
+    skip: Skip | None = None,
+    written: list[WrittenRecord] | None = None,
 ) -> dict[str, int]:
     """Write the persisted form of the archive in ``view`` to ``sink`` in one pass.
 
@@ -178,9 +223,19 @@ def stream_archive(
     ``expected`` maps record data offsets (in ``view``) to ``(xxh3, tensor name)``:
     a record whose bytes hash differently raises :class:`CorruptCheckpoint` naming the tensor
     (``tier="local"``: the copy being persisted is bad). Returns every record's xxh3 by name;
-    ``offsets``, if given, receives them by data offset as well.
+    ``offsets``, if given, receives them by data offset as well; ``written``, if given, every
+    record as :class:`WrittenRecord`.
+
+    ``reuse`` (with ``skip``) picks records whose data is not streamed: for each
+    :class:`CopiedRange` it returns, the stream writes the record's bytes before ``start``
+    and from ``end`` on, and calls ``skip(end - start)`` for the rest, which the caller fills
+    and checks (the output is then the same file as without ``reuse``).
     """
     records, cd_offset = list_records(view, path)
+    copied: Mapping[int, CopiedRange] = {}
+    if reuse is not None:
+        assert skip is not None, "a stream that reuses records needs a skip"
+        copied = reuse(records)
     digests: dict[str, int] = {}
     crcs: dict[int, int] = {}
     meta = xxhash.xxh3_64()  # the structure around the records: a few bytes per record
@@ -189,18 +244,24 @@ def stream_archive(
     # this one writes (the write needs a record's CRC only for its descriptor, after its
     # data): the persist costs the larger of the two, not their sum.
     with ThreadPoolExecutor(1, thread_name_prefix="ckptcache-crc") as hasher:
-        ahead = [hasher.submit(_hash_records, view, batch) for batch in batches[:_AHEAD]]
+        ahead = [hasher.submit(_hash_records, view, b, copied) for b in batches[:_AHEAD]]
         try:
             for n, batch in enumerate(batches):
                 if n + _AHEAD < len(batches):
-                    ahead.append(hasher.submit(_hash_records, view, batches[n + _AHEAD]))
+                    ahead.append(hasher.submit(_hash_records, view, batches[n + _AHEAD], copied))
                 hashed = ahead[n].result()
                 for record, (crc, digest) in zip(batch, hashed, strict=True):
                     meta.update(view[record.header_offset : record.data_offset])
                     sink(view[record.header_offset : record.data_offset])
-                    for start in range(record.data_offset, record.data_offset + record.size,
-                                       _CHUNK):  # fmt: skip
-                        sink(view[start : min(start + _CHUNK, record.data_offset + record.size)])
+                    data_end = record.data_offset + record.size
+                    reused = copied.get(record.data_offset)
+                    if reused is None:
+                        _data(view, sink, record.data_offset, data_end)
+                    else:  # the edges from memory, the aligned middle filled by the caller
+                        assert skip is not None
+                        _data(view, sink, record.data_offset, reused.start)
+                        skip(reused.end - reused.start)
+                        _data(view, sink, reused.end, data_end)
                     want = (expected or {}).get(record.data_offset)
                     if want is not None and want[0] != digest:
                         raise CorruptCheckpoint(
@@ -217,6 +278,10 @@ def stream_archive(
                     digests[record.name] = digest
                     if offsets is not None:
                         offsets[record.data_offset] = digest
+                    if written is not None:
+                        written.append(
+                            WrittenRecord(record.name, record.data_offset, record.size, digest, crc)
+                        )
         finally:
             for future in ahead:
                 future.cancel()
@@ -228,6 +293,12 @@ def stream_archive(
     new_cd = cd_offset + len(member.local)
     sink(central + end_records(len(records) + 1, new_cd, len(central)))
     return digests
+
+
+def _data(view: memoryview, sink: Sink, start: int, end: int) -> None:
+    """``view[start:end]`` to ``sink`` in pieces of at most :data:`_CHUNK` bytes."""
+    for at in range(start, end, _CHUNK):
+        sink(view[at : min(at + _CHUNK, end)])
 
 
 @dataclass(frozen=True)

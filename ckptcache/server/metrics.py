@@ -40,6 +40,12 @@ class Metrics:
         )
         self.corrupt = Counter("ckptcache_corrupt", "Corrupt copies detected", ["tier"], registry=r)
         self.persist_bytes = Counter("ckptcache_persist_bytes", "Bytes persisted", registry=r)
+        self.persist_bytes_reused = Counter(
+            "ckptcache_persist_bytes_reused",
+            "Bytes of persisted files copied from the previous file of the path, not written "
+            "from memory (incremental_persist)",
+            registry=r,
+        )
         self.persist_errors = Counter(
             "ckptcache_persist_errors", "Persist attempts that failed", registry=r
         )

@@ -158,6 +158,16 @@ class DirectWriter:
                 piece = piece[lead + body :]
         self._copy(piece)
 
+    def skip(self, n: int) -> None:
+        """Pass over the next ``n`` bytes of the file without writing them (the caller fills
+        them afterwards, e.g. by a copy in the kernel). Both ends must be block boundaries:
+        a direct write covers whole blocks, so one sharing a block with the gap would
+        overwrite what the caller put there."""
+        if (self._offset + self._pending) % BLOCK or n % BLOCK:
+            raise ValueError(f"a skip must cover whole blocks of {BLOCK} bytes")
+        self._submit(None)  # what comes before the gap, in whole blocks
+        self._offset += n
+
     def close(self) -> None:
         """Write what is left (its last block padded with zeros, then cut off by
         ``ftruncate``) and wait for every write; raises the first write's error. Releases
@@ -234,6 +244,9 @@ class DirectWriter:
         if self._buffered is None:
             self.direct_bytes += run.direct
         else:
+            if self._buffered.offset != at:  # past a gap left by :meth:`skip`
+                os.lseek(self.fd, at, os.SEEK_SET)
+                self._buffered.offset = at
             for view in views:
                 self._buffered.write(view)
         if run.bounce is not None:

@@ -34,9 +34,10 @@ from typing import TYPE_CHECKING, Protocol
 from ckptcache._units import format_bytes
 from ckptcache.errors import CkptCacheError, CorruptCheckpoint, PathNotAllowed
 from ckptcache.format.digest import digest_hex
-from ckptcache.format.persisted import stream_archive
+from ckptcache.format.persisted import WrittenRecord, stream_archive
 from ckptcache.server.backoff import Backoff
 from ckptcache.server.config import DaemonConfig
+from ckptcache.server.persist.incremental import Layouts, PersistedLayout, RecordReuse
 from ckptcache.server.persist.lineage import DirectoryRemoved
 from ckptcache.server.persist.provenance import Provenance, write_provenance
 from ckptcache.server.persist.roots import PersistRoots
@@ -155,6 +156,9 @@ class Persister:
         #: Stamps this daemon wrote per path (the last few): its own older writes, which a
         #: newer generation replaces whatever base it recorded.
         self._written: dict[tuple[str, str], collections.deque[int]] = {}
+        #: The records of the file this daemon persisted last at each local path, which the
+        #: next persist of the path copies unchanged records from (``incremental_persist``).
+        self.layouts = Layouts()
         self._stop = False
         self._threads = [
             threading.Thread(target=self._run, name=f"persist-{i}", daemon=True)
@@ -272,7 +276,7 @@ class Persister:
                 guard = self._guard(gen, backend, target)
                 if cluster is not None:
                     guard = cluster.fence(gen, guard)
-                self._copy(gen, backend, target, guard)
+                written = self._copy(gen, backend, target, guard)
             except Deposed as e:  # the group's record, or a new election, decides now
                 log.warning("abandoned the persist of %s generation %d: %s",
                             gen.path, gen.number, e)  # fmt: skip
@@ -305,6 +309,10 @@ class Persister:
             # (every node loads it from then on); the group's persisted record follows
             # (retried in the background through an etcd outage).
             gen.stored = self._stored_identity(backend, target)
+            if self._incremental(gen, backend, target):
+                self.layouts.put(
+                    gen.key, PersistedLayout.of(gen.stored, written) if gen.stored else None
+                )
             if cluster is not None and target == gen.path and not cluster.stored(gen):
                 return  # stopping: not reported; the next start finds the object
             self._done(gen, time.perf_counter() - t0)
@@ -428,9 +436,18 @@ class Persister:
         return WriteGuard(gen.committed_ns, gen.base, frozenset(own), frozenset(newer),
                           gen.seen_ns)  # fmt: skip
 
+    def _incremental(self, gen: Generation, backend: StorageBackend, target: str) -> bool:
+        """Whether ``gen``'s persist may copy records from the file persisted before it:
+        on (``incremental_persist``), a local file, at the generation's own path."""
+        return (
+            self.config.incremental_persist
+            and target == gen.path
+            and isinstance(backend, FileBackend)
+        )
+
     def _copy(
         self, gen: Generation, backend: StorageBackend, target: str, guard: WriteGuard
-    ) -> None:
+    ) -> list[WrittenRecord]:
         """Stream the archive to storage, checking every tensor against its recorded digest
         and writing real zip CRC-32s and the digest record (see :mod:`ckptcache.format.persisted`)
         in the same pass; a mismatch raises :class:`CorruptCheckpoint` and nothing becomes
@@ -440,26 +457,57 @@ class Persister:
         commit) does not wait for that pass: the stream hashes every record anyway. Once the
         records are written, and before the file is synced or named, the stream's digests are
         compared with the digester's if it finished meanwhile, or else recorded as the
-        generation's: either way what is written is what the recorded digests describe."""
+        generation's: either way what is written is what the recorded digests describe.
+
+        Records the previous persisted file of the path holds unchanged are copied from it
+        where that is proven (:mod:`ckptcache.server.persist.incremental`); the digests are
+        then needed first (taken now if the digester has not yet). Returns the records
+        written."""
         base = gen.manifest.payload_offset
+        layout = self.layouts.get(gen.key) if self._incremental(gen, backend, target) else None
         digests = gen.digests if self.record_digests is not None else self.ensure_digests(gen)
+        if layout is not None and digests is None:
+            digests = self.ensure_digests(gen)
         expected = self._expected(gen, digests) if digests is not None else None
         found: dict[int, int] = {}
+        written: list[WrittenRecord] = []
         view = gen.segment.view()
         payload = view[base : base + gen.size]
+        reuse = None
+        if layout is not None and expected is not None:
+            reuse = RecordReuse(layout, expected, payload, gen.path)
+            if not reuse.candidates():
+                reuse = None
 
         def produce(sink: Sink) -> None:
-            stream_archive(payload, sink, path=gen.path, expected=expected, offsets=found)
+            written.clear()
+            stream_archive(payload, sink, path=gen.path, expected=expected, offsets=found,
+                           written=written)  # fmt: skip
             if expected is None:
                 self._settle_digests(gen, found)
+
+        def produce_gapped(sink: Sink, skip: Callable[[int], None]) -> None:
+            assert reuse is not None
+            written.clear()
+            stream_archive(payload, sink, path=gen.path, expected=expected, offsets=found,
+                           written=written, reuse=reuse.plan, skip=skip)  # fmt: skip
 
         try:
             persist_write(
                 self.roots, backend, target, produce, gen.saver, guard=guard, anchor=gen.anchor,
+                reuse=reuse, produce_gapped=produce_gapped if reuse is not None else None,
             )  # fmt: skip
         finally:
+            if reuse is not None:
+                reuse.view = memoryview(b"")
             payload.release()
             del view
+        if reuse is not None and (reuse.copied or reuse.rewritten):
+            self.metrics.persist_bytes_reused.inc(reuse.copied)
+            log.debug("%s generation %d: %s copied from the previous file, %s of it written "
+                      "from memory instead", gen.path, gen.number, format_bytes(reuse.copied),
+                      format_bytes(reuse.rewritten))  # fmt: skip
+        return written
 
     @staticmethod
     def _expected(gen: Generation, digests: list[int]) -> dict[int, tuple[int, str]]:

@@ -20,6 +20,7 @@ from collections.abc import Callable
 
 from ckptcache.errors import PathNotAllowed
 from ckptcache.server.ownership import Saver, daemon_saver, groups_of
+from ckptcache.server.persist.incremental import RecordReuse
 from ckptcache.server.persist.lineage import DirectoryRemoved, removed_reason
 from ckptcache.server.persist.roots import PersistRoots
 from ckptcache.storage.base import Producer, StorageBackend, WriteGuard
@@ -31,6 +32,7 @@ from ckptcache.storage.fs import (
     link_unnamed,
     open_unnamed,
 )
+from ckptcache.storage.ranges import GappedProducer, gapped_stream_fill
 
 __all__ = ["persist_write", "write_beneath"]
 
@@ -142,6 +144,7 @@ def write_beneath(
     guard: WriteGuard | None = None,
     anchor: str = "",
     create_root: bool = True,
+    previous: Callable[[int | None], None] | None = None,
 ) -> None:
     """Atomically write ``path`` (lexically under ``root``) with ``fill(fd)``: temp file,
     fsync, rename and directory fsync, all relative to directory fds below ``root``.
@@ -149,7 +152,11 @@ def write_beneath(
     ``anchor`` is the deepest directory that existed at save time: directories below it are
     created, and it or an ancestor gone raises :class:`DirectoryRemoved`. With a ``guard``
     the file's mtime is its stamp, and the file already there is replaced only if the guard
-    allows it (checked before the bytes move and again right before the rename)."""
+    allows it (checked before the bytes move and again right before the rename).
+
+    ``previous``, if given, is called before ``fill`` with a read-only fd of the file now at
+    ``path`` (opened without following a link; None when there is none), which stays open
+    until ``fill`` returns: the fill may copy from it."""
     rel = os.path.relpath(path, root)
     parts = rel.split("/")
     if rel.startswith("..") or any(p in ("", ".", "..") for p in parts):
@@ -172,9 +179,29 @@ def write_beneath(
             os.close(fd)
             fd = child
         walker.require(fd, 0o3, where)
-        _write_in(fd, parts[-1], fill, walker, guard)
+        if previous is None:
+            _write_in(fd, parts[-1], fill, walker, guard)
+        else:
+            source = _open_previous(fd, parts[-1])
+            try:
+                previous(source)
+                _write_in(fd, parts[-1], fill, walker, guard)
+            finally:
+                if source is not None:
+                    os.close(source)
     finally:
         os.close(fd)
+
+
+def _open_previous(dir_fd: int, name: str) -> int | None:
+    """A read-only fd of the regular file ``name`` of ``dir_fd`` (never through a link),
+    None where there is none or it cannot be opened (the persist then writes everything)."""
+    try:
+        return os.open(
+            name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dir_fd
+        )
+    except OSError:
+        return None
 
 
 def _link_new(fd: int, name: str, dir_fd: int) -> bool:
@@ -245,9 +272,15 @@ def persist_write(
     *,
     guard: WriteGuard | None = None,
     anchor: str = "",
+    reuse: RecordReuse | None = None,
+    produce_gapped: GappedProducer | None = None,
 ) -> None:
     """Write one object to storage: local files through :func:`write_beneath` (resolved
-    below their root at write time), everything else through its backend."""
+    below their root at write time), everything else through its backend.
+
+    With ``reuse`` and ``produce_gapped`` (local files), records of the file now at the
+    path that ``reuse`` proves equal are copied from it (see
+    :mod:`ckptcache.server.persist.incremental`); the object written is the same."""
     if not isinstance(backend, FileBackend):
         backend.cleanup(target)
         backend.write_stream(target, produce, guard=guard)
@@ -256,13 +289,24 @@ def persist_write(
     if root is None:
         raise PathNotAllowed(f"cannot persist {target!r}: it is under no storage root")
     fill = direct_stream_fill(produce)  # O_DIRECT where the file system takes it
+    previous = None
+    if reuse is not None and produce_gapped is not None:
+        plain = fill
+
+        def fill(fd: int) -> None:
+            if reuse.source is None:  # no file to copy from: the plain persist
+                plain(fd)
+                return
+            gapped_stream_fill(produce_gapped, reuse.finish)(fd)
+
+        previous = reuse.attach
     if roots.implicit:
         # A daemon running as the user writes wherever the user could: symlinks the user
         # made above the save's directory are followed (not refused as leaving a root), and
         # only the directories missing at save time are created below it.
         root, target, anchor = _below_anchor(target, anchor)
     write_beneath(root, target, fill, saver or daemon_saver(), guard=guard, anchor=anchor,
-                  create_root=not roots.implicit)  # fmt: skip
+                  create_root=not roots.implicit, previous=previous)  # fmt: skip
 
 
 def _below_anchor(target: str, anchor: str) -> tuple[str, str, str]:
