@@ -58,11 +58,11 @@ _LAZY = {
 }
 
 
-# Submodules that importing this package used to load as a side effect: code that does
-# ``import ckptcache`` and then uses ``ckptcache.api.…`` keeps working. Public modules that
-# moved keep their old names here: the format modules into ``ckptcache.format``, the codec
-# modules and ``packing`` into ``ckptcache.codec``, the command, bench and demo modules into
-# ``ckptcache.cli``.
+# Submodules reached as attributes of the package, imported on first use: code that does
+# ``import ckptcache`` and then uses ``ckptcache.api.…`` works without importing torch up
+# front. A few modules are also reached by a short name: format modules
+# (``ckptcache.format``), codec modules and ``packing`` (``ckptcache.codec``), the command,
+# bench and demo modules (``ckptcache.cli``).
 _SUBMODULES = {
     "api": "ckptcache.api",
     "client": "ckptcache.client",

@@ -8,10 +8,10 @@ segment's.
 
 The page tables are made a step at a time (:func:`ckptcache.format.pagetables.populate_in_steps`),
 not with ``MAP_POPULATE``, which holds the process's address-space lock for the whole spare:
-the trainer's own ``mmap`` and ``munmap`` (a CPU tensor's allocation, its free) waited for all
-of it, 47-67 ms for a 576 MiB spare. A save that wants a spare still being mapped stops the
-steps after the one under way and has its copy threads make the rest, instead of waiting for
-this one thread to finish it.
+the trainer's own ``mmap`` and ``munmap`` (a CPU tensor's allocation, its free) would wait
+for all of it (``benchmarks/save_load/README.md``). A save that wants a spare still being
+mapped stops the steps after the one under way and has its copy threads make the rest, instead
+of waiting for this one thread to finish it.
 
 The mapper sees the client through a narrow port (:class:`SparePort`: the lock, a ``pool``
 request, where segments are, the cache of mappings), not the client itself.

@@ -236,7 +236,7 @@ def _views(mapping: Any, staging: _Staging, items: list[torch.Tensor]) -> list[t
     records = staging.plan.manifest.storages
     index = {s._cdata: i for i, s in enumerate(staging.flat.storages)}
     # One array over the whole mapping, each storage a slice of it, as a zero-copy load
-    # makes them (a tenth of the cost of torch.frombuffer per storage).
+    # makes them (cheaper than torch.frombuffer per storage).
     whole = np.frombuffer(mapping, dtype=np.uint8)
     from_numpy, empty = torch.from_numpy, torch.UntypedStorage
     views = [

@@ -74,8 +74,8 @@ def decode(
     """
     mapping = stored.mapping
     device = device_target(map_location)
-    # One array over the whole mapping; each storage a slice of it: a tenth of the cost of
-    # torch.frombuffer per storage, and the same result (a storage over the mapping's bytes
+    # One array over the whole mapping; each storage a slice of it: cheaper than
+    # torch.frombuffer per storage, with the same result (a storage over the mapping's bytes
     # that keeps the mapping alive).
     whole = np.frombuffer(mapping, dtype=np.uint8) if zero_copy and device is None else None
     if stored.table and whole is not None and fast_load_applies():

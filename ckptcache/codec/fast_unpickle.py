@@ -1,23 +1,22 @@
 """The weights-only load of a plain state dict's skeleton, in C where torch's runs in Python.
 
-torch's weights-only unpickler interprets each opcode in Python, a hundred microseconds per
-tensor. :func:`fast_unpickle` runs the opcodes in the C unpickler with three globals allowed
-(``_rebuild_tensor_v2``, ``OrderedDict`` and the storage classes, which only ever appear
-inside a storage's persistent id) and only the rebuild of each tensor in Python. Anything
-else (another global, a tensor with hooks or metadata, a bare storage, a malformed skeleton)
-returns :data:`NOT_FAST` and torch's unpickler decides, with its own errors.
+torch's weights-only unpickler interprets each opcode in Python, most of a load of thousands of
+small tensors. :func:`fast_unpickle` runs the opcodes in the C unpickler with three globals allowed
+(``_rebuild_tensor_v2``, ``OrderedDict`` and the storage classes, which only ever appear inside a
+storage's persistent id) and only the rebuild of each tensor in Python. Anything else (another
+global, a tensor with hooks or metadata, a bare storage, a malformed skeleton) returns
+:data:`NOT_FAST` and torch's unpickler decides, with its own errors.
 
 It is no less safe: no callable is reachable but those three (REDUCE, NEWOBJ, INST, OBJ, EXT
 and STACK_GLOBAL all resolve through ``find_class``), and a tensor is only ever made over a
 storage this load made, with the dtype its persistent id names.
 
-Zero-copy loads give an array over the mapping (``load_array``): a tensor that covers its
-whole storage, the common case, is then made by one ``torch.from_numpy`` of a typed view of
-that array, a few microseconds, where a storage, a typed storage and an ``empty().set_()``
-cost four times that. Each storage's persistent id then first yields a :class:`_Pending`
-that only the rebuild may consume; one that ends up anywhere else in the result (a bare
-storage in the state, or a crafted skeleton that reuses it through the memo) sends the load
-to torch's unpickler instead.
+Zero-copy loads give an array over the mapping (``load_array``): a tensor that covers its whole
+storage, the common case, is then made by one ``torch.from_numpy`` of a typed view of that array,
+cheaper than a storage, a typed storage and an ``empty().set_()``. Each storage's persistent id
+then first yields a :class:`_Pending` that only the rebuild may consume; one that ends up anywhere
+else in the result (a bare storage in the state, or a crafted skeleton that reuses it through the
+memo) sends the load to torch's unpickler instead.
 """
 
 from __future__ import annotations
@@ -135,9 +134,8 @@ def fast_unpickle(
     def from_array(entry: _Pending, size: tuple[int, ...], stride: tuple[int, ...]) -> Any:
         """The tensor over the whole of ``entry``'s storage, or None if it does not cover it.
 
-        The shape is given in numpy (a reshape of the array, well under a microsecond) rather
-        than by a torch ``view`` of the tensor, which costs several: this runs once per tensor
-        of the state."""
+        The shape is given in numpy (a reshape of the array) rather than by a torch ``view``
+        of the tensor, which costs more: this runs once per tensor of the state."""
         _, _, key, location, numel = entry.saved_id
         if location != "cpu" or type(numel) is not int or not numel or prod(size) != numel:
             return None

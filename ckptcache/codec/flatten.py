@@ -327,7 +327,7 @@ def storage_loader(
         dtype, element = known
         storage = load_storage(key, numel * element)
         # torch.load: "cpu" stays put. A placed storage skips torch's check of the device
-        # and its move (tens of microseconds a storage).
+        # and its move, per storage.
         if not placed and (map_location is not None or location != "cpu"):
             storage = restore_location(storage, location, map_location)
         typed = loaded[key] = typed_storage(wrap_storage=storage, dtype=dtype, _internal=True)

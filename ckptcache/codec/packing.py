@@ -43,7 +43,7 @@ def storage_offsets(obj: Any) -> tuple[int, ...]:
 
 
 #: Archive plans of plain CPU tensors by geometry: a rank file repeats a few shapes many
-#: times, and pickling each item's skeleton again was most of the packing's own time.
+#: times, and pickling each item's skeleton again would be most of the packing's own time.
 _PLANS: dict[tuple[Any, ...], ArchivePlan] = {}
 _PLANS_MAX = 4096
 
@@ -114,7 +114,8 @@ class Packed:
                 view[span.offset : span.offset + span.length] = what
             else:
                 runs += _write_archive(dst, view, span.offset, *what)
-        # Every item's CPU bytes in one parallel copy (one per item was slower on a busy node).
+        # Every item's CPU bytes in one parallel copy: one per item would open a parallel
+        # region per item, each waiting for descheduled workers on a busy node.
         copy_storages_into(dst, runs)
 
     def materialize(self) -> torch.Tensor:

@@ -227,8 +227,8 @@ def _split(runs: list[tuple[int, int, int]], parts: int) -> list[list[tuple[int,
     """``(dst, src, n)`` runs in at most ``parts`` lists of (nearly) equal bytes, in order:
     consecutive runs grouped, a run longer than a share cut into shares.
 
-    Columns and ``numpy``, not a Python step per run: a state of thousands of small storages
-    spent more time here than in the copy's own calls."""
+    Columns and ``numpy``, not a Python step per run: with thousands of small storages, a
+    step per run would cost more than the copy's own calls."""
     if parts <= 1 or not runs:
         return [runs] + [[] for _ in range(parts - 1)]
     sizes = np.fromiter(map(_third, runs), np.int64, len(runs))
@@ -262,8 +262,8 @@ def copy_storages_into(dst: torch.Tensor, runs: Sequence[Run]) -> None:
     :func:`~ckptcache.format.fastcopy.copy_runs` (streaming stores where it can).
     Raises :class:`ValueError` for a run outside ``dst`` or a storage not on the CPU.
     """
-    # Every check reads one field of every run at once (``map`` over a C getter): a save of
-    # thousands of small storages pays a fraction of a microsecond per run here, not several.
+    # Every check reads one field of every run at once (``map`` over a C getter), not a Python
+    # step per run: a save may hold thousands of small storages.
     entries = list(runs)
     offsets = [entry[0] for entry in entries]
     storages = [entry[1] for entry in entries]

@@ -3,9 +3,9 @@
  * A checkpoint's bytes are written once and not read again by the trainer: ordinary stores
  * first read every destination cache line (read-for-ownership) and then evict the lines the
  * trainer's own data sat in. Streaming stores write whole lines without reading them, so a
- * copy of a state larger than the last-level cache moves about half the memory traffic; on
- * the machines measured it ran 1.5-2x glibc's memmove, which switches to them only for single
- * copies above a threshold derived from the cache size (hundreds of MiB on some VMs).
+ * copy of a state larger than the last-level cache moves about half the memory traffic.
+ * glibc's memmove switches to them only for single copies above a threshold derived from the
+ * cache size (hundreds of MiB on some VMs); docs/per-tensor-cost.md has the figures.
  *
  * The functions are called through ctypes (which releases the interpreter lock for the call);
  * the module object exists only so that setuptools builds and installs the file.

@@ -1,12 +1,11 @@
 """Reading a stored checkpoint archive into memory with its integrity checked as it lands.
 
-Two readers use it: the daemon's storage read for its group (into a segment) and the client's
-own read of a stored file (into private memory,
-:func:`ckptcache.codec.stored_load.load_from_storage` and :func:`ckptcache.open`). Checking
-after the read would be a second pass: :func:`~ckptcache.format.persisted.check_archive` over
-all of it (the xxh3 of every record, and zip's CRC-32 for archives that carry no digest record,
-as plain ``torch.save`` files do), which at ~2 GB/s for CRC-32 on one core costs more than
-the read. Here the checks ride on the reads:
+Two readers use it: the daemon's storage read for its group (into a segment) and the client's own
+read of a stored file (into private memory, :func:`ckptcache.codec.stored_load.load_from_storage`
+and :func:`ckptcache.open`). Checking after the read would be a second pass:
+:func:`~ckptcache.format.persisted.check_archive` over all of it (the xxh3 of every record, and
+zip's CRC-32 for archives that carry no digest record, as plain ``torch.save`` files do), which on
+one core costs more than the read. Here the checks ride on the reads:
 
 1. the archive's tail (end records and central directory) is read first, so every record's
    place and name are known before the bulk arrives, and with them whether CRC-32 is needed

@@ -1,6 +1,6 @@
 """Strict base64 decoding of a manifest's packed fields (the records' columns, the tensor
-table), by the ``_b64`` extension where it is built: about eight times binascii's speed, which
-was some 1.8 ms of the 11 ms zero-copy load of a state of 8,288 tensors.
+table), by the ``_b64`` extension where it is built: faster than binascii, whose decoding is a
+visible part of a zero-copy load of thousands of tensors (``docs/per-tensor-cost.md``).
 
 :func:`decode` accepts exactly what ``base64.b64decode(text, validate=True)`` accepts, and
 raises its error (with binascii's own message) for anything else: the extension decodes

@@ -1,12 +1,12 @@
 """CRC-32 (zip's): the fastest implementation at hand, and the CRC of a concatenation from
 the CRCs of its parts.
 
-:func:`crc32` is ISA-L's (the ``isal`` package: carry-less multiplication, about 11 GB/s on
-one core here) where it is installed, and ``zlib.crc32`` (table-driven, about 2.7 GB/s)
-otherwise; both compute the same function (zip's polynomial, the same running-CRC argument),
-and a test holds them to equal results. The CRC-32 of every record is taken while a persist
-writes and again while a storage read is checked, so at the zlib rate it was the CPU that
-bound a 2 GiB persist, not the disk.
+:func:`crc32` is ISA-L's (the ``isal`` package: carry-less multiplication, several times zlib's
+rate; ``benchmarks/persist/README.md``) where it is installed, and ``zlib.crc32`` (table-driven)
+otherwise; both compute the same function (zip's polynomial, the same running-CRC argument), and a
+test holds them to equal results. The CRC-32 of every record is taken while a persist writes and
+again while a storage read is checked, so at the zlib rate the CPU, not the disk, bounds a large
+persist.
 
 Both release the interpreter lock, so reader threads can checksum the blocks they have just
 read in parallel; a record's CRC is then the combination of its blocks' CRCs. The method is

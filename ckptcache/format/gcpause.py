@@ -65,9 +65,8 @@ _Paused: type[contextlib.AbstractContextManager[None]] = (
 def gc_paused() -> contextlib.AbstractContextManager[None]:
     """No cyclic garbage collection inside: a save or a load of thousands of tensors makes
     tens of thousands of short-lived tuples, and the collections they set off scan the young
-    objects, and now and then the whole heap (a trainer's heap is large): a first save of
-    2,072 tensors was seen to run a full collection of 115 ms in a heap of 190,000 objects
-    (``benchmarks/save_load/README.md``). Objects that die inside never reach a collection;
+    objects, and now and then the whole heap (a trainer's heap is large: the figures are in
+    ``benchmarks/save_load/README.md``). Objects that die inside never reach a collection;
     nothing made inside lives in a cycle that needs the collector.
 
     Process-wide, as the collector is: regions nest, in one thread or several (a save on the

@@ -229,10 +229,10 @@ class Manifest:
             raise ValueError(f"unknown digest algorithm {self.digest_algorithm!r}")
 
 
-#: The last tensor table encoded, and its JSON text. The repeated saves of a structure share
-#: one table (the same ``str``, from the plan cache), and escaping its hundreds of kilobytes
-#: anew cost a millisecond a save at 8,288 tensors. The table is held, so its identity stays
-#: its own while it is here.
+#: The last tensor table encoded, and its JSON text. The repeated saves of a structure share one
+#: table (the same ``str``, from the plan cache), and escaping its hundreds of kilobytes anew at
+#: every save would be a visible part of a repeated save's cost. The table is held, so its identity
+#: stays its own while it is here.
 _last_table: tuple[str, bytes] = ("", b'""')
 
 

@@ -49,9 +49,8 @@ def _ignore(index: int, n: int) -> None:
 
 
 #: The range of one stream in a probe round. Where a second stream shares the link, the relays
-#: trail by at most this for the rest of the read (0.34 s at 50 Mbit/s); large enough that a
-#: round is not all request latency on a real object store (2 MiB is about 25 ms at S3's
-#: 85-90 MB/s per connection).
+#: trail by at most this for the rest of the read; large enough that a round is not all
+#: request latency on a real object store (``docs/restore.md`` has the figures).
 PROBE = 2 << 20
 
 

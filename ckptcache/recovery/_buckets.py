@@ -34,12 +34,12 @@ __all__ = [
 DEFAULT_BUCKET_BYTES = 64 * 1024 * 1024
 
 #: Largest packed bucket: packing buffers are reused once the pipeline has ``depth`` of them,
-#: so a small one keeps the page faults of fresh memory (~1-2 GB/s) off most of the packing.
+#: so a small one keeps the page faults of fresh memory off most of the packing.
 PACK_BYTES = 4 * 1024 * 1024
 
 #: Tensors from this size up are sent alone, straight from the source's memory: one more
-#: collective (~0.1 ms on loopback gloo) costs less than packing them (a copy on the source,
-#: ~0.2 ms per MiB into memory the packing buffer has not touched yet).
+#: collective costs less than packing them (a copy on the source, into memory the packing
+#: buffer has not touched yet; ``benchmarks/p2p_recovery/README.md``).
 DIRECT_BYTES = 1024 * 1024
 
 
@@ -202,7 +202,7 @@ def unpack(bucket: Bucket, buf: torch.Tensor, tensors: Sequence[torch.Tensor]) -
 
 
 class BufferPool:
-    """Reuses flat bucket buffers: fresh host allocations page-fault on first touch (~10x)."""
+    """Reuses flat bucket buffers: fresh host allocations page-fault on first touch."""
 
     def __init__(self, device: torch.device) -> None:
         self._device = device

@@ -2,8 +2,8 @@
 
 A trainer saves the same structure again and again, and each commit's manifest (thousands of
 storage records, the tensor table) is then the one the daemon decoded and checked last time,
-but for its path, namespace and creation time. Decoding and checking it again cost 3-5 ms at
-2,072 records and 8-17 ms at 8,288, on the save's critical path. Here the daemon keeps the
+but for its path, namespace and creation time. Decoding and checking it again costs time per
+record, on the save's critical path (``benchmarks/save_load/README.md``). Here the daemon keeps the
 manifests it decoded in full, and accepts a new one from them only where its bytes prove it
 equal:
 

@@ -216,7 +216,7 @@ def read_record(segment: Segment, daemon_uid: int) -> Saver:
     """The saver of a segment adopted at start.
 
     The record is the daemon's own (:mod:`ckptcache.server.memory.records`); it is checked all the
-    same, as a segment of an older version kept it in bytes the saver could overwrite: its
+    same, so that no record, however it came to be, gives more than the file's owner has: its
     uid is believed only when it agrees with who owns the file (an admitted user's segments
     are that user's files), and its gid only when that user is a member of the group (a
     forged gid would let a root daemon write into that group's directories for the user); an

@@ -3,10 +3,9 @@
 A group's storage read is relayed as it lands, and a relay can only send the contiguous prefix
 of landed bytes. When that prefix moves only as whole ranges land, it trails the read by about
 as many ranges as are read at once (each of ``n`` parallel requests gets ``1/n`` of the link,
-so the first one lands last): in the cluster lab, 4 ranges of 4 MiB at once on a 100 Mbit/s
-node link left the first joiner idle for 2.2 s before its first byte and 1.2-1.7 s behind the
-reader at the end. A backend whose ranged read can report its progress lets the prefix follow
-the first range byte by byte instead.
+so the first one lands last), and the first joiner idles until then
+(``benchmarks/restore/README.md``). A backend whose ranged read can report its progress lets
+the prefix follow the first range byte by byte instead.
 
 Call order: :func:`read_into_reporting` (any backend; one that has no reporting read reports
 the whole view once it has landed).

@@ -7,8 +7,8 @@ the bytes are copied, and the page cache grows by the file's size. Starting writ
 few MiB (``sync_file_range(SYNC_FILE_RANGE_WRITE)``) keeps the disk busy but still grows the
 page cache by the whole file. Here the writer also waits for the range a window behind it and
 drops those clean pages (``POSIX_FADV_DONTNEED``), so the cache holds about one window of the
-file and its pages are reused for the next ones. On this project's test VM that made a 2 GiB
-write + fsync 2-4x faster than either (``benchmarks/persist/README.md``).
+file and its pages are reused for the next ones: faster than either
+(``benchmarks/persist/README.md``).
 
 Durability is unchanged: none of this makes anything durable; the caller's ``fsync`` still
 waits for every page and the metadata before anything is named. An I/O error seen while

@@ -4,8 +4,8 @@ Saves: device-to-host copies into the segment mapping on a side stream, synchron
 the commit. Once the mapping is registered as page-locked memory
 (:mod:`~ckptcache.codec.gpu.pinning`, off the training thread) they run as DMA at the link's
 speed; before that, pageable. Small storages are gathered on the device first (one kernel for
-all of them) and moved by one copy per run of neighbours: a copy call costs several
-microseconds of CPU whatever its size.
+all of them) and moved by one copy per run of neighbours: a copy call costs the CPU the same
+whatever its size.
 
 Loads to a device: through two page-locked staging buffers (:mod:`~ckptcache.codec.gpu.
 staging`), never by registering the load's mapping (which would cost more than the copy).

@@ -2,8 +2,8 @@
 
 A training loop saves the same state dict shape again and again: the same keys, the same tensor
 shapes, dtypes and strides, the same storage sharing, only the bytes differ. Pickling the
-skeleton, laying out the archive and encoding the manifest cost tens of microseconds per tensor
-(most of a save of thousands of small tensors) and give the same result every time. Here one
+skeleton, laying out the archive and encoding the manifest cost time per tensor (most of a
+save of thousands of small tensors) and give the same result every time. Here one
 walk over the object describes its structure (:func:`describe`): everything the skeleton and
 the plan depend on, and nothing they do not (the tensors' bytes). A structure seen before reuses
 its skeleton and plan (:meth:`PlanCache.prepare`); only the time stamp, path and serialization

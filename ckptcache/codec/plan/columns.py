@@ -1,7 +1,7 @@
 """The tensors of a plan cache's walk, read in columns (:mod:`ckptcache.codec.plan.cache`).
 
-Each field is read for every tensor by ``map`` over a C getter: a tenth of a microsecond a
-field, where a Python step per tensor reading the same dozen fields cost 4-5 us. The flat
+Each field is read for every tensor by ``map`` over a C getter, not by a Python step per tensor
+reading a dozen fields (``benchmarks/save_load/README.md`` has the figures). The flat
 level of a state dict (string keys, tensors seen for the first time) is added to the walk's
 key by C calls too (:func:`tensor_items`).
 """

@@ -32,9 +32,9 @@ class WriterFence:
 
     Only that lease vouches for the role. After it lapsed and the node took a new one (a
     partition healed past the TTL), a successor may have written and stepped down: the new
-    lease's time says nothing about a role that went with the old one. In the cluster lab, a
-    representative cut off mid-upload past its lease completed its upload after the heal on
-    the strength of the new lease, a second write of what its successor had written.
+    lease's time says nothing about a role that went with the old one: a representative cut
+    off mid-upload past its lease would complete its upload after the heal on the strength of
+    the new lease, a second write of what its successor had written.
     """
 
     coord: Coordinator

@@ -2,12 +2,13 @@
 
 A restarted daemon rebuilds its index from the segments left in shared memory. What it must
 believe about a generation (its header: state, number, stamp, persisted; its saver: uid, gid,
-umask; its provenance: anchor, base, memory-only, dropped; its key) used to lie in the
-segment's header page, and an admitted user's segment is that user's file: the user could
-rewrite its umask, or claim another path, before a restart. The daemon now writes these facts
-to a file of its own, ``<segments>/.records/<segment>``, in a 0700 directory of the daemon's
-(the segments directory is the daemon's, so the name cannot be swapped), and reads them back
-from there alone. The segment's header page still carries the header for the trainer's loads.
+umask; its provenance: anchor, base, memory-only, dropped; its key) cannot lie in the
+segment's header page alone: an admitted user's segment is that user's file, and the user
+could rewrite its umask, or claim another path, before a restart. So the daemon writes these
+facts to a file of its own, ``<segments>/.records/<segment>``, in a 0700 directory of the
+daemon's (the segments directory is the daemon's, so the name cannot be swapped), and reads
+them back from there alone. The segment's header page carries the header for the trainer's
+loads.
 
 Layout of a record file (that of the header page, then the key)::
 
@@ -23,8 +24,8 @@ are allocated at the reservation (:func:`prepare`): the record lies on the same 
 segments, which any local user can fill, and a commit must not fail for want of a page after
 the trainer's copy is done (a full file system refuses the reservation instead).
 
-Segments of root and the daemon's own uid written by an older version have no record: their
-header page is read as before. An admitted user's segment without a record is not adopted.
+A segment of root or of the daemon's own uid that has no record is read from its header page,
+which nobody else can write; an admitted user's segment without a record is not adopted.
 """
 
 from __future__ import annotations
@@ -98,7 +99,7 @@ def prepare(segment: Segment, namespace: str, path: str) -> None:
 
 def page(segment: Segment) -> bytes | memoryview | None:
     """What the daemon wrote about ``segment``: its record file, or the segment's header page
-    where the segment is the daemon's and has no record (an older version wrote it); None for
+    where the segment is the daemon's and has no record (nobody else can write it); None for
     an admitted user's segment without one."""
     if segment.record_path is not None:
         try:

@@ -18,8 +18,8 @@ never in the segment itself, which an admitted user may rewrite:
   is written before the drop is reported or acted on, so a crash never brings the checkpoint
   back, even once a later save recreated the directory.
 
-A segment written by an older version has no record: its anchor is recomputed at start and
-its base is unknown (the stamps decide, as they did).
+A segment without a record: its anchor is recomputed at start and its base is unknown (the
+stamps decide).
 """
 
 from __future__ import annotations
