@@ -1,0 +1,144 @@
+"""Striped backup pushes (``data_plane_streams``) on real daemons in network namespaces
+(tests/lab.py): the data plane between the two nodes partitioned mid-push, and the pushing
+daemon killed with SIGKILL mid-push. Each time the save returns or fails typed within a bound,
+the backup node never serves a mixture of two saves, and the next striped push after the
+fault delivers the same bytes."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+
+from ckptcache.errors import CkptCacheError
+from tests.helpers import assert_same, wait_until
+from tests.lab import S3_ENV, Lab, LabNode, in_netns, lab_available
+
+pytestmark = pytest.mark.timeout(300)
+
+CLIENT_TIMEOUT = 30.0
+BOUND = CLIENT_TIMEOUT + 15.0
+#: Slow enough that a 64 MiB push takes seconds (a fault lands inside it), fast enough that
+#: the test takes seconds too.
+MBIT = 150.0
+STRIPED = "in 4 stripes"
+
+
+def state(seed: int) -> dict[str, Any]:
+    g = torch.Generator().manual_seed(seed)
+    return {"w": torch.randn(16 << 20, generator=g), "step": seed}  # 64 MiB
+
+
+@pytest.fixture(scope="module")
+def lab(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Lab]:
+    why = lab_available()
+    if why:
+        pytest.skip(why)
+    with pytest.MonkeyPatch.context() as mp:
+        for k, v in {**S3_ENV, "AWS_ENDPOINT_URL_S3": "http://10.213.0.3:5000"}.items():
+            mp.setenv(k, v)
+        lab = Lab(2, node_mbit=MBIT, lease_ttl=2.0, dead_peer_timeout=3.0,
+                  workdir=tmp_path_factory.mktemp("lab"), memory_limit="768MiB",
+                  config="data_plane_streams: 4\nlog_level: DEBUG\n")  # fmt: skip
+        with lab:
+            yield lab
+
+
+def _bounded(fn: Any) -> Any:
+    box: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            box["value"] = fn()
+        except BaseException as e:
+            box["error"] = e
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(BOUND)
+    assert not t.is_alive(), f"{fn} hung for more than {BOUND}s"
+    return box.get("error", box.get("value"))
+
+
+def save(node: LabNode, obj: Any, path: str, durability: str = "backup") -> Any:
+    def run() -> Any:
+        with node.daemon.client(fallback="raise", timeout=CLIENT_TIMEOUT) as c:
+            return c.save(obj, path, durability=durability)
+
+    return _bounded(lambda: in_netns(node.ns, run))
+
+
+def load(node: LabNode, path: str) -> Any:
+    def run() -> Any:
+        with node.daemon.client(fallback="raise", timeout=CLIENT_TIMEOUT) as c:
+            return c.load(path, mmap=False, verify=True)
+
+    return _bounded(lambda: in_netns(node.ns, run))
+
+
+def _push_under_way(b: LabNode, before: int) -> None:
+    wait_until(lambda: b.daemon.log().count(STRIPED) > before, timeout=BOUND,
+               interval=0.01, what="a striped push arriving")  # fmt: skip
+    time.sleep(0.5)  # a few MiB of each stripe in
+
+
+def _whole_or_typed(result: Any, *candidates: dict[str, Any]) -> None:
+    if isinstance(result, BaseException):
+        assert isinstance(result, CkptCacheError), repr(result)
+        return
+    matches = 0
+    for want in candidates:
+        try:
+            assert_same(want, result)
+            matches += 1
+        except AssertionError:
+            pass
+    assert matches == 1, "the backup node served bytes of no whole save"
+
+
+def test_partition_between_the_nodes_mid_striped_push(lab: Lab) -> None:
+    a, b = lab.nodes
+    path = "s3://lab/run/stripes-partition/model.pt"
+    before = b.daemon.log().count(STRIPED)
+    box: dict[str, Any] = {}
+    saver = threading.Thread(target=lambda: box.update(r=save(a, state(1), path)))
+    saver.start()
+    _push_under_way(b, before)
+    lab.partition(a, peers=[b])  # the data plane cut; both still reach etcd and storage
+    saver.join(BOUND + 5)
+    assert not saver.is_alive()
+    result = box["r"]
+    if isinstance(result, BaseException):
+        assert isinstance(result, CkptCacheError), repr(result)
+    _whole_or_typed(load(b, path), state(1))
+    lab.heal()
+    before = b.daemon.log().count(STRIPED)
+    assert not isinstance(save(a, state(2), path), BaseException)
+    assert b.daemon.log().count(STRIPED) > before
+    assert_same(state(2), load(b, path))
+
+
+def test_sender_killed_mid_striped_push(lab: Lab) -> None:
+    lab.heal()
+    a, b = lab.nodes
+    path = "s3://lab/run/stripes-kill/model.pt"
+    assert not isinstance(save(a, state(3), path), BaseException)  # a whole copy on b
+    before = b.daemon.log().count(STRIPED)
+    box: dict[str, Any] = {}
+    saver = threading.Thread(target=lambda: box.update(r=save(a, state(4), path)))
+    saver.start()
+    _push_under_way(b, before)
+    lab.kill(a)  # SIGKILL
+    saver.join(BOUND + 5)
+    assert not saver.is_alive()
+    _whole_or_typed(load(b, path), state(3), state(4))
+    lab.restart(a)
+    lab.wait_formed()
+    before = b.daemon.log().count(STRIPED)
+    assert not isinstance(save(a, state(5), path), BaseException)
+    assert b.daemon.log().count(STRIPED) > before
+    assert_same(state(5), load(b, path))
