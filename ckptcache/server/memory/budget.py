@@ -12,7 +12,6 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Collection
-from dataclasses import KW_ONLY, dataclass
 
 from ckptcache._units import format_bytes
 from ckptcache.errors import BudgetExceeded, ObjectTooLarge
@@ -31,23 +30,24 @@ __all__ = ["Budget"]
 log = logging.getLogger(__name__)
 
 
-@dataclass(eq=False)
 class Budget:
     """The reserve path's search for room: share, free list, pool, eviction, a new segment,
     a wait."""
 
-    config: DaemonConfig
-    state: CacheState
-    _: KW_ONLY
-    pool: SegmentPool
-    retention: Retention
-    #: What may be evicted for room, in which order (see server/memory/eviction.py).
-    eviction: EvictionPolicy
-
-    def __post_init__(self) -> None:
-        self.metrics = self.state.metrics
-        #: Each admitted user's share of the budget (see server/memory/shares.py).
-        self.shares = self.eviction.shares
+    def __init__(
+        self,
+        config: DaemonConfig,
+        state: CacheState,
+        *,
+        pool: SegmentPool,
+        retention: Retention,
+        eviction: EvictionPolicy,
+    ):
+        self.config, self.state, self.metrics = config, state, state.metrics
+        self.pool, self.retention = pool, retention
+        #: What may be evicted for room, in which order (server/memory/eviction.py), and each
+        #: admitted user's share of the budget (server/memory/shares.py).
+        self.eviction, self.shares = eviction, eviction.shares
 
     def check_whole(self, path: str, nbytes: int) -> None:
         """Refuse an object larger than the whole budget: no wait can make room for it."""
