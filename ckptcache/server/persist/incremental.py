@@ -116,13 +116,21 @@ def _identity(fd: int) -> str | None:
     return f"{st.st_dev}:{st.st_ino}:{st.st_size}:{st.st_mtime_ns}"
 
 
-@dataclass
+def _advise(fd: int, offset: int, size: int) -> None:
+    try:
+        os.posix_fadvise(fd, offset, size, os.POSIX_FADV_WILLNEED)
+    except OSError:
+        pass  # advice only
+
+
+@dataclass(eq=False)
 class _Copy:
     record: ArchiveRecord
     digest: int
     name: str
     src_offset: int  # of the range's start in the previous file
     range: CopiedRange
+    refused: bool = False  # the copy was refused: written from memory
 
 
 class RecordReuse:
@@ -213,11 +221,18 @@ class RecordReuse:
                         raise
                     log.debug("%s: copy of %s refused (%s): written from memory",
                               self.path, item.name, e)  # fmt: skip
+                    item.refused = True
+                    continue
+                # The whole record is read back next: ask for all of it now, so the disk
+                # reads ahead of the hashing instead of one window at a time.
+                _advise(reader, item.record.data_offset, item.record.size)
+            for item in self._copies:
+                if item.refused:
                     self._rewrite(fd, item)
                     self._check(reader, buf, item, after_rewrite=True)
                     continue
                 if self._check(reader, buf, item, after_rewrite=False):
-                    self.copied += size
+                    self.copied += item.range.end - item.range.start
                     continue
                 log.warning(
                     "%s: tensor %r copied from the previous file reads back with another digest "
