@@ -119,6 +119,23 @@ def _read(path: str) -> bytes:
         return f.read()
 
 
+def test_without_a_way_to_read_back_nothing_is_copied(previous, monkeypatch):
+    path, layout, data = previous
+    real_open = os.open
+
+    def no_proc(name, *args, **kwargs):
+        if str(name).startswith("/proc/self/fd/"):
+            raise FileNotFoundError(name)
+        return real_open(name, *args, **kwargs)
+
+    monkeypatch.setattr(incremental.os, "open", no_proc)
+    view = memoryview(data)
+    reuse = RecordReuse(layout, _expected(view), view, path)
+    _persist(view, path, reuse)
+    assert reuse.copied == 0 and reuse.rewritten > 3 * MIB
+    assert _read(path) == _read(path + ".prev")
+
+
 def _flip(path: str, offset: int) -> None:
     st = os.stat(path)
     with open(path, "r+b") as f:

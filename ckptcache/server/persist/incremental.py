@@ -209,7 +209,13 @@ class RecordReuse:
         if not self._copies:
             return
         assert self.source is not None
-        reader = os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | os.O_CLOEXEC)
+        try:  # the new file is open for writing only: read it through a second open
+            reader = os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | os.O_CLOEXEC)
+        except OSError as e:  # no /proc: nothing could be read back, so nothing is copied
+            log.debug("%s: cannot read the new file back (%s): written from memory", self.path, e)
+            for item in self._copies:
+                self._rewrite(fd, item)
+            return
         buf = memoryview(bytearray(8 << 20))
         try:
             for item in self._copies:
