@@ -58,9 +58,9 @@ _LAZY = {
 }
 
 
-# Submodules reached as attributes of the package, imported on first use: code that does
-# ``import ckptcache`` and then uses ``ckptcache.api.…`` works without importing torch up
-# front. A few modules are also reached by a short name: format modules
+# Submodules reached as attributes of the package, each imported on first use (importing
+# the package stays cheap): code that does ``import ckptcache`` and then uses
+# ``ckptcache.api.…`` works. A few modules are also reached by a short name: format modules
 # (``ckptcache.format``), codec modules and ``packing`` (``ckptcache.codec``), the command,
 # bench and demo modules (``ckptcache.cli``).
 _SUBMODULES = {

@@ -86,7 +86,7 @@ class WriteGuard:
     wall clocks.
 
     ``base`` is the identity of the object that was on storage when the generation was saved
-    (``""``: none; ``None``: not known, as for segments written by older versions). An object
+    (``""``: none; ``None``: not known, as for a segment adopted without a record). An object
     still equal to ``base`` is older than the save (it was there before): replace it. One
     written by this daemon for an older generation of the path (its stamp is in ``own``), or
     by an earlier attempt of this very generation (same stamp), is older too. Anything else
