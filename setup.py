@@ -1,6 +1,7 @@
 """Build hooks (metadata: pyproject.toml): ship ``ckptcache-startup.pth`` into
 ``site-packages``, and build the copy, base64 and collector extensions
-(``ckptcache/format/_copy.c``, ``_b64.c``, ``_gcpause.c``).
+(``ckptcache/format/_copy.c``, ``_b64.c``, ``_gcpause.c``) and the data plane's record
+extension (``ckptcache/server/cluster/dataplane/_records.c``).
 
 The file lets ``CKPTCACHE_DEEPSPEED=1`` switch the DeepSpeed adapter on with no code (see
 ``ckptcache/adapters/_startup.py``). A ``.pth`` file only takes effect at the top of a site

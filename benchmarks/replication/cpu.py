@@ -7,19 +7,25 @@ from the processes' own counters (``getrusage(RUSAGE_SELF)`` in the benchmark's 
 processes, ``/proc/<pid>/stat`` utime + stime of the daemons):
 
 * raw ``sendfile -> recv_into`` between two processes (the kernel's TCP path: the limit);
-* the same transfer through the data plane's authenticated :class:`Channel`;
+* the same transfer through the data plane's authenticated :class:`Channel`, and again with the
+  receiver digesting what it receives (in the tag check's pass, as the daemons do);
 * one core's xxh3 (the digest every hop checks) and Poly1305 (the record tag) over the same
-  bytes, no transfer (what a single pass over the bytes costs), and the kernel's first touch
-  of a new segment's pages (what a receive into memory the node has not used pays);
+  bytes, no transfer (what a single pass over the bytes costs), both in one pass (the record
+  extension), and the kernel's first touch of a new segment's pages (what a receive into
+  memory the node has not used pays);
 * a backup push: ``save(durability="backup")`` on a daemon with a backup node, less
-  ``save(durability="local")`` on a daemon without one (both daemons' CPU);
+  ``save(durability="local")`` on a daemon without one (both daemons' CPU), on one connection
+  and split across ``--streams`` connections (``data_plane_streams``);
 * a peer fetch: a load on a node that does not hold the object (both daemons' CPU);
 * a relayed group read: two nodes load one file at once (one reads storage and relays it to
   the other), less one node loading a file alone (both daemons' CPU);
 * checkpointless recovery's transfer over gloo: a raw ``dist.broadcast`` and
   ``PeerRecovery.recover`` (checksum digest) of the same state size, two ranks.
 
-Medians over ``--rounds``. Needs Debian's etcd-server. The client's own CPU (a zero-copy load
+Medians over ``--rounds``. "vs raw + digests" is a path's CPU against the issue's bound: the raw
+transfer plus one xxh3 pass on each end. Which code tags records (the record extension, or
+Python where it is hidden, see ``python_tags/sitecustomize.py``) is printed with the table.
+Needs Debian's etcd-server. The client's own CPU (a zero-copy load
 maps the segment; a save's copy is the same with and without a backup) is not counted.
 """
 
@@ -49,7 +55,8 @@ import xxhash
 from ckptcache._units import parse_bytes
 from ckptcache.cli.benchmarking import EtcdServer, make_state, running_cluster
 from ckptcache.client import Client
-from ckptcache.server.cluster.dataplane import RECORD_SIZE, Channel
+from ckptcache.server.cluster.dataplane import RECORD_SIZE, TAG_IMPLEMENTATION, Channel, Span, Xxh3
+from ckptcache.server.cluster.dataplane._tagging import tag_and_hash
 
 GiB = float(1 << 30)
 SECRET = "bench-secret"
@@ -163,18 +170,50 @@ def _raw_send(port_out: Connection, name: str, nbytes: int, out: Connection) -> 
         out.send((time.perf_counter() - t0, cpu))
 
 
-def _chan_recv(port: int, nbytes: int, out: Connection) -> None:
+class Storages:
+    """A receiver's digests of ``nbytes`` as storages of ``size`` bytes each (the transfer's
+    hasher, without a manifest)."""
+
+    def __init__(self, nbytes: int, size: int = 16 << 20):
+        self.bounds = [(lo, min(lo + size, nbytes)) for lo in range(0, nbytes, size)]
+        self.planned, self.state = 0, Xxh3()
+        self.digests: list[int] = []
+
+    def spans(self, start: int, end: int) -> list[Span]:
+        out: list[Span] = []
+        while self.planned < len(self.bounds):
+            lo, hi = self.bounds[self.planned]
+            if lo >= end:
+                break
+            out.append((max(lo, start) - start, min(hi, end) - start, hi <= end))
+            if hi > end:
+                break
+            self.planned += 1
+        return out
+
+    def hashed(self, digests: list[int]) -> None:
+        self.digests.extend(digests)
+
+
+def _chan_recv(port: int, nbytes: int, out: Connection, digest: bool = False) -> None:
     dst = _faulted(nbytes)
     sock = socket.create_connection(("127.0.0.1", port))
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     chan = Channel(sock, b"r" * 32, b"k" * 32)
     chan.send_bytes(b"ready")
+    hasher = Storages(nbytes) if digest else None
     cpu0 = cpu_self()
     with memoryview(dst) as view:
-        chan.recv_into(view)
+        chan.recv_into(view, None, hasher)
     out.send(cpu_self() - cpu0)
+    if hasher is not None:
+        assert len(hasher.digests) == len(hasher.bounds)
     chan.send_bytes(b"k")
     chan.close()
+
+
+def _chan_recv_digest(port: int, nbytes: int, out: Connection) -> None:
+    _chan_recv(port, nbytes, out, digest=True)
 
 
 def _chan_send(port_out: Connection, name: str, nbytes: int, out: Connection) -> None:
@@ -255,6 +294,13 @@ def poly(part: memoryview) -> object:
     return Channel._tag(b"k" * 32, 0, b"\0\0\0\0", part)
 
 
+_STATE = Xxh3()
+
+
+def poly_xxh3(part: memoryview) -> object:
+    return tag_and_hash(b"k" * 32, b"\0\0\0\0", part, [(0, len(part), True)], _STATE)
+
+
 # ---------------------------------------------------------------- daemons
 
 
@@ -282,10 +328,12 @@ def settle(*ready: tuple[Client, str], seconds: float = 0.3) -> None:
     time.sleep(seconds)
 
 
-def daemon_paths(nbytes: int, rounds: int, etcd: EtcdServer, root: Path) -> list[Path_]:
+def daemon_paths(
+    nbytes: int, rounds: int, etcd: EtcdServer, root: Path, streams: int
+) -> list[Path_]:
     state = make_state(nbytes)
     budget = str(8 * nbytes + (256 << 20))
-    local, backup, fetch, solo, group = [], [], [], [], []
+    local, backup, striped, fetch, solo, group = [], [], [], [], [], []
     files = root / "files"
     files.mkdir(parents=True)
     for i in range(2 * rounds):
@@ -302,14 +350,21 @@ def daemon_paths(nbytes: int, rounds: int, etcd: EtcdServer, root: Path) -> list
     )
     with contextlib.ExitStack() as stack:
         two = stack.enter_context(running_cluster(2, etcd.url, *plain))
-        paired = stack.enter_context(running_cluster(2, etcd.url, "--backup", "auto", *plain))
+        one = ("--backup", "auto", "--data-plane-streams", "1")
+        paired = stack.enter_context(running_cluster(2, etcd.url, *one, *plain))
+        many = ("--backup", "auto", "--data-plane-streams", str(streams))
+        paired_n = stack.enter_context(running_cluster(2, etcd.url, *many, *plain))
         a, b = (stack.enter_context(Client(h.socket, fallback="raise", timeout=600)) for h in two)
         pa, _ = (
             stack.enter_context(Client(h.socket, fallback="raise", timeout=600)) for h in paired
         )
+        pn, _ = (
+            stack.enter_context(Client(h.socket, fallback="raise", timeout=600)) for h in paired_n
+        )
         d_two = Daemons([h.proc.pid for h in two])
         d_paired = Daemons([h.proc.pid for h in paired])
-        for c in (a, pa):  # warm both rotations of segments
+        d_paired_n = Daemons([h.proc.pid for h in paired_n])
+        for c in (a, pa, pn):  # warm both rotations of segments
             for _ in range(2):
                 c.save(state, "/bench/model.pt", durability="local")
         for r in range(rounds):
@@ -325,6 +380,12 @@ def daemon_paths(nbytes: int, rounds: int, etcd: EtcdServer, root: Path) -> list
                 pa.save(state, "/bench/model.pt", durability="backup")
                 seconds = time.perf_counter() - t0
             backup.append(Sample(seconds, cpu[0], cpu[1]))
+            settle((a, "/bench/model.pt"), (pn, "/bench/model.pt"))
+            with d_paired_n.window() as cpu:
+                t0 = time.perf_counter()
+                pn.save(state, "/bench/model.pt", durability="backup")
+                seconds = time.perf_counter() - t0
+            striped.append(Sample(seconds, cpu[0], cpu[1]))
             # Peer fetch: b loads what only a holds.
             path = f"/bench/fetch-{r}.pt"
             a.save(state, path, durability="local")
@@ -388,6 +449,11 @@ def daemon_paths(nbytes: int, rounds: int, etcd: EtcdServer, root: Path) -> list
             "backup push (save durability=backup - local; pusher -> backup node)",
             nbytes,
             [bk - lc for bk, lc in zip(backup, local, strict=True)],
+        ),
+        Path_(
+            f"backup push, data_plane_streams {streams} (same, striped)",
+            nbytes,
+            [bk - lc for bk, lc in zip(striped, local, strict=True)],
         ),
         Path_(
             "peer fetch (load on a node that does not hold it; holder -> loader)",
@@ -480,20 +546,23 @@ def gloo_paths(nbytes: int, rounds: int, work: Path) -> list[Path_]:
 # ---------------------------------------------------------------- table
 
 
-def table(paths: list[Path_], limit: Path_) -> str:
+def table(paths: list[Path_], limit: Path_, digest: float) -> str:
+    """The table; ``digest``: one xxh3 pass's CPU-s/GiB (the bound is raw + one per end)."""
+    bound = limit.total + 2 * digest
     lines = [
         "| path | GB/s | CPU-s/GiB sender | CPU-s/GiB receiver | CPU-s/GiB both | "
-        "vs raw (both) | cores at 100 / 400 Gbit/s (busier end) | note |",
-        "|---|---:|---:|---:|---:|---:|---:|---|",
+        "vs raw (both) | vs raw + digests | cores at 100 / 400 Gbit/s (busier end) | note |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for p in paths:
         gbps = p.nbytes / p.seconds / 1e9 if p.seconds > 0 else float("nan")
         busier = max(p.send, p.recv)
         cores = " / ".join(f"{rate * busier:.1f}" for rate in LINES.values())
         ratio = f"{p.total / limit.total:.2f}x" if p.recv and p.send else "-"
+        vs_bound = f"{p.total / bound:.2f}x" if p.recv and p.send else "-"
         lines.append(
             f"| {p.what} | {gbps:.2f} | {p.send:.3f} | "
-            f"{p.recv:.3f} | {p.total:.3f} | {ratio} | {cores} | {p.note} |"
+            f"{p.recv:.3f} | {p.total:.3f} | {ratio} | {vs_bound} | {cores} | {p.note} |"
         )
     return "\n".join(lines)
 
@@ -502,6 +571,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--size", default="256MiB")
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--streams", type=int, default=4, help="data_plane_streams of the striped row")
     p.add_argument("--skip", nargs="*", default=[], choices=["daemons", "gloo"])
     args = p.parse_args()
     nbytes = parse_bytes(args.size)
@@ -511,22 +581,34 @@ def main() -> None:
     paths: list[Path_] = []
     try:
         raw = [pair(_raw_send, _raw_recv, nbytes) for _ in range(rounds)]
-        chan = [pair(_chan_send, _chan_recv, nbytes) for _ in range(rounds)]
+        chan, chan_digest = [], []
+        for _ in range(rounds):  # interleaved: both see the same moments of a shared machine
+            chan.append(pair(_chan_send, _chan_recv, nbytes))
+            chan_digest.append(pair(_chan_send, _chan_recv_digest, nbytes))
         limit = Path_("raw socket: sendfile -> recv_into (the limit)", nbytes, raw)
+        xxh3 = Path_(
+            "xxh3 digest, one core, no transfer (per pass)",
+            nbytes,
+            [one_core(nbytes, xxhash.xxh3_64_intdigest) for _ in range(rounds)],
+        )
         paths += [
             limit,
             Path_(
                 "authenticated channel: same transfer, Poly1305 tag per 4 MiB record", nbytes, chan
             ),
             Path_(
-                "xxh3 digest, one core, no transfer (per pass)",
-                nbytes,
-                [one_core(nbytes, xxhash.xxh3_64_intdigest) for _ in range(rounds)],
+                "authenticated channel + receiver's digest (16 MiB storages)", nbytes, chan_digest
             ),
+            xxh3,
             Path_(
                 "Poly1305 tag, one core, no transfer (per pass)",
                 nbytes,
                 [one_core(nbytes, poly) for _ in range(rounds)],
+            ),
+            Path_(
+                "Poly1305 tag + xxh3 digest, one core, no transfer (the receiver's pass)",
+                nbytes,
+                [one_core(nbytes, poly_xxh3) for _ in range(rounds)],
             ),
             Path_(
                 "first touch of new tmpfs memory (page allocated and zeroed)",
@@ -534,11 +616,12 @@ def main() -> None:
                 [first_touch(nbytes) for _ in range(rounds)],
             ),
         ]
-        print(table(paths, limit), flush=True)
+        print(f"record tags and digests: {TAG_IMPLEMENTATION}", flush=True)
+        print(table(paths, limit, xxh3.send), flush=True)
         if "daemons" not in args.skip:
             etcd = EtcdServer(work / "etcd").start()
             try:
-                paths += daemon_paths(nbytes, rounds, etcd, work / "ckpt")
+                paths += daemon_paths(nbytes, rounds, etcd, work / "ckpt", args.streams)
             finally:
                 etcd.stop()
         if "gloo" not in args.skip:
@@ -547,9 +630,10 @@ def main() -> None:
         shutil.rmtree(work, ignore_errors=True)
     print(
         f"\n### CPU per byte per path ({args.size}, loopback, medians of {rounds}, "
-        f"{os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f})\n"
+        f"{os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f}, record tags and "
+        f"digests: {TAG_IMPLEMENTATION})\n"
     )
-    print(table(paths, limit))
+    print(table(paths, limit, xxh3.send))
 
 
 if __name__ == "__main__":
