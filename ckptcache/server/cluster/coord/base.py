@@ -44,6 +44,7 @@ __all__ = [
     "Coordinator",
     "CoordinatorUnavailable",
     "NodeInfo",
+    "Revisioned",
     "order_of",
     "read_node",
     "sign_node",
@@ -56,6 +57,10 @@ log = logging.getLogger(__name__)
 #: The coordinator (etcd) cannot be reached; cluster features pause until it returns. One
 #: class with the public error, so a client sees the same type the daemon raised.
 CoordinatorUnavailable = _errors.CoordinatorUnavailable
+
+#: A durable key as :meth:`Coordinator.read` gives it: its value (None: absent) and its
+#: revision (0: absent, or a coordinator without revisions).
+Revisioned = tuple[dict[str, Any] | None, int]
 
 
 @dataclass(frozen=True)
@@ -159,18 +164,14 @@ class Coordinator(abc.ABC):
     def record(self, key: str, value: dict[str, Any]) -> None:
         """Put a durable key (no lease)."""
 
-    def read(self, key: str) -> tuple[dict[str, Any] | None, int]:
+    def read(self, key: str) -> Revisioned:
         """The value of ``key`` (None: absent) and its revision (0: absent, or a coordinator
         without revisions), to hand to :meth:`advance` as ``expect``."""
         return self.get(key), 0
 
     @abc.abstractmethod
     def advance(
-        self,
-        key: str,
-        value: dict[str, Any],
-        field: str,
-        expect: tuple[dict[str, Any] | None, int] | None = None,
+        self, key: str, value: dict[str, Any], field: str, expect: Revisioned | None = None
     ) -> tuple[bool, dict[str, Any] | None]:
         """Put the durable ``key`` to ``value`` unless it holds a value whose integer
         ``field`` is not smaller than ``value``'s, in one atomic step (a compare-and-swap: no

@@ -14,7 +14,7 @@ from collections import Counter
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from ckptcache.server.cluster.coord.base import Coordinator, NodeInfo
+from ckptcache.server.cluster.coord.base import Coordinator, NodeInfo, Revisioned
 
 __all__ = ["CountingCoordinator"]
 
@@ -80,16 +80,12 @@ class CountingCoordinator(Coordinator):
         self._count("record")
         self.inner.record(key, value)
 
-    def read(self, key: str) -> tuple[dict[str, Any] | None, int]:
+    def read(self, key: str) -> Revisioned:
         self._count("get")
         return self.inner.read(key)
 
     def advance(
-        self,
-        key: str,
-        value: dict[str, Any],
-        field: str,
-        expect: tuple[dict[str, Any] | None, int] | None = None,
+        self, key: str, value: dict[str, Any], field: str, expect: Revisioned | None = None
     ) -> tuple[bool, dict[str, Any] | None]:
         self._count("advance")
         return self.inner.advance(key, value, field, expect)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 from typing import Any
 
-from ckptcache.server.cluster.coord.base import Coordinator, NodeInfo, order_of
+from ckptcache.server.cluster.coord.base import Coordinator, NodeInfo, Revisioned, order_of
 from ckptcache.server.cluster.coord.keys import node_key
 
 __all__ = ["EmbeddedCoordinator"]
@@ -63,11 +63,7 @@ class EmbeddedCoordinator(Coordinator):
             self._lock.notify_all()
 
     def advance(
-        self,
-        key: str,
-        value: dict[str, Any],
-        field: str,
-        expect: tuple[dict[str, Any] | None, int] | None = None,
+        self, key: str, value: dict[str, Any], field: str, expect: Revisioned | None = None
     ) -> tuple[bool, dict[str, Any] | None]:
         with self._lock:
             found = self._store.get(self.prefix + key)

@@ -32,6 +32,7 @@ from ckptcache.server.cluster.coord.base import (
     Coordinator,
     CoordinatorUnavailable,
     NodeInfo,
+    Revisioned,
     order_of,
     read_node,
 )
@@ -227,18 +228,14 @@ class EtcdCoordinator(Coordinator):
     def record(self, key: str, value: dict[str, Any]) -> None:
         self._put(key, value, lease=False)
 
-    def read(self, key: str) -> tuple[dict[str, Any] | None, int]:
+    def read(self, key: str) -> Revisioned:
         found = self._guard("get", self._client.get, self.prefix + key, metadata=True)
         if not found:
             return None, 0
         return _decode(key, found[0][0]), int(found[0][1].get("mod_revision", 0))
 
     def advance(
-        self,
-        key: str,
-        value: dict[str, Any],
-        field: str,
-        expect: tuple[dict[str, Any] | None, int] | None = None,
+        self, key: str, value: dict[str, Any], field: str, expect: Revisioned | None = None
     ) -> tuple[bool, dict[str, Any] | None]:
         """A read (or ``expect``), then a transaction that puts only if the key's revision is
         still the one read (0: absent); lost to a concurrent put, it reads again (each pass
