@@ -179,13 +179,7 @@ class StorageBackend(abc.ABC):
     """One family of destinations (a URL scheme)."""
 
     def write(
-        self,
-        path: str,
-        source: int,
-        offset: int,
-        size: int,
-        *,
-        guard: WriteGuard | None = None,
+        self, path: str, source: int, offset: int, size: int, *, guard: WriteGuard | None = None
     ) -> None:
         """Atomically make ``size`` bytes at ``offset`` of file descriptor ``source`` the
         content of ``path`` (creating missing parent directories).

@@ -206,13 +206,7 @@ class FileBackend(StorageBackend):
         _fsync_dir(directory)
 
     def write(
-        self,
-        path: str,
-        source: int,
-        offset: int,
-        size: int,
-        *,
-        guard: WriteGuard | None = None,
+        self, path: str, source: int, offset: int, size: int, *, guard: WriteGuard | None = None
     ) -> None:
         self._atomic(path, sendfile_fill(source, offset, size), guard)
 
