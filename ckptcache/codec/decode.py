@@ -126,14 +126,9 @@ def decode(
 
 
 def decode_skeleton(
-    skeleton: bytes | memoryview,
-    load_storage: StorageLoader,
-    *,
-    weights_only: bool = True,
-    map_location: MapLocation = None,
-    load_array: ArrayLoader | None = None,
-    placed: bool = False,
-) -> Any:
+    skeleton: bytes | memoryview, load_storage: StorageLoader, *, weights_only: bool = True,
+    map_location: MapLocation = None, load_array: ArrayLoader | None = None, placed: bool = False,
+) -> Any:  # fmt: skip
     """Rebuild an object from its skeleton (the inverse of
     :func:`~ckptcache.codec.flatten.flatten`), trying the decoders from 2 of the module's
     order; ``load_storage(key, nbytes)`` returns CPU storages (``placed``: storages already
