@@ -11,9 +11,11 @@ file shares nothing with it that a later delete of the source could take away.
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import fcntl
 import os
+import struct
 from collections.abc import Callable, Iterator
 
 from ckptcache.storage.base import Sink
@@ -21,12 +23,16 @@ from ckptcache.storage.direct import DirectWriter, direct_enabled, open_direct
 from ckptcache.storage.writeback import BoundedWriteback
 
 __all__ = [
+    "COPY_ENV",
     "COPY_REFUSED",
     "GappedProducer",
     "Skip",
+    "copy_pays",
     "copy_range",
     "gapped_stream_fill",
     "read_back",
+    "server_side_copy",
+    "shares_blocks",
 ]
 
 #: Answers of ``copy_file_range`` that mean "not between these files" (other file systems,
@@ -38,6 +44,15 @@ COPY_REFUSED = frozenset(
 _COPY_STEP = 1 << 30
 #: Bytes read at a time when a range is read back.
 _READ_STEP = 8 << 20
+
+#: ``FICLONERANGE``: ``_IOW(0x94, 13, struct file_clone_range)``.
+_FICLONERANGE = 0x4020940D
+#: ``statfs.f_type`` of the network file systems whose ``copy_file_range`` is a copy made by
+#: the server (NFS 4.2, SMB): the bytes never cross the wire.
+_SERVER_COPY = frozenset({0x6969, 0xFF534D42, 0xFE534D42})
+#: Environment switch: ``always`` copies where the file system neither shares blocks nor
+#: copies on its server (an in-kernel copy: every byte still written, the source read too).
+COPY_ENV = "CKPTCACHE_INCREMENTAL_COPY"
 
 Skip = Callable[[int], None]
 #: Streams the file into the sink, calling skip for each gap it leaves.
@@ -56,6 +71,45 @@ def copy_range(source: int, dest: int, src_offset: int, dest_offset: int, size: 
         if n == 0:
             raise OSError(errno.ENODATA, f"the source ended after {done} of {size} bytes")
         done += n
+
+
+def shares_blocks(source: int, dest: int) -> bool:
+    """Whether the file system shares blocks between ``source`` and ``dest`` (a reflink):
+    their first block is cloned (``FICLONERANGE``) into ``dest``, which the caller then writes
+    over (a shared block is copied on write; ``source`` never changes)."""
+    arg = struct.pack("=qQQQ", source, 0, 4096, 0)
+    try:
+        fcntl.ioctl(dest, _FICLONERANGE, arg)
+    except OSError:
+        return False
+    return True
+
+
+def _fs_type(fd: int) -> int | None:
+    """``statfs.f_type`` of the file system holding ``fd`` (None where it cannot be read)."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        buf = ctypes.create_string_buffer(256)  # struct statfs: f_type is its first word
+        if libc.fstatfs(fd, buf) != 0:
+            return None
+    except (OSError, AttributeError):
+        return None
+    return int(struct.unpack_from("l", buf.raw)[0]) & 0xFFFFFFFF
+
+
+def server_side_copy(fd: int) -> bool:
+    """Whether ``copy_file_range`` on the file system of ``fd`` is a copy on its server."""
+    return _fs_type(fd) in _SERVER_COPY
+
+
+def copy_pays(source: int, dest: int) -> bool:
+    """Whether copying ranges from ``source`` into ``dest`` saves writing them: the file
+    system shares blocks, or copies on its server; or :data:`COPY_ENV` is ``always``. An
+    in-kernel copy on a local file system that does neither writes every byte anyway and
+    reads the source too (slower than writing from memory)."""
+    if os.environ.get(COPY_ENV, "").strip().lower() == "always":
+        return True
+    return shares_blocks(source, dest) or server_side_copy(dest)
 
 
 def read_back(fd: int, offset: int, size: int, buf: memoryview) -> Iterator[memoryview]:

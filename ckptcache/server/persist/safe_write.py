@@ -32,7 +32,7 @@ from ckptcache.storage.fs import (
     link_unnamed,
     open_unnamed,
 )
-from ckptcache.storage.ranges import GappedProducer, gapped_stream_fill
+from ckptcache.storage.ranges import GappedProducer, copy_pays, gapped_stream_fill
 
 __all__ = ["persist_write", "write_beneath"]
 
@@ -294,8 +294,8 @@ def persist_write(
         plain = fill
 
         def fill(fd: int) -> None:
-            if reuse.source is None:  # no file to copy from: the plain persist
-                plain(fd)
+            if reuse.source is None or not copy_pays(reuse.source, fd):
+                plain(fd)  # nothing to copy from, or a copy that costs more: the plain persist
                 return
             gapped_stream_fill(produce_gapped, reuse.finish)(fd)
 

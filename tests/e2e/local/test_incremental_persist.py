@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from ckptcache.format.persisted import list_records, verify_stored
+from ckptcache.storage.ranges import COPY_ENV, shares_blocks
 from tests.helpers import assert_same, wait_until
 
 MiB = 1 << 20
@@ -38,9 +39,14 @@ def state(step: int, *, base: dict[str, torch.Tensor] | None = None) -> dict[str
     }
 
 
-def started(daemon_factory, tmp_path, root, **extra):
+#: The test directory's file system may share no blocks (ext4): copy there all the same.
+ALWAYS = {COPY_ENV: "always"}
+
+
+def started(daemon_factory, tmp_path, root, env=None, **extra):
     d = daemon_factory("--persist-root", str(root), "--metrics-port", "0",
-                       "--config", config(tmp_path, **extra))  # fmt: skip
+                       "--config", config(tmp_path, **extra),
+                       env={**ALWAYS, **(env or {})})  # fmt: skip
     wait_until(lambda: "metrics=:" in d.log(), 30, "the daemon's ready line")
     return d
 
@@ -76,8 +82,11 @@ def large_records(path) -> list[tuple[int, int]]:
     return [(r.data_offset, r.size) for r in records if r.size >= MiB]
 
 
-def test_unchanged_records_are_copied_into_the_file_a_full_persist_writes(daemon_factory, tmp_path):
-    inc = started(daemon_factory, tmp_path, tmp_path / "a")
+@pytest.mark.parametrize("direct", ["1", "0"])
+def test_unchanged_records_are_copied_into_the_file_a_full_persist_writes(
+    daemon_factory, tmp_path, direct
+):
+    inc = started(daemon_factory, tmp_path, tmp_path / "a", env={"CKPTCACHE_DIRECT_IO": direct})
     full = started(daemon_factory, tmp_path, tmp_path / "b", incremental_persist="false")
     rel = os.path.join("run", "model.pt")
     base = frozen()
@@ -130,6 +139,34 @@ def test_a_byte_flipped_in_the_previous_file_never_reaches_the_new_one(
         assert "reads back with another digest" in d.log()
     else:  # not the file persisted: nothing taken from it
         assert reused(d) == 0
+
+
+def _shares_blocks(directory) -> bool:
+    (directory / "probe").write_bytes(b"x" * 8192)
+    source = os.open(directory / "probe", os.O_RDONLY)
+    dest = os.open(directory / "probe2", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        return shares_blocks(source, dest)
+    finally:
+        os.close(source)
+        os.close(dest)
+        for name in ("probe", "probe2"):
+            (directory / name).unlink()
+
+
+def test_no_copy_where_the_file_system_would_write_every_byte_anyway(daemon_factory, tmp_path):
+    root = tmp_path / "a"
+    root.mkdir()
+    if _shares_blocks(root):
+        pytest.skip("this file system shares blocks: copies pay here")
+    d = started(daemon_factory, tmp_path, root, env={COPY_ENV: ""})
+    path = root / "model.pt"
+    base = frozen()
+    persist(d, path, state(1, base=base))
+    persist(d, path, state(2, base=base))
+    assert reused(d) == 0  # an in-kernel copy would write as much and read the old file too
+    verify_stored(str(path), deep=True)
+    assert_same(state(2, base=base), torch.load(path, weights_only=True))
 
 
 def test_everything_changed_is_a_plain_persist(daemon_factory, tmp_path):
