@@ -144,6 +144,7 @@ class Client:
         path = normalize_path(path)
         check_durability(durability)
         self._spares.first_contact()
+        self._parts.plans.saving()
         return self._saves.save(obj, path, durability, blocking)
 
     def save_packed(self, packed: Packed, path: Any, *, durability: str = "local") -> int:
@@ -155,6 +156,7 @@ class Client:
         path = normalize_path(path)
         check_durability(durability)
         self._spares.first_contact()
+        self._parts.plans.saving()
         return self._saves.save_packed(packed, path, durability)
 
     def stage(self, tensors: Sequence[torch.Tensor]) -> Staged:
@@ -191,6 +193,7 @@ class Client:
         digest here (a stored file's structure still is)."""
         path = normalize_path(path)
         self._spares.first_contact()
+        self._parts.plans.first_contact(path)  # the job's earlier saves' plans, made ahead
         options = LoadOptions(map_location, weights_only, mmap, verify)
         return self._loads.load(path, options)
 
@@ -207,8 +210,10 @@ class Client:
 
     def exists(self, path: Any) -> bool:
         """Whether ``path`` can be loaded from the cache or from storage."""
+        path = normalize_path(path)
         self._spares.first_contact()
-        return self._queries.exists(normalize_path(path))
+        self._parts.plans.first_contact(path)  # the job's earlier saves' plans, made ahead
+        return self._queries.exists(path)
 
     def delete(self, path: Any) -> int:
         """Drop every cached generation of ``path`` (storage is untouched); returns the count."""

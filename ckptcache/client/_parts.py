@@ -15,6 +15,7 @@ from ckptcache.client._connection import Connection
 from ckptcache.client._fallback import WriteThrough
 from ckptcache.client._ledger import Ledger
 from ckptcache.client._loads import Loads
+from ckptcache.client._plans import PlanWarmer
 from ckptcache.client._queries import Queries
 from ckptcache.client._saves import Saves
 from ckptcache.client._segments import WriteMaps
@@ -41,6 +42,7 @@ class Parts:
     loads: Loads
     queries: Queries
     stager: Stager
+    plans: PlanWarmer
 
     def after_fork(self) -> None:
         """In a forked child (an at-fork handler): new locks, since a thread of the parent
@@ -57,10 +59,12 @@ class Parts:
         self.maps.disown()
         self.ledger.disown()
         self.spares.disown()
+        self.plans.disown()
 
     def close(self) -> None:
         """Finish pending non-blocking saves, release pins, close the connections and the
         cached write mappings; its save and spare threads have ended when it returns."""
+        self.plans.stop()  # before the connection goes: its requests use it
         self.saves.close()
         self.connection.close_waiter()
         with self.connection.lock:
@@ -91,10 +95,10 @@ def build_parts(settings: Settings) -> Parts:
     fallback = WriteThrough(settings, connection, ledger)
     waits = Waits(settings, connection, ledger)
     saves = Saves(settings, connection, maps, spares, fallback, ledger, waits)
+    loads, queries = Loads(settings, connection), Queries(settings, connection)
     parts = Parts(
-        settings, connection, maps, spares, ledger, fallback, waits, saves,
-        Loads(settings, connection), Queries(settings, connection),
-        Stager(settings, connection, saves, spares),
+        settings, connection, maps, spares, ledger, fallback, waits, saves, loads, queries,
+        Stager(settings, connection, saves, spares), PlanWarmer(queries, loads, saves),
     )  # fmt: skip
     # A request that finds itself in a child no at-fork handler told (a C fork()) disowns
     # every part's share of the parent, not the connection's alone.

@@ -178,6 +178,15 @@ class Saves:
             self._plans = PlanCache()
         return encode(obj, path, self._settings.namespace, plans=self._plans, versions=versions)
 
+    def warm_plan(self, obj: Any, path: str) -> None:
+        """Plan ``obj``'s structure into this client's save plans, ahead of a save of a state
+        of that structure (:mod:`ckptcache.client._plans`); nothing is saved."""
+        from ckptcache.codec.plan.cache import PlanCache
+
+        if self._plans is None:
+            self._plans = PlanCache()
+        self._plans.prepare(obj, path, self._settings.namespace, versions=False)
+
     def background(self) -> LingeringPool:
         """The one thread that runs this client's non-blocking saves, in submission order.
 
