@@ -460,23 +460,21 @@ class Persister:
         generation's: either way what is written is what the recorded digests describe.
 
         Records the previous persisted file of the path holds unchanged are copied from it
-        where that is proven (:mod:`ckptcache.server.persist.incremental`); the digests are
-        then needed first (taken now if the digester has not yet). Returns the records
-        written."""
+        where that is proven and the copy pays (:mod:`ckptcache.server.persist.incremental`);
+        the digests are then needed first (taken then if the digester has not yet). Returns
+        the records written."""
         base = gen.manifest.payload_offset
         layout = self.layouts.get(gen.key) if self._incremental(gen, backend, target) else None
         digests = gen.digests if self.record_digests is not None else self.ensure_digests(gen)
-        if layout is not None and digests is None:
-            digests = self.ensure_digests(gen)
         expected = self._expected(gen, digests) if digests is not None else None
         found: dict[int, int] = {}
         written: list[WrittenRecord] = []
         view = gen.segment.view()
         payload = view[base : base + gen.size]
         reuse = None
-        if layout is not None and expected is not None:
-            reuse = RecordReuse(layout, expected, payload, gen.path)
-            if not reuse.candidates():
+        if layout is not None:
+            reuse = RecordReuse(layout, expected or {}, payload, gen.path)
+            if expected is not None and not reuse.candidates():
                 reuse = None
 
         def produce(sink: Sink) -> None:
@@ -488,8 +486,11 @@ class Persister:
 
         def produce_gapped(sink: Sink, skip: Callable[[int], None]) -> None:
             assert reuse is not None
+            want = expected
+            if want is None:  # what to copy is chosen by digest: taken now, once a copy pays
+                want = reuse.expected = self._expected(gen, self.ensure_digests(gen))
             written.clear()
-            stream_archive(payload, sink, path=gen.path, expected=expected, offsets=found,
+            stream_archive(payload, sink, path=gen.path, expected=want, offsets=found,
                            written=written, reuse=reuse.plan, skip=skip)  # fmt: skip
 
         try:
