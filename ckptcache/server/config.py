@@ -144,6 +144,11 @@ class DaemonConfig:
     #: fast, quiet fabric finds a partitioned peer sooner; too short drops live peers whose
     #: link stalls for longer (a congested switch, a paused VM).
     dead_peer_timeout: float = 10.0
+    #: Connections (and so cores, one per end each) one transfer between nodes may be split
+    #: across: a backup push or a peer fetch, at either end. 0 ("auto", the default): half the cores
+    #: this daemon may run on, at most 8; 1: one connection. The daemon's share of the node's
+    #: cores for moving bytes (docs/scale.md).
+    data_plane_streams: int = 0
     #: Data-plane connections served at once (also capped to half the open-file limit).
     max_peer_connections: int = 256
     #: Of those, connections still in the handshake; the oldest is dropped to admit a new one.
@@ -380,6 +385,7 @@ VALIDATORS: dict[str, Validator] = {
     "tls_ca": _optional_text,
     "handshake_timeout": _seconds(zero_ok=False),
     "dead_peer_timeout": _dead_peer,
+    "data_plane_streams": _streams,
     "max_peer_connections": _count(1),
     "max_unauthenticated_peers": _count(1),
     "clock_offset_bound": _seconds(zero_ok=True),
