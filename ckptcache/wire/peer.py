@@ -12,8 +12,11 @@ Exchanges (one connection may carry several, one after the other)::
              stripe is in; each other stripe on a connection of its own:)
     stripe:  PushStripe   -> Ack <its stripe of the body> -> Ack | Refused
     fetch:   FetchRequest -> ObjectHead <segment body, digest table>
+                           (striped: the first stripe, then the table; the fetching node
+                           asks for each other stripe on a connection of its own:)
                            | RelayHead  <segment body as it lands here>
                            | Refused
+    stripe:  FetchStripe  -> Ack <that stripe of the body> | Refused
     corrupt: CorruptReport -> Ack
 
 Decoding raises :class:`~ckptcache.errors.ProtocolMismatch` naming the bad field; nothing
@@ -36,6 +39,7 @@ __all__ = [
     "Ack",
     "CorruptReport",
     "FetchRequest",
+    "FetchStripe",
     "ObjectHead",
     "PeerRequest",
     "PushRequest",
@@ -66,6 +70,12 @@ MAX_STREAMS = 64
 #: Latest wall-clock time (s) a commit time may name: it is stored in ns in a uint64 header
 #: field (and compared with storage's times), so anything beyond is a bad message.
 _MAX_WALL_CLOCK = (2**63 - 1) / 1e9
+
+
+def _check_stripes(starts: tuple[int, ...], name: str) -> None:
+    increasing = all(b > a for a, b in itertools.pairwise(starts))
+    if starts and (len(starts) > MAX_STREAMS or starts[0] != 0 or not increasing):
+        raise ValueError(f"{name}: at most {MAX_STREAMS} increasing offsets from 0")
 
 
 def _wall_clock(message: Any, name: str) -> None:
@@ -155,6 +165,29 @@ class FetchRequest(PathMessage):
     """Ask a peer for its newest copy of a path."""
 
     OP: ClassVar[str] = "fetch"
+    #: Connections the asking node may receive a committed copy on (1: all on this one); the
+    #: holder answers where each stripe starts in :attr:`ObjectHead.stripes`.
+    streams: int = 1
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.streams <= MAX_STREAMS:
+            raise ValueError(f"FetchRequest.streams: must be 1 to {MAX_STREAMS}")
+
+
+@message
+class FetchStripe(PathMessage):
+    """Bytes ``[lo, hi)`` of the body of ``generation`` of a path: one stripe of a fetch
+    whose :class:`ObjectHead` named its stripes, on a connection of its own."""
+
+    OP: ClassVar[str] = "fetch_stripe"
+    generation: int
+    lo: int
+    hi: int
+
+    def __post_init__(self) -> None:
+        _non_negative(self, "generation", "lo")
+        if self.hi <= self.lo:
+            raise ValueError("FetchStripe.hi: must be above lo")
 
 
 @message
@@ -170,9 +203,9 @@ class CorruptReport(PathMessage):
         _non_negative(self, "generation")
 
 
-PeerRequest = PushRequest | PushStripe | FetchRequest | CorruptReport
+PeerRequest = PushRequest | PushStripe | FetchRequest | FetchStripe | CorruptReport
 _REQUESTS: dict[str, type[Any]] = {
-    c.OP: c for c in (PushRequest, PushStripe, FetchRequest, CorruptReport)
+    c.OP: c for c in (PushRequest, PushStripe, FetchRequest, FetchStripe, CorruptReport)
 }
 
 
@@ -186,10 +219,7 @@ class Ack:
     stripes: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
-        starts = self.stripes
-        increasing = all(b > a for a, b in itertools.pairwise(starts))
-        if starts and (len(starts) > MAX_STREAMS or starts[0] != 0 or not increasing):
-            raise ValueError(f"Ack.stripes: at most {MAX_STREAMS} increasing offsets from 0")
+        _check_stripes(self.stripes, "Ack.stripes")
 
 
 @message
@@ -220,10 +250,14 @@ class ObjectHead(_Extent, _CopyHead):
     committed: float = 0.0
     #: The same, the save's exact stamp in ns (0: unknown).
     committed_ns: int = 0
+    #: Where each stripe of the body starts when it comes on several connections (the first
+    #: 0, see :class:`FetchStripe`); empty: the whole body on this one.
+    stripes: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         _copy_head(self)  # not super(): a slots dataclass is a new class without its cell
         _non_negative(self, "committed_ns")
+        _check_stripes(self.stripes, "ObjectHead.stripes")
 
 
 @message

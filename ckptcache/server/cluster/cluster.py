@@ -39,6 +39,7 @@ from ckptcache.server.cluster.dataplane import Channel, ConnectionLimits, DataPl
 from ckptcache.server.cluster.election import Election
 from ckptcache.server.cluster.membership import Membership, path_hash
 from ckptcache.server.cluster.replication import Replication
+from ckptcache.server.cluster.stripes import auto_streams
 from ckptcache.server.cluster.truth import Truth
 from ckptcache.server.persist.roots import PersistRoots
 from ckptcache.server.restore import remote_load
@@ -120,7 +121,7 @@ class Cluster:
         )  # fmt: skip
         self.fetching = Fetching(
             state, self.membership, ensure_digests=ports.ensure_digests, receive=ports.receive,
-            drop_corrupt=ports.drop_corrupt,
+            drop_corrupt=ports.drop_corrupt, streams=auto_streams(cfg.data_plane_streams),
         )  # fmt: skip
         self.storage = StorageReader(
             cfg, state.metrics, roots=ports.roots, options=ports.options, receive=ports.receive
@@ -148,6 +149,7 @@ class Cluster:
                     peer.PushRequest.OP: _typed(peer.PushRequest, self.replication.on_push),
                     peer.PushStripe.OP: _typed(peer.PushStripe, self.replication.on_push_stripe),
                     peer.FetchRequest.OP: _typed(peer.FetchRequest, self.fetching.on_fetch),
+                    peer.FetchStripe.OP: _typed(peer.FetchStripe, self.fetching.on_fetch_stripe),
                     peer.CorruptReport.OP: _typed(peer.CorruptReport, self.fetching.on_corrupt),
                     clock.OP: clock.on_probe,
                 },

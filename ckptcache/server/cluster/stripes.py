@@ -173,7 +173,7 @@ class StripeSink:
                 raise CorruptCheckpoint(f"stripe {index} of {self.manifest.path!r} ended before "
                                         "its last tensor", tier=Tier.PEER)  # fmt: skip
         except BaseException as e:
-            self._fail(e)
+            self.fail(e)
             raise
         finally:
             self.release(channel)
@@ -206,7 +206,8 @@ class StripeSink:
                 self._reported = end
                 self._advance(end)
 
-    def _fail(self, error: BaseException) -> None:
+    def fail(self, error: BaseException) -> None:
+        """Fail the transfer with ``error`` (unless one failed first): every stripe stops."""
         with self._changed:
             if self._error is None:
                 self._error = error

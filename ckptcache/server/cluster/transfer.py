@@ -16,6 +16,7 @@ memory or another thread per transfer.
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractContextManager
@@ -41,6 +42,7 @@ __all__ = [
     "check_skeleton",
     "receive_copy",
     "receive_object",
+    "receive_pulled",
     "receive_relayed",
     "relay_in_flight",
     "send_object",
@@ -219,6 +221,38 @@ def receive_striped(
     return expected
 
 
+def receive_pulled(
+    channel: Channel,
+    sink: stripes.StripeSink,
+    manifest: Manifest,
+    digest_offset: int,
+    pull: Callable[[int, int, int], AbstractContextManager[Channel]],
+) -> list[int]:
+    """:func:`receive_striped` for a fetch: this node asks for each stripe but the first on a
+    connection of its own, ``pull(index, lo, hi)`` (a channel whose sender answered and is
+    about to send those bytes), all at once; no stripe outlives the call."""
+
+    def one(index: int) -> None:
+        lo, hi = sink.ranges[index]
+        try:
+            with pull(index, lo, hi) as stripe:
+                if sink.claim(index, stripe):
+                    sink.receive(index, stripe)
+        except BaseException as e:  # kept for the first connection's thread to raise
+            sink.fail(e)
+
+    threads = [threading.Thread(target=one, args=(i,), name=f"stripe-{i}", daemon=True)
+               for i in range(1, len(sink.ranges))]  # fmt: skip
+    for t in threads:
+        t.start()
+    try:
+        return receive_striped(channel, sink, manifest, digest_offset)
+    finally:
+        sink.cancel()
+        for t in threads:
+            t.join()
+
+
 def _compare(manifest: Manifest, digests: list[int], table: memoryview) -> list[int]:
     """The sender's digest ``table``, once every digest computed here matches it."""
     n = len(manifest.storages)
@@ -280,6 +314,7 @@ def receive_copy(
     content_ns: int = 0,
     streams: int = 1,
     striped: Callable[[stripes.StripeSink], AbstractContextManager[object]] | None = None,
+    pull: Callable[[int, int, int], AbstractContextManager[Channel]] | None = None,
 ) -> Generation:
     """Receive one committed object announced by ``head`` and commit it here through
     ``receive`` (:meth:`ckptcache.server.ingest.Ingest.receive`). ``ready``: tell the sender
@@ -288,7 +323,8 @@ def receive_copy(
     ``content_time``: when the sender says the content was saved (0: unknown), and
     ``content_ns`` the save's exact stamp (0: unknown). With ``streams`` over 1 (a push),
     the body may come in up to that many stripes, whose other connections find the transfer
-    while ``striped(sink)`` holds it open."""
+    while ``striped(sink)`` holds it open. A fetched copy whose ``head`` names stripes takes
+    each but the first from ``pull(index, lo, hi)``."""
     manifest = Manifest.from_json(head.manifest.encode(), segment_size=head.nbytes)
     digest_offset = head.nbytes - 8 * len(manifest.storages)
     verified: list[int] = []
@@ -298,7 +334,14 @@ def receive_copy(
             started()
         body = digest_offset - HEADER_SIZE
         starts = stripes.plan(manifest, body, streams) if ready and striped else [0]
-        if len(starts) > 1 and striped is not None:
+        served = head.stripes if isinstance(head, peer.ObjectHead) else ()
+        if len(served) > 1 and pull is not None:
+            sink = stripes.StripeSink(view, manifest, list(served), body, channel.peer_id,
+                                      advance)  # fmt: skip
+            log.debug("receiving %s from %s in %d stripes", head.path, channel.peer_id,
+                      len(served))  # fmt: skip
+            verified.extend(receive_pulled(channel, sink, manifest, digest_offset, pull))
+        elif len(starts) > 1 and striped is not None:
             sink = stripes.StripeSink(view, manifest, starts, body, channel.peer_id, advance)
             log.debug("receiving %s from %s in %d stripes", head.path, channel.peer_id,
                       len(starts))  # fmt: skip

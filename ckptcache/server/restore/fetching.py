@@ -8,7 +8,12 @@ chains behind one that is receiving it (it relays as the bytes land), so N nodes
 together form a chain in which every uplink carries the object once, instead of a star in
 which the first holder's uplink carries it N - 1 times.
 
-Fetching (:meth:`Fetching.fetch_from`) receives either and commits it here. A fetched copy
+Fetching (:meth:`Fetching.fetch_from`) receives either and commits it here. A committed copy
+is split across up to ``data_plane_streams`` connections of both nodes: the holder names the
+stripes in its :class:`~ckptcache.wire.peer.ObjectHead` and sends the first with the digest
+table, the fetching node asks for each other one on a connection of its own
+(:class:`~ckptcache.wire.peer.FetchStripe`, :meth:`Fetching.on_fetch_stripe`); a relayed copy
+stays on one connection. A fetched copy
 found corrupt is reported to its holder (:meth:`Fetching.report_corrupt` ->
 :meth:`Fetching.on_corrupt` there), which drops the generation it served.
 """
@@ -19,6 +24,7 @@ import contextlib
 import logging
 import threading
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 
 from ckptcache.errors import (
     CheckpointNotFound,
@@ -26,6 +32,8 @@ from ckptcache.errors import (
     CorruptCheckpoint,
     ReplicationError,
 )
+from ckptcache.format.layout import HEADER_SIZE
+from ckptcache.server.cluster import stripes
 from ckptcache.server.cluster.coord import NodeInfo
 from ckptcache.server.cluster.dataplane import Channel, recv_msg, send_msg
 from ckptcache.server.cluster.membership import Membership
@@ -34,6 +42,8 @@ from ckptcache.server.cluster.transfer import (
     receive_relayed,
     relay_in_flight,
     send_object,
+    send_range,
+    send_striped,
 )
 from ckptcache.server.memory.index import Generation
 from ckptcache.server.ownership import saver_fields
@@ -86,7 +96,11 @@ class Fetching:
         ensure_digests: Callable[[Generation], list[int]],
         receive: Callable[[Incoming], Generation],
         drop_corrupt: Callable[[str, str, int, str], None],
+        streams: int = 1,
     ):
+        #: Connections a committed copy may come on, to or from this node (its
+        #: ``data_plane_streams``, resolved).
+        self.streams = streams
         self.state = state
         self.membership = membership
         self.ensure_digests = ensure_digests
@@ -99,11 +113,32 @@ class Fetching:
         key = (req.namespace, req.path)
         try:
             with self._sends.slot(key):
-                self._serve(conn, key)
+                self._serve(conn, key, min(req.streams, self.streams))
         except PeerBusy as e:
             send_msg(conn, peer.refusal(e))
 
-    def _serve(self, conn: Channel, key: tuple[str, str]) -> None:
+    def on_fetch_stripe(self, conn: Channel, req: peer.FetchStripe) -> None:
+        """Handler of :class:`~ckptcache.wire.peer.FetchStripe`: one stripe of a copy this
+        node is serving (its newest generation, still the one named), else refused."""
+        gen = self.state.find(req.namespace, req.path)
+        if gen is None or gen.number != req.generation or not self.state.pin_if_current(gen):
+            gone = CheckpointNotFound(
+                f"generation {req.generation} of {req.path!r} is no longer served here"
+            )
+            send_msg(conn, peer.refusal(gone))
+            return
+        try:
+            body = gen.segment.read_header().digest_offset - HEADER_SIZE
+            if req.hi > body:
+                send_msg(conn, peer.refusal(ReplicationError(
+                    f"stripe [{req.lo}, {req.hi}) past the body ({body} bytes)")))  # fmt: skip
+                return
+            send_msg(conn, peer.encode(peer.Ack()))
+            send_range(conn, gen, req.lo, req.hi)
+        finally:
+            self.state.unpin(gen)
+
+    def _serve(self, conn: Channel, key: tuple[str, str], streams: int = 1) -> None:
         try:
             served = self.state.flight_or_pinned(key)
         except CkptCacheError as e:
@@ -122,6 +157,7 @@ class Fetching:
         gen = served
         try:
             header = gen.segment.read_header()
+            starts = stripes.plan(gen.manifest, header.digest_offset - HEADER_SIZE, streams)
             send_msg(conn, peer.encode(peer.ObjectHead(
                 namespace=gen.namespace, path=gen.path,
                 nbytes=header.digest_offset + 8 * header.n_storages,
@@ -129,9 +165,13 @@ class Fetching:
                 generation=gen.number, manifest=gen.manifest.to_json().decode(),
                 skeleton_digest=header.skeleton_digest, persisted=gen.persisted,
                 committed=gen.committed, committed_ns=gen.committed_ns,
-                **saver_fields(gen.saver),
+                stripes=tuple(starts) if len(starts) > 1 else (), **saver_fields(gen.saver),
             )))  # fmt: skip
-            send_object(conn, gen, lambda: self.ensure_digests(gen))
+            if len(starts) > 1:  # the fetching node asks for the other stripes (FetchStripe)
+                send_striped(conn, gen, lambda: self.ensure_digests(gen), starts,
+                             lambda _i, _lo, _hi: None)  # fmt: skip
+            else:
+                send_object(conn, gen, lambda: self.ensure_digests(gen))
         finally:
             self.state.unpin(gen)
 
@@ -140,8 +180,14 @@ class Fetching:
     ) -> Generation:
         """Copy ``node``'s newest copy of ``path`` here (``started()`` once bytes land)."""
         with self.membership.dial(node) as conn:
-            send_msg(conn.channel, peer.encode(peer.FetchRequest(namespace, path)))
+            ask = peer.FetchRequest(namespace, path, streams=self.streams)
+            send_msg(conn.channel, peer.encode(ask))
             head = peer.decode_fetch_reply(recv_msg(conn.channel))
+            if (isinstance(head, peer.Refused) and head.error == "ProtocolMismatch"
+                    and ask.streams > 1):  # fmt: skip
+                # A node that predates striped fetches: the whole body on this connection.
+                send_msg(conn.channel, peer.encode(replace(ask, streams=1)))
+                head = peer.decode_fetch_reply(recv_msg(conn.channel))
             if isinstance(head, peer.Refused):
                 if head.error == "CheckpointNotFound":
                     raise CheckpointNotFound(f"{node.node_id}: {head.message}")
@@ -161,11 +207,24 @@ class Fetching:
                     fill, origin=node.node_id, persisted=head.persisted,  # not written back
                     content_time=head.committed, content_ns=head.committed_ns,
                 ))  # fmt: skip
+            generation = head.generation
+
+            @contextlib.contextmanager
+            def pull(index: int, lo: int, hi: int) -> Iterator[Channel]:
+                with self.membership.dial(node) as stripe:
+                    ask = peer.FetchStripe(namespace, path, generation=generation, lo=lo, hi=hi)
+                    send_msg(stripe.channel, peer.encode(ask))
+                    ready = peer.decode_ack(recv_msg(stripe.channel))
+                    if isinstance(ready, peer.Refused):
+                        raise ReplicationError(
+                            f"{node.node_id} refused stripe {index}: {ready.message}")  # fmt: skip
+                    yield stripe.channel
+
             try:
                 return receive_copy(conn.channel, head, self.receive, node.node_id,
                                     ready=False, started=started, persisted=head.persisted,
                                     content_time=head.committed,
-                                    content_ns=head.committed_ns)  # fmt: skip
+                                    content_ns=head.committed_ns, pull=pull)  # fmt: skip
             except CorruptCheckpoint as e:
                 self.report_corrupt(node, namespace, path, str(e), head.generation)
                 raise

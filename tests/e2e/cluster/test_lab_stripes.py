@@ -1,8 +1,9 @@
-"""Striped backup pushes (``data_plane_streams``) on real daemons in network namespaces
-(tests/lab.py): the data plane between the two nodes partitioned mid-push, and the pushing
-daemon killed with SIGKILL mid-push. Each time the save returns or fails typed within a bound,
-the backup node never serves a mixture of two saves, and the next striped push after the
-fault delivers the same bytes."""
+"""Striped backup pushes and peer fetches (``data_plane_streams``) on real daemons in network
+namespaces (tests/lab.py): the data plane between two nodes partitioned mid-push, the pushing
+daemon killed with SIGKILL mid-push, and the node serving a striped fetch partitioned from the
+loader mid-fetch. Each time the save or load returns or fails typed within a bound, no node
+serves a mixture of two saves, and the next striped transfer after the fault delivers the
+same bytes."""
 
 from __future__ import annotations
 
@@ -41,7 +42,7 @@ def lab(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Lab]:
     with pytest.MonkeyPatch.context() as mp:
         for k, v in {**S3_ENV, "AWS_ENDPOINT_URL_S3": "http://10.213.0.3:5000"}.items():
             mp.setenv(k, v)
-        lab = Lab(2, node_mbit=MBIT, lease_ttl=2.0, dead_peer_timeout=3.0,
+        lab = Lab(3, node_mbit=MBIT, lease_ttl=2.0, dead_peer_timeout=3.0,
                   workdir=tmp_path_factory.mktemp("lab"), memory_limit="768MiB",
                   config="data_plane_streams: 4\nlog_level: DEBUG\n")  # fmt: skip
         with lab:
@@ -101,7 +102,7 @@ def _whole_or_typed(result: Any, *candidates: dict[str, Any]) -> None:
 
 
 def test_partition_between_the_nodes_mid_striped_push(lab: Lab) -> None:
-    a, b = lab.nodes
+    a, b = lab.nodes[:2]
     path = "s3://lab/run/stripes-partition/model.pt"
     before = b.daemon.log().count(STRIPED)
     box: dict[str, Any] = {}
@@ -124,7 +125,7 @@ def test_partition_between_the_nodes_mid_striped_push(lab: Lab) -> None:
 
 def test_sender_killed_mid_striped_push(lab: Lab) -> None:
     lab.heal()
-    a, b = lab.nodes
+    a, b = lab.nodes[:2]
     path = "s3://lab/run/stripes-kill/model.pt"
     assert not isinstance(save(a, state(3), path), BaseException)  # a whole copy on b
     before = b.daemon.log().count(STRIPED)
@@ -142,3 +143,27 @@ def test_sender_killed_mid_striped_push(lab: Lab) -> None:
     assert not isinstance(save(a, state(5), path), BaseException)
     assert b.daemon.log().count(STRIPED) > before
     assert_same(state(5), load(b, path))
+
+
+def test_holder_partitioned_from_the_loader_mid_striped_fetch(lab: Lab) -> None:
+    lab.heal()
+    for node in lab.nodes:
+        if node.daemon.proc is None or node.daemon.proc.poll() is not None:
+            lab.restart(node)
+    lab.wait_formed()
+    a, b, c = lab.nodes
+    path = "s3://lab/run/stripes-fetch/model.pt"
+    assert not isinstance(save(a, state(6), path), BaseException)  # held by a and its backup
+    before = c.daemon.log().count(STRIPED)
+    box: dict[str, Any] = {}
+    loader = threading.Thread(target=lambda: box.update(r=load(c, path)))
+    loader.start()
+    _push_under_way(c, before)
+    line = [ln for ln in c.daemon.log().splitlines() if STRIPED in ln][-1]
+    serving = next(n for n in (a, b) if f"from {n.node_id} " in line)
+    lab.partition(serving, peers=[c])  # the striped fetch's connections cut; storage stays
+    loader.join(BOUND + 5)
+    assert not loader.is_alive()
+    _whole_or_typed(box["r"], state(6))
+    lab.heal()
+    assert_same(state(6), load(c, path))

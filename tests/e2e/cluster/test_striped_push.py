@@ -1,9 +1,10 @@
-"""Backup pushes split across parallel connections (``data_plane_streams``) between real
-daemons: the backup node holds the same bytes, and a sender killed with SIGKILL mid-push leaves
-the backup node nothing it would serve that is not a whole, verified save."""
+"""Backup pushes and peer fetches split across parallel connections (``data_plane_streams``)
+between real daemons: the receiving node holds the same bytes, and a sender killed with SIGKILL
+mid-transfer leaves it nothing it would serve that is not a whole, verified save."""
 
 from __future__ import annotations
 
+import threading
 import time
 
 import torch
@@ -74,3 +75,43 @@ def _same(got: dict, want: dict) -> bool:
     except (AssertionError, CkptCacheError):
         return False
     return True
+
+
+def test_striped_peer_fetch_delivers_the_same_bytes(cluster_factory, tmp_path):
+    a, _b, c = cluster_factory(3, "--log-level", "DEBUG", config=STREAMS)
+    path = tmp_path / "fetched.pt"
+    with a.client() as ca:
+        ca.save(state(7), path, durability="backup")
+    with c.client() as cc:
+        assert_same(state(7), cc.load(path, verify=True))
+        assert cc.status(path).last_load_tier == "peer"
+    assert _stripes_logged(c)
+
+
+def test_holder_killed_mid_striped_fetch(cluster_factory, tmp_path):
+    """The node serving a striped fetch is killed with SIGKILL mid-transfer: the load gets the
+    same bytes from the other holder, or fails typed; never a mixture."""
+    a, b, c = cluster_factory(3, "--log-level", "DEBUG", config=STREAMS)
+    path = tmp_path / "fetched.pt"
+    with a.client() as ca:
+        ca.save(state(8), path, durability="backup")  # held by a and b
+    box: dict = {}
+
+    def load() -> None:
+        try:
+            with c.client() as cc:
+                box["got"] = cc.load(path, verify=True)
+        except CkptCacheError as e:
+            box["error"] = e
+
+    loader = threading.Thread(target=load)
+    loader.start()
+    wait_until(lambda: _stripes_logged(c), timeout=30, interval=0.002)
+    serving = a if "from node0" in c.log() else b
+    serving.kill()
+    loader.join(60)
+    assert not loader.is_alive()
+    if "got" in box:
+        assert_same(state(8), box["got"])
+    with c.client() as cc:  # the next load is whole either way
+        assert_same(state(8), cc.load(path, verify=True))
