@@ -333,7 +333,7 @@ def daemon_paths(
 ) -> list[Path_]:
     state = make_state(nbytes)
     budget = str(8 * nbytes + (256 << 20))
-    local, backup, striped, fetch, solo, group = [], [], [], [], [], []
+    local, backup, striped, fetch, fetch_n, solo, group = [], [], [], [], [], [], []
     files = root / "files"
     files.mkdir(parents=True)
     for i in range(2 * rounds):
@@ -349,7 +349,9 @@ def daemon_paths(
         "allow",
     )
     with contextlib.ExitStack() as stack:
-        two = stack.enter_context(running_cluster(2, etcd.url, *plain))
+        two = stack.enter_context(running_cluster(2, etcd.url, "--data-plane-streams", "1", *plain))
+        streams_n = ("--data-plane-streams", str(streams))
+        two_n = stack.enter_context(running_cluster(2, etcd.url, *streams_n, *plain))
         one = ("--backup", "auto", "--data-plane-streams", "1")
         paired = stack.enter_context(running_cluster(2, etcd.url, *one, *plain))
         many = ("--backup", "auto", "--data-plane-streams", str(streams))
@@ -361,7 +363,10 @@ def daemon_paths(
         pn, _ = (
             stack.enter_context(Client(h.socket, fallback="raise", timeout=600)) for h in paired_n
         )
+        an, bn = (stack.enter_context(Client(h.socket, fallback="raise", timeout=600))
+                  for h in two_n)  # fmt: skip
         d_two = Daemons([h.proc.pid for h in two])
+        d_two_n = Daemons([h.proc.pid for h in two_n])
         d_paired = Daemons([h.proc.pid for h in paired])
         d_paired_n = Daemons([h.proc.pid for h in paired_n])
         for c in (a, pa, pn):  # warm both rotations of segments
@@ -402,6 +407,18 @@ def daemon_paths(
             del got
             fetch.append(Sample(seconds, cpu[0], cpu[1]))
             for c in (a, b):
+                with contextlib.suppress(Exception):
+                    c.delete(path)
+            # The same, split across ``streams`` connections.
+            an.save(state, path, durability="local")
+            settle((an, path))
+            with d_two_n.window() as cpu:
+                t0 = time.perf_counter()
+                got = bn.load(path)
+                seconds = time.perf_counter() - t0
+            del got
+            fetch_n.append(Sample(seconds, cpu[0], cpu[1]))
+            for c in (an, bn):
                 with contextlib.suppress(Exception):
                     c.delete(path)
             # Relayed group read: one node reads storage alone, then two read another file.
@@ -454,6 +471,12 @@ def daemon_paths(
             f"backup push, data_plane_streams {streams} (same, striped)",
             nbytes,
             [bk - lc for bk, lc in zip(striped, local, strict=True)],
+        ),
+        Path_(
+            f"peer fetch, data_plane_streams {streams} (same, striped)",
+            nbytes,
+            fetch_n,
+            "includes the loader's digest check and commit",
         ),
         Path_(
             "peer fetch (load on a node that does not hold it; holder -> loader)",

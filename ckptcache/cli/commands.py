@@ -353,7 +353,7 @@ _DAEMON_OPTIONS: tuple[tuple[str, type, str], ...] = (
     ("--persist-workers", int, "concurrent persists (default 2)"),
     ("--s3-endpoint-url", str, "S3 endpoint (default: the boto3 environment)"),
     ("--group-read-streams", str, "ranged GETs at once of a relayed group read (default auto)"),
-    ("--data-plane-streams", str, "connections one backup push is split across (default auto)"),
+    ("--data-plane-streams", str, "connections one push or fetch is split across (default auto)"),
     ("--coordinator", str, "embedded:// (default) or etcd://host:port"),
     ("--cluster", str, "cluster name (namespaces coordinator keys)"),
     ("--listen", str, "data-plane address ip:port for peers (port 0: any)"),
