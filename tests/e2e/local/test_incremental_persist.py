@@ -190,7 +190,9 @@ def test_a_daemon_killed_mid_persist_loses_nothing_acknowledged(daemon_factory, 
     persist(d, path, state(1, base=base))
     with d.client() as c:
         c.save(state(2, base=base), path)  # acknowledged: in memory
-    d.restart()  # kill -9 while the incremental persist is (likely) under way
+        wait_until(lambda: c.status(path).persist_state in ("persisting", "persisted"),
+                   30, "the persist to start", interval=0.002)  # fmt: skip
+    d.restart()  # kill -9, most often while the incremental persist is under way
     # Whatever moment the kill hit, the path holds a complete file, never a torn one.
     verify_stored(str(path), deep=True)
     with d.client() as c:
