@@ -107,7 +107,10 @@ def load(
 
     From the cache, CPU tensors are zero-copy copy-on-write views of the daemon's segment
     (``mmap=None`` or ``True``): writing to them never changes the cached copy. ``mmap=False``
-    returns private heap copies instead. Paths the cache does not hold are read from the file.
+    returns private copies instead, in memory of this process that holds nothing of the
+    daemon's (no pin); from the cache they share one allocation, freed once none of them is
+    referenced, and their storages cannot be resized, as with a zero-copy load. Paths the
+    cache does not hold are read from the file.
 
     Bytes that cross a tier are verified by default (``verify=None``): a stored file read
     here is checked record by record (digest record or zip CRC-32, and the zip structure)

@@ -144,9 +144,20 @@ class Loads:
     def _load_segment(self, reply: m.OpenReply, options: LoadOptions) -> Any:
         """The object of the segment ``reply`` names, its digests checked first where
         ``options.verify`` is True."""
+        from ckptcache.codec.gpu.copy import device_target
         from ckptcache.codec.objectio import read_object
 
         mapping = self._map(reply)
+        zero_copy = options.mmap is not False
+        if not zero_copy and device_target(options.map_location) is None:
+            from ckptcache.codec.shm import private_copy
+
+            # Private copies: the whole object read at once into this process's memory by
+            # several threads, then read from there as a zero-copy load reads the segment.
+            # The segment stays mapped (pinned, locked) while it is read; then its mapping
+            # and pin go. What is checked below is the copy, the bytes the caller gets.
+            mapping = private_copy(self._connection.seg_path(reply.segment), reply.size)
+            zero_copy = True
         digests = None
         if options.verify is True:
             if not reply.digests_valid:
@@ -159,7 +170,7 @@ class Loads:
             _verify_meta(mapping, reply)
         return read_object(
             mapping, reply.manifest_offset, reply.manifest_size,
-            zero_copy=options.mmap is not False, weights_only=options.weights_only,
+            zero_copy=zero_copy, weights_only=options.weights_only,
             map_location=options.map_location, digests=digests,
         )  # fmt: skip
 
