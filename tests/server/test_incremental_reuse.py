@@ -99,11 +99,13 @@ def test_a_file_not_the_one_recorded_is_not_used(previous):
     assert reuse.source is None and reuse.copied == 0
 
 
-def test_a_refused_copy_is_written_from_memory(previous, monkeypatch):
+@pytest.mark.parametrize("code", [errno.EXDEV, errno.EIO, errno.ENODATA])
+def test_a_failed_copy_is_written_from_memory(previous, monkeypatch, code):
+    """Refused (another file system), the previous file unreadable, or cut short."""
     path, layout, data = previous
 
     def refuse(*args):
-        raise OSError(errno.EXDEV, "other file system")
+        raise OSError(code, os.strerror(code))
 
     monkeypatch.setattr(incremental, "copy_range", refuse)
     view = memoryview(data)

@@ -29,7 +29,6 @@ persist of a path after a restart writes everything.
 from __future__ import annotations
 
 import collections
-import errno
 import logging
 import os
 import stat
@@ -223,10 +222,11 @@ class RecordReuse:
                 try:
                     copy_range(self.source, fd, item.src_offset, item.range.start, size)
                 except OSError as e:
-                    if e.errno not in COPY_REFUSED and e.errno != errno.ENODATA:  # cut short
-                        raise
-                    log.debug("%s: copy of %s refused (%s): written from memory",
-                              self.path, item.name, e)  # fmt: skip
+                    # Refused, cut short, or the previous file unreadable (EIO): written from
+                    # memory, whose own write raises if the new file is what fails (ENOSPC).
+                    level = logging.DEBUG if e.errno in COPY_REFUSED else logging.WARNING
+                    log.log(level, "%s: copy of %s failed (%s): written from memory",
+                            self.path, item.name, e)  # fmt: skip
                     item.refused = True
                     continue
                 # The whole record is read back next: ask for all of it now, so the disk
