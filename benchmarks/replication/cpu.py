@@ -57,6 +57,7 @@ from ckptcache.cli.benchmarking import EtcdServer, make_state, running_cluster
 from ckptcache.client import Client
 from ckptcache.server.cluster.dataplane import RECORD_SIZE, TAG_IMPLEMENTATION, Channel, Span, Xxh3
 from ckptcache.server.cluster.dataplane._tagging import tag_and_hash
+from ckptcache.server.cluster.transfer import RELAY_RECORD
 
 GiB = float(1 << 30)
 SECRET = "bench-secret"
@@ -216,7 +217,9 @@ def _chan_recv_digest(port: int, nbytes: int, out: Connection) -> None:
     _chan_recv(port, nbytes, out, digest=True)
 
 
-def _chan_send(port_out: Connection, name: str, nbytes: int, out: Connection) -> None:
+def _chan_send(
+    port_out: Connection, name: str, nbytes: int, out: Connection, record: int = RECORD_SIZE
+) -> None:
     flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
     with open(name, "rb") as f:
         mapping = mmap.mmap(f.fileno(), 0, flags=flags, prot=mmap.PROT_READ)
@@ -227,11 +230,15 @@ def _chan_send(port_out: Connection, name: str, nbytes: int, out: Connection) ->
     chan = Channel(sock, b"k" * 32, b"r" * 32)
     chan.recv_bytes()
     t0, cpu0 = time.perf_counter(), cpu_self()
-    chan.send_file(name, 0, nbytes, mapping)
+    chan.send_file(name, 0, nbytes, mapping, record=record)
     cpu = cpu_self() - cpu0
     chan.recv_bytes()
     out.send((time.perf_counter() - t0, cpu))
     chan.close()
+
+
+def _chan_send_relay(port_out: Connection, name: str, nbytes: int, out: Connection) -> None:
+    _chan_send(port_out, name, nbytes, out, record=RELAY_RECORD)
 
 
 def pair(sender: Callable[..., None], receiver: Callable[..., None], nbytes: int) -> Sample:
@@ -604,10 +611,11 @@ def main() -> None:
     paths: list[Path_] = []
     try:
         raw = [pair(_raw_send, _raw_recv, nbytes) for _ in range(rounds)]
-        chan, chan_digest = [], []
-        for _ in range(rounds):  # interleaved: both see the same moments of a shared machine
+        chan, chan_digest, chan_relay = [], [], []
+        for _ in range(rounds):  # interleaved: all see the same moments of a shared machine
             chan.append(pair(_chan_send, _chan_recv, nbytes))
             chan_digest.append(pair(_chan_send, _chan_recv_digest, nbytes))
+            chan_relay.append(pair(_chan_send_relay, _chan_recv_digest, nbytes))
         limit = Path_("raw socket: sendfile -> recv_into (the limit)", nbytes, raw)
         xxh3 = Path_(
             "xxh3 digest, one core, no transfer (per pass)",
@@ -622,6 +630,7 @@ def main() -> None:
             Path_(
                 "authenticated channel + receiver's digest (16 MiB storages)", nbytes, chan_digest
             ),
+            Path_("the same in the relay's 1 MiB records (RELAY_RECORD)", nbytes, chan_relay),
             xxh3,
             Path_(
                 "Poly1305 tag, one core, no transfer (per pass)",
