@@ -102,21 +102,29 @@ def test_etcd_lost_between_write_and_record(cluster_factory, tmp_path, own_etcd)
             c.save(state(3), path, durability="backup")
         lead, other = lead_and_standby(nodes, path)
         own_etcd.stop()  # the representative has claimed; now etcd goes away
-    with lead.client() as c:
-        c.wait(path, timeout=120)  # the file is complete: persisted, etcd or not
-        assert c.status(path).persist_state == "persisted"
+    # The file is complete, but not reported persisted while no node can learn that it is
+    # the path's newest save: a node reading the record first once etcd is back would
+    # serve its older copy of a save reported persisted.
+    wait_until(lambda: "waiting for the coordinator to record it" in lead.log(), timeout=120)
     assert_same(state(3), torch.load(path, weights_only=True))
+    assert lead.info(path).persist_state == "persisting"
     own_etcd.start()  # same data directory and port
-    wait_until(lambda: "recorded the persist" in lead.log(), timeout=60)
+    with lead.client() as c:
+        c.wait(path, timeout=120)
+        assert c.status(path).persist_state == "persisted"
     wait_until(lambda: other.info(path).persist_state == "persisted", timeout=60)
     assert "internal error" not in lead.log()
     from etcd3gw.client import Etcd3Client
 
     etcd = Etcd3Client(host="127.0.0.1", port=own_etcd.client_port)
-    keys = [m["key"].decode() if isinstance(m["key"], bytes) else m["key"]
-            for _, m in etcd.get_all()]  # fmt: skip
-    assert not [k for k in keys if "/reps/" in k or "/writer/" in k]
-    assert [k for k in keys if "/persisted/" in k]
+
+    def keys() -> list[str]:
+        return [m["key"].decode() if isinstance(m["key"], bytes) else m["key"]
+                for _, m in etcd.get_all()]  # fmt: skip
+
+    wait_until(lambda: not [k for k in keys() if "/reps/" in k or "/writer/" in k],
+               what="the persist's roles given up")  # fmt: skip
+    assert [k for k in keys() if "/persisted/" in k]
 
 
 def test_etcd_outage_loads_say_so_unless_stale_bytes_are_accepted(own_etcd, cluster_factory,
