@@ -15,12 +15,16 @@ python -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '2.13.
     || pip_install torch==2.13.0
 if [ "${1:-}" = "test" ]; then
     # The save's copy extension (ckptcache/format/_copy.c) is built by the install below and
-    # needs a C compiler; its test fails where the build was skipped.
-    if ! command -v cc >/dev/null 2>&1; then
+    # needs a C compiler; its test fails where the build was skipped. The data plane's record
+    # extension (ckptcache/server/cluster/dataplane/_records.c) needs OpenSSL's headers too.
+    BUILD=()
+    command -v cc >/dev/null 2>&1 || BUILD+=(gcc)
+    [ -f /usr/include/openssl/evp.h ] || BUILD+=(libssl-dev)
+    if [ ${#BUILD[@]} -gt 0 ]; then
         SUDO=""
         [ "$(id -u)" = "0" ] || SUDO="sudo -n"
-        ($SUDO apt-get update -qq && $SUDO apt-get install -y -qq gcc >/dev/null) \
-            || echo "warning: could not install gcc; the copy extension will not be built" >&2
+        ($SUDO apt-get update -qq && $SUDO apt-get install -y -qq "${BUILD[@]}" >/dev/null) \
+            || echo "warning: could not install ${BUILD[*]}; the C extensions may not be built" >&2
     fi
     # torch is named again so that no framework's requirement can swap the CPU build out.
     DS_BUILD_OPS=0 pip_install -e ".[test,frameworks]" "torch==2.13.0"
