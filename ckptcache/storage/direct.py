@@ -1,8 +1,8 @@
 """Direct writes (``O_DIRECT``) for local files: large runs go from the caller's pages to the
 disk with no copy into the page cache.
 
-A buffered write costs the kernel a copy of every byte into the page cache (about 1 s of
-system time per 2 GiB on this project's test VM: the persist's main cost). With ``O_DIRECT``
+A buffered write costs the kernel a copy of every byte into the page cache, the persist's
+main cost (``benchmarks/persist/README.md``). With ``O_DIRECT``
 the disk reads the bytes from the caller's memory, but every write must start at a file
 offset, from an address and with a length that are multiples of the block size
 (:data:`BLOCK`). :class:`DirectWriter` takes pieces in file order and:
@@ -18,8 +18,7 @@ offset, from an address and with a length that are multiples of the block size
 The caller's thread does the copying; the writes run on a writer thread of their own
 (:class:`~ckptcache.storage.handoff.Handoff`), each a bounce buffer's blocks and the large
 piece after them in one ``pwritev``. A direct write holds its thread until the disk has the
-bytes, so every copy made on the writing thread was time the disk sat idle: a 2 GiB archive of
-8,288 records spent 0.4 s of its 1.46 s gathering on the writer thread.
+bytes, so every copy made on the writing thread would be time the disk sits idle.
 
 Where the file system refuses a direct write (``EINVAL``: tmpfs on older kernels, some
 FUSE/NFS mounts, a block size over :data:`BLOCK`), the writer clears ``O_DIRECT`` and writes

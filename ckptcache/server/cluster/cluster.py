@@ -45,7 +45,7 @@ from ckptcache.server.persist.roots import PersistRoots
 from ckptcache.server.restore import remote_load
 from ckptcache.server.restore.fetching import Fetching
 from ckptcache.server.restore.storage_read import StorageReader
-from ckptcache.server.state import CacheState
+from ckptcache.server.state import CacheState, Incoming
 from ckptcache.storage import StorageOptions
 from ckptcache.wire import peer
 
@@ -69,7 +69,7 @@ class ClusterPorts:
     is gone).
     """
 
-    receive: Callable[..., Generation]
+    receive: Callable[[Incoming], Generation]
     ensure_digests: Callable[[Generation], list[int]]
     drop_corrupt: Callable[[str, str, int, str], None]
     mark_persisted: Callable[[Generation], None]

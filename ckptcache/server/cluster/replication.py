@@ -38,7 +38,7 @@ from ckptcache.server.cluster.transfer import (
 from ckptcache.server.config import DaemonConfig
 from ckptcache.server.memory.index import Generation
 from ckptcache.server.ownership import saver_fields
-from ckptcache.server.state import CacheState, NewerHeld
+from ckptcache.server.state import CacheState, Incoming, NewerHeld
 from ckptcache.wire import peer
 
 __all__ = ["Replication"]
@@ -55,7 +55,7 @@ class Replication:
     membership: Membership
     _: KW_ONLY
     ensure_digests: Callable[[Generation], list[int]]
-    receive: Callable[..., Generation]
+    receive: Callable[[Incoming], Generation]
 
     def __post_init__(self) -> None:
         self._work: queue.Queue[Generation | None] = queue.Queue()

@@ -41,7 +41,7 @@ ALIGN = 4096
 
 #: Bytes a stripe carries at least: an extra connection costs a handshake (two HMACs and a
 #: round trip) and two threads, worth it only when its share of the object takes far longer
-#: than that to move (a stripe is a few milliseconds of one core at this size).
+#: than that to move.
 MIN_STRIPE = 16 << 20
 
 
