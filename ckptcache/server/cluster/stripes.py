@@ -31,7 +31,8 @@ from ckptcache.errors import CorruptCheckpoint
 from ckptcache.format.digest import digest_bytes
 from ckptcache.format.layout import HEADER_SIZE
 from ckptcache.format.manifest import Manifest
-from ckptcache.server.cluster.dataplane import Channel, Span, Xxh3
+from ckptcache.server.cluster.dataplane import Channel
+from ckptcache.server.cluster.landing import LandingDigests
 from ckptcache.wire.states import Tier
 
 __all__ = ["MIN_STRIPE", "Sinks", "StripeSink", "auto_streams", "plan"]
@@ -77,46 +78,6 @@ def plan(manifest: Manifest, body: int, streams: int, min_stripe: int | None = N
 def ranges(starts: list[int], body: int) -> list[tuple[int, int]]:
     """The ``[start, end)`` of each stripe planned by :func:`plan`."""
     return list(zip(starts, [*starts[1:], body], strict=True))
-
-
-class _StripeDigests:
-    """The digests of the storages that lie in one stripe, hashed as its records are checked
-    (a :class:`~ckptcache.server.cluster.dataplane.RecordHasher` over the stripe's view)."""
-
-    def __init__(self, manifest: Manifest, lo: int, hi: int, out: list[int]):
-        storages = manifest.storages
-        order = sorted(range(len(storages)), key=lambda i: storages[i].offset)
-        self.spans_of = [(i, start - lo, start - lo + storages[i].nbytes)
-                         for i in order
-                         for start in (storages[i].offset - HEADER_SIZE,)
-                         if lo <= start < hi and start + storages[i].nbytes <= hi]  # fmt: skip
-        self.out = out
-        self.planned = self.next = 0
-        self.state = Xxh3()
-
-    def spans(self, start: int, end: int) -> list[Span]:
-        """What to hash of bytes ``[start, end)`` of the stripe (relative to ``start``)."""
-        out: list[Span] = []
-        while self.planned < len(self.spans_of):
-            _i, lo, hi = self.spans_of[self.planned]
-            if lo >= end and not (lo == hi == end):
-                break
-            ends = hi <= end
-            out.append((max(lo, start) - start, min(hi, end) - start, ends))
-            if not ends:
-                break
-            self.planned += 1
-        return out
-
-    def hashed(self, digests: list[int]) -> None:
-        """Digests of the storages the record just authenticated completed."""
-        for digest in digests:
-            self.out[self.spans_of[self.next][0]] = digest
-            self.next += 1
-
-    @property
-    def complete(self) -> bool:
-        return self.next == len(self.spans_of)
 
 
 class StripeSink:
@@ -166,7 +127,7 @@ class StripeSink:
         """Fill stripe ``index`` (claimed by ``channel``) from its records and hash its
         storages; a failure is kept for :meth:`wait` and raised here too."""
         lo, hi = self.ranges[index]
-        hasher = _StripeDigests(self.manifest, lo, hi, self.digests)
+        hasher = LandingDigests(self.manifest, lo, hi, self.digests)
         try:
             channel.recv_into(self.view[lo:hi], lambda n: self._landed_at(index, lo + n), hasher)
             if not hasher.complete:  # every byte of the stripe was reported; never expected

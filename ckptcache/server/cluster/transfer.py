@@ -27,7 +27,8 @@ from ckptcache.format.digest import digest_bytes, digest_hex
 from ckptcache.format.layout import HEADER_SIZE
 from ckptcache.format.manifest import Manifest, pack_digests, unpack_digests
 from ckptcache.server.cluster import stripes
-from ckptcache.server.cluster.dataplane import Channel, Span, Xxh3, recv_msg, send_msg
+from ckptcache.server.cluster.dataplane import Channel, recv_msg, send_msg
+from ckptcache.server.cluster.landing import LandingDigests
 from ckptcache.server.ownership import sent_saver
 from ckptcache.server.state import Incoming
 from ckptcache.wire import peer
@@ -132,50 +133,6 @@ def serve_stripe(sinks: stripes.Sinks, channel: Channel, req: peer.PushStripe) -
     send_msg(channel, peer.encode(peer.Ack()))
 
 
-class _Digests:
-    """Hashes each storage record by record as its bytes are received, in the pass that checks
-    each record's tag (a :class:`~ckptcache.server.cluster.dataplane.RecordHasher`): the digests
-    are kept only once the record's tag checked."""
-
-    def __init__(self, manifest: Manifest):
-        storages = manifest.storages
-        order = sorted(range(len(storages)), key=lambda i: storages[i].offset)
-        self.spans_of = [(i, storages[i].offset - HEADER_SIZE,
-                          storages[i].offset - HEADER_SIZE + storages[i].nbytes)
-                         for i in order]  # fmt: skip
-        self.digests: list[int] = [0] * len(storages)
-        self.planned = 0  # index into spans_of of the first storage not yet fully planned
-        self.next = 0  # index into spans_of of the first storage without its digest
-        self.state = Xxh3()
-
-    def spans(self, start: int, end: int) -> list[Span]:
-        """What to hash of bytes ``[start, end)`` (relative to ``start``); records arrive in
-        order, so every storage's bytes are planned once, in order."""
-        out: list[Span] = []
-        while self.planned < len(self.spans_of):
-            _i, lo, hi = self.spans_of[self.planned]
-            if lo >= end and not (lo == hi == end):
-                break
-            a, b = max(lo, start), min(hi, end)
-            ends = hi <= end
-            if b > a or ends:
-                out.append((max(a - start, 0), max(b - start, 0), ends))
-            if not ends:
-                break
-            self.planned += 1
-        return out
-
-    def hashed(self, digests: list[int]) -> None:
-        """Digests of the storages completed by the record just authenticated, in order."""
-        for digest in digests:
-            self.digests[self.spans_of[self.next][0]] = digest
-            self.next += 1
-
-    @property
-    def complete(self) -> bool:
-        return self.next == len(self.spans_of)
-
-
 def receive_object(
     channel: Channel,
     view: memoryview,
@@ -189,7 +146,7 @@ def receive_object(
     follow it)."""
     body = digest_offset - HEADER_SIZE
     n = len(manifest.storages)
-    hasher = _Digests(manifest)
+    hasher = LandingDigests(manifest)
     channel.recv_into(view[:body], advance, hasher)
     channel.recv_into(view[body : body + 8 * n])
     if not hasher.complete:  # every byte up to the table was reported; never expected

@@ -143,17 +143,7 @@ class Truth:
         log.warning("%s generation %d is on storage; waiting for the coordinator to record it "
                     "as the newest save before reporting it persisted (%s)",
                     gen.path, gen.number, failed)  # fmt: skip
-        failures = 0
-        while not self._stop.wait(PUBLISH_RETRY.delay(failures)):
-            try:
-                self._advance(gen, record)
-            except CoordinatorUnavailable:
-                failures += 1
-                continue
-            log.info("recorded %s generation %d as the newest save; persisted",
-                     gen.path, gen.number)  # fmt: skip
-            return True
-        return False
+        return self._retry(gen, record)
 
     def _advance_within(
         self, gen: Generation, record: LatestRecord, patience: float
@@ -199,7 +189,8 @@ class Truth:
                 "this one" if put else "that one",
             )
 
-    def _retry(self, gen: Generation, record: LatestRecord) -> None:
+    def _retry(self, gen: Generation, record: LatestRecord) -> bool:
+        """:meth:`_advance` until it gets through (True) or the daemon stops (False)."""
         failures = 0
         while not self._stop.wait(PUBLISH_RETRY.delay(failures)):
             try:
@@ -209,4 +200,5 @@ class Truth:
                 continue
             log.info("recorded %s generation %d as the newest save after a coordinator outage",
                      gen.path, gen.number)  # fmt: skip
-            return
+            return True
+        return False
