@@ -1,7 +1,8 @@
 """Build hooks (metadata: pyproject.toml): ship ``ckptcache-startup.pth`` into
 ``site-packages``, and build the copy, base64 and collector extensions
-(``ckptcache/format/_copy.c``, ``_b64.c``, ``_gcpause.c``) and the data plane's record
-extension (``ckptcache/server/cluster/dataplane/_records.c``).
+(``ckptcache/format/_copy.c``, ``_b64.c``, ``_gcpause.c``), the data plane's record
+extension (``ckptcache/server/cluster/dataplane/_records.c``) and, where torch is importable at
+build time, the tensor table's C++ loop (``ckptcache/codec/table/_tensors.cpp``).
 
 The file lets ``CKPTCACHE_DEEPSPEED=1`` switch the DeepSpeed adapter on with no code (see
 ``ckptcache/adapters/_startup.py``). A ``.pth`` file only takes effect at the top of a site
@@ -60,4 +61,21 @@ RECORDS = Extension("ckptcache.server.cluster.dataplane._records",
                     ["ckptcache/server/cluster/dataplane/_records.c"], optional=True,
                     libraries=["crypto"], extra_compile_args=["-O2"])  # fmt: skip
 
-setup(cmdclass={"build_py": BuildPyWithStartupHook}, ext_modules=[COPY, B64, GCPAUSE, RECORDS])
+
+def torch_extensions() -> list[Extension]:
+    """The tensor table's C++ loop, built against the torch the build sees; none where torch
+    cannot be imported (an isolated build): zero-copy loads then make their tensors in Python
+    (``ckptcache/codec/table/tensors.py`` says which is in use)."""
+    try:
+        import torch
+        from torch.utils.cpp_extension import CppExtension
+    except ImportError:
+        return []
+    abi = str(int(torch._C._GLIBCXX_USE_CXX11_ABI))
+    return [CppExtension("ckptcache.codec.table._tensors", ["ckptcache/codec/table/_tensors.cpp"],
+                         optional=True, extra_compile_args=["-O2", "-std=c++17"],
+                         define_macros=[("_GLIBCXX_USE_CXX11_ABI", abi)])]  # fmt: skip
+
+
+setup(cmdclass={"build_py": BuildPyWithStartupHook},
+      ext_modules=[COPY, B64, GCPAUSE, RECORDS, *torch_extensions()])  # fmt: skip

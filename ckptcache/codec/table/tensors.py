@@ -11,6 +11,10 @@ Each tensor still gets its own storage of exactly its extent, as the skeleton's 
 (``from_numpy`` makes a storage over the slice's bytes alone): a user's ``torch.save`` of one
 loaded tensor writes its bytes, not the mapping's. Tensors saved over one storage (views, tied
 weights) are made by ``set_`` over one storage made once for that storage, so they still share.
+
+Where the package was built with torch at hand, the dense tensors are made in one C++ loop
+(``_tensors.cpp``: ``at::from_blob`` per tensor, each storage holding the mapping), which
+skips the numpy slice each tensor otherwise costs; :data:`MADE_BY` says which path is in use.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import collections
 import itertools
 import math
 import operator
+import types
 from collections.abc import Sequence
 from typing import Any
 
@@ -28,7 +33,16 @@ import torch
 from ckptcache.codec.fast_unpickle import NUMPY_TWINS
 from ckptcache.codec.table.columns import CODES, Dense, contiguous_strides
 
-__all__ = ["DTYPES", "make_dense", "make_strided"]
+_compiled: types.ModuleType | None
+try:
+    from ckptcache.codec.table import _tensors as _compiled
+except ImportError:  # not built (no compiler, or no torch at build time), or for another torch
+    _compiled = None
+
+__all__ = ["DTYPES", "MADE_BY", "make_dense", "make_strided"]
+
+#: Which path makes a zero-copy load's dense tensors: ``"C++"`` or ``"numpy"``.
+MADE_BY = "numpy" if _compiled is None else "C++"
 
 #: The dtypes a table may name, by name; others (and float8s, complex32...) get no table.
 DTYPES: dict[str, torch.dtype] = {str(d).removeprefix("torch."): d for d in CODES}
@@ -41,6 +55,8 @@ _ITEMSIZE_BY_CODE = np.array([d.itemsize for d in CODES], dtype=np.int64)
 #: bfloat16 int16 (the tensor then viewed as bfloat16: :data:`_CARRIED`).
 _CARRIER = [NUMPY_TWINS[d] if d in NUMPY_TWINS else np.dtype(f"<i{d.itemsize}") for d in CODES]
 _CARRIED = {c for c, d in enumerate(CODES) if d not in NUMPY_TWINS}
+#: One empty tensor of each table dtype code, by code: the C++ loop's dtypes.
+_KINDS = [torch.empty(0, dtype=d) for d in CODES]
 
 
 def make_strided(
@@ -88,8 +104,8 @@ def make_dense(
     dense: Dense, whole: np.ndarray, places: tuple[np.ndarray, np.ndarray]
 ) -> list[torch.Tensor] | None:
     """The tensors of a table's packed columns (:mod:`~ckptcache.codec.table.columns`),
-    each ``from_numpy`` of a typed slice of ``whole`` (``torch.frombuffer`` for a dtype numpy
-    lacks) covering its whole storage; ``places``: the storages' offsets and sizes as int64
+    each over its own storage of exactly its bytes in ``whole`` (made in C++ where built, else
+    by ``from_numpy`` of a typed slice); ``places``: the storages' offsets and sizes as int64
     arrays. None where the columns do not check out: a code off the list, a storage index
     out of range or used twice, a size that is not the shape's, a start off the dtype's
     alignment."""
@@ -115,7 +131,25 @@ def make_dense(
     one = ndim == 1
     if not (dims[first_dim[one]] == numel[one]).all():
         return None  # other shapes: the reshape checks the element count
-    arrays = _over_mapping(code, starts // itemsize, numel, whole)
+    if _compiled is not None:
+        # Own copies of the columns (a few bytes a tensor), in the dtypes the loop reads.
+        wide = (torch.from_numpy(np.array(a, dtype=np.int64)) for a in (starts, sizes, dims))
+        narrow = (torch.from_numpy(np.array(a, dtype=np.uint8)) for a in (ndim, code))
+        (at, size, dim), (nd, kind) = wide, narrow
+        out = _compiled.over_mapping(torch.from_numpy(whole), at, size, dim, nd, kind, _KINDS)
+    else:
+        out = _over_numpy(code, starts // itemsize, numel, whole, dims, first_dim, ndim, one)
+    for tensor in itertools.compress(out, grad.tolist()):
+        tensor.requires_grad = True
+    return out
+
+
+def _over_numpy(
+    code: np.ndarray, first: np.ndarray, numel: np.ndarray, whole: np.ndarray, dims: np.ndarray,
+    first_dim: np.ndarray, ndim: np.ndarray, one: np.ndarray,
+) -> list[torch.Tensor]:  # fmt: skip
+    """The tensors :func:`make_dense` makes, each ``from_numpy`` of a typed, shaped slice."""
+    arrays = _over_mapping(code, first, numel, whole)
     if not one.all():
         _shaped(arrays, np.flatnonzero(~one).tolist(), dims.tolist(), first_dim, ndim)
     out = list(map(torch.from_numpy, arrays))
@@ -123,8 +157,6 @@ def make_dense(
         dtype = CODES[c]
         for i in np.flatnonzero(code == c).tolist():
             out[i] = out[i].view(dtype)  # same item size: a new dtype, not an autograd view
-    for tensor in itertools.compress(out, grad.tolist()):
-        tensor.requires_grad = True
     return out
 
 
