@@ -3,7 +3,7 @@
     bash benchmarks/peers/setup.sh            # once: the peers, in benchmarks/peers/.venv
     benchmarks/peers/.venv/bin/python benchmarks/peers/bench.py --shapes small   # README's run
 
-Every system saves the same state (four shapes, two sizes) on this machine, each measurement in
+Every system saves the same state (five shapes, two sizes) on this machine, each measurement in
 a fresh process, the systems in an order rotated round by round (interleaved), and every
 figure is the median over the rounds. Every reload is compared byte for byte with the saved
 state. Next to each figure: its ratio to the physical limit measured in the same run (memcpy

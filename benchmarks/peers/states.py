@@ -1,4 +1,4 @@
-"""The state dicts every system saves: four shapes that matter, made the same way in every
+"""The state dicts every system saves: five shapes that matter, made the same way in every
 process, so a reload is checked byte for byte against a fresh copy of what was saved.
 
 * ``large``: 16 float32 tensors (a few large ones: the shape the demo uses).
@@ -7,6 +7,8 @@ process, so a reload is checked byte for byte against a fresh copy of what was s
 * ``flat``: DeepSpeed-like: bf16 parameters that are views into one flat buffer (the module's
   state dict), next to the optimizer's fp32 master copy and two moments as three flat buffers.
 * ``moe``: 20,000 float32 tensors (100 layers x 100 experts x two weights), nested dicts.
+* ``moe-fine``: 50,000 float32 tensors (100 layers x 250 experts x two weights), nested dicts:
+  a rank's file of a fine-grained mixture-of-experts model.
 
 The bytes are a seeded random block tiled with a per-tensor shift: as incompressible as
 random data, and cheap to make at 2 GiB on two cores.
@@ -19,7 +21,7 @@ from typing import Any
 
 import torch
 
-SHAPES = ("large", "small", "flat", "moe")
+SHAPES = ("large", "small", "flat", "moe", "moe-fine")
 
 _BLOCK = 16 << 20
 _MIB = 1 << 20
@@ -68,8 +70,8 @@ def make(shape: str, nbytes: int, seed: int = 0) -> Any:
         module = {f"layers.{i}.weight": flat16[i * per : (i + 1) * per] for i in range(n_layers)}
         opt = {k: tensor(per * n_layers) for k in ("fp32_flat", "exp_avg", "exp_avg_sq")}
         return {"module": module, "optimizer": {"state": opt, "step": 100}, "iteration": 100}
-    if shape == "moe":
-        layers, experts, weights = 100, 100, ("w1", "w2")
+    if shape in ("moe", "moe-fine"):
+        layers, experts, weights = 100, 100 if shape == "moe" else 250, ("w1", "w2")
         per = max(1, nbytes // (layers * experts * len(weights)) // 4)
         return {
             f"layers.{layer}": {
