@@ -64,7 +64,8 @@ RECORDS = Extension("ckptcache.server.cluster.dataplane._records",
 
 def torch_extensions() -> list[Extension]:
     """The tensor table's C++ loop, built against the torch the build sees; none where torch
-    cannot be imported (an isolated build): zero-copy loads then make their tensors in Python
+    cannot be imported (an isolated build; ``scripts/setup.sh`` builds it in place after the
+    install): zero-copy loads then make their tensors in Python
     (``ckptcache/codec/table/tensors.py`` says which is in use)."""
     try:
         import torch

@@ -16,9 +16,11 @@ python -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '2.13.
 if [ "${1:-}" = "test" ]; then
     # The save's copy extension (ckptcache/format/_copy.c) is built by the install below and
     # needs a C compiler; its test fails where the build was skipped. The data plane's record
-    # extension (ckptcache/server/cluster/dataplane/_records.c) needs OpenSSL's headers too.
+    # extension (ckptcache/server/cluster/dataplane/_records.c) needs OpenSSL's headers too,
+    # and the tensor table's loop (ckptcache/codec/table/_tensors.cpp) a C++ compiler.
     BUILD=()
     command -v cc >/dev/null 2>&1 || BUILD+=(gcc)
+    command -v c++ >/dev/null 2>&1 || BUILD+=(g++)
     [ -f /usr/include/openssl/evp.h ] || BUILD+=(libssl-dev)
     if [ ${#BUILD[@]} -gt 0 ]; then
         SUDO=""
@@ -47,3 +49,9 @@ if [ "${1:-}" = "test" ]; then
 else
     pip_install -e .
 fi
+# The tensor table's C++ loop (ckptcache/codec/table/_tensors.cpp) is built against torch,
+# which pip's isolated build does not see: built here, in place, next to the installed torch
+# (needs a C++ compiler; without it a zero-copy load makes its tensors with numpy, and
+# ckptcache.codec.table.tensors.MADE_BY says so).
+python setup.py -q build_ext --inplace >/dev/null 2>&1 \
+    || echo "warning: the C extensions could not be built in place" >&2
