@@ -144,3 +144,14 @@ def test_the_loop_refuses_columns_of_other_kinds():
     columns["code"] = columns["code"][:1]
     with pytest.raises(ValueError):
         _over(columns)
+
+
+def test_the_loop_runs_only_under_the_torch_it_was_compiled_against():
+    from ckptcache.codec.table.tensors import _same_torch
+
+    assert _same_torch((2, 13, 0), "2.13.0+cpu")
+    assert _same_torch((2, 13, 0), "2.13.0")
+    assert not _same_torch((2, 13, 0), "2.13.1")
+    assert not _same_torch((2, 13, 0), "2.14.0.dev20261201+cu130")
+    assert not _same_torch((2, 13, 0), "2.13")
+    assert not _same_torch((2, 13, 0), "garbage")

@@ -11,6 +11,7 @@
 // the mapping: a ValueError, not a tensor.
 
 #include <torch/extension.h>
+#include <torch/headeronly/version.h>
 
 #include <cstdint>
 #include <limits>
@@ -87,6 +88,10 @@ std::vector<at::Tensor> over_mapping(const at::Tensor& whole, const at::Tensor& 
 
 PYBIND11_MODULE(_tensors, m) {
   m.doc() = "The dense tensors of a zero-copy load, made in one C++ loop.";
+  // The torch this was compiled against: another torch's tensor structures may differ, so the
+  // Python side uses the loop only under the same version.
+  m.attr("torch_version") =
+      py::make_tuple(TORCH_VERSION_MAJOR, TORCH_VERSION_MINOR, TORCH_VERSION_PATCH);
   m.def("over_mapping", &over_mapping,
         "Tensors over a uint8 mapping from packed columns (starts, sizes, dims, ndim, code) "
         "and one tensor of each dtype code (kinds).");

@@ -3,6 +3,9 @@ compiler are found."""
 
 import torch
 
+#: The torch release this was compiled against (major, minor, patch).
+torch_version: tuple[int, int, int]
+
 def over_mapping(
     whole: torch.Tensor,
     starts: torch.Tensor,

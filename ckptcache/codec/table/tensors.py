@@ -39,6 +39,21 @@ try:
 except ImportError:  # not built (no compiler, or no torch at build time), or for another torch
     _compiled = None
 
+
+def _same_torch(built: tuple[int, int, int], running: str) -> bool:
+    """Whether the loop was compiled against the torch that runs (``major.minor.patch``):
+    another version's tensor structures may differ, and the loop would misread them."""
+    release = running.split("+", 1)[0].split(".")[:3]
+    return (
+        len(release) == 3
+        and all(p.isdigit() for p in release)
+        and (tuple(int(p) for p in release) == tuple(built))
+    )
+
+
+if _compiled is not None and not _same_torch(_compiled.torch_version, torch.__version__):
+    _compiled = None
+
 __all__ = ["DTYPES", "MADE_BY", "make_dense", "make_strided"]
 
 #: Which path makes a zero-copy load's dense tensors: ``"C++"`` or ``"numpy"``.
