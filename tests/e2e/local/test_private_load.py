@@ -61,10 +61,10 @@ def test_a_private_load_is_the_saved_bytes_and_holds_no_pin(daemon, tmp_path, ve
         assert_equal(saved, c.load(path))
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_a_private_load_to_cuda_map_location_is_not_copied_on_the_cpu(daemon, tmp_path):
-    """A ``map_location`` other than the CPU keeps its own path (checked where CUDA exists)."""
-    if not torch.cuda.is_available():
-        pytest.skip("no CUDA device")
+    """A ``map_location`` other than the CPU keeps its own path."""
     path = str(tmp_path / "m.pt")
     saved = {"w": torch.randn(1000)}
     with daemon.client() as c:
