@@ -13,10 +13,9 @@ through are done).
 
 from __future__ import annotations
 
-import contextlib
 import signal
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from types import FrameType
 from typing import Any
 
@@ -29,37 +28,66 @@ _ASYNC = tuple(getattr(signal, name) for name in _NAMES if hasattr(signal, name)
 Handler = Callable[[int, FrameType | None], Any]
 
 
-@contextlib.contextmanager
-def signals_deferred() -> Iterator[None]:
+def signals_deferred() -> _Deferral:
     """Hold off the Python handlers of asynchronous signals in the ``with`` block; run them
     for what arrived when it ends. Outside the main thread (where no handler ever runs) it
     does nothing."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    arrived: list[tuple[Handler, int, FrameType | None]] = []
-    saved: dict[int, Handler] = {}
-    deferring = [True]
+    return _Deferral()
 
-    def note(handler: Handler) -> Handler:
+
+class _Deferral:
+    """The ``with`` block of :func:`signals_deferred`.
+
+    A raising handler can land between any two bytecodes, the block's own included, and
+    even inside ``signal.signal`` (which runs pending handlers first), so no sequence of
+    Python steps is sure to put every handler back. Two rules keep what a storm of raising
+    signals can leave behind harmless:
+
+    * a stand-in defers only while the block is open (from the end of ``__enter__`` to the
+      start of ``__exit__``); any other time it passes the signal straight to the original
+      handler, so one left installed never swallows a Ctrl-C;
+    * a block that finds the stand-in of a block that is over saves the original behind it,
+      so it puts the original back (stand-ins never pile up); an open block's stand-in (a
+      nested block) is saved as it is.
+
+    A class, not a generator: a handler that raised after a generator's ``yield`` but before
+    the ``with`` took the context left every stand-in installed, as no ``__exit__`` ran.
+    """
+
+    def __init__(self) -> None:
+        self.arrived: list[tuple[Handler, int, FrameType | None]] = []
+        self.saved: dict[int, Handler] = {}
+        self.open = [False]
+
+    def _stand_in(self, handler: Handler) -> Handler:
+        arrived, open_ = self.arrived, self.open
+
         def deferred(signum: int, frame: FrameType | None) -> Any:
-            if deferring[0]:
+            if open_[0]:
                 arrived.append((handler, signum, frame))
                 return None
-            return handler(signum, frame)  # a signal caught between two restores
+            return handler(signum, frame)
 
+        deferred.__wrapped__ = handler  # type: ignore[attr-defined]
+        deferred._ckptcache_open = open_  # type: ignore[attr-defined]
         return deferred
 
-    try:
+    def __enter__(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return
         for signum in _ASYNC:
             handler = signal.getsignal(signum)
+            left = getattr(handler, "_ckptcache_open", None)
+            if left is not None and not left[0]:  # left behind by a block that is over
+                handler = handler.__wrapped__  # type: ignore[union-attr]
             if callable(handler):
-                saved[signum] = handler
-                signal.signal(signum, note(handler))
-        yield
-    finally:
-        deferring[0] = False  # from here on the stand-ins pass a signal straight on
-        for signum, handler in saved.items():
+                self.saved[signum] = handler
+                signal.signal(signum, self._stand_in(handler))
+        self.open[0] = True
+
+    def __exit__(self, *exc: object) -> None:
+        self.open[0] = False
+        for signum, handler in self.saved.items():
             signal.signal(signum, handler)
-        for handler, signum, frame in arrived:
+        for handler, signum, frame in self.arrived:
             handler(signum, frame)

@@ -57,3 +57,61 @@ def test_outside_the_main_thread_it_changes_nothing():
     thread.start()
     thread.join()
     assert seen == [signal.default_int_handler]
+
+
+def _block() -> None:
+    """One block: the frame :func:`_raise_in_block` looks for."""
+    with signals_deferred():
+        pass
+
+
+def _raise_in_block(signum, frame):
+    """Raises only inside :func:`_block` (entering, inside or restoring: a few frames deep),
+    never in the loop that catches it; a short walk, so the storm does not nest handlers."""
+    for _ in range(6):
+        if frame is None:
+            return
+        if frame.f_code is _block.__code__:
+            raise Interrupted(signum)
+        frame = frame.f_back
+
+
+def test_a_storm_of_raising_signals_never_leaves_a_stand_in_behind():
+    """A raising handler firing every 50 us while blocks open and close: whatever it
+    interrupts, no signal is swallowed once the storm ends, and the next block leaves the
+    original handlers (a handler that ran between two restores used to leave the remaining
+    stand-ins installed, deferring for good)."""
+    previous = signal.signal(signal.SIGALRM, _raise_in_block)
+    originals = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)}
+    interrupted = 0
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 50e-6, 50e-6)
+        for _ in range(5000):
+            try:
+                _block()
+            except Interrupted:
+                interrupted += 1
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+    assert interrupted > 0  # the storm did land inside the blocks
+    # What a storm may leave installed passes every signal straight on: a Ctrl-C raises.
+    with pytest.raises(KeyboardInterrupt):
+        os.kill(os.getpid(), signal.SIGINT)
+    _block()  # and the next block puts the originals back
+    assert {s: signal.getsignal(s) for s in originals} == originals
+
+
+def test_a_nested_block_leaves_the_outer_one_deferring():
+    previous = signal.signal(signal.SIGUSR1, _raise)
+    reached = []
+    try:
+        with pytest.raises(Interrupted), signals_deferred():
+            with signals_deferred():
+                pass
+            os.kill(os.getpid(), signal.SIGUSR1)  # the outer block still holds it off
+            reached.append("after the signal")
+        assert reached == ["after the signal"]
+        assert signal.getsignal(signal.SIGUSR1) is _raise
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
