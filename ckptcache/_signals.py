@@ -69,7 +69,7 @@ class _Deferral:
             return handler(signum, frame)
 
         deferred.__wrapped__ = handler  # type: ignore[attr-defined]
-        deferred._ckptcache_open = open_  # type: ignore[attr-defined]
+        deferred.ckptcache_block_open = open_  # type: ignore[attr-defined]
         return deferred
 
     def __enter__(self) -> None:
@@ -77,7 +77,7 @@ class _Deferral:
             return
         for signum in _ASYNC:
             handler = signal.getsignal(signum)
-            left = getattr(handler, "_ckptcache_open", None)
+            left = getattr(handler, "ckptcache_block_open", None)
             if left is not None and not left[0]:  # left behind by a block that is over
                 handler = handler.__wrapped__  # type: ignore[union-attr]
             if callable(handler):
