@@ -63,10 +63,13 @@ RECORDS = Extension("ckptcache.server.cluster.dataplane._records",
 
 
 def torch_extensions() -> list[Extension]:
-    """The tensor table's C++ loop, built against the torch the build sees; none where torch
-    cannot be imported (an isolated build; ``scripts/setup.sh`` builds it in place after the
-    install): zero-copy loads then make their tensors in Python
-    (``ckptcache/codec/table/tensors.py`` says which is in use)."""
+    """The tensor table's C++ loop, built against the torch the build sees, when
+    ``CKPTCACHE_TORCH_EXTENSION=1`` asks for it (``scripts/setup.sh`` does, in place after the
+    install: compiling against torch's headers takes most of a minute, which every other
+    install is spared); none where torch cannot be imported: zero-copy loads then make their
+    tensors in Python (``ckptcache/codec/table/tensors.py`` says which is in use)."""
+    if os.environ.get("CKPTCACHE_TORCH_EXTENSION", "") != "1":
+        return []
     try:
         import torch
         from torch.utils.cpp_extension import CppExtension

@@ -53,5 +53,5 @@ fi
 # which pip's isolated build does not see: built here, in place, next to the installed torch
 # (needs a C++ compiler; without it a zero-copy load makes its tensors with numpy, and
 # ckptcache.codec.table.tensors.MADE_BY says so).
-python setup.py -q build_ext --inplace >/dev/null 2>&1 \
+CKPTCACHE_TORCH_EXTENSION=1 python setup.py -q build_ext --inplace >/dev/null 2>&1 \
     || echo "warning: the C extensions could not be built in place" >&2
