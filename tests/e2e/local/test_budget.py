@@ -89,7 +89,10 @@ def test_object_larger_than_budget(daemon_factory, tmp_path):
 
 def test_a_zero_copy_load_is_unpinned_when_its_last_reference_goes(daemon, tmp_path):
     """The pin of a zero-copy load goes with the last reference to what it returned, not at
-    some later garbage collection (no reference cycle holds its storages)."""
+    some later garbage collection (no reference cycle holds its storages). The collector is
+    off throughout: a pin held by a cycle would never go. The reader's first contact also
+    plans the job's saves in the background (``client/_plans.py``), a zero-copy load of its
+    own that lets its pin go once planned."""
     import gc
 
     path = str(tmp_path / "a.pt")
@@ -99,8 +102,8 @@ def test_a_zero_copy_load_is_unpinned_when_its_last_reference_goes(daemon, tmp_p
         gc.disable()
         try:
             held = reader.load(path)
-            assert reader.status(path).pins == 1
+            assert reader.status(path).pins >= 1
             del held
-            assert reader.status(path).pins == 0
+            wait_until(lambda: reader.status(path).pins == 0, timeout=30)
         finally:
             gc.enable()
