@@ -128,11 +128,11 @@ def test_a_later_save_replaces_an_earlier_one_persisted_after_it_began(cluster_f
     with read_only_dir(target):  # every persist fails and retries until the directory opens
         with a.client() as ca:
             ca.save(state(1), path)
+        wait_until(lambda: a.info(path).persist_error)  # a holds the writer role, failing
         with b.client() as cb:
             cb.save(state(2), path)
-        # a holds the path's writer role, failing; b waits for it.
-        wait_until(lambda: a.info(path).persist_error and b.info(path).persist_state
-                   in ("queued", "persisting"))  # fmt: skip
+        # b waits for it. (Both at one poll raced: a's error is cleared while it retries.)
+        wait_until(lambda: b.info(path).persist_state in ("queued", "persisting"))
     wait_until(lambda: b.info(path).persist_state == "persisted", timeout=60)
     assert not b.info(path).conflict
     assert_same(state(2), torch.load(path, weights_only=True))
