@@ -58,8 +58,7 @@ class Ingest:
                               saved_ns=copy.content_ns)  # fmt: skip
             state.inflight.setdefault(key, flight)
 
-        def advance(n: int) -> None:
-            state.advance(flight, HEADER_SIZE + n)
+        advance = state.landing(flight)  # relays follow what lands, range by range
 
         try:
             view = segment.view()

@@ -14,11 +14,12 @@ Life of a segment as this owner sees it::
 
 from __future__ import annotations
 
+import bisect
 import itertools
 import logging
 import os
 import time
-from collections.abc import Callable, Collection, Iterable
+from collections.abc import Callable, Collection, Iterable, Sequence
 from concurrent.futures import Future
 from dataclasses import KW_ONLY, dataclass, field, replace
 
@@ -42,6 +43,7 @@ __all__ = [
     "Fill",
     "Incoming",
     "Inflight",
+    "Landing",
     "NewerHeld",
     "Reservation",
     "Session",
@@ -115,10 +117,56 @@ class Inflight:
     #: When the content was saved (see :attr:`Reservation.saved_at`; 0: unknown).
     saved_at: float = 0.0
     saved_ns: int = 0
+    #: Where each *lane* of the body starts (offsets from the end of the header, the first
+    #: 0): the ranges that land side by side, each from its start on (the stripes of a striped
+    #: transfer; one lane for bytes that land in order). A striped relay follows each lane on
+    #: its own instead of the prefix, which waits for the slowest.
+    lanes: tuple[int, ...] = (0,)
+    #: How far each lane has landed (body offsets): ``[lanes[i], landed[i])`` is final.
+    landed: list[int] = field(default_factory=lambda: [0])
+
+    @property
+    def body(self) -> int:
+        """Bytes after the header: what a relay sends."""
+        return self.nbytes - HEADER_SIZE
+
+    def lane_end(self, index: int) -> int:
+        """Where lane ``index`` ends (body offset)."""
+        return self.lanes[index + 1] if index + 1 < len(self.lanes) else self.body
+
+    def landed_from(self, pos: int) -> int:
+        """The end of the final run of bytes that starts at body offset ``pos`` (``pos``
+        itself: nothing there yet)."""
+        prefix = self.ready - HEADER_SIZE
+        if pos < prefix:
+            return prefix
+        index = bisect.bisect_right(self.lanes, pos) - 1
+        return max(pos, self.landed[index]) if index >= 0 else pos
+
+
+class Landing:
+    """What a copy's ``fill`` reports as its bytes land in an :class:`Inflight`: called with
+    ``n``, the first ``n`` bytes of the body are final (a prefix); :meth:`lanes` and
+    :meth:`lane` say the same of ranges that land side by side, so relays follow each."""
+
+    def __init__(self, state: CacheState, flight: Inflight):
+        self._state, self._flight = state, flight
+
+    def __call__(self, n: int) -> None:
+        self._state.advance(self._flight, HEADER_SIZE + n)
+
+    def lanes(self, starts: Sequence[int]) -> None:
+        """The body lands in lanes starting at ``starts`` (before any of it has landed)."""
+        self._state.set_lanes(self._flight, starts)
+
+    def lane(self, index: int, end: int) -> None:
+        """Lane ``index`` has landed up to body offset ``end``."""
+        self._state.land_lane(self._flight, index, end)
 
 
 #: ``fill(view, advance)``: writes a copy's bytes (those after the segment header) into
-#: ``view``, calling ``advance(n)`` whenever the first ``n`` bytes of ``view`` are final.
+#: ``view``, calling ``advance(n)`` whenever the first ``n`` bytes of ``view`` are final (a
+#: :class:`Landing` in the daemon, which also takes ranges that land side by side).
 Fill = Callable[[memoryview, Callable[[int], None]], None]
 
 
@@ -410,11 +458,52 @@ class CacheState:
                 raise ConnectionError("the upstream copy failed mid-transfer")
             return flight.ready
 
+    def wait_landed(self, flight: Inflight, pos: int) -> int:
+        """Wait until the bytes of ``flight`` from body offset ``pos`` on have begun to land;
+        returns the end of the final run from ``pos`` (see :meth:`Inflight.landed_from`).
+        Raises :class:`ConnectionError` when the copy being received failed."""
+        with self.lock.held():
+            while flight.landed_from(pos) <= pos and not flight.failed:
+                self.lock.wait(1.0)
+            if flight.failed:
+                raise ConnectionError("the upstream copy failed mid-transfer")
+            return flight.landed_from(pos)
+
     def advance(self, flight: Inflight, ready: int) -> None:
         """Bytes ``[0, ready)`` of ``flight`` are final: relays may send them."""
         with self.lock.held():
-            flight.ready = ready
+            flight.ready = max(flight.ready, ready)
+            done = flight.ready - HEADER_SIZE
+            for i, lo in enumerate(flight.lanes):  # each lane's share of the prefix
+                flight.landed[i] = max(flight.landed[i], min(flight.lane_end(i), max(lo, done)))
             self.lock.notify_all()
+
+    def set_lanes(self, flight: Inflight, starts: Sequence[int]) -> None:
+        """``flight``'s body lands in lanes starting at ``starts`` (see
+        :attr:`Inflight.lanes`); what landed before stays final as a prefix."""
+        with self.lock.held():
+            done = flight.ready - HEADER_SIZE
+            flight.lanes = tuple(starts)
+            flight.landed = [max(lo, min(flight.lane_end(i), done))
+                             for i, lo in enumerate(flight.lanes)]  # fmt: skip
+            self.lock.notify_all()
+
+    def land_lane(self, flight: Inflight, index: int, end: int) -> None:
+        """Lane ``index`` of ``flight`` is final up to body offset ``end``; the prefix
+        follows the lanes that are whole."""
+        with self.lock.held():
+            flight.landed[index] = max(flight.landed[index], min(end, flight.lane_end(index)))
+            prefix = 0
+            for i in range(len(flight.lanes)):
+                prefix = flight.landed[i]
+                if prefix < flight.lane_end(i):
+                    break
+            flight.ready = max(flight.ready, HEADER_SIZE + prefix)
+            self.lock.notify_all()
+
+    def landing(self, flight: Inflight) -> Landing:
+        """How a copy's ``fill`` reports the bytes of ``flight`` that landed."""
+        return Landing(self, flight)
 
     def end_flight(self, key: Key, flight: Inflight, *, failed: bool = False) -> None:
         """``flight`` is over (committed, or ``failed``): later fetches use the index."""

@@ -15,8 +15,12 @@ Exchanges (one connection may carry several, one after the other)::
                            (striped: the first stripe, then the table; the fetching node
                            asks for each other stripe on a connection of its own:)
                            | RelayHead  <segment body as it lands here>
+                           (striped: the first stripe's blocks as they land; the
+                           fetching node asks for each other stripe on a connection of
+                           its own, and closes the relay with Ack once all are in:)
                            | Refused
     stripe:  FetchStripe  -> Ack <that stripe of the body> | Refused
+    stripe:  RelayStripe  -> Ack <that stripe's blocks as they land> | Refused
     corrupt: CorruptReport -> Ack
 
 Decoding raises :class:`~ckptcache.errors.ProtocolMismatch` naming the bad field; nothing
@@ -47,6 +51,7 @@ __all__ = [
     "Pushed",
     "Refused",
     "RelayHead",
+    "RelayStripe",
     "decode_ack",
     "decode_fetch_reply",
     "decode_pushed",
@@ -168,6 +173,9 @@ class FetchRequest(PathMessage):
     #: Connections the asking node may receive a committed copy on (1: all on this one); the
     #: holder answers where each stripe starts in :attr:`ObjectHead.stripes`.
     streams: int = 1
+    #: The asking node takes a copy still arriving at the holder in stripes too
+    #: (:attr:`RelayHead.token`, :class:`RelayStripe`).
+    relays: bool = False
 
     def __post_init__(self) -> None:
         if not 1 <= self.streams <= MAX_STREAMS:
@@ -191,6 +199,21 @@ class FetchStripe(PathMessage):
 
 
 @message
+class RelayStripe:
+    """One more connection of a striped relay: stripe ``index`` (1 on; 0 comes on the fetch's
+    own connection) of the relay named ``token`` (:attr:`RelayHead.token`), its blocks sent
+    as they land at the relaying node."""
+
+    OP: ClassVar[str] = "relay_stripe"
+    token: str
+    index: int
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.index < MAX_STREAMS:
+            raise ValueError(f"RelayStripe.index: must be 1 to {MAX_STREAMS - 1}")
+
+
+@message
 class CorruptReport(PathMessage):
     """Tell a peer that the copy it served was corrupt (it drops that generation)."""
 
@@ -203,9 +226,10 @@ class CorruptReport(PathMessage):
         _non_negative(self, "generation")
 
 
-PeerRequest = PushRequest | PushStripe | FetchRequest | FetchStripe | CorruptReport
+PeerRequest = PushRequest | PushStripe | FetchRequest | FetchStripe | RelayStripe | CorruptReport
 _REQUESTS: dict[str, type[Any]] = {
-    c.OP: c for c in (PushRequest, PushStripe, FetchRequest, FetchStripe, CorruptReport)
+    c.OP: c
+    for c in (PushRequest, PushStripe, FetchRequest, FetchStripe, RelayStripe, CorruptReport)
 }
 
 
@@ -271,15 +295,36 @@ class RelayHead(_Extent):
     committed: float = 0.0
     #: The same, the save's exact stamp in ns (0: unknown).
     committed_ns: int = 0
+    #: A striped relay (only to a node that asked with :attr:`FetchRequest.relays`): the
+    #: lanes the copy lands in at the sender (:attr:`~ckptcache.server.state.Inflight.lanes`),
+    #: cut in blocks of ``block`` bytes dealt to ``streams`` stripes
+    #: (:func:`ckptcache.server.cluster.relay.plan`), the others asked for under ``token``.
+    lanes: tuple[int, ...] = ()
+    block: int = 0
+    streams: int = 1
+    token: str = ""
 
     def __post_init__(self) -> None:
-        _non_negative(self, "nbytes", "manifest_offset", "manifest_size", "committed_ns")
+        _non_negative(self, "nbytes", "manifest_offset", "manifest_size", "committed_ns",
+                      "block")  # fmt: skip
         _wall_clock(self, "committed")
+        _check_stripes(self.lanes, "RelayHead.lanes")
+        if not 1 <= self.streams <= MAX_STREAMS:
+            raise ValueError(f"RelayHead.streams: must be 1 to {MAX_STREAMS}")
+        if self.streams > 1 and not (self.token and self.lanes and self.block > 0):
+            raise ValueError("RelayHead: a striped relay names its token, lanes and block")
 
 
 #: Fields newer than the format older nodes read (they refuse unknown fields): left out at
 #: their defaults, so a message that does not use them is the one older nodes speak.
-_NEWER: dict[str, Any] = {"streams": 1, "token": "", "stripes": ()}
+_NEWER: dict[str, Any] = {
+    "streams": 1,
+    "token": "",
+    "stripes": (),
+    "relays": False,
+    "lanes": (),
+    "block": 0,
+}
 
 
 def encode(message: Any) -> dict[str, Any]:

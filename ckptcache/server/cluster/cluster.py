@@ -150,6 +150,7 @@ class Cluster:
                     peer.PushStripe.OP: _typed(peer.PushStripe, self.replication.on_push_stripe),
                     peer.FetchRequest.OP: _typed(peer.FetchRequest, self.fetching.on_fetch),
                     peer.FetchStripe.OP: _typed(peer.FetchStripe, self.fetching.on_fetch_stripe),
+                    peer.RelayStripe.OP: _typed(peer.RelayStripe, self.fetching.on_relay_stripe),
                     peer.CorruptReport.OP: _typed(peer.CorruptReport, self.fetching.on_corrupt),
                     clock.OP: clock.on_probe,
                 },

@@ -35,7 +35,7 @@ from ckptcache.server.cluster.dataplane import Channel
 from ckptcache.server.cluster.landing import LandingDigests
 from ckptcache.wire.states import Tier
 
-__all__ = ["MIN_STRIPE", "Sinks", "StripeSink", "auto_streams", "plan"]
+__all__ = ["MIN_STRIPE", "Joined", "Sinks", "StripeSink", "auto_streams", "plan"]
 
 #: Where a cut may fall: page-aligned, so each stripe's records land on whole pages.
 ALIGN = 4096
@@ -80,11 +80,86 @@ def ranges(starts: list[int], body: int) -> list[tuple[int, int]]:
     return list(zip(starts, [*starts[1:], body], strict=True))
 
 
-class StripeSink:
+class Joined:
+    """The stripes of one transfer arriving on several connections at once: each is claimed
+    by one connection, which writes into a shared view; a failed stripe fails them all, and
+    nobody leaves the view while a stripe may still write into it.
+
+    Call order: :meth:`claim` (per stripe, by its connection) -> the stripe's bytes ->
+    :meth:`finished` or :meth:`fail`, then :meth:`release`; the transfer's owner
+    waits for every stripe (:meth:`wait`) and cancels whatever is left (:meth:`cancel`)."""
+
+    def __init__(self, count: int, peer_id: str):
+        self.peer_id = peer_id
+        self._changed = threading.Condition()
+        self._done = [False] * count
+        self._claimed = [False] * count
+        self._active: set[Channel] = set()
+        self._error: BaseException | None = None
+        self._cancelled = False
+
+    def claim(self, index: int, channel: Channel) -> bool:
+        """Take stripe ``index`` for ``channel`` (once; not after a failure or cancel)."""
+        with self._changed:
+            if (self._cancelled or self._error is not None or not 0 <= index < len(self._done)
+                    or self._claimed[index]):  # fmt: skip
+                return False
+            self._claimed[index] = True
+            self._active.add(channel)
+            return True
+
+    def finished(self, index: int) -> None:
+        """Stripe ``index`` is in."""
+        with self._changed:
+            self._done[index] = True
+            self._changed.notify_all()
+
+    def release(self, channel: Channel) -> None:
+        """``channel`` no longer writes into the view (idempotent)."""
+        with self._changed:
+            self._active.discard(channel)
+            self._changed.notify_all()
+
+    def fail(self, error: BaseException) -> None:
+        """Fail the transfer with ``error`` (unless one failed first): every stripe stops."""
+        with self._changed:
+            if self._error is None:
+                self._error = error
+            for channel in self._active:
+                _hang_up(channel)  # the others stop at once
+            self._changed.notify_all()
+
+    def wait(self) -> None:
+        """Until every stripe is in; raises the first stripe's failure."""
+        with self._changed:
+            while not all(self._done) and self._error is None:
+                self._changed.wait()
+            if self._error is not None:
+                raise self._error
+
+    @property
+    def error(self) -> BaseException | None:
+        """The first stripe's failure, if one failed."""
+        return self._error
+
+    def cancel(self) -> None:
+        """Stop every stripe still arriving and wait until none writes into the view."""
+        with self._changed:
+            self._cancelled = True
+            for channel in self._active:
+                _hang_up(channel)
+            while self._active:
+                self._changed.wait()
+
+
+class StripeSink(Joined):
     """The receiving end of one transfer split into stripes of ``view`` (the segment body):
     each stripe's connection calls :meth:`receive`; :meth:`wait` returns once every stripe is
-    in and hashed, or raises the first failure. ``advance(n)`` reports the prefix of the view
-    that is in place and authenticated, for relays, as the stripes fill."""
+    in and hashed, or raises the first failure (the sender closes the transfer, its digest
+    table on the first connection, only once every stripe was acknowledged, so the caller
+    waits after that, and it returns at once). ``advance(n)`` reports the prefix of the view
+    that is in place and authenticated, for relays, as the stripes fill, and ``lane(i, end)``
+    (when given) how far stripe ``i`` is, so that a relay may follow each stripe."""
 
     def __init__(
         self,
@@ -94,9 +169,11 @@ class StripeSink:
         body: int,
         peer_id: str,
         advance: Callable[[int], None],
+        lane: Callable[[int, int], None] | None = None,
     ):
-        self.view, self.manifest, self.peer_id = view, manifest, peer_id
         self.ranges = ranges(starts, body)
+        super().__init__(len(self.ranges), peer_id)
+        self.view, self.manifest = view, manifest
         self.digests: list[int] = [0] * len(manifest.storages)
         #: Storages that a cut splits: hashed by :meth:`finish`, once every stripe is in.
         self.split = [i for i, s in enumerate(manifest.storages)
@@ -104,24 +181,9 @@ class StripeSink:
                                  and s.offset - HEADER_SIZE + s.nbytes <= hi
                                  for lo, hi in self.ranges)]  # fmt: skip
         self._advance = advance
-        self._changed = threading.Condition()
+        self._lane = lane
         self._landed = [lo for lo, _hi in self.ranges]  # each stripe's end so far
-        self._done = [False] * len(self.ranges)
-        self._claimed = [False] * len(self.ranges)
-        self._active: set[Channel] = set()
         self._reported = 0
-        self._error: BaseException | None = None
-        self._cancelled = False
-
-    def claim(self, index: int, channel: Channel) -> bool:
-        """Take stripe ``index`` for ``channel`` (once; not after a failure or cancel)."""
-        with self._changed:
-            if (self._cancelled or self._error is not None or not 0 <= index < len(self.ranges)
-                    or self._claimed[index]):  # fmt: skip
-                return False
-            self._claimed[index] = True
-            self._active.add(channel)
-            return True
 
     def receive(self, index: int, channel: Channel) -> None:
         """Fill stripe ``index`` (claimed by ``channel``) from its records and hash its
@@ -138,19 +200,13 @@ class StripeSink:
             raise
         finally:
             self.release(channel)
-        with self._changed:
-            self._done[index] = True
-            self._changed.notify_all()
-
-    def release(self, channel: Channel) -> None:
-        """``channel`` no longer writes into the view (idempotent)."""
-        with self._changed:
-            self._active.discard(channel)
-            self._changed.notify_all()
+        self.finished(index)
 
     def _landed_at(self, index: int, end: int) -> None:
         with self._changed:
             self._landed[index] = end
+            if self._lane is not None:
+                self._lane(index, end)
             prefix = 0
             for (_lo, hi), landed in zip(self.ranges, self._landed, strict=True):
                 prefix = landed
@@ -167,25 +223,6 @@ class StripeSink:
                 self._reported = end
                 self._advance(end)
 
-    def fail(self, error: BaseException) -> None:
-        """Fail the transfer with ``error`` (unless one failed first): every stripe stops."""
-        with self._changed:
-            if self._error is None:
-                self._error = error
-            for channel in self._active:
-                _hang_up(channel)  # the others stop at once
-            self._changed.notify_all()
-
-    def wait(self) -> None:
-        """Until every stripe is in and hashed; raises the first stripe's failure. The sender
-        closes the transfer (its digest table, on the first connection) only once every
-        stripe was acknowledged, so the caller waits after that, and this returns at once."""
-        with self._changed:
-            while not all(self._done) and self._error is None:
-                self._changed.wait()
-            if self._error is not None:
-                raise self._error
-
     def finish(self) -> list[int]:
         """Every storage's digest, once :meth:`wait` returned: those a cut split are hashed
         now, the others were hashed as their stripe arrived."""
@@ -194,20 +231,6 @@ class StripeSink:
             start = s.offset - HEADER_SIZE
             self.digests[i] = digest_bytes(self.view[start : start + s.nbytes])
         return self.digests
-
-    @property
-    def error(self) -> BaseException | None:
-        """The first stripe's failure, if one failed."""
-        return self._error
-
-    def cancel(self) -> None:
-        """Stop every stripe still arriving and wait until none writes into the view."""
-        with self._changed:
-            self._cancelled = True
-            for channel in self._active:
-                _hang_up(channel)
-            while self._active:
-                self._changed.wait()
 
 
 def _hang_up(channel: Channel) -> None:

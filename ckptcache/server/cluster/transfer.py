@@ -30,7 +30,7 @@ from ckptcache.server.cluster import stripes
 from ckptcache.server.cluster.dataplane import Channel, recv_msg, send_msg
 from ckptcache.server.cluster.landing import LandingDigests
 from ckptcache.server.ownership import sent_saver
-from ckptcache.server.state import Incoming
+from ckptcache.server.state import Incoming, Landing
 from ckptcache.wire import peer
 from ckptcache.wire.states import Tier
 
@@ -292,14 +292,20 @@ def receive_copy(
         body = digest_offset - HEADER_SIZE
         starts = stripes.plan(manifest, body, streams) if ready and striped else [0]
         served = head.stripes if isinstance(head, peer.ObjectHead) else ()
+        landing = advance if isinstance(advance, Landing) else None
         if len(served) > 1 and pull is not None:
+            if landing is not None:  # relays of this copy follow each stripe
+                landing.lanes(served)
             sink = stripes.StripeSink(view, manifest, list(served), body, channel.peer_id,
-                                      advance)  # fmt: skip
+                                      advance, landing.lane if landing else None)  # fmt: skip
             log.debug("receiving %s from %s in %d stripes", head.path, channel.peer_id,
                       len(served))  # fmt: skip
             verified.extend(receive_pulled(channel, sink, manifest, digest_offset, pull))
         elif len(starts) > 1 and striped is not None:
-            sink = stripes.StripeSink(view, manifest, starts, body, channel.peer_id, advance)
+            if landing is not None:
+                landing.lanes(starts)
+            sink = stripes.StripeSink(view, manifest, starts, body, channel.peer_id, advance,
+                                      landing.lane if landing else None)  # fmt: skip
             log.debug("receiving %s from %s in %d stripes", head.path, channel.peer_id,
                       len(starts))  # fmt: skip
             with striped(sink):  # no stripe writes into the view once this ends

@@ -12,8 +12,10 @@ Fetching (:meth:`Fetching.fetch_from`) receives either and commits it here. A co
 is split across up to ``data_plane_streams`` connections of both nodes: the holder names the
 stripes in its :class:`~ckptcache.wire.peer.ObjectHead` and sends the first with the digest
 table, the fetching node asks for each other one on a connection of its own
-(:class:`~ckptcache.wire.peer.FetchStripe`, :meth:`Fetching.on_fetch_stripe`); a relayed copy
-stays on one connection. A fetched copy
+(:class:`~ckptcache.wire.peer.FetchStripe`, :meth:`Fetching.on_fetch_stripe`). A copy still
+arriving at the holder is relayed in stripes too, to a node that asks for them
+(:mod:`ckptcache.server.cluster.relay`: :class:`~ckptcache.wire.peer.RelayStripe`,
+:meth:`Fetching.on_relay_stripe`), each stripe from the ranges that have landed. A fetched copy
 found corrupt is reported to its holder (:meth:`Fetching.report_corrupt` ->
 :meth:`Fetching.on_corrupt` there), which drops the generation it served.
 """
@@ -33,7 +35,7 @@ from ckptcache.errors import (
     ReplicationError,
 )
 from ckptcache.format.layout import HEADER_SIZE
-from ckptcache.server.cluster import stripes
+from ckptcache.server.cluster import relay, stripes
 from ckptcache.server.cluster.coord import NodeInfo
 from ckptcache.server.cluster.dataplane import Channel, recv_msg, send_msg
 from ckptcache.server.cluster.membership import Membership
@@ -107,13 +109,14 @@ class Fetching:
         self.receive = receive
         self.drop_corrupt = drop_corrupt
         self._sends = _Sends()
+        self._relays = relay.Relays()
 
     def on_fetch(self, conn: Channel, req: peer.FetchRequest) -> None:
         """Handler of :class:`~ckptcache.wire.peer.FetchRequest`."""
         key = (req.namespace, req.path)
         try:
             with self._sends.slot(key):
-                self._serve(conn, key, min(req.streams, self.streams))
+                self._serve(conn, key, min(req.streams, self.streams), req.relays)
         except PeerBusy as e:
             send_msg(conn, peer.refusal(e))
 
@@ -138,21 +141,29 @@ class Fetching:
         finally:
             self.state.unpin(gen)
 
-    def _serve(self, conn: Channel, key: tuple[str, str], streams: int = 1) -> None:
+    def on_relay_stripe(self, conn: Channel, req: peer.RelayStripe) -> None:
+        """Handler of :class:`~ckptcache.wire.peer.RelayStripe`: one stripe of a striped
+        relay this node serves to the same node, its blocks sent as they land here."""
+        joined = self._relays.join(req.token, req.index, conn.peer_id)
+        if joined is None:
+            send_msg(conn, peer.refusal(ReplicationError(
+                f"no striped relay {req.token!r} to {conn.peer_id} with a free stripe "
+                f"{req.index} here")))  # fmt: skip
+            return
+        flight, blocks = joined
+        send_msg(conn, peer.encode(peer.Ack()))
+        relay.send_blocks(conn, self.state, flight, blocks)
+
+    def _serve(
+        self, conn: Channel, key: tuple[str, str], streams: int = 1, relays: bool = False
+    ) -> None:
         try:
             served = self.state.flight_or_pinned(key)
         except CkptCacheError as e:
             send_msg(conn, peer.refusal(e))
             return
-        if isinstance(served, Inflight):  # still arriving here: relay it chunk by chunk
-            log.info("relaying %s to a peer while it arrives", key[1])
-            send_msg(conn, peer.encode(peer.RelayHead(
-                namespace=key[0], path=key[1], nbytes=served.nbytes,
-                manifest_offset=served.manifest_offset, manifest_size=served.manifest_size,
-                persisted=served.persisted, committed=served.saved_at,
-                committed_ns=served.saved_ns,
-            )))  # fmt: skip
-            relay_in_flight(conn, self.state, served)
+        if isinstance(served, Inflight):  # still arriving here: relay it as it lands
+            self._relay(conn, key, served, relay.streams_for(served.body, streams) if relays else 1)
             return
         gen = served
         try:
@@ -175,18 +186,48 @@ class Fetching:
         finally:
             self.state.unpin(gen)
 
+    def _relay(self, conn: Channel, key: tuple[str, str], flight: Inflight, streams: int) -> None:
+        """Relay ``flight`` to the peer on ``conn``: on ``streams`` stripes (the peer asks
+        for each but the first), else in order on this connection."""
+        head = peer.RelayHead(
+            namespace=key[0], path=key[1], nbytes=flight.nbytes,
+            manifest_offset=flight.manifest_offset, manifest_size=flight.manifest_size,
+            persisted=flight.persisted, committed=flight.saved_at, committed_ns=flight.saved_ns,
+        )  # fmt: skip
+        if streams <= 1:
+            log.info("relaying %s to a peer while it arrives", key[1])
+            send_msg(conn, peer.encode(head))
+            relay_in_flight(conn, self.state, flight)
+            return
+        lanes = flight.lanes  # a snapshot: lanes set later still report where bytes landed
+        blocks = relay.plan(flight.body, lanes, streams, relay.BLOCK)
+        log.info("relaying %s to a peer while it arrives (on %d relay stripes)", key[1],
+                 len(blocks))  # fmt: skip
+        with self._relays.open(flight, conn.peer_id, blocks) as token:
+            send_msg(conn, peer.encode(replace(head, lanes=lanes, block=relay.BLOCK,
+                                               streams=len(blocks), token=token)))  # fmt: skip
+            relay.send_blocks(conn, self.state, flight, blocks[0])
+            # Open until the peer has every stripe (or hangs up): it joins the others meanwhile.
+            done = peer.decode_ack(recv_msg(conn))
+            if isinstance(done, peer.Refused):
+                raise ReplicationError(f"{conn.peer_id} gave up the relay: {done.message}")
+
     def fetch_from(
         self, node: NodeInfo, namespace: str, path: str, started: Callable[[], None]
     ) -> Generation:
         """Copy ``node``'s newest copy of ``path`` here (``started()`` once bytes land)."""
         with self.membership.dial(node) as conn:
-            ask = peer.FetchRequest(namespace, path, streams=self.streams)
+            ask = peer.FetchRequest(namespace, path, streams=self.streams,
+                                    relays=self.streams > 1)  # fmt: skip
             send_msg(conn.channel, peer.encode(ask))
             head = peer.decode_fetch_reply(recv_msg(conn.channel))
-            if (isinstance(head, peer.Refused) and head.error == "ProtocolMismatch"
-                    and ask.streams > 1):  # fmt: skip
-                # A node that predates striped fetches: the whole body on this connection.
-                send_msg(conn.channel, peer.encode(replace(ask, streams=1)))
+            for older in (replace(ask, relays=False), replace(ask, streams=1, relays=False)):
+                if not (isinstance(head, peer.Refused) and head.error == "ProtocolMismatch"
+                        and older != ask):  # fmt: skip
+                    break
+                # A node that predates striped relays (then striped fetches): ask as it reads.
+                ask = older
+                send_msg(conn.channel, peer.encode(ask))
                 head = peer.decode_fetch_reply(recv_msg(conn.channel))
             if isinstance(head, peer.Refused):
                 if head.error == "CheckpointNotFound":
@@ -197,10 +238,27 @@ class Fetching:
             if (head.namespace, head.path) != (namespace, path):
                 raise ReplicationError(f"{node.node_id} answered for another path")
             if isinstance(head, peer.RelayHead):
+                relayed = head
+
+                @contextlib.contextmanager
+                def pull_relay(index: int) -> Iterator[Channel]:
+                    with self.membership.dial(node) as stripe:
+                        send_msg(
+                            stripe.channel, peer.encode(peer.RelayStripe(relayed.token, index))
+                        )
+                        ready = peer.decode_ack(recv_msg(stripe.channel))
+                        if isinstance(ready, peer.Refused):
+                            raise relay.refused(index, node.node_id, ready.message)
+                        yield stripe.channel
 
                 def fill(view: memoryview, advance: Callable[[int], None]) -> None:
                     started()
-                    receive_relayed(conn.channel, view, advance)
+                    if relayed.streams > 1:
+                        log.debug("receiving relayed %s from %s on %d relay stripes", path,
+                                  node.node_id, relayed.streams)  # fmt: skip
+                        relay.receive(conn.channel, view, relayed, ask.streams, advance, pull_relay)
+                    else:
+                        receive_relayed(conn.channel, view, advance)
 
                 return self.receive(Incoming(
                     namespace, path, head.nbytes, head.manifest_offset, head.manifest_size,
