@@ -1,12 +1,14 @@
-"""Striped backup pushes and peer fetches (``data_plane_streams``) on real daemons in network
-namespaces (tests/lab.py): the data plane between two nodes partitioned mid-push, the pushing
-daemon killed with SIGKILL mid-push, and the node serving a striped fetch partitioned from the
-loader mid-fetch. Each time the save or load returns or fails typed within a bound, no node
-serves a mixture of two saves, and the next striped transfer after the fault delivers the
-same bytes."""
+"""Striped backup pushes, peer fetches and relays (``data_plane_streams``) on real daemons in
+network namespaces (tests/lab.py): the data plane between two nodes partitioned mid-push, the
+pushing daemon killed with SIGKILL mid-push, the node serving a striped fetch partitioned from
+the loader mid-fetch, and a member relaying a group's storage read in stripes partitioned
+mid-relay. Each time the save or load returns or fails typed within a bound, no node serves a
+mixture of two saves, and the next striped transfer after the fault delivers the same
+bytes."""
 
 from __future__ import annotations
 
+import io
 import threading
 import time
 from collections.abc import Iterator
@@ -27,6 +29,7 @@ BOUND = CLIENT_TIMEOUT + 15.0
 #: the test takes seconds too.
 MBIT = 150.0
 STRIPED = "in 4 stripes"
+RELAYED = "on 4 relay stripes"
 
 
 def state(seed: int) -> dict[str, Any]:
@@ -167,3 +170,47 @@ def test_holder_partitioned_from_the_loader_mid_striped_fetch(lab: Lab) -> None:
     _whole_or_typed(box["r"], state(6))
     lab.heal()
     assert_same(state(6), load(c, path))
+
+
+def test_member_partitioned_mid_striped_relay(lab: Lab) -> None:
+    """Every member loads an object only storage holds; the read is relayed in stripes as it
+    lands, and the member relaying it is cut off from everyone mid-relay: the others get the
+    whole object from the rest of the group within the bound, the cut-off member the whole
+    object or a typed error once healed."""
+    lab.heal()
+    for node in lab.nodes:
+        if node.daemon.proc is None or node.daemon.proc.poll() is not None:
+            lab.restart(node)
+    lab.wait_formed()
+    path = "s3://lab/run/stripes-relay/model.pt"
+    obj = state(9)
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    lab.put(path, buf.getvalue())
+    rate = lab.storage_mbit
+    lab.throttle_storage(100)  # the read takes seconds: the others join while it lands
+    results: list[Any] = [None] * len(lab.nodes)
+    threads = [threading.Thread(target=lambda i=i: results.__setitem__(i, load(lab.nodes[i], path)))
+               for i in range(len(lab.nodes))]  # fmt: skip
+    for t in threads:
+        t.start()
+    try:
+        relaying = wait_until(
+            lambda: next((n for n in lab.nodes if RELAYED in n.daemon.log()), None),
+            timeout=BOUND, interval=0.01, what="a striped relay",
+        )  # fmt: skip
+        time.sleep(0.5)  # a few MiB of each stripe on their way
+        lab.partition(relaying)
+    finally:
+        lab.throttle_storage(rate)
+    for n, t in zip(lab.nodes, threads, strict=True):
+        if n is not relaying:  # served by the rest of the group meanwhile
+            t.join(BOUND + 10)
+            assert not t.is_alive()
+            assert not isinstance(results[n.index], BaseException), (n.node_id, results)
+            assert_same(obj, results[n.index])
+    lab.heal(relaying)
+    threads[relaying.index].join(BOUND + 10)
+    assert not threads[relaying.index].is_alive()
+    _whole_or_typed(results[relaying.index], obj)
+    assert_same(obj, load(relaying, path))
