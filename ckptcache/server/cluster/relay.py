@@ -144,7 +144,8 @@ class Relays:
 class RelaySink(stripes.Joined):
     """The receiving end of a striped relay into ``view`` (the segment body): each stripe's
     connection calls :meth:`receive`; ``advance(n)`` reports the prefix of the view that is in
-    place and authenticated, and ``lane(i, end)`` (when given) how far lane ``i`` is."""
+    place and authenticated, or ``lane(i, end)`` (when given, instead) how far lane ``i`` is
+    (a :class:`~ckptcache.server.state.Landing` moves the prefix with its lanes)."""
 
     def __init__(
         self,
@@ -191,8 +192,9 @@ class RelaySink(stripes.Joined):
                 front += 1
             self._front[lane] = front
             end = self._bounds[lane][1] if front == len(blocks) else blocks[front][0] + got[front]
-            if self._lane is not None:
+            if self._lane is not None:  # it moves the prefix too: one report per record
                 self._lane(lane, end)
+                return
             prefix = 0
             for i, (_lo, hi) in enumerate(self._bounds):
                 bs, f = self._lane_blocks[i], self._front[i]
