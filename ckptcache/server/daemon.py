@@ -200,7 +200,10 @@ def build_core(config: DaemonConfig, metrics: Metrics | None = None) -> CacheCor
     persister = Persister(
         config, state, roots, digester.ensure, retention, record_digests=digester.record
     )
-    pool = SegmentPool(state.arena, state.lock, config.pool_segments, config.pool_size)
+    pool = SegmentPool(
+        state.arena, state.lock, config.pool_segments, config.pool_size,
+        quiet=state.saves_in_flight.wait_quiet,
+    )  # fmt: skip
     clustered = bool(config.listen) or not config.coordinator.startswith("embedded")
     saves = Saves(
         config, state, pool=pool, persister=persister, retention=retention, digester=digester,

@@ -17,7 +17,7 @@ from ckptcache.format.layout import HEADER_SIZE
 from ckptcache.server.state import Incoming
 from ckptcache.wire import messages as m
 from tests.helpers import wait_until
-from tests.server.conftest import NS, object_bytes, save_object
+from tests.server.conftest import NS, object_bytes, save_object, written
 
 MIB = 1 << 20
 
@@ -229,3 +229,44 @@ def test_a_restarted_daemon_sizes_its_spares_from_the_adopted_records(make_core)
     }
     reply = wait_until(lambda: settled(second, 2), what="spares sized from the records")
     assert sorted(reply.capacities) == [4 * MIB, 6 * MIB]
+
+
+def test_the_grower_waits_while_the_next_file_of_a_checkpoint_is_saved(make_core):
+    """A checkpoint's files are saved back to back: the commit of one wakes the grower, which
+    makes no spare while another is reserved and being written (its allocation would take a
+    core from that copy), reports itself growing meanwhile (a client asking then follows the
+    spare to come), and makes the spares once saves pause. Both files commit whole."""
+    core = make_core(memory_limit=64 * MIB, pool_segments=2, pool_bytes=32 * MIB)
+    session = core.saves.open_session(1, 0)
+    _, first = written(core, session, "/ckpt/model.pt", payload(3))
+    plan, data = object_bytes("/ckpt/optim.pt", payload(2, fill=2.0))
+    reply = core.saves.reserve(session, m.ReserveRequest(NS, "/ckpt/optim.pt", len(data), "local"))
+    model = core.saves.commit(session, first).generation
+    # Woken by that commit, the grower waits (for at most a second) for saves to pause.
+    wait_until(lambda: spares(core).growing, what="the grower woken")
+    time.sleep(0.2)  # a 4 MiB spare takes milliseconds to make: none is made meanwhile
+    waiting = spares(core)
+    assert waiting.segments == () and waiting.growing
+    assert used(core) == 4 * MIB + 3 * MIB  # the two files' segments, no spare
+    view = core.state.arena.segments[reply.segment].view()
+    try:
+        view[: len(data)] = data
+    finally:
+        del view
+    commit = m.CommitRequest(reply.reservation, plan.layout.manifest_offset,
+                             len(plan.manifest_bytes))  # fmt: skip
+    optim = core.saves.commit(session, commit).generation
+    spared = wait_until(lambda: settled(core, 2), what="the spares, once saves paused")
+    assert sorted(spared.capacities) == [3 * MIB, 4 * MIB]
+    with core.state.lock.held():
+        index = core.state.index
+        saved = {p: index.newest((NS, p)) for p in ("/ckpt/model.pt", "/ckpt/optim.pt")}
+    assert [g.number for g in saved.values()] == [model, optim]
+    segment = saved["/ckpt/optim.pt"].segment
+    assert segment.name == reply.segment
+    view = segment.view()
+    try:
+        end = plan.layout.manifest_offset  # the archive up to its manifest, as written
+        assert bytes(view[HEADER_SIZE:end]) == bytes(data[HEADER_SIZE:end])
+    finally:
+        del view

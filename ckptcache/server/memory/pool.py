@@ -56,7 +56,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from ckptcache.format.layout import SegmentState
 from ckptcache.server.lock import Locked
@@ -77,8 +77,22 @@ class SegmentPool:
     (``lock``, the state's narrow port) only to book and register a spare, and wakes waiters.
     """
 
-    def __init__(self, arena: Arena, lock: Locked, segments: int, nbytes: int):
+    def __init__(
+        self,
+        arena: Arena,
+        lock: Locked,
+        segments: int,
+        nbytes: int,
+        quiet: Callable[[], object] | None = None,
+    ):
         self.arena = arena
+        #: Waits until saves pause (``SavesInFlight.wait_quiet``): a checkpoint's next file
+        #: is saved right after the commit that woke the grower, and a spare's allocation
+        #: (every page zeroed) would take a core and memory bandwidth from its copy.
+        self._quiet = quiet
+        #: Woken, waiting for saves to pause: reported as growing, so that a client that
+        #: asks meanwhile follows the spare about to be made instead of missing it.
+        self._waiting = False
         self._lock = lock
         self.segments = segments if nbytes > 0 else 0
         self.nbytes = nbytes
@@ -172,7 +186,9 @@ class SegmentPool:
             self.promote_locked()
         live = self._live() if uid == self.arena.uid else []
         return m.PoolReply(
-            tuple(s.name for s in live), tuple(s.capacity for s in live), self.growing
+            tuple(s.name for s in live),
+            tuple(s.capacity for s in live),
+            self.growing or self._waiting,
         )
 
     # ----------------------------------------------------------------- growing
@@ -181,6 +197,12 @@ class SegmentPool:
         while not self._stop.is_set():
             self._wake.wait()
             self._wake.clear()
+            if self._quiet is not None:
+                self._waiting = True
+                try:
+                    self._quiet()
+                finally:
+                    self._waiting = False
             while not self._stop.is_set() and self._grow_one():
                 pass
 
