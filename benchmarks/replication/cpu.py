@@ -18,7 +18,9 @@ processes, ``/proc/<pid>/stat`` utime + stime of the daemons):
   and split across ``--streams`` connections (``data_plane_streams``);
 * a peer fetch: a load on a node that does not hold the object (both daemons' CPU);
 * a relayed group read: two nodes load one file at once (one reads storage and relays it to
-  the other), less one node loading a file alone (both daemons' CPU);
+  the other), less one node loading a file alone (both daemons' CPU), on one connection and
+  split across ``--streams`` connections (a striped relay); each round says whether the
+  second node took the bytes by relay (the relaying daemon's log) or as a committed copy;
 * checkpointless recovery's transfer over gloo: a raw ``dist.broadcast`` and
   ``PeerRecovery.recover`` (checksum digest) of the same state size, two ranks.
 
@@ -53,7 +55,7 @@ import torch
 import xxhash
 
 from ckptcache._units import parse_bytes
-from ckptcache.cli.benchmarking import EtcdServer, make_state, running_cluster
+from ckptcache.cli.benchmarking import DaemonHandle, EtcdServer, make_state, running_cluster
 from ckptcache.client import Client
 from ckptcache.server.cluster.dataplane import RECORD_SIZE, TAG_IMPLEMENTATION, Channel, Span, Xxh3
 from ckptcache.server.cluster.dataplane._tagging import tag_and_hash
@@ -340,7 +342,11 @@ def daemon_paths(
 ) -> list[Path_]:
     state = make_state(nbytes)
     budget = str(8 * nbytes + (256 << 20))
-    local, backup, striped, fetch, fetch_n, solo, group = [], [], [], [], [], [], []
+    local, backup, striped, fetch, fetch_n = [], [], [], [], []
+    solo: list[Sample] = []
+    group: list[Sample] = []
+    solo_n: list[Sample] = []
+    group_n: list[Sample] = []
     files = root / "files"
     files.mkdir(parents=True)
     for i in range(2 * rounds):
@@ -428,45 +434,23 @@ def daemon_paths(
             for c in (an, bn):
                 with contextlib.suppress(Exception):
                     c.delete(path)
-            # Relayed group read: one node reads storage alone, then two read another file.
+            # Relayed group read: one node reads storage alone, then two read another file;
+            # on one connection, then in ``streams`` stripes (the same files, other daemons).
             f_solo, f_group = files / f"f{2 * r}.pt", files / f"f{2 * r + 1}.pt"
-            settle()
-            with d_two.window() as cpu:
-                t0 = time.perf_counter()
-                got = a.load(f_solo)
-                seconds = time.perf_counter() - t0
-            del got
-            solo.append(Sample(seconds, cpu[0], cpu[1]))
-            settle()
-            results: dict[str, float] = {}
-
-            def load(
-                c: Client, key: str, f: Path = f_group, out: dict[str, float] = results
-            ) -> None:
-                t0 = time.perf_counter()
-                c.load(f)
-                out[key] = time.perf_counter() - t0
-
-            with d_two.window() as cpu:
-                threads = [
-                    threading.Thread(target=load, args=(c, k)) for c, k in ((a, "a"), (b, "b"))
-                ]
-                for t in threads:
-                    t.start()
-                for t in threads:
-                    t.join()
-            tiers = sorted(c.status(f_group).last_load_tier for c in (a, b))
-            # The reader's end sends, the relayed end receives.
-            reader = 0 if a.status(f_group).last_load_tier == "storage" else 1
-            group.append(Sample(max(results.values()), cpu[reader], cpu[1 - reader]))
-            print(f"  round {r}: group read tiers {tiers}", file=sys.stderr, flush=True)
-            for c in (a, b):
-                for f in (f_solo, f_group):
-                    with contextlib.suppress(Exception):
-                        c.delete(f)
+            for pair_, daemons, handles, solos, groups in (
+                ((a, b), d_two, two, solo, group),
+                ((an, bn), d_two_n, two_n, solo_n, group_n),
+            ):
+                solos_, groups_ = group_read(pair_, daemons, handles, f_solo, f_group, r)
+                solos.append(solos_)
+                groups.append(groups_)
     relay = [
         Sample(g.seconds - s.seconds, g.send_cpu - (s.send_cpu + s.recv_cpu), g.recv_cpu)
         for g, s in zip(group, solo, strict=True)
+    ]
+    relay_n = [
+        Sample(g.seconds - s.seconds, g.send_cpu - (s.send_cpu + s.recv_cpu), g.recv_cpu)
+        for g, s in zip(group_n, solo_n, strict=True)
     ]
     return [
         Path_(
@@ -498,11 +482,74 @@ def daemon_paths(
             "the storage read itself subtracted",
         ),
         Path_(
+            f"relayed group read, data_plane_streams {streams} (same, striped relay)",
+            nbytes,
+            relay_n,
+            "the storage read itself subtracted",
+        ),
+        Path_(
             "(one node reads a torch.save file from storage, for reference)",
             nbytes,
             [Sample(s.seconds, s.send_cpu + s.recv_cpu, 0.0) for s in solo],
         ),
     ]
+
+
+def group_read(
+    clients: tuple[Client, Client],
+    daemons: Daemons,
+    handles: list[DaemonHandle],
+    f_solo: Path,
+    f_group: Path,
+    r: int,
+) -> tuple[Sample, Sample]:
+    """One node loads ``f_solo`` alone, then both load ``f_group`` at once (one reads storage,
+    the other takes it from the reader, by relay while it lands if it asks in time); the two
+    samples (the group's: the reader's end sends, the other receives)."""
+    a, b = clients
+    settle()
+    with daemons.window() as cpu:
+        t0 = time.perf_counter()
+        got = a.load(f_solo)
+        seconds = time.perf_counter() - t0
+    del got
+    solo = Sample(seconds, cpu[0], cpu[1])
+    settle()
+    results: dict[str, float] = {}
+
+    def load(c: Client, key: str) -> None:
+        t0 = time.perf_counter()
+        c.load(f_group)
+        results[key] = time.perf_counter() - t0
+
+    logs = [Path(h.socket).parent / "daemon.log" for h in handles]
+    relayed_before = sum(_relays(log, f_group) for log in logs)
+    with daemons.window() as cpu:
+        threads = [threading.Thread(target=load, args=(c, k)) for c, k in ((a, "a"), (b, "b"))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    tiers = sorted(c.status(f_group).last_load_tier for c in (a, b))
+    reader = 0 if a.status(f_group).last_load_tier == "storage" else 1
+    relayed = sum(_relays(log, f_group) for log in logs) > relayed_before
+    striped = any(f"relaying {f_group} to a peer while it arrives (on" in log.read_text()
+                  for log in logs)  # fmt: skip
+    how = ("by striped relay" if striped else "by relay") if relayed else "committed"
+    print(f"  round {r}: group read tiers {tiers} ({how})", file=sys.stderr, flush=True)
+    for c in (a, b):
+        for f in (f_solo, f_group):
+            with contextlib.suppress(Exception):
+                c.delete(f)
+    return solo, Sample(max(results.values()), cpu[reader], cpu[1 - reader])
+
+
+def _relays(log: Path, path: Path) -> int:
+    """How many relays of ``path`` the daemon's log names."""
+    try:
+        return log.read_text(errors="replace").count(f"relaying {path} to a peer")
+    except OSError:
+        return 0
 
 
 # ---------------------------------------------------------------- gloo
