@@ -250,3 +250,37 @@ def test_an_upstream_copy_that_fails_mid_relay_fails_every_stripe(make_core) -> 
     assert r.received == [] and r.down.state.find(*KEY) is None
     assert all(isinstance(e, ConnectionError) for k, e in r.errors.items() if k != "receive")
     assert not [t for t in threading.enumerate() if t.name.startswith("relay-stripe")]
+
+
+def test_a_relay_stripe_joins_only_from_the_asking_node_once_and_never_a_failed_copy() -> None:
+    relays = relay.Relays()
+    flight = Inflight(None, HEADER_SIZE + 4 * BLOCK, 0, 0)  # type: ignore[arg-type]
+    blocks = relay.plan(flight.body, (0,), 3, BLOCK)
+    with relays.open(flight, "down", blocks) as token:
+        assert relays.join(token, 1, "intruder") is None
+        assert relays.join("nope", 1, "down") is None
+        assert relays.join(token, 0, "down") is None  # the fetch's own connection has it
+        assert relays.join(token, 1, "down") == (flight, blocks[1])
+        assert relays.join(token, 1, "down") is None  # a stripe is taken once
+        flight.failed = True
+        assert relays.join(token, 2, "down") is None
+    flight.failed = False
+    assert relays.join(token, 2, "down") is None  # closed with the fetch's connection
+
+
+def test_relay_messages_round_trip_and_an_unstriped_head_is_the_older_one() -> None:
+    head = peer.RelayHead(namespace="ns", path="/p", nbytes=1 << 30, manifest_offset=4096,
+                          manifest_size=512, lanes=(0, 1 << 28), block=BLOCK, streams=4,
+                          token="t")  # fmt: skip
+    assert peer.decode_fetch_reply(peer.encode(head)) == head
+    plain = peer.RelayHead(namespace="ns", path="/p", nbytes=1 << 30, manifest_offset=4096,
+                           manifest_size=512)  # fmt: skip
+    assert not {"lanes", "block", "streams", "token"} & set(peer.encode(plain))
+    ask = peer.FetchRequest("ns", "/p", streams=4, relays=True)
+    assert peer.decode_request(peer.encode(ask)) == ask
+    assert "relays" not in peer.encode(peer.FetchRequest("ns", "/p", streams=4))
+    stripe = peer.RelayStripe(token="t", index=2)
+    assert peer.decode_request(peer.encode(stripe)) == stripe
+    with pytest.raises(ValueError):  # a striped relay names what the receiver plans with
+        peer.RelayHead(namespace="ns", path="/p", nbytes=1 << 30, manifest_offset=4096,
+                       manifest_size=512, streams=4)  # fmt: skip
