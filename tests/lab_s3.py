@@ -18,6 +18,11 @@ bytes, so status codes, headers and errors (416 for a range past the end) are mo
 else reaches a response with a view still in it (a Range header moto decides to ignore, which
 answers 200 with the whole object) gets the whole bytes, read then.
 
+A part copy (``UploadPartCopy`` with ``x-amz-copy-source-range``) read the whole source object
+the same way, per part; it is served the same way here. moto also ignores a part copy's
+``x-amz-copy-source-if-match``; S3 refuses the copy with 412 when the source's ETag is another,
+and so does this endpoint (an incremental persist names the ETag it proved its ranges against).
+
 What it keeps: the descriptor is duplicated under the key's lock at the moment the original
 would have read, so a later overwrite of the key (a new ``FakeKey`` with a new file; moto closes
 the old one) does not change what this GET returns. Objects moto keeps in memory (below
@@ -32,6 +37,7 @@ import sys
 import threading
 import weakref
 from typing import Any
+from urllib.parse import unquote, urlparse
 
 __all__ = ["ObjectView", "patch_moto"]
 
@@ -82,9 +88,19 @@ def _view_of(key: Any) -> ObjectView | None:
         return ObjectView(os.dup(buffer.fileno()), key.contentsize)
 
 
+_PRECONDITION = (
+    b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>PreconditionFailed</Code>'
+    b"<Message>At least one of the pre-conditions you specified did not hold</Message>"
+    b"<Condition>x-amz-copy-source-If-Match</Condition></Error>"
+)
+
+
 def patch_moto() -> None:
-    """Serve ranged GETs by seek and read (idempotent; see the module's docstring)."""
+    """Serve ranged GETs and ranged part copies by seek and read, and refuse a part copy whose
+    ``x-amz-copy-source-if-match`` names another ETag, as S3 does (idempotent; see the
+    module's docstring)."""
     from moto.s3.models import FakeKey
+    from moto.s3.models import S3Backend as Models
     from moto.s3.responses import S3Response
 
     if getattr(FakeKey, "_lab_ranged_reads", False):
@@ -114,7 +130,29 @@ def patch_moto() -> None:
                 body = bytes(body)
         return status, headers, body
 
+    copy_part = Models.upload_part_copy
+    copy_response = S3Response.upload_part_copy
+
+    def ranged_copy_part(self: Any, *args: Any, **kwargs: Any) -> Any:
+        _local.ranged = kwargs.get("start_byte") is not None
+        try:
+            return copy_part(self, *args, **kwargs)
+        finally:
+            _local.ranged = False
+
+    def conditional_copy_response(self: Any) -> Any:
+        want = self.headers.get("x-amz-copy-source-if-match")
+        if want:
+            source = unquote(urlparse(self.headers.get("x-amz-copy-source", "")).path)
+            bucket, key = source.lstrip("/").split("/", 1)
+            found = self.backend.get_object(bucket, key)
+            if found is None or found.etag != want:
+                return 412, {"content-type": "application/xml"}, _PRECONDITION
+        return copy_response(self)
+
     FakeKey.value = property(value, whole.fset)  # type: ignore[method-assign]
+    Models.upload_part_copy = ranged_copy_part  # type: ignore[method-assign]
+    S3Response.upload_part_copy = conditional_copy_response  # type: ignore[method-assign]
     S3Response.get_object = ranged_get_object  # type: ignore[method-assign]
     S3Response.key_response = whole_bytes_out  # type: ignore[method-assign]
     FakeKey._lab_ranged_reads = True  # type: ignore[attr-defined]

@@ -2,6 +2,10 @@
 durable and the daemon's CPU-seconds per GiB, on a LoRA-shaped and a MoE-shaped state.
 
     python benchmarks/incremental/bench.py --roots ext4=/var/tmp/inc xfs=/mnt/xfs-reflink
+    python benchmarks/incremental/bench.py --roots s3=moto
+
+``s3=moto`` persists to a bucket of moto's S3 server, started on loopback by the script (real
+HTTP, boto3 on both sides); ``s3=<endpoint URL>/<bucket>`` to another S3 endpoint.
 
 Each root is measured with two daemons in turn, ``incremental_persist: false`` then ``true``,
 each saving the same sequence to the same path: a first save (always written in full), then
@@ -20,11 +24,13 @@ import argparse
 import os
 import shutil
 import statistics
+import sys
 import tempfile
 import time
 import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -103,17 +109,72 @@ def _disk(pid: int) -> int:
     return 0
 
 
-def run(root: str, incremental: bool, make, rounds: int) -> list[Round]:
+class Store:
+    """Where the persists go: a directory, or an S3 bucket (``endpoint``)."""
+
+    def __init__(self, root: str, endpoint: str = ""):
+        self.root, self.endpoint = root, endpoint
+
+    def reset(self) -> None:
+        if not self.endpoint:
+            shutil.rmtree(self.root, ignore_errors=True)
+            os.makedirs(self.root)
+
+    def path(self) -> str:
+        return f"{self.root}/run/model.pt"
+
+    def size(self, path: str) -> int:
+        if not self.endpoint:
+            return os.path.getsize(path)
+        import boto3
+
+        bucket, key = path[5:].split("/", 1)
+        s3 = boto3.client("s3", endpoint_url=self.endpoint, region_name="us-east-1")
+        return int(s3.head_object(Bucket=bucket, Key=key)["ContentLength"])
+
+    def args(self) -> tuple[str, ...]:
+        return ("--s3-endpoint-url", self.endpoint) if self.endpoint else ()
+
+
+def s3_store(spec: str) -> Store:
+    """``moto`` (a server started here) or ``<endpoint URL>/<bucket>``."""
+    import boto3
+
+    os.environ.setdefault("AWS_ACCESS_KEY_ID", "bench")
+    os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "bench")
+    if spec == "moto":
+        import logging
+
+        from moto.server import ThreadedMotoServer
+
+        sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+        from tests.lab_s3 import patch_moto
+
+        patch_moto()  # ranges and part copies read only their range, as S3 does
+        logging.getLogger("werkzeug").setLevel(logging.ERROR)  # a line per request otherwise
+
+        server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+        server.start()
+        host, port = server.get_host_and_port()
+        endpoint, bucket = f"http://{host}:{port}", "bench-incremental"
+        boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1").create_bucket(
+            Bucket=bucket
+        )
+    else:
+        endpoint, bucket = spec.rsplit("/", 1)
+    return Store(f"s3://{bucket}/bench", endpoint)
+
+
+def run(store: Store, incremental: bool, make, rounds: int) -> list[Round]:
     """One daemon, ``1 + rounds`` saves of ``make(seed)`` to one path; the later rounds."""
-    shutil.rmtree(root, ignore_errors=True)
-    os.makedirs(root)
+    store.reset()
     cfg = tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False)  # noqa: SIM115
     cfg.write(f"incremental_persist: {'true' if incremental else 'false'}\n")
     cfg.close()
-    path = os.path.join(root, "run", "model.pt")
+    path = store.path()
     out = []
-    args = ("--persist-root", root, "--memory-limit", "6GiB", "--metrics-port", "0",
-            "--config", cfg.name)  # fmt: skip
+    args = ("--persist-root", store.root, "--memory-limit", "6GiB", "--metrics-port", "0",
+            "--config", cfg.name, *store.args())  # fmt: skip
     with running_daemon(*args) as d:
         log = os.path.join(os.path.dirname(d.socket), "daemon.log")
         while "metrics=:" not in open(log).read():  # noqa: SIM115
@@ -131,7 +192,7 @@ def run(root: str, incremental: bool, make, rounds: int) -> list[Round]:
                 c.save(obj, path)
                 c.wait(path, timeout=600)
                 durable = time.perf_counter() - t0
-                size = os.path.getsize(path)
+                size = store.size(path)
                 reused = _metric(port, "ckptcache_persist_bytes_reused_total") - reused0
                 if seed:
                     out.append(Round(
@@ -140,7 +201,8 @@ def run(root: str, incremental: bool, make, rounds: int) -> list[Round]:
                     ))  # fmt: skip
                 del obj
     os.unlink(cfg.name)
-    shutil.rmtree(root, ignore_errors=True)
+    if not store.endpoint:
+        shutil.rmtree(store.root, ignore_errors=True)
     return out
 
 
@@ -155,6 +217,11 @@ def main() -> None:
     parser.add_argument("--expert", default=12, type=int, help="MoE bytes per expert, MiB")
     parser.add_argument("--rounds", default=3, type=int)
     args = parser.parse_args()
+    stores = []
+    for spec in args.roots:
+        fs, where = spec.split("=", 1)
+        is_s3 = fs == "s3"
+        stores.append((fs, s3_store(where) if is_s3 else Store(os.path.join(where, "bench"))))
     print("| state | storage | persist | size | written from memory | time to durable (s) "
           "| daemon persist (s) | CPU-s per GiB | disk writes |")  # fmt: skip
     print("|---|---|---|---:|---:|---:|---:|---:|---:|")
@@ -162,12 +229,11 @@ def main() -> None:
         ("LoRA", lambda: lambda seed: lora_state(args.base * MiB, seed)),
         ("MoE", lambda: moe_maker(args.expert * MiB)),
     ):
-        for spec in args.roots:
-            fs, root = spec.split("=", 1)
+        for fs, store in stores:
             if os.environ.get("CKPTCACHE_INCREMENTAL_COPY") == "always":
                 fs += " (copy always)"
             for incremental in (False, True):
-                rounds = run(os.path.join(root, "bench"), incremental, make_for(), args.rounds)
+                rounds = run(store, incremental, make_for(), args.rounds)
                 size = _median(rounds, "size")
                 print(
                     f"| {label} | {fs} | {'incremental' if incremental else 'full'} "

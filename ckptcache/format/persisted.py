@@ -62,6 +62,7 @@ __all__ = [
     "central_offset",
     "check_archive",
     "check_stored",
+    "lead_digest",
     "list_records",
     "storage_corrupt",
     "stored_archive_complete",
@@ -111,14 +112,16 @@ class CopiedRange(NamedTuple):
 
 class WrittenRecord(NamedTuple):
     """One record as the stream wrote it: where its data lies in the output (the same offset
-    as in the view: the output mirrors the archive up to its central directory) and the
-    xxh3 and CRC-32 of that data."""
+    as in the view: the output mirrors the archive up to its central directory), the xxh3
+    and CRC-32 of that data, and ``lead``, the xxh3 of the bytes written between the previous
+    record's data and this one's (:func:`lead_digest`)."""
 
     name: str
     data_offset: int
     size: int
     digest: int
     crc: int
+    lead: int
 
 
 #: Chooses, from the archive's records, those whose data is copied rather than streamed
@@ -172,6 +175,17 @@ def _descriptor(view: memoryview, record: ArchiveRecord, crc: int) -> bytes:
     if not tail.startswith(_DESCRIPTOR_SIG):
         return tail
     return tail[:4] + struct.pack("<I", crc) + tail[8:]
+
+
+def lead_digest(
+    view: memoryview, previous: ArchiveRecord | None, previous_crc: int, record: ArchiveRecord
+) -> int:
+    """The xxh3 of the bytes a persisted archive holds between the data of ``previous`` (None:
+    ``record`` is the first) and the data of ``record``: the previous record's descriptor
+    with its real CRC-32, then ``record``'s local header. Two files whose records agree in
+    data and in these digests agree byte for byte over the run."""
+    tail = b"" if previous is None else _descriptor(view, previous, previous_crc)
+    return xxhash.xxh3_64_intdigest(tail + bytes(view[record.header_offset : record.data_offset]))
 
 
 def _patched_central(view: memoryview, cd_offset: int, n: int, crcs: Mapping[int, int]) -> bytes:
@@ -240,6 +254,7 @@ def stream_archive(
     crcs: dict[int, int] = {}
     meta = xxhash.xxh3_64()  # the structure around the records: a few bytes per record
     batches = _batches(records)
+    previous: tuple[ArchiveRecord, int] | None = None
     # The CRC-32s and digests of the next runs of records are taken on a second thread while
     # this one writes (the write needs a record's CRC only for its descriptor, after its
     # data): the persist costs the larger of the two, not their sum.
@@ -279,9 +294,12 @@ def stream_archive(
                     if offsets is not None:
                         offsets[record.data_offset] = digest
                     if written is not None:
-                        written.append(
-                            WrittenRecord(record.name, record.data_offset, record.size, digest, crc)
-                        )
+                        before, before_crc = previous if previous is not None else (None, 0)
+                        lead = lead_digest(view, before, before_crc, record)
+                        written.append(WrittenRecord(
+                            record.name, record.data_offset, record.size, digest, crc, lead
+                        ))  # fmt: skip
+                    previous = record, crc
         finally:
             for future in ahead:
                 future.cancel()

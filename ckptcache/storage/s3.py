@@ -10,7 +10,7 @@ from __future__ import annotations
 import io
 import os
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, BinaryIO
 
 from ckptcache.storage.base import (
@@ -21,10 +21,12 @@ from ckptcache.storage.base import (
     StoredVersion,
     WriteGuard,
 )
+from ckptcache.storage.ranges import GappedProducer
+from ckptcache.storage.s3_parts import MIN_PART, copy_pieces
+from ckptcache.storage.s3_upload import Splice, Upload
 
 __all__ = ["READ_PIECE", "S3Backend", "split_s3_url"]
 
-_MIN_PART = 5 << 20  # S3's minimum part size (all parts but the last)
 #: Bytes of a ranged GET's body taken at a time, each reported as it lands: a relay record.
 READ_PIECE = 1 << 20
 
@@ -111,60 +113,68 @@ class S3Backend(StorageBackend):
         flight; an object smaller than one part is a single PUT. The pieces are only
         referenced until their part is joined (the producer keeps its source alive)."""
         meta, condition = self._commit_metadata(path, guard)
-        part = max(self.options.s3_part_size, _MIN_PART)
-        bucket, key = split_s3_url(path)
-        pending: list[bytes | memoryview] = []
-        size = [0]
-        upload: list[str] = []  # the upload id, once the first full part exists
-        futures: list[Future[dict[str, Any]]] = []
-        pool = ThreadPoolExecutor(self.options.s3_max_concurrency)
+        part = max(self.options.s3_part_size, MIN_PART)
+        with Upload(self, path, meta) as upload:
 
-        def put(number: int, body: bytes) -> dict[str, Any]:
-            reply = self._call(
-                f"upload part {number}", self.client.upload_part, Bucket=bucket, Key=key,
-                UploadId=upload[0], PartNumber=number, Body=body,
-            )  # fmt: skip
-            return {"PartNumber": number, "ETag": reply["ETag"]}
+            def sink(chunk: bytes | memoryview) -> None:
+                upload.add(chunk)
+                if upload.pending >= part:
+                    upload.flush()
 
-        def flush() -> None:
-            if not upload:
-                reply = self._call("create multipart upload", self.client.create_multipart_upload,
-                                   Bucket=bucket, Key=key, Metadata=meta)  # fmt: skip
-                upload.append(reply["UploadId"])
-            body = b"".join(pending)
-            pending.clear()
-            size[0] = 0
-            window = self.options.s3_max_concurrency
-            if len(futures) >= window:
-                futures[len(futures) - window].result()  # bound the parts held in memory
-            futures.append(pool.submit(put, len(futures) + 1, body))
-
-        def sink(chunk: bytes | memoryview) -> None:
-            pending.append(chunk)
-            size[0] += len(chunk)
-            if size[0] >= part:
-                flush()
-
-        try:
             produce(sink)
-            if not upload:
-                self._put_guarded(path, b"".join(pending), meta, condition, guard)
+            if not upload.started:
+                self._put_guarded(path, upload.take(), meta, condition, guard)
                 return
-            if pending:
-                flush()
-            parts = [f.result() for f in futures]
-            self._complete_guarded(path, upload[0], parts, guard)
-        except BaseException:
-            for f in futures:
-                f.cancel()
-            if upload:
-                try:
-                    self.client.abort_multipart_upload(Bucket=bucket, Key=key, UploadId=upload[0])
-                except Exception:
-                    pass  # cleanup() aborts it before the next attempt
-            raise
-        finally:
-            pool.shutdown(wait=True)
+            upload.flush()
+            self._complete_guarded(path, upload.id, upload.parts(), guard)
+
+    def write_spliced(
+        self,
+        path: str,
+        produce: GappedProducer,
+        copies: Sequence[tuple[int, int]],
+        *,
+        token: str,
+        guard: WriteGuard | None = None,
+    ) -> None:
+        """:meth:`write_stream` for an object whose ranges ``copies`` (placed by
+        :func:`~ckptcache.storage.s3_parts.place_copies`) are copied from the same ranges of
+        the object now at ``path``, whose ETag is ``token``: ``produce`` writes the whole
+        object but calls ``skip`` for the bytes it leaves to the copies; what it writes inside
+        a copied range (a header the copy holds too) is dropped. Each copy names ``token``
+        (``CopySourceIfMatch``), and the object is looked up once more before the upload
+        completes: a replaced object fails the write (``OSError``), nothing is visible."""
+        meta, _ = self._commit_metadata(path, guard)
+        part = max(self.options.s3_part_size, MIN_PART)
+        splice = Splice(copies)
+        with Upload(self, path, meta) as upload:
+
+            def to_copy() -> None:  # the uploaded run before a copied range ends here
+                if upload.pending:
+                    upload.flush()
+                start, end = splice.copy
+                for piece in copy_pieces(start, end):
+                    upload.copy(piece, token)
+
+            def sink(chunk: bytes | memoryview) -> None:
+                for piece in splice.uploaded(chunk, to_copy):
+                    upload.add(piece)
+                    if upload.pending >= part and splice.room() >= MIN_PART:
+                        upload.flush()
+
+            def skip(n: int) -> None:
+                splice.skip(n, to_copy)
+
+            produce(sink, skip)
+            splice.finish(path)
+            upload.flush()
+            current = self.version(path)
+            if current is None or current.token != token:
+                raise OSError(
+                    f"{path}: the object ranges were copied from was replaced during the "
+                    "upload; written again in full"
+                )
+            self._complete_guarded(path, upload.id, upload.parts(), guard)
 
     def write_bytes(
         self,

@@ -34,7 +34,8 @@ import os
 import stat
 import threading
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import xxhash
 
@@ -45,7 +46,7 @@ from ckptcache.format.persisted import ArchiveRecord, CopiedRange, WrittenRecord
 from ckptcache.storage.direct import BLOCK
 from ckptcache.storage.ranges import COPY_REFUSED, copy_range, read_back
 
-__all__ = ["MIN_RECORD", "Layouts", "PersistedLayout", "RecordReuse"]
+__all__ = ["MIN_RECORD", "Layouts", "PersistedLayout", "Placed", "RecordReuse"]
 
 log = logging.getLogger(__name__)
 
@@ -58,21 +59,46 @@ _PATHS = 4096
 _RECORDS = 1 << 20
 
 
+class Placed(NamedTuple):
+    """A record of a persisted object, at its data offset (see :class:`WrittenRecord`)."""
+
+    size: int
+    digest: int
+    crc: int
+    lead: int
+
+
 @dataclass(frozen=True)
 class PersistedLayout:
-    """The large records of the file the daemon persisted last at a path, as its stream
-    computed them: ``(xxh3, size) -> (data offset, CRC-32)``, and the file's identity."""
+    """The records of the object the daemon persisted last at a path, as its stream computed
+    them, and the object's identity. ``records``: the large ones of a file,
+    ``(xxh3, size) -> (data offset, CRC-32)``, copied from wherever they lie; ``placed``:
+    every record of an object-store object by data offset (its ranges are copied from the
+    same offsets, :mod:`ckptcache.server.persist.object_reuse`)."""
 
     identity: str
     records: Mapping[tuple[int, int], tuple[int, int]]
+    placed: Mapping[int, Placed] = field(default_factory=dict)
 
     @classmethod
-    def of(cls, identity: str, written: list[WrittenRecord]) -> PersistedLayout:
-        """The layout of a file just written (``written``: its stream's records)."""
+    def of(
+        cls, identity: str, written: list[WrittenRecord], *, placed: bool = False
+    ) -> PersistedLayout:
+        """The layout of an object just written (``written``: its stream's records);
+        ``placed``: keep every record by offset (an object store's) instead of the large
+        ones by digest (a file's)."""
+        if placed:
+            every = {r.data_offset: Placed(r.size, r.digest, r.crc, r.lead) for r in written}
+            return cls(identity, {}, every)
         records = {
             (r.digest, r.size): (r.data_offset, r.crc) for r in written if r.size >= MIN_RECORD
         }
         return cls(identity, records)
+
+    @property
+    def count(self) -> int:
+        """Records kept (what :class:`Layouts` bounds)."""
+        return len(self.records) + len(self.placed)
 
 
 class Layouts:
@@ -96,16 +122,16 @@ class Layouts:
         with self._lock:
             old = self._by_key.pop(key, None)
             if old is not None:
-                self._records -= len(old.records)
-            if layout is None or not layout.records:
+                self._records -= old.count
+            if layout is None or not layout.count:
                 return
             self._by_key[key] = layout
-            self._records += len(layout.records)
+            self._records += layout.count
             while self._by_key and (
                 len(self._by_key) > self._paths or self._records > self._max_records
             ):
                 _, dropped = self._by_key.popitem(last=False)
-                self._records -= len(dropped.records)
+                self._records -= dropped.count
 
 
 def _identity(fd: int) -> str | None:

@@ -39,12 +39,14 @@ from ckptcache.server.backoff import Backoff
 from ckptcache.server.config import DaemonConfig
 from ckptcache.server.persist.incremental import Layouts, PersistedLayout, RecordReuse
 from ckptcache.server.persist.lineage import DirectoryRemoved
+from ckptcache.server.persist.object_reuse import ObjectReuse
 from ckptcache.server.persist.provenance import Provenance, write_provenance
 from ckptcache.server.persist.roots import PersistRoots
 from ckptcache.server.persist.safe_write import persist_write
 from ckptcache.storage import StorageBackend, backend_for
 from ckptcache.storage.base import NewerObjectExists, Sink, StorageConflict, WriteGuard
 from ckptcache.storage.fs import FileBackend, file_version
+from ckptcache.storage.s3 import S3Backend
 from ckptcache.wire.states import ClaimRole, PersistState, Tier
 
 if TYPE_CHECKING:
@@ -310,9 +312,10 @@ class Persister:
             # (retried in the background through an etcd outage).
             gen.stored = self._stored_identity(backend, target)
             if self._incremental(gen, backend, target):
-                self.layouts.put(
-                    gen.key, PersistedLayout.of(gen.stored, written) if gen.stored else None
-                )
+                placed = not isinstance(backend, FileBackend)
+                self.layouts.put(gen.key, PersistedLayout.of(
+                    gen.stored, written, placed=placed
+                ) if gen.stored else None)  # fmt: skip
             if cluster is not None and target == gen.path and not cluster.stored(gen):
                 return  # stopping: not reported; the next start finds the object
             self._done(gen, time.perf_counter() - t0)
@@ -438,11 +441,12 @@ class Persister:
 
     def _incremental(self, gen: Generation, backend: StorageBackend, target: str) -> bool:
         """Whether ``gen``'s persist may copy records from the file persisted before it:
-        on (``incremental_persist``), a local file, at the generation's own path."""
+        on (``incremental_persist``), a local file or an S3 object, at the generation's own
+        path."""
         return (
             self.config.incremental_persist
             and target == gen.path
-            and isinstance(backend, FileBackend)
+            and isinstance(backend, FileBackend | S3Backend)
         )
 
     def _copy(
@@ -471,8 +475,13 @@ class Persister:
         written: list[WrittenRecord] = []
         view = gen.segment.view()
         payload = view[base : base + gen.size]
-        reuse = None
-        if layout is not None:
+        reuse: RecordReuse | ObjectReuse | None = None
+        if layout is not None and isinstance(backend, S3Backend):
+            # Ranges are chosen by digest before the upload starts: taken now if not yet.
+            expected = self._expected(gen, self.ensure_digests(gen))
+            reuse = ObjectReuse(layout, expected, payload, gen.path,
+                                part_size=self.config.s3_part_size)  # fmt: skip
+        elif layout is not None:
             reuse = RecordReuse(layout, expected or {}, payload, gen.path)
             if expected is not None and not reuse.candidates():
                 reuse = None
@@ -503,7 +512,11 @@ class Persister:
                 reuse.view = memoryview(b"")
             payload.release()
             del view
-        if reuse is not None and (reuse.copied or reuse.rewritten):
+        if isinstance(reuse, ObjectReuse) and reuse.token:
+            self.metrics.persist_bytes_reused.inc(reuse.copied)
+            log.debug("%s generation %d: %s copied from the previous object", gen.path,
+                      gen.number, format_bytes(reuse.copied))  # fmt: skip
+        elif isinstance(reuse, RecordReuse) and (reuse.copied or reuse.rewritten):
             self.metrics.persist_bytes_reused.inc(reuse.copied)
             log.debug("%s generation %d: %s copied from the previous file, %s of it written "
                       "from memory instead", gen.path, gen.number, format_bytes(reuse.copied),

@@ -22,6 +22,7 @@ from ckptcache.errors import PathNotAllowed
 from ckptcache.server.ownership import Saver, daemon_saver, groups_of
 from ckptcache.server.persist.incremental import RecordReuse
 from ckptcache.server.persist.lineage import DirectoryRemoved, removed_reason
+from ckptcache.server.persist.object_reuse import ObjectReuse
 from ckptcache.server.persist.roots import PersistRoots
 from ckptcache.storage.base import Producer, StorageBackend, WriteGuard
 from ckptcache.storage.fs import (
@@ -33,6 +34,7 @@ from ckptcache.storage.fs import (
     open_unnamed,
 )
 from ckptcache.storage.ranges import GappedProducer, copy_pays, gapped_stream_fill
+from ckptcache.storage.s3 import S3Backend
 
 __all__ = ["persist_write", "write_beneath"]
 
@@ -272,19 +274,28 @@ def persist_write(
     *,
     guard: WriteGuard | None = None,
     anchor: str = "",
-    reuse: RecordReuse | None = None,
+    reuse: RecordReuse | ObjectReuse | None = None,
     produce_gapped: GappedProducer | None = None,
 ) -> None:
     """Write one object to storage: local files through :func:`write_beneath` (resolved
     below their root at write time), everything else through its backend.
 
-    With ``reuse`` and ``produce_gapped`` (local files), records of the file now at the
-    path that ``reuse`` proves equal are copied from it (see
-    :mod:`ckptcache.server.persist.incremental`); the object written is the same."""
+    With ``reuse`` and ``produce_gapped``, what the object now at the path holds and
+    ``reuse`` proves equal is copied from it: records of a local file
+    (:mod:`ckptcache.server.persist.incremental`), ranges of an S3 object
+    (:mod:`ckptcache.server.persist.object_reuse`); the object written is the same."""
     if not isinstance(backend, FileBackend):
         backend.cleanup(target)
+        if isinstance(reuse, ObjectReuse) and produce_gapped is not None:
+            assert isinstance(backend, S3Backend)
+            if reuse.prepare(backend.version(target)):
+                backend.write_spliced(
+                    target, produce_gapped, reuse.copies, token=reuse.token, guard=guard
+                )
+                return
         backend.write_stream(target, produce, guard=guard)
         return
+    assert not isinstance(reuse, ObjectReuse)
     root = roots.local_root(target)
     if root is None:
         raise PathNotAllowed(f"cannot persist {target!r}: it is under no storage root")
