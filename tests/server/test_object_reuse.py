@@ -8,7 +8,6 @@ import io
 
 import pytest
 import torch
-import xxhash
 
 from ckptcache.errors import CorruptCheckpoint
 from ckptcache.format.persisted import WrittenRecord, list_records, stream_archive
@@ -16,6 +15,7 @@ from ckptcache.server.persist.incremental import PersistedLayout
 from ckptcache.server.persist.object_reuse import ObjectReuse
 from ckptcache.storage.base import StorageOptions
 from ckptcache.storage.s3 import S3Backend
+from tests.server.test_incremental_reuse import _expected
 
 MIB = 1 << 20
 PART = 5 * MIB
@@ -43,15 +43,6 @@ def _archive(step: int) -> bytearray:
     blob = io.BytesIO()
     torch.save(_state(step), blob)
     return bytearray(blob.getvalue())
-
-
-def _expected(view: memoryview) -> dict[int, tuple[int, str]]:
-    records, _ = list_records(view)
-    return {
-        r.data_offset: (xxhash.xxh3_64_intdigest(view[r.data_offset : r.data_offset + r.size]),
-                        r.name)
-        for r in records if "/data/" in r.name
-    }  # fmt: skip
 
 
 def _full(view: memoryview) -> bytes:
