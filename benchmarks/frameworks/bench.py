@@ -6,7 +6,7 @@ For each framework the call that blocks training is timed three ways on the same
 * the framework's default path (its own writer, ``torch.save`` to local files);
 * the ckptcache path:
 
-  - DeepSpeed ``engine.save_checkpoint`` (ZeRO 0, 1, 2; AdamW) with
+  - DeepSpeed ``engine.save_checkpoint`` (ZeRO 0, 1, 2, 3; AdamW) with
     ``ckptcache.adapters.deepspeed.enable(engine)`` vs the default ``TorchCheckpointEngine``;
   - DCP ``dcp.save`` with ``CacheWriter`` vs ``FileSystemWriter``, and ``dcp.async_save``'s
     stall with each;
@@ -18,12 +18,17 @@ For each framework the call that blocks training is timed three ways on the same
 
 Every save names a new checkpoint (a new tag, a new directory), as training does. Between two
 saves the run waits, untimed, until the daemon is idle again (digests computed, persists done,
-spare pool refilled and mapped by the client: ``warmup()``), as it is minutes apart in
+spare pool refilled), the client's own spare thread has mapped the spares and the kernel has
+written back the dirty pages of earlier saves (``os.sync()``), as it is minutes apart in
 training: each figure is the steady-state stall, the best of ``--repeats`` saves after two
 untimed ones. The memcpy limit is sampled right before every timed save, and each framework's
 own work is measured with a writer that writes nothing. Each framework (each ZeRO stage) gets
 a fresh daemon, as a job has its node's cache to itself. The daemon persists in the
 background into the directory the baselines write to. One process, world size 1.
+
+The daemon and the adapters run at their defaults (``--pool default``): the daemon's spare
+pool as it sizes itself, no ``warmup()`` call. ``--pool sized`` is the configuration these
+figures used before: four spares bounded by four checkpoints' bytes, mapped by ``warmup()``.
 
     python benchmarks/frameworks/bench.py --mib 256 --repeats 5
 """
@@ -87,10 +92,16 @@ def tensors_in(obj: Any) -> list[torch.Tensor]:
     return out
 
 
+#: ``--pool``: "default" (the daemon's and the client's defaults) or "sized" (four spares of
+#: the checkpoint's size, mapped by ``warmup()``: the configuration of the earlier figures).
+POOL = {"mode": "default"}
+
+
 def settle(client: ckptcache.Client) -> None:
     """Wait until the daemon is idle (no digest or persist pending, the spare pool full) and
     the client has mapped its spares: the state training finds its cache in minutes after a
-    save."""
+    save. At the defaults the client maps them by itself after each save: only waited for
+    (its spare thread's round), never asked for."""
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
         busy = client.daemon_status().persist_queue > 0
@@ -99,7 +110,12 @@ def settle(client: ckptcache.Client) -> None:
         if not busy and not pool.growing:
             break
         time.sleep(0.02)
-    client.warmup(wait=True)
+    if POOL["mode"] == "sized":
+        client.warmup(wait=True)
+    else:
+        # The spare thread's round after the last save: the wait a trainer's minutes between
+        # saves give it (a private event: no public call waits without asking for a round).
+        client._spares._done.wait(120)
 
 
 def timed(
@@ -113,12 +129,17 @@ def timed(
     """Best time of ``repeats`` calls ``fn(i)`` after ``WARMUP`` untimed ones (first-use
     costs: a file's creation; the daemon's spare pool, whose first spares have a guessed
     size, learning this job's sizes). Untimed before each: the daemon settles (with
-    ``client``: the cache's rows) and ``sec`` samples its memcpy limit; after each,
+    ``client``: the cache's rows), dirty pages are written back and ``sec`` samples its
+    memcpy limit; after each,
     ``after(result)`` (waiting for an upload)."""
     best = float("inf")
     for i in range(repeats + WARMUP):
         if client is not None:
             settle(client)
+        # Minutes between saves let the kernel write back the dirty pages of the last ones
+        # (the baselines' files, the daemon's persists); without this a save's own small
+        # writes (DeepSpeed's `latest`) wait behind that writeback.
+        os.sync()
         sec.sample()
         t0 = time.perf_counter()
         result = fn(i)
@@ -474,7 +495,7 @@ def bench_lightning(client: ckptcache.Client, mib: int, repeats: int, root: str)
 
 
 BENCHES: dict[str, list[Callable[[ckptcache.Client, int, int, str], Section]]] = {
-    "deepspeed": [functools.partial(bench_deepspeed, stage=stage) for stage in (0, 1, 2)],
+    "deepspeed": [functools.partial(bench_deepspeed, stage=stage) for stage in (0, 1, 2, 3)],
     "dcp": [bench_dcp],
     "megatron": [bench_megatron],
     "lightning": [bench_lightning],
@@ -484,14 +505,17 @@ BENCHES: dict[str, list[Callable[[ckptcache.Client, int, int, str], Section]]] =
 @contextlib.contextmanager
 def node(root: str, mib: int) -> Iterator[ckptcache.Client]:
     """A fresh daemon for one framework, as one job has a node's cache to itself: its spare
-    pool learns that job's checkpoint sizes only (four spares, room for four checkpoints)."""
-    pool = str(4 * mib << 20)
-    args = ("--persist-root", root, "--memory-limit", "6GiB")
-    with running_daemon(*args, "--pool-segments", "4", "--pool-bytes", pool) as d:
+    pool learns that job's checkpoint sizes only. ``--pool sized``: four spares, room for
+    four checkpoints, mapped by ``warmup()`` before the first save."""
+    args: tuple[str, ...] = ("--persist-root", root, "--memory-limit", "6GiB")
+    if POOL["mode"] == "sized":
+        args += ("--pool-segments", "4", "--pool-bytes", str(4 * mib << 20))
+    with running_daemon(*args) as d:
         os.environ["CKPTCACHE_SOCKET"] = d.socket
         ckptcache.api.set_default_client(None)
         with ckptcache.Client(d.socket, fallback="raise") as client:
-            client.warmup(wait=True)
+            if POOL["mode"] == "sized":
+                client.warmup(wait=True)
             yield client
 
 
@@ -508,7 +532,15 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--only", nargs="*", choices=list(BENCHES), help="some frameworks only")
     parser.add_argument("--dir", default=None, help="where checkpoints go (default: a temp dir)")
+    parser.add_argument(
+        "--pool",
+        choices=("default", "sized"),
+        default="default",
+        help="the daemon's spare pool and the client's mapping at their defaults, or four "
+        "spares of the checkpoint's size mapped by warmup() (the earlier figures)",
+    )
     args = parser.parse_args()
+    POOL["mode"] = args.pool
     root = args.dir or tempfile.mkdtemp(prefix="ckptcache-bench-fw-")
     os.makedirs(root, exist_ok=True)
     os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1")

@@ -61,11 +61,18 @@ globs / ``os.path``-checks the payload files *before* it calls ``engine.load``. 
   by writing it once with temp + rename. The payloads themselves are then still read from
   memory through ``CkptCacheCheckpointEngine.load``. Waiting rather than faking ``os.path``
   keeps DeepSpeed's own checks (glob, ``assert os.path.exists``) meaningful.
+* DeepSpeed's own small files on rank 0 (``ckptcache.adapters._deepspeed_files``): for an
+  engine that is not decoupled, ``latest`` is written by the engine's ``commit``, where
+  DeepSpeed would write it next, as a new file renamed over the old one (DeepSpeed truncates it
+  in place); the recovery scripts (``zero_to_fp32.py``, ``zero_to_torch.py``) are copied into
+  the save directory only when the copy there differs from DeepSpeed's. Both leave the files
+  DeepSpeed leaves, without waiting for the disk behind the checkpoint's persist.
 """
 
 from __future__ import annotations
 
 import functools
+import inspect
 import os
 from typing import Any, cast
 
@@ -76,7 +83,7 @@ from deepspeed.runtime.checkpoint_engine.checkpoint_engine import (
 )
 
 import ckptcache
-from ckptcache.adapters import _common
+from ckptcache.adapters import _common, _deepspeed_files
 from ckptcache.adapters._deepspeed_env import deepspeed_setting
 
 __all__ = [
@@ -121,6 +128,9 @@ class CkptCacheCheckpointEngine(CheckpointEngine):  # type: ignore[misc]
         self._saved: list[str] = []
         #: The save a decoupled engine has not committed yet (DeepSpeed asks at each step).
         self._pending: CheckpointCommitInfo | None = None
+        #: Whether :meth:`commit` writes ``latest`` in DeepSpeed's place (set by the wrapped
+        #: ``save_checkpoint`` on rank 0 for the duration of one save).
+        self.writes_latest = False
 
     @property
     def client(self) -> ckptcache.Client:
@@ -151,6 +161,9 @@ class CkptCacheCheckpointEngine(CheckpointEngine):  # type: ignore[misc]
             # this barrier it could name a tag whose files other ranks are still persisting.
             if torch.distributed.is_available() and torch.distributed.is_initialized():
                 torch.distributed.barrier()
+        if self.writes_latest:
+            # Where DeepSpeed writes it: after every rank's commit, before its last barrier.
+            _deepspeed_files.write_latest(info.save_dir, str(info.tag))
         self._saved = []
         self._pending = None
         return True
@@ -230,6 +243,62 @@ def _wrap_load(original: Any) -> Any:
     return load_checkpoint
 
 
+def _wrap_save(original: Any) -> Any:
+    """``save_checkpoint`` whose ``latest`` our engine's ``commit`` writes (see the module
+    docstring); unchanged for a decoupled engine, another engine, or ``save_latest=False``."""
+    original = getattr(original, "__ckptcache_original__", original)
+    signature = inspect.signature(original)
+    if "save_latest" not in signature.parameters:  # another DeepSpeed: leave it as it is
+        return original
+
+    @functools.wraps(original)
+    def save_checkpoint(self: Any, *args: Any, **kw: Any) -> Any:
+        ckpt_engine = getattr(self, "checkpoint_engine", None)
+        if not isinstance(ckpt_engine, CkptCacheCheckpointEngine) or ckpt_engine.decoupled:
+            return original(self, *args, **kw)
+        call = signature.bind(self, *args, **kw)
+        call.apply_defaults()
+        if not call.arguments["save_latest"]:
+            return original(self, *args, **kw)
+        call.arguments["save_latest"] = False
+        ckpt_engine.writes_latest = getattr(self, "global_rank", 0) == 0
+        try:
+            return original(*call.args, **call.kwargs)
+        finally:
+            ckpt_engine.writes_latest = False
+
+    save_checkpoint.__ckptcache_original__ = original  # type: ignore[attr-defined]
+    return save_checkpoint
+
+
+def _wrap_recovery_scripts(original: Any) -> Any:
+    """``_copy_recovery_script`` that copies nothing when the save directory holds DeepSpeed's
+    scripts already (our engine only; another DeepSpeed's function is left as it is)."""
+    original = getattr(original, "__ckptcache_original__", original)
+    scripts = _deepspeed_files.recovery_scripts(original)
+    if scripts is None:
+        return original
+    source, names = scripts
+
+    @functools.wraps(original)
+    def copy_recovery_script(self: Any, save_path: str) -> Any:
+        ours = isinstance(getattr(self, "checkpoint_engine", None), CkptCacheCheckpointEngine)
+        if ours and _deepspeed_files.scripts_current(save_path, source, names):
+            return None
+        return original(self, save_path)
+
+    copy_recovery_script.__ckptcache_original__ = original  # type: ignore[attr-defined]
+    return copy_recovery_script
+
+
+#: The ``DeepSpeedEngine`` methods :func:`enable` wraps, with their wrappers.
+_WRAPPED = {
+    "load_checkpoint": _wrap_load,
+    "save_checkpoint": _wrap_save,
+    "_copy_recovery_script": _wrap_recovery_scripts,
+}
+
+
 def enable(
     engine: Any = None,
     *,
@@ -258,8 +327,10 @@ def enable(
         decoupled=_decoupled(config, _options(config) or {}, decoupled),
     )
     engine.checkpoint_engine = ckpt_engine
-    wrapped = _wrap_load(type(engine).load_checkpoint)
-    engine.load_checkpoint = functools.partial(wrapped, engine)
+    for name, wrap in _WRAPPED.items():
+        method = getattr(type(engine), name, None)
+        if method is not None:
+            setattr(engine, name, functools.partial(wrap(method), engine))
     return ckpt_engine
 
 
@@ -347,9 +418,13 @@ def _install(
 
     if not _HOOK:
         _HOOK["factory"] = factory
-        _HOOK["load_checkpoint"] = ds_engine.DeepSpeedEngine.load_checkpoint
+        for name in _WRAPPED:
+            if hasattr(ds_engine.DeepSpeedEngine, name):
+                _HOOK[name] = getattr(ds_engine.DeepSpeedEngine, name)
     cast(Any, ds_engine).create_checkpoint_engine = create_checkpoint_engine
-    ds_engine.DeepSpeedEngine.load_checkpoint = _wrap_load(_HOOK["load_checkpoint"])
+    for name, wrap in _WRAPPED.items():
+        if name in _HOOK:
+            setattr(ds_engine.DeepSpeedEngine, name, wrap(_HOOK[name]))
     return _common.report_enabled("DeepSpeed", client) if report else None
 
 
@@ -360,7 +435,9 @@ def disable() -> None:
     import deepspeed.runtime.engine as ds_engine
 
     cast(Any, ds_engine).create_checkpoint_engine = _HOOK.pop("factory")
-    ds_engine.DeepSpeedEngine.load_checkpoint = _HOOK.pop("load_checkpoint")
+    for name in _WRAPPED:
+        if name in _HOOK:
+            setattr(ds_engine.DeepSpeedEngine, name, _HOOK.pop(name))
 
 
 def is_enabled() -> bool:
