@@ -145,9 +145,9 @@ class DaemonConfig:
     #: link stalls for longer (a congested switch, a paused VM).
     dead_peer_timeout: float = 10.0
     #: Connections (and so cores, one per end each) one transfer between nodes may be split
-    #: across: a backup push or a peer fetch, at either end. 0 ("auto", the default): half the cores
-    #: this daemon may run on, at most 8; 1: one connection. The daemon's share of the node's
-    #: cores for moving bytes (docs/scale.md).
+    #: across: a backup push, a peer fetch or a relay, at either end. 0 ("auto", the
+    #: default): half the cores this daemon may run on, at most 8; 1: one connection. The
+    #: daemon's share of the node's cores for moving bytes (docs/scale.md).
     data_plane_streams: int = 0
     #: Data-plane connections served at once (also capped to half the open-file limit).
     max_peer_connections: int = 256
