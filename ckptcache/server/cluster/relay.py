@@ -48,7 +48,7 @@ from ckptcache.wire import peer
 if TYPE_CHECKING:
     from ckptcache.server.state import CacheState, Inflight
 
-__all__ = ["BLOCK", "MIN_BLOCK", "Block", "RelaySink", "Relays", "plan", "receive",
+__all__ = ["BLOCK", "MIN_BLOCK", "Block", "RelaySink", "Relays", "plan", "receive", "refused",
            "send_blocks", "streams_for"]  # fmt: skip
 
 log = logging.getLogger(__name__)
