@@ -63,11 +63,12 @@ RECORDS = Extension("ckptcache.server.cluster.dataplane._records",
 
 
 def torch_extensions() -> list[Extension]:
-    """The tensor table's C++ loop, built against the torch the build sees, when
-    ``CKPTCACHE_TORCH_EXTENSION=1`` asks for it (``scripts/setup.sh`` does, in place after the
-    install: compiling against torch's headers takes most of a minute, which every other
-    install is spared); none where torch cannot be imported: zero-copy loads then make their
-    tensors in Python (``ckptcache/codec/table/tensors.py`` says which is in use)."""
+    """The tensor table's C++ loop and a save's walk (one module), built against the torch the
+    build sees, when ``CKPTCACHE_TORCH_EXTENSION=1`` asks for it (``scripts/setup.sh`` does,
+    in place after the install: compiling against torch's headers takes a minute or two, which
+    every other install is spared); none where torch cannot be imported: zero-copy loads then
+    make their tensors in Python, and saves walk in Python (``ckptcache/codec/table/tensors.py``
+    and ``ckptcache/codec/plan/walk.py`` say which is in use)."""
     if os.environ.get("CKPTCACHE_TORCH_EXTENSION", "") != "1":
         return []
     try:
@@ -76,8 +77,10 @@ def torch_extensions() -> list[Extension]:
     except ImportError:
         return []
     abi = str(int(torch._C._GLIBCXX_USE_CXX11_ABI))
-    return [CppExtension("ckptcache.codec.table._tensors", ["ckptcache/codec/table/_tensors.cpp"],
-                         optional=True, extra_compile_args=["-O2", "-std=c++17"],
+    sources = ["ckptcache/codec/table/_tensors.cpp", "ckptcache/codec/table/_walk.cpp"]
+    return [CppExtension("ckptcache.codec.table._tensors", sources,
+                         depends=["ckptcache/codec/table/_walk.h"], optional=True,
+                         extra_compile_args=["-O2", "-std=c++17"],
                          define_macros=[("_GLIBCXX_USE_CXX11_ABI", abi)])]  # fmt: skip
 
 

@@ -16,7 +16,7 @@ import collections
 import functools
 import io
 import pickle
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -66,7 +66,9 @@ class Flattened:
 
     skeleton: bytes
     infos: tuple[StorageInfo, ...]
-    storages: tuple[torch.UntypedStorage, ...]
+    #: In key order; where the compiled walk found them, a
+    #: :class:`~ckptcache.codec.plan.walk.Sources` (their addresses and sizes for the copy).
+    storages: Sequence[torch.UntypedStorage]
     #: Every tensor object pickled, wherever it sat (containers, Namespaces, dataclasses,
     #: custom objects, a Parameter and its ``.data``): what a non-blocking save checks.
     tensors: tuple[torch.Tensor, ...] = ()

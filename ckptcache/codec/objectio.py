@@ -13,16 +13,20 @@ import operator
 import threading
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from ckptcache.codec.decode import Stored, decode
 from ckptcache.codec.flatten import Flattened, MapLocation
 from ckptcache.codec.gpu.copy import Item, Ready, copy_to_segment
+from ckptcache.codec.plan.walk import Sources
 from ckptcache.codec.shm import (
     checked_nbytes,
     copy_cpu_storages,
+    copy_sources,
     copy_storage_into,
     copy_storages_into,
     device_type,
@@ -95,12 +99,19 @@ def _serialization_id(created: float) -> str:
     return f"{int(created * 1e9):040d}"
 
 
-def write_metadata(mapping: mmap.mmap, plan: ObjectPlan) -> None:
+def write_metadata(
+    mapping: mmap.mmap, plan: ObjectPlan, *, only: Sequence[int] | None = None
+) -> None:
     """Write the archive's metadata and the manifest of ``plan`` to their places in
-    ``mapping``; the storages' bytes are the caller's (see :func:`write_object`)."""
+    ``mapping``; the storages' bytes are the caller's (see :func:`write_object`). ``only``:
+    of the archive's pieces, these alone (the others are copied with the storages)."""
     view = memoryview(mapping)
     try:
-        plan.archive.write_metadata(view[HEADER_SIZE : HEADER_SIZE + plan.archive.size])
+        if only is None:
+            plan.archive.write_metadata(view[HEADER_SIZE : HEADER_SIZE + plan.archive.size])
+        for index in only or ():
+            offset, data = plan.archive.pieces[index]
+            view[HEADER_SIZE + offset : HEADER_SIZE + offset + len(data)] = data
         offset = plan.layout.manifest_offset
         view[offset : offset + len(plan.manifest_bytes)] = plan.manifest_bytes
     finally:
@@ -109,25 +120,96 @@ def write_metadata(mapping: mmap.mmap, plan: ObjectPlan) -> None:
 
 _nbytes_of = operator.attrgetter("nbytes")
 _offset_of = operator.attrgetter("offset")
-#: Per storage records of the last plans written: ``id(records) -> (records, offsets, sizes)``
-#: (the records are kept, so an id is never reused while it is here). A replan shares its
-#: records with the plan it came from: repeated saves read no record field.
-_columns: dict[int, tuple[Any, list[int], list[int]]] = {}
+#: Pieces of this many bytes or more are written by slice, not as runs of the copy.
+_BY_SLICE_FROM = 4096
+
+
+@dataclass
+class _CopyPlan:
+    """What writing a plan's archive needs, read once per plan and shared by its replans
+    (which share its records, and change only the pickle and the serialization id)."""
+
+    records: Sequence[Any]  # kept: its id() names this entry
+    offsets: list[int]
+    sizes: list[int]
+    offset_column: np.ndarray
+    size_column: np.ndarray
+    #: The archive's small metadata pieces as runs of the copy (made at the first write of a
+    #: plan whose storages the compiled walk found): their bytes, where they go in the
+    #: mapping, their addresses in ``pieces`` and sizes; and the indices of the pieces
+    #: written by slice (large ones, the pickle and the serialization id).
+    pieces: np.ndarray | None = None
+    piece_offsets: np.ndarray | None = None
+    piece_addresses: np.ndarray | None = None
+    piece_sizes: np.ndarray | None = None
+    by_slice: tuple[int, ...] = ()
+    #: What the runs were made from: the archive's size and piece count.
+    made_for: tuple[int, int] = (-1, -1)
+
+    def piece_runs(self, plan: ObjectPlan) -> tuple[int, ...]:
+        """Make the small pieces' runs (once) and give the pieces left to write by slice."""
+        archive = plan.archive
+        if self.made_for != (archive.size, len(archive.pieces)):
+            own = {archive.id_piece} | {
+                i for i, (offset, data) in enumerate(archive.pieces)
+                if len(data) >= _BY_SLICE_FROM or offset == archive.pickle_offset
+            }  # fmt: skip
+            small = [p for i, p in enumerate(archive.pieces) if i not in own]
+            sizes = np.fromiter((len(d) for _, d in small), np.int64, len(small))
+            self.pieces = np.frombuffer(b"".join(d for _, d in small), dtype=np.uint8).copy()
+            self.piece_sizes = sizes
+            self.piece_addresses = (np.cumsum(sizes) - sizes).astype(np.uint64)
+            self.piece_addresses += np.uint64(self.pieces.ctypes.data)
+            offsets = np.fromiter((o for o, _ in small), np.int64, len(small))
+            self.piece_offsets = offsets + HEADER_SIZE
+            self.by_slice = tuple(sorted(own - {-1}))
+            self.made_for = (archive.size, len(archive.pieces))
+        return self.by_slice
+
+
+#: The copy plans of the last plans written, by ``id(records)`` (the records are kept, so an
+#: id is never reused while it is here). A replan shares its records with the plan it came
+#: from: repeated saves read no record field.
+_columns: dict[int, _CopyPlan] = {}
 _columns_lock = threading.Lock()
 
 
-def _record_columns(records: Sequence[Any]) -> tuple[list[int], list[int]]:
-    """The offsets and sizes of ``records`` (read once per plan)."""
+def _copy_plan(records: Sequence[Any]) -> _CopyPlan:
+    """The copy plan of ``records`` (read once per plan)."""
     with _columns_lock:
         known = _columns.get(id(records))
-    if known is not None and known[0] is records:
-        return known[1], known[2]
+    if known is not None and known.records is records:
+        return known
     offsets, sizes = list(map(_offset_of, records)), list(map(_nbytes_of, records))
+    made = _CopyPlan(
+        records, offsets, sizes, np.array(offsets, dtype=np.int64), np.array(sizes, np.int64)
+    )
     with _columns_lock:
-        _columns[id(records)] = (records, offsets, sizes)
+        _columns[id(records)] = made
         while len(_columns) > 8:
             del _columns[next(iter(_columns))]
-    return offsets, sizes
+    return made
+
+
+def _write_sources(mapping: mmap.mmap, plan: ObjectPlan, copy: _CopyPlan, sources: Sources) -> bool:
+    """Write ``plan``'s object whose storages the compiled walk found: the storages and the
+    archive's small metadata pieces in one copy, run by the copy threads from columns (no
+    Python object per storage or piece); ``False`` (nothing written) where a storage's size
+    is not the planned one."""
+    addresses, sizes = sources.columns()
+    if not np.array_equal(sizes, copy.size_column):
+        return False
+    by_slice = copy.piece_runs(plan)
+    assert copy.piece_offsets is not None and copy.piece_addresses is not None
+    assert copy.piece_sizes is not None
+    write_metadata(mapping, plan, only=by_slice)
+    copy_sources(
+        torch.frombuffer(mapping, dtype=torch.uint8),
+        np.concatenate((copy.offset_column, copy.piece_offsets)),
+        np.concatenate((addresses, copy.piece_addresses)),
+        np.concatenate((sizes, copy.piece_sizes)),
+    )
+    return True
 
 
 def write_object(
@@ -142,8 +224,17 @@ def write_object(
     must still have the size it was planned with (else :class:`TensorMutated`, before any
     copy: see :func:`~ckptcache.codec.shm.checked_nbytes`).
     """
-    records, storages = plan.manifest.storages, list(flat.storages)
-    offsets, planned = _record_columns(records)
+    records = plan.manifest.storages
+    copy = _copy_plan(records)
+    offsets, planned = copy.offsets, copy.sizes
+    # Found by the compiled walk (the usual repeated save); a size changed: named below.
+    if (
+        isinstance(flat.storages, Sources)
+        and flat.on_cpu
+        and _write_sources(mapping, plan, copy, flat.storages)
+    ):
+        return
+    storages = list(flat.storages)
     sizes = list(map(torch.UntypedStorage.nbytes, storages))
     if sizes != planned:
         for record, storage in zip(records, storages, strict=True):  # name the one resized

@@ -29,7 +29,7 @@ import torch
 from ckptcache._signals import signals_deferred
 from ckptcache._workers import LingeringPool
 from ckptcache.errors import TensorMutated
-from ckptcache.format.fastcopy import copy_runs
+from ckptcache.format.fastcopy import copy_runs, copy_table
 from ckptcache.format.pagetables import POPULATE_IN_PARALLEL, populate_range
 
 __all__ = [
@@ -37,6 +37,7 @@ __all__ = [
     "bytes_of",
     "checked_nbytes",
     "copy_cpu_storages",
+    "copy_sources",
     "copy_storage_into",
     "copy_storages_into",
     "copy_threads",
@@ -316,6 +317,72 @@ def copy_cpu_storages(
         finally:
             for future in others:  # the storages must outlive every copy, even on an error
                 future.result()
+
+
+def copy_sources(
+    dst: torch.Tensor, offsets: np.ndarray, addresses: np.ndarray, sizes: np.ndarray
+) -> None:
+    """:func:`copy_cpu_storages` for CPU storages given as columns (``int64`` offsets in
+    ``dst``, ``uint64`` addresses, ``int64`` sizes; the compiled walk's
+    :class:`~ckptcache.codec.plan.walk.Sources`, whose owner keeps them alive): the copy's
+    table made by numpy, no Python object per storage. Raises :class:`ValueError` for a run
+    outside ``dst``."""
+    if dst.dtype != torch.uint8 or dst.device.type != "cpu" or not dst.is_contiguous():
+        raise ValueError("copy_sources needs a contiguous CPU uint8 destination")
+    size, n = dst.numel(), len(sizes)
+    if len(offsets) != n or len(addresses) != n:
+        raise ValueError("copy_sources needs columns of equal lengths")
+    ends = offsets + sizes
+    if n and (int(offsets.min()) < 0 or int(ends.max()) > size):  # the copy checks nothing
+        i = int(np.flatnonzero((offsets < 0) | (ends > size))[0])
+        raise ValueError(f"storage of {sizes[i]} bytes at {offsets[i]} is outside {size} bytes")
+    table = np.empty((n, 3), dtype=np.uint64)
+    table[:, 0] = offsets
+    table[:, 0] += np.uint64(dst.data_ptr())
+    table[:, 1] = addresses
+    table[:, 2] = sizes
+    if n and not sizes.all():  # an empty storage may have no address at all: nothing to copy
+        table = table[sizes > 0]
+    total = int(sizes.sum())
+    threads = _threads_for(total)
+    pieces = iter(_split_table(table, threads * _PIECES_PER_THREAD if threads > 1 else 1))
+
+    def work() -> None:
+        for piece in pieces:  # next() on a shared iterator is atomic under the GIL
+            copy_table(piece)
+
+    if threads == 1:
+        work()
+        return
+    with signals_deferred():  # no lock of the pool's is left half taken (_signals.py)
+        others = [_copier_pool(threads - 1).submit(work) for _ in range(threads - 1)]
+        try:
+            work()
+        finally:
+            for future in others:  # the storages must outlive every copy, even on an error
+                future.result()
+
+
+def _split_table(table: np.ndarray, parts: int) -> list[np.ndarray]:
+    """:func:`_split` of the rows of a copy table (non-empty runs): the same pieces, made by
+    numpy (a run longer than a share cut into shares, rows repeated per cut)."""
+    if parts <= 1 or not len(table):
+        return [table]
+    sizes = table[:, 2].astype(np.int64)
+    share = max(1, -(-int(sizes.sum()) // parts))
+    if int(sizes.max()) > share:
+        cuts = -(-sizes // share)
+        table = np.repeat(table, cuts, axis=0)
+        first = np.cumsum(cuts) - cuts
+        at = (np.arange(len(table)) - np.repeat(first, cuts)).astype(np.uint64) * np.uint64(share)
+        table[:, 0] += at
+        table[:, 1] += at
+        table[:, 2] = np.minimum(np.uint64(share), table[:, 2] - at)
+        sizes = table[:, 2].astype(np.int64)
+    # Each run goes to the share its first byte falls in.
+    share_of = (np.cumsum(sizes) - sizes) // share
+    bounds = np.flatnonzero(np.diff(share_of)) + 1
+    return np.split(table, bounds)
 
 
 def storage_view(mapping: mmap.mmap, offset: int, nbytes: int) -> torch.UntypedStorage:

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-__all__ = ["COPY_IMPLEMENTATION", "copy_runs"]
+__all__ = ["COPY_IMPLEMENTATION", "copy_runs", "copy_table"]
 
 
 def _extension() -> ctypes.CDLL | None:
@@ -52,5 +52,19 @@ def copy_runs(runs: Sequence[tuple[int, int, int]]) -> None:
         for dst, src, n in runs:
             _memmove(dst, src, n)
         return
-    table = np.array(runs, dtype=np.uint64)  # rows of (dst, src, nbytes), C order
+    copy_table(np.array(runs, dtype=np.uint64))
+
+
+def copy_table(table: np.ndarray) -> None:
+    """:func:`copy_runs` of the rows of ``table``: ``(dst, src, nbytes)`` as ``uint64``, C
+    order (a save's runs made in columns, without a Python tuple per run)."""
+    if not len(table):
+        return
+    if table.dtype != np.uint64 or table.ndim != 2 or table.shape[1] != 3:
+        raise ValueError("copy_table copies rows of three uint64: (dst, src, nbytes)")
+    table = np.ascontiguousarray(table)
+    if _LIB is None:
+        for dst, src, n in table.tolist():
+            _memmove(dst, src, n)
+        return
     _LIB.ckptcache_copy_runs(table.ctypes.data, len(table))

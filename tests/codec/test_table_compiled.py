@@ -147,7 +147,7 @@ def test_the_loop_refuses_columns_of_other_kinds():
 
 
 def test_the_loop_runs_only_under_the_torch_it_was_compiled_against():
-    from ckptcache.codec.table.tensors import _same_torch
+    from ckptcache.codec.table.native import same_torch as _same_torch
 
     assert _same_torch((2, 13, 0), "2.13.0+cpu")
     assert _same_torch((2, 13, 0), "2.13.0")

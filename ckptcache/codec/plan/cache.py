@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import struct
 import threading
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -47,6 +48,7 @@ from ckptcache.codec.flatten import Flattened, flatten, gc_paused, v3_dtypes
 from ckptcache.codec.objectio import plan_object, replan
 from ckptcache.codec.plan.columns import NotPlain, tensor_columns, tensor_items
 from ckptcache.codec.plan.reduced import Reduction, reduction_of
+from ckptcache.codec.plan.walk import REF, Walk, reference_key, walk
 from ckptcache.codec.skeleton import encode_flattened
 from ckptcache.codec.table.table import encode_table
 from ckptcache.format.manifest import ObjectPlan
@@ -56,10 +58,11 @@ __all__ = ["PlanCache", "Structure", "describe"]
 _Tensor = torch.Tensor
 _OrderedDict = collections.OrderedDict
 _SCALARS = frozenset({int, bool, str, bytes, type(None)})
-_REF = object()  # in a key: "the container or tensor first seen at index ..." follows
+_REF = REF  # in a key: "the container or tensor first seen at index ..." follows
 _NEWOBJ = object()  # in a key: a reduction written as ``NEWOBJ`` (class, then arguments)
 _STATE = object()  # in a key: a reduced object's state follows (its ``BUILD``)
 _strided = torch.strided
+_double = struct.Struct("<d").pack
 #: Per pickled width of an integer, its opcode (the byte before its little-endian payload).
 _INT_OPCODES = {1: ord("K"), 2: ord("M"), 4: ord("J")}
 
@@ -123,7 +126,9 @@ def describe(obj: Any, *, versions: bool = True) -> Structure | None:
             return
         if kind is float:
             add(kind)
-            add(value.hex())  # 0.0 == -0.0 but they pickle differently; NaN != NaN
+            # Its bits, as the pickler writes them: 0.0 == -0.0 and NaN != NaN, and NaNs of
+            # other signs or payloads pickle differently.
+            add(_double(value))
             return
         # Mutable containers and tensors keep their identity through a pickle (a second
         # reference is a memo lookup); tuples are rebuilt equal, which is all that is kept.
@@ -260,7 +265,9 @@ class PlanCache:
         self._size = size
         # Newest last. Found by equality alone: a key is tens of thousands of items long, and
         # hashing it costs as much as comparing it (keys of other lengths differ at once).
-        self._entries: list[tuple[tuple[Any, ...], _Entry]] = []
+        # Keys: the compiled walk's bytes, or the Python walk's tuple where it described the
+        # object alone.
+        self._entries: list[tuple[tuple[Any, ...] | bytes, _Entry]] = []
         self._lock = threading.Lock()
         #: Saves that reused a plan, and saves that flattened afresh (for tests and tuning).
         self.hits = 0
@@ -274,17 +281,18 @@ class PlanCache:
 
         Raises :class:`~ckptcache.errors.SerializationError` as :func:`flatten` does.
         """
-        structure = describe(obj, versions=versions)
+        # The compiled walk where it describes the object, else the Python one.
+        walked = walk(obj, versions=versions)
+        structure = None if walked is not None else describe(obj, versions=versions)
+        found: Walk | Structure | None = walked if walked is not None else structure
         previous = None  # a plan of this structure with other integers, none of them placed
-        if structure is not None:
+        if found is not None:
             with self._lock:
                 entry = None
                 for i, (key, known) in enumerate(self._entries):
-                    if key == structure.key:
-                        if known.ints == structure.ints:
-                            entry = known
-                        else:
-                            entry = _patched(known, structure.ints)
+                    if key == found.key:
+                        same = known.ints == found.ints
+                        entry = known if same else _patched(known, found.ints)
                         if entry is None:
                             previous = known
                         else:
@@ -293,11 +301,13 @@ class PlanCache:
                             self.hits += 1
                         break
             if entry is not None:
-                flat = Flattened(
-                    entry.flat.skeleton, entry.flat.infos, structure.storages, structure.tensors,
-                    structure.versions, structure.storage_ids, on_cpu=structure.on_cpu,
-                )  # fmt: skip
-                return flat, replan(entry.plan, path, namespace)
+                return _reused(entry, found), replan(entry.plan, path, namespace)
+        if walked is not None:
+            # A miss: the Python walk decides (it describes every object the compiled one
+            # does), and the compact key is kept only where the two walks agree.
+            structure = describe(obj, versions=versions)
+            if structure is not None and not _walks_agree(obj, walked, structure):
+                structure = None
         fast = None
         if structure is not None and structure.plain:
             # Written from the walk, byte for byte what ``flatten`` pickles (or None: pickle).
@@ -319,8 +329,9 @@ class PlanCache:
                 entry = _Entry(
                     Flattened(flat.skeleton, flat.infos, (), ()), plan, structure.ints, slots
                 )
+                key = walked.key if walked is not None else structure.key
                 self._entries = [(k, e) for k, e in self._entries if e is not previous]
-                self._entries.append((structure.key, entry))
+                self._entries.append((key, entry))
                 del self._entries[: -self._size]
         return flat, plan
 
@@ -328,6 +339,30 @@ class PlanCache:
         """Forget every plan."""
         with self._lock:
             self._entries.clear()
+
+
+def _reused(entry: _Entry, found: Walk | Structure) -> Flattened:
+    """A cached plan's skeleton with this save's tensors and storages."""
+    return Flattened(
+        entry.flat.skeleton, entry.flat.infos, found.storages, found.tensors, found.versions,
+        found.storage_ids, on_cpu=found.on_cpu,
+    )  # fmt: skip
+
+
+def _walks_agree(obj: Any, walked: Walk, structure: Structure) -> bool:
+    """Whether the compiled walk of ``obj`` saw what the Python walk did: its reference key
+    (the same walker, making ``describe``'s tuple) equal to ``structure``'s, token for token
+    (which holds the tensors' columns), the same tensors, storages and integers in order."""
+    reference = reference_key(obj, versions=True)
+    return (
+        reference is not None
+        and reference.key == structure.key
+        and walked.ints == structure.ints
+        and len(walked.tensors) == len(structure.tensors)
+        and all(a is b for a, b in zip(walked.tensors, structure.tensors, strict=True))
+        and tuple(reference.storage_ids) == structure.storage_ids
+        and len(walked.storages) == len(structure.storages)
+    )
 
 
 def _payload(value: int, width: int) -> bytes:

@@ -13,6 +13,8 @@
 #include <torch/extension.h>
 #include <torch/headeronly/version.h>
 
+#include "_walk.h"
+
 #include <cstdint>
 #include <limits>
 #include <vector>
@@ -87,7 +89,7 @@ std::vector<at::Tensor> over_mapping(const at::Tensor& whole, const at::Tensor& 
 }  // namespace
 
 PYBIND11_MODULE(_tensors, m) {
-  m.doc() = "The dense tensors of a zero-copy load, made in one C++ loop.";
+  m.doc() = "The dense tensors of a zero-copy load, made in one C++ loop; the walk of a save.";
   // The torch this was compiled against: another torch's tensor structures may differ, so the
   // Python side uses the loop only under the same version.
   m.attr("torch_version") =
@@ -95,4 +97,5 @@ PYBIND11_MODULE(_tensors, m) {
   m.def("over_mapping", &over_mapping,
         "Tensors over a uint8 mapping from packed columns (starts, sizes, dims, ndim, code) "
         "and one tensor of each dtype code (kinds).");
+  register_walk(m);
 }

@@ -32,27 +32,10 @@ import torch
 
 from ckptcache.codec.fast_unpickle import NUMPY_TWINS
 from ckptcache.codec.table.columns import CODES, Dense, contiguous_strides
+from ckptcache.codec.table.native import COMPILED
 
-_compiled: types.ModuleType | None
-try:
-    from ckptcache.codec.table import _tensors as _compiled
-except ImportError:  # not built (no compiler, or no torch at build time), or for another torch
-    _compiled = None
-
-
-def _same_torch(built: tuple[int, int, int], running: str) -> bool:
-    """Whether the loop was compiled against the torch that runs (``major.minor.patch``):
-    another version's tensor structures may differ, and the loop would misread them."""
-    release = running.split("+", 1)[0].split(".")[:3]
-    return (
-        len(release) == 3
-        and all(p.isdigit() for p in release)
-        and (tuple(int(p) for p in release) == tuple(built))
-    )
-
-
-if _compiled is not None and not _same_torch(_compiled.torch_version, torch.__version__):
-    _compiled = None
+# Where it is not built (or for another torch), numpy's path (tests swap the two).
+_compiled: types.ModuleType | None = COMPILED
 
 __all__ = ["DTYPES", "MADE_BY", "make_dense", "make_strided"]
 
