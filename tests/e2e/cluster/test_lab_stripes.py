@@ -1,8 +1,8 @@
 """Striped backup pushes, peer fetches and relays (``data_plane_streams``) on real daemons in
 network namespaces (tests/lab.py): the data plane between two nodes partitioned mid-push, the
 pushing daemon killed with SIGKILL mid-push, the node serving a striped fetch partitioned from
-the loader mid-fetch, and a member relaying a group's storage read in stripes partitioned
-mid-relay. Each time the save or load returns or fails typed within a bound, no node serves a
+the loader mid-fetch, and a member relaying a group's storage read in stripes partitioned or
+killed with SIGKILL mid-relay. Each time the save or load returns or fails typed within a bound, no node serves a
 mixture of two saves, and the next striped transfer after the fault delivers the same
 bytes."""
 
@@ -29,7 +29,7 @@ BOUND = CLIENT_TIMEOUT + 15.0
 #: the test takes seconds too.
 MBIT = 150.0
 STRIPED = "in 4 stripes"
-RELAYED = "on 4 relay stripes"
+RELAYED = "on 4 relay stripes)"  # the relaying node's line, not the receiving one's
 
 
 def state(seed: int) -> dict[str, Any]:
@@ -172,34 +172,71 @@ def test_holder_partitioned_from_the_loader_mid_striped_fetch(lab: Lab) -> None:
     assert_same(state(6), load(c, path))
 
 
-def test_member_partitioned_mid_striped_relay(lab: Lab) -> None:
-    """Every member loads an object only storage holds; the read is relayed in stripes as it
-    lands, and the member relaying it is cut off from everyone mid-relay: the others get the
-    whole object from the rest of the group within the bound, the cut-off member the whole
-    object or a typed error once healed."""
+def _striped_group_read(
+    lab: Lab, path: str, seed: int
+) -> tuple[dict[str, Any], LabNode, list[Any], list[threading.Thread]]:
+    """Every member loads ``path``, an object only storage holds, read slowly enough that the
+    others join while it lands: the object, the member seen relaying it in stripes (its log),
+    and the loads' outcomes and threads (started, not joined)."""
     lab.heal()
     for node in lab.nodes:
         if node.daemon.proc is None or node.daemon.proc.poll() is not None:
             lab.restart(node)
     lab.wait_formed()
-    path = "s3://lab/run/stripes-relay/model.pt"
-    obj = state(9)
+    obj = state(seed)
     buf = io.BytesIO()
     torch.save(obj, buf)
     lab.put(path, buf.getvalue())
-    rate = lab.storage_mbit
-    lab.throttle_storage(100)  # the read takes seconds: the others join while it lands
+    lab.throttle_storage(100)  # the read takes seconds
+    before = [n.daemon.log().count(RELAYED) for n in lab.nodes]
     results: list[Any] = [None] * len(lab.nodes)
     threads = [threading.Thread(target=lambda i=i: results.__setitem__(i, load(lab.nodes[i], path)))
                for i in range(len(lab.nodes))]  # fmt: skip
     for t in threads:
         t.start()
+    relaying = wait_until(
+        lambda: next((n for n, b in zip(lab.nodes, before, strict=True)
+                      if n.daemon.log().count(RELAYED) > b), None),
+        timeout=BOUND, interval=0.01, what="a striped relay",
+    )  # fmt: skip
+    time.sleep(0.5)  # a few MiB of each stripe on their way
+    return obj, relaying, results, threads
+
+
+def test_member_killed_mid_striped_relay(lab: Lab) -> None:
+    """The member relaying a group's storage read in stripes is killed with SIGKILL
+    mid-relay: the others get the whole object from the rest of the group within the bound,
+    and the killed member, restarted, loads it whole."""
+    rate = lab.storage_mbit
     try:
-        relaying = wait_until(
-            lambda: next((n for n in lab.nodes if RELAYED in n.daemon.log()), None),
-            timeout=BOUND, interval=0.01, what="a striped relay",
-        )  # fmt: skip
-        time.sleep(0.5)  # a few MiB of each stripe on their way
+        obj, relaying, results, threads = _striped_group_read(
+            lab, "s3://lab/run/stripes-relay-kill/model.pt", 10
+        )
+        lab.kill(relaying)
+    finally:
+        lab.throttle_storage(rate)
+    for n, t in zip(lab.nodes, threads, strict=True):
+        t.join(BOUND + 10)
+        assert not t.is_alive()
+        if n is relaying:  # its client lost its daemon: a typed error, or the bytes
+            _whole_or_typed(results[n.index], obj)
+            continue
+        assert not isinstance(results[n.index], BaseException), (n.node_id, results)
+        assert_same(obj, results[n.index])
+    lab.restart(relaying)
+    lab.wait_formed()
+    assert_same(obj, load(relaying, "s3://lab/run/stripes-relay-kill/model.pt"))
+
+
+def test_member_partitioned_mid_striped_relay(lab: Lab) -> None:
+    """Every member loads an object only storage holds; the read is relayed in stripes as it
+    lands, and the member relaying it is cut off from everyone mid-relay: the others get the
+    whole object from the rest of the group within the bound, the cut-off member the whole
+    object or a typed error once healed."""
+    path = "s3://lab/run/stripes-relay/model.pt"
+    rate = lab.storage_mbit
+    try:
+        obj, relaying, results, threads = _striped_group_read(lab, path, 9)
         lab.partition(relaying)
     finally:
         lab.throttle_storage(rate)
