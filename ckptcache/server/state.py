@@ -15,13 +15,16 @@ Life of a segment as this owner sees it::
 from __future__ import annotations
 
 import bisect
+import contextlib
 import itertools
 import logging
 import os
+import socket
 import time
-from collections.abc import Callable, Collection, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from concurrent.futures import Future
 from dataclasses import KW_ONLY, dataclass, field, replace
+from typing import Protocol
 
 from ckptcache.errors import CheckpointNotFound, CkptCacheError, CorruptCheckpoint, InvalidPath
 from ckptcache.format.layout import HEADER_SIZE, SegmentState
@@ -52,6 +55,9 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
+
+#: Longest wait for the relays of a failed copy to stop once hung up (seconds).
+RELAY_STOP = 30.0
 
 
 class NewerHeld(CkptCacheError):
@@ -100,6 +106,13 @@ class Reservation:
     saved_ns: int = 0
 
 
+class Sending(Protocol):
+    """A connection sending bytes of a segment (a data-plane channel): hung up through its
+    socket."""
+
+    sock: socket.socket
+
+
 @dataclass(eq=False)
 class Inflight:
     """An object still arriving (from a peer or storage): peers may relay it as it lands."""
@@ -124,6 +137,8 @@ class Inflight:
     lanes: tuple[int, ...] = (0,)
     #: How far each lane has landed (body offsets): ``[lanes[i], landed[i])`` is final.
     landed: list[int] = field(default_factory=lambda: [0])
+    #: The connections relaying it from its segment now (see :meth:`CacheState.relaying`).
+    senders: set[Sending] = field(default_factory=set)
 
     @property
     def body(self) -> int:
@@ -505,13 +520,42 @@ class CacheState:
         """How a copy's ``fill`` reports the bytes of ``flight`` that landed."""
         return Landing(self, flight)
 
+    @contextlib.contextmanager
+    def relaying(self, flight: Inflight, channel: Sending) -> Iterator[None]:
+        """``channel`` (a data-plane connection) sends bytes of ``flight``'s segment for the
+        block: a failure of the copy hangs it up and waits until it has stopped, so that no
+        relay reads the segment once its reservation is given back. Raises
+        :class:`ConnectionError` when the copy has failed already."""
+        with self.lock.held():
+            if flight.failed:
+                raise ConnectionError("the upstream copy failed mid-transfer")
+            flight.senders.add(channel)
+        try:
+            yield
+        finally:
+            with self.lock.held():
+                flight.senders.discard(channel)
+                self.lock.notify_all()
+
     def end_flight(self, key: Key, flight: Inflight, *, failed: bool = False) -> None:
-        """``flight`` is over (committed, or ``failed``): later fetches use the index."""
+        """``flight`` is over (committed, or ``failed``): later fetches use the index. A
+        failed one returns once no relay sends from its segment (the caller gives it back)."""
         with self.lock.held():
             flight.failed = flight.failed or failed
             if self.inflight.get(key) is flight:
                 del self.inflight[key]
             self.lock.notify_all()
+            if not failed:
+                return
+            for channel in list(flight.senders):  # a send blocked on a slow peer ends now
+                with contextlib.suppress(OSError):
+                    channel.sock.shutdown(socket.SHUT_RDWR)
+            deadline = time.monotonic() + RELAY_STOP
+            while flight.senders and time.monotonic() < deadline:
+                self.lock.wait(0.1)
+            if flight.senders:  # never expected: a hung-up socket fails its send at once
+                log.error("%d relay(s) of a failed copy still sending after %.0f s",
+                          len(flight.senders), RELAY_STOP)  # fmt: skip
 
     # ----------------------------------------------------------------- gauges
 

@@ -284,3 +284,52 @@ def test_relay_messages_round_trip_and_an_unstriped_head_is_the_older_one() -> N
     with pytest.raises(ValueError):  # a striped relay names what the receiver plans with
         peer.RelayHead(namespace="ns", path="/p", nbytes=1 << 30, manifest_offset=4096,
                        manifest_size=512, streams=4)  # fmt: skip
+
+
+@pytest.mark.parametrize("striped", [True, False])
+def test_a_failed_copy_stops_its_relays_before_its_segment_is_given_back(make_core, striped):
+    """A relay sending bytes that landed, blocked on a peer that reads nothing, when the copy
+    fails: the failure hangs the relay up and waits for it, so no relay reads the segment
+    once it is given back (it may hold another object by then)."""
+    _obj, plan, image = _image()
+    up = make_core(memory_limit=64 << 20, node_id="up")
+    send, stalled = _pair()  # ``stalled`` is never read
+    sender: dict[str, BaseException] = {}
+    flights: list[Inflight] = []
+
+    def relay_it() -> None:
+        while KEY not in up.state.inflight:
+            threading.Event().wait(0.005)
+        flight = up.state.inflight[KEY]
+        flights.append(flight)
+        try:
+            if striped:
+                relay.send_blocks(
+                    send, up.state, flight, relay.plan(flight.body, (0,), 1, BLOCK)[0]
+                )
+            else:
+                transfer.relay_in_flight(send, up.state, flight)
+        except BaseException as e:
+            sender["error"] = e
+
+    t = threading.Thread(target=relay_it, daemon=True)
+    t.start()
+
+    def fill(view: memoryview, advance: Any) -> None:
+        view[:] = memoryview(image)[HEADER_SIZE:]
+        advance(len(view))  # all landed: the relay sends until the peer's buffers are full
+        while not (flights and flights[0].senders):
+            threading.Event().wait(0.005)
+        threading.Event().wait(0.2)
+        raise OSError("the copy failed after it landed")
+
+    layout = plan.layout
+    with pytest.raises(OSError, match="failed after it landed"):
+        up.ingest.receive(Incoming(*KEY, layout.nbytes, layout.manifest_offset,
+                                   len(plan.manifest_bytes), fill, origin="storage"))  # fmt: skip
+    assert flights[0].senders == set()  # stopped before the segment went back
+    t.join(5)
+    assert not t.is_alive()
+    assert isinstance(sender.get("error"), OSError)
+    send.close()
+    stalled.close()

@@ -84,7 +84,7 @@ def plan(body: int, lanes: Sequence[int], streams: int, block: int) -> list[list
 def send_blocks(channel: Channel, state: CacheState, flight: Inflight, blocks: list[Block]) -> None:
     """Send ``blocks`` of ``flight`` (a copy arriving here) on ``channel``, in order, each
     byte once it is final here, in relay records (a hop adds about one record's time)."""
-    with flight.segment.opened() as fd:
+    with state.relaying(flight, channel), flight.segment.opened() as fd:
         for _lane, lo, hi in blocks:
             pos = lo
             while pos < hi:

@@ -231,7 +231,7 @@ def relay_in_flight(channel: Channel, state: CacheState, flight: Inflight) -> No
     the downstream node tries another holder (it verifies every digest at the end anyway).
     """
     sent = HEADER_SIZE
-    with flight.segment.opened() as fd:
+    with state.relaying(flight, channel), flight.segment.opened() as fd:
         while sent < flight.nbytes:
             ready = state.wait_ready(flight, sent)
             channel.send_file(fd, sent, ready - sent, flight.segment.mapping,
