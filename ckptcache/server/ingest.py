@@ -89,7 +89,7 @@ class Ingest:
         try:
             self._refuse_deleted(namespace, path, saved_at)
         except CheckpointNotFound:
-            state.end_flight(key, flight)
+            state.end_flight(key, flight, failed=True)  # its relays stop before the abort
             saves.abort(internal, m.AbortRequest(reply.reservation))
             raise
         with state.lock.held():
