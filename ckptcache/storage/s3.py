@@ -114,7 +114,7 @@ class S3Backend(StorageBackend):
         referenced until their part is joined (the producer keeps its source alive)."""
         meta, condition = self._commit_metadata(path, guard)
         part = max(self.options.s3_part_size, MIN_PART)
-        with Upload(self, path, meta) as upload:
+        with self._upload(path, meta) as upload:
 
             def sink(chunk: bytes | memoryview) -> None:
                 upload.add(chunk)
@@ -147,7 +147,7 @@ class S3Backend(StorageBackend):
         meta, _ = self._commit_metadata(path, guard)
         part = max(self.options.s3_part_size, MIN_PART)
         splice = Splice(copies)
-        with Upload(self, path, meta) as upload:
+        with self._upload(path, meta) as upload:
 
             def to_copy() -> None:  # the uploaded run before a copied range ends here
                 if upload.pending:
@@ -175,6 +175,11 @@ class S3Backend(StorageBackend):
                     "upload; written again in full"
                 )
             self._complete_guarded(path, upload.id, upload.parts(), guard)
+
+    def _upload(self, path: str, meta: dict[str, str]) -> Upload:
+        bucket, key = split_s3_url(path)
+        window = self.options.s3_max_concurrency
+        return Upload(self._call, self.client, bucket, key, meta, window)
 
     def write_bytes(
         self,

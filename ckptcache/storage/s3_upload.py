@@ -7,12 +7,12 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from types import TracebackType
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from ckptcache.storage.s3 import S3Backend
+__all__ = ["Call", "Splice", "Upload"]
 
-__all__ = ["Splice", "Upload"]
+#: ``call(what, fn, **kwargs)``: ``fn(**kwargs)`` with the store's errors as ``OSError``s.
+Call = Callable[..., Any]
 
 
 class Upload:
@@ -21,15 +21,15 @@ class Upload:
     held. Leaving the ``with`` block by an exception aborts the upload (``cleanup`` aborts
     what a killed daemon left)."""
 
-    def __init__(self, backend: S3Backend, path: str, meta: dict[str, str]):
-        from ckptcache.storage.s3 import split_s3_url
-
-        self.backend, self.meta = backend, meta
-        self.bucket, self.key = split_s3_url(path)
+    def __init__(
+        self, call: Call, client: Any, bucket: str, key: str, meta: dict[str, str], window: int
+    ):
+        self.call, self.client, self.meta = call, client, meta
+        self.bucket, self.key = bucket, key
         self.id = ""
         self._pending: list[bytes | memoryview] = []
         self.pending = 0  # bytes added since the last part
-        self._window = backend.options.s3_max_concurrency
+        self._window = window
         self._futures: list[Future[dict[str, Any]]] = []
         self._pool = ThreadPoolExecutor(self._window, thread_name_prefix="ckptcache-s3-put")
 
@@ -68,8 +68,8 @@ class Upload:
 
     def _submit(self, send: Callable[[int], dict[str, Any]]) -> None:
         if not self.id:
-            reply = self.backend._call(
-                "create multipart upload", self.backend.client.create_multipart_upload,
+            reply = self.call(
+                "create multipart upload", self.client.create_multipart_upload,
                 Bucket=self.bucket, Key=self.key, Metadata=self.meta,
             )  # fmt: skip
             self.id = reply["UploadId"]
@@ -78,16 +78,16 @@ class Upload:
         self._futures.append(self._pool.submit(send, len(self._futures) + 1))
 
     def _put(self, number: int, body: bytes) -> dict[str, Any]:
-        reply = self.backend._call(
-            f"upload part {number}", self.backend.client.upload_part, Bucket=self.bucket,
+        reply = self.call(
+            f"upload part {number}", self.client.upload_part, Bucket=self.bucket,
             Key=self.key, UploadId=self.id, PartNumber=number, Body=body,
         )  # fmt: skip
         return {"PartNumber": number, "ETag": reply["ETag"]}
 
     def _copy(self, number: int, piece: tuple[int, int], token: str) -> dict[str, Any]:
         start, end = piece
-        reply = self.backend._call(
-            f"copy part {number}", self.backend.client.upload_part_copy, Bucket=self.bucket,
+        reply = self.call(
+            f"copy part {number}", self.client.upload_part_copy, Bucket=self.bucket,
             Key=self.key, UploadId=self.id, PartNumber=number,
             CopySource={"Bucket": self.bucket, "Key": self.key},
             CopySourceRange=f"bytes={start}-{end - 1}", CopySourceIfMatch=token,
@@ -109,7 +109,7 @@ class Upload:
                     future.cancel()
                 if self.id:
                     try:
-                        self.backend.client.abort_multipart_upload(
+                        self.client.abort_multipart_upload(
                             Bucket=self.bucket, Key=self.key, UploadId=self.id
                         )
                     except Exception:
