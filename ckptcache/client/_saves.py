@@ -258,6 +258,7 @@ class Saves:
         """Copy ``job`` into its reserved segment and commit it; ``False`` when the daemon
         went away meanwhile and the job was written through instead."""
         from ckptcache.codec.objectio import write_object
+        from ckptcache.codec.plan.walk import release
 
         released = False
         try:
@@ -268,6 +269,8 @@ class Saves:
                 write_packed(mapping, job.plan, job.packed)
             if job.check is not None:
                 job.check.check()  # torn bytes are never committed: abort below instead
+            else:
+                release(job.flat.storages)  # copied: what held them may go, off this thread
             if job.copied is not None:
                 job.copied()
                 released = True

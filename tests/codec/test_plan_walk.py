@@ -10,6 +10,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import enum
+import io
 import math
 import mmap
 from collections.abc import Callable
@@ -24,6 +25,7 @@ from ckptcache.codec.plan import walk as plan_walk
 from ckptcache.codec.plan.cache import PlanCache, describe
 from ckptcache.codec.plan.walk import Sources, reference_key, walk
 from ckptcache.errors import TensorMutated
+from ckptcache.format.layout import HEADER_SIZE
 from tests.helpers import assert_same
 
 needs_compiled = pytest.mark.skipif(
@@ -226,11 +228,14 @@ def _assert_same_walk(obj: Any) -> None:
     assert tuple(ref.storage_ids) == python.storage_ids
     assert ref.columns == python.columns
     assert ref.on_cpu == python.on_cpu
-    compact = walk(obj, versions=False)
-    assert compact is not None and type(compact.key) is bytes
-    assert [id(t) for t in compact.tensors] == [id(t) for t in python.tensors]
+    counted = walk(obj, versions=True)
+    assert counted is not None and type(counted.key) is bytes
+    assert [id(t) for t in counted.tensors] == [id(t) for t in python.tensors]
+    assert counted.versions == python.versions and counted.storage_ids == python.storage_ids
+    compact = walk(obj, versions=False)  # a blocking save's: no tensors, no counters
+    assert compact is not None and compact.key == counted.key
     assert compact.ints == python.ints and compact.on_cpu == python.on_cpu
-    assert compact.versions == () and compact.storage_ids == ()
+    assert compact.tensors == () and compact.versions == () and compact.storage_ids == ()
     assert [s._cdata for s in compact.storages] == [s._cdata for s in python.storages]
     addresses, sizes = compact.storages.columns()
     assert addresses.tolist() == [s.data_ptr() for s in python.storages]
@@ -357,9 +362,14 @@ def test_compact_keys_are_equal_exactly_when_python_keys_are(change):
     _assert_same_walk(after)
 
 
-def _write(flat: Any, plan: Any) -> Any:
+def _write(flat: Any, plan: Any, *, by_torch: bool = False) -> Any:
+    """The object a segment written from ``flat``/``plan`` holds (``by_torch``: as
+    ``torch.load`` reads its archive, the file a persist writes)."""
     mapping = mmap.mmap(-1, plan.layout.nbytes)
     write_object(mapping, plan, flat)
+    if by_torch:
+        archive = io.BytesIO(mapping[HEADER_SIZE : HEADER_SIZE + plan.archive.size])
+        return torch.load(archive, weights_only=True)
     return read_object(
         mapping, plan.layout.manifest_offset, len(plan.manifest_bytes), zero_copy=False
     )
@@ -386,6 +396,7 @@ def test_a_repeated_save_writes_the_current_bytes_and_replans_a_new_structure(wa
     flat, plan = cache.prepare(state, "/ckpt/a.pt", "ns", versions=False)
     assert cache.misses == 1 + replanned
     assert_same(_write(flat, plan), state)
+    assert_same(_write(flat, plan, by_torch=True), state)
 
 
 @pytest.mark.parametrize("make", list(DESCRIBED.values()), ids=list(DESCRIBED))
@@ -409,6 +420,24 @@ def test_a_non_blocking_save_s_counters_come_with_a_reused_plan(walked_by):
     described = describe(state)
     assert described is not None
     assert [s._cdata for s in flat.storages] == [s._cdata for s in described.storages]
+
+
+@needs_compiled
+def test_released_storages_are_let_go_and_not_read_again():
+    state = {"a": torch.ones(1000), "b": torch.ones(3)}
+    cdata = state["a"].untyped_storage()._cdata
+
+    def users() -> int:
+        return int(torch._C._storage_Use_Count(cdata))
+
+    alone = users()  # the tensor's
+    found = walk(state, versions=False)
+    assert found is not None and users() == alone + 1  # held while the copy may read it
+    found.storages.release()
+    plan_walk._releaser().submit(lambda: None).result()  # the release has run
+    assert users() == alone and len(found.storages) == 2
+    with pytest.raises(RuntimeError, match="released"):
+        found.storages.columns()
 
 
 def test_a_storage_resized_after_the_walk_is_refused_not_read(walked_by):

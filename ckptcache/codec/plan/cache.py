@@ -358,8 +358,8 @@ def _walks_agree(obj: Any, walked: Walk, structure: Structure) -> bool:
         reference is not None
         and reference.key == structure.key
         and walked.ints == structure.ints
-        and len(walked.tensors) == len(structure.tensors)
-        and all(a is b for a, b in zip(walked.tensors, structure.tensors, strict=True))
+        and len(reference.tensors) == len(structure.tensors)
+        and all(a is b for a, b in zip(reference.tensors, structure.tensors, strict=True))
         and tuple(reference.storage_ids) == structure.storage_ids
         and len(walked.storages) == len(structure.storages)
     )

@@ -15,6 +15,8 @@ walks agree (and the tests compare them on many shapes).
 from __future__ import annotations
 
 import collections
+import os
+import threading
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, overload
@@ -22,10 +24,11 @@ from typing import Any, overload
 import numpy as np
 import torch
 
+from ckptcache._workers import LingeringPool
 from ckptcache.codec.flatten import v3_dtypes
 from ckptcache.codec.table.native import COMPILED
 
-__all__ = ["REF", "WALKED_BY", "Sources", "Walk", "reference_key", "walk"]
+__all__ = ["REF", "WALKED_BY", "Sources", "Walk", "reference_key", "release", "walk"]
 
 #: In a key: "the container or tensor first seen at ..." follows (both walks' marker).
 REF = object()
@@ -34,6 +37,18 @@ REF = object()
 WALKED_BY = "Python" if COMPILED is None else "C++"
 
 _policy: Any = None
+_releasers: LingeringPool | None = None
+_releasers_pid = 0
+_releasers_lock = threading.Lock()
+
+
+def _releaser() -> LingeringPool:
+    """The thread that lets a walk's storages go (a forked child makes its own)."""
+    global _releasers, _releasers_pid
+    with _releasers_lock:
+        if _releasers is None or _releasers_pid != os.getpid():
+            _releasers, _releasers_pid = LingeringPool(1, "ckptcache-release"), os.getpid()
+        return _releasers
 
 
 def _compiled() -> Any:
@@ -57,11 +72,22 @@ class Sources(Sequence[torch.UntypedStorage]):
 
     def __init__(self, walked: Any):
         self._walked = walked
+        self._count = len(walked)
         self._made: tuple[torch.UntypedStorage, ...] | None = None
+
+    def release(self) -> None:
+        """Let the storages go, on a thread of their own (dropping thousands of references
+        waits on memory long out of the caches): for a save that has copied them, and needs
+        them no more (a blocking one). Python objects already made stay usable."""
+        if self._walked is not None and self._made is None:
+            walked, self._walked = self._walked, None
+            _releaser().submit(walked.release)
 
     def columns(self) -> tuple[np.ndarray, np.ndarray]:
         """The storages' addresses (``uint64``) and sizes (``int64``), read now: where the
         copy starts, not where the walk ran (a storage resized since has moved)."""
+        if self._walked is None:
+            raise RuntimeError("the storages were released after their copy")
         return (
             np.frombuffer(self._walked.addresses(), dtype=np.uint64),
             np.frombuffer(self._walked.sizes(), dtype=np.int64),
@@ -69,11 +95,13 @@ class Sources(Sequence[torch.UntypedStorage]):
 
     def _storages(self) -> tuple[torch.UntypedStorage, ...]:
         if self._made is None:
+            if self._walked is None:
+                raise RuntimeError("the storages were released after their copy")
             self._made = tuple(self._walked.storages())
         return self._made
 
     def __len__(self) -> int:
-        return len(self._walked)
+        return self._count
 
     @overload
     def __getitem__(self, i: int) -> torch.UntypedStorage: ...
@@ -102,7 +130,8 @@ class Walk:
 
 def walk(obj: Any, *, versions: bool = True) -> Walk | None:
     """``obj``'s compact plan key, tensors and storages by the compiled walk; ``versions``:
-    read the tensors' version counters and storage ids too (a non-blocking save's check).
+    read the tensors, their version counters and storage ids too (a non-blocking save's
+    check; a blocking one gets no tensors: the caller's object holds them).
     ``None`` where the compiled walk is not in use or leaves ``obj`` to the Python walk."""
     module, policy = _compiled()
     if module is None:
@@ -114,6 +143,13 @@ def walk(obj: Any, *, versions: bool = True) -> Walk | None:
         walked.key, tuple(walked.tensors), walked.ints, Sources(walked), walked.versions,
         walked.storage_ids, walked.on_cpu,
     )  # fmt: skip
+
+
+def release(storages: Sequence[torch.UntypedStorage]) -> None:
+    """Let a save's storages go once copied, where the compiled walk holds them
+    (:meth:`Sources.release`); nothing otherwise."""
+    if isinstance(storages, Sources):
+        storages.release()
 
 
 def reference_key(obj: Any, *, versions: bool = False) -> Any:

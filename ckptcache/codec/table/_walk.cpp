@@ -287,6 +287,14 @@ struct Walked {
     }
     return py::bytes(reinterpret_cast<const char*>(now.data()), now.size() * sizeof(int64_t));
   }
+  void release() {
+    std::vector<c10::Storage> gone;
+    gone.swap(storages);
+    // Dropping a storage reference waits on its line (long out of the caches): thousands of
+    // them, outside the GIL.
+    py::gil_scoped_release unlocked;
+    gone.clear();
+  }
   py::list storage_objects() const {
     py::list out(storages.size());
     for (size_t i = 0; i < storages.size(); ++i) out[i] = owned(THPStorage_Wrap(storages[i]));
@@ -297,8 +305,10 @@ struct Walked {
 template <class Sink>
 class Walker {
  public:
-  Walker(const Policy& p, bool versions)
-      : p_(p), sink_(p), versions_(versions), seen_(64), tensors_(owned(PyList_New(0))),
+  // ``keep_tensors``: give the tensors as a list (a non-blocking save's check needs them, a
+  // blocking save does not: they are held by the caller's object throughout).
+  Walker(const Policy& p, bool versions, bool keep_tensors)
+      : p_(p), sink_(p), versions_(versions), seen_(64), keep_tensors_(keep_tensors),
         ints_(owned(PyList_New(0))) {}
 
   std::unique_ptr<Walked> run(PyObject* obj) {
@@ -307,7 +317,7 @@ class Walker {
     columns(*out);
     out->key = sink_.key();
     out->columns = sink_.columns();
-    out->tensors = tensors_;
+    out->tensors = keep_tensors_ ? tensor_list() : owned(PyList_New(0));
     out->ints = owned(PyList_AsTuple(ints_.ptr()));
     return out;
   }
@@ -416,9 +426,50 @@ class Walker {
   void dict_items(PyObject* d, int depth) {
     const Py_ssize_t n = PyDict_GET_SIZE(d);
     sink_.length(static_cast<size_t>(n));
-    Py_ssize_t pos = 0;
+    // Cursors run ahead of the walk: the first fetches the values' objects; the second (by
+    // then they have come) a dict's table of items; the third that dict's first values. A
+    // walk of many small dicts then waits on their misses a few at a time, not one by one.
+    Py_ssize_t pos = 0, ahead[3] = {0, 0, 0};
     PyObject *k = nullptr, *v = nullptr;
-    while (PyDict_Next(d, &pos, &k, &v)) item(k, v, depth);
+    if (n < kAheadFrom) {  // a few items: nothing to run ahead of
+      while (PyDict_Next(d, &pos, &k, &v)) item(k, v, depth);
+      return;
+    }
+    for (int c = 0; c < 3; ++c) {
+      for (Py_ssize_t j = 0; j < kAhead[c] && PyDict_Next(d, &ahead[c], &k, &v); ++j) {
+        fetch(c, v);
+      }
+    }
+    while (PyDict_Next(d, &pos, &k, &v)) {
+      for (int c = 0; c < 3; ++c) {
+        PyObject *ak = nullptr, *av = nullptr;
+        if (PyDict_Next(d, &ahead[c], &ak, &av)) fetch(c, av);
+      }
+      item(k, v, depth);
+    }
+  }
+
+  // How many items ahead of the walk each cursor of dict_items() runs, in dicts of at least
+  // kAheadFrom items.
+  static constexpr Py_ssize_t kAhead[3] = {12, 8, 4};
+  static constexpr Py_ssize_t kAheadFrom = 16;
+
+  // What the walk reads next of a value: its object (stage 0); then, for a dict, its table of
+  // items (1) and the objects of its first values (2).
+  static void fetch(int stage, PyObject* v) {
+    if (stage == 0) {
+      __builtin_prefetch(v);
+      return;
+    }
+    if (Py_TYPE(v) != &PyDict_Type) return;
+    if (stage == 1) {
+      const char* table = reinterpret_cast<const char*>(reinterpret_cast<PyDictObject*>(v)->ma_keys);
+      for (int line = 0; line < 4; ++line) __builtin_prefetch(table + 64 * line);
+      return;
+    }
+    Py_ssize_t pos = 0;
+    PyObject *k = nullptr, *item = nullptr;
+    for (int j = 0; j < 4 && PyDict_Next(v, &pos, &k, &item); ++j) __builtin_prefetch(item);
   }
 
   void ordered_items(PyObject* d, int depth) {
@@ -434,8 +485,16 @@ class Walker {
     if (PyErr_Occurred()) throw py::error_already_set();
   }
 
-  void add_tensor(PyObject* v) {
-    if (PyList_Append(tensors_.ptr(), v) != 0) throw py::error_already_set();
+  // Borrowed: the walk runs under the GIL, no Python code runs, and the caller's object holds
+  // every tensor it reaches.
+  void add_tensor(PyObject* v) { tensors_.push_back(v); }
+
+  py::object tensor_list() const {
+    py::object list = owned(PyList_New(static_cast<Py_ssize_t>(tensors_.size())));
+    for (size_t i = 0; i < tensors_.size(); ++i) {
+      PyList_SET_ITEM(list.ptr(), static_cast<Py_ssize_t>(i), Py_NewRef(tensors_[i]));
+    }
+    return list;
   }
 
   // describe()'s tensor_columns: the checks, the storages in first-use order, the columns, in
@@ -443,14 +502,15 @@ class Walker {
   // follows a training step), and one tensor's reads wait on each other: the tensors a few
   // places ahead are fetched meanwhile, so that their misses overlap.
   void columns(Walked& out) {
-    const Py_ssize_t n = PyList_GET_SIZE(tensors_.ptr());
-    PyObject** items = reinterpret_cast<PyListObject*>(tensors_.ptr())->ob_item;
+    const auto n = static_cast<Py_ssize_t>(tensors_.size());
+    PyObject* const* items = tensors_.data();
     AddressMap index_of(64);
     std::vector<at::ScalarType> storage_dtype;
     py::object counters = owned(PyList_New(versions_ ? n : 0));
     py::object cdatas = owned(PyList_New(versions_ ? n : 0));
     bool all_owned = true;
     for (Py_ssize_t i = 0; i < n; ++i) {
+      if (i + kObjectAhead < n) __builtin_prefetch(items[i + kObjectAhead]);
       if (i + kImplAhead < n) fetch_impl(items[i + kImplAhead]);
       if (i + kStorageAhead < n) fetch_storage(items[i + kStorageAhead]);
       PyObject* obj = items[i];
@@ -503,8 +563,9 @@ class Walker {
     out.storage_ids = owned(PyList_AsTuple(cdatas.ptr()));
   }
 
-  // How far ahead the loop fetches a tensor's structure, then (once that has come) its
-  // storage's.
+  // How far ahead the loop fetches a tensor's Python object, then (once that has come) its
+  // structure, then its storage's.
+  static constexpr Py_ssize_t kObjectAhead = 16;
   static constexpr Py_ssize_t kImplAhead = 8;
   static constexpr Py_ssize_t kStorageAhead = 4;
 
@@ -562,14 +623,16 @@ class Walker {
   Sink sink_;
   bool versions_;
   AddressMap seen_;
-  py::object tensors_, ints_;
+  bool keep_tensors_;
+  std::vector<PyObject*> tensors_;
+  py::object ints_;
   int unmemoized_ = 0;  // how many tuples or attribute dicts the walk is inside
 };
 
 template <class Sink>
-py::object walk_with(const Policy& p, py::handle obj, bool versions) {
+py::object walk_with(const Policy& p, py::handle obj, bool versions, bool keep_tensors) {
   try {
-    Walker<Sink> walker(p, versions);
+    Walker<Sink> walker(p, versions, keep_tensors);
     return py::cast(walker.run(obj.ptr()).release(), py::return_value_policy::take_ownership);
   } catch (const NotHandled&) {
     return py::none();
@@ -579,7 +642,8 @@ py::object walk_with(const Policy& p, py::handle obj, bool versions) {
 }
 
 py::object walk(const Policy& p, py::handle obj, bool reference, bool versions) {
-  return reference ? walk_with<TupleSink>(p, obj, versions) : walk_with<BytesSink>(p, obj, versions);
+  return reference ? walk_with<TupleSink>(p, obj, versions, true)
+                   : walk_with<BytesSink>(p, obj, versions, versions);
 }
 
 }  // namespace
@@ -600,7 +664,9 @@ void register_walk(py::module_& m) {
       .def("__len__", [](const Walked& w) { return w.storages.size(); })
       .def("addresses", &Walked::addresses_now)
       .def("sizes", &Walked::sizes_now)
-      .def("storages", &Walked::storage_objects);
+      .def("storages", &Walked::storage_objects)
+      .def("release", &Walked::release,
+           "Let the storages go (the copy is done); storages() is empty from then on.");
   m.def("walk", &walk, py::arg("policy"), py::arg("obj"), py::arg("reference"),
         py::arg("versions"),
         "The plan key of obj and its tensors' storages (see _walk.cpp), or None where the "
