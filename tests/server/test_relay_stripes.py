@@ -89,6 +89,10 @@ class _Relay:
         self.received: list[Any] = []
         self.downstream_has: list[int] = []  # body offsets the downstream copy has in place
         self.landed_down = threading.Event()
+        #: The upstream copy in flight, taken as its fill starts (it may commit before a
+        #: sender's thread runs, and leave the table of objects in flight).
+        self.flight: Inflight | None = None
+        self.flight_ready = threading.Event()
 
     def incoming(self, fill: Callable[..., None], origin: str) -> Incoming:
         layout = self.plan.layout
@@ -114,9 +118,9 @@ class _Relay:
             threading.Thread(target=one, args=(i,), daemon=True).start()
 
     def _flight(self) -> Inflight:
-        while KEY not in self.up.state.inflight:
-            threading.Event().wait(0.005)
-        return self.up.state.inflight[KEY]
+        assert self.flight_ready.wait(30)
+        assert self.flight is not None
+        return self.flight
 
     def receive_down(self) -> None:
         head = peer.RelayHead(
@@ -148,8 +152,14 @@ class _Relay:
         self.serve(spoil)
         down = threading.Thread(target=self.receive_down)
         down.start()
+
+        def filling(view: memoryview, advance: Any) -> None:
+            self.flight = self.up.state.inflight[KEY]
+            self.flight_ready.set()
+            fill(view, advance)
+
         try:
-            gen = self.up.ingest.receive(self.incoming(fill, "storage"))
+            gen = self.up.ingest.receive(self.incoming(filling, "storage"))
         finally:
             down.join(60)
             for a, b in self.channels:
