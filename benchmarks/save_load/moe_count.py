@@ -1,9 +1,10 @@
 """A fine-grained mixture-of-experts state (tens of thousands of small tensors): a repeated
-save's stall against a memcpy of the same tensors, and a zero-copy load per tensor with its
-dense tensors made by the C++ loop and by numpy, the two alternated round by round in one
-process against one daemon.
+save's stall against a memcpy of the same tensors, with its plan key walked in C++ and in
+Python, and a zero-copy load per tensor with its dense tensors made by the C++ loop and by
+numpy; each pair alternated round by round (which goes first alternates too) in one process
+against one daemon.
 
-    python benchmarks/save_load/moe_count.py --size 512MiB --tensors 50000 --rounds 5
+    python benchmarks/save_load/moe_count.py --size 512MiB --tensors 50000 --rounds 7
 
 The state: float32 tensors of equal size in nested dicts, ``layers.L`` / ``experts.E`` /
 ``w1``, ``w2`` (as ``benchmarks/peers/states.py``'s ``moe`` shapes). Every load is compared
@@ -26,6 +27,7 @@ from ckptcache._units import parse_bytes
 from ckptcache.cli.bench import wait_idle
 from ckptcache.cli.benchmarking import memcpy_seconds, running_daemon
 from ckptcache.client import Client
+from ckptcache.codec.plan import walk as plan_walk
 from ckptcache.codec.table import tensors as table_tensors
 
 
@@ -76,24 +78,35 @@ def main() -> None:
     n = len(saved)
     compiled = table_tensors._compiled
     paths = {"C++": compiled, "numpy": None} if compiled is not None else {"numpy": None}
+    walker = plan_walk.COMPILED
+    walks = {"C++": walker, "Python": None} if walker is not None else {"Python": None}
     print(f"torch {torch.__version__}, {os.cpu_count()} CPUs, load {os.getloadavg()[0]:.2f}, "
-          f"{n:,} tensors, {args.size}, paths: {', '.join(paths)}")  # fmt: skip
+          f"{n:,} tensors, {args.size}, load paths: {', '.join(paths)}, "
+          f"walks: {', '.join(walks)}")  # fmt: skip
     memcpys: list[float] = []
-    stalls: list[float] = []
+    stalls: dict[str, list[float]] = {name: [] for name in walks}
     loads: dict[str, list[float]] = {name: [] for name in paths}
     args_ = ("--memory-limit", str(4 * nbytes + (512 << 20)), "--keep", "1")
     with tempfile.TemporaryDirectory() as root, running_daemon(*args_) as daemon:
         path = os.path.join(root, "moe.pt")
         with Client(daemon.socket, fallback="raise") as c:
-            for _ in range(2):  # the plan and the spare in place: the saves after repeat
-                c.save(state, path)
-                wait_idle(c, path)
+            for name in walks:  # each walk's plan and the spare in place: the saves repeat
+                plan_walk.COMPILED = walks[name]
+                for _ in range(2):
+                    c.save(state, path)
+                    wait_idle(c, path)
+            plan_walk.COMPILED = walker
             for r in range(args.rounds):
                 memcpys.append(memcpy_seconds(saved))
-                t0 = time.perf_counter()
-                c.save(state, path)
-                stalls.append(time.perf_counter() - t0)
-                wait_idle(c, path)
+                for name in list(walks) if r % 2 == 0 else list(reversed(walks)):
+                    plan_walk.COMPILED = walks[name]
+                    try:
+                        t0 = time.perf_counter()
+                        c.save(state, path)
+                        stalls[name].append(time.perf_counter() - t0)
+                    finally:
+                        plan_walk.COMPILED = walker
+                    wait_idle(c, path)
                 order = list(paths) if r % 2 == 0 else list(reversed(paths))
                 for name in order:
                     table_tensors._compiled = paths[name]
@@ -111,9 +124,15 @@ def main() -> None:
     print(f"| {n:,} tensors, {args.size} | best | median | per tensor (median) |")
     print("|---|---:|---:|---:|")
     print(f"| memcpy (limit) | {mc * 1e3:.1f} ms | {statistics.median(memcpys) * 1e3:.1f} ms | |")
-    best, med = min(stalls), statistics.median(stalls)
-    print(f"| repeated save (stall) | {best * 1e3:.1f} ms ({best / mc:.2f}x) | "
-          f"{med * 1e3:.1f} ms | {(med - mc) / n * 1e6:.2f} us above the copy |")  # fmt: skip
+    mm = statistics.median(memcpys)
+    for name, secs in stalls.items():
+        best, med = min(secs), statistics.median(secs)
+        print(f"| repeated save (stall), walk by {name} | {best * 1e3:.1f} ms ({best / mc:.2f}x) "
+              f"| {med * 1e3:.1f} ms ({med / mm:.2f}x) | {(med - mm) / n * 1e6:.2f} us above "
+              "the copy |")  # fmt: skip
+    for name, secs in stalls.items():
+        each = ", ".join(f"{s / m:.2f}" for s, m in zip(secs, memcpys, strict=True))
+        print(f"each round, walk by {name} (x that round's memcpy): {each}")
     for name, secs in loads.items():
         best, med = min(secs), statistics.median(secs)
         print(f"| zero-copy load, dense tensors by {name} | {best * 1e3:.1f} ms | "
