@@ -136,7 +136,10 @@ def walk(obj: Any, *, versions: bool = True) -> Walk | None:
     module, policy = _compiled()
     if module is None:
         return None
-    walked = module.walk(policy, obj, False, versions)
+    try:
+        walked = module.walk(policy, obj, False, versions)
+    except Exception:  # a Python error met on the way (out of memory...): the Python walk's
+        return None
     if walked is None:
         return None
     return Walk(

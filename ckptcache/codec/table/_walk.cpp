@@ -463,7 +463,8 @@ class Walker {
     }
     if (Py_TYPE(v) != &PyDict_Type) return;
     if (stage == 1) {
-      const char* table = reinterpret_cast<const char*>(reinterpret_cast<PyDictObject*>(v)->ma_keys);
+      const auto* dict = reinterpret_cast<PyDictObject*>(v);
+      const char* table = reinterpret_cast<const char*>(dict->ma_keys);
       for (int line = 0; line < 4; ++line) __builtin_prefetch(table + 64 * line);
       return;
     }
