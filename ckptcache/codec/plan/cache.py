@@ -20,6 +20,13 @@ in turn. Anything else is flattened afresh on every save, as before. A cached pl
 stored when a fresh flatten of the same object agrees with the walk on every tensor and
 storage, in order.
 
+Where the package's C++ module is built, a save walks in C++ first
+(:mod:`ckptcache.codec.plan.walk`): a compact byte key, equal for two objects exactly when
+:func:`describe`'s keys are, and the storages as addresses and sizes for the copy. A plan is
+kept under that key only where, on the miss that made it, the compiled walker's reference
+key (the same walk writing :func:`describe`'s tuple) equals :func:`describe`'s, token for
+token; what the compiled walk does not describe is walked here.
+
 Why equal keys give equal skeletons: the walk visits what the pickler writes, in the order it
 writes it, and the key records every value that decides a written byte (kinds, scalar values,
 lengths, classes, tensor geometry) and, for what the pickler memoizes by identity (dicts,
