@@ -279,6 +279,22 @@ def copy_storages_into(dst: torch.Tensor, runs: Sequence[Run]) -> None:
     copy_cpu_storages(dst, offsets, storages, sizes)
 
 
+def _on_copy_threads(work: Callable[[], None], threads: int) -> None:
+    """Run ``work`` on this thread and on ``threads - 1`` copy threads at once (each ``work``
+    takes pieces from one shared iterator) and return once every one has ended: the sources
+    and the destination must outlive every copy, even on an error, which is raised here."""
+    if threads == 1:
+        work()
+        return
+    with signals_deferred():  # no lock of the pool's is left half taken (_signals.py)
+        others = [_copier_pool(threads - 1).submit(work) for _ in range(threads - 1)]
+        try:
+            work()
+        finally:
+            for future in others:
+                future.result()
+
+
 def copy_cpu_storages(
     dst: torch.Tensor, offsets: list[int], storages: list[torch.UntypedStorage], sizes: list[int]
 ) -> None:
@@ -307,16 +323,7 @@ def copy_cpu_storages(
         for piece in pieces:  # next() on a shared iterator is atomic under the GIL
             copy_runs(piece)
 
-    if threads == 1:
-        work()
-        return
-    with signals_deferred():  # no lock of the pool's is left half taken (_signals.py)
-        others = [_copier_pool(threads - 1).submit(work) for _ in range(threads - 1)]
-        try:
-            work()
-        finally:
-            for future in others:  # the storages must outlive every copy, even on an error
-                future.result()
+    _on_copy_threads(work, threads)
 
 
 def copy_sources(
@@ -351,16 +358,7 @@ def copy_sources(
         for piece in pieces:  # next() on a shared iterator is atomic under the GIL
             copy_table(piece)
 
-    if threads == 1:
-        work()
-        return
-    with signals_deferred():  # no lock of the pool's is left half taken (_signals.py)
-        others = [_copier_pool(threads - 1).submit(work) for _ in range(threads - 1)]
-        try:
-            work()
-        finally:
-            for future in others:  # the storages must outlive every copy, even on an error
-                future.result()
+    _on_copy_threads(work, threads)
 
 
 def _split_table(table: np.ndarray, parts: int) -> list[np.ndarray]:
@@ -445,16 +443,7 @@ def private_copy(path: str, size: int) -> Mapping:
                         raise OSError(f"{path} ends at {at} bytes, before {size}")
                     at += got
 
-        if threads == 1:
-            work()
-        else:
-            with signals_deferred():  # no lock of the pool's is left half taken
-                others = [_copier_pool(threads - 1).submit(work) for _ in range(threads - 1)]
-                try:
-                    work()
-                finally:
-                    for future in others:  # the file and the copy must outlive every read
-                        future.result()
+        _on_copy_threads(work, threads)
     finally:
         view.release()
         os.close(fd)
