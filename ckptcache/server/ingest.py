@@ -96,6 +96,7 @@ class Ingest:
             state.end_flight(key, flight)  # committed below: later fetches use the index
             res = internal.reservations[reply.reservation]
             res.digests = table  # published with the generation: nobody hashes it again
+            res.relayed = flight  # relays still sending keep the generation they read
             # Marked inside the commit, under the lock that publishes the generation: a
             # trainer's save of the same path committing meanwhile is never labelled a copy.
             res.origin, res.saved_at, res.saved_ns = copy.origin, content, copy.content_ns

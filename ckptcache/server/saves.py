@@ -324,6 +324,8 @@ class Saves:
             if res.digests is not None:
                 self.digester.record(gen, res.digests)
             state.index.add(gen)
+            if res.relayed is not None:  # before anything can retire it
+                state.hold_for_relays_locked(res.relayed, gen)
             if not res.stored:  # a newer save (a copy read back from storage is not one)
                 state.superseded.forget(gen.key)
             lease = 0

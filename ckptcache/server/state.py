@@ -85,6 +85,9 @@ class Reservation:
     saver: Saver | None = None
     #: Digests already known (a copy received and verified): recorded at commit.
     digests: list[int] | None = None
+    #: A copy's flight: relays still sending from its segment pin the generation it becomes
+    #: (:meth:`CacheState.hold_for_relays_locked`).
+    relayed: Inflight | None = None
     #: Deepest ancestor directory that existed at save time (see ckptcache.server.persist.lineage).
     anchor: str = ""
     #: The object on storage when the save was made: its identity ("" none, None not known)
@@ -139,6 +142,8 @@ class Inflight:
     landed: list[int] = field(default_factory=lambda: [0])
     #: The connections relaying it from its segment now (see :meth:`CacheState.relaying`).
     senders: set[Sending] = field(default_factory=set)
+    #: The generation it was committed as, pinned while relays still send from its segment.
+    held: Generation | None = None
 
     @property
     def body(self) -> int:
@@ -535,7 +540,18 @@ class CacheState:
         finally:
             with self.lock.held():
                 flight.senders.discard(channel)
+                if not flight.senders and flight.held is not None:
+                    held, flight.held = flight.held, None
+                    self.unpin_locked(held)  # frees it now if it was retired meanwhile
                 self.lock.notify_all()
+
+    def hold_for_relays_locked(self, flight: Inflight, gen: Generation) -> None:
+        """``flight`` is committed as ``gen``: the relays still sending from its segment keep
+        it (a pin, dropped with the last of them), so eviction or a delete cannot give the
+        segment to another save while they read it."""
+        if flight.senders and flight.held is None:
+            self.pin_locked(gen)
+            flight.held = gen
 
     def end_flight(self, key: Key, flight: Inflight, *, failed: bool = False) -> None:
         """``flight`` is over (committed, or ``failed``): later fetches use the index. A

@@ -343,3 +343,55 @@ def test_a_failed_copy_stops_its_relays_before_its_segment_is_given_back(make_co
     assert isinstance(sender.get("error"), OSError)
     send.close()
     stalled.close()
+
+
+@pytest.mark.parametrize("striped", [True, False])
+def test_a_relay_still_sending_after_the_commit_keeps_the_generation(make_core, striped):
+    """A relay blocked on a slow peer while the copy it follows commits: the generation stays
+    pinned until the relay ends, so retiring it (eviction, a delete) meanwhile cannot give its
+    segment to another save while the relay reads it; the segment goes with the relay."""
+    _obj, plan, image = _image()
+    up = make_core(memory_limit=64 << 20, node_id="up")
+    send, stalled = _pair()  # ``stalled`` is not read until the end
+    flights: list[Inflight] = []
+    sender: dict[str, BaseException] = {}
+
+    def relay_it() -> None:
+        while KEY not in up.state.inflight:
+            threading.Event().wait(0.005)
+        flight = up.state.inflight[KEY]
+        flights.append(flight)
+        try:
+            if striped:
+                relay.send_blocks(
+                    send, up.state, flight, relay.plan(flight.body, (0,), 1, BLOCK)[0]
+                )
+            else:
+                transfer.relay_in_flight(send, up.state, flight)
+        except BaseException as e:
+            sender["error"] = e
+
+    t = threading.Thread(target=relay_it, daemon=True)
+    t.start()
+
+    def fill(view: memoryview, advance: Any) -> None:
+        view[:] = memoryview(image)[HEADER_SIZE:]
+        advance(len(view))  # all landed: the relay sends until the peer's buffers are full
+        while not (flights and flights[0].senders):
+            threading.Event().wait(0.005)
+
+    layout = plan.layout
+    gen = up.ingest.receive(Incoming(*KEY, layout.nbytes, layout.manifest_offset,
+                                     len(plan.manifest_bytes), fill, origin="storage"))  # fmt: skip
+    assert t.is_alive() and flights[0].senders  # still sending, from the committed segment
+    with up.state.lock.held():
+        assert gen.pins == 1 and flights[0].held is gen
+        up.state.retire_locked(gen)  # evicted or deleted meanwhile
+    assert gen.retired and gen.segment.name not in up.state.arena.free  # kept for the relay
+    stalled.close()  # the peer goes: the relay's send fails and it ends
+    t.join(30)
+    assert not t.is_alive()
+    with up.state.lock.held():
+        assert gen.pins == 0 and not gen.retired and flights[0].held is None
+        assert gen.segment.name in up.state.arena.free  # given back with the relay
+    send.close()
