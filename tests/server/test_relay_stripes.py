@@ -296,16 +296,13 @@ def test_relay_messages_round_trip_and_an_unstriped_head_is_the_older_one() -> N
                        manifest_size=512, streams=4)  # fmt: skip
 
 
-@pytest.mark.parametrize("striped", [True, False])
-def test_a_failed_copy_stops_its_relays_before_its_segment_is_given_back(make_core, striped):
-    """A relay sending bytes that landed, blocked on a peer that reads nothing, when the copy
-    fails: the failure hangs the relay up and waits for it, so no relay reads the segment
-    once it is given back (it may hold another object by then)."""
-    _obj, plan, image = _image()
-    up = make_core(memory_limit=64 << 20, node_id="up")
-    send, stalled = _pair()  # ``stalled`` is never read
-    sender: dict[str, BaseException] = {}
-    flights: list[Inflight] = []
+def _relay_when_in_flight(
+    up: Any, send: Channel, striped: bool, flights: list[Inflight],
+    sender: dict[str, BaseException],
+) -> threading.Thread:  # fmt: skip
+    """A thread relaying ``up``'s copy of :data:`KEY` on ``send`` once it is in flight (in
+    one stripe, or on one connection); the flight goes to ``flights``, an error to
+    ``sender``."""
 
     def relay_it() -> None:
         while KEY not in up.state.inflight:
@@ -324,6 +321,20 @@ def test_a_failed_copy_stops_its_relays_before_its_segment_is_given_back(make_co
 
     t = threading.Thread(target=relay_it, daemon=True)
     t.start()
+    return t
+
+
+@pytest.mark.parametrize("striped", [True, False])
+def test_a_failed_copy_stops_its_relays_before_its_segment_is_given_back(make_core, striped):
+    """A relay sending bytes that landed, blocked on a peer that reads nothing, when the copy
+    fails: the failure hangs the relay up and waits for it, so no relay reads the segment
+    once it is given back (it may hold another object by then)."""
+    _obj, plan, image = _image()
+    up = make_core(memory_limit=64 << 20, node_id="up")
+    send, stalled = _pair()  # ``stalled`` is never read
+    sender: dict[str, BaseException] = {}
+    flights: list[Inflight] = []
+    t = _relay_when_in_flight(up, send, striped, flights, sender)
 
     def fill(view: memoryview, advance: Any) -> None:
         view[:] = memoryview(image)[HEADER_SIZE:]
@@ -353,26 +364,9 @@ def test_a_relay_still_sending_after_the_commit_keeps_the_generation(make_core, 
     _obj, plan, image = _image()
     up = make_core(memory_limit=64 << 20, node_id="up")
     send, stalled = _pair()  # ``stalled`` is not read until the end
-    flights: list[Inflight] = []
     sender: dict[str, BaseException] = {}
-
-    def relay_it() -> None:
-        while KEY not in up.state.inflight:
-            threading.Event().wait(0.005)
-        flight = up.state.inflight[KEY]
-        flights.append(flight)
-        try:
-            if striped:
-                relay.send_blocks(
-                    send, up.state, flight, relay.plan(flight.body, (0,), 1, BLOCK)[0]
-                )
-            else:
-                transfer.relay_in_flight(send, up.state, flight)
-        except BaseException as e:
-            sender["error"] = e
-
-    t = threading.Thread(target=relay_it, daemon=True)
-    t.start()
+    flights: list[Inflight] = []
+    t = _relay_when_in_flight(up, send, striped, flights, sender)
 
     def fill(view: memoryview, advance: Any) -> None:
         view[:] = memoryview(image)[HEADER_SIZE:]
