@@ -21,7 +21,8 @@ import operator
 import os
 import threading
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from typing import TypeVar
 
 import numpy as np
 import torch
@@ -279,10 +280,19 @@ def copy_storages_into(dst: torch.Tensor, runs: Sequence[Run]) -> None:
     copy_cpu_storages(dst, offsets, storages, sizes)
 
 
-def _on_copy_threads(work: Callable[[], None], threads: int) -> None:
-    """Run ``work`` on this thread and on ``threads - 1`` copy threads at once (each ``work``
-    takes pieces from one shared iterator) and return once every one has ended: the sources
-    and the destination must outlive every copy, even on an error, which is raised here."""
+_P = TypeVar("_P")
+
+
+def _on_copy_threads(pieces: Iterator[_P], copy: Callable[[_P], None], threads: int) -> None:
+    """``copy`` each of ``pieces`` on this thread and on ``threads - 1`` copy threads at
+    once, each taking the next piece (``next()`` on a shared iterator is atomic under the
+    GIL), and return once every one has ended: the sources and the destination must outlive
+    every copy, even on an error, which is raised here."""
+
+    def work() -> None:
+        for piece in pieces:
+            copy(piece)
+
     if threads == 1:
         work()
         return
@@ -318,12 +328,7 @@ def copy_cpu_storages(
     # Many more pieces than threads, each thread taking the next one: a thread that the node's
     # other work (the daemon refilling its pool, say) deschedules holds up one piece, not half.
     pieces = iter(_split(jobs, threads * _PIECES_PER_THREAD if threads > 1 else 1))
-
-    def work() -> None:
-        for piece in pieces:  # next() on a shared iterator is atomic under the GIL
-            copy_runs(piece)
-
-    _on_copy_threads(work, threads)
+    _on_copy_threads(pieces, copy_runs, threads)
 
 
 def copy_sources(
@@ -353,12 +358,7 @@ def copy_sources(
     total = int(sizes.sum())
     threads = _threads_for(total)
     pieces = iter(_split_table(table, threads * _PIECES_PER_THREAD if threads > 1 else 1))
-
-    def work() -> None:
-        for piece in pieces:  # next() on a shared iterator is atomic under the GIL
-            copy_table(piece)
-
-    _on_copy_threads(work, threads)
+    _on_copy_threads(pieces, copy_table, threads)
 
 
 def _split_table(table: np.ndarray, parts: int) -> list[np.ndarray]:
@@ -434,16 +434,15 @@ def private_copy(path: str, size: int) -> Mapping:
         threads = _threads_for(size)
         pieces = iter(range(0, size, _PRIVATE_CHUNK))
 
-        def work() -> None:
-            for at in pieces:  # next() on a shared iterator is atomic under the GIL
-                end = min(at + _PRIVATE_CHUNK, size)
-                while at < end:  # preadv releases the interpreter lock
-                    got = os.preadv(fd, [view[at:end]], at)
-                    if got <= 0:
-                        raise OSError(f"{path} ends at {at} bytes, before {size}")
-                    at += got
+        def read(at: int) -> None:
+            end = min(at + _PRIVATE_CHUNK, size)
+            while at < end:  # preadv releases the interpreter lock
+                got = os.preadv(fd, [view[at:end]], at)
+                if got <= 0:
+                    raise OSError(f"{path} ends at {at} bytes, before {size}")
+                at += got
 
-        _on_copy_threads(work, threads)
+        _on_copy_threads(pieces, read, threads)
     finally:
         view.release()
         os.close(fd)
