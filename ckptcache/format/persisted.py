@@ -185,7 +185,12 @@ def lead_digest(
     with its real CRC-32, then ``record``'s local header. Two files whose records agree in
     data and in these digests agree byte for byte over the run."""
     tail = b"" if previous is None else _descriptor(view, previous, previous_crc)
-    return xxhash.xxh3_64_intdigest(tail + bytes(view[record.header_offset : record.data_offset]))
+    return _lead(tail, view[record.header_offset : record.data_offset])
+
+
+def _lead(tail: bytes, header: memoryview) -> int:
+    """:func:`lead_digest` of a record given the descriptor written before its header."""
+    return xxhash.xxh3_64_intdigest(tail + bytes(header))
 
 
 def _patched_central(view: memoryview, cd_offset: int, n: int, crcs: Mapping[int, int]) -> bytes:
@@ -254,7 +259,7 @@ def stream_archive(
     crcs: dict[int, int] = {}
     meta = xxhash.xxh3_64()  # the structure around the records: a few bytes per record
     batches = _batches(records)
-    previous: tuple[ArchiveRecord, int] | None = None
+    tail = b""  # the descriptor written last (before the next record's header)
     # The CRC-32s and digests of the next runs of records are taken on a second thread while
     # this one writes (the write needs a record's CRC only for its descriptor, after its
     # data): the persist costs the larger of the two, not their sum.
@@ -294,12 +299,11 @@ def stream_archive(
                     if offsets is not None:
                         offsets[record.data_offset] = digest
                     if written is not None:
-                        before, before_crc = previous if previous is not None else (None, 0)
-                        lead = lead_digest(view, before, before_crc, record)
+                        lead = _lead(tail, view[record.header_offset : record.data_offset])
                         written.append(WrittenRecord(
                             record.name, record.data_offset, record.size, digest, crc, lead
                         ))  # fmt: skip
-                    previous = record, crc
+                    tail = descriptor
         finally:
             for future in ahead:
                 future.cancel()
