@@ -28,6 +28,7 @@ from ckptcache.server.cluster.coord import (
 from ckptcache.server.cluster.coord.counting import CountingCoordinator
 from ckptcache.server.cluster.coord.records import HolderRecord, InFlightRecord, parse_all
 from ckptcache.server.cluster.dataplane import DataPlaneClient, TLSConfig
+from ckptcache.server.cluster.holdings import Holdings
 from ckptcache.server.metrics import Metrics
 
 if TYPE_CHECKING:
@@ -56,6 +57,7 @@ class Membership:
         cfg = config
         self.config = cfg
         self.ensure_digests = ensure_digests
+        self.holdings = Holdings()
         self.secret = cfg.cluster_secret()
         if cfg.listen and not self.secret:
             raise ConfigError(
@@ -189,7 +191,8 @@ class Membership:
         # origin: for a backup copy, whose save it is.
         record = HolderRecord(me, gen.path, gen.number, gen.committed, gen.origin,
                               gen.committed_ns, gen.seen_ns)  # fmt: skip
-        self.coord.announce(keys.holder_key(ph, digest, me), record.to_dict())
+        key = keys.holder_key(ph, digest, me)
+        self.holdings.announce(key, gen, lambda: self.coord.announce(key, record.to_dict()))
         return ph, digest
 
     def withdraw(self, key: str) -> None:
@@ -210,13 +213,18 @@ class Membership:
 
     def withdraw_holding(self, gen: Generation) -> None:
         """``gen`` left this node: withdraw its holding in the background."""
+        threading.Thread(target=self.withdraw_held, args=(gen,), daemon=True).start()
+
+    def withdraw_held(self, gen: Generation) -> None:
+        """Withdraw the holding of ``gen`` (which left this node), unless its key speaks for
+        a newer generation of the same content by now (:mod:`.holdings`)."""
         digests = gen.digests
         if digests is None:
             return
         key = keys.holder_key(
             path_hash(gen.namespace, gen.path), object_digest(digests), self.node.node_id
         )
-        threading.Thread(target=self.withdraw, args=(key,), daemon=True).start()
+        self.holdings.withdraw(key, gen, lambda: self.withdraw(key))
 
     @contextlib.contextmanager
     def in_flight(self, ph: str) -> Iterator[Callable[[], None]]:

@@ -149,9 +149,9 @@ class Settling:
     def _settle(self, ph: str, gen: Generation, held: contextlib.ExitStack) -> None:
         try:
             with held:  # closed whatever the announcement does: nobody waits on a dead key
-                key = keys.holder_key(*self.membership.announce(gen), self.membership.node.node_id)
+                self.membership.announce(gen)
                 if gen.removed:  # retired meanwhile: its withdrawal may have come first
-                    self.membership.withdraw(key)
+                    self.membership.withdraw_held(gen)
         except (CkptCacheError, OSError) as e:  # the copy is served; peers read storage
             log.warning("could not announce %s: %s", gen.path, e)
         finally:
