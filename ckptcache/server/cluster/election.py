@@ -279,7 +279,7 @@ class Election:
         marked persisted) through the normal election."""
         ph, digest = path_hash(gen.namespace, gen.path), object_digest(gen.digests or [])
         me = self.membership.node.node_id
-        self.membership.withdraw(keys.holder_key(ph, digest, me))
+        self.membership.withdraw_held(gen)
         self.membership.release(keys.writer_key(ph), keys.rep_key(ph, digest))
         try:
             members = parse_all(
