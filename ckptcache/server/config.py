@@ -102,6 +102,9 @@ class DaemonConfig:
     #: that file (``copy_file_range``: a reflink where the file system shares blocks), each
     #: checked as read back; off: every persist writes the whole file (docs/persistence.md).
     incremental_persist: bool = True
+    #: A backup push offers its digests when the receiver may hold some of its storages, and
+    #: sends only the ones it does not (see ``server/cluster/delta.py``).
+    incremental_push: bool = True
     s3_endpoint_url: str | None = None
     s3_region: str | None = None
     s3_part_size: int = 64 << 20
@@ -368,6 +371,7 @@ VALIDATORS: dict[str, Validator] = {
     "persist_backoff": _seconds(zero_ok=True),
     "persist_backoff_max": _seconds(zero_ok=True),
     "incremental_persist": _flag,
+    "incremental_push": _flag,
     "coordinator": _coordinator,
     "cluster": _text,
     "job": _text,

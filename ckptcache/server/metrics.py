@@ -46,6 +46,11 @@ class Metrics:
             "from memory (incremental_persist)",
             registry=r,
         )
+        self.push_bytes_held = Counter(
+            "ckptcache_push_bytes_held",
+            "Bytes of backup copies pushed to peers that held them already, so not sent",
+            registry=r,
+        )
         self.persist_errors = Counter(
             "ckptcache_persist_errors", "Persist attempts that failed", registry=r
         )

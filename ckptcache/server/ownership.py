@@ -13,7 +13,7 @@ import pwd
 import struct
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Protocol, TypedDict
 
 from ckptcache._secure_fs import current_umask
 from ckptcache.errors import InvalidPath, PathNotAllowed
@@ -28,6 +28,7 @@ __all__ = [
     "Owned",
     "Requester",
     "Saver",
+    "SaverFields",
     "Segment",
     "check_may_save",
     "daemon_saver",
@@ -121,7 +122,15 @@ class Segment(records.Segment, Protocol):
         """The uid that owns the segment's file."""
 
 
-def saver_fields(saver: Saver | None) -> dict[str, int]:
+class SaverFields(TypedDict, total=False):
+    """The saver's fields of a peer message (see :func:`saver_fields`)."""
+
+    saver_uid: int
+    saver_gid: int
+    saver_umask: int
+
+
+def saver_fields(saver: Saver | None) -> SaverFields:
     """``saver`` as peer messages carry it (``saver_uid``, ...; nothing when unknown)."""
     if saver is None:
         return {}

@@ -8,6 +8,8 @@ Exchanges (one connection may carry several, one after the other)::
 
     push:    PushRequest  -> Ack (reserved: send the bytes) | Refused
              <segment body, digest table>      -> Pushed | Refused
+             (with the offer's digests, the receiver may name the storages it holds in
+             Ack.have: then only the rest of the body is sent, in order, then the table)
              (striped: the first stripe of the body here, then the table once every
              stripe is in; each other stripe on a connection of its own:)
     stripe:  PushStripe   -> Ack <its stripe of the body> -> Ack | Refused
@@ -142,12 +144,18 @@ class PushRequest(_Extent, _CopyHead):
     streams: int = 1
     #: Names the transfer on the other connections (:class:`PushStripe`); empty with one.
     token: str = ""
+    #: The copy's digest table, offered up front so the receiver can name the storages it
+    #: holds already (:attr:`Ack.have`, :mod:`ckptcache.server.cluster.delta`); empty: the
+    #: whole body is sent.
+    digests: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         _copy_head(self)  # not super(): a slots dataclass is a new class without its cell
         _non_negative(self, "committed_ns")
         if not 1 <= self.streams <= MAX_STREAMS:
             raise ValueError(f"PushRequest.streams: must be 1 to {MAX_STREAMS}")
+        if not all(0 <= d < 1 << 64 for d in self.digests):
+            raise ValueError("PushRequest.digests: each must be a 64-bit digest")
 
 
 @message
@@ -241,9 +249,17 @@ class Ack:
     #: the first 0), as the receiver planned them (at most the offer's
     #: :attr:`PushRequest.streams`); empty: the whole body on the offer's connection.
     stripes: tuple[int, ...] = ()
+    #: The storages (by index, increasing) a push's receiver holds already, from the
+    #: offer's :attr:`PushRequest.digests`: their bytes are not sent, the rest of the body
+    #: comes on the offer's connection (:mod:`ckptcache.server.cluster.delta`).
+    have: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         _check_stripes(self.stripes, "Ack.stripes")
+        if any(b <= a for a, b in itertools.pairwise(self.have)) or any(i < 0 for i in self.have):
+            raise ValueError("Ack.have: increasing storage indices >= 0")
+        if self.have and len(self.stripes) > 1:
+            raise ValueError("Ack.have: a push sends what is left on one connection")
 
 
 @message
@@ -324,6 +340,8 @@ _NEWER: dict[str, Any] = {
     "relays": False,
     "lanes": (),
     "block": 0,
+    "digests": (),
+    "have": (),
 }
 
 

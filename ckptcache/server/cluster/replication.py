@@ -26,10 +26,12 @@ from ckptcache.errors import CkptCacheError, ReplicationError
 from ckptcache.format.manifest import Manifest
 from ckptcache.server.cluster.coord import CoordinatorUnavailable, NodeInfo
 from ckptcache.server.cluster.dataplane import Channel, recv_msg, send_msg
+from ckptcache.server.cluster.delta import find_held
 from ckptcache.server.cluster.membership import Membership
 from ckptcache.server.cluster.stripes import Sinks, auto_streams
 from ckptcache.server.cluster.transfer import (
     receive_copy,
+    send_delta,
     send_object,
     send_stripe,
     send_striped,
@@ -126,7 +128,6 @@ class Replication:
         if not self.state.pin_if_current(gen):
             return  # retired meanwhile: nothing to protect
         try:
-            t0 = time.perf_counter()
             header = gen.segment.read_header()
             offer = peer.PushRequest(
                 namespace=gen.namespace, path=gen.path,
@@ -139,40 +140,74 @@ class Replication:
             streams = auto_streams(self.config.data_plane_streams)
             if streams > 1:
                 offer = replace(offer, streams=streams, token=secrets.token_hex(16))
-            with self.membership.dial(target) as conn:
-                t1 = time.perf_counter()
-                send_msg(conn.channel, peer.encode(offer))
-                ready = peer.decode_ack(recv_msg(conn.channel))
-                if (isinstance(ready, peer.Refused) and ready.error == "ProtocolMismatch"
-                        and offer.streams > 1):  # fmt: skip
-                    # A node that predates striped pushes: the whole body on this connection.
-                    offer = replace(offer, streams=1, token="")
-                    send_msg(conn.channel, peer.encode(offer))
-                    ready = peer.decode_ack(recv_msg(conn.channel))
-                if isinstance(ready, peer.Refused):
-                    raise ReplicationError(f"{target.node_id} refused: {ready.message}")
-                t2 = time.perf_counter()
-                if len(ready.stripes) > 1:
-
-                    def stripe(index: int, lo: int, hi: int) -> None:
-                        self._push_stripe(gen, target, offer.token, index, lo, hi)
-
-                    send_striped(conn.channel, gen, lambda: self.ensure_digests(gen),
-                                 list(ready.stripes), stripe)  # fmt: skip
-                else:
-                    send_object(conn.channel, gen, lambda: self.ensure_digests(gen))
-                t3 = time.perf_counter()
-                done = peer.decode_pushed(recv_msg(conn.channel))
-                t4 = time.perf_counter()
-                log.debug("push of %s: connect %.3fs reserve %.3fs send %.3fs commit %.3fs",
-                          gen.path, t1 - t0, t2 - t1, t3 - t2, t4 - t3)  # fmt: skip
-                if isinstance(done, peer.Refused):
-                    raise ReplicationError(f"{target.node_id} rejected: {done.message}")
+            sent = False
+            if self.config.incremental_push and self._may_hold(gen, target):
+                digests = tuple(self.ensure_digests(gen))
+                try:
+                    self._offer(gen, target, replace(offer, digests=digests))
+                    sent = True
+                except (OSError, CkptCacheError) as e:
+                    # A held storage found damaged there, a cut link: the whole copy, once.
+                    log.warning("push of %s to %s, less what it holds, failed (%s): sending "
+                                "all of it", gen.path, target.node_id, e)  # fmt: skip
+            if not sent:
+                self._offer(gen, target, offer)
             # Routine, one a save: DEBUG (a failed copy raises, or is logged as a warning;
             # status says where the replicas are).
             log.debug("backup copy of %s generation %d on %s", gen.path, gen.number, target.node_id)
         finally:
             self.state.unpin(gen)
+
+    def _offer(self, gen: Generation, target: NodeInfo, offer: peer.PushRequest) -> None:
+        """Push ``gen`` to ``target`` as ``offer`` says, until the receiver committed it."""
+        t0 = time.perf_counter()
+        with self.membership.dial(target) as conn:
+            t1 = time.perf_counter()
+            send_msg(conn.channel, peer.encode(offer))
+            ready = peer.decode_ack(recv_msg(conn.channel))
+            if (isinstance(ready, peer.Refused) and ready.error == "ProtocolMismatch"
+                    and offer.streams > 1):  # fmt: skip
+                # A node that predates striped pushes: the whole body on this connection.
+                offer = replace(offer, streams=1, token="")
+                send_msg(conn.channel, peer.encode(offer))
+                ready = peer.decode_ack(recv_msg(conn.channel))
+            if isinstance(ready, peer.Refused):
+                raise ReplicationError(f"{target.node_id} refused: {ready.message}")
+            t2 = time.perf_counter()
+            if ready.have:
+                if not offer.digests:
+                    raise ReplicationError(f"{target.node_id} named storages it holds of a "
+                                           "push that offered no digests")  # fmt: skip
+                send_delta(conn.channel, gen, ready.have, offer.digests)
+            elif len(ready.stripes) > 1:
+
+                def stripe(index: int, lo: int, hi: int) -> None:
+                    self._push_stripe(gen, target, offer.token, index, lo, hi)
+
+                send_striped(conn.channel, gen, lambda: self.ensure_digests(gen),
+                             list(ready.stripes), stripe)  # fmt: skip
+            else:
+                send_object(conn.channel, gen, lambda: self.ensure_digests(gen))
+            t3 = time.perf_counter()
+            done = peer.decode_pushed(recv_msg(conn.channel))
+            t4 = time.perf_counter()
+            log.debug("push of %s: connect %.3fs reserve %.3fs send %.3fs commit %.3fs",
+                      gen.path, t1 - t0, t2 - t1, t3 - t2, t4 - t3)  # fmt: skip
+            if isinstance(done, peer.Refused):
+                raise ReplicationError(f"{target.node_id} rejected: {done.message}")
+        if ready.have:  # counted once the receiver committed the copy
+            held = sum(gen.manifest.storages[i].nbytes for i in ready.have)
+            self.state.metrics.push_bytes_held.inc(held)
+
+    def _may_hold(self, gen: Generation, target: NodeInfo) -> bool:
+        """Whether ``target`` may hold some of ``gen``'s bytes already: it holds a backup copy
+        of another save of this node, or this node holds a copy of one of its saves."""
+        with self.state.lock.held():
+            return any(
+                g is not gen and g.namespace == gen.namespace
+                and (target.node_id in g.replicas or g.origin == target.node_id)
+                for g in self.state.index
+            )  # fmt: skip
 
     def _push_stripe(
         self, gen: Generation, target: NodeInfo, token: str, index: int, lo: int, hi: int
@@ -197,7 +232,10 @@ class Replication:
                 gen = receive_copy(conn, req, self.receive, conn.peer_id,  # the proven sender
                                    ready=True, saved_at=saved_at, content_ns=req.committed_ns,
                                    streams=streams if req.token else 1,
-                                   striped=lambda s: self._sinks.open(req.token, s))  # fmt: skip
+                                   striped=lambda s: self._sinks.open(req.token, s),
+                                   held=lambda man, digests, body: find_held(
+                                       self.state, req.namespace, req.saver_uid, man, digests,
+                                       body))  # fmt: skip
             except NewerHeld as e:
                 gen = self._same_content_held(req, e)
             self._announce_before_ack(gen)

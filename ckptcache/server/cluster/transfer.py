@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING
@@ -26,7 +26,7 @@ from ckptcache.errors import CkptCacheError, CorruptCheckpoint, ReplicationError
 from ckptcache.format.digest import digest_bytes, digest_hex
 from ckptcache.format.layout import HEADER_SIZE
 from ckptcache.format.manifest import Manifest, pack_digests, unpack_digests
-from ckptcache.server.cluster import stripes
+from ckptcache.server.cluster import delta, stripes
 from ckptcache.server.cluster.dataplane import Channel, recv_msg, send_msg
 from ckptcache.server.cluster.landing import LandingDigests
 from ckptcache.server.ownership import sent_saver
@@ -42,10 +42,12 @@ __all__ = [
     "RELAY_RECORD",
     "check_skeleton",
     "receive_copy",
+    "receive_delta",
     "receive_object",
     "receive_pulled",
     "receive_relayed",
     "relay_in_flight",
+    "send_delta",
     "send_object",
     "send_range",
     "send_stripe",
@@ -68,6 +70,25 @@ def send_object(channel: Channel, gen: Generation, digests: Callable[[], list[in
         channel.send_file(fd, HEADER_SIZE, header.digest_offset - HEADER_SIZE,
                           gen.segment.mapping)  # fmt: skip
         channel.send_bytes(pack_digests(table.result()))
+
+
+def send_delta(
+    channel: Channel, gen: Generation, have: Sequence[int], digests: Sequence[int]
+) -> None:
+    """Send ``gen``'s body but the storages ``have`` (which the receiver holds), in order,
+    then its digest table."""
+    header = gen.segment.read_header()
+    spans = delta.gaps(gen.manifest, header.digest_offset - HEADER_SIZE, have)
+    mapping = gen.segment.mapping
+    with gen.segment.opened() as fd:
+        for batch in delta.batches(spans):
+            if len(batch) == 1 and batch[0][1] - batch[0][0] >= delta.GATHER:
+                lo, hi = batch[0]
+                channel.send_file(fd, HEADER_SIZE + lo, hi - lo, mapping)
+            else:
+                channel.send_bytes(b"".join(mapping[HEADER_SIZE + lo : HEADER_SIZE + hi]
+                                            for lo, hi in batch))  # fmt: skip
+    channel.send_bytes(pack_digests(digests))
 
 
 def send_range(channel: Channel, gen: Generation, lo: int, hi: int) -> None:
@@ -155,6 +176,56 @@ def receive_object(
     expected = _compare(manifest, hasher.digests, view[body : body + 8 * n])
     advance(body + 8 * n)
     return expected
+
+
+def receive_delta(
+    channel: Channel,
+    view: memoryview,
+    manifest: Manifest,
+    digest_offset: int,
+    held: delta.Held,
+    offered: Sequence[int],
+    advance: Callable[[int], None],
+) -> list[int]:
+    """:func:`receive_object` for a push whose receiver holds the storages ``held``: those
+    are copied here first (each checked where it landed against the ``offered`` digests),
+    then the rest of the body arrives in order and the table closes the stream; every
+    digest is compared with that table. ``advance`` follows the final prefix."""
+    body = digest_offset - HEADER_SIZE
+    n = len(manifest.storages)
+    empty = digest_bytes(b"")
+    digests = [empty if s.nbytes == 0 else 0 for s in manifest.storages]
+    delta.place(view, held, manifest, offered)
+    for i in held.have:
+        digests[i] = offered[i]
+    for batch in delta.batches(delta.gaps(manifest, body, held.have)):
+        lo, hi = batch[0]
+        advance(lo)  # everything before this range is in place: held, or received
+        if len(batch) == 1 and hi - lo >= delta.GATHER:
+            hasher = LandingDigests(manifest, lo, hi, out=digests)
+            channel.recv_into(view[lo:hi], _shifted(advance, lo), hasher)
+            if not hasher.complete:  # every byte of the range was reported; never expected
+                raise CorruptCheckpoint(f"copy of {manifest.path!r} from a peer ended before "
+                                        "its last tensor", tier=Tier.PEER)  # fmt: skip
+            continue
+        gathered = bytearray(sum(b - a for a, b in batch))
+        channel.recv_into(memoryview(gathered))
+        pos = 0
+        for a, b in batch:  # scattered to their places, then their storages hashed there
+            view[a:b] = gathered[pos : pos + b - a]
+            pos += b - a
+            for i, s0, s1 in LandingDigests(manifest, a, b).spans_of:
+                digests[i] = digest_bytes(view[a + s0 : a + s1])
+    advance(body)
+    channel.recv_into(view[body : body + 8 * n])
+    expected = _compare(manifest, digests, view[body : body + 8 * n])
+    advance(body + 8 * n)
+    return expected
+
+
+def _shifted(advance: Callable[[int], None], by: int) -> Callable[[int], None]:
+    """``advance`` for a range that starts ``by`` bytes into the body."""
+    return lambda n: advance(by + n)
 
 
 def receive_striped(
@@ -272,6 +343,7 @@ def receive_copy(
     streams: int = 1,
     striped: Callable[[stripes.StripeSink], AbstractContextManager[object]] | None = None,
     pull: Callable[[int, int, int], AbstractContextManager[Channel]] | None = None,
+    held: Callable[[Manifest, Sequence[int], int], delta.Held | None] | None = None,
 ) -> Generation:
     """Receive one committed object announced by ``head`` and commit it here through
     ``receive`` (:meth:`ckptcache.server.ingest.Ingest.receive`). ``ready``: tell the sender
@@ -281,7 +353,9 @@ def receive_copy(
     ``content_ns`` the save's exact stamp (0: unknown). With ``streams`` over 1 (a push),
     the body may come in up to that many stripes, whose other connections find the transfer
     while ``striped(sink)`` holds it open. A fetched copy whose ``head`` names stripes takes
-    each but the first from ``pull(index, lo, hi)``."""
+    each but the first from ``pull(index, lo, hi)``. A push that offers its digests is
+    taken as a delta where ``held(manifest, digests, body)`` finds enough of it here
+    (:mod:`~ckptcache.server.cluster.delta`)."""
     manifest = Manifest.from_json(head.manifest.encode(), segment_size=head.nbytes)
     digest_offset = head.nbytes - 8 * len(manifest.storages)
     verified: list[int] = []
@@ -293,7 +367,18 @@ def receive_copy(
         starts = stripes.plan(manifest, body, streams) if ready and striped else [0]
         served = head.stripes if isinstance(head, peer.ObjectHead) else ()
         landing = advance if isinstance(advance, Landing) else None
-        if len(served) > 1 and pull is not None:
+        found = None
+        if ready and held is not None and isinstance(head, peer.PushRequest) and head.digests:
+            found = held(manifest, head.digests, body)
+        if found is not None:
+            with found.pinned_until_done():
+                log.debug("receiving %s from %s: %d storages held here", head.path,
+                          channel.peer_id, len(found.picks))  # fmt: skip
+                send_msg(channel, peer.encode(peer.Ack(have=found.have)))
+                assert isinstance(head, peer.PushRequest)
+                verified.extend(receive_delta(channel, view, manifest, digest_offset, found,
+                                              head.digests, advance))  # fmt: skip
+        elif len(served) > 1 and pull is not None:
             if landing is not None:  # relays of this copy follow each stripe
                 landing.lanes(served)
             sink = stripes.StripeSink(view, manifest, list(served), body, channel.peer_id,

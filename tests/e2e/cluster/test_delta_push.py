@@ -1,0 +1,78 @@
+"""A backup push sends only what the backup node does not hold already: two real daemons on a
+real etcd. A LoRA-shaped state saved twice with ``durability="backup"``: the second push
+sends the adapters and the archive's metadata, the backup node copies the frozen base from
+its copy of the first save, and a load from it returns the second save's bytes. A held
+storage damaged on the backup node fails that push, which is then sent whole."""
+
+from __future__ import annotations
+
+import urllib.request
+from typing import Any
+
+import torch
+
+from tests.e2e.local.test_corrupt import flip_bytes_of
+from tests.helpers import assert_same, wait_until
+
+BASE = 8  # frozen tensors of 1 MiB
+
+
+def lora(seed: int) -> dict[str, Any]:
+    """A frozen base (the same for every seed) and small adapters (new for each)."""
+    g = torch.Generator().manual_seed(0)
+    base = {f"base.{i}": torch.randn(1 << 18, generator=g) for i in range(BASE)}
+    g = torch.Generator().manual_seed(seed)
+    adapters = {f"lora.{i}": torch.randn(1 << 15, generator=g) for i in range(4)}
+    return {"model": {**base, **adapters}, "step": seed}
+
+
+def held(d: Any) -> float:
+    """The node's ``ckptcache_push_bytes_held`` counter."""
+    wait_until(lambda: "metrics=:" in d.log(), 30, "the daemon's ready line")
+    port = int(d.log().split("metrics=:")[1].split()[0])
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics").read().decode()
+    for line in text.splitlines():
+        if line.startswith("ckptcache_push_bytes_held_total "):
+            return float(line.split()[1])
+    raise AssertionError("no push_bytes_held counter in the metrics")
+
+
+def _nodes(cluster_factory: Any, tmp_path: Any) -> list[Any]:
+    root = tmp_path / "store"
+    root.mkdir()
+    return cluster_factory(2, "--persist-root", str(root), "--metrics-port", "0",
+                           "--log-level", "DEBUG")  # fmt: skip
+
+
+def test_a_push_sends_only_what_the_backup_node_lacks(cluster_factory, tmp_path):
+    a, b = _nodes(cluster_factory, tmp_path)
+    first, second = str(tmp_path / "store/step-1.pt"), str(tmp_path / "store/step-2.pt")
+    with a.client() as c:
+        c.save(lora(1), first, durability="backup")
+        assert held(a) == 0  # nothing of it was on the backup node
+        c.save(lora(2), second, durability="backup")
+        assert held(a) == BASE << 20  # the frozen base, byte for byte
+        assert "8 storages held here" in b.log()
+        c.delete(second)  # local: the load now comes from the backup node
+        assert_same(lora(2), c.load(second))
+        assert c.status(second).last_load_tier == "peer"
+    with b.client() as cb:
+        assert cb.verify(second).ok  # its copy against its digest table
+        assert_same(lora(2), cb.load(second))
+
+
+def test_a_held_storage_damaged_on_the_backup_node_sends_the_push_whole(
+    cluster_factory, tmp_path
+):
+    a, b = _nodes(cluster_factory, tmp_path)
+    first, second = str(tmp_path / "store/step-1.pt"), str(tmp_path / "store/step-2.pt")
+    with a.client() as c, b.client() as cb:
+        c.save(lora(1), first, durability="backup")
+        flip_bytes_of(b, cb, first, tensor_index=0)  # base.0 of the backup node's copy
+        c.save(lora(2), second, durability="backup")
+        assert held(a) == 0  # the push less base.0 failed; the whole one succeeded
+        assert "failed" in a.log() and "sending all of it" in a.log()
+        assert cb.verify(second).ok
+        c.delete(second)
+        assert_same(lora(2), c.load(second))
+        assert c.status(second).last_load_tier == "peer"
