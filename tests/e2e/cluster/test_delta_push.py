@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from ckptcache.errors import CkptCacheError
 from tests.e2e.local.test_corrupt import flip_bytes_of
 from tests.helpers import assert_same, wait_until
 
@@ -61,9 +62,7 @@ def test_a_push_sends_only_what_the_backup_node_lacks(cluster_factory, tmp_path)
         assert_same(lora(2), cb.load(second))
 
 
-def test_a_held_storage_damaged_on_the_backup_node_sends_the_push_whole(
-    cluster_factory, tmp_path
-):
+def test_a_held_storage_damaged_on_the_backup_node_sends_the_push_whole(cluster_factory, tmp_path):
     a, b = _nodes(cluster_factory, tmp_path)
     first, second = str(tmp_path / "store/step-1.pt"), str(tmp_path / "store/step-2.pt")
     with a.client() as c, b.client() as cb:
@@ -76,3 +75,41 @@ def test_a_held_storage_damaged_on_the_backup_node_sends_the_push_whole(
         c.delete(second)
         assert_same(lora(2), c.load(second))
         assert c.status(second).last_load_tier == "peer"
+
+
+def test_the_sender_killed_mid_push_leaves_nothing_held_on_the_backup_node(
+    cluster_factory, tmp_path
+):
+    """SIGKILL of the origin while the backup node copies what it holds and takes the rest:
+    the sources it read are unpinned and its reservation given back (nothing wedges its
+    budget), and it serves a whole save or says typed that the newest is out of reach."""
+    a, b = _nodes(cluster_factory, tmp_path)
+    first, second = str(tmp_path / "store/step-1.pt"), str(tmp_path / "store/step-2.pt")
+
+    def big(seed: int) -> dict[str, Any]:  # 48 MiB held, 32 MiB new: a push that takes a while
+        state = lora(seed)
+        frozen, new = torch.Generator().manual_seed(0), torch.Generator().manual_seed(seed)
+        state["model"].update({f"frozen.{i}": torch.randn(1 << 22, generator=frozen)
+                               for i in range(3)})  # fmt: skip
+        state["model"].update({f"new.{i}": torch.randn(1 << 22, generator=new) for i in range(2)})
+        return state
+
+    with a.client() as c:
+        c.save(big(1), first, durability="backup")
+        c.save(big(2), second)  # durability local: the push runs in the background
+    wait_until(lambda: "storages held here" in b.log(), timeout=30, interval=0.002,
+               what="the push less what the backup node holds")  # fmt: skip
+    a.kill()
+    wait_until(lambda: b.status().pinned == 0 and b.status().reservations == 0, timeout=30,
+               what="the backup node's pins and reservation given back")  # fmt: skip
+    with b.client() as cb:
+        assert_same(big(1), cb.load(first, verify=True))
+        try:
+            got = cb.load(second, verify=True)
+        except CkptCacheError:
+            got = None
+        if got is not None:  # the push completed before the kill: the whole of it
+            assert_same(big(2), got)
+        cb.delete(first)
+    wait_until(lambda: b.status().generations == (0 if got is None else 1), timeout=30,
+               what="the source generation gone with its delete")  # fmt: skip
