@@ -96,6 +96,8 @@ class Client:
         self._connection, self._spares, self._saves = parts.connection, parts.spares, parts.saves
         self._loads, self._queries, self._waits = parts.loads, parts.queries, parts.waits
         self._stager = parts.stager
+        # A structure this client has not planned yet may take its plan from the daemon.
+        self._saves.stored = parts.plans.stored
 
     @property
     def node_id(self) -> str:

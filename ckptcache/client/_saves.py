@@ -14,6 +14,7 @@ The order, with the lock of the connection held from the reservation to the comm
 from __future__ import annotations
 
 import atexit
+import functools
 import os
 import threading
 import time
@@ -42,6 +43,7 @@ if TYPE_CHECKING:
     from ckptcache.codec.gpu.copy import Ready
     from ckptcache.codec.packing import Packed
     from ckptcache.codec.plan.cache import PlanCache
+    from ckptcache.codec.plan.stored import StoredPlan
     from ckptcache.codec.shm import Mapping
     from ckptcache.format.manifest import ObjectPlan
 
@@ -108,6 +110,9 @@ class Saves:
         self._executor_lock = threading.Lock()
         #: Save plans by structure (made at the first save: it needs torch).
         self._plans: PlanCache | None = None
+        #: Where a structure met for the first time may find its plan: the daemon's copy of
+        #: an earlier save of the same file (:meth:`ckptcache.client._plans.PlanWarmer.stored`).
+        self.stored: Callable[[str], StoredPlan | None] | None = None
 
     def save(self, obj: Any, path: str, durability: str, blocking: bool) -> SaveHandle | None:
         """Save ``obj`` under ``path`` (normalized, ``durability`` checked).
@@ -134,7 +139,10 @@ class Saves:
 
         t0 = time.perf_counter()
         # Only a non-blocking save checks version counters: a blocking one reads none.
-        flat, plan = self.plan(obj, path, versions=not blocking)
+        # A blocking save may wait for the connection to ask for the daemon's plan: it takes
+        # the connection next anyway (see stored_plan).
+        stored = functools.partial(self.stored_plan, wait=blocking)
+        flat, plan = self.plan(obj, path, versions=not blocking, stored=stored)
         job = _Job(obj, flat, plan, path, durability)
         job.t0 = t0
         if blocking:
@@ -167,16 +175,53 @@ class Saves:
         self._run(job)
         return plan.manifest.storages[0].offset - plan.manifest.payload_offset
 
-    def plan(self, obj: Any, path: str, *, versions: bool = True) -> tuple[Flattened, ObjectPlan]:
+    def plan(
+        self,
+        obj: Any,
+        path: str,
+        *,
+        versions: bool = True,
+        stored: Callable[[str], StoredPlan | None] | None = None,
+    ) -> tuple[Flattened, ObjectPlan]:
         """``obj`` flattened and its segment planned (:func:`~ckptcache.codec.encode.encode`),
         with this client's save plans by structure (made at the first save: they need torch);
-        ``versions``: record the tensors' version counters (a non-blocking save's check)."""
+        ``versions``: record the tensors' version counters (a non-blocking save's check);
+        ``stored``: where a structure met for the first time may find its plan
+        (:meth:`stored_plan`; none for a staging copy, whose name is new every time)."""
         from ckptcache.codec.encode import encode
         from ckptcache.codec.plan.cache import PlanCache
 
         if self._plans is None:
             self._plans = PlanCache()
-        return encode(obj, path, self._settings.namespace, plans=self._plans, versions=versions)
+        return encode(
+            obj, path, self._settings.namespace, plans=self._plans, versions=versions,
+            stored=stored,
+        )  # fmt: skip
+
+    def stored_plan(self, path: str, *, wait: bool = True) -> StoredPlan | None:
+        """The plan of the daemon's copy of an earlier save of ``path``'s file (:attr:`stored`),
+        asked on the connection the client has made: never an attempt of its own to reach a
+        daemon that is gone or hung (the save's ``reserve`` makes that one, as before).
+        ``wait=False`` (the caller of a non-blocking save, who must not wait behind a save in
+        flight: it holds the connection to its commit): only where the connection is free."""
+        if self.stored is None:
+            return None
+        lock = self._connection.lock
+        if wait:
+            # On a first contact the spare thread is making the connection (the reserve
+            # would wait for it too).
+            self._spares.contacted.wait(min(self._settings.timeout, 10.0))
+            with lock:
+                if self._connection.rpc is None:
+                    return None
+            # Not under the lock: the spare thread maps the spare meanwhile.
+            return self.stored(path)
+        if not lock.acquire(blocking=False):
+            return None  # planned afresh, as before
+        try:
+            return None if self._connection.rpc is None else self.stored(path)
+        finally:
+            lock.release()
 
     def warm_plan(self, obj: Any, path: str) -> None:
         """Plan ``obj``'s structure into this client's save plans, ahead of a save of a state
@@ -185,7 +230,9 @@ class Saves:
 
         if self._plans is None:
             self._plans = PlanCache()
-        self._plans.prepare(obj, path, self._settings.namespace, versions=False)
+        self._plans.prepare(
+            obj, path, self._settings.namespace, versions=False, stored=self.stored_plan
+        )
 
     def background(self) -> LingeringPool:
         """The one thread that runs this client's non-blocking saves, in submission order.

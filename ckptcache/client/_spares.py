@@ -119,6 +119,9 @@ class SpareMapper:
         self.ready: dict[str, tuple[Mapping, bool]] = {}
         #: Whether the spares were asked for already (:meth:`warmup`, or a first contact).
         self.warmed = False
+        #: Set once a round has asked the daemon for its spares (or failed to reach it): on
+        #: a first contact, the connection this client's requests share is made by then.
+        self.contacted = threading.Event()
         #: Whether the spares mapped now are registered for CUDA copies as well.
         self._register = True
 
@@ -244,6 +247,8 @@ class SpareMapper:
             except errors.CkptCacheError as e:
                 log.debug("no spare segments to map: %s", e)
                 return
+            finally:
+                self.contacted.set()
             for name, capacity in zip(reply.segments, reply.capacities, strict=True):
                 self._map(name, capacity)
             with self._lock:

@@ -36,6 +36,12 @@ held as one object or as two pickle differently but load equal; that is the only
 Integers that pickle as ``BININT1``, ``BININT2`` or ``BININT`` are the exception: the key has
 their width (which fixes where every other byte goes) and :attr:`Structure.ints` their values,
 which :class:`PlanCache` writes into a reused skeleton once it knows where they lie.
+
+A structure met for the first time may find its plan in the daemon's copy of an earlier save
+of the same file (a job's first save, in a process that has planned nothing yet): the caller's
+``stored`` hook hands over the skeleton and tensor table such a copy holds, proven to decode
+to an object of the compiled walk's same key (:mod:`ckptcache.codec.plan.stored`); only the
+archive's layout and manifest are made here.
 """
 
 from __future__ import annotations
@@ -44,7 +50,7 @@ import collections
 import dataclasses
 import struct
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -55,6 +61,7 @@ from ckptcache.codec.flatten import Flattened, flatten, gc_paused, v3_dtypes
 from ckptcache.codec.objectio import plan_object, replan
 from ckptcache.codec.plan.columns import NotPlain, tensor_columns, tensor_items
 from ckptcache.codec.plan.reduced import Reduction, reduction_of
+from ckptcache.codec.plan.stored import StoredPlan
 from ckptcache.codec.plan.walk import REF, Walk, reference_key, walk
 from ckptcache.codec.skeleton import encode_flattened
 from ckptcache.codec.table.table import encode_table
@@ -279,12 +286,23 @@ class PlanCache:
         #: Saves that reused a plan, and saves that flattened afresh (for tests and tuning).
         self.hits = 0
         self.misses = 0
+        #: Plans taken from the daemon's copy of an earlier save (for tests and tuning).
+        self.adopted = 0
 
     def prepare(
-        self, obj: Any, path: str, namespace: str, *, versions: bool = True
+        self,
+        obj: Any,
+        path: str,
+        namespace: str,
+        *,
+        versions: bool = True,
+        stored: Callable[[str], StoredPlan | None] | None = None,
     ) -> tuple[Flattened, ObjectPlan]:
         """``flatten(obj)`` and its plan for ``path``, reused where the structure is known;
-        ``versions``: record the tensors' version counters (:attr:`Flattened.versions`).
+        ``versions``: record the tensors' version counters (:attr:`Flattened.versions`);
+        ``stored``: where a structure met for the first time may find its plan made, the
+        daemon's copy of an earlier save of ``path``'s file (asked on a miss whose object
+        the compiled walk described; :mod:`ckptcache.codec.plan.stored`).
 
         Raises :class:`~ckptcache.errors.SerializationError` as :func:`flatten` does.
         """
@@ -294,19 +312,15 @@ class PlanCache:
         found: Walk | Structure | None = walked if walked is not None else structure
         previous = None  # a plan of this structure with other integers, none of them placed
         if found is not None:
-            with self._lock:
-                entry = None
-                for i, (key, known) in enumerate(self._entries):
-                    if key == found.key:
-                        same = known.ints == found.ints
-                        entry = known if same else _patched(known, found.ints)
-                        if entry is None:
-                            previous = known
-                        else:
-                            del self._entries[i]
-                            self._entries.append((key, entry))
-                            self.hits += 1
-                        break
+            entry, previous = self._find(found)
+            if (
+                entry is None
+                and previous is None
+                and walked is not None
+                and stored is not None
+                and self._take(stored(path), walked, path, namespace)
+            ):
+                entry, previous = self._find(found)
             if entry is not None:
                 return _reused(entry, found), replan(entry.plan, path, namespace)
         if walked is not None:
@@ -341,6 +355,34 @@ class PlanCache:
                 self._entries.append((key, entry))
                 del self._entries[: -self._size]
         return flat, plan
+
+    def _find(self, found: Walk | Structure) -> tuple[_Entry | None, _Entry | None]:
+        """The plan of ``found``'s structure and integers (counted as a hit), else ``None``
+        and the plan of its structure with other integers, none of them placed, if any."""
+        with self._lock:
+            for i, (key, known) in enumerate(self._entries):
+                if key == found.key:
+                    entry = known if known.ints == found.ints else _patched(known, found.ints)
+                    if entry is None:
+                        return None, known
+                    del self._entries[i]
+                    self._entries.append((key, entry))
+                    self.hits += 1
+                    return entry, None
+        return None, None
+
+    def _take(self, stored: StoredPlan | None, walked: Walk, path: str, namespace: str) -> bool:
+        """Keep ``stored``, a plan proven to be of the object the daemon holds, where that is
+        of ``walked``'s structure; whether it was kept."""
+        if stored is None or stored.key != walked.key:
+            return False  # none, or of another structure: this save plans afresh
+        plan = plan_object(stored.flat, path, namespace, table=stored.table)
+        with self._lock:
+            self.adopted += 1
+            self._entries = [(k, e) for k, e in self._entries if k != stored.key]
+            self._entries.append((stored.key, _Entry(stored.flat, plan, stored.ints)))
+            del self._entries[: -self._size]
+        return True
 
     def clear(self) -> None:
         """Forget every plan."""
