@@ -51,6 +51,11 @@ class Metrics:
             "Bytes of backup copies pushed to peers that held them already, so not sent",
             registry=r,
         )
+        self.fetch_bytes_held = Counter(
+            "ckptcache_fetch_bytes_held",
+            "Bytes of copies fetched from peers that this node held already, so not received",
+            registry=r,
+        )
         self.persist_errors = Counter(
             "ckptcache_persist_errors", "Persist attempts that failed", registry=r
         )

@@ -14,6 +14,8 @@ Exchanges (one connection may carry several, one after the other)::
              stripe is in; each other stripe on a connection of its own:)
     stripe:  PushStripe   -> Ack <its stripe of the body> -> Ack | Refused
     fetch:   FetchRequest -> ObjectHead <segment body, digest table>
+                           (with FetchRequest.delta, a head with the digest table, then
+                           Ack naming the storages held -> the rest of the body, the table)
                            (striped: the first stripe, then the table; the fetching node
                            asks for each other stripe on a connection of its own:)
                            | RelayHead  <segment body as it lands here>
@@ -184,6 +186,10 @@ class FetchRequest(PathMessage):
     #: The asking node takes a copy still arriving at the holder in stripes too
     #: (:attr:`RelayHead.token`, :class:`RelayStripe`).
     relays: bool = False
+    #: The asking node may hold some of the copy's storages: a committed copy's head then
+    #: carries its digest table (:attr:`ObjectHead.digests`), and the holder sends the body
+    #: once the asking node answered :class:`Ack` naming what it holds.
+    delta: bool = False
 
     def __post_init__(self) -> None:
         if not 1 <= self.streams <= MAX_STREAMS:
@@ -293,11 +299,19 @@ class ObjectHead(_Extent, _CopyHead):
     #: Where each stripe of the body starts when it comes on several connections (the first
     #: 0, see :class:`FetchStripe`); empty: the whole body on this one.
     stripes: tuple[int, ...] = ()
+    #: The copy's digest table, for an asking node that may hold some of its storages
+    #: (:attr:`FetchRequest.delta`): the body follows its :class:`Ack`, less the storages
+    #: that names (:attr:`Ack.have`), on this connection.
+    digests: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         _copy_head(self)  # not super(): a slots dataclass is a new class without its cell
         _non_negative(self, "committed_ns")
         _check_stripes(self.stripes, "ObjectHead.stripes")
+        if not all(0 <= d < 1 << 64 for d in self.digests):
+            raise ValueError("ObjectHead.digests: each must be a 64-bit digest")
+        if self.digests and self.stripes:
+            raise ValueError("ObjectHead.digests: a copy sent less what is held has no stripes")
 
 
 @message
@@ -342,6 +356,7 @@ _NEWER: dict[str, Any] = {
     "block": 0,
     "digests": (),
     "have": (),
+    "delta": False,
 }
 
 

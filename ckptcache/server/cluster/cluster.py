@@ -122,6 +122,7 @@ class Cluster:
         self.fetching = Fetching(
             state, self.membership, ensure_digests=ports.ensure_digests, receive=ports.receive,
             drop_corrupt=ports.drop_corrupt, streams=auto_streams(cfg.data_plane_streams),
+            incremental=cfg.incremental_push,
         )  # fmt: skip
         self.storage = StorageReader(
             cfg, state.metrics, roots=ports.roots, options=ports.options, receive=ports.receive

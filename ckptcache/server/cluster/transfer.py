@@ -353,9 +353,9 @@ def receive_copy(
     ``content_ns`` the save's exact stamp (0: unknown). With ``streams`` over 1 (a push),
     the body may come in up to that many stripes, whose other connections find the transfer
     while ``striped(sink)`` holds it open. A fetched copy whose ``head`` names stripes takes
-    each but the first from ``pull(index, lo, hi)``. A push that offers its digests is
-    taken as a delta where ``held(manifest, digests, body)`` finds enough of it here
-    (:mod:`~ckptcache.server.cluster.delta`)."""
+    each but the first from ``pull(index, lo, hi)``. A copy that comes with its digests (a
+    push's offer, a fetched head) is taken less the storages ``held(manifest, digests,
+    body)`` finds here (:mod:`~ckptcache.server.cluster.delta`)."""
     manifest = Manifest.from_json(head.manifest.encode(), segment_size=head.nbytes)
     digest_offset = head.nbytes - 8 * len(manifest.storages)
     verified: list[int] = []
@@ -367,17 +367,18 @@ def receive_copy(
         starts = stripes.plan(manifest, body, streams) if ready and striped else [0]
         served = head.stripes if isinstance(head, peer.ObjectHead) else ()
         landing = advance if isinstance(advance, Landing) else None
-        found = None
-        if ready and held is not None and isinstance(head, peer.PushRequest) and head.digests:
-            found = held(manifest, head.digests, body)
+        offered = head.digests  # a push's offer, or a fetched head that waits for an answer
+        found = held(manifest, offered, body) if offered and held is not None else None
         if found is not None:
             with found.pinned_until_done():
                 log.debug("receiving %s from %s: %d storages held here", head.path,
                           channel.peer_id, len(found.picks))  # fmt: skip
                 send_msg(channel, peer.encode(peer.Ack(have=found.have)))
-                assert isinstance(head, peer.PushRequest)
                 verified.extend(receive_delta(channel, view, manifest, digest_offset, found,
-                                              head.digests, advance))  # fmt: skip
+                                              offered, advance))  # fmt: skip
+        elif offered and isinstance(head, peer.ObjectHead):  # nothing held: all of it
+            send_msg(channel, peer.encode(peer.Ack()))
+            verified.extend(receive_object(channel, view, manifest, digest_offset, advance))
         elif len(served) > 1 and pull is not None:
             if landing is not None:  # relays of this copy follow each stripe
                 landing.lanes(served)

@@ -25,7 +25,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import replace
 
 from ckptcache.errors import (
@@ -35,14 +35,17 @@ from ckptcache.errors import (
     ReplicationError,
 )
 from ckptcache.format.layout import HEADER_SIZE
+from ckptcache.format.manifest import Manifest
 from ckptcache.server.cluster import relay, stripes
 from ckptcache.server.cluster.coord import NodeInfo
 from ckptcache.server.cluster.dataplane import Channel, recv_msg, send_msg
+from ckptcache.server.cluster.delta import Held, find_held
 from ckptcache.server.cluster.membership import Membership
 from ckptcache.server.cluster.transfer import (
     receive_copy,
     receive_relayed,
     relay_in_flight,
+    send_delta,
     send_object,
     send_range,
     send_striped,
@@ -99,10 +102,13 @@ class Fetching:
         receive: Callable[[Incoming], Generation],
         drop_corrupt: Callable[[str, str, int, str], None],
         streams: int = 1,
+        incremental: bool = True,
     ):
         #: Connections a committed copy may come on, to or from this node (its
         #: ``data_plane_streams``, resolved).
         self.streams = streams
+        #: Ask for a copy less the storages this node holds (``incremental_push``).
+        self.incremental = incremental
         self.state = state
         self.membership = membership
         self.ensure_digests = ensure_digests
@@ -116,7 +122,7 @@ class Fetching:
         key = (req.namespace, req.path)
         try:
             with self._sends.slot(key):
-                self._serve(conn, key, min(req.streams, self.streams), req.relays)
+                self._serve(conn, key, min(req.streams, self.streams), req.relays, req.delta)
         except PeerBusy as e:
             send_msg(conn, peer.refusal(e))
 
@@ -155,7 +161,12 @@ class Fetching:
         relay.send_blocks(conn, self.state, flight, blocks)
 
     def _serve(
-        self, conn: Channel, key: tuple[str, str], streams: int = 1, relays: bool = False
+        self,
+        conn: Channel,
+        key: tuple[str, str],
+        streams: int = 1,
+        relays: bool = False,
+        delta: bool = False,
     ) -> None:
         try:
             served = self.state.flight_or_pinned(key)
@@ -169,22 +180,37 @@ class Fetching:
         try:
             header = gen.segment.read_header()
             starts = stripes.plan(gen.manifest, header.digest_offset - HEADER_SIZE, streams)
-            send_msg(conn, peer.encode(peer.ObjectHead(
+            digests = tuple(self.ensure_digests(gen)) if delta else ()
+            head = peer.ObjectHead(
                 namespace=gen.namespace, path=gen.path,
                 nbytes=header.digest_offset + 8 * header.n_storages,
                 manifest_offset=header.manifest_offset, manifest_size=header.manifest_size,
                 generation=gen.number, manifest=gen.manifest.to_json().decode(),
                 skeleton_digest=header.skeleton_digest, persisted=gen.persisted,
                 committed=gen.committed, committed_ns=gen.committed_ns,
-                stripes=tuple(starts) if len(starts) > 1 else (), **saver_fields(gen.saver),
-            )))  # fmt: skip
-            if len(starts) > 1:  # the fetching node asks for the other stripes (FetchStripe)
+                stripes=tuple(starts) if len(starts) > 1 and not delta else (),
+                digests=digests, **saver_fields(gen.saver),
+            )  # fmt: skip
+            send_msg(conn, peer.encode(head))
+            if delta:  # the body follows the fetching node's answer: what it holds
+                self._serve_less_held(conn, gen, digests)
+            elif len(starts) > 1:  # the fetching node asks for the other stripes (FetchStripe)
                 send_striped(conn, gen, lambda: self.ensure_digests(gen), starts,
                              lambda _i, _lo, _hi: None)  # fmt: skip
             else:
                 send_object(conn, gen, lambda: self.ensure_digests(gen))
         finally:
             self.state.unpin(gen)
+
+    def _serve_less_held(self, conn: Channel, gen: Generation, digests: tuple[int, ...]) -> None:
+        """Send ``gen``'s body less the storages the fetching node answers it holds."""
+        ready = peer.decode_ack(recv_msg(conn))
+        if isinstance(ready, peer.Refused):
+            raise ReplicationError(f"{conn.peer_id} gave up the fetch: {ready.message}")
+        if ready.have:
+            send_delta(conn, gen, ready.have, digests)
+        else:
+            send_object(conn, gen, lambda: list(digests))
 
     def _relay(self, conn: Channel, key: tuple[str, str], flight: Inflight, streams: int) -> None:
         """Relay ``flight`` to the peer on ``conn``: on ``streams`` stripes (the peer asks
@@ -217,11 +243,13 @@ class Fetching:
     ) -> Generation:
         """Copy ``node``'s newest copy of ``path`` here (``started()`` once bytes land)."""
         with self.membership.dial(node) as conn:
+            delta = self.incremental and self._may_hold(namespace)
             ask = peer.FetchRequest(namespace, path, streams=self.streams,
-                                    relays=self.streams > 1)  # fmt: skip
+                                    relays=self.streams > 1, delta=delta)  # fmt: skip
             send_msg(conn.channel, peer.encode(ask))
             head = peer.decode_fetch_reply(recv_msg(conn.channel))
-            for older in (replace(ask, relays=False), replace(ask, streams=1, relays=False)):
+            for older in (replace(ask, delta=False), replace(ask, delta=False, relays=False),
+                          replace(ask, delta=False, streams=1, relays=False)):  # fmt: skip
                 if not (isinstance(head, peer.Refused) and head.error == "ProtocolMismatch"
                         and older != ask):  # fmt: skip
                     break
@@ -278,14 +306,31 @@ class Fetching:
                             f"{node.node_id} refused stripe {index}: {ready.message}")  # fmt: skip
                     yield stripe.channel
 
+            taken: list[int] = []
+            saver_uid = head.saver_uid
+
+            def held(manifest: Manifest, digests: Sequence[int], body: int) -> Held | None:
+                found = find_held(self.state, namespace, saver_uid, manifest, digests, body)
+                if found is not None:
+                    taken.append(sum(manifest.storages[i].nbytes for i in found.have))
+                return found
+
             try:
-                return receive_copy(conn.channel, head, self.receive, node.node_id,
-                                    ready=False, started=started, persisted=head.persisted,
-                                    content_time=head.committed,
-                                    content_ns=head.committed_ns, pull=pull)  # fmt: skip
+                gen = receive_copy(conn.channel, head, self.receive, node.node_id,
+                                   ready=False, started=started, persisted=head.persisted,
+                                   content_time=head.committed,
+                                   content_ns=head.committed_ns, pull=pull, held=held)  # fmt: skip
+                self.state.metrics.fetch_bytes_held.inc(sum(taken))
+                return gen
             except CorruptCheckpoint as e:
                 self.report_corrupt(node, namespace, path, str(e), head.generation)
                 raise
+
+    def _may_hold(self, namespace: str) -> bool:
+        """Whether this node holds a digested generation of ``namespace`` (whose storages a
+        fetched copy may share)."""
+        with self.state.lock.held():
+            return any(g.namespace == namespace and g.digests is not None for g in self.state.index)
 
     def report_corrupt(
         self, node: NodeInfo, namespace: str, path: str, detail: str, generation: int

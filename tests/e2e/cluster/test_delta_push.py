@@ -27,15 +27,15 @@ def lora(seed: int) -> dict[str, Any]:
     return {"model": {**base, **adapters}, "step": seed}
 
 
-def held(d: Any) -> float:
-    """The node's ``ckptcache_push_bytes_held`` counter."""
+def held(d: Any, what: str = "push") -> float:
+    """The node's ``ckptcache_push_bytes_held`` (or ``fetch_``) counter."""
     wait_until(lambda: "metrics=:" in d.log(), 30, "the daemon's ready line")
     port = int(d.log().split("metrics=:")[1].split()[0])
     text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics").read().decode()
     for line in text.splitlines():
-        if line.startswith("ckptcache_push_bytes_held_total "):
+        if line.startswith(f"ckptcache_{what}_bytes_held_total "):
             return float(line.split()[1])
-    raise AssertionError("no push_bytes_held counter in the metrics")
+    raise AssertionError(f"no {what}_bytes_held counter in the metrics")
 
 
 def _nodes(cluster_factory: Any, tmp_path: Any) -> list[Any]:
@@ -60,6 +60,25 @@ def test_a_push_sends_only_what_the_backup_node_lacks(cluster_factory, tmp_path)
     with b.client() as cb:
         assert cb.verify(second).ok  # its copy against its digest table
         assert_same(lora(2), cb.load(second))
+
+
+def test_a_fetch_takes_only_what_the_loading_node_lacks(cluster_factory, tmp_path):
+    """The origin dropped its copy of the second save but holds the first: the load fetches
+    the second from the backup node less the frozen base, which it copies from its own."""
+    a, b = _nodes(cluster_factory, tmp_path)
+    assert "storages held here" not in b.log()
+    first, second = str(tmp_path / "store/step-1.pt"), str(tmp_path / "store/step-2.pt")
+    with a.client() as c:
+        c.save(lora(1), first, durability="backup")
+        c.save(lora(2), second, durability="backup")
+        c.delete(second)
+        assert held(a, "fetch") == 0
+        assert_same(lora(2), c.load(second, verify=True))
+        assert c.status(second).last_load_tier == "peer"
+        assert held(a, "fetch") == BASE << 20
+        assert "8 storages held here" in a.log()
+        assert c.verify(second).ok
+        assert_same(lora(1), c.load(first))
 
 
 def test_a_held_storage_damaged_on_the_backup_node_sends_the_push_whole(cluster_factory, tmp_path):
