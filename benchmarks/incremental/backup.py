@@ -1,14 +1,15 @@
-"""Backup pushes that send only what the backup node lacks, against whole pushes, in one run:
-bytes sent, the ``durability="backup"`` save's time and both daemons' CPU, on a LoRA-shaped and
-a MoE-shaped state.
+"""Backup pushes and peer fetches that move only what the receiving node lacks, against whole
+ones, in one run: bytes moved, the ``durability="backup"`` save's and the peer load's time, and
+both daemons' CPU, on a LoRA-shaped and a MoE-shaped state.
 
     python benchmarks/incremental/backup.py --base 512 --expert 6 --rounds 3
 
 Two daemons on one etcd (Debian's ``etcd-server``) stand in for two nodes; each state is run on
-a pair with ``incremental_push: false``, then on a pair with ``true``. Each round saves the next state of the sequence (the first one whole, then the LoRA
-adapters and their Adam state new, or 8 of 64 experts touched) to a new path, as training
-writes ``step-N/model.pt``, with ``durability="backup"``: the save returns once the backup node
-holds a verified copy. Per round:
+a pair with ``incremental_push: false``, then on a pair with ``true``. Each round saves the
+next state of the sequence (the first one whole, then the LoRA adapters and their Adam state
+new, or 8 of 64 experts touched) to a new path, as training writes ``step-N/model.pt``, with
+``durability="backup"``: the save returns once the backup node holds a verified copy. Per
+round:
 
 * bytes sent: the checkpoint's body less ``ckptcache_push_bytes_held`` (what the backup node
   copied from its own memory), against the bytes of the tensors that changed;
@@ -17,7 +18,11 @@ holds a verified copy. Per round:
 * CPU-s per GiB of checkpoint: both daemon processes' user + system time over the save (the
   client's copy is the benchmark process's and is not counted). The previous round's persist
   is waited for before the save, so what runs is this save's work; its own persist starts
-  when the save pauses and may overlap the push in both configurations alike.
+  when the save pauses and may overlap the push in both configurations alike;
+* then, the save persisted, the first node drops its copy (``delete`` is local) and loads it
+  back: a peer fetch from the backup node, less what the first node holds (the previous
+  checkpoint) when incremental. Bytes received, the load's time (a zero-copy load of the
+  fetched copy) and both daemons' CPU over it.
 
 Medians over ``--rounds`` (the first, whole save is not counted).
 """
@@ -49,6 +54,10 @@ class Round:
     sent: int
     seconds: float
     cpu: float
+    #: The peer fetch of the same checkpoint: bytes received, seconds, both daemons' CPU.
+    fetched: int
+    fetch_seconds: float
+    fetch_cpu: float
 
 
 def _port(socket: str) -> int:
@@ -84,8 +93,20 @@ def run(etcd: EtcdServer, root: Path, incremental: bool, make: Callable[[int], d
             cpu = sum(map(_cpu, pids)) - cpu0
             held = _metric(port, "ckptcache_push_bytes_held_total") - held0
             size = c.status(path).size
+            c.wait(path, timeout=600)
+            # This node's copy dropped (delete is local): the load fetches the backup node's.
+            c.delete(path)
+            fetch0, cpu0 = _metric(port, "ckptcache_fetch_bytes_held_total"), sum(map(_cpu, pids))
+            t0 = time.perf_counter()
+            loaded = c.load(path)
+            fetch_seconds = time.perf_counter() - t0
+            fetch_cpu = sum(map(_cpu, pids)) - cpu0
+            fetched = size - (_metric(port, "ckptcache_fetch_bytes_held_total") - fetch0)
+            assert c.status(path).last_load_tier == "peer"
+            del loaded
             if seed:
-                out.append(Round(size, int(size - held), seconds, cpu))
+                out.append(Round(size, int(size - held), seconds, cpu, int(fetched),
+                                 fetch_seconds, fetch_cpu))  # fmt: skip
             previous = path
             del obj
     return out
@@ -108,9 +129,10 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="ckptcache-bench-"))
     etcd = EtcdServer(work / "etcd").start()
     print(f"load average {os.getloadavg()[0]:.1f}, {os.cpu_count()} cores\n", flush=True)
-    print("| state | push | size | bytes sent | sent / changed | backup save (s) "
-          "| daemons' CPU-s per GiB |")  # fmt: skip
-    print("|---|---|---:|---:|---:|---:|---:|")
+    print("| state | transfers | size | push: bytes sent | sent / changed | backup save (s) "
+          "| push: daemons' CPU-s per GiB | fetch: bytes received | peer load (s) "
+          "| fetch: daemons' CPU-s per GiB |")  # fmt: skip
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     try:
         for label, make_for in (
             ("LoRA", lambda: lambda seed: lora_state(args.base * MiB, seed)),
@@ -123,7 +145,10 @@ def main() -> None:
                     f"| {label} | {'incremental' if incremental else 'whole'} "
                     f"| {size / MiB:.0f} MiB | {sent / MiB:.0f} MiB "
                     f"| {sent / changed[label]:.2f}x | {_median(rounds, 'seconds'):.3f} "
-                    f"| {_median(rounds, 'cpu') / (size / GiB):.2f} |",
+                    f"| {_median(rounds, 'cpu') / (size / GiB):.2f} "
+                    f"| {_median(rounds, 'fetched') / MiB:.0f} MiB "
+                    f"| {_median(rounds, 'fetch_seconds'):.3f} "
+                    f"| {_median(rounds, 'fetch_cpu') / (size / GiB):.2f} |",
                     flush=True,
                 )
     finally:
