@@ -154,3 +154,19 @@ def test_the_ranges_travel_in_order_small_ones_gathered(seed):
             assert len(batch) == 1  # a large range travels alone
         else:
             assert sum(sizes) < 2 * delta.GATHER
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_the_storages_within_a_range_are_the_landing_windows_ones(seed):
+    from ckptcache.server.cluster.landing import LandingDigests
+
+    rng = random.Random(seed)
+    obj = {f"t{i}": torch.zeros(rng.randrange(0, 3000)) for i in range(rng.randrange(1, 30))}
+    plan = plan_object(flatten(obj), "/x.pt", NS)
+    body = _body(plan)
+    within = delta.Within(plan.manifest)
+    for _ in range(20):
+        lo = rng.randrange(0, body)
+        hi = rng.randrange(lo + 1, body + 1)
+        want = [(i, lo + a, lo + b) for i, a, b in LandingDigests(plan.manifest, lo, hi).spans_of]
+        assert sorted(within(lo, hi)) == sorted(want)

@@ -24,6 +24,7 @@ Why no stale or foreign byte can be committed this way:
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -45,6 +46,7 @@ __all__ = [
     "MIN_STORAGE",
     "SOURCES",
     "Held",
+    "Within",
     "batches",
     "find_held",
     "gaps",
@@ -180,6 +182,28 @@ def gaps(manifest: Manifest, body: int, have: Sequence[int]) -> list[tuple[int, 
     if pos < body:
         out.append((pos, body))
     return out
+
+
+class Within:
+    """The storages of ``manifest`` that lie wholly inside a range of its body, found by
+    bisection (a copy of 50,000 tensors is cut into as many ranges)."""
+
+    def __init__(self, manifest: Manifest):
+        self._spans = sorted(
+            (s.offset - HEADER_SIZE, i, s.nbytes) for i, s in enumerate(manifest.storages)
+        )
+        self._starts = [start for start, _, _ in self._spans]
+
+    def __call__(self, lo: int, hi: int) -> list[tuple[int, int, int]]:
+        """(storage index, start, end) of each storage wholly inside ``[lo, hi)`` (a storage
+        of no bytes counts where it starts before ``hi``)."""
+        out = []
+        for start, i, nbytes in self._spans[bisect.bisect_left(self._starts, lo) :]:
+            if start >= hi:
+                break
+            if start + nbytes <= hi:
+                out.append((i, start, start + nbytes))
+        return out
 
 
 def batches(spans: list[tuple[int, int]]) -> list[list[tuple[int, int]]]:

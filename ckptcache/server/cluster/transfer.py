@@ -187,7 +187,7 @@ def receive_delta(
     offered: Sequence[int],
     advance: Callable[[int], None],
 ) -> list[int]:
-    """:func:`receive_object` for a push whose receiver holds the storages ``held``: those
+    """:func:`receive_object` for a copy whose receiver holds the storages ``held``: those
     are copied here first (each checked where it landed against the ``offered`` digests),
     then the rest of the body arrives in order and the table closes the stream; every
     digest is compared with that table. ``advance`` follows the final prefix."""
@@ -198,6 +198,7 @@ def receive_delta(
     delta.place(view, held, manifest, offered)
     for i in held.have:
         digests[i] = offered[i]
+    within = delta.Within(manifest)
     for batch in delta.batches(delta.gaps(manifest, body, held.have)):
         lo, hi = batch[0]
         advance(lo)  # everything before this range is in place: held, or received
@@ -214,8 +215,8 @@ def receive_delta(
         for a, b in batch:  # scattered to their places, then their storages hashed there
             view[a:b] = gathered[pos : pos + b - a]
             pos += b - a
-            for i, s0, s1 in LandingDigests(manifest, a, b).spans_of:
-                digests[i] = digest_bytes(view[a + s0 : a + s1])
+            for i, start, end in within(a, b):
+                digests[i] = digest_bytes(view[start:end])
     advance(body)
     channel.recv_into(view[body : body + 8 * n])
     expected = _compare(manifest, digests, view[body : body + 8 * n])
