@@ -4,7 +4,8 @@
 and wired by :func:`~ckptcache.client._parts.build_parts`. The call order of a save:
 
 1. ``Client.save`` normalizes the path, checks ``durability``, starts mapping the daemon's
-   spare segments on a first contact (:mod:`~ckptcache.client._spares`);
+   spare segments on a first contact (:mod:`~ckptcache.client._spares`; a client made in a
+   process with torch loaded starts as it is made);
 2. ``Saves.save`` (:mod:`~ckptcache.client._saves`) flattens and plans the object (cached by
    structure); ``blocking=False`` takes version counters (:mod:`~ckptcache.client._async`) and
    runs the rest on the client's save thread;
@@ -31,6 +32,7 @@ stops training unless ``fallback="raise"`` asks for it.
 from __future__ import annotations
 
 import builtins
+import sys
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -96,8 +98,28 @@ class Client:
         self._connection, self._spares, self._saves = parts.connection, parts.spares, parts.saves
         self._loads, self._queries, self._waits = parts.loads, parts.queries, parts.waits
         self._stager = parts.stager
-        # A structure this client has not planned yet may take its plan from the daemon.
-        self._saves.stored = parts.plans.stored
+        # A structure this client has not planned yet may take the plan the daemon keeps,
+        # from the segment of an earlier save (mapped as a load maps it).
+        self._saves.map_stored = parts.loads.map_local
+        if "torch" in sys.modules:
+            self._start_early()
+
+    def _start_early(self) -> None:
+        """What a first save needs, made as the client is: a process with torch loaded (a
+        trainer; the control-plane commands start without torch) makes its client before it
+        builds its model and takes its first steps, seconds before its first save. The
+        save's modules are imported here (tens of milliseconds a first save would pay), and
+        the daemon's spare segments mapped on the spare thread meanwhile, as
+        :meth:`warmup` does (their page tables: as long as the copy, inside a first save
+        that is the client's first contact)."""
+        import ckptcache.client._async
+        import ckptcache.codec.encode
+        import ckptcache.codec.gpu.copy
+        import ckptcache.codec.objectio
+        import ckptcache.codec.plan.stored
+        import ckptcache.format.gcpause  # noqa: F401 - each one a first save imports
+
+        self._spares.first_contact()
 
     @property
     def node_id(self) -> str:

@@ -22,12 +22,9 @@ save down, and a save that starts stops the thread after the object in hand. The
 daemon thread that ends with its work; ``Client.close()`` stops and joins it.
 
 A save that is the client's first contact (or meets a structure no earlier call planned)
-takes its plan from the daemon instead (:meth:`PlanWarmer.stored`): the plan cache, on a
-miss, asks for the newest object of the same file name under the job's prefix, maps it and
-uses the skeleton and tensor table it holds where they decode to an object of the save's own
-structure (:mod:`ckptcache.codec.plan.stored`); a few milliseconds where a fresh plan takes
-tens. Asked once per file name and client: a file whose structure changed plans afresh after
-one look.
+takes the plan the daemon keeps for its structure instead
+(:meth:`~ckptcache.client._saves.Saves.stored_plan`, :mod:`ckptcache.codec.plan.stored`):
+a few milliseconds where a fresh plan takes tens.
 """
 
 from __future__ import annotations
@@ -37,14 +34,12 @@ import os
 import threading
 from typing import TYPE_CHECKING, Any
 
-from ckptcache import errors
 from ckptcache._workers import StoppableThread
 
 if TYPE_CHECKING:
     from ckptcache.client._loads import Loads
     from ckptcache.client._queries import Queries
     from ckptcache.client._saves import Saves
-    from ckptcache.codec.plan.stored import StoredPlan
 
 __all__ = ["PlanWarmer", "job_prefix"]
 
@@ -85,8 +80,6 @@ class PlanWarmer:
         self._thread: StoppableThread | None = None
         #: The objects planned ahead (for tests and tuning).
         self.planned: list[str] = []
-        #: The file names whose plan was asked of the daemon (:meth:`stored`).
-        self._asked: set[str] = set()
 
     def disown(self) -> None:
         """In a forked child: the parent's thread is not ours."""
@@ -117,30 +110,6 @@ class PlanWarmer:
         thread = self._thread
         if thread is not None and thread is not threading.current_thread():
             thread.join()
-
-    def stored(self, path: str) -> StoredPlan | None:
-        """The plan of the daemon's copy of the newest earlier save of ``path``'s file name
-        under its job's prefix (``path`` itself included), proven against what that copy
-        decodes to; ``None`` where there is none, or once asked for this file name."""
-        from ckptcache.codec.plan.stored import plan_of_stored
-
-        name = os.path.basename(path)
-        with self._lock:
-            if name in self._asked:
-                return None
-            self._asked.add(name)
-        try:
-            objects = self._queries.list(job_prefix(path), all_namespaces=False)
-            same = [o for o in objects if os.path.basename(o.path) == name]
-            if not same:
-                return None
-            newest = max(same, key=lambda o: o.committed)
-            mapping, reply = self._loads.map_local(newest.path)
-        except errors.CkptCacheError as e:  # a plan made here only saves time
-            log.debug("no stored plan for %s: %s", path, e)
-            return None
-        # The mapping and its pin go with the last reference, once the plan is taken.
-        return plan_of_stored(mapping, reply.manifest_offset, reply.manifest_size)
 
     def _run(self, prefix: str) -> None:
         from ckptcache.client._loads import LoadOptions

@@ -110,9 +110,11 @@ class Saves:
         self._executor_lock = threading.Lock()
         #: Save plans by structure (made at the first save: it needs torch).
         self._plans: PlanCache | None = None
-        #: Where a structure met for the first time may find its plan: the daemon's copy of
-        #: an earlier save of the same file (:meth:`ckptcache.client._plans.PlanWarmer.stored`).
-        self.stored: Callable[[str], StoredPlan | None] | None = None
+        #: Maps the newest generation of a path (:meth:`ckptcache.client._loads.Loads.
+        #: map_local`): where :meth:`stored_plan` reads a plan the daemon keeps.
+        self.map_stored: Callable[[str], tuple[Mapping, m.OpenReply]] | None = None
+        #: The structures whose plan was asked of the daemon (once each).
+        self._asked: set[str] = set()
 
     def save(self, obj: Any, path: str, durability: str, blocking: bool) -> SaveHandle | None:
         """Save ``obj`` under ``path`` (normalized, ``durability`` checked).
@@ -181,7 +183,7 @@ class Saves:
         path: str,
         *,
         versions: bool = True,
-        stored: Callable[[str], StoredPlan | None] | None = None,
+        stored: Callable[[bytes, str], StoredPlan | None] | None = None,
     ) -> tuple[Flattened, ObjectPlan]:
         """``obj`` flattened and its segment planned (:func:`~ckptcache.codec.encode.encode`),
         with this client's save plans by structure (made at the first save: they need torch);
@@ -198,13 +200,16 @@ class Saves:
             stored=stored,
         )  # fmt: skip
 
-    def stored_plan(self, path: str, *, wait: bool = True) -> StoredPlan | None:
-        """The plan of the daemon's copy of an earlier save of ``path``'s file (:attr:`stored`),
-        asked on the connection the client has made: never an attempt of its own to reach a
+    def stored_plan(self, key: bytes, path: str, *, wait: bool = True) -> StoredPlan | None:
+        """The plan the daemon keeps for the structure whose compiled walk's key is ``key``
+        (asked once per structure), read from the segment that holds it and checked against
+        ``key`` (:mod:`ckptcache.codec.plan.stored`); ``None`` where there is none.
+
+        Asked on the connection the client has made: never an attempt of its own to reach a
         daemon that is gone or hung (the save's ``reserve`` makes that one, as before).
         ``wait=False`` (the caller of a non-blocking save, who must not wait behind a save in
         flight: it holds the connection to its commit): only where the connection is free."""
-        if self.stored is None:
+        if self.map_stored is None:
             return None
         lock = self._connection.lock
         if wait:
@@ -215,13 +220,48 @@ class Saves:
                 if self._connection.rpc is None:
                     return None
             # Not under the lock: the spare thread maps the spare meanwhile.
-            return self.stored(path)
+            return self._read_stored(key)
         if not lock.acquire(blocking=False):
             return None  # planned afresh, as before
         try:
-            return None if self._connection.rpc is None else self.stored(path)
+            return None if self._connection.rpc is None else self._read_stored(key)
         finally:
             lock.release()
+
+    def _read_stored(self, key: bytes) -> StoredPlan | None:
+        from ckptcache.codec.plan.stored import plan_from_segment, structure_digest
+
+        digest = structure_digest(key)
+        with self._executor_lock:
+            if digest in self._asked:
+                return None
+            self._asked.add(digest)
+        assert self.map_stored is not None
+        try:
+            request = m.FindPlanRequest(self._settings.namespace, digest)
+            kept = self._connection.call("find_plan", request, m.FindPlanReply)
+            if not kept.path:
+                return None
+            mapping, opened = self.map_stored(kept.path)
+        except errors.CkptCacheError:  # gone meanwhile, an older daemon: plan afresh
+            return None
+        # The mapping and its pin go with the last reference, once the plan is read.
+        return plan_from_segment(
+            mapping, opened.manifest_offset, opened.manifest_size, key, kept.ints, kept.check
+        )
+
+    def keep_plan(self, path: str) -> None:
+        """Tell the daemon where the plan made or taken for ``path``'s save lies, now that
+        the save is committed (once per structure and client; call under the lock)."""
+        keep = self._plans.to_keep(path) if self._plans is not None else None
+        if keep is None:
+            return
+        structure, check, ints = keep
+        request = m.KeepPlanRequest(self._settings.namespace, path, structure, check, ints)
+        try:
+            self._connection.call("keep_plan", request)
+        except errors.CkptCacheError:  # an older daemon, or gone: the next job plans afresh
+            pass
 
     def warm_plan(self, obj: Any, path: str) -> None:
         """Plan ``obj``'s structure into this client's save plans, ahead of a save of a state
@@ -327,6 +367,7 @@ class Saves:
             )  # fmt: skip
             self._connection.call("commit", commit, m.CommitReply)
             self._ledger.committed(job.path)
+            self.keep_plan(job.path)
             # Map the spare the daemon makes for the next new path, once saves pause.
             self._spares.refresh(after_save=True)
             return True
@@ -374,3 +415,4 @@ class Saves:
         self._executor_lock = threading.Lock()
         self._executor, self.thread_pid = None, 0
         self._plans = None
+        self._asked = set()

@@ -5,8 +5,8 @@ The encoders, tried in this order; each one that does not apply hands the object
 1. **A plan of the same structure** (:class:`~ckptcache.codec.plan.cache.PlanCache`): the
    skeleton and the archive plan of an earlier save reused, the integers that changed written
    in at their known places; a save pays a walk of its object and no pickling. A structure
-   this process has not saved may take the skeleton and tensor table of the daemon's copy
-   of an earlier save (:mod:`~ckptcache.codec.plan.stored`), proven against it.
+   this process has not saved may take the plan the daemon keeps for it, from the segment of
+   an earlier save (:mod:`~ckptcache.codec.plan.stored`), checked against its key.
 2. **The skeleton written from that walk** (:func:`~ckptcache.codec.skeleton.
    encode_flattened`), with a tensor table (:func:`~ckptcache.codec.table.table.encode_table`):
    a plain structure of CPU tensors, byte for byte what the pickler writes.
@@ -38,13 +38,13 @@ def encode(
     *,
     plans: PlanCache | None = None,
     versions: bool = True,
-    stored: Callable[[str], StoredPlan | None] | None = None,
+    stored: Callable[[bytes, str], StoredPlan | None] | None = None,
 ) -> tuple[Flattened, ObjectPlan]:
     """``obj`` flattened and its segment planned for ``path`` in ``namespace``, trying the
     encoders in the module's order; ``plans``: the saver's plans by structure (none: pickle);
     ``versions``: record the tensors' version counters (a non-blocking save's check);
-    ``stored``: a plan of the daemon's copy of an earlier save of ``path``'s file, for a
-    structure ``plans`` has not met (:meth:`PlanCache.prepare`).
+    ``stored(key, path)``: the plan the daemon keeps for a structure ``plans`` has not met
+    (:meth:`PlanCache.prepare`).
 
     Raises :class:`~ckptcache.errors.SerializationError` for values ``torch.save`` could not
     save either.

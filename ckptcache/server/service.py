@@ -23,7 +23,8 @@ from rpyc.utils.authenticators import AuthenticationError
 from rpyc.utils.server import ThreadedServer
 
 from ckptcache import errors
-from ckptcache.server.core import CacheCore, Session
+from ckptcache.server.core import CacheCore, Handler, Session
+from ckptcache.server.plans import plan_index
 from ckptcache.wire import messages as m
 
 __all__ = [
@@ -123,7 +124,12 @@ class CacheService(rpyc.Service):  # type: ignore[misc]
     def __init__(self, core: CacheCore):
         self._core = core
         self._session: Session | None = None
-        self._handlers = core.handlers()
+        index = plan_index(core)
+        self._handlers: dict[str, Handler] = {
+            **core.handlers(),
+            "keep_plan": (m.KeepPlanRequest, index.keep),
+            "find_plan": (m.FindPlanRequest, index.find),
+        }
 
     def on_connect(self, conn: rpyc.Connection) -> None:
         pid, uid, gid = conn._config.get("credentials") or (0, os.getuid(), os.getgid())

@@ -32,8 +32,11 @@ __all__ = [
     "DaemonStatus",
     "DeleteReply",
     "DeleteRequest",
+    "FindPlanReply",
+    "FindPlanRequest",
     "HelloReply",
     "HelloRequest",
+    "KeepPlanRequest",
     "ListReply",
     "ListRequest",
     "ObjectInfo",
@@ -497,3 +500,35 @@ class PinnedCommitReply:
 
     generation: int
     lease: int
+
+
+@message
+class KeepPlanRequest(PathMessage):
+    """A client's save of ``path`` (committed) was the first of its structure in that
+    client: the daemon keeps where the plan of that structure lies, for the first save of the
+    next trainer of this user (``find_plan``). ``structure``: a digest of the structure's key
+    (the compiled walk's); ``check``: a digest that binds the plan held in ``path``'s
+    segment (skeleton, tensor table, storages' records) to that key; ``ints``: the integers
+    the key holds by width (:mod:`ckptcache.codec.plan.stored`)."""
+
+    structure: str
+    check: str
+    ints: tuple[int, ...] = ()
+
+
+@message
+class FindPlanRequest:
+    """Where the plan of a structure lies, as this user's last ``keep_plan`` of it said."""
+
+    namespace: str
+    structure: str
+
+
+@message
+class FindPlanReply:
+    """The path whose newest generation holds the plan (``""``: none kept), and what the
+    client that kept it sent with it."""
+
+    path: str = ""
+    check: str = ""
+    ints: tuple[int, ...] = ()

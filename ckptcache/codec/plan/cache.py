@@ -37,11 +37,13 @@ Integers that pickle as ``BININT1``, ``BININT2`` or ``BININT`` are the exception
 their width (which fixes where every other byte goes) and :attr:`Structure.ints` their values,
 which :class:`PlanCache` writes into a reused skeleton once it knows where they lie.
 
-A structure met for the first time may find its plan in the daemon's copy of an earlier save
-of the same file (a job's first save, in a process that has planned nothing yet): the caller's
-``stored`` hook hands over the skeleton and tensor table such a copy holds, proven to decode
-to an object of the compiled walk's same key (:mod:`ckptcache.codec.plan.stored`); only the
-archive's layout and manifest are made here.
+A structure met for the first time may find its plan kept by the daemon, in the segment of an
+earlier save of the same structure (a job's first save, in a process that has planned
+nothing yet): the caller's ``stored`` hook hands over the skeleton, tensor table and records
+such a segment holds, checked against the compiled walk's key
+(:mod:`ckptcache.codec.plan.stored`); only the archive's layout and manifest are made here.
+The plans this cache makes, or takes so, wait in :meth:`PlanCache.to_keep` for the caller to
+tell the daemon where they lie once their save is committed.
 """
 
 from __future__ import annotations
@@ -61,7 +63,7 @@ from ckptcache.codec.flatten import Flattened, flatten, gc_paused, v3_dtypes
 from ckptcache.codec.objectio import plan_object, replan
 from ckptcache.codec.plan.columns import NotPlain, tensor_columns, tensor_items
 from ckptcache.codec.plan.reduced import Reduction, reduction_of
-from ckptcache.codec.plan.stored import StoredPlan
+from ckptcache.codec.plan.stored import StoredPlan, plan_check, structure_digest
 from ckptcache.codec.plan.walk import REF, Walk, reference_key, walk
 from ckptcache.codec.skeleton import encode_flattened
 from ckptcache.codec.table.table import encode_table
@@ -288,6 +290,9 @@ class PlanCache:
         self.misses = 0
         #: Plans taken from the daemon's copy of an earlier save (for tests and tuning).
         self.adopted = 0
+        #: Path -> (structure digest, plan check, integers) of the plans made or taken for a
+        #: save of that path, until the caller takes them (:meth:`to_keep`).
+        self._to_keep: dict[str, tuple[str, str, tuple[int, ...]]] = {}
 
     def prepare(
         self,
@@ -296,13 +301,14 @@ class PlanCache:
         namespace: str,
         *,
         versions: bool = True,
-        stored: Callable[[str], StoredPlan | None] | None = None,
+        stored: Callable[[bytes, str], StoredPlan | None] | None = None,
     ) -> tuple[Flattened, ObjectPlan]:
         """``flatten(obj)`` and its plan for ``path``, reused where the structure is known;
         ``versions``: record the tensors' version counters (:attr:`Flattened.versions`);
-        ``stored``: where a structure met for the first time may find its plan made, the
-        daemon's copy of an earlier save of ``path``'s file (asked on a miss whose object
-        the compiled walk described; :mod:`ckptcache.codec.plan.stored`).
+        ``stored(key, path)``: where a structure met for the first time may find its plan
+        kept by the daemon (asked on a miss whose object the compiled walk described, with
+        its key; :mod:`ckptcache.codec.plan.stored`). With it, the plan made or taken on a
+        miss waits in :meth:`to_keep`.
 
         Raises :class:`~ckptcache.errors.SerializationError` as :func:`flatten` does.
         """
@@ -318,7 +324,7 @@ class PlanCache:
                 and previous is None
                 and walked is not None
                 and stored is not None
-                and self._take(stored(path), walked, path, namespace)
+                and self._take(stored(walked.key, path), walked, path, namespace)
             ):
                 entry, previous = self._find(found)
             if entry is not None:
@@ -354,6 +360,10 @@ class PlanCache:
                 self._entries = [(k, e) for k, e in self._entries if e is not previous]
                 self._entries.append((key, entry))
                 del self._entries[: -self._size]
+                if stored is not None and walked is not None:
+                    # Where the next trainer's first save may find it (see ``to_keep``).
+                    check = plan_check(walked.key, structure.ints, flat.skeleton, table, flat.infos)
+                    self._keep(path, structure_digest(walked.key), check, structure.ints)
         return flat, plan
 
     def _find(self, found: Walk | Structure) -> tuple[_Entry | None, _Entry | None]:
@@ -379,10 +389,24 @@ class PlanCache:
         plan = plan_object(stored.flat, path, namespace, table=stored.table)
         with self._lock:
             self.adopted += 1
+            self._keep(path, structure_digest(stored.key), stored.check, stored.ints)
             self._entries = [(k, e) for k, e in self._entries if k != stored.key]
             self._entries.append((stored.key, _Entry(stored.flat, plan, stored.ints)))
             del self._entries[: -self._size]
         return True
+
+    def to_keep(self, path: str) -> tuple[str, str, tuple[int, ...]] | None:
+        """The structure digest, plan check and integers of the plan made or taken on a miss
+        for a save of ``path`` (once): what the daemon is told once that save is committed."""
+        with self._lock:
+            return self._to_keep.pop(path, None)
+
+    def _keep(self, path: str, digest: str, check: str, ints: tuple[int, ...]) -> None:
+        # Under the lock. A save that never committed leaves its entry: the oldest go.
+        self._to_keep.pop(path, None)
+        self._to_keep[path] = (digest, check, ints)
+        while len(self._to_keep) > self._size:
+            del self._to_keep[next(iter(self._to_keep))]
 
     def clear(self) -> None:
         """Forget every plan."""

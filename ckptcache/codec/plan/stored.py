@@ -1,150 +1,112 @@
-"""A save plan taken from an object the daemon holds, proven against it before it is used.
+"""A save plan kept by the daemon: taken from the segment of an earlier save of the same
+structure, checked against the save's own key before it is used.
 
 A job's first save of a structure plans it afresh: the skeleton, the tensor table, the
 archive's layout and manifest, tens of milliseconds for thousands of tensors, and most of a
-first save whose process has just started. The daemon outlives trainers, and what it holds of
-an earlier save of the same structure (an earlier job's ``step-100/model.pt`` for this job's
-``step-200/model.pt``) carries that plan already: its segment holds the skeleton, the tensor
-table and the storages' records. :func:`plan_of_stored` takes them from the segment, and the
-plan cache (:meth:`~ckptcache.codec.plan.cache.PlanCache.prepare`) uses them for a state whose
-compiled walk gives the same key.
+first save whose process has just started. The daemon outlives trainers, and the segment of
+an earlier save of the same structure holds that plan already: its skeleton, its tensor table
+and its storages' records. So the client that plans a structure afresh tells the daemon where
+the plan lies once its save is committed (``keep_plan``: :func:`structure_digest` of the
+compiled walk's key, and :func:`plan_check`); the first save of a later trainer of the same
+user whose walk gives the same key asks where it lies (``find_plan``), maps that segment and
+reads the plan from it (:func:`plan_from_segment`); only the archive's layout and manifest
+are made afresh.
 
-Nothing stored is taken on trust (another process wrote it, maybe another release of this
-package, maybe for another structure under the same name): the skeleton is decoded over the
-segment and walked, and so is the tensor table where there is one; both must give the key
-the save's own walk gives, with every storage found at the place its record names, in the
-order the key numbers them. A skeleton that loads to an object of the save's exact structure
-(keys, scalar values, tensor geometry, storage sharing) is the skeleton of that structure,
-whichever encoder wrote it: with the save's storages copied at its records' places, a load
-gives the save's object. The storages' records are not reused (their offsets are planned
-afresh around this skeleton); their dtypes, locations and names are read from the decoded
-object, as a fresh plan reads them from the trainer's.
-
-Where anything does not check out (the compiled walk not built, a structure it does not
-describe, a skeleton only torch's unpickler reads, another key), :func:`plan_of_stored`
-gives ``None`` and the save plans afresh.
+What is read is never taken on trust (the segment may hold a newer save of another
+structure, or bytes written over, or a save of another release of this package):
+:func:`plan_check` is a digest over the package's release, the save's own key and the
+integers it holds by width, the skeleton, the tensor table and every storage's record, and
+the plan is used only where the digest of what the segment holds, with the save's own key,
+is the one its planner sent. Equal keys give byte-equal plans (:mod:`ckptcache.codec.plan.cache`),
+so a plan checked so is the plan this save would make; the storages' bytes are copied by the
+save as always. A plan of another structure, or none, and the save plans afresh.
 """
 
 from __future__ import annotations
 
+import hashlib
 import mmap
+import struct
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
-import numpy as np
-import torch
-
-from ckptcache.codec.decode import Stored, decode
-from ckptcache.codec.flatten import Flattened, StorageInfo, tensor_names
-from ckptcache.codec.plan.walk import Walk, reference_key, walk
+from ckptcache._version import __version__
+from ckptcache.codec.flatten import Flattened, StorageInfo
 from ckptcache.format.manifest import Manifest
-from ckptcache.format.packed_records import PackedColumns
 
-__all__ = ["StoredPlan", "plan_of_stored"]
+__all__ = ["StoredPlan", "plan_check", "plan_from_segment", "structure_digest"]
+
+#: What :func:`plan_check` binds besides the plan: the form of the digest and the release
+#: whose encoders made the plan.
+_CHECK_PERSON = b"ckptcache-plan1"
+_length = struct.Struct("<Q").pack
 
 
 @dataclass(frozen=True)
 class StoredPlan:
-    """A stored object's plan, proven: the compiled walk's key and integers of the object it
-    decodes to, its skeleton and storages (:attr:`flat`, no storage held) and tensor table."""
+    """A plan read from a segment, checked: the compiled walk's key it is the plan of, the
+    integers its skeleton holds, its skeleton and storages (:attr:`flat`, no storage held),
+    its tensor table and its :func:`plan_check`."""
 
     key: bytes
     ints: tuple[int, ...]
     flat: Flattened
     table: str
+    check: str
 
 
-def plan_of_stored(
-    mapping: mmap.mmap, manifest_offset: int, manifest_size: int
+def structure_digest(key: bytes) -> str:
+    """The name under which the daemon keeps the plan of the structure whose compiled walk's
+    key is ``key`` (hex)."""
+    return hashlib.blake2b(key, digest_size=32).hexdigest()
+
+
+def plan_check(
+    key: bytes, ints: Sequence[int], skeleton: bytes, table: str, infos: Sequence[StorageInfo]
+) -> str:
+    """The digest (hex) that binds a plan (``skeleton``, ``table``, the storages' ``infos``)
+    to the structure key ``key`` and its integers ``ints``, in this release."""
+    h = hashlib.blake2b(digest_size=32, person=_CHECK_PERSON)
+    records = "\n".join(
+        f"{i.key}\0{i.nbytes}\0{i.dtype}\0{i.location}\0{i.name}" for i in infos
+    ).encode("utf-8", "surrogatepass")
+    encoded_table = table.encode("utf-8", "surrogatepass")
+    ints_text = ",".join(map(str, ints)).encode()
+    for part in (__version__.encode(), key, ints_text, skeleton, encoded_table, records):
+        h.update(_length(len(part)))
+        h.update(part)
+    return h.hexdigest()
+
+
+def plan_from_segment(
+    mapping: mmap.mmap,
+    manifest_offset: int,
+    manifest_size: int,
+    key: bytes,
+    ints: tuple[int, ...],
+    check: str,
 ) -> StoredPlan | None:
-    """The plan of the object stored in ``mapping`` (a segment, mapped copy-on-write, whose
-    manifest lies at ``manifest_offset``), or ``None`` where it cannot be proven (see the
-    module docstring). Decodes what the segment holds: raises nothing a damaged or foreign
-    segment could cause."""
+    """The plan that the segment in ``mapping`` holds (its manifest at ``manifest_offset``),
+    where its :func:`plan_check` with ``key`` and ``ints`` is ``check``; else ``None``
+    (another structure, damaged, unreadable: raises nothing)."""
     try:
-        return _proven(mapping, manifest_offset, manifest_size)
-    except Exception:  # a segment that does not decode: no plan from it
-        return None
-
-
-def _proven(mapping: mmap.mmap, manifest_offset: int, manifest_size: int) -> StoredPlan | None:
-    view = memoryview(mapping)
-    try:
-        manifest = Manifest.from_json(
-            view[manifest_offset : manifest_offset + manifest_size], segment_size=len(mapping),
-            keep_columns=True,
-        )  # fmt: skip
-        po = manifest.pickle_offset
-        skeleton = bytes(view[po : po + manifest.pickle_size])
-    finally:
-        view.release()
-    columns = manifest.columns()
-    keys, offsets, sizes = columns[0], columns[1], columns[2]
-    n = len(keys)
-    if not n or list(keys) != [str(i) for i in range(n)]:
-        return None  # storages numbered as ``flatten`` numbers them, or nothing to prove
-    extents: tuple[Any, Any] = (
-        (columns.offsets, columns.sizes) if isinstance(columns, PackedColumns) else (offsets, sizes)
-    )
-    whole = np.frombuffer(mapping, dtype=np.uint8)
-    base = whole.ctypes.data
-    expected = (np.asarray(offsets, dtype=np.int64), np.asarray(sizes, dtype=np.int64))
-
-    def places() -> dict[str, tuple[int, int]]:
-        return dict(zip(keys, zip(offsets, sizes, strict=True), strict=True))
-
-    def walked(table: str) -> tuple[Any, Walk] | None:
-        stored = Stored(mapping, skeleton, places, manifest.path, "local", table, extents)
-        obj = decode(stored, zero_copy=True, weights_only=True)
-        found = walk(obj, versions=False)
-        if found is None or not found.on_cpu or len(found.storages) != n:
-            return None
-        addresses, nbytes = found.storages.columns()
-        if not (
-            np.array_equal(addresses.astype(np.int64) - base, expected[0])
-            and np.array_equal(nbytes, expected[1])
-        ):
-            return None  # storage i of the key is not record i: the skeleton numbers others
-        return obj, found
-
-    # The skeleton alone (no table): what torch.load and every other decoder read.
-    by_skeleton = walked("")
-    if by_skeleton is None:
-        return None
-    obj, found = by_skeleton
-    if manifest.table:
-        by_table = walked(manifest.table)
-        if by_table is None or (by_table[1].key, by_table[1].ints) != (found.key, found.ints):
-            return None  # a table that loads to anything else than its skeleton
-        del by_table
-    infos = _infos(obj, n)
-    if infos is None:
-        return None
-    return StoredPlan(found.key, found.ints, Flattened(skeleton, infos, (), ()), manifest.table)
-
-
-def _infos(obj: Any, n: int) -> tuple[StorageInfo, ...] | None:
-    """The storages' records of ``obj`` (decoded on the CPU), as a fresh plan makes them:
-    each one's dtype that of the first tensor over it, its path that tensor's."""
-    reference = reference_key(obj, versions=True)
-    if reference is None or reference.columns is None:
-        return None
-    dtypes, indices = reference.columns[0], reference.columns[4]
-    first: dict[int, tuple[torch.dtype, int]] = {}
-    for index, dtype, storage_id in zip(indices, dtypes, reference.storage_ids, strict=True):
-        first.setdefault(index, (dtype, storage_id))
-    if len(first) != n:
-        return None
-    sizes = reference.columns[7]
-    location = torch.serialization.location_tag(reference.storages()[0])
-    names = tensor_names(obj)
-    return tuple(
-        StorageInfo(
-            key=str(s),
-            nbytes=sizes[s],
-            dtype=str(first[s][0]).removeprefix("torch."),
-            location=location,
-            name=names.get(first[s][1], f"<storage {s}>"),
+        view = memoryview(mapping)
+        try:
+            manifest = Manifest.from_json(
+                view[manifest_offset : manifest_offset + manifest_size],
+                segment_size=len(mapping), keep_columns=True,
+            )  # fmt: skip
+            po = manifest.pickle_offset
+            skeleton = bytes(view[po : po + manifest.pickle_size])
+        finally:
+            view.release()
+        columns = manifest.columns()
+        keys, sizes, dtypes, locations, names = (columns[i] for i in (0, 2, 3, 4, 5))
+        infos = tuple(
+            map(StorageInfo, keys, map(int, sizes), dtypes, locations, names)  # type: ignore[arg-type]
         )
-        for s in range(n)
-    )
+    except (ValueError, TypeError, IndexError, OverflowError):
+        return None
+    if plan_check(key, ints, skeleton, manifest.table, infos) != check:
+        return None
+    return StoredPlan(key, ints, Flattened(skeleton, infos, (), ()), manifest.table, check)

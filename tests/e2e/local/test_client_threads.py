@@ -60,11 +60,13 @@ def state(seed: float) -> dict[str, torch.Tensor]:
     return {"w": torch.full((8 << 20,), seed)}  # 32 MiB: two copy threads of 16 MiB
 
 
-def test_stop_right_after_a_save_ends_each_thread(client, tmp_path, lingering):
+def test_stop_right_after_a_save_ends_each_thread(lingering, client, tmp_path):
     """What Lightning's check does after a test that saved: ``stop()``, then ``is_alive()``.
     The spare thread used to clear its wake event at the top of its next pass and sit out
     its idle wait before it read the stop flag: ``stop()`` returned after that wait (a
-    second by default) and, with the wait an hour here, found the thread still alive."""
+    second by default) and, with the wait an hour here, found the thread still alive.
+    (``lingering`` first: the client, made in a process with torch, starts its spare thread
+    as it is made.)"""
     for i in range(3):
         handle = client.save(state(i), str(tmp_path / f"async_{i}.pt"), blocking=False)
         assert handle is not None

@@ -1,7 +1,7 @@
-"""A job's first save takes its plan from the daemon's copy of an earlier save of the same file
-(:mod:`ckptcache.codec.plan.stored`), even where that save is the trainer's first contact;
-what it saves is the trainer's state, byte for byte, and a plan that does not decode to the
-save's own structure is never used."""
+"""A job's first save takes the plan the daemon keeps for its structure, from the segment of an
+earlier save (:mod:`ckptcache.codec.plan.stored`), even where that save is the trainer's
+first contact; what it saves is the trainer's state, byte for byte, and a plan that does not
+check out against the save's own key is never used."""
 
 from __future__ import annotations
 
@@ -13,7 +13,10 @@ import pytest
 import torch
 
 import ckptcache.codec.plan.stored as stored_module
-from ckptcache.codec.plan.stored import plan_of_stored
+from ckptcache.codec.plan.stored import plan_check, plan_from_segment, structure_digest
+from ckptcache.server.plans import PlanIndex
+from ckptcache.server.state import Session
+from ckptcache.wire import messages as m
 
 
 def model(fill: float, count: int = 40) -> OrderedDict:
@@ -105,8 +108,8 @@ def _doctor(daemon, client, path: str, old: bytes, new: bytes) -> None:
 
 
 def test_a_doctored_skeleton_is_refused(daemon, tmp_path):
-    """Step 1's skeleton names another key than its tensor table (written over in the
-    segment): the plan is refused, and the new save plans afresh with its own keys."""
+    """Step 1's skeleton was written over in the segment (another key): its plan no longer
+    checks out, and the new save plans afresh with its own keys."""
     job = tmp_path / "job"
     earlier_path = str(job / "step-1" / "model.pt")
     with daemon.client() as earlier:
@@ -119,32 +122,110 @@ def test_a_doctored_skeleton_is_refused(daemon, tmp_path):
         assert equal(trainer.load(str(job / "step-2" / "model.pt"), mmap=False), state)
 
 
-def test_a_stored_plan_is_proven_against_what_it_decodes_to(daemon, tmp_path):
-    """``plan_of_stored`` on a segment: the key of the object it decodes to; on a segment
-    whose skeleton was written over, or that is no segment at all, nothing."""
+def test_a_plan_read_from_a_segment_is_checked_against_the_key(daemon, tmp_path):
+    """``plan_from_segment``: the plan where its check with the given key and integers is
+    the one given; with another key, other integers, another check, bytes written over in
+    the segment, or no manifest where one is said to be: nothing."""
+    from ckptcache.codec.plan.walk import walk
+
+    walked = walk(model(5.0), versions=False)
+    if walked is None:
+        pytest.skip("the compiled walk is not built")
     path = str(tmp_path / "job" / "step-1" / "model.pt")
     with daemon.client() as c:
         c.save(model(1.0), path, durability="memory")
-        mapping, reply = c.map_local(path)
-        proven = plan_of_stored(mapping, reply.manifest_offset, reply.manifest_size)
-        assert proven is not None and proven.table
-        from ckptcache.codec.plan.walk import walk
-
-        walked = walk(model(5.0), versions=False)
-        if walked is None:
-            pytest.skip("the compiled walk is not built")
-        assert proven.key == walked.key
-        assert [i.key for i in proven.flat.infos] == [str(i) for i in range(40)]
-        assert proven.flat.infos[0].name == "layers.0.weight"
+        kept = c._saves._plans.to_keep(path)
+        assert kept is None  # told the daemon at the commit
+        reply = _find(c, walked.key)
+        assert reply.path == path and reply.ints == (2, 3)  # the tuple in ``steps``
+        mapping, opened = c.map_local(path)
+        at = (mapping, opened.manifest_offset, opened.manifest_size)
+        plan = plan_from_segment(*at, walked.key, (2, 3), reply.check)
+        assert plan is not None and plan.table and plan.key == walked.key
+        assert [i.key for i in plan.flat.infos] == [str(i) for i in range(40)]
+        assert plan.flat.infos[0].name == "layers.0.weight"
+        assert plan_check(walked.key, (2, 3), plan.flat.skeleton, plan.table, plan.flat.infos) == (
+            reply.check
+        )
+        other = walk(model(5.0, count=41), versions=False)
+        assert plan_from_segment(*at, other.key, (2, 3), reply.check) is None
+        assert plan_from_segment(*at, walked.key, (2, 4), reply.check) is None
+        assert plan_from_segment(*at, walked.key, (2, 3), "0" * 64) is None
+        assert plan_from_segment(mapping, 0, 16, walked.key, (2, 3), reply.check) is None
         del mapping
         _doctor(daemon, c, path, b"adam", b"adan")
-        mapping, reply = c.map_local(path)
-        assert plan_of_stored(mapping, reply.manifest_offset, reply.manifest_size) is None
-        assert plan_of_stored(mapping, 0, 16) is None
+        mapping, opened = c.map_local(path)
+        at = (mapping, opened.manifest_offset, opened.manifest_size)
+        assert plan_from_segment(*at, walked.key, (2, 3), reply.check) is None
+
+
+def _find(client, key: bytes) -> m.FindPlanReply:
+    request = m.FindPlanRequest("default", structure_digest(key))
+    return client._connection.call("find_plan", request, m.FindPlanReply)
+
+
+def test_a_plan_kept_with_a_false_check_is_refused(daemon, tmp_path):
+    """A ``keep_plan`` that names step 1 (another structure) for the new trainer's structure:
+    the trainer reads it, finds that it does not check out, plans afresh."""
+    from ckptcache.codec.plan.walk import walk
+
+    job = tmp_path / "job"
+    state = model(3.0)
+    walked = walk(state, versions=False)
+    if walked is None:
+        pytest.skip("the compiled walk is not built")
+    with daemon.client() as earlier:
+        earlier.save(model(1.0, count=41), str(job / "step-1" / "model.pt"), durability="memory")
+        lie = m.KeepPlanRequest(
+            "default", str(job / "step-1" / "model.pt"), structure_digest(walked.key),
+            _find(earlier, walk(model(1.0, count=41), versions=False).key).check,
+        )  # fmt: skip
+        earlier._connection.call("keep_plan", lie)
+    with daemon.client() as trainer:
+        trainer.save(state, str(job / "step-2" / "model.pt"), durability="memory")
+        assert counts(trainer) == (0, 0, 1)
+        assert equal(trainer.load(str(job / "step-2" / "model.pt"), mmap=False), state)
+
+
+def test_the_daemon_answers_a_user_with_its_own_plans_only():
+    """Another user's ``keep_plan`` of the same structure is never handed to this one; the
+    newest of a user's is; malformed digests are refused."""
+    index = PlanIndex(most=2)
+    mine, theirs = Session(1, 100, 1000), Session(2, 200, 2000)
+    digest = "ab" * 32
+    index.keep(theirs, m.KeepPlanRequest("default", "/theirs.pt", digest, "cd" * 32))
+    assert index.find(mine, m.FindPlanRequest("default", digest)).path == ""
+    index.keep(mine, m.KeepPlanRequest("default", "/mine.pt", digest, "ef" * 32, (3,)))
+    assert index.find(mine, m.FindPlanRequest("default", digest)) == m.FindPlanReply(
+        "/mine.pt", "ef" * 32, (3,)
+    )
+    assert index.find(mine, m.FindPlanRequest("other", digest)).path == ""
+    assert index.find(theirs, m.FindPlanRequest("default", digest)).path == "/theirs.pt"
+    index.keep(mine, m.KeepPlanRequest("default", "/x.pt", "12" * 32, "ef" * 32))
+    assert index.find(theirs, m.FindPlanRequest("default", digest)).path == ""  # the oldest
+    with pytest.raises(ValueError):
+        index.keep(mine, m.KeepPlanRequest("default", "/x.pt", "not hex", "ef" * 32))
+
+
+def test_the_plan_goes_on_from_job_to_job(daemon, tmp_path):
+    """Each job's first save tells the daemon where its plan lies: the third job finds it in
+    the second's checkpoint, the first's being deleted."""
+    job = tmp_path / "job"
+    with daemon.client() as first:
+        first.save(model(1.0), str(job / "step-1" / "model.pt"), durability="memory")
+    with daemon.client() as second:
+        second.save(model(2.0), str(job / "step-2" / "model.pt"), durability="memory")
+        assert counts(second) == (1, 1, 0)
+        second.delete(str(job / "step-1" / "model.pt"))
+    with daemon.client() as third:
+        state = model(3.0)
+        third.save(state, str(job / "step-3" / "model.pt"), durability="memory")
+        assert counts(third) == (1, 1, 0)
+        assert equal(third.load(str(job / "step-3" / "model.pt"), mmap=False), state)
 
 
 def test_an_interrupt_while_taking_the_plan_leaves_nothing_jammed(daemon, tmp_path, monkeypatch):
-    """Ctrl-C (``KeyboardInterrupt``) raised while the first save proves the daemon's plan:
+    """Ctrl-C (``KeyboardInterrupt``) raised while the first save reads the daemon's plan:
     the save raises it, holds no lock or reservation, and the next save goes through."""
     job = tmp_path / "job"
     with daemon.client() as earlier:
@@ -154,13 +235,13 @@ def test_an_interrupt_while_taking_the_plan_leaves_nothing_jammed(daemon, tmp_pa
         raise KeyboardInterrupt
 
     with daemon.client() as trainer:
-        monkeypatch.setattr(stored_module, "_proven", interrupted)
+        monkeypatch.setattr(stored_module, "plan_from_segment", interrupted)
         path = str(job / "step-2" / "model.pt")
         with pytest.raises(KeyboardInterrupt):
             trainer.save(model(2.0), path, durability="memory")
         monkeypatch.undo()
         state = model(4.0)
-        trainer.save(state, path, durability="memory")  # plans afresh: asked once per name
+        trainer.save(state, path, durability="memory")  # plans afresh: asked once
         assert counts(trainer) == (0, 0, 1)
         assert equal(trainer.load(path, mmap=False), state)
         assert trainer.daemon_status() is not None
