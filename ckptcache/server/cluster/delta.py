@@ -26,12 +26,14 @@ from __future__ import annotations
 
 import bisect
 import contextlib
+import ctypes
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from ckptcache.errors import CorruptCheckpoint
 from ckptcache.format.digest import digest_bytes, digest_hex
+from ckptcache.format.fastcopy import copy_runs
 from ckptcache.format.layout import HEADER_SIZE
 from ckptcache.format.manifest import Manifest, StorageRecord
 from ckptcache.wire.states import Tier
@@ -231,13 +233,27 @@ def batches(spans: list[tuple[int, int]]) -> list[list[tuple[int, int]]]:
 
 def place(view: memoryview, held: Held, manifest: Manifest, digests: Sequence[int]) -> None:
     """Copy the held storages into ``view`` (the new segment from the end of its header on)
-    and check each where it landed against ``digests``; raises :class:`CorruptCheckpoint`."""
+    and check each where it landed against ``digests``; raises :class:`CorruptCheckpoint`.
+
+    One copy call for them all (streaming stores, the interpreter lock released); the sources'
+    mappings are exported only for its length (a pinned source is never remapped)."""
     storages = manifest.storages
-    for i, source, offset in held.picks:
+    for i, source, offset in held.picks:  # raw addresses below: every run checked first
+        start, n = storages[i].offset - HEADER_SIZE, storages[i].nbytes
+        inside = 0 <= start <= len(view) - n and 0 <= offset <= len(source.segment.mapping) - n
+        if not inside:
+            raise ValueError(f"storage {i} of {manifest.path!r} lies outside its segment")
+    dst = ctypes.c_char.from_buffer(view)
+    sources = {id(g): ctypes.c_char.from_buffer(g.segment.mapping) for g in held.pinned}
+    try:
+        base = ctypes.addressof(dst) - HEADER_SIZE  # view starts at the end of the header
+        copy_runs([(base + storages[i].offset, ctypes.addressof(sources[id(g)]) + offset,
+                    storages[i].nbytes) for i, g, offset in held.picks])  # fmt: skip
+    finally:
+        del dst, sources
+    for i, source, _offset in held.picks:
         record = storages[i]
         lo = record.offset - HEADER_SIZE
-        with memoryview(source.segment.mapping) as src:
-            view[lo : lo + record.nbytes] = src[offset : offset + record.nbytes]
         got = digest_bytes(view[lo : lo + record.nbytes])
         if got != digests[i]:
             raise CorruptCheckpoint(
