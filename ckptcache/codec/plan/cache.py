@@ -63,7 +63,12 @@ from ckptcache.codec.flatten import Flattened, flatten, gc_paused, v3_dtypes
 from ckptcache.codec.objectio import plan_object, replan
 from ckptcache.codec.plan.columns import NotPlain, tensor_columns, tensor_items
 from ckptcache.codec.plan.reduced import Reduction, reduction_of
-from ckptcache.codec.plan.stored import StoredPlan, plan_check, structure_digest
+from ckptcache.codec.plan.stored import (
+    StoredPlan,
+    plan_check,
+    record_columns,
+    structure_digest,
+)
 from ckptcache.codec.plan.walk import REF, Walk, reference_key, walk
 from ckptcache.codec.skeleton import encode_flattened
 from ckptcache.codec.table.table import encode_table
@@ -362,7 +367,8 @@ class PlanCache:
                 del self._entries[: -self._size]
                 if stored is not None and walked is not None:
                     # Where the next trainer's first save may find it (see ``to_keep``).
-                    check = plan_check(walked.key, structure.ints, flat.skeleton, table, flat.infos)
+                    records = record_columns(flat.infos)
+                    check = plan_check(walked.key, structure.ints, flat.skeleton, table, records)
                     self._keep(path, structure_digest(walked.key), check, structure.ints)
         return flat, plan
 

@@ -29,12 +29,13 @@ import mmap
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from ckptcache._version import __version__
 from ckptcache.codec.flatten import Flattened, StorageInfo
 from ckptcache.format.manifest import Manifest
 
-__all__ = ["StoredPlan", "plan_check", "plan_from_segment", "structure_digest"]
+__all__ = ["StoredPlan", "plan_check", "plan_from_segment", "record_columns", "structure_digest"]
 
 #: What :func:`plan_check` binds besides the plan: the form of the digest and the release
 #: whose encoders made the plan.
@@ -62,20 +63,36 @@ def structure_digest(key: bytes) -> str:
 
 
 def plan_check(
-    key: bytes, ints: Sequence[int], skeleton: bytes, table: str, infos: Sequence[StorageInfo]
+    key: bytes,
+    ints: Sequence[int],
+    skeleton: bytes,
+    table: str,
+    records: Sequence[Sequence[Any]],
 ) -> str:
-    """The digest (hex) that binds a plan (``skeleton``, ``table``, the storages' ``infos``)
-    to the structure key ``key`` and its integers ``ints``, in this release."""
+    """The digest (hex) that binds a plan (``skeleton``, ``table``, the storages' records as
+    five columns: keys, sizes, dtypes, locations, names) to the structure key ``key`` and
+    its integers ``ints``, in this release."""
     h = hashlib.blake2b(digest_size=32, person=_CHECK_PERSON)
-    records = "\n".join(
-        f"{i.key}\0{i.nbytes}\0{i.dtype}\0{i.location}\0{i.name}" for i in infos
-    ).encode("utf-8", "surrogatepass")
-    encoded_table = table.encode("utf-8", "surrogatepass")
-    ints_text = ",".join(map(str, ints)).encode()
-    for part in (__version__.encode(), key, ints_text, skeleton, encoded_table, records):
+    keys, sizes, dtypes, locations, names = records
+    parts = (
+        __version__.encode(), key, ",".join(map(str, ints)).encode(), skeleton,
+        table.encode("utf-8", "surrogatepass"), "\0".join(keys).encode("utf-8", "surrogatepass"),
+        ",".join(map(str, sizes)).encode(), "\0".join(dtypes).encode("utf-8", "surrogatepass"),
+        "\0".join(locations).encode("utf-8", "surrogatepass"),
+        "\0".join(names).encode("utf-8", "surrogatepass"),
+    )  # fmt: skip
+    for part in parts:
         h.update(_length(len(part)))
         h.update(part)
     return h.hexdigest()
+
+
+def record_columns(infos: Sequence[StorageInfo]) -> tuple[list[Any], ...]:
+    """``infos`` as the five columns :func:`plan_check` takes."""
+    return (
+        [i.key for i in infos], [i.nbytes for i in infos], [i.dtype for i in infos],
+        [i.location for i in infos], [i.name for i in infos],
+    )  # fmt: skip
 
 
 def plan_from_segment(
@@ -101,12 +118,10 @@ def plan_from_segment(
         finally:
             view.release()
         columns = manifest.columns()
-        keys, sizes, dtypes, locations, names = (columns[i] for i in (0, 2, 3, 4, 5))
-        infos = tuple(
-            map(StorageInfo, keys, map(int, sizes), dtypes, locations, names)  # type: ignore[arg-type]
-        )
+        records = tuple(columns[i] for i in (0, 2, 3, 4, 5))
+        if plan_check(key, ints, skeleton, manifest.table, records) != check:
+            return None
+        infos = tuple(map(StorageInfo, *records))
     except (ValueError, TypeError, IndexError, OverflowError):
-        return None
-    if plan_check(key, ints, skeleton, manifest.table, infos) != check:
         return None
     return StoredPlan(key, ints, Flattened(skeleton, infos, (), ()), manifest.table, check)

@@ -13,7 +13,12 @@ import pytest
 import torch
 
 import ckptcache.codec.plan.stored as stored_module
-from ckptcache.codec.plan.stored import plan_check, plan_from_segment, structure_digest
+from ckptcache.codec.plan.stored import (
+    plan_check,
+    plan_from_segment,
+    record_columns,
+    structure_digest,
+)
 from ckptcache.server.plans import PlanIndex
 from ckptcache.server.state import Session
 from ckptcache.wire import messages as m
@@ -144,7 +149,8 @@ def test_a_plan_read_from_a_segment_is_checked_against_the_key(daemon, tmp_path)
         assert plan is not None and plan.table and plan.key == walked.key
         assert [i.key for i in plan.flat.infos] == [str(i) for i in range(40)]
         assert plan.flat.infos[0].name == "layers.0.weight"
-        assert plan_check(walked.key, (2, 3), plan.flat.skeleton, plan.table, plan.flat.infos) == (
+        records = record_columns(plan.flat.infos)
+        assert plan_check(walked.key, (2, 3), plan.flat.skeleton, plan.table, records) == (
             reply.check
         )
         other = walk(model(5.0, count=41), versions=False)
