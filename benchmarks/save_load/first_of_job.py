@@ -12,14 +12,18 @@ The situations, each round in this order (interleaved with DCP's):
   trainer saves ``<prefix>/step-2/model.pt``;
 * **after an earlier job, ``exists`` first:** the same, where the new trainer first looks for
   a checkpoint to resume from (``exists``), as a resuming trainer does, and saves a second
-  later (its start-up: building the model, the first steps).
+  later (its start-up: building the model, the first steps);
+* **after an earlier job, the client made at start:** the same, where the new trainer makes
+  its :class:`~ckptcache.Client` first, then builds its state (the model) and saves it, its
+  first call; timed from the save.
 
 The state is ``tensor_count.py``'s ``mix`` (75% of the bytes in 16 MiB tensors, the rest in
 64 KiB ones: 2,072 tensors at 512 MiB). The trainer's first save is compared byte for byte
 with its state after a load (untimed). Figures: each situation's median over the rounds, in
-ms and against the memcpy of the same process. ``--against OTHER_TREE`` adds the
-``exists``-first trainer of another checkout's client, on the same daemon, in turns with this
-tree's (which goes first alternates by round): a before/after comparison in one run.
+ms and against the memcpy of the same process. ``--against OTHER_TREE`` adds the trainers
+of another checkout's client after the earlier job (each situation), on the same daemon, in
+turns with this tree's (which goes first alternates by round): a before/after comparison in
+one run.
 """
 
 from __future__ import annotations
@@ -46,6 +50,11 @@ def trainer(kind: str, socket: str, path: str, nbytes: int) -> None:
 
     from ckptcache.cli.benchmarking import memcpy_seconds, mixed_state
 
+    early = None
+    if kind == "ckptcache-early":  # the client first, then the model
+        from ckptcache.client import Client
+
+        early = Client(socket, fallback="raise")
     state = mixed_state(nbytes)
     memcpy = memcpy_seconds(state)
     if kind == "dcp":
@@ -66,7 +75,7 @@ def trainer(kind: str, socket: str, path: str, nbytes: int) -> None:
         from ckptcache.client import Client
 
         t0 = time.perf_counter()
-        client = Client(socket, fallback="raise")
+        client = early if early is not None else Client(socket, fallback="raise")
         if kind == "ckptcache-exists":
             client.exists(path)
             time.sleep(1.0)
@@ -114,13 +123,15 @@ def main() -> None:
     p.add_argument("--no-dcp", action="store_true", help="leave DCP's first save out")
     args = p.parse_args()
     nbytes = parse_bytes(args.size)
-    budget = ("--memory-limit", str(5 * nbytes + (512 << 20)))
-    rows: dict[str, list[dict]] = {
-        "fresh daemon": [],
-        "after an earlier job": [],
-        "after an earlier job, `exists` first": [],
-        "dcp": [],
-    }
+    ours = [  # after the earlier job: (situation, kind)
+        ("after an earlier job", "ckptcache"),
+        ("after an earlier job, `exists` first", "ckptcache-exists"),
+        ("after an earlier job, the client made at start", "ckptcache-early"),
+    ]
+    # Every save of a round is held in memory (durability "memory"), and a spare beside.
+    budget = ("--memory-limit", str((2 * len(ours) + 3) * nbytes + (512 << 20)))
+    rows: dict[str, list[dict]] = {"fresh daemon": [], **{name: [] for name, _ in ours}}
+    rows["dcp"] = []
     loads = []
     pycache = tempfile.mkdtemp(prefix="first-of-job-pyc-")
     env = trainer_env(pycache)
@@ -131,7 +142,8 @@ def main() -> None:
     )  # fmt: skip
     other = None
     if args.against:
-        rows["after an earlier job, `exists` first: --against tree"] = []
+        for name, _ in ours:
+            rows[f"{name}: --against tree"] = []
         other = dict(trainer_env(os.path.join(pycache, "against")), PYTHONPATH=args.against)
         subprocess.run(
             [sys.executable, "-m", "compileall", "-q", os.path.join(args.against, "ckptcache")],
@@ -144,15 +156,13 @@ def main() -> None:
         with tempfile.TemporaryDirectory() as root:
             prefix = os.path.join(root, "job")
             with running_daemon(*budget) as daemon:
-                cases = [
-                    ("fresh daemon", "ckptcache", env),
-                    ("after an earlier job", "ckptcache", env),
-                    ("after an earlier job, `exists` first", "ckptcache-exists", env),
-                ]
-                if other is not None:  # the two trees' trainers in turns, first by round
-                    theirs = ("after an earlier job, `exists` first: --against tree",
-                              "ckptcache-exists", other)  # fmt: skip
-                    cases = [*cases, theirs] if rnd % 2 == 0 else [*cases[:2], theirs, cases[2]]
+                cases = [("fresh daemon", "ckptcache", env)]
+                for name, kind in ours:
+                    pair = [(name, kind, env)]
+                    if other is not None:  # the two trees' trainers in turns, first by round
+                        pair.append((f"{name}: --against tree", kind, other))
+                        pair = pair if rnd % 2 == 0 else pair[::-1]
+                    cases += pair
                 for step, (name, kind, how) in enumerate(cases, 1):
                     path = f"{prefix}/step-{step}/model.pt"
                     rows[name].append(run_trainer(kind, daemon.socket, path, nbytes, how))
@@ -160,8 +170,10 @@ def main() -> None:
             if args.no_dcp:
                 continue
             rows["dcp"].append(run_trainer("dcp", "", os.path.join(root, "dcp"), nbytes, env))
+    loads.append(os.getloadavg()[0])
     print(f"{args.size}, {args.rounds} rounds, load average (1 min) {min(loads):.2f}-"
-          f"{max(loads):.2f}; medians, each against its own process's memcpy")  # fmt: skip
+          f"{max(loads):.2f} (median {statistics.median(loads):.2f}); medians, each against "
+          "its own process's memcpy")  # fmt: skip
     print("\n| first save | memcpy | first save | vs memcpy | all rounds (x memcpy) |")
     print("|---|---:|---:|---:|---|")
     for name, rs in rows.items():
