@@ -111,7 +111,8 @@ class Client:
         save's modules are imported here (tens of milliseconds a first save would pay), and
         the daemon's spare segments mapped on the spare thread meanwhile, as
         :meth:`warmup` does (their page tables: as long as the copy, inside a first save
-        that is the client's first contact)."""
+        that is the client's first contact), and the plans the daemon keeps for this user
+        read (:meth:`~ckptcache.client._saves.Saves.read_ahead`)."""
         import ckptcache.client._async
         import ckptcache.codec.encode
         import ckptcache.codec.gpu.copy
@@ -120,6 +121,7 @@ class Client:
         import ckptcache.format.gcpause  # noqa: F401 - each one a first save imports
 
         self._spares.first_contact()
+        self._saves.read_ahead()
 
     @property
     def node_id(self) -> str:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import atexit
 import functools
+import logging
 import os
 import threading
 import time
@@ -24,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 from ckptcache import errors
 from ckptcache._secure_fs import current_umask
-from ckptcache._workers import LingeringPool
+from ckptcache._workers import LingeringPool, StoppableThread
 from ckptcache.client._connection import Connection
 from ckptcache.client._fallback import WriteThrough
 from ckptcache.client._ledger import Ledger
@@ -43,11 +44,13 @@ if TYPE_CHECKING:
     from ckptcache.codec.gpu.copy import Ready
     from ckptcache.codec.packing import Packed
     from ckptcache.codec.plan.cache import PlanCache
-    from ckptcache.codec.plan.stored import StoredPlan
+    from ckptcache.codec.plan.stored import SegmentPlan, StoredPlan
     from ckptcache.codec.shm import Mapping
     from ckptcache.format.manifest import ObjectPlan
 
 __all__ = ["DURABILITY_LEVELS", "Saves", "check_durability"]
+
+log = logging.getLogger(__name__)
 
 #: What ``save`` may wait for before it returns.
 #: ``memory``: kept in the daemon's memory only, never persisted (an explicit choice; a
@@ -115,6 +118,11 @@ class Saves:
         self.map_stored: Callable[[str], tuple[Mapping, m.OpenReply]] | None = None
         #: The structures whose plan was asked of the daemon (once each).
         self._asked: set[str] = set()
+        #: Plans the daemon keeps, read before the first save (:meth:`read_ahead`), by
+        #: structure digest, each with what was kept with it; checked when a save uses one.
+        self._ahead: dict[str, tuple[SegmentPlan, m.KeptPlan]] = {}
+        self._ahead_thread: StoppableThread | None = None
+        self._ahead_stop = threading.Event()
 
     def save(self, obj: Any, path: str, durability: str, blocking: bool) -> SaveHandle | None:
         """Save ``obj`` under ``path`` (normalized, ``durability`` checked).
@@ -229,13 +237,17 @@ class Saves:
             lock.release()
 
     def _read_stored(self, key: bytes) -> StoredPlan | None:
-        from ckptcache.codec.plan.stored import plan_from_segment, structure_digest
+        from ckptcache.codec.plan.stored import checked, plan_from_segment, structure_digest
 
         digest = structure_digest(key)
         with self._executor_lock:
             if digest in self._asked:
                 return None
             self._asked.add(digest)
+            ahead = self._ahead.pop(digest, None)
+        if ahead is not None:  # read before this save: only its check is left
+            read, kept = ahead
+            return checked(read, key, kept.ints, kept.check)
         assert self.map_stored is not None
         try:
             request = m.FindPlanRequest(self._settings.namespace, digest)
@@ -249,6 +261,51 @@ class Saves:
         return plan_from_segment(
             mapping, opened.manifest_offset, opened.manifest_size, key, kept.ints, kept.check
         )
+
+    def read_ahead(self) -> None:
+        """Read, on a thread of its own, the newest plans the daemon keeps for this user
+        (:meth:`stored_plan` then only checks the one a first save's key names): started as a
+        trainer's client is made, seconds before its first save. The thread waits for the
+        spare thread's contact, reads at most four, and ends; a save never waits for it."""
+        with self._executor_lock:
+            if self._ahead_thread is not None or self.map_stored is None:
+                return
+            self._ahead_thread = StoppableThread(
+                self._read_ahead, "ckptcache-plans-ahead", self._ahead_stop.set
+            )
+        self._ahead_thread.start()
+
+    def _read_ahead(self) -> None:
+        from ckptcache.codec.plan.stored import read_ahead
+
+        if not self._spares.contacted.wait(min(self._settings.timeout, 10.0)):
+            return
+        if self._ahead_stop.is_set() or self._connection.rpc is None:
+            return  # closing, or no daemon reached: no attempt of our own
+        assert self.map_stored is not None
+        try:
+            request = m.ListPlansRequest(self._settings.namespace)
+            kept = self._connection.call("list_plans", request, m.ListPlansReply).plans
+        except errors.CkptCacheError:  # an older daemon, or gone: the saves ask themselves
+            return
+        for plan in kept:
+            if self._ahead_stop.is_set():
+                return
+            try:
+                mapping, opened = self.map_stored(plan.path)
+            except errors.CkptCacheError:
+                continue
+            try:
+                read = read_ahead(mapping, opened.manifest_offset, opened.manifest_size)
+            except Exception as e:  # reading ahead only saves time: the save asks itself
+                log.debug("plan of %s not read ahead: %s", plan.path, e)
+                continue
+            finally:
+                del mapping  # and its pin
+            if read is not None:
+                with self._executor_lock:
+                    if plan.structure not in self._asked:
+                        self._ahead[plan.structure] = (read, plan)
 
     def keep_plan(self, path: str) -> None:
         """Tell the daemon where the plan made or taken for ``path``'s save lies, now that
@@ -401,8 +458,12 @@ class Saves:
             handle.wait_done()
 
     def close(self) -> None:
-        """Finish the pending non-blocking saves and end their thread (ended when this
-        returns)."""
+        """Finish the pending non-blocking saves and end their thread, and the thread that
+        reads plans ahead (ended when this returns)."""
+        self._ahead_stop.set()
+        thread = self._ahead_thread  # a forked child's is None (after_fork)
+        if thread is not None and thread is not threading.current_thread():
+            thread.join()
         if self._executor is not None and self.thread_pid == os.getpid():
             self.finish()
             self._executor.stop()
@@ -415,4 +476,5 @@ class Saves:
         self._executor_lock = threading.Lock()
         self._executor, self.thread_pid = None, 0
         self._plans = None
-        self._asked = set()
+        self._asked, self._ahead = set(), {}
+        self._ahead_thread, self._ahead_stop = None, threading.Event()

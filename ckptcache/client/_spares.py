@@ -124,6 +124,9 @@ class SpareMapper:
         self.contacted = threading.Event()
         #: Whether the spares mapped now are registered for CUDA copies as well.
         self._register = True
+        #: Spares mapped in a round that did not register them (a first contact's), each
+        #: registered by the next round that does (:meth:`Client.warmup`, after a save).
+        self.unregistered: dict[str, Mapping] = {}
 
     def disown(self) -> None:
         """In a forked child: the parent's thread, locks and mappings are not ours."""
@@ -236,6 +239,8 @@ class SpareMapper:
     def _round(self) -> None:
         """Map the daemon's spares until it has none in the making (or asked again)."""
         deadline = time.monotonic() + _FOLLOW_SECONDS
+        if self._register:
+            self._register_earlier()
         while True:
             with self._lock:
                 self._again = False
@@ -259,6 +264,21 @@ class SpareMapper:
                 return
             if self._stopped.wait(0.05):  # the daemon is still making a spare
                 return
+
+    def _register_earlier(self) -> None:
+        """Register for CUDA copies the spares an earlier round mapped without (where this
+        process uses CUDA), those still in the client's cache."""
+        from ckptcache.codec.gpu.pinning import reserve_if_cuda
+
+        port = self._port
+        for name in list(self.unregistered):
+            with port.lock:  # close() iterates the cache under this lock
+                mapping = self.unregistered.pop(name, None)
+                if mapping is None or name not in port or self._stopped.is_set():
+                    continue
+                register = reserve_if_cuda(mapping)
+            if register is not None:
+                register()
 
     def _map(self, name: str, capacity: int) -> None:
         from ckptcache.codec.shm import map_shared  # torch: only where spares are mapped
@@ -302,7 +322,10 @@ class SpareMapper:
             self.adopt(name)
             # Registered for DMA here, off the save's path; reserved under the lock, so a
             # close() that unmaps it waits for the registration.
-            if mapping is not None and name in port and self._register:
-                register = reserve_if_cuda(mapping)
+            if mapping is not None and name in port:
+                if self._register:
+                    register = reserve_if_cuda(mapping)
+                else:
+                    self.unregistered[name] = mapping
         if register is not None:
             register()

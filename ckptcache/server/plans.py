@@ -6,8 +6,10 @@ object it saved. The client that planned a structure afresh says so after its co
 the key); the first save of a later trainer of the same user asks for its structure
 (``find_plan``), maps the newest generation of that path and uses the plan there once its own
 key and the plan's bytes give the same binding digest (:mod:`ckptcache.codec.plan.stored`).
-Nothing here is taken on trust by the client; the daemon only answers a user with what that
-user kept, and forgets the oldest entries beyond :data:`MOST`.
+A client made as a trainer starts reads the newest of its user's plans ahead
+(``list_plans``) and checks the one its first save's key names. Nothing here is taken on
+trust by the client; the daemon only answers a user with what that user kept, and forgets
+the oldest entries beyond :data:`MOST`.
 
 Kept in memory only: a restarted daemon starts without, and the next trainer's first save
 plans afresh (and keeps its plan again).
@@ -59,6 +61,17 @@ class PlanIndex:
         with self._lock:
             found = self._kept.get((session.uid, request.namespace, request.structure))
         return found if found is not None else m.FindPlanReply()
+
+    def list(self, session: Session, request: m.ListPlansRequest) -> m.ListPlansReply:
+        """The newest of what ``session``'s user kept in the namespace (a client made as a
+        trainer starts reads them ahead of its first save)."""
+        with self._lock:
+            mine = [
+                m.KeptPlan(structure, kept.path, kept.check, kept.ints)
+                for (uid, namespace, structure), kept in reversed(self._kept.items())
+                if uid == session.uid and namespace == request.namespace
+            ]
+        return m.ListPlansReply(tuple(mine[: max(0, min(request.most, 16))]))
 
 
 def _digest(text: str) -> bool:

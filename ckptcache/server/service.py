@@ -129,6 +129,7 @@ class CacheService(rpyc.Service):  # type: ignore[misc]
             **core.handlers(),
             "keep_plan": (m.KeepPlanRequest, index.keep),
             "find_plan": (m.FindPlanRequest, index.find),
+            "list_plans": (m.ListPlansRequest, index.list),
         }
 
     def on_connect(self, conn: rpyc.Connection) -> None:

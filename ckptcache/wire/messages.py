@@ -37,6 +37,9 @@ __all__ = [
     "HelloReply",
     "HelloRequest",
     "KeepPlanRequest",
+    "KeptPlan",
+    "ListPlansReply",
+    "ListPlansRequest",
     "ListReply",
     "ListRequest",
     "ObjectInfo",
@@ -532,3 +535,28 @@ class FindPlanReply:
     path: str = ""
     check: str = ""
     ints: tuple[int, ...] = ()
+
+
+@message
+class KeptPlan:
+    """One structure's plan as kept (``keep_plan``): where it lies and its check."""
+
+    structure: str
+    path: str
+    check: str
+    ints: tuple[int, ...] = ()
+
+
+@message
+class ListPlansRequest:
+    """The plans this user kept in ``namespace``, the newest first (``most`` at most)."""
+
+    namespace: str
+    most: int = 4
+
+
+@message
+class ListPlansReply:
+    """The reply to ``list_plans``."""
+
+    plans: tuple[KeptPlan, ...] = field(default=(), metadata={"items": KeptPlan})

@@ -25,7 +25,7 @@ def _sample(cls: type) -> Any:
     values: dict[str, Any] = {}
     for name, hint in typing.get_type_hints(cls).items():
         text = str(hint)
-        nested = [c for c in ("ObjectInfo", "PeerClock") if c in text]
+        nested = [c for c in ("ObjectInfo", "PeerClock", "KeptPlan") if c in text]
         if nested:  # a tuple of nested messages
             values[name] = (_sample(getattr(m, nested[0])),)
         elif isinstance(hint, type) and issubclass(hint, enum.Enum):

@@ -392,7 +392,7 @@ class PlanCache:
         of ``walked``'s structure; whether it was kept."""
         if stored is None or stored.key != walked.key:
             return False  # none, or of another structure: this save plans afresh
-        plan = plan_object(stored.flat, path, namespace, table=stored.table)
+        plan = stored.plan or plan_object(stored.flat, path, namespace, table=stored.table)
         with self._lock:
             self.adopted += 1
             self._keep(path, structure_digest(stored.key), stored.check, stored.ints)

@@ -24,6 +24,7 @@ save as always. A plan of another structure, or none, and the save plans afresh.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import mmap
 import struct
@@ -33,9 +34,20 @@ from typing import Any
 
 from ckptcache._version import __version__
 from ckptcache.codec.flatten import Flattened, StorageInfo
-from ckptcache.format.manifest import Manifest
+from ckptcache.codec.objectio import plan_object
+from ckptcache.format.manifest import Manifest, ObjectPlan
 
-__all__ = ["StoredPlan", "plan_check", "plan_from_segment", "record_columns", "structure_digest"]
+__all__ = [
+    "SegmentPlan",
+    "StoredPlan",
+    "checked",
+    "plan_check",
+    "plan_from_segment",
+    "read_ahead",
+    "read_plan",
+    "record_columns",
+    "structure_digest",
+]
 
 #: What :func:`plan_check` binds besides the plan: the form of the digest and the release
 #: whose encoders made the plan.
@@ -47,13 +59,27 @@ _length = struct.Struct("<Q").pack
 class StoredPlan:
     """A plan read from a segment, checked: the compiled walk's key it is the plan of, the
     integers its skeleton holds, its skeleton and storages (:attr:`flat`, no storage held),
-    its tensor table and its :func:`plan_check`."""
+    its tensor table and its :func:`plan_check`; :attr:`plan`: its archive's layout and
+    manifest, where they were made ahead (for another path: a save replans them)."""
 
     key: bytes
     ints: tuple[int, ...]
     flat: Flattened
     table: str
     check: str
+    plan: ObjectPlan | None = None
+
+
+@dataclass(frozen=True)
+class SegmentPlan:
+    """A plan as a segment holds it, not checked yet (:func:`checked`): its skeleton and
+    storages, its tensor table, its records as :func:`plan_check` reads them, and its
+    archive's layout and manifest where they were made ahead (:func:`read_ahead`)."""
+
+    flat: Flattened
+    table: str
+    records: tuple[Sequence[Any], ...]
+    plan: ObjectPlan | None = None
 
 
 def structure_digest(key: bytes) -> str:
@@ -95,17 +121,9 @@ def record_columns(infos: Sequence[StorageInfo]) -> tuple[list[Any], ...]:
     )  # fmt: skip
 
 
-def plan_from_segment(
-    mapping: mmap.mmap,
-    manifest_offset: int,
-    manifest_size: int,
-    key: bytes,
-    ints: tuple[int, ...],
-    check: str,
-) -> StoredPlan | None:
-    """The plan that the segment in ``mapping`` holds (its manifest at ``manifest_offset``),
-    where its :func:`plan_check` with ``key`` and ``ints`` is ``check``; else ``None``
-    (another structure, damaged, unreadable: raises nothing)."""
+def read_plan(mapping: mmap.mmap, manifest_offset: int, manifest_size: int) -> SegmentPlan | None:
+    """The plan the segment in ``mapping`` holds (its manifest at ``manifest_offset``), not
+    checked; ``None`` where it cannot be read (raises nothing a damaged segment causes)."""
     try:
         view = memoryview(mapping)
         try:
@@ -119,9 +137,44 @@ def plan_from_segment(
             view.release()
         columns = manifest.columns()
         records = tuple(columns[i] for i in (0, 2, 3, 4, 5))
-        if plan_check(key, ints, skeleton, manifest.table, records) != check:
-            return None
         infos = tuple(map(StorageInfo, *records))
     except (ValueError, TypeError, IndexError, OverflowError):
         return None
-    return StoredPlan(key, ints, Flattened(skeleton, infos, (), ()), manifest.table, check)
+    return SegmentPlan(Flattened(skeleton, infos, (), ()), manifest.table, records)
+
+
+def read_ahead(mapping: mmap.mmap, manifest_offset: int, manifest_size: int) -> SegmentPlan | None:
+    """:func:`read_plan`, with the archive's layout and manifest made too (under a path of no
+    meaning: the save that uses it replans it for its own): what a client reads before its
+    first save, off that save."""
+    read = read_plan(mapping, manifest_offset, manifest_size)
+    if read is None:
+        return None
+    plan = plan_object(read.flat, "", "", table=read.table)
+    return dataclasses.replace(read, plan=plan)
+
+
+def checked(
+    read: SegmentPlan | None, key: bytes, ints: tuple[int, ...], check: str
+) -> StoredPlan | None:
+    """``read`` where its :func:`plan_check` with the save's own ``key`` and the kept
+    ``ints`` is the kept ``check``; else ``None``."""
+    if read is None:
+        return None
+    if plan_check(key, ints, read.flat.skeleton, read.table, read.records) != check:
+        return None
+    return StoredPlan(key, ints, read.flat, read.table, check, read.plan)
+
+
+def plan_from_segment(
+    mapping: mmap.mmap,
+    manifest_offset: int,
+    manifest_size: int,
+    key: bytes,
+    ints: tuple[int, ...],
+    check: str,
+) -> StoredPlan | None:
+    """The plan that the segment in ``mapping`` holds (its manifest at ``manifest_offset``),
+    where its :func:`plan_check` with ``key`` and ``ints`` is ``check``; else ``None``
+    (another structure, damaged, unreadable: raises nothing)."""
+    return checked(read_plan(mapping, manifest_offset, manifest_size), key, ints, check)

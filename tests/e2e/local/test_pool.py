@@ -12,6 +12,7 @@ import time
 import pytest
 import torch
 
+import ckptcache
 from ckptcache.wire import messages as m
 from tests.helpers import wait_until
 
@@ -145,7 +146,7 @@ def _spare_threads() -> list[threading.Thread]:
 
 
 def test_a_spare_trimmed_before_the_client_maps_it_does_not_stall_the_save(
-    daemon_factory, tmp_path
+    daemon_factory, tmp_path, monkeypatch
 ):
     """The daemon may hand a listed spare to a save and trim it before this client's spare
     thread maps it at the listed size (mmap refuses a length past the end of the file). That
@@ -154,6 +155,8 @@ def test_a_spare_trimmed_before_the_client_maps_it_does_not_stall_the_save(
     d = daemon_factory("--memory-limit", "64MiB", "--pool-segments", "1", "--pool-bytes", "16MiB")
     with d.client(fallback="raise") as teacher:  # its spare thread, not c's, may map the spare
         reply = _teach(teacher, tmp_path, 4)
+    # Not started as it is made (its own thread would map the spare at its size first).
+    monkeypatch.setattr(ckptcache.Client, "_start_early", lambda self: None)
     with d.client(fallback="raise") as c:
         (spare,), (capacity,) = reply.segments, reply.capacities
         c._spares._map(spare, capacity + 8 * MIB)  # as if trimmed after the listing
@@ -278,6 +281,8 @@ def test_a_spare_mapped_while_the_client_closes_is_unmapped_not_kept(
     with d.client(fallback="raise") as teacher:
         reply = _teach(teacher, tmp_path, 4)
     (spare,), (capacity,) = reply.segments, reply.capacities
+    # Not started as it is made (mapping the spare on its own thread): mapped by hand below.
+    monkeypatch.setattr(ckptcache.Client, "_start_early", lambda self: None)
     c = d.client(fallback="raise")
     c.daemon_status()  # connected (where segments are), no spare mapped by its own thread
     release, made = threading.Event(), []
@@ -305,7 +310,8 @@ def test_spares_are_registered_for_cuda_after_warmup_not_at_a_first_contact(
 ):
     """A first contact's spare is not registered: the save that made the contact may be
     copying into it, and would wait for the registration. warmup() and the rounds after a
-    save do register (where the process uses CUDA: gpu_pinning decides that)."""
+    save do register (where the process uses CUDA: gpu_pinning decides that), the spares
+    mapped as the client was made included."""
     import ckptcache.codec.gpu.pinning as gpu_pinning
 
     d = daemon_factory("--memory-limit", "64MiB", "--pool-segments", "1", "--pool-bytes", "16MiB")

@@ -251,3 +251,65 @@ def test_an_interrupt_while_taking_the_plan_leaves_nothing_jammed(daemon, tmp_pa
         assert counts(trainer) == (0, 0, 1)
         assert equal(trainer.load(path, mmap=False), state)
         assert trainer.daemon_status() is not None
+
+
+def _read_ahead_done(client) -> dict:
+    thread = client._saves._ahead_thread
+    assert thread is not None, "no plans read ahead"
+    thread.join(30)
+    return client._saves._ahead
+
+
+def test_a_client_made_at_start_reads_the_kept_plans_ahead(daemon, tmp_path):
+    """A client made in a process with torch reads the plans its user kept before its first
+    save: the save only checks the one its key names, and saves its own state."""
+    job = tmp_path / "job"
+    with daemon.client() as earlier:
+        earlier.save(model(1.0), str(job / "step-1" / "model.pt"), durability="memory")
+        earlier.save(model(1.0, count=3), str(job / "step-1" / "optim.pt"), durability="memory")
+    with daemon.client() as trainer:
+        assert len(_read_ahead_done(trainer)) == 2
+        assert trainer._spares.warmed  # the spares are being mapped too
+        state = model(6.0)
+        trainer.save(state, str(job / "step-2" / "model.pt"), durability="memory")
+        assert counts(trainer) == (1, 1, 0)
+        assert len(trainer._saves._ahead) == 1  # the other file's, still unchecked
+        assert equal(trainer.load(str(job / "step-2" / "model.pt"), mmap=False), state)
+
+
+def test_a_plan_read_ahead_that_does_not_check_out_is_refused(daemon, tmp_path):
+    """Read ahead, then written over in the segment before it was read: refused at the save,
+    which plans afresh."""
+    job = tmp_path / "job"
+    with daemon.client() as earlier:
+        earlier.save(model(1.0), str(job / "step-1" / "model.pt"), durability="memory")
+        _doctor(daemon, earlier, str(job / "step-1" / "model.pt"), b"adam", b"adan")
+    with daemon.client() as trainer:
+        assert len(_read_ahead_done(trainer)) == 1
+        state = model(6.0)
+        trainer.save(state, str(job / "step-2" / "model.pt"), durability="memory")
+        assert counts(trainer) == (0, 0, 1)
+        assert equal(trainer.load(str(job / "step-2" / "model.pt"), mmap=False), state)
+
+
+def test_an_interrupt_while_reading_ahead_leaves_nothing_jammed(daemon, tmp_path, monkeypatch):
+    """``KeyboardInterrupt`` raised inside the thread that reads plans ahead: the thread
+    ends, the first save takes the plan itself, and ``close()`` returns."""
+    job = tmp_path / "job"
+    with daemon.client() as earlier:
+        earlier.save(model(1.0), str(job / "step-1" / "model.pt"), durability="memory")
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(stored_module, "read_ahead", interrupted)
+    monkeypatch.setattr("threading.excepthook", lambda args: None)  # the thread's end is quiet
+    trainer = daemon.client()
+    assert _read_ahead_done(trainer) == {}
+    monkeypatch.undo()
+    state = model(6.0)
+    trainer.save(state, str(job / "step-2" / "model.pt"), durability="memory")
+    assert counts(trainer) == (1, 1, 0)
+    assert equal(trainer.load(str(job / "step-2" / "model.pt"), mmap=False), state)
+    trainer.close()
+    assert not trainer._saves._ahead_thread.is_alive()
