@@ -223,7 +223,7 @@ class Saves:
         if wait:
             # On a first contact the spare thread is making the connection (the reserve
             # would wait for it too).
-            self._spares.contacted.wait(min(self._settings.timeout, 10.0))
+            self._spares.wait_contact(min(self._settings.timeout, 10.0))
             with lock:
                 if self._connection.rpc is None:
                     return None
@@ -278,7 +278,7 @@ class Saves:
     def _read_ahead(self) -> None:
         from ckptcache.codec.plan.stored import read_ahead
 
-        if not self._spares.contacted.wait(min(self._settings.timeout, 10.0)):
+        if not self._spares.wait_contact(min(self._settings.timeout, 10.0), self._ahead_stop):
             return
         if self._ahead_stop.is_set() or self._connection.rpc is None:
             return  # closing, or no daemon reached: no attempt of our own

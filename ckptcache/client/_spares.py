@@ -187,6 +187,18 @@ class SpareMapper:
         if thread is not None and thread is not threading.current_thread():
             thread.join(timeout)
 
+    def wait_contact(self, timeout: float, stop: threading.Event | None = None) -> bool:
+        """Wait until a round has asked the daemon for its spares (:attr:`contacted`), for at
+        most ``timeout`` seconds; sooner where no round is to come (no thread running) or
+        ``stop`` is set. Whether the contact was made."""
+        deadline = time.monotonic() + timeout
+        while not self.contacted.wait(0.01):
+            with self._lock:
+                running = self._thread is not None and self._thread.is_alive()
+            if not running or time.monotonic() > deadline or (stop is not None and stop.is_set()):
+                return self.contacted.is_set()
+        return True
+
     def wait_for(self, segment: str) -> None:
         """If ``segment`` is being mapped now, stop its steps after the one under way and wait
         for that, then cache its mapping (the cache makes the rest of its page tables, on
