@@ -313,3 +313,34 @@ def test_an_interrupt_while_reading_ahead_leaves_nothing_jammed(daemon, tmp_path
     assert equal(trainer.load(str(job / "step-2" / "model.pt"), mmap=False), state)
     trainer.close()
     assert not trainer._saves._ahead_thread.is_alive()
+
+
+def test_other_integers_plan_afresh_with_their_own_values(daemon, tmp_path):
+    """The kept plan's skeleton holds step 1's integers: a state of the same structure with
+    another step counter plans afresh (never the kept integers), and reloads its own."""
+    job = tmp_path / "job"
+    with daemon.client() as earlier:
+        first = model(1.0)
+        first["step"] = 100
+        earlier.save(first, str(job / "step-1" / "model.pt"), durability="memory")
+    with daemon.client() as trainer:
+        state = model(2.0)
+        state["step"] = 200
+        trainer.save(state, str(job / "step-2" / "model.pt"), durability="memory")
+        assert counts(trainer) == (1, 0, 1)  # taken, then refused for its integers
+        loaded = trainer.load(str(job / "step-2" / "model.pt"), mmap=False)
+        assert loaded["step"] == 200 and equal(loaded, state)
+
+
+def test_a_non_blocking_first_save_keeps_its_plan_for_the_next_job(daemon, tmp_path):
+    """The plan of a non-blocking save is kept once that save is committed (on the save
+    thread); the next job's blocking first save takes it."""
+    job = tmp_path / "job"
+    with daemon.client() as earlier:
+        handle = earlier.save(model(1.0), str(job / "step-1" / "model.pt"), blocking=False)
+        handle.wait()
+    with daemon.client() as trainer:
+        state = model(2.0)
+        trainer.save(state, str(job / "step-2" / "model.pt"), durability="memory")
+        assert counts(trainer) == (1, 1, 0)
+        assert equal(trainer.load(str(job / "step-2" / "model.pt"), mmap=False), state)
