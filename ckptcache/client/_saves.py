@@ -3,11 +3,14 @@ a commit. Non-blocking saves run the same steps on one background thread per cli
 
 The order, with the lock of the connection held from the reservation to the commit:
 
-1. ``prepare``: flatten the object and plan its segment (cached by structure);
+1. ``prepare``: flatten the object and plan its segment (cached by structure; a structure
+   the client meets for the first time takes the plan the daemon keeps for it, where one
+   checks out: ``find_plan``, :meth:`Saves.stored_plan`);
 2. ``reserve``: the daemon names a segment of the planned size (gone or full: the
    write-through fallback, :mod:`ckptcache.client._fallback`);
 3. map it (cached, or mapped ahead by the spare thread) and copy the storages in;
-4. ``commit``: the daemon takes the bytes; any failure before it is an ``abort``;
+4. ``commit``: the daemon takes the bytes; any failure before it is an ``abort``; the
+   first save of a structure then tells the daemon where its plan lies (``keep_plan``);
 5. ``durability="persisted"``: wait for the persist (:mod:`ckptcache.client._waits`).
 """
 
