@@ -151,6 +151,9 @@ class Saves:
         from ckptcache.codec.gpu.copy import record_ready
 
         t0 = time.perf_counter()
+        # No plans read ahead from now on: a save reads the one it needs itself, and reading
+        # the others beside it would slow it down (the thread stops after the one in hand).
+        self._ahead_stop.set()
         # Only a non-blocking save checks version counters: a blocking one reads none.
         # A blocking save may wait for the connection to ask for the daemon's plan: it takes
         # the connection next anyway (see stored_plan).
@@ -269,7 +272,8 @@ class Saves:
         """Read, on a thread of its own, the newest plans the daemon keeps for this user
         (:meth:`stored_plan` then only checks the one a first save's key names): started as a
         trainer's client is made, seconds before its first save. The thread waits for the
-        spare thread's contact, reads at most four, and ends; a save never waits for it."""
+        spare thread's contact, reads at most four, and ends; a save never waits for it, and
+        stops it after the plan in hand."""
         with self._executor_lock:
             if self._ahead_thread is not None or self.map_stored is None:
                 return
