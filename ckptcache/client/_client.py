@@ -32,6 +32,7 @@ stops training unless ``fallback="raise"`` asks for it.
 from __future__ import annotations
 
 import builtins
+import functools
 import sys
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
@@ -100,7 +101,7 @@ class Client:
         self._stager = parts.stager
         # A structure this client has not planned yet may take the plan the daemon keeps,
         # from the segment of an earlier save (mapped as a load maps it).
-        self._saves.map_stored = parts.loads.map_local
+        self._saves.map_stored = functools.partial(parts.loads.map_local, ahead=True)
         if "torch" in sys.modules:
             self._start_early()
 

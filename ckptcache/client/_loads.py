@@ -67,12 +67,14 @@ class Loads:
     def __init__(self, settings: Settings, connection: Connection):
         self._settings, self._connection = settings, connection
 
-    def load(self, path: str, options: LoadOptions) -> Any:
-        """See :meth:`Client.load` (``path`` normalized)."""
+    def load(self, path: str, options: LoadOptions, *, ahead: bool = False) -> Any:
+        """See :meth:`Client.load` (``path`` normalized); ``ahead``: the client's own reading
+        ahead, not recorded as the path's last load."""
         local = options.verify is True
         request = m.OpenRequest(
             self._settings.namespace, path, need_digests=local,
             timeout=self._settings.server_wait(), allow_stale=self._settings.allow_stale,
+            ahead=ahead,
         )  # fmt: skip
         try:
             reply = self._connection.call("open", request, m.OpenReply)
@@ -101,10 +103,10 @@ class Loads:
                 ) from e  # fmt: skip
             return self._load_file(path, options, e)
 
-    def map_local(self, path: str) -> tuple[Mapping, m.OpenReply]:
-        """See :meth:`Client.map_local` (``path`` normalized)."""
+    def map_local(self, path: str, *, ahead: bool = False) -> tuple[Mapping, m.OpenReply]:
+        """See :meth:`Client.map_local` (``path`` normalized; ``ahead`` as for :meth:`load`)."""
         namespace, wait = self._settings.namespace, self._settings.server_wait()
-        request = m.OpenRequest(namespace, path, timeout=wait)
+        request = m.OpenRequest(namespace, path, timeout=wait, ahead=ahead)
         reply = self._connection.call("open", request, m.OpenReply)
         return self._map(reply), reply
 

@@ -123,7 +123,7 @@ class PlanWarmer:
             if self._stop.is_set():
                 return
             try:
-                obj = self._loads.load(info.path, LoadOptions())
+                obj = self._loads.load(info.path, LoadOptions(), ahead=True)
                 self._saves.warm_plan(obj, info.path)
                 del obj  # the zero-copy mapping and its pin go with it
                 self.planned.append(info.path)

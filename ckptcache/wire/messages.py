@@ -285,6 +285,9 @@ class OpenRequest(PathMessage):
     #: While the cluster's coordinator is unreachable, serve this node's copy although a
     #: newer save may exist elsewhere (else CoordinatorUnavailable).
     allow_stale: bool = False
+    #: The client's own reading ahead (a plan read before a save), not a load its user asked
+    #: for: neither counted nor recorded as the path's last load.
+    ahead: bool = False
 
 
 @message

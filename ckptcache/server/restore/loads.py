@@ -139,10 +139,12 @@ class Loads:
             lease = state.next_id()
             session.leases[lease] = gen
             header = gen.segment.read_header()
-            gen.last_load_tier = tier
-            self.metrics.loads.labels(tier=tier).inc()
-            self.metrics.bytes_loaded.labels(tier=tier).inc(gen.size)
-        self.metrics.load_latency.observe(time.perf_counter() - t0)
+            if not req.ahead:  # a client's reading ahead is not its user's load
+                gen.last_load_tier = tier
+                self.metrics.loads.labels(tier=tier).inc()
+                self.metrics.bytes_loaded.labels(tier=tier).inc(gen.size)
+        if not req.ahead:
+            self.metrics.load_latency.observe(time.perf_counter() - t0)
         log.debug("load of %s served from the %s tier", gen.path, tier)
         return m.OpenReply(
             lease, gen.segment.name, gen.segment.capacity, gen.number, header.manifest_offset,

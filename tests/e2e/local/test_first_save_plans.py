@@ -101,3 +101,19 @@ def test_the_job_prefix_and_the_newest_save_of_each_file_name():
         "/j/step-1/optim.pt",
     ]
     assert len(newest_per_name([info(f"/j/s/{i}.pt", i) for i in range(9)])) == 4
+
+
+def test_planning_ahead_is_not_a_load_of_the_path(daemon, tmp_path):
+    """The plans read ahead from the job's saves are the client's own doing: a file it
+    planned but its user never loaded has no load recorded (``status`` says where a load of
+    the user's was served from, never the client's reading ahead)."""
+    job = tmp_path / "job" / "step-1"
+    model_path, optim_path = str(job / "model.pt"), str(job / "optim.pt")
+    with daemon.client() as earlier:
+        earlier.save(model(1.0), model_path, durability="memory")
+        earlier.save(model(2.0, count=8), optim_path, durability="memory")
+    with daemon.client() as trainer:
+        assert equal(trainer.load(model_path), model(1.0))  # first contact: plans ahead
+        assert sorted(planned(trainer)) == sorted([model_path, optim_path])
+        assert trainer.status(optim_path).last_load_tier == ""  # never loaded
+        assert trainer.status(model_path).last_load_tier == "local"
