@@ -1,21 +1,23 @@
-"""Backup pushes that send only what the receiver does not hold already.
+"""Copies between nodes (a backup push, a peer fetch) that move only what the receiving node
+does not hold already.
 
 Between two checkpoints much of a state is often unchanged (a frozen base under LoRA,
-experts that saw no tokens), and the backup node still holds the previous copy. So a push's
-offer may carry the copy's digest table (:attr:`~ckptcache.wire.peer.PushRequest.digests`).
-The receiver looks among the generations it holds for storages of the same size and digest
+experts that saw no tokens), and the receiving node often still holds the previous copy. So
+a push's offer (:attr:`~ckptcache.wire.peer.PushRequest.digests`) or a fetched copy's head
+(:attr:`~ckptcache.wire.peer.ObjectHead.digests`) may carry the copy's digest table. The
+receiver looks among the generations it holds for storages of the same size and digest
 (:func:`find_held`), copies those from its own memory into the new segment, and answers which
 ones it has (:attr:`~ckptcache.wire.peer.Ack.have`). The sender then sends every byte of the
 body outside those storages (:func:`gaps`: the other storages and the archive's metadata), in
-order, then the digest table, on the offer's connection.
+order (:func:`batches`), then the digest table, on the same connection.
 
 Why no stale or foreign byte can be committed this way:
 
 * **Every storage is checked against the table before the commit**, as for a full push: one
   copied here is hashed where it landed (:func:`place`), and one received is hashed as its
   records are authenticated. A source that changed, a wrong match or a sender whose table
-  differs from its offer fails the push (the sender then has no backup copy from this node,
-  and says so), and nothing is committed.
+  differs from its offer fails the transfer and nothing is committed (a push is then sent
+  again whole).
 * **Sources are the user's own.** Only generations of the same namespace saved by the same
   user (uid) are looked at, so a crafted digest collision can only copy that user's own bytes.
 * **A source cannot go while it is read.** Each source generation is pinned from the match to
