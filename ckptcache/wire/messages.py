@@ -286,7 +286,8 @@ class OpenRequest(PathMessage):
     #: newer save may exist elsewhere (else CoordinatorUnavailable).
     allow_stale: bool = False
     #: The client's own reading ahead (a plan read before a save), not a load its user asked
-    #: for: neither counted nor recorded as the path's last load.
+    #: for: served only from this node's memory, neither counted nor recorded as the path's
+    #: last load.
     ahead: bool = False
 
 

@@ -110,7 +110,8 @@ class Loads:
         try:
             gen = self._pin_here(session, req, floor)
         except CheckpointNotFound as e:
-            if req.generation is not None or (self.remote is None and not warm):
+            # A client's reading ahead takes only what is here: it never pulls a copy in.
+            if req.generation is not None or req.ahead or (self.remote is None and not warm):
                 raise
             if self.remote is None and self.storage is None:
                 raise
