@@ -10,6 +10,7 @@ __all__ = [
     "ENV_FALLBACK_LOG_EVERY",
     "ENV_NAMESPACE",
     "ENV_REQUIRE",
+    "ENV_SKIP_UNCHANGED",
     "ENV_SOCKET",
     "candidate_sockets",
     "default_allow_stale",
@@ -18,6 +19,7 @@ __all__ = [
     "default_shm_dir",
     "default_socket",
     "fallback_log_every",
+    "skip_unchanged",
 ]
 
 #: Clients find their daemon through this variable before trying the default paths.
@@ -26,6 +28,8 @@ ENV_SOCKET = "CKPTCACHE_SOCKET"
 ENV_NAMESPACE = "CKPTCACHE_NAMESPACE"
 #: A uid (besides root and the client's own) that clients accept as their daemon.
 ENV_DAEMON_UID = "CKPTCACHE_DAEMON_UID"
+#: ``0`` turns off saves that skip storages unchanged since (see Guarantees in docs/design.md).
+ENV_SKIP_UNCHANGED = "CKPTCACHE_SKIP_UNCHANGED"
 
 #: Where a daemon running as root listens: /run is writable by root alone.
 ROOT_SOCKET = "/run/ckptcache/daemon.sock"
@@ -95,3 +99,10 @@ def fallback_log_every() -> int:
         return max(1, int(os.environ.get(ENV_FALLBACK_LOG_EVERY) or 100))
     except ValueError:
         return 100
+
+
+def skip_unchanged() -> bool:
+    """Whether saves may skip storages the kernel proves unwritten: unless
+    ``$CKPTCACHE_SKIP_UNCHANGED`` is set to a false value."""
+    value = os.environ.get(ENV_SKIP_UNCHANGED, "").strip().lower()
+    return value not in ("0", "false", "no", "off")

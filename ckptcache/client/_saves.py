@@ -27,6 +27,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from ckptcache import errors
+from ckptcache._defaults import skip_unchanged
 from ckptcache._secure_fs import current_umask
 from ckptcache._workers import LingeringPool, StoppableThread
 from ckptcache.client._connection import Connection
@@ -35,6 +36,7 @@ from ckptcache.client._ledger import Ledger
 from ckptcache.client._segments import WriteMaps, read_back, write_packed
 from ckptcache.client._settings import Settings
 from ckptcache.client._spares import SpareMapper
+from ckptcache.client._unchanged import Unchanged
 from ckptcache.client._waits import Waits
 from ckptcache.errors import BudgetExceeded, DaemonUnavailable
 from ckptcache.wire import messages as m
@@ -126,6 +128,8 @@ class Saves:
         self._ahead: dict[str, tuple[SegmentPlan, m.KeptPlan]] = {}
         self._ahead_thread: StoppableThread | None = None
         self._ahead_stop = threading.Event()
+        #: What this client's segments hold, and which storages were written since.
+        self.unchanged = Unchanged(skip_unchanged())
 
     def save(self, obj: Any, path: str, durability: str, blocking: bool) -> SaveHandle | None:
         """Save ``obj`` under ``path`` (normalized, ``durability`` checked).
@@ -414,8 +418,13 @@ class Saves:
         released = False
         try:
             mapping = self.mapping(reply.segment, reply.capacity)
+            skipping = (
+                self.unchanged.begin(reply.segment, reply.content)
+                if job.packed is None and job.flat.on_cpu else None
+            )  # fmt: skip
             if job.packed is None:
-                write_object(mapping, job.plan, job.flat, job.ready)
+                runs = None if skipping is None else skipping.runs
+                write_object(mapping, job.plan, job.flat, job.ready, runs)
             else:
                 write_packed(mapping, job.plan, job.packed)
             if job.check is not None:
@@ -429,7 +438,9 @@ class Saves:
                 reply.reservation, job.plan.layout.manifest_offset,
                 len(job.plan.manifest_bytes), time.perf_counter() - job.t0,
             )  # fmt: skip
-            self._connection.call("commit", commit, m.CommitReply)
+            committed = self._connection.call("commit", commit, m.CommitReply)
+            if skipping is not None:
+                skipping.committed(committed.content)
             self._ledger.committed(job.path)
             self.keep_plan(job.path)
             # Map the spare the daemon makes for the next new path, once saves pause.
@@ -476,11 +487,13 @@ class Saves:
             self._executor.stop()
             self._executor.join()
             self._executor = None
+        self.unchanged.close()  # after the last save: none is using it
 
     def after_fork(self) -> None:
         """In a forked child: none of the parent's save thread, nor of its locks (the plan
         cache's may have been held at the fork)."""
         self._executor_lock = threading.Lock()
+        self.unchanged.after_fork()
         self._executor, self.thread_pid = None, 0
         self._plans = None
         self._asked, self._ahead = set(), {}

@@ -12,7 +12,7 @@ import mmap
 import operator
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,6 +43,7 @@ from ckptcache.format.manifest import (
 from ckptcache.format.packed_records import PackedColumns
 
 __all__ = [
+    "Runs",
     "plan_object",
     "read_archive_object",
     "read_object",
@@ -50,6 +51,10 @@ __all__ = [
     "write_metadata",
     "write_object",
 ]
+
+#: What a save makes of its CPU storages' runs before the copy: columns of offsets in the
+#: segment (``int64``), addresses (``uint64``) and sizes (``int64``) in, the same out.
+Runs = Callable[[np.ndarray, np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray, np.ndarray]]
 
 
 def plan_object(flat: Flattened, path: str, namespace: str, table: str = "") -> ObjectPlan:
@@ -191,7 +196,9 @@ def _copy_plan(records: Sequence[Any]) -> _CopyPlan:
     return made
 
 
-def _write_sources(mapping: mmap.mmap, plan: ObjectPlan, copy: _CopyPlan, sources: Sources) -> bool:
+def _write_sources(
+    mapping: mmap.mmap, plan: ObjectPlan, copy: _CopyPlan, sources: Sources, runs: Runs | None
+) -> bool:
     """Write ``plan``'s object whose storages the compiled walk found: the storages and the
     archive's small metadata pieces in one copy, run by the copy threads from columns (no
     Python object per storage or piece); ``False`` (nothing written) where a storage's size
@@ -199,13 +206,16 @@ def _write_sources(mapping: mmap.mmap, plan: ObjectPlan, copy: _CopyPlan, source
     addresses, sizes = sources.columns()
     if not np.array_equal(sizes, copy.size_column):
         return False
+    offsets = copy.offset_column
+    if runs is not None:
+        offsets, addresses, sizes = runs(offsets, addresses, sizes)
     by_slice = copy.piece_runs(plan)
     assert copy.piece_offsets is not None and copy.piece_addresses is not None
     assert copy.piece_sizes is not None
     write_metadata(mapping, plan, only=by_slice)
     copy_sources(
         torch.frombuffer(mapping, dtype=torch.uint8),
-        np.concatenate((copy.offset_column, copy.piece_offsets)),
+        np.concatenate((offsets, copy.piece_offsets)),
         np.concatenate((addresses, copy.piece_addresses)),
         np.concatenate((sizes, copy.piece_sizes)),
     )
@@ -213,12 +223,19 @@ def _write_sources(mapping: mmap.mmap, plan: ObjectPlan, copy: _CopyPlan, source
 
 
 def write_object(
-    mapping: mmap.mmap, plan: ObjectPlan, flat: Flattened, ready: Ready | None = None
+    mapping: mmap.mmap,
+    plan: ObjectPlan,
+    flat: Flattened,
+    ready: Ready | None = None,
+    runs: Runs | None = None,
 ) -> None:
     """Copy archive metadata, every storage and the manifest to their places in ``mapping``.
 
     ``ready``: for a copy on another thread than the one that made the tensors, the CUDA
     events its device-to-host copies wait for (:func:`~ckptcache.codec.gpu.copy.record_ready`).
+    ``runs``: for an object all on the CPU, what the storages' runs (offsets, addresses,
+    sizes) become before the copy (the runs of the bytes the segment lacks:
+    :mod:`ckptcache.client._unchanged`).
 
     The header is left alone: whoever owns the segment's state publishes it. Each storage
     must still have the size it was planned with (else :class:`TensorMutated`, before any
@@ -231,7 +248,7 @@ def write_object(
     if (
         isinstance(flat.storages, Sources)
         and flat.on_cpu
-        and _write_sources(mapping, plan, copy, flat.storages)
+        and _write_sources(mapping, plan, copy, flat.storages, runs)
     ):
         return
     storages = list(flat.storages)
@@ -239,15 +256,22 @@ def write_object(
     if sizes != planned:
         for record, storage in zip(records, storages, strict=True):  # name the one resized
             checked_nbytes(storage, record.nbytes, record.name)
+    if flat.on_cpu and runs is not None:
+        write_metadata(mapping, plan)
+        addresses = np.fromiter(map(torch.UntypedStorage.data_ptr, storages), np.uint64,
+                                len(storages))  # fmt: skip
+        columns = runs(copy.offset_column, addresses, np.asarray(sizes, dtype=np.int64))
+        copy_sources(torch.frombuffer(mapping, dtype=torch.uint8), *columns)
+        return
     if flat.on_cpu:  # the usual case: no sort per storage
         write_metadata(mapping, plan)
         copy_cpu_storages(torch.frombuffer(mapping, dtype=torch.uint8), offsets, storages, sizes)
         return
-    runs = list(zip(offsets, storages, planned, strict=True))
+    placed = list(zip(offsets, storages, planned, strict=True))
     on_cpu: list[tuple[int, torch.UntypedStorage, int]] = []
     on_device: list[Item] = []
     elsewhere: list[tuple[int, torch.UntypedStorage, int]] = []
-    for index, (run, kind) in enumerate(zip(runs, map(device_type, storages), strict=True)):
+    for index, (run, kind) in enumerate(zip(placed, map(device_type, storages), strict=True)):
         if kind == "cuda":
             on_device.append((index, *run))
         else:

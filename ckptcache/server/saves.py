@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import os
+import secrets
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -203,7 +204,8 @@ class Saves:
             state.saves_in_flight.begin()
             session.note_mapped((segment.name,), state.arena.segments)  # the client maps it now
             state.update_gauges()
-        return m.ReserveReply(res.id, segment.name, segment.capacity)
+            handed = segment.handed
+        return m.ReserveReply(res.id, segment.name, segment.capacity, handed)
 
     def _seen(self, req: m.ReserveRequest) -> int:
         """The stamp of the newest save of the path this save follows, cluster-wide. Through
@@ -242,19 +244,22 @@ class Saves:
 
     def commit(self, session: Session, req: m.CommitRequest) -> m.CommitReply:
         """Validate the manifest the client wrote and publish the next generation."""
-        number, _ = self._commit(session, req, pinned=False)
-        return m.CommitReply(number)
+        number, _, content = self._commit(session, req, pinned=False)
+        return m.CommitReply(number, content)
 
     def commit_pinned(self, session: Session, req: m.CommitRequest) -> m.PinnedCommitReply:
         """Commit a ``memory`` reservation as a staging copy, pinned for ``session`` in the
         same step: no eviction or retention can drop it before the lease goes, and dropping
         the lease (a release, the connection's end) drops the copy. It is never announced,
         replicated, digested or persisted: nobody but its holder needs it."""
-        number, lease = self._commit(session, req, pinned=True)
+        number, lease, _ = self._commit(session, req, pinned=True)
         return m.PinnedCommitReply(number, lease)
 
-    def _commit(self, session: Session, req: m.CommitRequest, *, pinned: bool) -> tuple[int, int]:
-        """The commit of ``req``: its generation number, and with ``pinned`` its lease."""
+    def _commit(
+        self, session: Session, req: m.CommitRequest, *, pinned: bool
+    ) -> tuple[int, int, int]:
+        """The commit of ``req``: its generation number, with ``pinned`` its lease, and the
+        token naming the bytes it left in the segment (``Segment.content``)."""
         state = self.state
         with state.lock.held():
             res = session.reservations.pop(req.reservation, None)
@@ -310,6 +315,8 @@ class Saves:
                 state.arena.release(segment)  # its record with it: nothing is left behind
                 state.lock.notify_all()
                 raise BudgetExceeded(_full(state.arena.directory, res.path, e)) from e
+            # Fresh at every commit: no token outlives the bytes it names.
+            content = segment.content = secrets.randbits(62) + 1
             gen = Generation(
                 res.namespace, res.path, number, segment, manifest, size=manifest.payload_size,
                 needs_persist=res.persist, saver=res.saver, committed=header.committed_ns / 1e9,
@@ -347,11 +354,11 @@ class Saves:
         self.pool.refill()
         log.debug("committed %s generation %d", res.path, number)
         if pinned:
-            return number, lease
+            return number, lease, 0
         self.digester.put(gen)
         for hook in self.on_commit:
             hook(gen, res.durability)
-        return number, lease
+        return number, lease, content
 
     def _stamp_locked(self, res: Reservation) -> int:
         """The commit stamp of a save: the wall clock, but always after the object that was on

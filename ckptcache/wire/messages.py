@@ -248,6 +248,10 @@ class ReserveReply:
     reservation: int
     segment: str
     capacity: int
+    #: The token of the commit whose bytes the segment still holds, unchanged since (0:
+    #: none, or unknown): where it is the one the client was given at that commit, the
+    #: storages it did not write since need no copy. An older daemon sends none.
+    content: int = 0
 
 
 @message
@@ -265,6 +269,8 @@ class CommitReply:
     """The generation the commit created."""
 
     generation: int
+    #: A token naming the bytes now in the segment (see ``ReserveReply.content``).
+    content: int = 0
 
 
 @message

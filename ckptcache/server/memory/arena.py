@@ -103,6 +103,14 @@ class Segment:
     #: The daemon's own record of what the segment holds (see
     #: :mod:`ckptcache.server.memory.records`).
     record_path: str | None = None
+    #: Names the bytes a client's commit left in the segment (a random token, given to that
+    #: client); 0 from the moment the segment is handed out again (a ``WRITING`` header) or
+    #: cut, so a token a reservation reports (:attr:`handed`) proves every byte is still the
+    #: committed one. A client skips copying storages it provably did not write since
+    #: (``ckptcache/client/_unchanged.py``). Kept in memory only: a restart forgets them all.
+    content: int = 0
+    #: :attr:`content` as it was when the segment was last handed out.
+    handed: int = 0
 
     def open_fd(self) -> int:
         """Open the segment file read-only, refusing a symlink or a file swapped in under its
@@ -138,6 +146,8 @@ class Segment:
         two never brings a freed generation back)."""
         packed = header.pack()
         committed = header.state == SegmentState.COMMITTED
+        if header.state == SegmentState.WRITING:  # handed out: its bytes change from now on
+            self.handed, self.content = self.content, 0
         if not committed:
             records.drop(self)
         self.mapping[: len(packed)] = packed
@@ -367,6 +377,7 @@ class Arena:
             st = os.fstat(fd)
             if (st.st_dev, st.st_ino) != segment.identity:
                 raise OSError(errno.ESTALE, f"segment file {segment.path} was replaced")
+            segment.content = 0
             os.ftruncate(fd, capacity)
             try:
                 segment.mapping.close()

@@ -1,0 +1,299 @@
+"""A save that copies only what changed: storages whose bytes provably lie in the segment
+already are not copied again.
+
+The proof has two halves, and a storage is skipped only where both hold:
+
+1. **The segment still holds what this client wrote.** At each commit the daemon gives the
+   client a token naming the bytes the commit left in the segment, and forgets it the moment
+   the segment is handed out again or cut (``Segment.content``). A reservation reports the
+   token of the segment it hands out; only where it is the one this client was given does
+   the client trust its record of what the segment holds: which storage (address and size)
+   lies at which offset, as of which save.
+2. **The storage's memory was not written since that save.** Every watched storage's pages
+   are write-protected through the kernel (:mod:`ckptcache.client._watch`), and every save
+   scans them before it copies: a scan that reports a written page (or cannot vouch for one:
+   not in memory, a file's, a registration lost) marks every watched range it touches as
+   written at this save. A storage whose last mark is no later than the save whose bytes the
+   segment holds is unchanged since: its bytes at the same offset are its bytes now.
+
+Only the page-aligned interior of a storage of at least :data:`MIN_BYTES` is watched; its
+partial first and last pages are always copied. Storages whose interiors overlap within one
+save are copied. A process in which CUDA is initialized skips nothing: a device may write
+pinned host memory by DMA, which no page table sees. A storage found written at
+:data:`VOLATILE` saves running stops being watched (every write to it would take a
+protection fault) and is tried again :data:`REST` saves later.
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+import logging
+import threading
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from ckptcache.client._watch import PAGE, WriteWatch
+
+if TYPE_CHECKING:
+    from collections.abc import Iterable
+
+__all__ = ["MIN_BYTES", "Pass", "Unchanged"]
+
+log = logging.getLogger(__name__)
+
+#: The smallest storage interior watched: below it the copy costs about what the scan does.
+MIN_BYTES = 1 << 20
+#: At most this many ranges are watched (each registration may split a mapping of the
+#: process, whose count the kernel bounds).
+MAX_WATCHED = 4096
+#: Saves running a storage may be found written before it stops being watched.
+VOLATILE = 3
+#: Saves after which a storage no longer watched is tried again.
+REST = 16
+
+_Key = tuple[int, int]  # a storage's address and size
+
+
+@dataclass
+class _Watched:
+    """One watched storage: its page-aligned interior and what the scans said of it."""
+
+    start: int
+    end: int
+    #: The save whose scan last found it written (or began watching it).
+    written: int
+    #: Saves running it was found written.
+    streak: int = 0
+    #: The last save it was part of.
+    seen: int = 0
+
+
+@dataclass
+class _Held:
+    """What one segment holds as of a commit of this client: its token, the save, and the
+    offset of each watched storage (address and size) in it."""
+
+    token: int
+    save: int
+    offsets: dict[_Key, int] = field(default_factory=dict)
+
+
+def _interior(address: int, nbytes: int) -> tuple[int, int]:
+    return -(-address // PAGE) * PAGE, (address + nbytes) // PAGE * PAGE
+
+
+class Unchanged:
+    """One client's record of its saves' storages and segments (see the module docstring).
+
+    Saves of one client run one at a time (under its connection's lock); the lock here only
+    guards :meth:`close` and a fork against a save."""
+
+    def __init__(self, enabled: bool = True):
+        self.enabled = enabled
+        self._watch: WriteWatch | None = None
+        self._opened = False
+        self._watched: dict[_Key, _Watched] = {}
+        self._starts: list[tuple[int, int, _Key]] = []  # (start, end, key), sorted
+        self._longest = 0
+        self._resting: dict[_Key, int] = {}
+        self._held: dict[str, _Held] = {}
+        self._save = 0
+        self._lock = threading.Lock()
+
+    def begin(self, segment: str, handed: int) -> Pass | None:
+        """The pass of a save into ``segment``, whose reservation reported the token
+        ``handed``; ``None`` where nothing can be skipped or watched (then nothing about
+        the segment is known after the save either)."""
+        with self._lock:
+            held = self._held.pop(segment, None)  # its bytes change from now on
+            if not self.enabled or _cuda_initialized():
+                return None
+            watch = self._open()
+            if watch is None:
+                return None
+            self._save += 1
+            if held is not None and (handed == 0 or held.token != handed):
+                held = None
+            return Pass(self, watch, segment, self._save, held)
+
+    def _open(self) -> WriteWatch | None:
+        if not self._opened:
+            self._opened = True
+            self._watch = WriteWatch.open()
+            if self._watch is None:
+                log.debug("no write protection here: every save copies every storage")
+        return self._watch
+
+    # ------------------------------------------------------------- for a pass
+
+    def _mark(self, start: int, end: int, save: int) -> None:
+        """Every watched range that meets ``[start, end)`` was (or may have been) written."""
+        lo = bisect.bisect_left(self._starts, (start - self._longest,))
+        for s, e, key in self._starts[lo:]:
+            if s >= end:
+                break
+            if e > start:
+                self._watched[key].written = save
+
+    def _index(self) -> None:
+        self._starts = sorted((w.start, w.end, k) for k, w in self._watched.items())
+        self._longest = max((w.end - w.start for w in self._watched.values()), default=0)
+
+    def _scan(self, watch: WriteWatch, key: _Key, save: int) -> None:
+        w = self._watched[key]
+        found = watch.written(w.start, w.end)
+        if found is None:
+            self._mark(w.start, w.end, save)
+        elif found:
+            self._mark(min(s for s, _ in found), max(e for _, e in found), save)
+        w.streak = w.streak + 1 if w.written == save else 0
+        w.seen = save
+
+    def _watch_new(self, watch: WriteWatch, key: _Key, save: int) -> bool:
+        if len(self._watched) >= MAX_WATCHED or self._resting.get(key, 0) > save:
+            return False
+        start, end = _interior(*key)
+        if not watch.watch(start, end):
+            return False
+        self._watched[key] = _Watched(start, end, save, seen=save)
+        self._index()
+        found = watch.written(start, end)  # protects every page: all count as written now
+        self._mark(start, end, save) if found is None else self._mark(
+            min((s for s, _ in found), default=start), max((e for _, e in found), default=end),
+            save,
+        )  # fmt: skip
+        return True
+
+    def _retire(self, watch: WriteWatch, keys: Iterable[_Key], save: int) -> None:
+        for key in keys:
+            w = self._watched.pop(key)
+            watch.unwatch(w.start, w.end)
+            self._resting[key] = save + REST
+        self._index()
+
+    def _commit(self, segment: str, held: _Held) -> None:
+        with self._lock:
+            self._held[segment] = held
+
+    def close(self) -> None:
+        """Stop watching (the record of what segments hold goes with it)."""
+        with self._lock:
+            if self._watch is not None:
+                self._watch.close()
+            self._watch, self._opened = None, False
+            self._watched.clear()
+            self._held.clear()
+            self._index()
+
+    def after_fork(self) -> None:
+        """In a forked child: nothing watched (the registrations stayed with the parent)."""
+        self._lock = threading.Lock()
+        self.close()
+
+
+class Pass:
+    """One save's use of :class:`Unchanged`: which runs it copies, and what its commit
+    leaves known."""
+
+    def __init__(self, owner: Unchanged, watch: WriteWatch, segment: str, save: int,
+                 held: _Held | None):  # fmt: skip
+        self._owner, self._watch, self._segment, self._save = owner, watch, segment, save
+        self._held = held
+        self._offsets: dict[_Key, int] = {}
+        #: Bytes this save did not copy.
+        self.skipped = 0
+
+    def runs(
+        self, offsets: np.ndarray, addresses: np.ndarray, sizes: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The copy's runs (``int64`` offsets in the segment, ``uint64`` addresses, ``int64``
+        sizes, one per CPU storage) less the interiors of the storages the segment holds
+        already; watches the storages it may skip at later saves."""
+        owner, watch, save = self._owner, self._watch, self._save
+        candidates = self._candidates(addresses, sizes)
+        for key in candidates:  # scan first: every write since the last scan is seen
+            if key in owner._watched:
+                owner._scan(watch, key, save)
+        held = self._held
+        skip: list[int] = []
+        for key, index in candidates.items():
+            w = owner._watched.get(key)
+            if (
+                w is not None and held is not None and w.written <= held.save
+                and held.offsets.get(key) == int(offsets[index])
+            ):  # fmt: skip
+                skip.append(index)
+        volatile = [k for k in candidates if k in owner._watched
+                    and owner._watched[k].streak >= VOLATILE]  # fmt: skip
+        if volatile:
+            owner._retire(watch, volatile, save)
+        if len(owner._watched) >= MAX_WATCHED:  # storages long gone make room
+            owner._retire(watch, [k for k, w in owner._watched.items() if w.seen < save - REST], 0)
+        for key in candidates:
+            if key not in owner._watched and not owner._watch_new(watch, key, save):
+                continue
+            self._offsets[key] = int(offsets[candidates[key]])
+        return self._without(offsets, addresses, sizes, skip)
+
+    def _candidates(self, addresses: np.ndarray, sizes: np.ndarray) -> dict[_Key, int]:
+        """The storages worth watching, by key, with their index; none whose interior
+        overlaps another's."""
+        found: dict[_Key, int] = {}
+        spans: list[tuple[int, int, _Key]] = []
+        for index in np.flatnonzero(sizes >= MIN_BYTES + 2 * PAGE).tolist():
+            key = (int(addresses[index]), int(sizes[index]))
+            start, end = _interior(*key)
+            if key in found:  # one storage twice: its second copy goes whole
+                found.pop(key)
+                continue
+            found[key] = index
+            spans.append((start, end, key))
+        spans.sort()
+        for (_, end, key), (start, _, other) in itertools.pairwise(spans):
+            if start < end:
+                found.pop(key, None)
+                found.pop(other, None)
+        return found
+
+    def _without(
+        self, offsets: np.ndarray, addresses: np.ndarray, sizes: np.ndarray, skip: list[int]
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        if not skip:
+            return offsets, addresses, sizes
+        keep = np.ones(len(sizes), dtype=bool)
+        keep[skip] = False
+        heads_o, heads_a, heads_n, tails_o, tails_a, tails_n = [], [], [], [], [], []
+        for index in skip:
+            address, nbytes, offset = int(addresses[index]), int(sizes[index]), int(offsets[index])
+            start, end = _interior(address, nbytes)
+            heads_o.append(offset)
+            heads_a.append(address)
+            heads_n.append(start - address)
+            tails_o.append(offset + end - address)
+            tails_a.append(end)
+            tails_n.append(address + nbytes - end)
+            self.skipped += end - start
+        edges_o = np.array(heads_o + tails_o, dtype=np.int64)
+        edges_a = np.array(heads_a + tails_a, dtype=np.uint64)
+        edges_n = np.array(heads_n + tails_n, dtype=np.int64)
+        some = edges_n > 0
+        return (
+            np.concatenate((offsets[keep], edges_o[some])),
+            np.concatenate((addresses[keep], edges_a[some])),
+            np.concatenate((sizes[keep], edges_n[some])),
+        )
+
+    def committed(self, token: int) -> None:
+        """The save is committed, and the daemon named its bytes ``token``: what the segment
+        now holds is known (nothing where the daemon gave no token: an older one)."""
+        if token:
+            self._owner._commit(self._segment, _Held(token, self._save, self._offsets))
+
+
+def _cuda_initialized() -> bool:
+    import torch
+
+    return bool(torch.cuda.is_initialized())

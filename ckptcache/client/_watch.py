@@ -1,0 +1,161 @@
+"""Which pages of this process's memory were written: the kernel's own record, not a counter.
+
+A range is watched through ``userfaultfd`` write protection in asynchronous mode
+(``UFFD_FEATURE_WP_ASYNC``, Linux 6.7): the first write to a protected page, from user space
+or by the kernel on the process's behalf (``read()``, ``process_vm_writev``, ``/proc/pid/mem``),
+lifts the page's protection in the kernel, with no signal and no thread of ours woken. A
+``PAGEMAP_SCAN`` ioctl on ``/proc/self/pagemap`` then lists the pages written since and
+protects them again, in one call (``PM_SCAN_WP_MATCHING``).
+
+This module answers only with what the kernel proves. Any page the scan cannot vouch for
+counts as written: a page not in memory (dropped by ``MADV_DONTNEED`` reads back as zeros
+without a write; one swapped out is counted too), a page of a file or of shared memory
+(another process may write it through its own mapping), a range no longer registered (unmapped
+and mapped anew: the scan fails with ``EPERM``), and any error. What it cannot see at all, and
+callers must not watch: memory a device writes by DMA without the CPU's page tables (CUDA
+host-registered or RDMA-registered buffers).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import errno
+import fcntl
+import os
+import platform
+import struct
+import threading
+
+__all__ = ["PAGE", "WriteWatch"]
+
+PAGE = os.sysconf("SC_PAGE_SIZE")
+
+_NR_USERFAULTFD = {"x86_64": 323, "aarch64": 282}.get(platform.machine())
+_UFFD_USER_MODE_ONLY = 1  # unprivileged processes may only open this kind
+_UFFD_API = 0xAA
+_UFFD_FEATURE_WP_ASYNC = 1 << 15
+_UFFDIO_REGISTER_MODE_WP = 1 << 1
+
+
+def _iowr(kind: int, nr: int, size: int) -> int:
+    return (3 << 30) | (size << 16) | (kind << 8) | nr
+
+
+def _ior(kind: int, nr: int, size: int) -> int:
+    return (2 << 30) | (size << 16) | (kind << 8) | nr
+
+
+_UFFDIO_API = _iowr(0xAA, 0x3F, 24)
+_UFFDIO_REGISTER = _iowr(0xAA, 0x00, 32)
+_UFFDIO_UNREGISTER = _ior(0xAA, 0x01, 16)
+_PM_SCAN_ARG = struct.Struct("12Q")
+_PAGEMAP_SCAN = _iowr(ord("f"), 16, _PM_SCAN_ARG.size)
+_PM_SCAN_WP_MATCHING = 1 << 0
+_PM_SCAN_CHECK_WPASYNC = 1 << 1
+_PAGE_IS_WRITTEN = 1 << 1
+_PAGE_IS_FILE = 1 << 2
+_PAGE_IS_PRESENT = 1 << 3
+#: A page matches (is reported, and protected again) where it is written, a file's, or not
+#: present: ``PRESENT`` is inverted, so "any of" reads "written, or file, or not present".
+_SUSPECT = _PAGE_IS_WRITTEN | _PAGE_IS_FILE | _PAGE_IS_PRESENT
+_REGIONS = 64
+
+
+class WriteWatch:
+    """Write protection of page ranges of this process, and scans of what was written since.
+
+    Methods are thread-safe; ranges must be page-aligned. :meth:`open` returns ``None`` where
+    the kernel lacks the feature or the process may not use it (a container's seccomp
+    profile, ``vm.unprivileged_userfaultfd`` for a process that needs kernel faults)."""
+
+    def __init__(self, uffd: int, pagemap: int):
+        self._uffd, self._pagemap = uffd, pagemap
+        self._vec = (ctypes.c_uint64 * (3 * _REGIONS))()
+        self._lock = threading.Lock()
+
+    @classmethod
+    def open(cls) -> WriteWatch | None:
+        """A watch, or ``None`` where this kernel or process cannot have one."""
+        if _NR_USERFAULTFD is None:
+            return None
+        libc = ctypes.CDLL(None, use_errno=True)
+        flags = os.O_CLOEXEC | os.O_NONBLOCK | _UFFD_USER_MODE_ONLY
+        uffd = libc.syscall(_NR_USERFAULTFD, flags)
+        if uffd < 0:
+            return None
+        try:
+            api = bytearray(struct.pack("QQQ", _UFFD_API, _UFFD_FEATURE_WP_ASYNC, 0))
+            fcntl.ioctl(uffd, _UFFDIO_API, api)
+            pagemap = os.open("/proc/self/pagemap", os.O_RDONLY | os.O_CLOEXEC)
+        except OSError:
+            os.close(uffd)
+            return None
+        watch = cls(uffd, pagemap)
+        if not watch._scans():
+            watch.close()
+            return None
+        return watch
+
+    def _scans(self) -> bool:
+        """Whether ``PAGEMAP_SCAN`` exists here (Linux 6.7): an empty scan of no range."""
+        try:
+            self._scan(0, 0)
+        except OSError as e:
+            return e.errno not in (errno.ENOTTY, errno.EINVAL, errno.EOPNOTSUPP)
+        return True
+
+    def watch(self, start: int, end: int) -> bool:
+        """Register ``[start, end)`` for write protection (its pages are protected by the next
+        :meth:`written` of the range, which reports them all as written); ``False`` where the
+        kernel refuses (memory of another kind, a registration of someone else)."""
+        with self._lock:
+            arg = bytearray(struct.pack("QQQQ", start, end - start, _UFFDIO_REGISTER_MODE_WP, 0))
+            try:
+                fcntl.ioctl(self._uffd, _UFFDIO_REGISTER, arg)
+            except OSError:
+                return False
+            return True
+
+    def unwatch(self, start: int, end: int) -> None:
+        """Stop watching ``[start, end)`` (best effort: the range may be gone)."""
+        with self._lock, contextlib.suppress(OSError):
+            arg = bytearray(struct.pack("QQ", start, end - start))
+            fcntl.ioctl(self._uffd, _UFFDIO_UNREGISTER, arg)
+
+    def written(self, start: int, end: int) -> list[tuple[int, int]] | None:
+        """The ranges of ``[start, end)`` the kernel cannot vouch for since the last scan of
+        them (written, not in memory, a file's), protected again as they are reported;
+        ``None`` where the scan failed (a page not registered: all of it counts as written)."""
+        with self._lock:
+            try:
+                return self._scan(start, end)
+            except OSError:
+                return None
+
+    def _scan(self, start: int, end: int) -> list[tuple[int, int]]:
+        found: list[tuple[int, int]] = []
+        vec = self._vec
+        flags = _PM_SCAN_WP_MATCHING | _PM_SCAN_CHECK_WPASYNC
+        while True:
+            arg = bytearray(
+                _PM_SCAN_ARG.pack(
+                    _PM_SCAN_ARG.size, flags, start, end, 0, ctypes.addressof(vec), _REGIONS, 0,
+                    _PAGE_IS_PRESENT, 0, _SUSPECT, _SUSPECT,
+                )
+            )  # fmt: skip
+            n = fcntl.ioctl(self._pagemap, _PAGEMAP_SCAN, arg)
+            found.extend((vec[3 * i], vec[3 * i + 1]) for i in range(n))
+            walk_end = _PM_SCAN_ARG.unpack(arg)[4]
+            if walk_end >= end or walk_end <= start:
+                return found
+            start = walk_end  # the regions' table was full: go on from where the walk stopped
+
+    def close(self) -> None:
+        """Stop every watch (the kernel lifts the protections with the descriptor's last
+        reference: a forked child closing its copies leaves the parent's watch alone)."""
+        with self._lock:
+            for fd in (self._uffd, self._pagemap):
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+            self._uffd = self._pagemap = -1
