@@ -437,6 +437,8 @@ class Saves:
             commit = m.CommitRequest(
                 reply.reservation, job.plan.layout.manifest_offset,
                 len(job.plan.manifest_bytes), time.perf_counter() - job.t0,
+                skipping is not None and skipping.watched,
+                () if skipping is None else tuple(skipping.kept),
             )  # fmt: skip
             committed = self._connection.call("commit", commit, m.CommitReply)
             if skipping is not None:

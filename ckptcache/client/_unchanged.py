@@ -102,6 +102,8 @@ class Unchanged:
         self._held: dict[str, _Held] = {}
         self._save = 0
         self._lock = threading.Lock()
+        #: Bytes the committed saves of this client did not copy.
+        self.skipped = 0
 
     def begin(self, segment: str, handed: int) -> Pass | None:
         """The pass of a save into ``segment``, whose reservation reported the token
@@ -152,20 +154,25 @@ class Unchanged:
         w.streak = w.streak + 1 if w.written == save else 0
         w.seen = save
 
-    def _watch_new(self, watch: WriteWatch, key: _Key, save: int) -> bool:
-        if len(self._watched) >= MAX_WATCHED or self._resting.get(key, 0) > save:
-            return False
-        start, end = _interior(*key)
-        if not watch.watch(start, end):
-            return False
-        self._watched[key] = _Watched(start, end, save, seen=save)
+    def _watch_new(self, watch: WriteWatch, keys: list[_Key], save: int) -> set[_Key]:
+        """Watch the storages ``keys`` from now on (those it may: room, not resting, private
+        anonymous memory); returns the keys watched."""
+        keys = [k for k in keys if self._resting.get(k, 0) <= save]
+        keys = keys[: max(0, MAX_WATCHED - len(self._watched))]
+        ranges = [_interior(*k) for k in keys]
+        watched = {k for k, ok in zip(keys, watch.watch(ranges), strict=True) if ok}
+        for key, (start, end) in zip(keys, ranges, strict=True):
+            if key in watched:
+                self._watched[key] = _Watched(start, end, save, seen=save)
         self._index()
-        found = watch.written(start, end)  # protects every page: all count as written now
-        self._mark(start, end, save) if found is None else self._mark(
-            min((s for s, _ in found), default=start), max((e for _, e in found), default=end),
-            save,
-        )  # fmt: skip
-        return True
+        for key in watched:  # protects every page: they all count as written now
+            w = self._watched[key]
+            found = watch.written(w.start, w.end)
+            self._mark(w.start, w.end, save) if found is None else self._mark(
+                min((s for s, _ in found), default=w.start),
+                max((e for _, e in found), default=w.end), save,
+            )  # fmt: skip
+        return watched
 
     def _retire(self, watch: WriteWatch, keys: Iterable[_Key], save: int) -> None:
         for key in keys:
@@ -174,9 +181,10 @@ class Unchanged:
             self._resting[key] = save + REST
         self._index()
 
-    def _commit(self, segment: str, held: _Held) -> None:
+    def _commit(self, segment: str, held: _Held, skipped: int) -> None:
         with self._lock:
             self._held[segment] = held
+            self.skipped += skipped
 
     def close(self) -> None:
         """Stop watching (the record of what segments hold goes with it)."""
@@ -203,8 +211,9 @@ class Pass:
         self._owner, self._watch, self._segment, self._save = owner, watch, segment, save
         self._held = held
         self._offsets: dict[_Key, int] = {}
-        #: Bytes this save did not copy.
+        #: Bytes this save did not copy, and the offsets of the storages they belong to.
         self.skipped = 0
+        self.kept: list[int] = []
 
     def runs(
         self, offsets: np.ndarray, addresses: np.ndarray, sizes: np.ndarray
@@ -232,10 +241,12 @@ class Pass:
             owner._retire(watch, volatile, save)
         if len(owner._watched) >= MAX_WATCHED:  # storages long gone make room
             owner._retire(watch, [k for k, w in owner._watched.items() if w.seen < save - REST], 0)
-        for key in candidates:
-            if key not in owner._watched and not owner._watch_new(watch, key, save):
-                continue
-            self._offsets[key] = int(offsets[candidates[key]])
+        new = [k for k in candidates if k not in owner._watched]
+        if new:
+            owner._watch_new(watch, new, save)
+        for key, index in candidates.items():
+            if key in owner._watched:
+                self._offsets[key] = int(offsets[index])
         return self._without(offsets, addresses, sizes, skip)
 
     def _candidates(self, addresses: np.ndarray, sizes: np.ndarray) -> dict[_Key, int]:
@@ -276,6 +287,7 @@ class Pass:
             tails_a.append(end)
             tails_n.append(address + nbytes - end)
             self.skipped += end - start
+            self.kept.append(offset)
         edges_o = np.array(heads_o + tails_o, dtype=np.int64)
         edges_a = np.array(heads_a + tails_a, dtype=np.uint64)
         edges_n = np.array(heads_n + tails_n, dtype=np.int64)
@@ -286,11 +298,19 @@ class Pass:
             np.concatenate((sizes[keep], edges_n[some])),
         )
 
+    @property
+    def watched(self) -> bool:
+        """Whether the segment will hold storages this client watches."""
+        return bool(self._offsets)
+
     def committed(self, token: int) -> None:
         """The save is committed, and the daemon named its bytes ``token``: what the segment
-        now holds is known (nothing where the daemon gave no token: an older one)."""
+        now holds is known (nothing where the daemon gave no token: an older one, which
+        never hands a token either, so nothing was skipped)."""
         if token:
-            self._owner._commit(self._segment, _Held(token, self._save, self._offsets))
+            self._owner._commit(
+                self._segment, _Held(token, self._save, self._offsets), self.skipped
+            )
 
 
 def _cuda_initialized() -> bool:

@@ -256,16 +256,17 @@ def write_object(
     if sizes != planned:
         for record, storage in zip(records, storages, strict=True):  # name the one resized
             checked_nbytes(storage, record.nbytes, record.name)
-    if flat.on_cpu and runs is not None:
-        write_metadata(mapping, plan)
-        addresses = np.fromiter(map(torch.UntypedStorage.data_ptr, storages), np.uint64,
-                                len(storages))  # fmt: skip
-        columns = runs(copy.offset_column, addresses, np.asarray(sizes, dtype=np.int64))
-        copy_sources(torch.frombuffer(mapping, dtype=torch.uint8), *columns)
-        return
     if flat.on_cpu:  # the usual case: no sort per storage
         write_metadata(mapping, plan)
-        copy_cpu_storages(torch.frombuffer(mapping, dtype=torch.uint8), offsets, storages, sizes)
+        dst = torch.frombuffer(mapping, dtype=torch.uint8)
+        if runs is not None:
+            addresses = np.fromiter(map(torch.UntypedStorage.data_ptr, storages), np.uint64,
+                                    len(storages))  # fmt: skip
+            columns = runs(copy.offset_column, addresses, copy.size_column)
+            if columns[2] is not copy.size_column:  # some storages lie in the segment already
+                copy_sources(dst, *columns)
+                return
+        copy_cpu_storages(dst, offsets, storages, sizes)
         return
     placed = list(zip(offsets, storages, planned, strict=True))
     on_cpu: list[tuple[int, torch.UntypedStorage, int]] = []

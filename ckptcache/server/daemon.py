@@ -197,6 +197,7 @@ def build_core(config: DaemonConfig, metrics: Metrics | None = None) -> CacheCor
     eviction = EvictionPolicy(Shares(state.arena, config.user_share, config.allowed_uids))
     retention = Retention(config, state, eviction)
     digester = Digester(state)
+    state.on_free.append(digester.check_free)
     persister = Persister(
         config, state, roots, digester.ensure, retention, record_digests=digester.record
     )

@@ -199,6 +199,7 @@ class Saves:
             res = Reservation(
                 state.next_id(), req.namespace, req.path, segment, req.nbytes, req.durability,
                 persist, saver, anchor=anchor, base=base, base_stamp=base_stamp, seen=seen,
+                kept=segment.handed_digests,
             )  # fmt: skip
             session.reservations[res.id] = res
             state.saves_in_flight.begin()
@@ -280,6 +281,7 @@ class Saves:
             if segment.sealable and not segment.sealed:
                 self._seal_for_commit(segment, res)
             manifest, header = self.validate(segment, res, req)
+            expected = self._kept(res, req)
         except BaseException:
             # Any refusal (bad manifest, malformed field, a bug) gives the segment back:
             # a reservation that can never be committed must not hold memory for ever.
@@ -315,14 +317,15 @@ class Saves:
                 state.arena.release(segment)  # its record with it: nothing is left behind
                 state.lock.notify_all()
                 raise BudgetExceeded(_full(state.arena.directory, res.path, e)) from e
-            # Fresh at every commit: no token outlives the bytes it names.
-            content = segment.content = secrets.randbits(62) + 1
+            # Fresh at every commit: no token outlives the bytes it names. Only for a client
+            # that watches its storages (no other can use one, and each costs a check).
+            content = segment.content = secrets.randbits(62) + 1 if req.watched else 0
             gen = Generation(
                 res.namespace, res.path, number, segment, manifest, size=manifest.payload_size,
                 needs_persist=res.persist, saver=res.saver, committed=header.committed_ns / 1e9,
                 committed_ns=header.committed_ns, anchor=res.anchor, origin=res.origin,
                 base=res.base, observe_base=res.persist and res.base is None and "://" in res.path,
-                seen_ns=-1 if res.origin else res.seen_ns,
+                seen_ns=-1 if res.origin else res.seen_ns, expected=expected,
             )  # fmt: skip
             if res.stored:  # read back from its own storage path: already safe there
                 state.persist_states.advance(gen, PersistState.PERSISTED, persisted=True)
@@ -359,6 +362,20 @@ class Saves:
         for hook in self.on_commit:
             hook(gen, res.durability)
         return number, lease, content
+
+    @staticmethod
+    def _kept(res: Reservation, req: m.CommitRequest) -> dict[int, int] | None:
+        """The digests the storages ``req`` kept in the segment must have (None: none kept);
+        a storage kept where the segment was not checked to hold one is refused."""
+        if not req.kept:
+            return None
+        missing = [offset for offset in req.kept if offset not in res.kept]
+        if missing:
+            raise CorruptCheckpoint(
+                f"commit of {res.path!r}: a storage at offset {missing[0]} was not copied, but "
+                "the segment was not handed out holding one there"
+            )
+        return {offset: res.kept[offset] for offset in req.kept}
 
     def _stamp_locked(self, res: Reservation) -> int:
         """The commit stamp of a save: the wall clock, but always after the object that was on

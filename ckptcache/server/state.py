@@ -85,6 +85,9 @@ class Reservation:
     saver: Saver | None = None
     #: Digests already known (a copy received and verified): recorded at commit.
     digests: list[int] | None = None
+    #: The digests, by offset, of the storages the handed segment was checked to hold
+    #: (``Segment.handed_digests``): what a storage the client kept there must still hash to.
+    kept: dict[int, int] = field(default_factory=dict)
     #: A copy's flight: relays still sending from its segment pin the generation it becomes
     #: (:meth:`CacheState.hold_for_relays_locked`).
     relayed: Inflight | None = None
@@ -298,6 +301,8 @@ class CacheState:
         self.superseded = SupersededSaves()
         #: Called (under the lock) with each generation leaving the index.
         self.on_retire: list[Callable[[Generation], None]] = []
+        #: Called (under the lock) with each generation whose segment is freed, before it is.
+        self.on_free: list[Callable[[Generation], None]] = []
         self._ids = itertools.count(1)
 
     def next_id(self) -> int:
@@ -326,7 +331,7 @@ class CacheState:
         if gen.pins == 0:
             if gen.retired:
                 gen.retired = False
-                self.arena.release(gen.segment)
+                self._free_locked(gen)
             # Either way the generation may now be freed or evicted: a reserve waiting for
             # room looks again at once rather than at its next periodic check.
             self.lock.notify_all()
@@ -374,8 +379,13 @@ class CacheState:
             header = gen.segment.read_header()
             gen.segment.write_header(replace(header, state=SegmentState.FREE))
         else:
-            self.arena.release(gen.segment)
+            self._free_locked(gen)
         self.lock.notify_all()
+
+    def _free_locked(self, gen: Generation) -> None:
+        for hook in self.on_free:
+            hook(gen)
+        self.arena.release(gen.segment)
 
     def remember_superseded_locked(self, key: Key, retired: list[Generation]) -> None:
         """Keep the newest of ``retired`` (saves of ``key`` that storage superseded, just out

@@ -262,6 +262,12 @@ class CommitRequest:
     manifest_offset: int
     manifest_size: int
     stall_seconds: float = 0.0
+    #: The client watches storages of this save for writes: name the bytes it leaves
+    #: (``CommitReply.content``), and check them when the segment is freed.
+    watched: bool = False
+    #: Offsets of the storages the client did not copy, their bytes being in the segment
+    #: already (``ReserveReply.content``): checked against the digests the daemon found there.
+    kept: tuple[int, ...] = ()
 
 
 @message

@@ -105,12 +105,20 @@ class Segment:
     record_path: str | None = None
     #: Names the bytes a client's commit left in the segment (a random token, given to that
     #: client); 0 from the moment the segment is handed out again (a ``WRITING`` header) or
-    #: cut, so a token a reservation reports (:attr:`handed`) proves every byte is still the
-    #: committed one. A client skips copying storages it provably did not write since
-    #: (``ckptcache/client/_unchanged.py``). Kept in memory only: a restart forgets them all.
+    #: cut. A client skips copying storages it provably did not write since into a segment
+    #: handed out with its token (``ckptcache/client/_unchanged.py``). Kept in memory only:
+    #: a restart forgets them all.
     content: int = 0
-    #: :attr:`content` as it was when the segment was last handed out.
+    #: :attr:`content` once the segment, freed, was found to hold exactly the bytes its
+    #: generation's digests name (``Digester.check_free``): only then is the token handed out,
+    #: so bytes changed in a free segment (a stray write, a flipped bit) are never kept.
+    checked: int = 0
+    #: The digests, by offset, of the storages the check found (with :attr:`checked`).
+    checked_digests: dict[int, int] = field(default_factory=dict)
+    #: The checked token the segment held when it was last handed out (0: none), and the
+    #: digests that came with it.
     handed: int = 0
+    handed_digests: dict[int, int] = field(default_factory=dict)
 
     def open_fd(self) -> int:
         """Open the segment file read-only, refusing a symlink or a file swapped in under its
@@ -147,7 +155,10 @@ class Segment:
         packed = header.pack()
         committed = header.state == SegmentState.COMMITTED
         if header.state == SegmentState.WRITING:  # handed out: its bytes change from now on
-            self.handed, self.content = self.content, 0
+            self.handed = self.content if self.checked == self.content else 0
+            self.handed_digests = self.checked_digests if self.handed else {}
+            self.content = self.checked = 0
+            self.checked_digests = {}
         if not committed:
             records.drop(self)
         self.mapping[: len(packed)] = packed
@@ -377,7 +388,8 @@ class Arena:
             st = os.fstat(fd)
             if (st.st_dev, st.st_ino) != segment.identity:
                 raise OSError(errno.ESTALE, f"segment file {segment.path} was replaced")
-            segment.content = 0
+            segment.content = segment.checked = 0
+            segment.checked_digests = {}
             os.ftruncate(fd, capacity)
             try:
                 segment.mapping.close()

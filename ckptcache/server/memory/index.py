@@ -56,6 +56,9 @@ class Generation:
     orphaned: bool = False
     pins: int = 0
     digests: list[int] | None = None
+    #: The digests its storages at these offsets must have: kept in the segment by the save
+    #: from an earlier generation (``CommitRequest.kept``), checked when it is digested.
+    expected: dict[int, int] | None = None
     #: Removed from the index while pinned: the segment is freed when the last pin goes.
     retired: bool = False
     #: Out of the index for good (deleted, evicted, superseded, dropped): never pinned

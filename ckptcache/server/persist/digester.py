@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 from ckptcache.errors import CorruptCheckpoint
 from ckptcache.format.layout import DigestState
@@ -34,12 +34,21 @@ __all__ = ["Digester"]
 log = logging.getLogger(__name__)
 
 
+@dataclass(frozen=True)
+class _FreeCheck:
+    """A freed segment to check against the digests of the generation that left it."""
+
+    gen: Generation
+    token: int
+    digests: list[int]
+
+
 class Digester:
     """Computes, records and verifies the per-storage digests of generations."""
 
     def __init__(self, state: CacheState):
         self.state = state
-        self._queue: queue.Queue[Generation | None] = queue.Queue()
+        self._queue: queue.Queue[Generation | _FreeCheck | None] = queue.Queue()
         self._thread = threading.Thread(target=self._loop, name="digester", daemon=True)
 
     def start(self) -> None:
@@ -55,6 +64,42 @@ class Digester:
     def put(self, gen: Generation) -> None:
         """Hash ``gen`` in the background."""
         self._queue.put(gen)
+
+    def check_free(self, gen: Generation) -> None:
+        """``gen`` leaves memory and its segment is freed (call under the state lock): check
+        in the background that the segment holds the bytes ``gen``'s digests name, so that its
+        content token may be handed to the next save (``Segment.checked``)."""
+        segment = gen.segment
+        if segment.content and gen.digests is not None:
+            self._queue.put(_FreeCheck(gen, segment.content, gen.digests))
+
+    def _check_free(self, check: _FreeCheck) -> None:
+        gen, token = check.gen, check.token
+        segment = gen.segment
+        with self.state.lock.held():
+            if segment.content != token or segment.name not in self.state.arena.free:
+                return  # handed out again meanwhile: its bytes are another save's now
+            view = segment.view()
+        try:
+            found = compute_digests(view, gen.manifest)
+        except (ValueError, BufferError, OSError):
+            return
+        finally:
+            del view
+        with self.state.lock.held():
+            if segment.content != token:
+                return
+            if found == check.digests:
+                segment.checked = token
+                offsets = (r.offset for r in gen.manifest.storages)
+                segment.checked_digests = dict(zip(offsets, found, strict=True))
+                return
+            segment.content = 0
+        bad = next(r.name for r, a, b in zip(gen.manifest.storages, found, check.digests,
+                                             strict=True) if a != b)  # fmt: skip
+        log.warning("freed segment %s no longer holds the bytes of %s generation %d (tensor "
+                    "%s changed): none of them is reused", segment.name, gen.path, gen.number,
+                    bad)  # fmt: skip
 
     def ensure(self, gen: Generation) -> list[int]:
         """Digests of ``gen``, computed now if the background worker has not yet."""
@@ -78,10 +123,31 @@ class Digester:
                 del view
             return self.record(gen, digests)
 
+    def _check_kept(self, gen: Generation, digests: list[int], expected: dict[int, int]) -> None:
+        """Storages the save kept from the segment's checked bytes, not copied, must still
+        hash to what the check found: else the segment changed in between (a write into a
+        free segment), and the generation is refused, never served or persisted."""
+        for record, digest in zip(gen.manifest.storages, digests, strict=True):
+            want = expected.get(record.offset)
+            if want is not None and want != digest:
+                detail = (
+                    f"tensor {record.name!r}, kept in the segment from an earlier save rather "
+                    "than copied, changed in memory since it was checked"
+                )
+                gen.corrupt = detail
+                raise CorruptCheckpoint(
+                    f"{gen.path!r} generation {gen.number}: {detail}", tensor=record.name,
+                    tier=Tier.LOCAL,
+                )  # fmt: skip
+
     def record(self, gen: Generation, digests: list[int]) -> list[int]:
-        """Record ``digests`` in ``gen`` and its segment (takes the state lock, re-entrant)."""
+        """Record ``digests`` in ``gen`` and its segment (takes the state lock, re-entrant);
+        whoever took them (this digester, a persist's stream), the storages the save kept in
+        the segment are checked first (:meth:`_check_kept`)."""
         with self.state.lock.held():
             if gen.digests is None:
+                if gen.expected:
+                    self._check_kept(gen, digests, gen.expected)
                 gen.digests = digests
                 header = gen.segment.read_header()
                 table = pack_digests(digests)
@@ -107,6 +173,9 @@ class Digester:
             gen = self._queue.get()
             if gen is None:
                 return
+            if isinstance(gen, _FreeCheck):
+                self._check_free(gen)
+                continue
             # Background work: after the saves in flight (the next files of a checkpoint).
             self.state.saves_in_flight.wait_after(gen.committed)
             if gen.digests is not None or gen.retired or gen.pins < 0:

@@ -1,0 +1,137 @@
+"""Which runs a save copies (:mod:`ckptcache.client._unchanged`): only a storage the kernel
+proves unwritten since the save whose bytes the handed segment holds, at the same offset, is
+left out, and never its partial first and last pages."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from ckptcache.client._unchanged import MIN_BYTES, VOLATILE, Unchanged, _interior
+from ckptcache.client._watch import PAGE
+
+MiB = 1 << 20
+
+
+def columns(tensors: list[torch.Tensor]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    storages = [t.untyped_storage() for t in tensors]
+    sizes = np.array([s.nbytes() for s in storages], dtype=np.int64)
+    offsets = np.concatenate(([0], np.cumsum(sizes)[:-1])).astype(np.int64) + 4096
+    addresses = np.array([s.data_ptr() for s in storages], dtype=np.uint64)
+    return offsets, addresses, sizes
+
+
+def save(u: Unchanged, segment: str, handed: int, token: int, tensors: list[torch.Tensor]):
+    """One save's runs into ``segment``, committed with ``token``."""
+    p = u.begin(segment, handed)
+    assert p is not None
+    runs = p.runs(*columns(tensors))
+    p.committed(token)
+    return runs, p.skipped
+
+
+def copied(runs) -> int:
+    return int(runs[2].sum())
+
+
+@pytest.fixture
+def u():
+    """One client's record (closed after: a range stays another watch's until then)."""
+    unchanged = Unchanged()
+    yield unchanged
+    unchanged.close()
+
+
+@pytest.fixture
+def state():
+    torch.manual_seed(0)
+    return [torch.randn(2 * MiB // 4), torch.randn(3 * MiB // 4), torch.randn(1000)]
+
+
+def test_an_unwritten_storage_in_the_segment_it_was_saved_to_is_not_copied(state, u):
+    total = sum(t.untyped_storage().nbytes() for t in state)
+    runs, skipped = save(u, "seg-a", 0, 11, state)
+    assert (copied(runs), skipped) == (total, 0)  # first save: everything
+    runs, skipped = save(u, "seg-b", 0, 12, state)  # another segment: everything again
+    assert (copied(runs), skipped) == (total, 0)
+    runs, skipped = save(u, "seg-a", 11, 13, state)
+    interiors = sum(e - s for s, e in (_interior(t.data_ptr(), t.untyped_storage().nbytes())
+                                        for t in state[:2]))  # fmt: skip
+    assert skipped == interiors and copied(runs) == total - interiors
+    # What is copied of a skipped storage: its partial first and last pages, in place.
+    offsets, addresses, sizes = columns(state)
+    start, end = _interior(int(addresses[0]), int(sizes[0]))
+    edges = {(int(o), int(a), int(n)) for o, a, n in zip(*runs, strict=True)}
+    assert (int(offsets[0]), int(addresses[0]), start - int(addresses[0])) in edges
+    assert (
+        int(offsets[0]) + end - int(addresses[0]),
+        end,
+        int(addresses[0] + sizes[0]) - end,
+    ) in edges
+    assert u.skipped == interiors
+
+
+@pytest.mark.parametrize("handed", [0, 99])
+def test_a_segment_whose_token_is_not_ours_gets_every_byte(state, handed, u):
+    total = sum(t.untyped_storage().nbytes() for t in state)
+    save(u, "seg-a", 0, 11, state)
+    runs, skipped = save(u, "seg-a", handed, 12, state)
+    assert (copied(runs), skipped) == (total, 0)
+
+
+def test_a_write_no_version_counter_sees_is_copied(state, u):
+    save(u, "seg-a", 0, 11, state)
+    state[1].data[123_456] = 7.0  # in the interior
+    runs, _ = save(u, "seg-a", 11, 12, state)
+    offsets, addresses, sizes = columns(state)
+    assert (int(offsets[1]), int(addresses[1]), int(sizes[1])) in set(
+        (int(o), int(a), int(n)) for o, a, n in zip(*runs, strict=True)
+    )  # whole
+    # Every later save into a segment written before the write copies it too ...
+    save(u, "seg-b", 0, 21, state)
+    runs, skipped = save(u, "seg-a", 12, 13, state)
+    assert skipped > 0  # seg-a was written after the write: unchanged since
+    runs, skipped = save(u, "seg-b", 21, 22, state)
+    assert skipped > 0
+
+
+def test_a_write_before_a_segment_is_reused_later_still_counts(u):
+    """A write seen by the scan of a save into another segment keeps the first segment's
+    copy from being trusted."""
+    t = [torch.ones(2 * MiB // 4)]
+    save(u, "seg-a", 0, 11, t)
+    t[0][100_000] = 3.0
+    save(u, "seg-b", 0, 21, t)  # sees the write
+    runs, skipped = save(u, "seg-a", 11, 12, t)
+    assert skipped == 0 and copied(runs) == 2 * MiB
+
+
+def test_another_offset_or_size_is_copied(u):
+    a, b = torch.ones(2 * MiB // 4), torch.ones(2 * MiB // 4)
+    save(u, "seg-a", 0, 11, [a, b])
+    runs, skipped = save(u, "seg-a", 11, 12, [b, a])  # swapped: each at the other's offset
+    assert skipped == 0 and copied(runs) == 4 * MiB
+
+
+def test_small_and_overlapping_storages_are_always_copied(u):
+    small = torch.ones((MIN_BYTES - PAGE) // 4)
+    base = np.ones(4 * MiB // 4, dtype=np.float32)
+    x, y = torch.from_numpy(base[: 3 * MiB // 4]), torch.from_numpy(base[MiB // 4 :])
+    save(u, "seg-a", 0, 11, [small, x, y])
+    runs, skipped = save(u, "seg-a", 11, 12, [small, x, y])
+    assert skipped == 0 and copied(runs) == sum(t.untyped_storage().nbytes() for t in (small, x, y))
+
+
+def test_a_storage_written_at_every_save_stops_being_watched(u):
+    t = [torch.ones(2 * MiB // 4)]
+    key = (t[0].data_ptr(), 2 * MiB)
+    for i in range(VOLATILE + 2):
+        t[0].add_(1)
+        save(u, f"seg-{i}", 0, i + 1, t)
+    assert key not in u._watched and u._resting[key] > u._save
+
+
+def test_nothing_is_skipped_when_turned_off(state):
+    u = Unchanged(enabled=False)
+    assert u.begin("seg-a", 0) is None

@@ -1,0 +1,196 @@
+"""A save that copies only what changed, on a real daemon: storages the kernel proves unwritten
+since the save whose bytes the handed segment holds are not copied, and every load, every
+persisted file and every later save still holds the trainer's bytes exactly, whatever wrote
+the tensors (writes no version counter sees included), whoever used the segment meanwhile,
+and whatever changed a free segment's bytes."""
+
+from __future__ import annotations
+
+import glob
+import os
+
+import pytest
+import torch
+
+from ckptcache.client._unchanged import _interior
+from ckptcache.errors import CorruptCheckpoint
+from tests.helpers import wait_until
+
+MiB = 1 << 20
+
+
+def lora(seed: int = 0) -> dict:
+    """A frozen base of four 2 MiB tensors, small adapters and an optimizer step count."""
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "base": {f"layer{i}": torch.randn(2 * MiB // 4, generator=g) for i in range(4)},
+        "adapter": {f"layer{i}": torch.randn(4096, generator=g) for i in range(4)},
+        "step": 0,
+    }
+
+
+def step(state: dict) -> None:
+    """A training step: only the adapters and the step count change."""
+    for t in state["adapter"].values():
+        t.add_(0.5)
+    state["step"] += 1
+
+
+def equal(a: dict, b: dict) -> bool:
+    return a["step"] == b["step"] and all(
+        torch.equal(a[part][k], b[part][k]) for part in ("base", "adapter") for k in a[part]
+    )
+
+
+def until_skipped(client, state: dict, path: str, most: int = 30) -> int:
+    """Train and save until a save skipped something (a bounded number of saves: a segment
+    is trusted once the daemon has checked it, in the background, after it was freed)."""
+    for _ in range(most):
+        step(state)
+        save_and_check(client, state, path)
+        if client._saves.unchanged.skipped:
+            return client._saves.unchanged.skipped
+    raise AssertionError(f"no save of {most} skipped anything")
+
+
+def save_and_check(client, state: dict, path: str) -> None:
+    """Save, then load back a private copy, verified, and wait until the generation is
+    digested (which checks what the save kept, and the segments freed before it)."""
+    client.save(state, path)
+    assert equal(client.load(path, mmap=False, verify=True), state)
+    wait_until(lambda: client.status(path).digests_valid, 60, "the digests")
+
+
+@pytest.fixture
+def persisting(daemon_factory, tmp_path):
+    return daemon_factory("--persist-root", str(tmp_path))
+
+
+def test_repeated_saves_skip_the_frozen_base_and_every_copy_is_exact(persisting, tmp_path):
+    path = str(tmp_path / "job" / "model.pt")
+    state = lora()
+    with persisting.client() as trainer:
+        skipped = until_skipped(trainer, state, path)
+        # The base's interiors, all at once (the partial edge pages are always copied).
+        base = [t.untyped_storage() for t in state["base"].values()]
+        interiors = sum(e - s for s, e in (_interior(b.data_ptr(), b.nbytes()) for b in base))
+        assert skipped % interiors == 0
+        trainer.wait(path, timeout=60)
+    assert equal(torch.load(path, weights_only=True), state)
+
+
+WRITES = {
+    ".data": lambda t: t.data[100_000].fill_(7.0),
+    "numpy": lambda t: t.numpy().__setitem__(200_000, -3.0),
+    "inference mode": lambda t: torch.inference_mode()(t.__setitem__)(300_000, 1.5),
+    "dlpack": lambda t: torch.from_dlpack(t)[400_000].fill_(2.5),
+    "copy_ of another tensor": lambda t: t.copy_(torch.full_like(t, 0.25)),
+}
+
+
+@pytest.mark.parametrize("how", sorted(WRITES))
+def test_a_write_to_a_frozen_tensor_is_saved(persisting, tmp_path, how):
+    """Writes to the frozen base (the counter may not move) between saves: each later load
+    and the persisted file hold them."""
+    path = str(tmp_path / "job" / "model.pt")
+    state = lora()
+    with persisting.client() as trainer:
+        until_skipped(trainer, state, path)
+        for i in range(6):
+            step(state)
+            if i in (1, 3):
+                WRITES[how](state["base"][f"layer{i}"])
+            save_and_check(trainer, state, path)
+        trainer.wait(path, timeout=60)
+    assert equal(torch.load(path, weights_only=True), state)
+
+
+def test_a_segment_another_trainer_used_is_written_whole(persisting, tmp_path):
+    """Two trainers of one user save states of one size in turn, so the daemon hands each the
+    segments the other wrote: no token matches, nothing of the other's bytes is kept."""
+    a_path, b_path = str(tmp_path / "a" / "model.pt"), str(tmp_path / "b" / "model.pt")
+    a, b = lora(1), lora(2)
+    with persisting.client() as ta, persisting.client() as tb:
+        for _ in range(6):
+            step(a)
+            save_and_check(ta, a, a_path)
+            step(b)
+            save_and_check(tb, b, b_path)
+            # Either drops its newest: the next saves take freed segments, often the other's.
+            ta.delete(a_path)
+            tb.delete(b_path)
+            save_and_check(ta, a, a_path)
+            save_and_check(tb, b, b_path)
+        ta.wait(a_path, timeout=60)
+        tb.wait(b_path, timeout=60)
+    assert equal(torch.load(a_path, weights_only=True), a)
+    assert equal(torch.load(b_path, weights_only=True), b)
+
+
+def test_nothing_is_skipped_after_the_daemon_restarts(daemon_factory, tmp_path):
+    """Tokens live in the daemon's memory: after a kill -9 and a restart, the segments it
+    adopts name no bytes, and the first saves copy everything."""
+    d = daemon_factory("--persist-root", str(tmp_path))
+    path = str(tmp_path / "job" / "model.pt")
+    state = lora()
+    with d.client() as trainer:
+        before = until_skipped(trainer, state, path)
+        d.kill()
+        d.restart()
+        for _ in range(2):  # the two generations adopted are not replaced before these
+            step(state)
+            state["base"]["layer0"].data[5] = float(state["step"])  # and the base changes
+            save_and_check(trainer, state, path)
+        assert trainer._saves.unchanged.skipped == before
+        trainer.wait(path, timeout=60)
+    assert equal(torch.load(path, weights_only=True), state)
+
+
+def _flip_free_segments(daemon, live: set[str]) -> int:
+    """Write into the middle of every free segment (one a save may be handed next)."""
+    flipped = 0
+    for seg in glob.glob(os.path.join(daemon.segments_dir, "seg-*")):
+        if os.path.basename(seg) in live:
+            continue
+        with open(seg, "r+b") as f:
+            size = f.seek(0, os.SEEK_END)
+            if size < 8 * MiB:
+                continue
+            f.seek(size // 2)
+            f.write(b"\xde\xad\xbe\xef" * 1024)
+            flipped += 1
+    return flipped
+
+
+def test_bytes_changed_in_a_free_segment_are_never_served(persisting, tmp_path):
+    """Every segment but the newest save's written behind the daemon's back. One checked
+    before the write: a save that kept storages from it is refused when its digests are taken
+    (a load raises, typed, and it is not persisted). One checked after (the previous save's,
+    freed by retention a save later, among them): never handed out as holding anything.
+    Every load that returns holds the trainer's bytes, and the damage is always reported."""
+    path = str(tmp_path / "job" / "model.pt")
+    state = lora()
+    with persisting.client() as trainer:
+        until_skipped(trainer, state, path)
+        live = {trainer.status(path).segment}
+        assert _flip_free_segments(persisting, live) >= 1
+        refused = 0
+        for _ in range(6):
+            step(state)
+            trainer.save(state, path)
+            try:
+                loaded = trainer.load(path, mmap=False, verify=True)
+            except CorruptCheckpoint as e:
+                assert "changed in memory since it was checked" in str(e)
+                assert e.tier == "local"
+                refused += 1
+                continue
+            assert equal(loaded, state)
+        checked = persisting.log().count("no longer holds the bytes of")
+        assert refused + checked >= 1
+        # Later saves are whole again where needed: the newest save loads exactly.
+        for _ in range(4):
+            step(state)
+            save_and_check(trainer, state, path)
+        trainer.wait(path, timeout=60)
+    assert equal(torch.load(path, weights_only=True), state)
