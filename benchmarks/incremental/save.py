@@ -9,9 +9,11 @@ runs beside them), a memory budget of 4x the larger state. Per round, per state,
 (skipping on, then ``CKPTCACHE_SKIP_UNCHANGED=0``; the order flips every round), a fresh
 trainer process builds the state and saves it ``--saves`` times to one path, changing between
 saves only what ``bench.py``'s states change (the LoRA adapters and their Adam state; 8 of 64
-experts and the shared part). The daemon keeps 2 generations a path, so the segments rotate
-and a save is handed the segment of the save three before it from the 4th save on; the saves
-from ``--from`` on are counted. Per save:
+experts and the shared part), with ``--interval`` seconds of "training" (a sleep) after each
+save: the daemon checks a freed segment in the background before a save may keep its bytes,
+so saves back to back find none checked. The daemon keeps 2 generations a path, so the
+segments rotate and a save is handed the segment of the save three before it from the 4th save
+on; the saves from ``--from`` on are counted. Per save:
 
 * the stall: the wall time of ``client.save(obj, path, durability="memory")`` (blocking);
 * the trainer process's CPU-seconds over it (user + system, ``getrusage``: every thread);
@@ -19,7 +21,9 @@ from ``--from`` on are counted. Per save:
   reservation's and the commit's round trips, the write-protect scan of the watched
   storages (and the watching of new ones), and the copy (what changed, the partial edge
   pages of the skipped storages and the archive's metadata);
-* the bytes the save did not copy (read from the save's pass, for reporting only).
+* the bytes the save did not copy (read from the save's pass, for reporting only);
+* the daemon's CPU-seconds per save over the trainer's run (``/proc/<pid>/stat``): its intake,
+  digests and the checks of freed segments.
 
 Then, in the same process: the memcpy (``Tensor.copy_``, torch's intra-op threads) of the
 last save's changed tensors into touched, preallocated memory of the same size, and of every
@@ -186,6 +190,7 @@ def trainer(args: argparse.Namespace) -> None:
             client.save(obj, path, durability="memory")
             stall = time.perf_counter() - t0
             r1 = resource.getrusage(resource.RUSAGE_SELF)
+            time.sleep(args.interval)  # training until the next checkpoint
             spent, skipped = timers.take()
             spent["copy"] = spent.get("copy", 0.0) - spent.get("scan", 0.0)  # runs in the copy
             saves.append({
@@ -223,7 +228,7 @@ def _run_trainer(socket: str, state: str, skip: bool, tag: str, args: argparse.N
     env["PYTHONPATH"] = os.pathsep.join(filter(None, (here, env.get("PYTHONPATH"))))
     cmd = [sys.executable, __file__, "--trainer", "--socket", socket, "--state", state,
            "--tag", tag, "--base", str(args.base), "--expert", str(args.expert),
-           "--saves", str(args.saves)]  # fmt: skip
+           "--saves", str(args.saves), "--interval", str(args.interval)]  # fmt: skip
     out = subprocess.run(cmd, env=env, check=True, stdout=subprocess.PIPE, text=True).stdout
     return json.loads(out.strip().splitlines()[-1])
 
@@ -236,6 +241,9 @@ def main() -> None:
     parser.add_argument("--from", dest="first", default=5, type=int,
                         help="the first save counted (1-based)")  # fmt: skip
     parser.add_argument("--rounds", default=3, type=int)
+    parser.add_argument("--interval", default=1.0, type=float,
+                        help="seconds of training between saves (the daemon checks a freed "
+                        "segment in the background before a save may keep its bytes)")  # fmt: skip
     parser.add_argument("--trainer", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--socket", help=argparse.SUPPRESS)
     parser.add_argument("--state", choices=STATES, help=argparse.SUPPRESS)
@@ -258,20 +266,28 @@ def main() -> None:
             for state in STATES:
                 for skip in (True, False) if r % 2 == 0 else (False, True):
                     tag = f"{'skip' if skip else 'copy'}-{r}"
-                    results.setdefault((state, skip), []).append(
-                        _run_trainer(d.socket, state, skip, tag, args)
-                    )
+                    before = _cpu_of(d.proc.pid)
+                    result = _run_trainer(d.socket, state, skip, tag, args)
+                    result["daemon_cpu"] = (_cpu_of(d.proc.pid) - before) / args.saves
+                    results.setdefault((state, skip), []).append(result)
     print(f"{time.perf_counter() - t_start:.0f} s, load average at the end "
           f"{os.getloadavg()[0]:.1f}\n")  # fmt: skip
     _report(results, args.first - 1)
+
+
+def _cpu_of(pid: int) -> float:
+    """User + system CPU-seconds of process ``pid`` so far (every thread)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def _report(results: dict[tuple[str, bool], list[dict]], first: int) -> None:
     med = statistics.median
     print("| state | save | size | changed since the last save | since the segment's save "
           "| copied | stall (s) | x memcpy of changed | x memcpy of changed since the segment's "
-          "| x full memcpy | trainer CPU-s per save | CPU-s per GiB of state |")  # fmt: skip
-    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+          "| x full memcpy | trainer CPU-s per save | CPU-s per GiB of state "
+          "| daemon CPU-s per save |")  # fmt: skip
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     memcpy = {}
     for state in STATES:
         runs = results[(state, True)] + results[(state, False)]
@@ -288,7 +304,8 @@ def _report(results: dict[tuple[str, bool], list[dict]], first: int) -> None:
                 f"| {state} | {'skip unchanged' if skip else 'copy all'} | {size / MiB:.0f} MiB "
                 f"| {changed / MiB:.0f} MiB | {window / MiB:.0f} MiB | {copied / MiB:.0f} MiB "
                 f"| {stall:.3f} | {stall / mc[0]:.2f}x | {stall / mc[1]:.2f}x "
-                f"| {stall / mc[2]:.2f}x | {cpu:.3f} | {cpu / (size / GiB):.3f} |",
+                f"| {stall / mc[2]:.2f}x | {cpu:.3f} | {cpu / (size / GiB):.3f} "
+                f"| {med(r['daemon_cpu'] for r in results[(state, skip)]):.3f} |",
                 flush=True,
             )
     print("\n| state | memcpy: changed since the last save (s) | changed since the segment's "

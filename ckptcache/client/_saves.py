@@ -419,7 +419,7 @@ class Saves:
         try:
             mapping = self.mapping(reply.segment, reply.capacity)
             skipping = (
-                self.unchanged.begin(reply.segment, reply.content)
+                self.unchanged.begin(reply.segment, reply.content, mapping)
                 if job.packed is None and job.flat.on_cpu else None
             )  # fmt: skip
             if job.packed is None:

@@ -17,8 +17,11 @@ The proof has two halves, and a storage is skipped only where both hold:
    segment holds is unchanged since: its bytes at the same offset are its bytes now.
 
 Only the page-aligned interior of a storage of at least :data:`MIN_BYTES` is watched; its
-partial first and last pages are always copied. Storages whose interiors overlap within one
-save are copied. A process in which CUDA is initialized skips nothing: a device may write
+partial first and last pages (shared with whatever lies beside it) are compared with the
+segment's bytes instead, and a storage whose edges differ is copied whole, so a skipped storage
+is byte for byte the segment's, and the daemon can check it against the digest it found there
+(``CommitRequest.kept``). Storages whose interiors overlap within one save are copied. A
+process in which CUDA is initialized skips nothing: a device may write
 pinned host memory by DMA, which no page table sees. A storage found written at
 :data:`VOLATILE` saves running stops being watched (every write to it would take a
 protection fault) and is tried again :data:`REST` saves later.
@@ -27,6 +30,7 @@ protection fault) and is tried again :data:`REST` saves later.
 from __future__ import annotations
 
 import bisect
+import ctypes
 import itertools
 import logging
 import threading
@@ -38,6 +42,7 @@ import numpy as np
 from ckptcache.client._watch import PAGE, WriteWatch
 
 if TYPE_CHECKING:
+    import mmap
     from collections.abc import Iterable
 
 __all__ = ["MIN_BYTES", "Pass", "Unchanged"]
@@ -105,10 +110,10 @@ class Unchanged:
         #: Bytes the committed saves of this client did not copy.
         self.skipped = 0
 
-    def begin(self, segment: str, handed: int) -> Pass | None:
-        """The pass of a save into ``segment``, whose reservation reported the token
-        ``handed``; ``None`` where nothing can be skipped or watched (then nothing about
-        the segment is known after the save either)."""
+    def begin(self, segment: str, handed: int, mapping: mmap.mmap) -> Pass | None:
+        """The pass of a save into ``segment`` (mapped writable as ``mapping``), whose
+        reservation reported the token ``handed``; ``None`` where nothing can be skipped or
+        watched (then nothing about the segment is known after the save either)."""
         with self._lock:
             held = self._held.pop(segment, None)  # its bytes change from now on
             if not self.enabled or _cuda_initialized():
@@ -119,7 +124,7 @@ class Unchanged:
             self._save += 1
             if held is not None and (handed == 0 or held.token != handed):
                 held = None
-            return Pass(self, watch, segment, self._save, held)
+            return Pass(self, watch, segment, self._save, held, mapping)
 
     def _open(self) -> WriteWatch | None:
         if not self._opened:
@@ -181,10 +186,43 @@ class Unchanged:
             self._resting[key] = save + REST
         self._index()
 
-    def _commit(self, segment: str, held: _Held, skipped: int) -> None:
+    def runs(
+        self, p: Pass, offsets: np.ndarray, addresses: np.ndarray, sizes: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """:meth:`Pass.runs` of ``p``."""
+        watch, save, held = p.watch, p.save, p.held
+        candidates = _candidates(addresses, sizes)
+        for key in candidates:  # scan first: every write since the last scan is seen
+            if key in self._watched:
+                self._scan(watch, key, save)
+        skip: list[int] = []
+        for key, index in candidates.items():
+            w = self._watched.get(key)
+            if (
+                w is not None and held is not None and w.written <= held.save
+                and held.offsets.get(key) == int(offsets[index])
+                and p.edges_equal(*key, int(offsets[index]))
+            ):  # fmt: skip
+                skip.append(index)
+        volatile = [k for k in candidates if k in self._watched
+                    and self._watched[k].streak >= VOLATILE]  # fmt: skip
+        if volatile:
+            self._retire(watch, volatile, save)
+        if len(self._watched) >= MAX_WATCHED:  # storages long gone make room
+            self._retire(watch, [k for k, w in self._watched.items() if w.seen < save - REST], 0)
+        new = [k for k in candidates if k not in self._watched]
+        if new:
+            self._watch_new(watch, new, save)
+        for key, index in candidates.items():
+            if key in self._watched:
+                p.offsets[key] = int(offsets[index])
+        return p.without(offsets, addresses, sizes, skip)
+
+    def record(self, p: Pass, token: int) -> None:
+        """:meth:`Pass.committed` of ``p``."""
         with self._lock:
-            self._held[segment] = held
-            self.skipped += skipped
+            self._held[p.segment] = _Held(token, p.save, p.offsets)
+            self.skipped += p.skipped
 
     def close(self) -> None:
         """Stop watching (the record of what segments hold goes with it)."""
@@ -207,10 +245,14 @@ class Pass:
     leaves known."""
 
     def __init__(self, owner: Unchanged, watch: WriteWatch, segment: str, save: int,
-                 held: _Held | None):  # fmt: skip
-        self._owner, self._watch, self._segment, self._save = owner, watch, segment, save
-        self._held = held
-        self._offsets: dict[_Key, int] = {}
+                 held: _Held | None, mapping: mmap.mmap):  # fmt: skip
+        self.owner, self.watch, self.segment, self.save, self.held = (
+            owner, watch, segment, save, held
+        )  # fmt: skip
+        self.base = ctypes.addressof(ctypes.c_char.from_buffer(mapping)) if held else 0
+        self.size = len(mapping)
+        #: Where each watched storage of the save lies in the segment.
+        self.offsets: dict[_Key, int] = {}
         #: Bytes this save did not copy, and the offsets of the storages they belong to.
         self.skipped = 0
         self.kept: list[int] = []
@@ -219,98 +261,72 @@ class Pass:
         self, offsets: np.ndarray, addresses: np.ndarray, sizes: np.ndarray
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """The copy's runs (``int64`` offsets in the segment, ``uint64`` addresses, ``int64``
-        sizes, one per CPU storage) less the interiors of the storages the segment holds
-        already; watches the storages it may skip at later saves."""
-        owner, watch, save = self._owner, self._watch, self._save
-        candidates = self._candidates(addresses, sizes)
-        for key in candidates:  # scan first: every write since the last scan is seen
-            if key in owner._watched:
-                owner._scan(watch, key, save)
-        held = self._held
-        skip: list[int] = []
-        for key, index in candidates.items():
-            w = owner._watched.get(key)
-            if (
-                w is not None and held is not None and w.written <= held.save
-                and held.offsets.get(key) == int(offsets[index])
-            ):  # fmt: skip
-                skip.append(index)
-        volatile = [k for k in candidates if k in owner._watched
-                    and owner._watched[k].streak >= VOLATILE]  # fmt: skip
-        if volatile:
-            owner._retire(watch, volatile, save)
-        if len(owner._watched) >= MAX_WATCHED:  # storages long gone make room
-            owner._retire(watch, [k for k, w in owner._watched.items() if w.seen < save - REST], 0)
-        new = [k for k in candidates if k not in owner._watched]
-        if new:
-            owner._watch_new(watch, new, save)
-        for key, index in candidates.items():
-            if key in owner._watched:
-                self._offsets[key] = int(offsets[index])
-        return self._without(offsets, addresses, sizes, skip)
+        sizes, one per CPU storage) less the storages the segment holds already; watches the
+        storages it may skip at later saves."""
+        return self.owner.runs(self, offsets, addresses, sizes)
 
-    def _candidates(self, addresses: np.ndarray, sizes: np.ndarray) -> dict[_Key, int]:
-        """The storages worth watching, by key, with their index; none whose interior
-        overlaps another's."""
-        found: dict[_Key, int] = {}
-        spans: list[tuple[int, int, _Key]] = []
-        for index in np.flatnonzero(sizes >= MIN_BYTES + 2 * PAGE).tolist():
-            key = (int(addresses[index]), int(sizes[index]))
-            start, end = _interior(*key)
-            if key in found:  # one storage twice: its second copy goes whole
-                found.pop(key)
-                continue
-            found[key] = index
-            spans.append((start, end, key))
-        spans.sort()
-        for (_, end, key), (start, _, other) in itertools.pairwise(spans):
-            if start < end:
-                found.pop(key, None)
-                found.pop(other, None)
-        return found
+    def edges_equal(self, address: int, nbytes: int, offset: int) -> bool:
+        """Whether the storage's partial first and last pages (never watched) hold what the
+        segment holds there: then the whole storage is the segment's bytes, and the digest
+        the daemon checked the segment with is its digest."""
+        if offset < 0 or offset + nbytes > self.size:
+            return False
+        start, end = _interior(address, nbytes)
+        head, tail = start - address, address + nbytes - end
+        at = self.base + offset
+        return (
+            _memcmp(at, address, head) == 0
+            and _memcmp(at + nbytes - tail, end, tail) == 0
+        )  # fmt: skip
 
-    def _without(
+    def without(
         self, offsets: np.ndarray, addresses: np.ndarray, sizes: np.ndarray, skip: list[int]
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The runs less those at the indices ``skip`` (counted as skipped)."""
         if not skip:
             return offsets, addresses, sizes
         keep = np.ones(len(sizes), dtype=bool)
         keep[skip] = False
-        heads_o, heads_a, heads_n, tails_o, tails_a, tails_n = [], [], [], [], [], []
-        for index in skip:
-            address, nbytes, offset = int(addresses[index]), int(sizes[index]), int(offsets[index])
-            start, end = _interior(address, nbytes)
-            heads_o.append(offset)
-            heads_a.append(address)
-            heads_n.append(start - address)
-            tails_o.append(offset + end - address)
-            tails_a.append(end)
-            tails_n.append(address + nbytes - end)
-            self.skipped += end - start
-            self.kept.append(offset)
-        edges_o = np.array(heads_o + tails_o, dtype=np.int64)
-        edges_a = np.array(heads_a + tails_a, dtype=np.uint64)
-        edges_n = np.array(heads_n + tails_n, dtype=np.int64)
-        some = edges_n > 0
-        return (
-            np.concatenate((offsets[keep], edges_o[some])),
-            np.concatenate((addresses[keep], edges_a[some])),
-            np.concatenate((sizes[keep], edges_n[some])),
-        )
+        self.skipped += int(sizes[skip].sum())
+        self.kept.extend(int(offsets[i]) for i in skip)
+        return offsets[keep], addresses[keep], sizes[keep]
 
     @property
     def watched(self) -> bool:
         """Whether the segment will hold storages this client watches."""
-        return bool(self._offsets)
+        return bool(self.offsets)
 
     def committed(self, token: int) -> None:
         """The save is committed, and the daemon named its bytes ``token``: what the segment
-        now holds is known (nothing where the daemon gave no token: an older one, which
-        never hands a token either, so nothing was skipped)."""
+        now holds is known (nothing where the daemon gave no token: it was not asked to)."""
         if token:
-            self._owner._commit(
-                self._segment, _Held(token, self._save, self._offsets), self.skipped
-            )
+            self.owner.record(self, token)
+
+
+def _candidates(addresses: np.ndarray, sizes: np.ndarray) -> dict[_Key, int]:
+    """The storages worth watching, by key, with their index; none whose interior overlaps
+    another's."""
+    found: dict[_Key, int] = {}
+    spans: list[tuple[int, int, _Key]] = []
+    for index in np.flatnonzero(sizes >= MIN_BYTES + 2 * PAGE).tolist():
+        key = (int(addresses[index]), int(sizes[index]))
+        start, end = _interior(*key)
+        if key in found:  # one storage twice: its second copy goes whole
+            found.pop(key)
+            continue
+        found[key] = index
+        spans.append((start, end, key))
+    spans.sort()
+    for (_, end, key), (start, _, other) in itertools.pairwise(spans):
+        if start < end:
+            found.pop(key, None)
+            found.pop(other, None)
+    return found
+
+
+_memcmp = ctypes.CDLL(None).memcmp
+_memcmp.argtypes = (ctypes.c_size_t, ctypes.c_size_t, ctypes.c_size_t)
+_memcmp.restype = ctypes.c_int
 
 
 def _cuda_initialized() -> bool:

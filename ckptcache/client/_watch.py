@@ -97,18 +97,13 @@ class WriteWatch:
             os.close(uffd)
             return None
         watch = cls(uffd, pagemap)
-        if not watch._scans():
-            watch.close()
-            return None
-        return watch
-
-    def _scans(self) -> bool:
-        """Whether ``PAGEMAP_SCAN`` exists here (Linux 6.7): an empty scan of no range."""
-        try:
-            self._scan(0, 0)
+        try:  # PAGEMAP_SCAN exists (Linux 6.7): an empty scan of no range
+            watch.written_or_raise(0, 0)
         except OSError as e:
-            return e.errno not in (errno.ENOTTY, errno.EINVAL, errno.EOPNOTSUPP)
-        return True
+            if e.errno in (errno.ENOTTY, errno.EINVAL, errno.EOPNOTSUPP):
+                watch.close()
+                return None
+        return watch
 
     def watch(self, ranges: list[tuple[int, int]]) -> list[bool]:
         """Register each ``(start, end)`` for write protection (its pages are protected by the
@@ -138,11 +133,15 @@ class WriteWatch:
         """The ranges of ``[start, end)`` written since the last scan of them, protected
         again as they are reported; ``None`` where the scan failed (a page no longer
         registered: all of it counts as written)."""
+        try:
+            return self.written_or_raise(start, end)
+        except OSError:
+            return None
+
+    def written_or_raise(self, start: int, end: int) -> list[tuple[int, int]]:
+        """:meth:`written`, raising the scan's ``OSError``."""
         with self._lock:
-            try:
-                return self._scan(start, end)
-            except OSError:
-                return None
+            return self._scan(start, end)
 
     def _scan(self, start: int, end: int) -> list[tuple[int, int]]:
         found: list[tuple[int, int]] = []

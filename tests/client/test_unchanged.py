@@ -4,11 +4,14 @@ left out, and never its partial first and last pages."""
 
 from __future__ import annotations
 
+import ctypes
+import mmap
+
 import numpy as np
 import pytest
 import torch
 
-from ckptcache.client._unchanged import MIN_BYTES, VOLATILE, Unchanged, _interior
+from ckptcache.client._unchanged import MIN_BYTES, VOLATILE, Unchanged
 from ckptcache.client._watch import PAGE
 
 MiB = 1 << 20
@@ -22,12 +25,25 @@ def columns(tensors: list[torch.Tensor]) -> tuple[np.ndarray, np.ndarray, np.nda
     return offsets, addresses, sizes
 
 
+_SEGMENTS: dict[str, mmap.mmap] = {}
+
+
 def save(u: Unchanged, segment: str, handed: int, token: int, tensors: list[torch.Tensor]):
-    """One save's runs into ``segment``, committed with ``token``."""
-    p = u.begin(segment, handed)
+    """One save's runs into ``segment`` (a mapping made at its first use), copied there as
+    the save would copy them, and committed with ``token``; the segment then holds every
+    storage at its offset, copied or skipped."""
+    mapping = _SEGMENTS.setdefault(segment, mmap.mmap(-1, 16 * MiB))
+    p = u.begin(segment, handed, mapping)
     assert p is not None
     runs = p.runs(*columns(tensors))
+    base = ctypes.addressof(ctypes.c_char.from_buffer(mapping))
+    for offset, address, nbytes in zip(*runs, strict=True):
+        ctypes.memmove(base + int(offset), int(address), int(nbytes))
     p.committed(token)
+    for t, offset in zip(tensors, columns(tensors)[0], strict=True):
+        n = t.untyped_storage().nbytes()
+        live = ctypes.string_at(t.untyped_storage().data_ptr(), n)
+        assert mapping[int(offset) : int(offset) + n] == live, "the segment holds stale bytes"
     return runs, p.skipped
 
 
@@ -56,20 +72,23 @@ def test_an_unwritten_storage_in_the_segment_it_was_saved_to_is_not_copied(state
     runs, skipped = save(u, "seg-b", 0, 12, state)  # another segment: everything again
     assert (copied(runs), skipped) == (total, 0)
     runs, skipped = save(u, "seg-a", 11, 13, state)
-    interiors = sum(e - s for s, e in (_interior(t.data_ptr(), t.untyped_storage().nbytes())
-                                        for t in state[:2]))  # fmt: skip
-    assert skipped == interiors and copied(runs) == total - interiors
-    # What is copied of a skipped storage: its partial first and last pages, in place.
-    offsets, addresses, sizes = columns(state)
-    start, end = _interior(int(addresses[0]), int(sizes[0]))
-    edges = {(int(o), int(a), int(n)) for o, a, n in zip(*runs, strict=True)}
-    assert (int(offsets[0]), int(addresses[0]), start - int(addresses[0])) in edges
-    assert (
-        int(offsets[0]) + end - int(addresses[0]),
-        end,
-        int(addresses[0] + sizes[0]) - end,
-    ) in edges
-    assert u.skipped == interiors
+    whole = sum(t.untyped_storage().nbytes() for t in state[:2])  # the small one is copied
+    assert skipped == whole and copied(runs) == total - whole
+    assert u.skipped == whole
+
+
+def test_a_write_to_the_partial_edge_pages_is_copied(u):
+    """The first and last pages of a storage are not watched (another allocation may share
+    them): they are compared with the segment, and a storage whose edges changed is copied."""
+    t = [torch.ones(2 * MiB // 4)]
+    save(u, "seg-a", 0, 11, t)
+    t[0][0] = 5.0  # before the first whole page
+    runs, skipped = save(u, "seg-a", 11, 12, t)
+    assert skipped == 0 and copied(runs) == 2 * MiB
+    save(u, "seg-b", 0, 21, t)
+    t[0][-1] = 6.0  # after the last whole page
+    runs, skipped = save(u, "seg-b", 21, 22, t)
+    assert skipped == 0 and copied(runs) == 2 * MiB
 
 
 @pytest.mark.parametrize("handed", [0, 99])
@@ -134,4 +153,4 @@ def test_a_storage_written_at_every_save_stops_being_watched(u):
 
 def test_nothing_is_skipped_when_turned_off(state):
     u = Unchanged(enabled=False)
-    assert u.begin("seg-a", 0) is None
+    assert u.begin("seg-a", 0, mmap.mmap(-1, MiB)) is None
