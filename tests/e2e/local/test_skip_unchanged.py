@@ -191,3 +191,52 @@ def test_bytes_changed_in_a_free_segment_are_never_served(persisting, tmp_path):
             save_and_check(trainer, state, path)
         trainer.wait(path, timeout=60)
     assert equal(torch.load(path, weights_only=True), state)
+
+
+TRAINER = """
+import sys, torch, ckptcache
+sys.path.insert(0, sys.argv[3])
+from test_skip_unchanged import lora, step
+state, c = lora(), ckptcache.Client(sys.argv[1])
+while True:
+    step(state)
+    c.save(state, sys.argv[2])
+    print(state["step"], flush=True)
+"""
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_a_trainer_killed_mid_save_loses_nothing_acknowledged(persisting, tmp_path, seed):
+    """A trainer saving (and skipping) in a loop is killed with SIGKILL at a random moment:
+    the newest generation is at least the last save that returned, and holds exactly that
+    step's state."""
+    import random
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    path = str(tmp_path / "job" / "model.pt")
+    here = os.path.dirname(__file__)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", TRAINER, persisting.socket, path, here],
+        stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    acknowledged = 0
+    rng = random.Random(seed)
+    stop_after = rng.randint(6, 14)
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        acknowledged = int(line)
+        if acknowledged >= stop_after:
+            break
+    time.sleep(rng.uniform(0.0, 0.05))  # somewhere in the next save
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    with persisting.client() as c:
+        loaded = c.load(path, mmap=False, verify=True)
+    assert loaded["step"] >= acknowledged
+    expected = lora()
+    for _ in range(loaded["step"]):
+        step(expected)
+    assert equal(loaded, expected)
