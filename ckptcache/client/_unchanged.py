@@ -210,6 +210,8 @@ class Unchanged:
             self._retire(watch, volatile, save)
         if len(self._watched) >= MAX_WATCHED:  # storages long gone make room
             self._retire(watch, [k for k, w in self._watched.items() if w.seen < save - REST], 0)
+        if len(self._resting) > MAX_WATCHED:
+            self._resting = {k: until for k, until in self._resting.items() if until > save}
         new = [k for k in candidates if k not in self._watched]
         if new:
             self._watch_new(watch, new, save)

@@ -174,6 +174,7 @@ class Digester:
             if gen is None:
                 return
             if isinstance(gen, _FreeCheck):
+                self.state.saves_in_flight.wait_quiet()  # never beside a save's copy
                 self._check_free(gen)
                 continue
             # Background work: after the saves in flight (the next files of a checkpoint).
