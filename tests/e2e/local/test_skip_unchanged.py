@@ -137,7 +137,10 @@ def test_nothing_is_skipped_after_the_daemon_restarts(daemon_factory, tmp_path):
         for _ in range(2):  # the two generations adopted are not replaced before these
             step(state)
             state["base"]["layer0"].data[5] = float(state["step"])  # and the base changes
-            save_and_check(trainer, state, path)
+            # (The first save after the restart may find the connection gone and write the
+            # file through: no digests to wait for then.)
+            trainer.save(state, path)
+            assert equal(trainer.load(path, mmap=False, verify=True), state)
         assert trainer._saves.unchanged.skipped == before
         trainer.wait(path, timeout=60)
     assert equal(torch.load(path, weights_only=True), state)
@@ -183,8 +186,12 @@ def test_bytes_changed_in_a_free_segment_are_never_served(persisting, tmp_path):
                 refused += 1
                 continue
             assert equal(loaded, state)
-        checked = persisting.log().count("no longer holds the bytes of")
-        assert refused + checked >= 1
+        # The previous save's segment was written too: its check, once retention frees it,
+        # reports it (in the background: waited for here).
+        wait_until(
+            lambda: refused or "no longer holds the bytes of" in persisting.log(), 60,
+            "the damage to be reported",
+        )  # fmt: skip
         # Later saves are whole again where needed: the newest save loads exactly.
         for _ in range(4):
             step(state)
