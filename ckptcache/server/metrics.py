@@ -56,6 +56,19 @@ class Metrics:
             "Bytes of copies fetched from peers that this node held already, so not received",
             registry=r,
         )
+        self.save_bytes_kept = Counter(
+            "ckptcache_save_bytes_kept",
+            "Bytes of saves left in place in the segment, unwritten since the save whose bytes "
+            "it held, so not copied by the trainer",
+            registry=r,
+        )
+        self.free_checks = Counter(
+            "ckptcache_free_checks",
+            "Freed segments hashed again before a save may keep their bytes, by result "
+            "(equal: their token may be handed out; changed: their bytes are never kept)",
+            ["result"],
+            registry=r,
+        )
         self.persist_errors = Counter(
             "ckptcache_persist_errors", "Persist attempts that failed", registry=r
         )

@@ -349,6 +349,9 @@ class Saves:
             self.retention.apply_locked(gen.key)
             self.metrics.saves.inc()
             self.metrics.bytes_saved.inc(manifest.payload_size)
+            if expected:
+                kept = (r.nbytes for r in manifest.storages if r.offset in expected)
+                self.metrics.save_bytes_kept.inc(sum(kept))
             if req.stall_seconds > 0:
                 self.metrics.save_latency.observe(req.stall_seconds)
             state.update_gauges()

@@ -89,7 +89,9 @@ class Digester:
         with self.state.lock.held():
             if segment.content != token:
                 return
-            if found == check.digests:
+            equal = found == check.digests
+            self.state.metrics.free_checks.labels(result="equal" if equal else "changed").inc()
+            if equal:
                 segment.checked = token
                 offsets = (r.offset for r in gen.manifest.storages)
                 segment.checked_digests = dict(zip(offsets, found, strict=True))

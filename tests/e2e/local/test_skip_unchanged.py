@@ -62,7 +62,20 @@ def save_and_check(client, state: dict, path: str) -> None:
 
 @pytest.fixture
 def persisting(daemon_factory, tmp_path):
-    return daemon_factory("--persist-root", str(tmp_path))
+    return daemon_factory("--persist-root", str(tmp_path), "--metrics-port", "0")
+
+
+def metric(d, name: str) -> float:
+    """The daemon's counter ``name`` (one series), read from its metrics endpoint."""
+    import urllib.request
+
+    wait_until(lambda: "metrics=:" in d.log(), 30, "the daemon's ready line")
+    port = int(d.log().split("metrics=:")[1].split()[0])
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics").read().decode()
+    for line in text.splitlines():
+        if line.startswith(f"{name} "):
+            return float(line.split()[1])
+    return 0.0
 
 
 def test_repeated_saves_skip_the_frozen_base_and_every_copy_is_exact(persisting, tmp_path):
@@ -72,6 +85,9 @@ def test_repeated_saves_skip_the_frozen_base_and_every_copy_is_exact(persisting,
         skipped = until_skipped(trainer, state, path)
         # The whole base, every time: nothing of it changes.
         assert skipped % sum(t.untyped_storage().nbytes() for t in state["base"].values()) == 0
+        # The daemon counts what the saves kept, and the freed segments it checked.
+        assert metric(persisting, "ckptcache_save_bytes_kept_total") == skipped
+        assert metric(persisting, 'ckptcache_free_checks_total{result="equal"}') >= 1
         trainer.wait(path, timeout=60)
     assert equal(torch.load(path, weights_only=True), state)
 
@@ -192,6 +208,8 @@ def test_bytes_changed_in_a_free_segment_are_never_served(persisting, tmp_path):
             lambda: refused or "no longer holds the bytes of" in persisting.log(), 60,
             "the damage to be reported",
         )  # fmt: skip
+        changed = 'ckptcache_free_checks_total{result="changed"}'
+        assert refused or metric(persisting, changed) >= 1
         # Later saves are whole again where needed: the newest save loads exactly.
         for _ in range(4):
             step(state)
