@@ -271,3 +271,17 @@ def run_on_terminal(
         os.close(master)
     piped = err if other == "stderr" else out
     return proc.returncode, b"".join(chunks).decode(errors="replace"), piped.decode()
+
+
+def metric(daemon: Any, series: str) -> float | None:
+    """One series of a daemon started with ``--metrics-port`` (``name`` or
+    ``name{label="value"}``), read from its metrics endpoint; ``None`` where it has none."""
+    import urllib.request
+
+    wait_until(lambda: "metrics=:" in daemon.log(), 30, "the daemon's ready line")
+    port = int(daemon.log().split("metrics=:")[1].split()[0])
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics").read().decode()
+    for line in text.splitlines():
+        if line.startswith(f"{series} "):
+            return float(line.split()[1])
+    return None

@@ -20,9 +20,9 @@ This module answers only with what the kernel proves:
 What it cannot see at all, and callers must not watch: memory a device writes by DMA without
 the CPU's page tables (CUDA host-registered or RDMA-registered buffers).
 
-The scan asks only for written pages: the kernel then reads the page-table entries alone
-(about 1 ms a GiB), where asking whether pages are present or a file's costs a look at every
-page (about 30 ms a GiB).
+The scan asks only for written pages: the kernel then reads the page-table entries alone,
+where asking whether pages are present or a file's costs a look at every page
+(``benchmarks/incremental/README.md``).
 """
 
 from __future__ import annotations

@@ -6,14 +6,13 @@ storage damaged on the backup node fails that push, which is then sent whole."""
 
 from __future__ import annotations
 
-import urllib.request
 from typing import Any
 
 import torch
 
 from ckptcache.errors import CkptCacheError
 from tests.e2e.local.test_corrupt import flip_bytes_of
-from tests.helpers import assert_same, wait_until
+from tests.helpers import assert_same, metric, wait_until
 
 BASE = 8  # frozen tensors of 1 MiB
 
@@ -29,13 +28,9 @@ def lora(seed: int) -> dict[str, Any]:
 
 def held(d: Any, what: str = "push") -> float:
     """The node's ``ckptcache_push_bytes_held`` (or ``fetch_``) counter."""
-    wait_until(lambda: "metrics=:" in d.log(), 30, "the daemon's ready line")
-    port = int(d.log().split("metrics=:")[1].split()[0])
-    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics").read().decode()
-    for line in text.splitlines():
-        if line.startswith(f"ckptcache_{what}_bytes_held_total "):
-            return float(line.split()[1])
-    raise AssertionError(f"no {what}_bytes_held counter in the metrics")
+    value = metric(d, f"ckptcache_{what}_bytes_held_total")
+    assert value is not None, f"no {what}_bytes_held counter in the metrics"
+    return value
 
 
 def _nodes(cluster_factory: Any, tmp_path: Any) -> list[Any]:

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from ckptcache.errors import CorruptCheckpoint
-from tests.helpers import wait_until
+from tests.helpers import metric, wait_until
 
 MiB = 1 << 20
 
@@ -65,17 +65,9 @@ def persisting(daemon_factory, tmp_path):
     return daemon_factory("--persist-root", str(tmp_path), "--metrics-port", "0")
 
 
-def metric(d, name: str) -> float:
-    """The daemon's counter ``name`` (one series), read from its metrics endpoint."""
-    import urllib.request
-
-    wait_until(lambda: "metrics=:" in d.log(), 30, "the daemon's ready line")
-    port = int(d.log().split("metrics=:")[1].split()[0])
-    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics").read().decode()
-    for line in text.splitlines():
-        if line.startswith(f"{name} "):
-            return float(line.split()[1])
-    return 0.0
+def counter(d, series: str) -> float:
+    """The daemon's counter ``series``, 0 before its first count."""
+    return metric(d, series) or 0.0
 
 
 def test_repeated_saves_skip_the_frozen_base_and_every_copy_is_exact(persisting, tmp_path):
@@ -86,8 +78,8 @@ def test_repeated_saves_skip_the_frozen_base_and_every_copy_is_exact(persisting,
         # The whole base, every time: nothing of it changes.
         assert skipped % sum(t.untyped_storage().nbytes() for t in state["base"].values()) == 0
         # The daemon counts what the saves kept, and the freed segments it checked.
-        assert metric(persisting, "ckptcache_save_bytes_kept_total") == skipped
-        assert metric(persisting, 'ckptcache_free_checks_total{result="equal"}') >= 1
+        assert counter(persisting, "ckptcache_save_bytes_kept_total") == skipped
+        assert counter(persisting, 'ckptcache_free_checks_total{result="equal"}') >= 1
         trainer.wait(path, timeout=60)
     assert equal(torch.load(path, weights_only=True), state)
 
@@ -209,7 +201,7 @@ def test_bytes_changed_in_a_free_segment_are_never_served(persisting, tmp_path):
             "the damage to be reported",
         )  # fmt: skip
         changed = 'ckptcache_free_checks_total{result="changed"}'
-        assert refused or metric(persisting, changed) >= 1
+        assert refused or counter(persisting, changed) >= 1
         # Later saves are whole again where needed: the newest save loads exactly.
         for _ in range(4):
             step(state)
