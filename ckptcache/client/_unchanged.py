@@ -106,6 +106,8 @@ class Unchanged:
         self._resting: dict[_Key, int] = {}
         self._held: dict[str, _Held] = {}
         self._save = 0
+        #: The save whose pass is scanning (0: none): one left set was cut short.
+        self._scanning = 0
         self._lock = threading.Lock()
         #: Bytes the committed saves of this client did not copy.
         self.skipped = 0
@@ -145,17 +147,20 @@ class Unchanged:
             if e > start:
                 self._watched[key].written = save
 
+    def _note(self, found: list[tuple[int, int]] | None, start: int, end: int, save: int) -> None:
+        """Mark what a scan of ``[start, end)`` found written (all of it where it failed)."""
+        if found is None:
+            self._mark(start, end, save)
+        elif found:
+            self._mark(min(s for s, _ in found), max(e for _, e in found), save)
+
     def _index(self) -> None:
         self._starts = sorted((w.start, w.end, k) for k, w in self._watched.items())
         self._longest = max((w.end - w.start for w in self._watched.values()), default=0)
 
     def _scan(self, watch: WriteWatch, key: _Key, save: int) -> None:
         w = self._watched[key]
-        found = watch.written(w.start, w.end)
-        if found is None:
-            self._mark(w.start, w.end, save)
-        elif found:
-            self._mark(min(s for s, _ in found), max(e for _, e in found), save)
+        self._note(watch.written(w.start, w.end), w.start, w.end, save)
         w.streak = w.streak + 1 if w.written == save else 0
         w.seen = save
 
@@ -171,12 +176,8 @@ class Unchanged:
                 self._watched[key] = _Watched(start, end, save, seen=save)
         self._index()
         for key in watched:  # protects every page: they all count as written now
-            w = self._watched[key]
-            found = watch.written(w.start, w.end)
-            self._mark(w.start, w.end, save) if found is None else self._mark(
-                min((s for s, _ in found), default=w.start),
-                max((e for _, e in found), default=w.end), save,
-            )  # fmt: skip
+            w = self._watched[key]  # made written at this save: arming counts as a write
+            self._note(watch.written(w.start, w.end), w.start, w.end, save)
         return watched
 
     def _retire(self, watch: WriteWatch, keys: Iterable[_Key], save: int) -> None:
@@ -191,6 +192,12 @@ class Unchanged:
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """:meth:`Pass.runs` of ``p``."""
         watch, save, held = p.watch, p.save, p.held
+        if self._scanning:
+            # A pass was cut short (a signal's exception) where a scan may have protected
+            # pages again before their writes were noted: nothing watched is trusted.
+            for doubted in self._watched.values():
+                doubted.written = save
+        self._scanning = save  # until every scan of this pass is noted
         candidates = _candidates(addresses, sizes)
         for key in candidates:  # scan first: every write since the last scan is seen
             if key in self._watched:
@@ -218,6 +225,7 @@ class Unchanged:
         for key, index in candidates.items():
             if key in self._watched:
                 p.offsets[key] = int(offsets[index])
+        self._scanning = 0
         return p.without(offsets, addresses, sizes, skip)
 
     def record(self, p: Pass, token: int) -> None:

@@ -154,3 +154,22 @@ def test_a_storage_written_at_every_save_stops_being_watched(u):
 def test_nothing_is_skipped_when_turned_off(state):
     u = Unchanged(enabled=False)
     assert u.begin("seg-a", 0, mmap.mmap(-1, MiB)) is None
+
+
+def test_a_pass_cut_short_after_a_scan_trusts_nothing_after(u, monkeypatch):
+    """A signal's exception between a scan (which protects the written pages again) and the
+    note of what it found: the write is not lost, the next save copies the storage."""
+    t = [torch.ones(2 * MiB // 4)]
+    save(u, "seg-a", 0, 11, t)
+    t[0][100_000] = 3.0
+    real = Unchanged._note
+
+    def interrupted(self, found, start, end, save_number):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(Unchanged, "_note", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        u.begin("seg-b", 0, mmap.mmap(-1, 16 * MiB)).runs(*columns(t))
+    monkeypatch.setattr(Unchanged, "_note", real)
+    runs, skipped = save(u, "seg-a", 11, 12, t)  # the helper checks the segment's bytes
+    assert skipped == 0 and copied(runs) == 2 * MiB
