@@ -4,7 +4,7 @@ of the same tensors into touched memory and a zero-copy load, in one fresh proce
     python benchmarks/save_load/private_load.py --size 512MiB --rounds 4 [--against OTHER_TREE]
 
 The state is ``tensor_count.py``'s ``mix`` (2,072 tensors at 512 MiB). Each round: a daemon, a
-fresh trainer process that saves the state, loads it zero-copy (which also imports the
+fresh trainer process that saves the state, waits for the daemon to be idle, loads it zero-copy (which also imports the
 decoder), then privately (the first private load of the process: fresh memory, as a restarted
 trainer meets it; then the best of 3), every private load compared byte for byte with the
 state. The trainers run with compiled modules, as an installed package has them.
@@ -39,6 +39,7 @@ def trainer(socket: str, path: str, nbytes: int) -> None:
     state = mixed_state(nbytes)
     with Client(socket, fallback="raise") as client:
         client.save(state, path, durability="memory")
+        settle(client)
         t0 = time.perf_counter()  # first: the decoder's modules imported before the timings
         view = client.load(path)
         zero_copy = time.perf_counter() - t0
@@ -53,6 +54,17 @@ def trainer(socket: str, path: str, nbytes: int) -> None:
     memcpy = memcpy_seconds(state)
     row = {"memcpy": memcpy, "first": privates[0], "best": min(privates), "zero_copy": zero_copy}
     print(MARK + json.dumps({**row, "equal": equal}), flush=True)
+
+
+def settle(client: object) -> None:
+    """Wait until the daemon is idle after the save (its digests done, its spare pool full),
+    as a restarted trainer finds it: the loads are not timed beside the daemon's hashing."""
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        busy = any(not o.digests_valid for o in client.list(""))  # type: ignore[attr-defined]
+        if not busy and not client.pool().growing:  # type: ignore[attr-defined]
+            return
+        time.sleep(0.02)
 
 
 def main() -> None:

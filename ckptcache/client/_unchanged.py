@@ -6,9 +6,12 @@ The proof has two halves, and a storage is skipped only where both hold:
 1. **The segment still holds what this client wrote.** At each commit the daemon gives the
    client a token naming the bytes the commit left in the segment, and forgets it the moment
    the segment is handed out again or cut (``Segment.content``). A reservation reports the
-   token of the segment it hands out; only where it is the one this client was given does
-   the client trust its record of what the segment holds: which storage (address and size)
-   lies at which offset, as of which save.
+   token of the segment it hands out; only where it is one this client was given does the
+   client trust its record of what the segment holds: which storage (address and size) lies
+   at which offset, as of which save. A freed segment may hold a later save's bytes under
+   that save's token: the daemon copies a path's newest save into it while it is free, and
+   hands the token out only once the copy hashed to that save's digests
+   (``ckptcache/server/memory/refill.py``).
 2. **The storage's memory was not written since that save.** Every watched storage's pages
    are write-protected through the kernel (:mod:`ckptcache.client._watch`), and every save
    scans them before it copies: a scan that reports a written page (or cannot vouch for one:
@@ -124,8 +127,10 @@ class Unchanged:
             if watch is None:
                 return None
             self._save += 1
-            if held is not None and (handed == 0 or held.token != handed):
-                held = None
+            if held is None or held.token != handed:
+                # The daemon may have copied a later save of ours into the segment while it
+                # was free (``server/memory/refill.py``): that save's token, that record.
+                held = next((h for h in self._held.values() if h.token == handed), None)
             return Pass(self, watch, segment, self._save, held, mapping)
 
     def _open(self) -> WriteWatch | None:

@@ -24,6 +24,7 @@ import logging
 import mmap
 import os
 import stat
+import threading
 import time
 from collections.abc import Collection, Iterator
 from dataclasses import dataclass, field
@@ -119,6 +120,15 @@ class Segment:
     #: digests that came with it.
     handed: int = 0
     handed_digests: dict[int, int] = field(default_factory=dict)
+    #: The daemon copying a newer generation's bytes into this free segment (``None``:
+    #: nothing is); whatever hands the segment out, cuts or unlinks it stops that first.
+    fill: Fill | None = None
+
+    def stop_fill(self) -> None:
+        """Stop the daemon's copy into this segment, if one runs, and wait until it has."""
+        fill = self.fill
+        if fill is not None:
+            fill.stop()
 
     def open_fd(self) -> int:
         """Open the segment file read-only, refusing a symlink or a file swapped in under its
@@ -190,6 +200,26 @@ class Segment:
     def view(self) -> memoryview:
         """A memoryview of the whole segment (zero copy)."""
         return memoryview(self.mapping)
+
+
+class Fill:
+    """The daemon's copy into a free segment (``Digester``), a chunk at a time: a caller that
+    needs the segment (a reservation, a cut, an unlink; under the state lock) stops it, and
+    waits at most for the chunk in progress, since the copy takes no lock of the daemon's."""
+
+    def __init__(self) -> None:
+        #: Set by :meth:`stop`; the copy checks it before each chunk.
+        self.stopped = False
+        self._done = threading.Event()
+
+    def stop(self) -> None:
+        """Ask the copy to stop, and wait until it has."""
+        self.stopped = True
+        self._done.wait()
+
+    def finish(self) -> None:
+        """The copy has stopped touching the segment (called by the copy, last)."""
+        self._done.set()
 
 
 def empty_header(state: SegmentState) -> SegmentHeader:
@@ -311,6 +341,7 @@ class Arena:
         if not fits:
             return None
         # ``best.spare`` is left for the caller: the pool notes a spare taken (SegmentPool.claim).
+        best.stop_fill()
         del self.free[best.name]
         best.write_header(empty_header(SegmentState.WRITING))
         best.last_used = time.monotonic()
@@ -388,6 +419,7 @@ class Arena:
             st = os.fstat(fd)
             if (st.st_dev, st.st_ino) != segment.identity:
                 raise OSError(errno.ESTALE, f"segment file {segment.path} was replaced")
+            segment.stop_fill()  # never a write past the cut (SIGBUS)
             segment.content = segment.checked = 0
             segment.checked_digests = {}
             os.ftruncate(fd, capacity)
@@ -418,6 +450,7 @@ class Arena:
 
     def destroy(self, segment: Segment) -> None:
         """Unlink a segment and forget it."""
+        segment.stop_fill()
         self.segments.pop(segment.name, None)
         self.free.pop(segment.name, None)
         records.drop(segment)

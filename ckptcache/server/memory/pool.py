@@ -168,6 +168,7 @@ class SegmentPool:
         if not fits:
             return None
         best = min(fits, key=lambda s: s.capacity)
+        best.stop_fill()
         best.spare = False
         del self.arena.free[best.name]
         if best.capacity > 2 * capacity:

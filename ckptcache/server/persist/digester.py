@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import queue
+import secrets
 import threading
 from dataclasses import dataclass, replace
 
@@ -23,6 +24,8 @@ from ckptcache.format.manifest import (
     verify_digests,
     verify_meta,
 )
+from ckptcache.server.memory import refill
+from ckptcache.server.memory.arena import Fill, Segment
 from ckptcache.server.memory.index import Generation
 from ckptcache.server.persist.persister import lower_thread_priority
 from ckptcache.server.state import CacheState, Session
@@ -66,9 +69,11 @@ class Digester:
         self._queue.put(gen)
 
     def check_free(self, gen: Generation) -> None:
-        """``gen`` leaves memory and its segment is freed (call under the state lock): check
-        in the background that the segment holds the bytes ``gen``'s digests name, so that its
-        content token may be handed to the next save (``Segment.checked``)."""
+        """``gen`` leaves memory and its segment is freed (call under the state lock): in the
+        background, make the segment hold the newest save of the path where one is to be had
+        (:mod:`ckptcache.server.memory.refill`), else check that it holds the bytes ``gen``'s
+        digests name; either way its content token is handed to the next save only once the
+        bytes were found equal to the digests (``Segment.checked``)."""
         segment = gen.segment
         if segment.content and gen.digests is not None:
             self._queue.put(_FreeCheck(gen, segment.content, gen.digests))
@@ -79,17 +84,76 @@ class Digester:
         with self.state.lock.held():
             if segment.content != token or segment.name not in self.state.arena.free:
                 return  # handed out again meanwhile: its bytes are another save's now
-            view = segment.view()
+            source = refill.source_for(self.state, gen)
+            if source is not None:
+                self.state.pin_locked(source)
+            else:
+                view = segment.view()
+        if source is not None:
+            try:
+                self._refill(check, source)
+            finally:
+                self.state.unpin(source)
+            return
         try:
             found = compute_digests(view, gen.manifest)
         except (ValueError, BufferError, OSError):
             return
         finally:
             del view
+        self._note_check(segment, token, gen, found, check.digests)
+
+    def _refill(self, check: _FreeCheck, source: Generation) -> None:
+        """Copy ``source`` (pinned) into the freed segment of ``check``, hash the copy, and
+        give the segment ``source``'s content token where the copy equals its digests."""
+        segment = check.gen.segment
+        try:
+            digests = self.ensure(source)
+        except CorruptCheckpoint:
+            return  # the newest save is refused: the segment's own bytes are not kept either
         with self.state.lock.held():
-            if segment.content != token:
+            if segment.content != check.token or segment.name not in self.state.arena.free:
                 return
-            equal = found == check.digests
+            # A mark no client was given: a hand-out, a cut or a commit replaces it, and so
+            # tells the end of this copy that the segment left the free pool meanwhile.
+            mark = segment.content = secrets.randbits(62) + 1
+            segment.checked, segment.checked_digests = 0, {}
+            fill = segment.fill = Fill()
+            content = source.segment.content
+        try:
+            ranges = refill.differing(check.gen, check.digests, source, digests)
+            copied = refill.copy_ranges(
+                source.segment, segment, ranges, fill, self.state.saves_in_flight
+            )
+        except (ValueError, BufferError, OSError):
+            copied = False
+        finally:
+            segment.fill = None
+            fill.finish()
+        if not copied:
+            return
+        self.state.saves_in_flight.wait_quiet()
+        view = segment.view()
+        try:
+            found = compute_digests(view, source.manifest)
+        except (ValueError, BufferError, OSError):
+            return
+        finally:
+            del view
+        with self.state.lock.held():
+            if segment.content == mark:
+                segment.content = content  # checked below, if equal
+        self._note_check(segment, content, source, found, digests)
+
+    def _note_check(
+        self, segment: Segment, token: int, gen: Generation, found: list[int], want: list[int]
+    ) -> None:
+        """Record the check of a free segment that should hold ``gen``'s bytes under ``token``:
+        checked where ``found`` equals ``want``, else its token forgotten and a warning."""
+        with self.state.lock.held():
+            if segment.content != token or segment.name not in self.state.arena.free:
+                return
+            equal = found == want
             self.state.metrics.free_checks.labels(result="equal" if equal else "changed").inc()
             if equal:
                 segment.checked = token
@@ -97,10 +161,10 @@ class Digester:
                 segment.checked_digests = dict(zip(offsets, found, strict=True))
                 return
             segment.content = 0
-        bad = next(r.name for r, a, b in zip(gen.manifest.storages, found, check.digests,
-                                             strict=True) if a != b)  # fmt: skip
-        log.warning("freed segment %s no longer holds the bytes of %s generation %d (tensor "
-                    "%s changed): none of them is reused", segment.name, gen.path, gen.number,
+        bad = next(r.name for r, a, b in zip(gen.manifest.storages, found, want, strict=True)
+                   if a != b)  # fmt: skip
+        log.warning("freed segment %s does not hold the bytes of %s generation %d (tensor "
+                    "%s differs): none of them is reused", segment.name, gen.path, gen.number,
                     bad)  # fmt: skip
 
     def ensure(self, gen: Generation) -> list[int]:

@@ -1,0 +1,108 @@
+"""The daemon's copy of a path's newest save into a freed segment
+(``ckptcache.server.memory.refill``): which ranges it copies, and that whatever needs the
+segment (a reservation, a cut, an unlink) stops it first and never meets it half way."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import threading
+import uuid
+from dataclasses import replace
+from types import SimpleNamespace
+
+import pytest
+
+from ckptcache.format.layout import HEADER_SIZE, SegmentState
+from ckptcache.server.memory.arena import Arena, Fill, empty_header
+from ckptcache.server.memory.refill import CHUNK, copy_ranges, differing
+from ckptcache.server.quiet import SavesInFlight
+
+MiB = 1 << 20
+
+
+@pytest.fixture
+def arena():
+    shm = f"/dev/shm/ckptcache-test-{uuid.uuid4().hex[:8]}"
+    yield Arena(shm, 256 << 20, 0o700)
+    shutil.rmtree(shm, ignore_errors=True)
+
+
+def _gen(storages: list[tuple[int, int]], payload: tuple[int, int] = (HEADER_SIZE, 0)):
+    """A generation as :func:`differing` reads it: its storages' offsets and sizes, and its
+    segment's payload."""
+    records = [SimpleNamespace(offset=o, nbytes=n) for o, n in storages]
+    header = replace(empty_header(SegmentState.COMMITTED), payload_offset=payload[0],
+                     payload_size=payload[1])  # fmt: skip
+    return SimpleNamespace(manifest=SimpleNamespace(storages=records),
+                           segment=SimpleNamespace(read_header=lambda: header))  # fmt: skip
+
+
+def test_only_storages_held_at_the_same_offset_size_and_digest_are_left_out():
+    start, size = HEADER_SIZE, 1000
+    left = _gen([(4200, 100), (4400, 100), (4600, 100), (4800, 100)])
+    source = _gen([(4200, 100), (4400, 100), (4600, 120), (4900, 100)], (start, size))
+    had = [1, 2, 3, 4]
+    has = [1, 9, 3, 4]  # the second changed; the third grew; the fourth moved
+    assert differing(left, had, source, has) == [(start, 4200), (4300, start + size)]
+
+
+def test_nothing_is_left_out_where_nothing_was_held():
+    source = _gen([(4200, 100)], (HEADER_SIZE, 500))
+    assert differing(_gen([]), [], source, [7]) == [(HEADER_SIZE, HEADER_SIZE + 500)]
+
+
+def _segments(arena: Arena, capacity: int):
+    source, target = arena.create(capacity), arena.create(capacity)
+    source.mapping[HEADER_SIZE:capacity] = os.urandom(1 << 16) * ((capacity - HEADER_SIZE) >> 16)
+    return source, target
+
+
+def test_the_ranges_are_copied_and_nothing_else(arena):
+    capacity = 4 * MiB + HEADER_SIZE
+    source, target = _segments(arena, capacity)
+    ranges = [(HEADER_SIZE, HEADER_SIZE + 10), (MiB, 3 * MiB + 5)]
+    assert copy_ranges(source, target, ranges, Fill(), SavesInFlight())
+    src, dst = bytes(source.mapping), bytes(target.mapping)
+    for lo, hi in ranges:
+        assert dst[lo:hi] == src[lo:hi]
+    assert dst[HEADER_SIZE + 10 : MiB] == bytes(MiB - HEADER_SIZE - 10)
+    assert dst[3 * MiB + 5 :] == bytes(len(dst) - 3 * MiB - 5)
+
+
+def _stop_by(arena: Arena, how: str, target) -> None:
+    if how == "reservation":
+        assert arena.take_free(target.capacity, tight=True) is target
+    elif how == "cut":
+        arena.trim(target, HEADER_SIZE + MiB)
+    else:
+        arena.destroy(target)
+
+
+@pytest.mark.parametrize("how", ["reservation", "cut", "unlink"])
+def test_whatever_needs_the_segment_stops_the_copy_first(arena, how):
+    """A save in flight holds the copy before its first chunk; the segment is then handed
+    out, cut or unlinked: the copy stops and writes nothing more."""
+    capacity = 2 * CHUNK + HEADER_SIZE
+    source, target = _segments(arena, capacity)
+    arena.release(target)
+    saves = SavesInFlight()
+    saves.begin()  # a save is copying: the fill waits
+    fill = target.fill = Fill()
+    result: list[bool] = []
+
+    def copy() -> None:
+        try:
+            result.append(copy_ranges(source, target, [(HEADER_SIZE, capacity)], fill, saves))
+        finally:
+            target.fill = None
+            fill.finish()
+
+    thread = threading.Thread(target=copy)
+    thread.start()
+    _stop_by(arena, how, target)
+    thread.join(timeout=10)
+    assert result == [False]
+    assert fill.stopped
+    if how != "unlink":
+        assert bytes(target.mapping[HEADER_SIZE : HEADER_SIZE + MiB]) == bytes(MiB)
