@@ -26,7 +26,7 @@ import os
 import stat
 import threading
 import time
-from collections.abc import Collection, Iterator
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass, field
 
 from ckptcache._secure_fs import check_owned, ensure_private_dir
@@ -222,6 +222,14 @@ class Fill:
         self._done.set()
 
 
+_Rank = tuple[bool, bool, bool, int, float]
+
+
+def _preference(mapped: Collection[str]) -> Callable[[Segment], _Rank]:
+    """The order :meth:`Arena.take_free` prefers free segments in (smallest first)."""
+    return lambda s: (s.name not in mapped, not s.checked, s.spare, s.capacity, -s.last_used)
+
+
 def empty_header(state: SegmentState) -> SegmentHeader:
     """The header of a segment that holds no object (``FREE``, or ``WRITING`` for a new one)."""
     return SegmentHeader(
@@ -317,11 +325,13 @@ class Arena:
 
         ``mapped``: the segments the saving client maps already; one of them comes first
         (any other costs the client a first mapping inside its save, page tables of the
-        whole segment). Then segments that some client maps (freed generations) before
-        spares, which stay for new segments. Unless ``tight`` (no room to create a new one),
-        a segment more than twice too big is left alone: it would waste memory that a later
-        large save needs. A segment is never handed to another user: its last user may still
-        map it.
+        whole segment). Then segments checked to hold a save's bytes (the save may keep
+        those it did not change), the most recently freed first: the daemon copied the
+        newest save of their path into them (``refill``). Then segments that some client
+        maps (freed generations) before spares, which stay for new segments. Unless
+        ``tight`` (no room to create a new one), a segment more than twice too big is left
+        alone: it would waste memory that a later large save needs. A segment is never
+        handed to another user: its last user may still map it.
         """
         owner = self.uid if owner is None else owner
         largest = self.limit if tight else 2 * self.capacity_for(nbytes)
@@ -332,7 +342,7 @@ class Arena:
             and self._owner_dir(s.owner) == self._owner_dir(owner)
         ]
         while fits:
-            best = min(fits, key=lambda s: (s.name not in mapped, s.spare, s.capacity))
+            best = min(fits, key=_preference(mapped))
             if not mapped_by_others(best):
                 break
             # A load mapping outlived its pin (its connection dropped): its zero-copy tensors

@@ -241,7 +241,10 @@ class Digester:
                 return
             if isinstance(gen, _FreeCheck):
                 self.state.saves_in_flight.wait_quiet()  # never beside a save's copy
-                self._check_free(gen)
+                try:
+                    self._check_free(gen)
+                except Exception:  # the segment's token stays unhanded; digests go on
+                    log.exception("check of freed segment %s failed", gen.gen.segment.name)
                 continue
             # Background work: after the saves in flight (the next files of a checkpoint).
             self.state.saves_in_flight.wait_after(gen.committed)

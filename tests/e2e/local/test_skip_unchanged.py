@@ -143,7 +143,8 @@ def test_a_save_copies_only_what_changed_since_the_save_before(persisting, tmp_p
     the segment a save is handed held the save three before; once saves pause, the daemon
     copies the newest save into it and hands it out under that save's token. From then on
     each save copies exactly the experts touched since the save before it, and every load
-    and the persisted file hold the trainer's bytes."""
+    and the persisted file hold the trainer's bytes. (The saves are memory only, so that
+    each from the third frees a segment at its commit, not once persisted.)"""
     path = str(tmp_path / "job" / "model.pt")
     g = torch.Generator().manual_seed(3)
     state = {"experts": [torch.randn(2 * MiB // 4, generator=g) for _ in range(8)], "step": 0}
@@ -155,21 +156,48 @@ def test_a_save_copies_only_what_changed_since_the_save_before(persisting, tmp_p
             for e in (i % 8, (i + 3) % 8):
                 state["experts"][e].add_(1.0)
             state["step"] += 1
-            checks, before = counter(persisting, equal_checks), trainer._saves.unchanged.skipped
-            trainer.save(state, path)
+            before = trainer._saves.unchanged.skipped
+            trainer.save(state, path, durability="memory")
             skipped_each.append(trainer._saves.unchanged.skipped - before)
             loaded = trainer.load(path, mmap=False, verify=True)
-            assert loaded["step"] == state["step"]
-            assert same_experts(loaded, state)
-            if i >= 2:  # each save from the third frees a segment, checked once saves pause
-                wait_until(lambda c=checks: counter(persisting, equal_checks) > c, 60,
-                           "the freed segment to be refilled and checked")  # fmt: skip
+            assert loaded["step"] == state["step"] and same_experts(loaded, state)
+            # Every segment freed so far refilled and checked before the next save.
+            wait_until(lambda n=i - 1: counter(persisting, equal_checks) >= n, 60,
+                       "the freed segments to be refilled and checked")  # fmt: skip
+        trainer.save(state, path)
         trainer.wait(path, timeout=60)
     # From the fourth save on: six untouched experts kept, every time (three saves' worth of
     # touched experts would leave at most two).
     assert skipped_each[3:] == [6 * expert_bytes] * 6
     saved = torch.load(path, weights_only=True)
-    assert same_experts(saved, state)
+    assert saved["step"] == state["step"] and same_experts(saved, state)
+
+
+def test_saves_that_arrive_while_the_daemon_copies_into_their_segment_hold_their_bytes(
+    persisting, tmp_path
+):
+    """Saves at random short intervals, so that a reservation often takes a freed segment the
+    daemon is still copying the newest save into (the copy stops first, and the segment
+    comes without a token): every load, verified, holds the trainer's bytes."""
+    import random
+    import time
+
+    rng = random.Random(7)
+    path = str(tmp_path / "job" / "model.pt")
+    g = torch.Generator().manual_seed(5)
+    state = {"experts": [torch.randn(8 * MiB // 4, generator=g) for _ in range(8)], "step": 0}
+    with persisting.client() as trainer:
+        for _ in range(24):
+            for e in rng.sample(range(8), 2):
+                state["experts"][e].add_(1.0)
+            state["step"] += 1
+            trainer.save(state, path)
+            loaded = trainer.load(path, mmap=False, verify=True)
+            assert loaded["step"] == state["step"] and same_experts(loaded, state)
+            time.sleep(rng.choice((0.0, 0.005, 0.02, 0.05, 0.3)))
+        trainer.wait(path, timeout=60)
+    saved = torch.load(path, weights_only=True)
+    assert saved["step"] == state["step"] and same_experts(saved, state)
 
 
 def test_nothing_is_skipped_after_the_daemon_restarts(daemon_factory, tmp_path):
