@@ -106,3 +106,19 @@ def test_whatever_needs_the_segment_stops_the_copy_first(arena, how):
     assert fill.stopped
     if how != "unlink":
         assert bytes(target.mapping[HEADER_SIZE : HEADER_SIZE + MiB]) == bytes(MiB)
+
+
+def test_a_segment_the_daemon_still_hashes_is_never_cut(arena):
+    """The copy is done and the daemon hashes the segment (its fill still set): a cut would
+    turn that read into a SIGBUS, so the segment stays whole."""
+    _, target = _segments(arena, 4 * MiB + HEADER_SIZE)
+    arena.release(target)
+    capacity = target.capacity
+    fill = target.fill = Fill()
+    fill.finish()
+    arena.trim(target, HEADER_SIZE + MiB)
+    assert target.capacity == capacity
+    assert os.path.getsize(target.path) == capacity
+    target.fill = None
+    arena.trim(target, HEADER_SIZE + MiB)
+    assert os.path.getsize(target.path) == target.capacity < capacity

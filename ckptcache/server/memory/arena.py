@@ -120,12 +120,14 @@ class Segment:
     #: digests that came with it.
     handed: int = 0
     handed_digests: dict[int, int] = field(default_factory=dict)
-    #: The daemon copying a newer generation's bytes into this free segment (``None``:
-    #: nothing is); whatever hands the segment out, cuts or unlinks it stops that first.
+    #: The daemon reading this free segment in the background, or copying a newer
+    #: generation's bytes into it first (``None``: neither); whatever hands the segment out
+    #: or unlinks it stops the copy first, and it is never cut meanwhile.
     fill: Fill | None = None
 
     def stop_fill(self) -> None:
-        """Stop the daemon's copy into this segment, if one runs, and wait until it has."""
+        """Stop the daemon's copy into this segment, if one runs, and wait until it has
+        (the daemon may still hash it: a reading that a change of bytes makes fail)."""
         fill = self.fill
         if fill is not None:
             fill.stop()
@@ -203,9 +205,10 @@ class Segment:
 
 
 class Fill:
-    """The daemon's copy into a free segment (``Digester``), a chunk at a time: a caller that
-    needs the segment (a reservation, a cut, an unlink; under the state lock) stops it, and
-    waits at most for the chunk in progress, since the copy takes no lock of the daemon's."""
+    """The daemon's background work on a free segment (``Digester``): a copy into it, a
+    chunk at a time, then a hash of it. A caller that needs the segment (a reservation, an
+    unlink; under the state lock) stops the copy, and waits at most for the chunk in
+    progress, since the copy takes no lock of the daemon's."""
 
     def __init__(self) -> None:
         #: Set by :meth:`stop`; the copy checks it before each chunk.
@@ -218,7 +221,8 @@ class Fill:
         self._done.wait()
 
     def finish(self) -> None:
-        """The copy has stopped touching the segment (called by the copy, last)."""
+        """The copy has stopped writing the segment (called by the copy, last; at once where
+        there is nothing to copy)."""
         self._done.set()
 
 
@@ -423,13 +427,17 @@ class Arena:
 
         The allocated pages below ``capacity`` stay (still pre-faulted); the tail goes back
         to the system. A client mapping longer than the file only loses the tail's pages.
+        Best effort: a segment the daemon reads in the background stays whole (a read past
+        the cut would be a SIGBUS).
         """
+        segment.stop_fill()
+        if segment.fill is not None:
+            return
         fd = os.open(segment.path, os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
         try:
             st = os.fstat(fd)
             if (st.st_dev, st.st_ino) != segment.identity:
                 raise OSError(errno.ESTALE, f"segment file {segment.path} was replaced")
-            segment.stop_fill()  # never a write past the cut (SIGBUS)
             segment.content = segment.checked = 0
             segment.checked_digests = {}
             os.ftruncate(fd, capacity)

@@ -87,63 +87,60 @@ class Digester:
             source = refill.source_for(self.state, gen)
             if source is not None:
                 self.state.pin_locked(source)
+            fill = segment.fill = Fill()  # never cut while read here
+        try:
+            if source is None:
+                fill.finish()  # nothing to copy: the segment is only read
+                self._check(segment, token, gen, check.digests)
             else:
-                view = segment.view()
-        if source is not None:
-            try:
-                self._refill(check, source)
-            finally:
+                self._refill(check, source, fill)
+        finally:
+            segment.fill = None
+            if source is not None:
                 self.state.unpin(source)
-            return
+
+    def _check(self, segment: Segment, token: int, gen: Generation, want: list[int]) -> None:
+        """Hash the free ``segment`` and record whether it holds ``gen``'s bytes."""
+        view = segment.view()
         try:
             found = compute_digests(view, gen.manifest)
         except (ValueError, BufferError, OSError):
             return
         finally:
             del view
-        self._note_check(segment, token, gen, found, check.digests)
+        self._note_check(segment, token, gen, found, want)
 
-    def _refill(self, check: _FreeCheck, source: Generation) -> None:
+    def _refill(self, check: _FreeCheck, source: Generation, fill: Fill) -> None:
         """Copy ``source`` (pinned) into the freed segment of ``check``, hash the copy, and
         give the segment ``source``'s content token where the copy equals its digests."""
         segment = check.gen.segment
         try:
-            digests = self.ensure(source)
-        except CorruptCheckpoint:
-            return  # the newest save is refused: the segment's own bytes are not kept either
-        with self.state.lock.held():
-            if segment.content != check.token or segment.name not in self.state.arena.free:
-                return
-            # A mark no client was given: a hand-out, a cut or a commit replaces it, and so
-            # tells the end of this copy that the segment left the free pool meanwhile.
-            mark = segment.content = secrets.randbits(62) + 1
-            segment.checked, segment.checked_digests = 0, {}
-            fill = segment.fill = Fill()
-            content = source.segment.content
-        try:
+            try:
+                digests = self.ensure(source)
+            except CorruptCheckpoint:
+                return  # the newest save is refused: the segment's own bytes are not kept
+            with self.state.lock.held():
+                if segment.content != check.token or segment.name not in self.state.arena.free:
+                    return
+                # A mark no client was given: a hand-out, a cut or a commit replaces it, and
+                # so tells the end of this copy that the segment left the free pool meanwhile.
+                mark = segment.content = secrets.randbits(62) + 1
+                segment.checked, segment.checked_digests = 0, {}
+                content = source.segment.content
             ranges = refill.differing(check.gen, check.digests, source, digests)
-            copied = refill.copy_ranges(
-                source.segment, segment, ranges, fill, self.state.saves_in_flight
-            )
+            saves = self.state.saves_in_flight
+            if not refill.copy_ranges(source.segment, segment, ranges, fill, saves):
+                return
         except (ValueError, BufferError, OSError):
-            copied = False
+            return
         finally:
-            segment.fill = None
             fill.finish()
-        if not copied:
-            return
-        self.state.saves_in_flight.wait_quiet()
-        view = segment.view()
-        try:
-            found = compute_digests(view, source.manifest)
-        except (ValueError, BufferError, OSError):
-            return
-        finally:
-            del view
+        saves.wait_quiet()
         with self.state.lock.held():
-            if segment.content == mark:
-                segment.content = content  # checked below, if equal
-        self._note_check(segment, content, source, found, digests)
+            if segment.content != mark:
+                return
+            segment.content = content  # checked next, if equal
+        self._check(segment, content, source, digests)
 
     def _note_check(
         self, segment: Segment, token: int, gen: Generation, found: list[int], want: list[int]
