@@ -226,12 +226,14 @@ class Fill:
         self._done.set()
 
 
-_Rank = tuple[bool, bool, bool, int, float]
+_Rank = tuple[bool, bool, int, bool, float]
 
 
 def _preference(mapped: Collection[str]) -> Callable[[Segment], _Rank]:
     """The order :meth:`Arena.take_free` prefers free segments in (smallest first)."""
-    return lambda s: (s.name not in mapped, not s.checked, s.spare, s.capacity, -s.last_used)
+    return lambda s: (
+        s.name not in mapped, s.spare and not s.checked, s.capacity, not s.checked, -s.last_used
+    )  # fmt: skip
 
 
 def empty_header(state: SegmentState) -> SegmentHeader:
@@ -329,10 +331,11 @@ class Arena:
 
         ``mapped``: the segments the saving client maps already; one of them comes first
         (any other costs the client a first mapping inside its save, page tables of the
-        whole segment). Then segments checked to hold a save's bytes (the save may keep
-        those it did not change), the most recently freed first: the daemon copied the
-        newest save of their path into them (``refill``). Then segments that some client
-        maps (freed generations) before spares, which stay for new segments. Unless
+        whole segment). Then segments that some client maps (freed generations) before
+        spares, which stay for new segments; a spare checked to hold a save's bytes counts
+        as a freed generation's. Then the best fit, and among equals the segments checked
+        to hold a save's bytes (the save may keep those it did not change), the most
+        recently freed first: the daemon copied the newest save into them (``refill``). Unless
         ``tight`` (no room to create a new one), a segment more than twice too big is left
         alone: it would waste memory that a later large save needs. A segment is never
         handed to another user: its last user may still map it.

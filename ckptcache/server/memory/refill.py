@@ -5,7 +5,8 @@ A save skips the storages the kernel proves unwritten since the save whose bytes
 holds. The daemon keeps two generations of a path, so the segment a save is handed held the
 save three before it, and the save copied all that changed over three intervals: every
 expert of a mixture-of-experts model touched in any of them. Once saves pause, the digester
-copies the path's newest generation into such a freed segment (its payload, at the same
+copies the path's newest generation (for a checkpoint saved under a new path each step, the
+newest save of the same layout) into such a freed segment (its payload, at the same
 offsets, less the storages the segment holds already: a frozen base is not copied again),
 hashes every storage of the copy, and only where they equal that generation's digests gives the
 segment that generation's content token. The client that made the newest save then finds its
@@ -40,20 +41,41 @@ _PAUSE = 0.002
 
 def source_for(state: CacheState, left: Generation) -> Generation | None:
     """The generation whose bytes the segment ``left`` leaves should take (call under the
-    state lock): the newest of the same path, in another segment of the same owner, made by a
-    client that skips unchanged storages (its segment has a content token), not found corrupt,
-    whose payload fits. ``None`` when there is none."""
-    segment = left.segment
+    state lock): the newest of the same path; else, for a checkpoint saved under a new path
+    each time (as the frameworks name theirs by step), the newest save committed after
+    ``left`` whose storages lie at the same offsets with the same sizes. Either must be in
+    another segment of the same owner, made by a client that skips unchanged storages (its
+    segment has a content token), not found corrupt, its payload fitting. ``None`` when
+    there is none."""
     newest = state.index.newest(left.key)
-    if newest is None or newest is left or newest.corrupt or newest.removed:
-        return None
-    source = newest.segment
-    if source is segment or not source.content or source.owner != segment.owner:
-        return None
+    if newest is not None and _fits(newest, left):
+        return newest
+    layout = None
+    best: Generation | None = None
+    for gen in state.index:
+        after = best.committed if best is not None else left.committed
+        if gen.committed <= after or len(gen.manifest.storages) != len(left.manifest.storages):
+            continue
+        if not _fits(gen, left):
+            continue
+        layout = layout if layout is not None else _layout(left)
+        if _layout(gen) == layout:
+            best = gen
+    return best
+
+
+def _fits(gen: Generation, left: Generation) -> bool:
+    segment, source = left.segment, gen.segment
+    if gen is left or gen.corrupt or gen.removed or source is segment:
+        return False
+    if not source.content or source.owner != segment.owner:
+        return False
     header = source.read_header()
-    if header.payload_offset + header.payload_size > segment.capacity:
-        return None
-    return newest
+    return header.payload_offset + header.payload_size <= segment.capacity
+
+
+def _layout(gen: Generation) -> list[tuple[int, int]]:
+    return [(r.offset, r.nbytes) for r in gen.manifest.storages]
 
 
 def differing(

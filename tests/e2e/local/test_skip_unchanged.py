@@ -173,6 +173,35 @@ def test_a_save_copies_only_what_changed_since_the_save_before(persisting, tmp_p
     assert saved["step"] == state["step"] and same_experts(saved, state)
 
 
+def test_a_checkpoint_per_step_copies_only_what_changed_since_the_step_before(persisting, tmp_path):
+    """The frameworks' way: every step's checkpoint under a new path, the one two steps back
+    deleted. The freed segment gets the newest step's bytes (another path, the same layout),
+    so each save from the fourth copies exactly the experts touched since the step before."""
+    g = torch.Generator().manual_seed(4)
+    state = {"experts": [torch.randn(2 * MiB // 4, generator=g) for _ in range(8)], "step": 0}
+    equal_checks = 'ckptcache_free_checks_total{result="equal"}'
+    skipped_each = []
+
+    def path(i: int) -> str:
+        return str(tmp_path / "job" / f"step-{i}" / "model.pt")
+
+    with persisting.client() as trainer:
+        for i in range(9):
+            for e in (i % 8, (i + 5) % 8):
+                state["experts"][e].add_(1.0)
+            state["step"] += 1
+            before = trainer._saves.unchanged.skipped
+            trainer.save(state, path(i), durability="memory")
+            skipped_each.append(trainer._saves.unchanged.skipped - before)
+            loaded = trainer.load(path(i), mmap=False, verify=True)
+            assert loaded["step"] == state["step"] and same_experts(loaded, state)
+            if i >= 2:
+                trainer.delete(path(i - 2))
+                wait_until(lambda n=i - 1: counter(persisting, equal_checks) >= n, 60,
+                           "the freed segments to be refilled and checked")  # fmt: skip
+    assert skipped_each[3:] == [6 * 2 * MiB] * 6
+
+
 def test_saves_that_arrive_while_the_daemon_copies_into_their_segment_hold_their_bytes(
     persisting, tmp_path
 ):
