@@ -173,30 +173,40 @@ class WriteWatch:
 
 def _private_anonymous(ranges: list[tuple[int, int]]) -> list[bool]:
     """Whether each range lies in private anonymous mappings only (``/proc/self/maps``, read
-    once): no file's pages, and no mapping another process shares."""
+    once): no file's pages, and no mapping another process shares.
+
+    A process whose storages are watched has a mapping per watched storage (a registration
+    splits its mapping), often a thousand lines: only the lines that cover a range are
+    parsed whole, found by their start address (the kernel lists mappings in order)."""
     if not ranges:
         return []
-    maps: list[tuple[int, int]] = []
     with open("/proc/self/maps", "rb") as f:
-        for line in f:
-            fields = line.split(None, 5)
-            name = fields[5].strip() if len(fields) > 5 else b""
-            if fields[1][3:4] != b"p" or fields[4] != b"0":
-                continue  # shared, or a file's
-            if name and not (name in (b"[heap]", b"[stack]") or name.startswith(b"[anon:")):
-                continue
-            lo, hi = fields[0].split(b"-")
-            maps.append((int(lo, 16), int(hi, 16)))
-    maps.sort()
-    starts = [lo for lo, _ in maps]
+        lines = f.read().splitlines()
+    starts = [int(line[: line.index(b"-")], 16) for line in lines]
     found = []
     for start, end in ranges:
         i = bisect.bisect_right(starts, start) - 1
         at = start
-        while 0 <= i < len(maps) and maps[i][0] <= at < maps[i][1]:
-            at = maps[i][1]
+        while 0 <= i < len(lines):
+            span = _private_anonymous_span(lines[i])
+            if span is None or not span[0] <= at < span[1]:
+                break
+            at = span[1]
             if at >= end:
                 break
             i += 1
         found.append(at >= end)
     return found
+
+
+def _private_anonymous_span(line: bytes) -> tuple[int, int] | None:
+    """The addresses of a ``/proc/self/maps`` line's mapping if it is private and
+    anonymous (``None`` if shared, or a file's)."""
+    fields = line.split(None, 5)
+    name = fields[5].strip() if len(fields) > 5 else b""
+    if fields[1][3:4] != b"p" or fields[4] != b"0":
+        return None
+    if name and not (name in (b"[heap]", b"[stack]") or name.startswith(b"[anon:")):
+        return None
+    lo, hi = fields[0].split(b"-")
+    return int(lo, 16), int(hi, 16)
