@@ -4,12 +4,13 @@ of the same tensors into touched memory and a zero-copy load, in one fresh proce
     python benchmarks/save_load/private_load.py --size 512MiB --rounds 4 [--against OTHER_TREE]
 
 The state is ``tensor_count.py``'s ``mix`` (2,072 tensors at 512 MiB). Each round: a daemon, a
-fresh trainer process that saves the state, waits for the daemon to be idle, loads it zero-copy (which also imports the
-decoder), then privately (the first private load of the process: fresh memory, as a restarted
-trainer meets it; then the best of 3), every private load compared byte for byte with the
-state. The trainers run with compiled modules, as an installed package has them.
-``--against`` runs the same trainer with another checkout's client (e.g. the tree before a
-change) in the same round on the same daemon, the order alternated by round.
+fresh trainer process that saves the state, waits for the daemon to be idle, loads it
+zero-copy (which also imports the decoder), then privately (the first private load of the
+process: fresh memory, as a restarted trainer meets it; then the best of 3), every private
+load compared byte for byte with the state. The trainers run with compiled modules, as an
+installed package has them. ``--against`` runs the same trainer with another checkout's
+client (e.g. the tree before a change) in the same round on the same daemon, the order
+alternated by round.
 """
 
 from __future__ import annotations
