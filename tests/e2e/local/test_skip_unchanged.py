@@ -138,6 +138,27 @@ def same_experts(a: dict, b: dict) -> bool:
     )
 
 
+def experts(seed: int, mib: int = 2) -> dict:
+    """Eight experts of ``mib`` MiB and a step count."""
+    g = torch.Generator().manual_seed(seed)
+    return {"experts": [torch.randn(mib * MiB // 4, generator=g) for _ in range(8)], "step": 0}
+
+
+def touch_and_save(
+    trainer, state: dict, path: str, touched: list[int], durability: str = "memory"
+) -> int:
+    """Train the experts ``touched``, save, load back verified; the bytes the save kept."""
+    for e in touched:
+        state["experts"][e].add_(1.0)
+    state["step"] += 1
+    before = trainer._saves.unchanged.skipped
+    trainer.save(state, path, durability=durability)
+    kept = trainer._saves.unchanged.skipped - before
+    loaded = trainer.load(path, mmap=False, verify=True)
+    assert loaded["step"] == state["step"] and same_experts(loaded, state)
+    return kept
+
+
 def test_a_save_copies_only_what_changed_since_the_save_before(persisting, tmp_path):
     """Experts touched in turn (two of eight per step): the daemon keeps two generations, so
     the segment a save is handed held the save three before; once saves pause, the daemon
@@ -146,21 +167,12 @@ def test_a_save_copies_only_what_changed_since_the_save_before(persisting, tmp_p
     and the persisted file hold the trainer's bytes. (The saves are memory only, so that
     each from the third frees a segment at its commit, not once persisted.)"""
     path = str(tmp_path / "job" / "model.pt")
-    g = torch.Generator().manual_seed(3)
-    state = {"experts": [torch.randn(2 * MiB // 4, generator=g) for _ in range(8)], "step": 0}
-    expert_bytes = 2 * MiB
+    state = experts(3)
     equal_checks = 'ckptcache_free_checks_total{result="equal"}'
     skipped_each = []
     with persisting.client() as trainer:
         for i in range(9):
-            for e in (i % 8, (i + 3) % 8):
-                state["experts"][e].add_(1.0)
-            state["step"] += 1
-            before = trainer._saves.unchanged.skipped
-            trainer.save(state, path, durability="memory")
-            skipped_each.append(trainer._saves.unchanged.skipped - before)
-            loaded = trainer.load(path, mmap=False, verify=True)
-            assert loaded["step"] == state["step"] and same_experts(loaded, state)
+            skipped_each.append(touch_and_save(trainer, state, path, [i % 8, (i + 3) % 8]))
             # Every segment freed so far refilled and checked before the next save.
             wait_until(lambda n=i - 1: counter(persisting, equal_checks) >= n, 60,
                        "the freed segments to be refilled and checked")  # fmt: skip
@@ -168,7 +180,7 @@ def test_a_save_copies_only_what_changed_since_the_save_before(persisting, tmp_p
         trainer.wait(path, timeout=60)
     # From the fourth save on: six untouched experts kept, every time (three saves' worth of
     # touched experts would leave at most two).
-    assert skipped_each[3:] == [6 * expert_bytes] * 6
+    assert skipped_each[3:] == [6 * 2 * MiB] * 6
     saved = torch.load(path, weights_only=True)
     assert saved["step"] == state["step"] and same_experts(saved, state)
 
@@ -177,8 +189,7 @@ def test_a_checkpoint_per_step_copies_only_what_changed_since_the_step_before(pe
     """The frameworks' way: every step's checkpoint under a new path, the one two steps back
     deleted. The freed segment gets the newest step's bytes (another path, the same layout),
     so each save from the fourth copies exactly the experts touched since the step before."""
-    g = torch.Generator().manual_seed(4)
-    state = {"experts": [torch.randn(2 * MiB // 4, generator=g) for _ in range(8)], "step": 0}
+    state = experts(4)
     equal_checks = 'ckptcache_free_checks_total{result="equal"}'
     skipped_each = []
 
@@ -187,14 +198,7 @@ def test_a_checkpoint_per_step_copies_only_what_changed_since_the_step_before(pe
 
     with persisting.client() as trainer:
         for i in range(9):
-            for e in (i % 8, (i + 5) % 8):
-                state["experts"][e].add_(1.0)
-            state["step"] += 1
-            before = trainer._saves.unchanged.skipped
-            trainer.save(state, path(i), durability="memory")
-            skipped_each.append(trainer._saves.unchanged.skipped - before)
-            loaded = trainer.load(path(i), mmap=False, verify=True)
-            assert loaded["step"] == state["step"] and same_experts(loaded, state)
+            skipped_each.append(touch_and_save(trainer, state, path(i), [i % 8, (i + 5) % 8]))
             if i >= 2:
                 trainer.delete(path(i - 2))
                 wait_until(lambda n=i - 1: counter(persisting, equal_checks) >= n, 60,
@@ -213,16 +217,10 @@ def test_saves_that_arrive_while_the_daemon_copies_into_their_segment_hold_their
 
     rng = random.Random(7)
     path = str(tmp_path / "job" / "model.pt")
-    g = torch.Generator().manual_seed(5)
-    state = {"experts": [torch.randn(8 * MiB // 4, generator=g) for _ in range(8)], "step": 0}
+    state = experts(5, mib=8)
     with persisting.client() as trainer:
         for _ in range(24):
-            for e in rng.sample(range(8), 2):
-                state["experts"][e].add_(1.0)
-            state["step"] += 1
-            trainer.save(state, path)
-            loaded = trainer.load(path, mmap=False, verify=True)
-            assert loaded["step"] == state["step"] and same_experts(loaded, state)
+            touch_and_save(trainer, state, path, rng.sample(range(8), 2), durability="local")
             time.sleep(rng.choice((0.0, 0.005, 0.02, 0.05, 0.3)))
         trainer.wait(path, timeout=60)
     saved = torch.load(path, weights_only=True)
