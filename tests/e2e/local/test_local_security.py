@@ -128,21 +128,27 @@ def _squat(attacker, tmp_path: Path, sock_dir_owner: int) -> tuple[Path, int, in
         os.setgroups([])
         os.setgid(attacker.gid)
         os.setuid(attacker.uid)
-        server.listen(1)
+        server.listen(4)
         os.write(write, b"L")
+        # Every connection is taken, not just the first: a client made in a process with
+        # torch loaded also makes contact from a thread of its own (its spares, its plans).
         server.settimeout(60)
+        got, accepted = b"", 0
         try:
-            conn, _ = server.accept()
-            conn.settimeout(2)
-            got = b""
-            try:
-                while chunk := conn.recv(65536):
-                    got += chunk
-            except OSError:
-                pass
-            os.write(write, str(len(got)).encode())
+            while True:
+                conn, _ = server.accept()
+                accepted += 1
+                server.settimeout(3)  # after the first, until the client is done
+                conn.settimeout(2)
+                try:
+                    while chunk := conn.recv(65536):
+                        got += chunk
+                except OSError:
+                    pass
+                conn.close()
         except OSError:
-            os.write(write, b"-1")
+            pass
+        os.write(write, str(len(got) if accepted else -1).encode())
         os._exit(0)
     os.close(write)
     assert os.read(read, 1) == b"L"
@@ -481,3 +487,79 @@ def test_raw_rpyc_reaches_only_the_request_method(daemon):
         assert c.daemon_status().objects == 0
         with pytest.raises(RequestTooLarge):
             c.list("x" * (2 * m.MAX_REQUEST_BYTES))
+
+
+# ------------------------------------------------------------------ 9. refilled free segments
+
+SECRET = 7.75  # exact in float32: its bytes are searched for in another user's segments
+
+ROOT_SAVER = """
+import sys, time, torch, ckptcache
+MiB = 1 << 20
+value = float(sys.argv[2])
+state = {"experts": [torch.full((2 * MiB // 4,), value) for _ in range(8)], "step": 0}
+with ckptcache.Client(sys.argv[1], fallback="raise") as c:
+    for i in range(10_000):
+        c.save(state, f"/secret/step-{i}/model.pt", durability="memory")
+        if i >= 2:
+            c.delete(f"/secret/step-{i - 2}/model.pt")
+        print(i, flush=True)
+        time.sleep(0.02)
+"""
+
+
+def test_a_freed_segment_never_takes_another_users_bytes(tmp_path):
+    """Alice saves a checkpoint per step (the one two back deleted), so the daemon copies into
+    each of her freed segments the newest save of the same layout; meanwhile root saves, over
+    and over, a secret state of that very layout. None of Alice's segment files ever holds
+    root's bytes, and every save of hers loads back equal to her state."""
+    (alice,) = users(1)
+    cfg = tmp_path / "cfg.yaml"
+    cfg.write_text(f"allowed_uids: [{alice.uid}]\n")
+    with shared_daemon("--config", str(cfg), "--memory-limit", "512MiB",
+                       "--memory-only", "allow") as d:  # fmt: skip
+        _warm(d, Path("/warm/model.pt"), "memory")
+        root = subprocess.Popen([sys.executable, "-c", ROOT_SAVER, d.socket, str(SECRET)],
+                                stdout=subprocess.PIPE, text=True)  # fmt: skip
+        try:
+            assert root.stdout is not None and root.stdout.readline().startswith("0")
+
+            def alice_saves() -> int:
+                import ctypes
+                import time
+
+                # A process that dropped root is not dumpable, so its /proc/self/pagemap is
+                # root's and the write watch cannot open: a user's own process is.
+                ctypes.CDLL(None).prctl(4, 1, 0, 0, 0)  # PR_SET_DUMPABLE
+
+                g = torch.Generator().manual_seed(1)
+                mib = 1 << 20
+                state = {"experts": [torch.randn(2 * mib // 4, generator=g) for _ in range(8)],
+                         "step": 0}  # fmt: skip
+                with ckptcache.Client(d.socket, fallback="raise") as c:
+                    for i in range(10):
+                        for e in (i % 8, (i + 3) % 8):
+                            state["experts"][e].add_(1.0)
+                        state["step"] += 1
+                        path = f"/alice/step-{i}/model.pt"
+                        c.save(state, path, durability="memory")
+                        loaded = c.load(path, mmap=False, verify=True)
+                        assert loaded["step"] == state["step"]
+                        for a, b in zip(loaded["experts"], state["experts"], strict=True):
+                            assert torch.equal(a, b)
+                        if i >= 2:
+                            c.delete(f"/alice/step-{i - 2}/model.pt")
+                        time.sleep(0.3)
+                    return c._saves.unchanged.skipped
+
+            kept = run_as(alice, alice_saves)
+        finally:
+            root.kill()
+            root.wait()
+        secret = torch.full((1024,), SECRET).numpy().tobytes()
+        hers = Path(d.segments_dir) / f"u{alice.uid}"
+        files = [p for p in hers.iterdir() if p.name.startswith("seg-")]
+        assert files
+        for path in files:
+            assert secret not in path.read_bytes(), f"{path.name} holds root's bytes"
+        assert kept > 0  # her freed segments were refilled (with her own saves) and reused
