@@ -35,7 +35,7 @@ def make_core(tmp_path):
         config = DaemonConfig(**{"shm_dir": shm, "socket": str(tmp_path / "d.sock"),
                                  "node_id": "unit", "memory_only": "allow", **options})  # fmt: skip
         core = build_core(config)
-        made.append((core, shm))
+        made.append((core, config.shm_dir))  # the caller's own directory, where it gave one
         return core
 
     yield make
