@@ -87,17 +87,27 @@ class Digester:
             source = refill.source_for(self.state, gen)
             if source is not None:
                 self.state.pin_locked(source)
-            fill = segment.fill = Fill()  # never cut while read here
         try:
             if source is None:
-                fill.finish()  # nothing to copy: the segment is only read
-                self._check(segment, token, gen, check.digests)
+                self._check_held(check)
             else:
-                self._refill(check, source, fill)
+                self._refill(check, source)
         finally:
-            segment.fill = None
             if source is not None:
                 self.state.unpin(source)
+
+    def _check_held(self, check: _FreeCheck) -> None:
+        """Check that the freed segment still holds the bytes of the generation that left it."""
+        segment = check.gen.segment
+        with self.state.lock.held():
+            if segment.content != check.token or segment.name not in self.state.arena.free:
+                return
+            fill = segment.fill = Fill()  # nothing to copy: only never cut while read here
+        fill.finish()
+        try:
+            self._check(segment, check.token, check.gen, check.digests)
+        finally:
+            segment.fill = None
 
     def _check(self, segment: Segment, token: int, gen: Generation, want: list[int]) -> None:
         """Hash the free ``segment`` and record whether it holds ``gen``'s bytes."""
@@ -110,37 +120,45 @@ class Digester:
             del view
         self._note_check(segment, token, gen, found, want)
 
-    def _refill(self, check: _FreeCheck, source: Generation, fill: Fill) -> None:
+    def _refill(self, check: _FreeCheck, source: Generation) -> None:
         """Copy ``source`` (pinned) into the freed segment of ``check``, hash the copy, and
-        give the segment ``source``'s content token where the copy equals its digests."""
+        give the segment ``source``'s content token where the copy equals its digests.
+
+        No lock of the daemon's is taken while the copy runs: a reservation that needs the
+        segment stops the copy under the state lock and waits for it (``Fill``)."""
         segment = check.gen.segment
         try:
-            try:
-                digests = self.ensure(source)
-            except CorruptCheckpoint:
-                return  # the newest save is refused: the segment's own bytes are not kept
-            with self.state.lock.held():
-                if segment.content != check.token or segment.name not in self.state.arena.free:
-                    return
-                # A mark no client was given: a hand-out, a cut or a commit replaces it, and
-                # so tells the end of this copy that the segment left the free pool meanwhile.
-                mark = segment.content = secrets.randbits(62) + 1
-                segment.checked, segment.checked_digests = 0, {}
-                content = source.segment.content
-            ranges = refill.differing(check.gen, check.digests, source, digests)
-            saves = self.state.saves_in_flight
-            if not refill.copy_ranges(source.segment, segment, ranges, fill, saves):
-                return
-        except (ValueError, BufferError, OSError):
-            return
-        finally:
-            fill.finish()
-        saves.wait_quiet()
+            digests = self.ensure(source)  # takes the state lock: before the fill begins
+        except CorruptCheckpoint:
+            return  # the newest save is refused: the segment's own bytes are not kept
         with self.state.lock.held():
-            if segment.content != mark:
+            if segment.content != check.token or segment.name not in self.state.arena.free:
                 return
-            segment.content = content  # checked next, if equal
-        self._check(segment, content, source, digests)
+            # A mark no client was given: a hand-out, a cut or a commit replaces it, and so
+            # tells the end of this copy that the segment left the free pool meanwhile.
+            mark = segment.content = secrets.randbits(62) + 1
+            segment.checked, segment.checked_digests = 0, {}
+            content = source.segment.content
+            fill = segment.fill = Fill()
+        try:
+            try:
+                ranges = refill.differing(check.gen, check.digests, source, digests)
+                saves = self.state.saves_in_flight
+                copied = refill.copy_ranges(source.segment, segment, ranges, fill, saves)
+            except (ValueError, BufferError, OSError):
+                copied = False
+            finally:
+                fill.finish()
+            if not copied:
+                return
+            saves.wait_quiet()
+            with self.state.lock.held():
+                if segment.content != mark:
+                    return
+                segment.content = content  # checked next, if equal
+            self._check(segment, content, source, digests)
+        finally:
+            segment.fill = None
 
     def _note_check(
         self, segment: Segment, token: int, gen: Generation, found: list[int], want: list[int]
