@@ -78,11 +78,16 @@ class Digester:
         if segment.content and gen.digests is not None:
             self._queue.put(_FreeCheck(gen, segment.content, gen.digests))
 
+    def _free_with(self, segment: Segment, token: int) -> bool:
+        """Whether ``segment`` is still free and names its bytes ``token`` (under the state
+        lock): else it was handed out, cut or refilled since, and its bytes are not that."""
+        return segment.content == token and segment.name in self.state.arena.free
+
     def _check_free(self, check: _FreeCheck) -> None:
         gen, token = check.gen, check.token
         segment = gen.segment
         with self.state.lock.held():
-            if segment.content != token or segment.name not in self.state.arena.free:
+            if not self._free_with(segment, token):
                 return  # handed out again meanwhile: its bytes are another save's now
             source = refill.source_for(self.state, gen)
             if source is not None:
@@ -100,7 +105,7 @@ class Digester:
         """Check that the freed segment still holds the bytes of the generation that left it."""
         segment = check.gen.segment
         with self.state.lock.held():
-            if segment.content != check.token or segment.name not in self.state.arena.free:
+            if not self._free_with(segment, check.token):
                 return
             fill = segment.fill = Fill()  # nothing to copy: only never cut while read here
         fill.finish()
@@ -132,7 +137,7 @@ class Digester:
         except CorruptCheckpoint:
             return  # the newest save is refused: the segment's own bytes are not kept
         with self.state.lock.held():
-            if segment.content != check.token or segment.name not in self.state.arena.free:
+            if not self._free_with(segment, check.token):
                 return
             # A mark no client was given: a hand-out, a cut or a commit replaces it, and so
             # tells the end of this copy that the segment left the free pool meanwhile.
@@ -166,7 +171,7 @@ class Digester:
         """Record the check of a free segment that should hold ``gen``'s bytes under ``token``:
         checked where ``found`` equals ``want``, else its token forgotten and a warning."""
         with self.state.lock.held():
-            if segment.content != token or segment.name not in self.state.arena.free:
+            if not self._free_with(segment, token):
                 return
             equal = found == want
             self.state.metrics.free_checks.labels(result="equal" if equal else "changed").inc()
