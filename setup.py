@@ -1,6 +1,7 @@
 """Build hooks (metadata: pyproject.toml): ship ``ckptcache-startup.pth`` into
 ``site-packages``, and build the copy, base64 and collector extensions
-(``ckptcache/format/_copy.c``, ``_b64.c``, ``_gcpause.c``), the data plane's record
+(``ckptcache/format/_copy.c``, ``_b64.c``, ``_gcpause.c``), a save's write-protect scans
+(``ckptcache/client/_pagescan.c``), the data plane's record
 extension (``ckptcache/server/cluster/dataplane/_records.c``) and, where torch is importable at
 build time, the tensor table's C++ loop (``ckptcache/codec/table/_tensors.cpp``).
 
@@ -54,6 +55,11 @@ B64 = Extension("ckptcache.format._b64", ["ckptcache/format/_b64.c"], optional=T
 GCPAUSE = Extension("ckptcache.format._gcpause", ["ckptcache/format/_gcpause.c"], optional=True,
                     extra_compile_args=["-O2"])  # fmt: skip
 
+# Optional too: where it cannot be built, a save's write-protect scans loop in Python
+# (ckptcache/client/_watch.py).
+PAGESCAN = Extension("ckptcache.client._pagescan", ["ckptcache/client/_pagescan.c"], optional=True,
+                     extra_compile_args=["-O2"])  # fmt: skip
+
 # Optional too: where it cannot be built (no compiler or no OpenSSL headers), the data plane tags
 # records with cryptography's Poly1305 and hashes them in a second pass
 # (ckptcache/server/cluster/dataplane/_tagging.py says which is in use).
@@ -85,4 +91,4 @@ def torch_extensions() -> list[Extension]:
 
 
 setup(cmdclass={"build_py": BuildPyWithStartupHook},
-      ext_modules=[COPY, B64, GCPAUSE, RECORDS, *torch_extensions()])  # fmt: skip
+      ext_modules=[COPY, B64, GCPAUSE, PAGESCAN, RECORDS, *torch_extensions()])  # fmt: skip

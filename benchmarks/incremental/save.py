@@ -9,7 +9,8 @@ runs beside them), a memory budget of 4x the larger state. Per round, per state,
 (skipping on, then ``CKPTCACHE_SKIP_UNCHANGED=0``; the order flips every round), a fresh
 trainer process builds the state and saves it ``--saves`` times to one path, changing between
 saves only what ``bench.py``'s states change (the LoRA adapters and their Adam state; 8 of 64
-experts and the shared part), with ``--interval`` seconds of "training" (a sleep) after each
+experts and the shared part, as new tensors, and in "MoE in place" written in place, as an
+optimizer's step does), with ``--interval`` seconds of "training" (a sleep) after each
 save: the daemon checks a freed segment in the background before a save may keep its bytes,
 so saves back to back find none checked. The daemon keeps 2 generations a path, so the
 segments rotate and a save is handed the segment of the save three before it from the 4th save
@@ -46,7 +47,7 @@ from pathlib import Path
 
 MiB = 1 << 20
 GiB = 1 << 30
-STATES = ("LoRA", "MoE")
+STATES = ("LoRA", "MoE", "MoE in place")
 
 
 def lora_maker(base_bytes: int) -> Callable[[int], dict]:
@@ -66,6 +67,37 @@ def lora_maker(base_bytes: int) -> Callable[[int], dict]:
             state["model"] = {**state["model"], **model}
             state["optimizer"], state["step"] = fresh["optimizer"], fresh["step"]
         return dict(state)
+
+    return make
+
+
+def moe_in_place_maker(expert_bytes: int) -> Callable[[int], dict]:
+    """Successive MoE states as an optimizer makes them: the 8 touched experts and the shared
+    part written in place (``add_``, ``copy_``), every tensor the same live object from save to
+    save. ``make.touched`` names the tensors the last call wrote."""
+    import torch
+
+    state: dict = {}
+
+    def make(seed: int) -> dict:
+        g = torch.Generator().manual_seed(seed)
+        if not state:
+            g0 = torch.Generator().manual_seed(0)
+            state.update({f"attn.{i}": torch.randn(MiB, generator=g0) for i in range(4)})
+            for e in range(64):
+                for j in range(3):
+                    state[f"expert.{e:02d}.w{j}"] = torch.randn(expert_bytes // 12, generator=g0)
+            make.touched = set(state)  # type: ignore[attr-defined]
+        else:
+            touched = {f"attn.{i}" for i in range(4)}
+            for name in touched:
+                state[name].copy_(torch.randn(MiB, generator=g))
+            for e in torch.randperm(64, generator=g)[:8].tolist():
+                for j in range(3):
+                    state[f"expert.{e:02d}.w{j}"].add_(0.01)
+                    touched.add(f"expert.{e:02d}.w{j}")
+            make.touched = touched  # type: ignore[attr-defined]
+        return {"model": dict(state), "step": seed}
 
     return make
 
@@ -165,25 +197,39 @@ def trainer(args: argparse.Namespace) -> None:
 
     from ckptcache.client import Client
 
-    make = lora_maker(args.base * MiB) if args.state == "LoRA" else moe_maker(args.expert * MiB)
-    path = f"/bench/incremental/{args.state}-{args.tag}/model.pt"
+    makers = {"LoRA": lambda: lora_maker(args.base * MiB),
+              "MoE": lambda: moe_maker(args.expert * MiB),
+              "MoE in place": lambda: moe_in_place_maker(args.expert * MiB)}  # fmt: skip
+    make = makers[args.state]()
+    path = f"/bench/incremental/{args.state.replace(' ', '-')}-{args.tag}/model.pt"
     saves = []
     with Client(args.socket) as client:
         timers = Timers(client)
         previous: dict = {}
         history: list[dict] = []  # the tensors of the last 3 saves (kept alive)
+        written: list[set] = []  # in place: the names written before each of the last 3 saves
         obj: dict = {}
         changed: list = []
         window: list = []
         for seed in range(args.saves):
             obj = make(seed)
             tensors = _tensors(obj)
-            changed = [t for k, t in tensors.items() if previous.get(k) is not t]
-            previous = tensors
-            # What a save handed the segment of the save 3 before it has to copy.
-            back = history[-3] if len(history) >= 3 else {}
-            window = [t for k, t in tensors.items() if back.get(k) is not t]
-            history = [*history[-2:], tensors]
+            if hasattr(make, "touched"):  # written in place: the maker names what it wrote
+                written = [*written[-2:], make.touched]
+                changed = [tensors[f"model.{k}"] for k in make.touched]
+                since = (
+                    {f"model.{k}" for k in set().union(*written)}
+                    if len(written) >= 3
+                    else set(tensors)
+                )
+                window = [tensors[k] for k in since]
+            else:
+                changed = [t for k, t in tensors.items() if previous.get(k) is not t]
+                previous = tensors
+                # What a save handed the segment of the save 3 before it has to copy.
+                back = history[-3] if len(history) >= 3 else {}
+                window = [t for k, t in tensors.items() if back.get(k) is not t]
+                history = [*history[-2:], tensors]
             timers.take()
             r0 = resource.getrusage(resource.RUSAGE_SELF)
             t0 = time.perf_counter()
@@ -247,6 +293,7 @@ def main() -> None:
     parser.add_argument("--trainer", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--socket", help=argparse.SUPPRESS)
     parser.add_argument("--state", choices=STATES, help=argparse.SUPPRESS)
+    parser.add_argument("--states", nargs="+", choices=STATES, default=list(STATES))
     parser.add_argument("--tag", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.trainer:
@@ -263,7 +310,7 @@ def main() -> None:
     t_start = time.perf_counter()
     with running_daemon("--memory-limit", f"{limit}GiB", "--memory-only", "allow") as d:
         for r in range(args.rounds):
-            for state in STATES:
+            for state in args.states:
                 for skip in (True, False) if r % 2 == 0 else (False, True):
                     tag = f"{'skip' if skip else 'copy'}-{r}"
                     before = _cpu_of(d.proc.pid)
@@ -289,7 +336,8 @@ def _report(results: dict[tuple[str, bool], list[dict]], first: int) -> None:
           "| daemon CPU-s per save |")  # fmt: skip
     print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     memcpy = {}
-    for state in STATES:
+    states = sorted({state for state, _ in results}, key=STATES.index)
+    for state in states:
         runs = results[(state, True)] + results[(state, False)]
         mc = tuple(med(r[k] for r in runs) for k in ("memcpy_changed", "memcpy_window",
                                                      "memcpy_full"))  # fmt: skip
@@ -317,7 +365,7 @@ def _report(results: dict[tuple[str, bool], list[dict]], first: int) -> None:
     print("\nWhere the stall went (medians over the counted saves, ms):\n")
     print(f"| state | save | {' | '.join(steps)} | other | stall |")
     print("|---|---|" + "---:|" * (len(steps) + 2))
-    for state in STATES:
+    for state in states:
         for skip in (True, False):
             counted = [s for r in results[(state, skip)] for s in r["saves"][first:]]
             cells = [med(s["spent"].get(k, 0.0) for s in counted) * 1e3 for k in steps]

@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from ckptcache.client._watch import PAGE, WriteWatch
+from ckptcache.client._watch import PAGE, WriteWatch, edges_equal
 
 if TYPE_CHECKING:
     import mmap
@@ -152,22 +152,28 @@ class Unchanged:
             if e > start:
                 self._watched[key].written = save
 
-    def _note(self, found: list[tuple[int, int]] | None, start: int, end: int, save: int) -> None:
-        """Mark what a scan of ``[start, end)`` found written (all of it where it failed)."""
-        if found is None:
+    def _note(self, span: tuple[int, int] | None, start: int, end: int, save: int) -> None:
+        """Mark what a scan of ``[start, end)`` found written: ``span``, the lowest start and
+        highest end of its written pages (``(0, 0)``: none), ``None`` where it failed (all of
+        it)."""
+        if span is None:
             self._mark(start, end, save)
-        elif found:
-            self._mark(min(s for s, _ in found), max(e for _, e in found), save)
+        elif span[1]:
+            self._mark(span[0], span[1], save)
 
     def _index(self) -> None:
         self._starts = sorted((w.start, w.end, k) for k, w in self._watched.items())
         self._longest = max((w.end - w.start for w in self._watched.values()), default=0)
 
-    def _scan(self, watch: WriteWatch, key: _Key, save: int) -> None:
-        w = self._watched[key]
-        self._note(watch.written(w.start, w.end), w.start, w.end, save)
-        w.streak = w.streak + 1 if w.written == save else 0
-        w.seen = save
+    def _scan(self, watch: WriteWatch, keys: list[_Key], save: int) -> None:
+        """Scan the watched storages ``keys`` (one call), and note what each scan found."""
+        ranges = [(self._watched[k].start, self._watched[k].end) for k in keys]
+        for (start, end), span in zip(ranges, watch.written_many(ranges), strict=True):
+            self._note(span, start, end, save)
+        for key in keys:
+            w = self._watched[key]
+            w.streak = w.streak + 1 if w.written == save else 0
+            w.seen = save
 
     def _watch_new(self, watch: WriteWatch, keys: list[_Key], save: int) -> set[_Key]:
         """Watch the storages ``keys`` from now on (those it may: room, not resting, private
@@ -180,9 +186,10 @@ class Unchanged:
             if key in watched:
                 self._watched[key] = _Watched(start, end, save, seen=save)
         self._index()
-        for key in watched:  # protects every page: they all count as written now
-            w = self._watched[key]  # made written at this save: arming counts as a write
-            self._note(watch.written(w.start, w.end), w.start, w.end, save)
+        # Protects every page; each was made written at this save (arming counts as a write).
+        armed = [(self._watched[k].start, self._watched[k].end) for k in watched]
+        for (start, end), span in zip(armed, watch.written_many(armed), strict=True):
+            self._note(span, start, end, save)
         return watched
 
     def _retire(self, watch: WriteWatch, keys: Iterable[_Key], save: int) -> None:
@@ -204,18 +211,15 @@ class Unchanged:
                 doubted.written = save
         self._scanning = save  # until every scan of this pass is noted
         candidates = _candidates(addresses, sizes)
-        for key in candidates:  # scan first: every write since the last scan is seen
-            if key in self._watched:
-                self._scan(watch, key, save)
-        skip: list[int] = []
-        for key, index in candidates.items():
-            w = self._watched.get(key)
-            if (
-                w is not None and held is not None and w.written <= held.save
-                and held.offsets.get(key) == int(offsets[index])
-                and p.edges_equal(*key, int(offsets[index]))
-            ):  # fmt: skip
-                skip.append(index)
+        # Scan first: every write since the last scan is seen.
+        self._scan(watch, [k for k in candidates if k in self._watched], save)
+        unwritten = [] if held is None else [
+            (key, index) for key, index in candidates.items()
+            if key in self._watched and self._watched[key].written <= held.save
+            and held.offsets.get(key) == int(offsets[index])
+        ]  # fmt: skip
+        equal = p.edges_equal([(*key, int(offsets[index])) for key, index in unwritten])
+        skip = [index for (_, index), ok in zip(unwritten, equal, strict=True) if ok]
         volatile = [k for k in candidates if k in self._watched
                     and self._watched[k].streak >= VOLATILE]  # fmt: skip
         if volatile:
@@ -280,19 +284,19 @@ class Pass:
         storages it may skip at later saves."""
         return self.owner.runs(self, offsets, addresses, sizes)
 
-    def edges_equal(self, address: int, nbytes: int, offset: int) -> bool:
-        """Whether the storage's partial first and last pages (never watched) hold what the
-        segment holds there: then the whole storage is the segment's bytes, and the digest
-        the daemon checked the segment with is its digest."""
-        if offset < 0 or offset + nbytes > self.size:
-            return False
-        start, end = _interior(address, nbytes)
-        head, tail = start - address, address + nbytes - end
-        at = self.base + offset
-        return (
-            _memcmp(at, address, head) == 0
-            and _memcmp(at + nbytes - tail, end, tail) == 0
-        )  # fmt: skip
+    def edges_equal(self, storages: list[tuple[int, int, int]]) -> list[bool]:
+        """For each ``(address, nbytes, offset)``: whether the storage's partial first and last
+        pages (never watched) hold what the segment holds there at ``offset``; then the whole
+        storage is the segment's bytes, and the digest the daemon checked the segment with is
+        its digest."""
+        inside = [offset >= 0 and offset + nbytes <= self.size for _, nbytes, offset in storages]
+        rows = [
+            (self.base + offset, address, nbytes)
+            for (address, nbytes, offset), ok in zip(storages, inside, strict=True)
+            if ok
+        ]
+        equal = iter(edges_equal(rows))
+        return [ok and next(equal) for ok in inside]
 
     def without(
         self, offsets: np.ndarray, addresses: np.ndarray, sizes: np.ndarray, skip: list[int]
@@ -337,11 +341,6 @@ def _candidates(addresses: np.ndarray, sizes: np.ndarray) -> dict[_Key, int]:
             found.pop(key, None)
             found.pop(other, None)
     return found
-
-
-_memcmp = ctypes.CDLL(None).memcmp
-_memcmp.argtypes = (ctypes.c_size_t, ctypes.c_size_t, ctypes.c_size_t)
-_memcmp.restype = ctypes.c_int
 
 
 def _cuda_initialized() -> bool:

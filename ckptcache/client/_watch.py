@@ -22,7 +22,8 @@ the CPU's page tables (CUDA host-registered or RDMA-registered buffers).
 
 The scan asks only for written pages: the kernel then reads the page-table entries alone,
 where asking whether pages are present or a file's costs a look at every page
-(``benchmarks/incremental/README.md``).
+(``benchmarks/incremental/README.md``). A save's scans of all its watched ranges are one call
+into the scan extension (``_pagescan.c``) where it is built, a loop here otherwise.
 """
 
 from __future__ import annotations
@@ -37,7 +38,9 @@ import platform
 import struct
 import threading
 
-__all__ = ["PAGE", "WriteWatch"]
+import numpy as np
+
+__all__ = ["PAGE", "SCAN_IMPLEMENTATION", "WriteWatch", "edges_equal"]
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
 
@@ -65,6 +68,52 @@ _PM_SCAN_WP_MATCHING = 1 << 0
 _PM_SCAN_CHECK_WPASYNC = 1 << 1
 _PAGE_IS_WRITTEN = 1 << 1
 _REGIONS = 64
+
+
+def _extension() -> ctypes.CDLL | None:
+    try:
+        from ckptcache.client import _pagescan
+    except ImportError:  # not built here (no C compiler at install): the loop in Python
+        return None
+    lib = ctypes.CDLL(_pagescan.__file__)
+    lib.ckptcache_scan_written.argtypes = [
+        ctypes.c_int, ctypes.c_size_t, ctypes.c_void_p, ctypes.c_void_p
+    ]  # fmt: skip
+    lib.ckptcache_scan_written.restype = ctypes.c_int
+    lib.ckptcache_edges_equal.argtypes = [
+        ctypes.c_size_t, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint64
+    ]  # fmt: skip
+    lib.ckptcache_edges_equal.restype = None
+    return lib
+
+
+_LIB = _extension()
+#: Which loops :meth:`WriteWatch.written_many` and :func:`edges_equal` run: ``extension``
+#: or ``python``.
+SCAN_IMPLEMENTATION = "python" if _LIB is None else "extension"
+_memcmp = ctypes.CDLL(None).memcmp
+_memcmp.argtypes = (ctypes.c_size_t, ctypes.c_size_t, ctypes.c_size_t)
+_memcmp.restype = ctypes.c_int
+
+
+def edges_equal(rows: list[tuple[int, int, int]]) -> list[bool]:
+    """For each ``(held, address, nbytes)``: whether the storage of ``nbytes`` at ``address``
+    has the bytes at ``held`` (an address in a mapping of at least ``nbytes``) on its partial
+    first and last pages, the bytes outside its page-aligned interior."""
+    if not rows:
+        return []
+    if _LIB is None:
+        return [_edges_equal(*row) for row in rows]
+    table = np.array(rows, dtype=np.uint64)
+    out = np.zeros(len(rows), dtype=np.uint8)
+    _LIB.ckptcache_edges_equal(len(rows), table.ctypes.data, out.ctypes.data, PAGE)
+    return out.astype(bool).tolist()
+
+
+def _edges_equal(held: int, address: int, nbytes: int) -> bool:
+    start, end = -(-address // PAGE) * PAGE, (address + nbytes) // PAGE * PAGE
+    head, tail = start - address, address + nbytes - end
+    return _memcmp(held, address, head) == 0 and _memcmp(held + nbytes - tail, end, tail) == 0
 
 
 class WriteWatch:
@@ -137,6 +186,28 @@ class WriteWatch:
             return self.written_or_raise(start, end)
         except OSError:
             return None
+
+    def written_many(self, ranges: list[tuple[int, int]]) -> list[tuple[int, int] | None]:
+        """:meth:`written` of each ``(start, end)``, as one span per range: the lowest start
+        and highest end of the pages found written (``(0, 0)``: none), or ``None`` where
+        the scan failed (all of it counts as written)."""
+        if not ranges:
+            return []
+        with self._lock:
+            if _LIB is None:
+                return [self._span_or_none(start, end) for start, end in ranges]
+            table = np.array(ranges, dtype=np.uint64)
+            out = np.zeros((len(ranges), 3), dtype=np.uint64)
+            _LIB.ckptcache_scan_written(self._pagemap, len(ranges), table.ctypes.data,
+                                        out.ctypes.data)  # fmt: skip
+            return [None if status else (lo, hi) for status, lo, hi in out.tolist()]
+
+    def _span_or_none(self, start: int, end: int) -> tuple[int, int] | None:
+        try:
+            found = self._scan(start, end)
+        except OSError:
+            return None
+        return (min(s for s, _ in found), max(e for _, e in found)) if found else (0, 0)
 
     def written_or_raise(self, start: int, end: int) -> list[tuple[int, int]]:
         """:meth:`written`, raising the scan's ``OSError``."""

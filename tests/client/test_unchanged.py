@@ -77,10 +77,19 @@ def test_an_unwritten_storage_in_the_segment_it_was_saved_to_is_not_copied(state
     assert u.skipped == whole
 
 
-def test_a_write_to_the_partial_edge_pages_is_copied(u):
+@pytest.mark.parametrize("loop", ["extension", "python"])
+def test_a_write_to_the_partial_edge_pages_is_copied(u, monkeypatch, loop):
     """The first and last pages of a storage are not watched (another allocation may share
-    them): they are compared with the segment, and a storage whose edges changed is copied."""
+    them): they are compared with the segment, and a storage whose edges changed is copied
+    (by the scan extension's loop, and by the loop in Python where it is not built)."""
+    from ckptcache.client import _watch
+
+    if loop == "python":
+        monkeypatch.setattr(_watch, "_LIB", None)
+    elif _watch._LIB is None:
+        pytest.skip("the scan extension is not built here")
     t = [torch.ones(2 * MiB // 4)]
+    assert t[0].data_ptr() % PAGE, "the storage has no partial first page to write"
     save(u, "seg-a", 0, 11, t)
     t[0][0] = 5.0  # before the first whole page
     runs, skipped = save(u, "seg-a", 11, 12, t)

@@ -128,3 +128,44 @@ def test_only_private_anonymous_memory_is_watched(watch, tmp_path):
     ranges = [_interior(t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
               for t in (shared, mapped, private)]  # fmt: skip
     assert watch.watch(ranges) == [False, False, True]
+
+
+@pytest.mark.parametrize("loop", ["extension", "python"])
+def test_one_call_scans_many_ranges_as_one_scan_each_would(watch, monkeypatch, loop):
+    """A save scans all its watched storages in one call: each range's answer is the span of
+    its own written pages, ``(0, 0)`` for none, ``None`` for one no longer watched, and
+    every page reported is protected again."""
+    from ckptcache.client import _watch
+
+    if loop == "python":
+        monkeypatch.setattr(_watch, "_LIB", None)
+    elif _watch._LIB is None:
+        pytest.skip("the scan extension is not built here")
+    tensors = [torch.zeros(2 * MiB // 4) for _ in range(5)]
+    ranges = [watched(watch, t) for t in tensors]
+    tensors[0][100_000] = 1.0
+    tensors[0][400_000] = 1.0
+    tensors[3][7_000] = 1.0
+    watch.unwatch(*ranges[4])
+    assert watch.written_many(ranges) == [
+        (page_of(tensors[0], 100_000), page_of(tensors[0], 400_000) + PAGE),
+        (0, 0),
+        (0, 0),
+        (page_of(tensors[3], 7_000), page_of(tensors[3], 7_000) + PAGE),
+        None,
+    ]
+    assert watch.written_many(ranges[:4]) == [(0, 0)] * 4  # reported once, protected again
+    assert watch.written_many([]) == []
+
+
+def test_a_range_with_more_written_runs_than_one_call_returns_is_scanned_to_its_end(watch):
+    """Every other page written: more runs than the kernel's table of one call holds."""
+    t = torch.zeros(4 * MiB // 4)
+    start, end = watched(watch, t)
+    per_page = PAGE // 4
+    first = (start - t.data_ptr()) // 4
+    written = [first + 2 * k * per_page for k in range(200)]
+    for i in written:
+        t[i] = 1.0
+    assert watch.written_many([(start, end)]) == [(start, start + 398 * PAGE + PAGE)]
+    assert watch.written(start, end) == []
