@@ -16,7 +16,17 @@ from ckptcache._version import __version__
 from ckptcache.errors import *  # noqa: F403 - every public error is a public name here
 
 if TYPE_CHECKING:
-    from ckptcache.api import delete, exists, load, prefetch, save, status, wait, warmup
+    from ckptcache.api import (
+        delete,
+        exists,
+        load,
+        load_into,
+        prefetch,
+        save,
+        status,
+        wait,
+        warmup,
+    )
     from ckptcache.api import open as open  # public, not in __all__ (see below)
     from ckptcache.client import CachedFile, CacheStatus, Client, SaveHandle, Staged
     from ckptcache.wire.messages import ObjectInfo as ObjectStatus
@@ -32,6 +42,7 @@ __all__ = [
     "delete",
     "exists",
     "load",
+    "load_into",
     "prefetch",
     "save",
     "status",
@@ -47,7 +58,17 @@ __all__ += errors.__all__  # the errors, listed once (in ckptcache.errors)
 _LAZY = {
     **{
         n: ("ckptcache.api", n)
-        for n in ("delete", "exists", "load", "prefetch", "save", "status", "wait", "warmup")
+        for n in (
+            "delete",
+            "exists",
+            "load",
+            "load_into",
+            "prefetch",
+            "save",
+            "status",
+            "wait",
+            "warmup",
+        )
     },
     **{
         n: ("ckptcache.client", n)

@@ -127,6 +127,28 @@ def load(
     )
 
 
+def load_into(
+    path: str | os.PathLike[str],
+    into: Any,
+    *,
+    weights_only: bool = True,
+    verify: bool | None = None,
+) -> Any:
+    """Load ``path`` into tensors the caller already has, such as ``model.state_dict()`` and
+    ``optimizer.state_dict()``: one copy from the cache's memory (or the file) into memory
+    the process already holds, where ``load(mmap=False)`` makes fresh memory for every tensor.
+
+    Every tensor in ``into`` (nested dicts, lists and tuples) is filled from the checkpoint's
+    tensor at the same key path, on its own device. All are checked before the first is
+    written: a tensor the checkpoint lacks, or holds with another shape or dtype, raises
+    :class:`~ckptcache.errors.StateMismatch` naming it, and nothing is written. Returns the
+    loaded object with those tensors replaced by ``into``'s; its other values are as
+    :func:`load` returns them (tensors ``into`` does not name are zero-copy views).
+    ``weights_only`` and ``verify`` are :func:`load`'s.
+    """
+    return default_client().load_into(path, into, weights_only=weights_only, verify=verify)
+
+
 def wait(
     path: str | os.PathLike[str] | None = None,
     *,

@@ -32,6 +32,7 @@ __all__ = [
     "ReplicationError",
     "RequestTooLarge",
     "SerializationError",
+    "StateMismatch",
     "TensorMutated",
     "UnsafeUnpickle",
 ]
@@ -74,6 +75,16 @@ class CorruptCheckpoint(CkptCacheError, ValueError):
         self.tensor = tensor
         #: The tier where the bad copy was found ("local", "peer", "storage").
         self.tier = tier
+
+
+class StateMismatch(CkptCacheError, ValueError):
+    """A checkpoint's tensors do not fit the tensors a load was asked to fill (a tensor missing,
+    or of another shape or dtype); nothing was written."""
+
+    def __init__(self, message: str, *, tensor: str):
+        super().__init__(message)
+        #: The key path of the first tensor that does not fit.
+        self.tensor = tensor
 
 
 class SerializationError(CkptCacheError, TypeError):

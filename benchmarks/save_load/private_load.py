@@ -1,12 +1,14 @@
 """A load with private copies (``load(mmap=False)``) from the daemon's memory, next to a memcpy
-of the same tensors into touched memory and a zero-copy load, in one fresh process per round.
+of the same tensors into touched memory, a zero-copy load and a load into tensors the process
+already has (``load_into``, as a trainer restores its model), in one fresh process per round.
 
     python benchmarks/save_load/private_load.py --size 512MiB --rounds 4 [--against OTHER_TREE]
 
 The state is ``tensor_count.py``'s ``mix`` (2,072 tensors at 512 MiB). Each round: a daemon, a
 fresh trainer process that saves the state, waits for the daemon to be idle, loads it
 zero-copy (which also imports the decoder), then privately (the first private load of the
-process: fresh memory, as a restarted trainer meets it; then the best of 3), every private
+process: fresh memory, as a restarted trainer meets it; then the best of 3), then into
+tensors of the state's shapes it made and zeroed before (first, then the best of 3), every
 load compared byte for byte with the state. The trainers run with compiled modules, as an
 installed package has them. ``--against`` runs the same trainer with another checkout's
 client (e.g. the tree before a change) in the same round on the same daemon, the order
@@ -52,8 +54,18 @@ def trainer(socket: str, path: str, nbytes: int) -> None:
             privates.append(time.perf_counter() - t0)
             equal = equal and all(torch.equal(loaded[k], v) for k, v in state.items())
             del loaded
+        live = {k: torch.zeros_like(v) for k, v in state.items()}  # the trainer's own, touched
+        intos = []
+        for _ in range(3):
+            t0 = time.perf_counter()
+            client.load_into(path, live)
+            intos.append(time.perf_counter() - t0)
+            equal = equal and all(torch.equal(live[k], v) for k, v in state.items())
+            for t in live.values():
+                t.zero_()
     memcpy = memcpy_seconds(state)
-    row = {"memcpy": memcpy, "first": privates[0], "best": min(privates), "zero_copy": zero_copy}
+    row = {"memcpy": memcpy, "first": privates[0], "best": min(privates), "zero_copy": zero_copy,
+           "into_first": intos[0], "into_best": min(intos)}  # fmt: skip
     print(MARK + json.dumps({**row, "equal": equal}), flush=True)
 
 
@@ -113,8 +125,8 @@ def main() -> None:
     print(f"{args.size}, {args.rounds} rounds, load average (1 min) {min(loads):.2f}-"
           f"{max(loads):.2f}; medians, each against its own process's memcpy")  # fmt: skip
     print("\n| client | memcpy | private load, first | best of 3 | zero-copy load | "
-          "first, all rounds (x memcpy) |")  # fmt: skip
-    print("|---|---:|---:|---:|---:|---|")
+          "`load_into`, first | best of 3 | private first, all rounds (x memcpy) |")  # fmt: skip
+    print("|---|---:|---:|---:|---:|---:|---:|---|")
     for name, rs in rows.items():
 
         def med(key: str, rs: list[dict] = rs) -> float:
@@ -123,14 +135,18 @@ def main() -> None:
         firsts = ", ".join(f"{r['first'] / r['memcpy']:.2f}" for r in rs)
         first_x = statistics.median(r["first"] / r["memcpy"] for r in rs)
         best_x = statistics.median(r["best"] / r["memcpy"] for r in rs)
+        into_x = [statistics.median(r[k] / r["memcpy"] for r in rs)
+                  for k in ("into_first", "into_best")]  # fmt: skip
         print(
             f"| {name} | {med('memcpy') * 1e3:.1f} ms "
             f"| {med('first') * 1e3:.1f} ms ({first_x:.2f}x) "
             f"| {med('best') * 1e3:.1f} ms ({best_x:.2f}x) "
-            f"| {med('zero_copy') * 1e3:.1f} ms | {firsts} |"
+            f"| {med('zero_copy') * 1e3:.1f} ms "
+            f"| {med('into_first') * 1e3:.1f} ms ({into_x[0]:.2f}x) "
+            f"| {med('into_best') * 1e3:.1f} ms ({into_x[1]:.2f}x) | {firsts} |"
         )
     bad = [n for n, rs in rows.items() if not all(r["equal"] for r in rs)]
-    print("\nPrivate loads that differed from the saved state: " + (", ".join(bad) or "none"))
+    print("\nLoads that differed from the saved state: " + (", ".join(bad) or "none"))
 
 
 if __name__ == "__main__":

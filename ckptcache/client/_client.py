@@ -224,6 +224,15 @@ class Client:
         options = LoadOptions(map_location, weights_only, mmap, verify)
         return self._loads.load(path, options)
 
+    def load_into(
+        self, path: Any, into: Any, *, weights_only: bool = True, verify: bool | None = None
+    ) -> Any:
+        """Load the newest generation of ``path`` into the tensors of ``into`` (see
+        :func:`ckptcache.load_into`)."""
+        from ckptcache.client._into import fill
+
+        return fill(into, self.load(path, weights_only=weights_only, verify=verify))
+
     def map_local(self, path: Any) -> tuple[Mapping, m.OpenReply]:
         """Pin the newest generation of ``path`` and map its segment (read-only for the
         caller; copy-on-write). The pin lasts until the mapping is garbage. Raises

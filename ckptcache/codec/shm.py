@@ -38,6 +38,7 @@ __all__ = [
     "bytes_of",
     "checked_nbytes",
     "copy_cpu_storages",
+    "copy_runs_on_threads",
     "copy_sources",
     "copy_storage_into",
     "copy_storages_into",
@@ -323,7 +324,14 @@ def copy_cpu_storages(
     jobs = list(zip(map(base.__add__, offsets), ptrs, sizes, strict=True))
     if 0 in sizes:  # an empty storage may have no address at all: nothing to copy
         jobs = [job for job in jobs if job[2]]
-    total = sum(sizes)
+    copy_runs_on_threads(jobs)
+
+
+def copy_runs_on_threads(jobs: list[tuple[int, int, int]]) -> None:
+    """Copy each ``(dst, src, nbytes)`` run (addresses, none empty, no two destinations
+    overlapping; the caller has checked every one) on the copy threads, in shares of about
+    equal bytes, as a save copies its storages."""
+    total = sum(job[2] for job in jobs)
     threads = _threads_for(total)
     # Many more pieces than threads, each thread taking the next one: a thread that the node's
     # other work (the daemon refilling its pool, say) deschedules holds up one piece, not half.
