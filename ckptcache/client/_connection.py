@@ -13,6 +13,7 @@ import json
 import os
 import socket
 import threading
+import weakref
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -84,7 +85,10 @@ class Connection:
         self.pid = os.getpid()
         self.segments_dir = ""
         self.node_id = ""
-        self._pending_release: list[tuple[int, int]] = []
+        #: The pins each mapping holds, by a weak reference to it (see :meth:`release_with`).
+        self._pins: dict[weakref.ref[Any], tuple[int, int]] = {}
+        #: The references whose mapping is gone: their pins go with the next request.
+        self._unmapped: list[weakref.ref[Any]] = []
         self._waiter: Connection | None = None
         self._waiter_lock = threading.Lock()
         self.forked: Callable[[], None] = self.disown
@@ -107,7 +111,6 @@ class Connection:
         )
         self._socket = sock
         self.epoch += 1
-        self._pending_release = []
         hello = self.request(
             "hello",
             m.HelloRequest(m.PROTOCOL_VERSION, os.getpid(), settings.namespace),
@@ -167,11 +170,13 @@ class Connection:
                 self._waiter = Connection(self.settings)
             return self._waiter
 
-    def release_later(self, lease: int) -> Callable[[], None]:
-        """What a mapping's finalizer runs to release ``lease`` (taken on this connection)."""
-        epoch = self.epoch
-        # Runs from a GC finalizer: it must not touch the connection, only queue the lease.
-        return lambda: self._pending_release.append((epoch, lease))
+    def release_with(self, mapping: object, lease: int, epoch: int) -> None:
+        """Release ``lease`` (taken on connection ``epoch``) once ``mapping`` is garbage, with
+        the next request. The callback is ``list.append``, run by the collector in C: a
+        Python finalizer could be cut short by a signal's exception landing in it (Ctrl-C at
+        the moment the last tensor of a load goes), and the pin would stay for the life of
+        the connection."""
+        self._pins[weakref.ref(mapping, self._unmapped.append)] = (epoch, lease)
 
     def seg_path(self, name: str) -> str:
         """The file of the daemon's segment ``name``."""
@@ -196,10 +201,19 @@ class Connection:
             sock.close()
 
     def _flush_releases(self) -> None:
-        pending, self._pending_release = self._pending_release, []
-        leases = tuple(lease for epoch, lease in pending if epoch == self.epoch)
+        # Nothing is forgotten before the request is answered: a signal's exception landing
+        # before it leaves every pin to the next request, one inside it ends the connection
+        # (and the pins with it), one after it sends some again (the daemon ignores a lease
+        # it no longer has).
+        unmapped = self._unmapped
+        gone = unmapped[:]
+        pins = [self._pins.get(ref) for ref in gone]
+        leases = tuple(pin[1] for pin in pins if pin is not None and pin[0] == self.epoch)
         if leases:
             self.request("release", m.ReleaseRequest(leases))
+        for ref in gone:
+            self._pins.pop(ref, None)
+        del unmapped[: len(gone)]
 
     def close_waiter(self) -> None:
         """Close the second connection, if one was made."""
@@ -232,6 +246,7 @@ class Connection:
     def disown(self) -> None:
         """Forked: the parent's socket is not ours to use or close, nor its pins to release."""
         make_inert(self.rpc)
-        self.rpc, self._pending_release = None, []
+        self.rpc = None
+        self._pins, self._unmapped = {}, []
         self._socket = None  # closed in this process alone once collected, never shut down
         self.pid = os.getpid()

@@ -13,6 +13,7 @@ The order of a load:
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from dataclasses import dataclass
@@ -77,12 +78,12 @@ class Loads:
             ahead=ahead,
         )  # fmt: skip
         try:
-            reply = self._connection.call("open", request, m.OpenReply)
+            reply, mapping = self._open(request)
         except (CheckpointNotFound, DaemonUnavailable, CoordinatorUnavailable) as e:
             return self._load_file(path, options, e)
         log.debug("load of %s served from the %s tier", path, reply.tier)
         try:
-            return self._load_segment(reply, options)
+            return self._load_segment(reply, mapping, options)
         except CorruptCheckpoint as e:
             usable = self._file_not_older_than(path, reply.generation)
             report = m.ReportCorruptRequest(
@@ -107,17 +108,33 @@ class Loads:
         """See :meth:`Client.map_local` (``path`` normalized; ``ahead`` as for :meth:`load`)."""
         namespace, wait = self._settings.namespace, self._settings.server_wait()
         request = m.OpenRequest(namespace, path, timeout=wait, ahead=ahead)
-        reply = self._connection.call("open", request, m.OpenReply)
-        return self._map(reply), reply
+        reply, mapping = self._open(request)
+        return mapping, reply
 
-    def _map(self, reply: m.OpenReply) -> Mapping:
-        """The pinned segment of ``reply``, mapped copy-on-write; its pin goes with it."""
+    def _open(self, request: m.OpenRequest) -> tuple[m.OpenReply, Mapping]:
+        """The daemon's reply to ``request`` and the pinned segment it names, mapped
+        copy-on-write; the pin goes once the mapping is garbage. A failure after the pin was
+        taken releases it; a signal's exception (Ctrl-C) ends the connection, and the pin with
+        it, wherever it lands between the request and the mapping's registration."""
         from ckptcache.codec.shm import map_private
 
-        return map_private(
-            self._connection.seg_path(reply.segment), reply.size,
-            self._connection.release_later(reply.lease), hold_lock=True,
-        )  # fmt: skip
+        connection = self._connection
+        reply = None
+        try:
+            reply = connection.call("open", request, m.OpenReply)
+            epoch = connection.epoch
+            mapping = map_private(connection.seg_path(reply.segment), reply.size, hold_lock=True)
+            connection.release_with(mapping, reply.lease, epoch)
+            return reply, mapping
+        except Exception:
+            if reply is not None:
+                with contextlib.suppress(errors.CkptCacheError):
+                    connection.call("release", m.ReleaseRequest((reply.lease,)))
+            raise
+        except BaseException:
+            with connection.lock:
+                connection.drop()
+            raise
 
     def _file_not_older_than(self, path: str, generation: int) -> bool:
         """Whether the file at ``path`` holds generation ``generation`` or a later save, as
@@ -143,13 +160,12 @@ class Loads:
         # Commit times travel as float seconds (exact to about 0.2 us at today's dates).
         return stamp is not None and stamp >= round(info.committed * 1e9) - 1_000
 
-    def _load_segment(self, reply: m.OpenReply, options: LoadOptions) -> Any:
-        """The object of the segment ``reply`` names, its digests checked first where
-        ``options.verify`` is True."""
+    def _load_segment(self, reply: m.OpenReply, mapping: Mapping, options: LoadOptions) -> Any:
+        """The object of the segment ``reply`` names (mapped as ``mapping``), its digests
+        checked first where ``options.verify`` is True."""
         from ckptcache.codec.gpu.copy import device_target
         from ckptcache.codec.objectio import read_object
 
-        mapping = self._map(reply)
         zero_copy = options.mmap is not False
         if not zero_copy and device_target(options.map_location) is None:
             from ckptcache.codec.shm import private_copy

@@ -60,16 +60,16 @@ class _Staging:
 
 
 class _Lease:
-    """The daemon's lease on one staging copy, released by :meth:`Staged.release`, or by the
-    mapping's finalizer when every staged tensor is gone, whichever comes first.
+    """The daemon's lease on one staging copy, released by :meth:`Staged.release`, or with
+    the next request once every staged tensor is gone (:meth:`Connection.release_with`),
+    whichever comes first.
 
-    No lock: the finalizer may run inside any allocation of the thread that holds one. Two
-    threads racing may both send the release; the daemon ignores a lease it no longer has."""
+    Two threads racing may both send the release; the daemon ignores a lease it no longer
+    has."""
 
     def __init__(self, connection: Connection, lease: int, epoch: int):
         self._connection, self._lease, self._epoch = connection, lease, epoch
         self._done = False
-        self._later = connection.release_later(lease)
 
     def _take(self) -> bool:
         done, self._done = self._done, True
@@ -89,11 +89,6 @@ class _Lease:
                 connection.call("release", m.ReleaseRequest((self._lease,)))
         except errors.CkptCacheError:
             pass  # the daemon went away: it drops what a lost connection held
-
-    def on_unmap(self) -> None:
-        """The mapping is gone (a GC finalizer: only queue the release, send nothing)."""
-        if self._take():
-            self._later()
 
 
 class Staged:
@@ -171,7 +166,7 @@ class Stager:
         try:
             # The spares are mapped afresh once the copy is given back (off the stall: a
             # spare the daemon made for the next new path).
-            views = _views(self._map(staging, lease.on_unmap), staging, items)
+            views = _views(self._map(staging), staging, items)
             return Staged(views, lease, self._spares.refresh)
         except BaseException:
             lease.release_now()
@@ -219,11 +214,13 @@ class Stager:
         # from the trainer inside the stall; the release of the copy refreshes instead.
         return _Staging(reply.segment, reply.capacity, held.lease, epoch, flat, plan)
 
-    def _map(self, staging: _Staging, on_unmap: Callable[[], None]) -> Any:
+    def _map(self, staging: _Staging) -> Any:
         from ckptcache.codec.shm import map_private
 
         path = self._connection.seg_path(staging.segment)
-        return map_private(path, staging.capacity, on_unmap, hold_lock=True)
+        mapping = map_private(path, staging.capacity, hold_lock=True)
+        self._connection.release_with(mapping, staging.lease, staging.epoch)
+        return mapping
 
 
 def _views(mapping: Any, staging: _Staging, items: list[torch.Tensor]) -> list[torch.Tensor]:

@@ -72,7 +72,7 @@ _REGIONS = 64
 
 def _extension() -> ctypes.CDLL | None:
     try:
-        from ckptcache.client import _pagescan
+        import ckptcache.client._pagescan as _pagescan
     except ImportError:  # not built here (no C compiler at install): the loop in Python
         return None
     lib = ctypes.CDLL(_pagescan.__file__)

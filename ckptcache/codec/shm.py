@@ -20,7 +20,6 @@ import mmap
 import operator
 import os
 import threading
-import weakref
 from collections.abc import Callable, Iterator, Sequence
 from typing import TypeVar
 
@@ -110,36 +109,25 @@ def populate_in_parallel(mapping: mmap.mmap) -> None:
         del view
 
 
-def map_private(
-    path: str,
-    size: int,
-    on_unmap: Callable[[], None] | None = None,
-    *,
-    hold_lock: bool = False,
-) -> Mapping:
-    """Map ``path`` copy-on-write; ``on_unmap`` runs once nothing references the mapping.
+def map_private(path: str, size: int, *, hold_lock: bool = False) -> Mapping:
+    """Map ``path`` copy-on-write.
 
     ``hold_lock`` keeps a shared ``flock`` on the file for as long as the mapping lives (the
     kernel drops it if the process dies): the daemon never reuses a segment someone still
     maps (see ``ckptcache.server.memory.arena.mapped_by_others``), whatever happened to the
-    client's connection.
+    client's connection. The lock is held by the mapping's own descriptor (an ``mmap``
+    keeps a duplicate of the one it was made from, and closes it when it is freed), so no
+    Python finalizer has to run for it to go: a signal's exception landing in one would
+    have left it held for the life of the process.
     """
     fd = _open(path, False)
     try:
         if hold_lock:
             fcntl.flock(fd, fcntl.LOCK_SH)
         # PROT_WRITE on a MAP_PRIVATE mapping of a read-only fd is allowed: writes stay private.
-        mapping = Mapping(fd, size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
-    except BaseException:
+        return Mapping(fd, size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    finally:
         os.close(fd)
-        raise
-    if hold_lock:
-        weakref.finalize(mapping, os.close, fd)  # closing the fd releases the lock
-    else:
-        os.close(fd)
-    if on_unmap is not None:
-        weakref.finalize(mapping, on_unmap)
-    return mapping
 
 
 def bytes_of(storage: torch.UntypedStorage) -> torch.Tensor:

@@ -8,9 +8,12 @@ signal landing in the test's loop would end the test instead of the operation.""
 from __future__ import annotations
 
 import gc
+import os
 import random
 import signal
+import sys
 import time
+import weakref
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import FrameType
@@ -115,11 +118,12 @@ def test_ctrl_c_after_the_reservation_gives_its_memory_back(
 def test_a_storm_of_ctrl_c_across_saves_loads_and_waits(
     persisting: DaemonProc, tmp_path: Path, sigalrm_interrupts: None
 ):
-    """200 saves, loads and waits, each with a SIGALRM at a random moment of its run raising
+    """200 saves, loads, loads into given tensors and waits, each with a SIGALRM at a random moment of its run raising
     ``KeyboardInterrupt``: afterwards the collector is on, no reservation is open, every
     segment is free once the objects are deleted, and every call works."""
     paths = [str(tmp_path / "ckpt" / f"{i}.pt") for i in range(3)]
     state = _state()
+    live = {k: torch.zeros_like(v) for k, v in state.items()}  # a trainer's own tensors
     rng = random.Random(43)
     interrupted = 0
     with persisting.client(timeout=10) as c:
@@ -134,8 +138,9 @@ def test_a_storm_of_ctrl_c_across_saves_loads_and_waits(
             run: Callable[[], Any] = (
                 lambda p=path: c.save(state, p),
                 lambda p=path: c.load(p),
+                lambda p=path: c.load_into(p, live),
                 lambda p=path: c.wait(p, timeout=10),
-            )[i % 3]
+            )[i % 4]
             try:
                 signal.setitimer(signal.ITIMER_REAL, rng.uniform(0.0001, span))
                 _operation(run)
@@ -151,6 +156,8 @@ def test_a_storm_of_ctrl_c_across_saves_loads_and_waits(
         state["w1"].fill_(-1.0)
         c.save(state, paths[0], durability="persisted")
         assert_same(c.load(paths[0]), state)
+        assert_same(c.load_into(paths[0], live), state)
+        assert_same(live, state)
         c.wait(prefix=str(tmp_path / "ckpt"), timeout=30)
         assert_same(torch.load(paths[0], weights_only=True), state)
         gc.collect()  # the loads' mappings, kept by the tracebacks of their interrupts
@@ -162,3 +169,59 @@ def test_a_storm_of_ctrl_c_across_saves_loads_and_waits(
         lambda: (lambda s: s.segments == s.free_segments)(persisting.status()),
         timeout=10, what="every segment free",
     )  # fmt: skip
+
+
+def _raise_in_finalizers(frame: FrameType, event: str, arg: Any) -> None:
+    """A Ctrl-C in every call of a finalizer (``weakref.finalize``) or of ckptcache's code;
+    other code the collection runs (the standard library's weak sets) is left alone."""
+    name = frame.f_code.co_filename
+    if event == "call" and (name == weakref.__file__ or f"{os.sep}ckptcache{os.sep}" in name):
+        raise KeyboardInterrupt
+
+
+def test_a_ctrl_c_as_a_loads_mapping_is_collected_leaves_no_pin(daemon: DaemonProc):
+    """The collection of a load's mapping runs no Python code a signal's exception could cut
+    short: a raise in every finalizer and every call of ours made while the last tensor goes
+    does not keep the generation pinned (nor the segment locked) for the life of the
+    connection."""
+    state = _state()
+    path = "/interrupts/collected.pt"
+    with daemon.client() as c:
+        c.save(state, path, durability="memory")
+        for _ in range(3):
+            loaded = c.load(path)
+            assert c.status(path).pins >= 1
+            gc.collect()  # what else is garbage goes first, untraced
+            sys.settrace(_raise_in_finalizers)
+            try:
+                del loaded  # the last reference to the mapping
+                gc.collect()  # and whatever cycle held it: collected here, traced
+            finally:
+                sys.settrace(None)
+        # The releases go with the next request (the client's own reading ahead may hold a
+        # pin of its own for a moment).
+        wait_until(lambda: c.status(path).pins == 0, timeout=10, what="every pin released")
+        assert_same(c.load_into(path, {k: torch.zeros_like(v) for k, v in state.items()}), state)
+
+
+@pytest.mark.parametrize("raised", [KeyboardInterrupt, OSError])
+def test_a_load_whose_mapping_fails_leaves_no_pin(
+    daemon: DaemonProc, monkeypatch: pytest.MonkeyPatch, raised: type[BaseException]
+):
+    """Between the daemon's reply (the pin taken) and the mapping's registration: an error
+    releases the pin, a signal's exception ends the connection (and the pin with it)."""
+    from ckptcache.codec import shm
+
+    path = "/interrupts/unmapped.pt"
+    with daemon.client() as c:
+        c.save(_state(), path, durability="memory")
+
+        def failing(*args: Any, **kwargs: Any) -> Any:
+            raise raised("mapping failed")
+
+        monkeypatch.setattr(shm, "map_private", failing)
+        with pytest.raises(raised):
+            c._loads.map_local(path)  # type: ignore[attr-defined]
+        monkeypatch.undo()
+        wait_until(lambda: c.status(path).pins == 0, timeout=10, what="the pin released")
+        assert_same(c.load(path), _state())
