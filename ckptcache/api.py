@@ -144,7 +144,9 @@ def load_into(
     :class:`~ckptcache.errors.StateMismatch` naming it, and nothing is written. Returns the
     loaded object with those tensors replaced by ``into``'s; its other values are as
     :func:`load` returns them (tensors ``into`` does not name are zero-copy views).
-    ``weights_only`` and ``verify`` are :func:`load`'s.
+    ``weights_only`` and ``verify`` are :func:`load`'s. ``into`` with no tensor at all (a
+    module rather than its ``state_dict()``) raises :class:`TypeError` before anything is
+    read.
     """
     return default_client().load_into(path, into, weights_only=weights_only, verify=verify)
 

@@ -229,8 +229,9 @@ class Client:
     ) -> Any:
         """Load the newest generation of ``path`` into the tensors of ``into`` (see
         :func:`ckptcache.load_into`)."""
-        from ckptcache.client._into import fill
+        from ckptcache.client._into import check, fill
 
+        check(into)
         return fill(into, self.load(path, weights_only=weights_only, verify=verify))
 
     def map_local(self, path: Any) -> tuple[Mapping, m.OpenReply]:

@@ -26,9 +26,20 @@ import torch
 from ckptcache.codec.shm import copy_runs_on_threads
 from ckptcache.errors import StateMismatch
 
-__all__ = ["fill"]
+__all__ = ["check", "fill"]
 
 _Pair = tuple[str, torch.Tensor, torch.Tensor]  # key path, destination, source
+
+
+def check(into: Any) -> None:
+    """Raise :class:`TypeError` where ``into`` holds no tensor to fill (a module given for
+    its state dict, say): a load would fill nothing."""
+    if next(_tensors(into, ""), None) is None:
+        hint = " (pass module.state_dict())" if isinstance(into, torch.nn.Module) else ""
+        raise TypeError(
+            "load_into fills the tensors held by dicts, lists and tuples; the "
+            f"{type(into).__name__} given holds none{hint}"
+        )
 
 
 def fill(into: Any, loaded: Any) -> Any:

@@ -158,3 +158,13 @@ def test_a_path_nobody_saved_raises_not_found(daemon, tmp_path):
     with daemon.client() as c, pytest.raises(ckptcache.CheckpointNotFound):
         c.load_into(str(tmp_path / "nothing.pt"), live)
     assert torch.equal(live["w"], torch.zeros(10))
+
+
+@pytest.mark.parametrize("into", [torch.nn.Linear(4, 4), {"step": 3}, None], ids=repr)
+def test_something_with_no_tensor_to_fill_is_a_type_error(daemon, tmp_path, into):
+    """A module given for its state dict would fill nothing: named before anything is read."""
+    with daemon.client() as c, pytest.raises(TypeError) as raised:
+        c.load_into(str(tmp_path / "never-saved.pt"), into)
+    assert "holds none" in str(raised.value)
+    if isinstance(into, torch.nn.Module):
+        assert "state_dict()" in str(raised.value)
