@@ -232,7 +232,10 @@ class Client:
         from ckptcache.client._into import check, fill
 
         check(into)
-        return fill(into, self.load(path, weights_only=weights_only, verify=verify))
+        # Mapped, never read into fresh memory: a stored file is checked through its mapping
+        # (page cache), a cached copy is the segment; the fill is the one copy.
+        loaded = self.load(path, weights_only=weights_only, mmap=True, verify=verify)
+        return fill(into, loaded)
 
     def map_local(self, path: Any) -> tuple[Mapping, m.OpenReply]:
         """Pin the newest generation of ``path`` and map its segment (read-only for the

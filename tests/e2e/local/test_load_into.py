@@ -168,3 +168,21 @@ def test_something_with_no_tensor_to_fill_is_a_type_error(daemon, tmp_path, into
     assert "holds none" in str(raised.value)
     if isinstance(into, torch.nn.Module):
         assert "state_dict()" in str(raised.value)
+
+
+def test_a_damaged_file_raises_and_writes_nothing(daemon, tmp_path):
+    """A stored file is checked (zip CRC-32 of every record) before the first tensor is
+    filled: a flipped byte in a tensor's bytes raises, and the trainer's tensors are as
+    they were."""
+    path = tmp_path / "plain.pt"
+    weight = torch.arange(256 * 1024, dtype=torch.float32)
+    torch.save({"w": weight}, path)
+    data = bytearray(path.read_bytes())
+    at = data.find(weight[1000:1004].numpy().tobytes())
+    assert at > 0
+    data[at] ^= 0xFF
+    path.write_bytes(bytes(data))
+    live = {"w": torch.zeros(256 * 1024)}
+    with daemon.client() as c, pytest.raises(ckptcache.CorruptCheckpoint):
+        c.load_into(str(path), live)
+    assert torch.equal(live["w"], torch.zeros(256 * 1024))
