@@ -97,6 +97,12 @@ def _pairs(into: Any, loaded: Any, where: str) -> Iterator[_Pair]:
                 "where a tensor was given to fill",
                 tensor=where,
             )
+        if into.is_meta:
+            raise StateMismatch(
+                f"{where or 'the object'}: a tensor on the meta device has no memory to fill "
+                "(materialize the model first, e.g. Module.to_empty)",
+                tensor=where,
+            )
         if into.shape != loaded.shape or into.dtype != loaded.dtype:
             raise StateMismatch(
                 f"{where or 'the object'}: the checkpoint's tensor is "

@@ -55,8 +55,9 @@ def tensors(obj, where=""):
 
 
 def snapshot(obj) -> dict[str, bytes]:
-    return {k: t.contiguous().view(torch.uint8).numpy().tobytes() if t.dim() else
-            t.reshape(1).view(torch.uint8).numpy().tobytes() for k, t in tensors(obj)}  # fmt: skip
+    """Every tensor's bytes by key path (a meta tensor, which has none: its shape)."""
+    return {k: str(t.shape).encode() if t.is_meta else t.reshape(-1).view(torch.uint8).numpy().tobytes()
+            for k, t in tensors(obj)}  # fmt: skip
 
 
 @pytest.mark.parametrize("where", ["memory", "file"])
@@ -126,6 +127,10 @@ MISFITS = {
     ),
     "dtype": (lambda s: s["model"].__setitem__("positions", torch.zeros(4096)), "model.positions"),
     "not a tensor": (lambda s: s.__setitem__("epoch", torch.zeros(1)), "epoch"),
+    "meta device": (
+        lambda s: s["model"].__setitem__("weight", torch.empty(2 * MIB // 4, device="meta")),
+        "model.weight",
+    ),
 }
 
 
