@@ -115,20 +115,24 @@ def _pairs(into: Any, loaded: Any, where: str) -> Iterator[_Pair]:
         for key, value in into.items():
             at = f"{where}.{key}" if where else str(key)
             if not isinstance(loaded, Mapping) or key not in loaded:
-                missing = next(_tensors(value, at), None)
-                if missing is not None:
-                    raise StateMismatch(f"{missing}: not in the checkpoint", tensor=missing)
+                _none_to_fill(value, at)
                 continue
             yield from _pairs(value, loaded[key], at)
     elif isinstance(into, (list, tuple)):
         for index, value in enumerate(into):
             at = f"{where}.{index}" if where else str(index)
             if not isinstance(loaded, (list, tuple)) or index >= len(loaded):
-                missing = next(_tensors(value, at), None)
-                if missing is not None:
-                    raise StateMismatch(f"{missing}: not in the checkpoint", tensor=missing)
+                _none_to_fill(value, at)
                 continue
             yield from _pairs(value, loaded[index], at)
+
+
+def _none_to_fill(value: Any, where: str) -> None:
+    """Raise :class:`StateMismatch` where ``value`` (at ``where``, absent from the checkpoint)
+    holds a tensor to fill."""
+    missing = next(_tensors(value, where), None)
+    if missing is not None:
+        raise StateMismatch(f"{missing}: not in the checkpoint", tensor=missing)
 
 
 def _tensors(obj: Any, where: str) -> Iterator[str]:

@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from ckptcache.client._watch import PAGE, WriteWatch, edges_equal
+from ckptcache.client._watch import PAGE, WriteWatch, edges_equal, interior
 
 if TYPE_CHECKING:
     import mmap
@@ -87,10 +87,6 @@ class _Held:
     token: int
     save: int
     offsets: dict[_Key, int] = field(default_factory=dict)
-
-
-def _interior(address: int, nbytes: int) -> tuple[int, int]:
-    return -(-address // PAGE) * PAGE, (address + nbytes) // PAGE * PAGE
 
 
 class Unchanged:
@@ -180,7 +176,7 @@ class Unchanged:
         anonymous memory); returns the keys watched."""
         keys = [k for k in keys if self._resting.get(k, 0) <= save]
         keys = keys[: max(0, MAX_WATCHED - len(self._watched))]
-        ranges = [_interior(*k) for k in keys]
+        ranges = [interior(*k) for k in keys]
         watched = {k for k, ok in zip(keys, watch.watch(ranges), strict=True) if ok}
         for key, (start, end) in zip(keys, ranges, strict=True):
             if key in watched:
@@ -329,7 +325,7 @@ def _candidates(addresses: np.ndarray, sizes: np.ndarray) -> dict[_Key, int]:
     spans: list[tuple[int, int, _Key]] = []
     for index in np.flatnonzero(sizes >= MIN_BYTES + 2 * PAGE).tolist():
         key = (int(addresses[index]), int(sizes[index]))
-        start, end = _interior(*key)
+        start, end = interior(*key)
         if key in found:  # one storage twice: its second copy goes whole
             found.pop(key)
             continue

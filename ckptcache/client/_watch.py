@@ -40,7 +40,7 @@ import threading
 
 import numpy as np
 
-__all__ = ["PAGE", "SCAN_IMPLEMENTATION", "WriteWatch", "edges_equal"]
+__all__ = ["PAGE", "SCAN_IMPLEMENTATION", "WriteWatch", "edges_equal", "interior"]
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
 
@@ -96,6 +96,12 @@ _memcmp.argtypes = (ctypes.c_size_t, ctypes.c_size_t, ctypes.c_size_t)
 _memcmp.restype = ctypes.c_int
 
 
+def interior(address: int, nbytes: int) -> tuple[int, int]:
+    """The whole pages of the ``nbytes`` at ``address``: the part of a storage that is
+    watched (its partial first and last pages may be shared with other allocations)."""
+    return -(-address // PAGE) * PAGE, (address + nbytes) // PAGE * PAGE
+
+
 def edges_equal(rows: list[tuple[int, int, int]]) -> list[bool]:
     """For each ``(held, address, nbytes)``: whether the storage of ``nbytes`` at ``address``
     has the bytes at ``held`` (an address in a mapping of at least ``nbytes``) on its partial
@@ -111,7 +117,7 @@ def edges_equal(rows: list[tuple[int, int, int]]) -> list[bool]:
 
 
 def _edges_equal(held: int, address: int, nbytes: int) -> bool:
-    start, end = -(-address // PAGE) * PAGE, (address + nbytes) // PAGE * PAGE
+    start, end = interior(address, nbytes)
     head, tail = start - address, address + nbytes - end
     return _memcmp(held, address, head) == 0 and _memcmp(held + nbytes - tail, end, tail) == 0
 

@@ -10,8 +10,7 @@ import os
 import pytest
 import torch
 
-from ckptcache.client._unchanged import _interior
-from ckptcache.client._watch import PAGE, WriteWatch
+from ckptcache.client._watch import PAGE, WriteWatch, interior
 
 MiB = 1 << 20
 
@@ -26,7 +25,7 @@ def watch():
 
 def watched(watch: WriteWatch, tensor: torch.Tensor) -> tuple[int, int]:
     storage = tensor.untyped_storage()
-    start, end = _interior(storage.data_ptr(), storage.nbytes())
+    start, end = interior(storage.data_ptr(), storage.nbytes())
     assert watch.watch([(start, end)]) == [True]
     first = watch.written(start, end)
     assert first is not None and sum(e - s for s, e in first) == end - start  # all, at first
@@ -125,7 +124,7 @@ def test_only_private_anonymous_memory_is_watched(watch, tmp_path):
     path.write_bytes(b"\0" * 4 * MiB)
     mapped = torch.from_file(str(path), shared=False, size=MiB, dtype=torch.float32)
     private = torch.ones(4 * MiB // 4)
-    ranges = [_interior(t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
+    ranges = [interior(t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
               for t in (shared, mapped, private)]  # fmt: skip
     assert watch.watch(ranges) == [False, False, True]
 
