@@ -304,8 +304,10 @@ def main() -> None:
 
     largest = max(args.base + 96, 64 * args.expert + 16) * MiB
     limit = -(-4 * largest // GiB)
+    from ckptcache.client._watch import SCAN_IMPLEMENTATION
+
     print(f"load average {os.getloadavg()[0]:.1f}, {os.cpu_count()} cores, "
-          f"daemon budget {limit} GiB\n", flush=True)  # fmt: skip
+          f"daemon budget {limit} GiB, scans: {SCAN_IMPLEMENTATION}\n", flush=True)  # fmt: skip
     results: dict[tuple[str, bool], list[dict]] = {}
     t_start = time.perf_counter()
     with running_daemon("--memory-limit", f"{limit}GiB", "--memory-only", "allow") as d:

@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from ckptcache._signals import signals_deferred
 from ckptcache.codec.shm import copy_runs_on_threads
 from ckptcache.errors import StateMismatch
 
@@ -49,8 +50,11 @@ def fill(into: Any, loaded: Any) -> Any:
     pairs = list(_pairs(into, loaded, ""))
     fast, slow = _by_path(pairs)
     if fast:
-        copy_runs_on_threads([(d, s, n) for d, s, n, _ in fast])
-        torch.autograd.graph.increment_version([t for *_, t in fast])  # as copy_ would
+        # One step for a signal's exception: bytes changed with no version moved would hide
+        # the write from what reads version counters (a non-blocking save's mutation check).
+        with signals_deferred():
+            copy_runs_on_threads([(d, s, n) for d, s, n, _ in fast])
+            torch.autograd.graph.increment_version([t for *_, t in fast])  # as copy_ would
     with torch.no_grad():
         for dst, src in slow:
             dst.copy_(src)
