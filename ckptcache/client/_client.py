@@ -32,7 +32,6 @@ stops training unless ``fallback="raise"`` asks for it.
 from __future__ import annotations
 
 import builtins
-import functools
 import sys
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
@@ -99,9 +98,6 @@ class Client:
         self._connection, self._spares, self._saves = parts.connection, parts.spares, parts.saves
         self._loads, self._queries, self._waits = parts.loads, parts.queries, parts.waits
         self._stager = parts.stager
-        # A structure this client has not planned yet may take the plan the daemon keeps,
-        # from the segment of an earlier save (mapped as a load maps it).
-        self._saves.map_stored = functools.partial(parts.loads.map_local, ahead=True)
         if "torch" in sys.modules:
             self._start_early()
 

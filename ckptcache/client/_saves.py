@@ -118,9 +118,6 @@ class Saves:
         self._executor_lock = threading.Lock()
         #: Save plans by structure (made at the first save: it needs torch).
         self._plans: PlanCache | None = None
-        #: Maps the newest generation of a path (:meth:`ckptcache.client._loads.Loads.
-        #: map_local`): where :meth:`stored_plan` reads a plan the daemon keeps.
-        self.map_stored: Callable[[str], tuple[Mapping, m.OpenReply]] | None = None
         #: The structures whose plan was asked of the daemon (once each).
         self._asked: set[str] = set()
         #: Plans the daemon keeps, read before the first save (:meth:`read_ahead`), by
@@ -227,8 +224,6 @@ class Saves:
         daemon that is gone or hung (the save's ``reserve`` makes that one, as before).
         ``wait=False`` (the caller of a non-blocking save, who must not wait behind a save in
         flight: it holds the connection to its commit): only where the connection is free."""
-        if self.map_stored is None:
-            return None
         lock = self._connection.lock
         if wait:
             # On a first contact the spare thread is making the connection (the reserve
@@ -258,19 +253,17 @@ class Saves:
         if ahead is not None:  # read before this save: only its check is left
             read, kept = ahead
             return checked(read, key, kept.ints, kept.check)
-        assert self.map_stored is not None
         try:
             request = m.FindPlanRequest(self._settings.namespace, digest)
             kept = self._connection.call("find_plan", request, m.FindPlanReply)
-            if not kept.path:
-                return None
-            mapping, opened = self.map_stored(kept.path)
         except errors.CkptCacheError:  # gone meanwhile, an older daemon: plan afresh
             return None
-        # The mapping and its pin go with the last reference, once the plan is read.
+        if not kept.segment:  # none kept, or its path no longer here
+            return None
         return plan_from_segment(
-            mapping, opened.manifest_offset, opened.manifest_size, key, kept.ints, kept.check
-        )
+            self._maps.seg_path(kept.segment), kept.manifest_offset, kept.manifest_size, key,
+            kept.ints, kept.check,
+        )  # fmt: skip
 
     def read_ahead(self) -> None:
         """Read, on a thread of its own, the newest plans the daemon keeps for this user
@@ -279,7 +272,7 @@ class Saves:
         spare thread's contact, reads at most four, and ends; a save never waits for it, and
         stops it after the plan in hand."""
         with self._executor_lock:
-            if self._ahead_thread is not None or self.map_stored is None:
+            if self._ahead_thread is not None:
                 return
             self._ahead_thread = StoppableThread(
                 self._read_ahead, "ckptcache-plans-ahead", self._ahead_stop.set
@@ -293,7 +286,6 @@ class Saves:
             return
         if self._ahead_stop.is_set() or self._connection.rpc is None:
             return  # closing, or no daemon reached: no attempt of our own
-        assert self.map_stored is not None
         try:
             request = m.ListPlansRequest(self._settings.namespace)
             kept = self._connection.call("list_plans", request, m.ListPlansReply).plans
@@ -302,17 +294,14 @@ class Saves:
         for plan in kept:
             if self._ahead_stop.is_set():
                 return
-            try:
-                mapping, opened = self.map_stored(plan.path)
-            except errors.CkptCacheError:
+            if not plan.segment:  # its path no longer here
                 continue
             try:
-                read = read_ahead(mapping, opened.manifest_offset, opened.manifest_size)
+                segment = self._maps.seg_path(plan.segment)
+                read = read_ahead(segment, plan.manifest_offset, plan.manifest_size)
             except Exception as e:  # reading ahead only saves time: the save asks itself
                 log.debug("plan of %s not read ahead: %s", plan.path, e)
                 continue
-            finally:
-                del mapping  # and its pin
             if read is not None:
                 with self._executor_lock:
                     if plan.structure not in self._asked:

@@ -546,21 +546,31 @@ class FindPlanRequest:
 @message
 class FindPlanReply:
     """The path whose newest generation holds the plan (``""``: none kept), and what the
-    client that kept it sent with it."""
+    client that kept it sent with it; where that generation lies on this node (its segment,
+    ``""`` where this node holds none the asking user may load, and its manifest), for the
+    client to read the plan from the segment's file."""
 
     path: str = ""
     check: str = ""
     ints: tuple[int, ...] = ()
+    segment: str = ""
+    manifest_offset: int = 0
+    manifest_size: int = 0
 
 
 @message
 class KeptPlan:
-    """One structure's plan as kept (``keep_plan``): where it lies and its check."""
+    """One structure's plan as kept (``keep_plan``): where it lies (its path, and the segment
+    and manifest of that path's newest generation, as in :class:`FindPlanReply`) and its
+    check."""
 
     structure: str
     path: str
     check: str
     ints: tuple[int, ...] = ()
+    segment: str = ""
+    manifest_offset: int = 0
+    manifest_size: int = 0
 
 
 @message

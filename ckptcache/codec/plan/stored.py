@@ -8,12 +8,14 @@ an earlier save of the same structure holds that plan already: its skeleton, its
 and its storages' records. So the client that plans a structure afresh tells the daemon where
 the plan lies once its save is committed (``keep_plan``: :func:`structure_digest` of the
 compiled walk's key, and :func:`plan_check`); the first save of a later trainer of the same
-user whose walk gives the same key asks where it lies (``find_plan``), maps that segment and
-reads the plan from it (:func:`plan_from_segment`); only the archive's layout and manifest
-are made afresh.
+user whose walk gives the same key asks where it lies (``find_plan``: the path, and the
+segment of its newest generation) and reads the plan from that segment's file
+(:func:`plan_from_segment`: two ``pread``, no mapping, no pin); only the archive's layout and
+manifest are made afresh.
 
 What is read is never taken on trust (the segment may hold a newer save of another
-structure, or bytes written over, or a save of another release of this package):
+structure, or bytes written over, or a save of another release of this package, or have
+been reused or cut while it was read):
 :func:`plan_check` is a digest over the package's release, the save's own key and the
 integers it holds by width, the skeleton, the tensor table and every storage's record, and
 the plan is used only where the digest of what the segment holds, with the save's own key,
@@ -26,7 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import mmap
+import os
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -121,33 +123,46 @@ def record_columns(infos: Sequence[StorageInfo]) -> tuple[list[Any], ...]:
     )  # fmt: skip
 
 
-def read_plan(mapping: mmap.mmap, manifest_offset: int, manifest_size: int) -> SegmentPlan | None:
-    """The plan the segment in ``mapping`` holds (its manifest at ``manifest_offset``), not
-    checked; ``None`` where it cannot be read (raises nothing a damaged segment causes)."""
+def read_plan(segment: str, manifest_offset: int, manifest_size: int) -> SegmentPlan | None:
+    """The plan the segment file ``segment`` holds (its manifest at ``manifest_offset``), not
+    checked; ``None`` where it cannot be read (raises nothing a damaged, reused, cut or
+    removed segment causes). Read with ``pread``: a mapping would take the process's
+    address-space lock, which a trainer's first save shares with the thread mapping its
+    spare segment."""
     try:
-        view = memoryview(mapping)
+        fd = os.open(segment, os.O_RDONLY | os.O_CLOEXEC)
         try:
-            manifest = Manifest.from_json(
-                view[manifest_offset : manifest_offset + manifest_size],
-                segment_size=len(mapping), keep_columns=True,
-            )  # fmt: skip
+            size = os.fstat(fd).st_size
+            data = _read_exactly(fd, manifest_offset, manifest_size, size)
+            manifest = Manifest.from_json(data, segment_size=size, keep_columns=True)
             po = manifest.pickle_offset
-            skeleton = bytes(view[po : po + manifest.pickle_size])
+            skeleton = _read_exactly(fd, po, manifest.pickle_size, size)
         finally:
-            view.release()
+            os.close(fd)
         columns = manifest.columns()
         records = tuple(columns[i] for i in (0, 2, 3, 4, 5))
         infos = tuple(map(StorageInfo, *records))
-    except (ValueError, TypeError, IndexError, OverflowError):
+    except (OSError, ValueError, TypeError, IndexError, OverflowError):
         return None
     return SegmentPlan(Flattened(skeleton, infos, (), ()), manifest.table, records)
 
 
-def read_ahead(mapping: mmap.mmap, manifest_offset: int, manifest_size: int) -> SegmentPlan | None:
+def _read_exactly(fd: int, offset: int, length: int, size: int) -> bytes:
+    """``length`` bytes at ``offset`` of a file of ``size`` bytes; ``ValueError`` where they
+    are not all there (a range outside, a file cut meanwhile)."""
+    if offset < 0 or length < 0 or offset + length > size:
+        raise ValueError(f"{length} bytes at {offset} are outside a segment of {size}")
+    data = os.pread(fd, length, offset)
+    if len(data) != length:
+        raise ValueError(f"read {len(data)} of {length} bytes at {offset}")
+    return data
+
+
+def read_ahead(segment: str, manifest_offset: int, manifest_size: int) -> SegmentPlan | None:
     """:func:`read_plan`, with the archive's layout and manifest made too (under a path of no
     meaning: the save that uses it replans it for its own): what a client reads before its
     first save, off that save."""
-    read = read_plan(mapping, manifest_offset, manifest_size)
+    read = read_plan(segment, manifest_offset, manifest_size)
     if read is None:
         return None
     plan = plan_object(read.flat, "", "", table=read.table)
@@ -167,14 +182,14 @@ def checked(
 
 
 def plan_from_segment(
-    mapping: mmap.mmap,
+    segment: str,
     manifest_offset: int,
     manifest_size: int,
     key: bytes,
     ints: tuple[int, ...],
     check: str,
 ) -> StoredPlan | None:
-    """The plan that the segment in ``mapping`` holds (its manifest at ``manifest_offset``),
-    where its :func:`plan_check` with ``key`` and ``ints`` is ``check``; else ``None``
-    (another structure, damaged, unreadable: raises nothing)."""
-    return checked(read_plan(mapping, manifest_offset, manifest_size), key, ints, check)
+    """The plan that the segment file ``segment`` holds (its manifest at
+    ``manifest_offset``), where its :func:`plan_check` with ``key`` and ``ints`` is ``check``;
+    else ``None`` (another structure, damaged, unreadable: raises nothing)."""
+    return checked(read_plan(segment, manifest_offset, manifest_size), key, ints, check)

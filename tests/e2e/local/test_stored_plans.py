@@ -130,7 +130,8 @@ def test_a_doctored_skeleton_is_refused(daemon, tmp_path):
 def test_a_plan_read_from_a_segment_is_checked_against_the_key(daemon, tmp_path):
     """``plan_from_segment``: the plan where its check with the given key and integers is
     the one given; with another key, other integers, another check, bytes written over in
-    the segment, or no manifest where one is said to be: nothing."""
+    the segment, no manifest where one is said to be, a segment file cut short or gone:
+    nothing. ``find_plan`` says which segment holds the path's newest generation."""
     from ckptcache.codec.plan.walk import walk
 
     walked = walk(model(5.0), versions=False)
@@ -143,8 +144,9 @@ def test_a_plan_read_from_a_segment_is_checked_against_the_key(daemon, tmp_path)
         assert kept is None  # told the daemon at the commit
         reply = _find(c, walked.key)
         assert reply.path == path and reply.ints == (2, 3)  # the tuple in ``steps``
-        mapping, opened = c.map_local(path)
-        at = (mapping, opened.manifest_offset, opened.manifest_size)
+        assert reply.segment == c.status(path).segment
+        segment = os.path.join(daemon.segments_dir, reply.segment)
+        at = (segment, reply.manifest_offset, reply.manifest_size)
         plan = plan_from_segment(*at, walked.key, (2, 3), reply.check)
         assert plan is not None and plan.table and plan.key == walked.key
         assert [i.key for i in plan.flat.infos] == [str(i) for i in range(40)]
@@ -157,12 +159,18 @@ def test_a_plan_read_from_a_segment_is_checked_against_the_key(daemon, tmp_path)
         assert plan_from_segment(*at, other.key, (2, 3), reply.check) is None
         assert plan_from_segment(*at, walked.key, (2, 4), reply.check) is None
         assert plan_from_segment(*at, walked.key, (2, 3), "0" * 64) is None
-        assert plan_from_segment(mapping, 0, 16, walked.key, (2, 3), reply.check) is None
-        del mapping
+        assert plan_from_segment(segment, 0, 16, walked.key, (2, 3), reply.check) is None
+        cut = tmp_path / "cut"
+        cut.write_bytes(open(segment, "rb").read())
+        assert plan_from_segment(str(cut), *at[1:], walked.key, (2, 3), reply.check) is not None
+        os.truncate(cut, reply.manifest_offset + reply.manifest_size - 1)
+        assert plan_from_segment(str(cut), *at[1:], walked.key, (2, 3), reply.check) is None
+        gone = str(tmp_path / "gone")
+        assert plan_from_segment(gone, *at[1:], walked.key, (2, 3), reply.check) is None
         _doctor(daemon, c, path, b"adam", b"adan")
-        mapping, opened = c.map_local(path)
-        at = (mapping, opened.manifest_offset, opened.manifest_size)
         assert plan_from_segment(*at, walked.key, (2, 3), reply.check) is None
+        c.delete(path)
+        assert _find(c, walked.key) == m.FindPlanReply(path, reply.check, (2, 3))  # no segment
 
 
 def _find(client, key: bytes) -> m.FindPlanReply:
