@@ -229,8 +229,10 @@ class Client:
 
         check(into)
         # Mapped, never read into fresh memory: a stored file is checked through its mapping
-        # (page cache), a cached copy is the segment; the fill is the one copy.
-        loaded = self.load(path, weights_only=weights_only, mmap=True, verify=verify)
+        # (page cache), a cached copy is the segment; the fill is the one copy. On the CPU
+        # whatever device saved it: each tensor's copy_ moves it to its destination's device
+        # (a checkpoint saved from a GPU fills CPU tensors, and no GPU memory is made twice).
+        loaded = self.load(path, "cpu", weights_only=weights_only, mmap=True, verify=verify)
         return fill(into, loaded)
 
     def map_local(self, path: Any) -> tuple[Mapping, m.OpenReply]:

@@ -126,14 +126,17 @@ class Loads:
             mapping = map_private(connection.seg_path(reply.segment), reply.size, hold_lock=True)
             connection.release_with(mapping, reply.lease, epoch)
             return reply, mapping
-        except Exception:
-            if reply is not None:
-                with contextlib.suppress(errors.CkptCacheError):
-                    connection.call("release", m.ReleaseRequest((reply.lease,)))
-            raise
-        except BaseException:
-            with connection.lock:
-                connection.drop()
+        except BaseException as e:
+            try:
+                if not isinstance(e, Exception):
+                    raise
+                if reply is not None:
+                    with contextlib.suppress(errors.CkptCacheError):
+                        connection.call("release", m.ReleaseRequest((reply.lease,)))
+            except BaseException:  # a signal's, here or while the release was asked
+                with connection.lock:
+                    connection.drop()
+                raise
             raise
 
     def _file_not_older_than(self, path: str, generation: int) -> bool:

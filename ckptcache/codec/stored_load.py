@@ -65,8 +65,10 @@ def _torch_load(path: str, map_location: Any, weights_only: bool, mmap: bool | N
 
     with stored_view(path) as (view, data):
         check_stored(view, path, False)
+        zipped = bytes(view[:4]) == b"PK\x03\x04"
     source: Any = path if data is None else io.BytesIO(data)
-    kwargs: dict[str, Any] = {"mmap": mmap} if data is None else {}
+    # torch maps zip archives only: a legacy file (no zip) is read whatever ``mmap`` asks.
+    kwargs: dict[str, Any] = {"mmap": mmap} if data is None and zipped else {}
     try:
         return torch.load(source, map_location=map_location, weights_only=weights_only, **kwargs)
     except (EOFError, zipfile.BadZipFile) as e:

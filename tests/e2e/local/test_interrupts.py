@@ -225,3 +225,33 @@ def test_a_load_whose_mapping_fails_leaves_no_pin(
         monkeypatch.undo()
         wait_until(lambda: c.status(path).pins == 0, timeout=10, what="the pin released")
         assert_same(c.load(path), _state())
+
+
+def test_a_ctrl_c_while_a_failed_mapping_releases_its_pin_leaves_no_pin(
+    daemon: DaemonProc, monkeypatch: pytest.MonkeyPatch
+):
+    """The mapping fails, and a signal's exception lands as the pin's release is being
+    asked: the connection ends (and the pin with it), and the interrupt is what is raised."""
+    from ckptcache.client._connection import Connection
+    from ckptcache.codec import shm
+
+    path = "/interrupts/release-interrupted.pt"
+    with daemon.client() as c:
+        c.save(_state(), path, durability="memory")
+        call = Connection.call
+
+        def failing(*args: Any, **kwargs: Any) -> Any:
+            raise OSError("mapping failed")
+
+        def interrupted(self: Connection, method: str, *args: Any, **kwargs: Any) -> Any:
+            if method == "release":
+                raise KeyboardInterrupt
+            return call(self, method, *args, **kwargs)
+
+        monkeypatch.setattr(shm, "map_private", failing)
+        monkeypatch.setattr(Connection, "call", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            c._loads.map_local(path)  # type: ignore[attr-defined]
+        monkeypatch.undo()
+        wait_until(lambda: c.status(path).pins == 0, timeout=10, what="the pin released")
+        assert_same(c.load(path), _state())

@@ -6,7 +6,11 @@ written."""
 
 from __future__ import annotations
 
+import dataclasses
+import io
 import os
+import types
+import zipfile
 from collections import namedtuple
 
 import pytest
@@ -170,9 +174,163 @@ def test_something_with_no_tensor_to_fill_is_a_type_error(daemon, tmp_path, into
     """A module given for its state dict would fill nothing: named before anything is read."""
     with daemon.client() as c, pytest.raises(TypeError) as raised:
         c.load_into(str(tmp_path / "never-saved.pt"), into)
-    assert "holds none" in str(raised.value)
     if isinstance(into, torch.nn.Module):
         assert "state_dict()" in str(raised.value)
+    else:
+        assert "holds none" in str(raised.value)
+
+
+@dataclasses.dataclass
+class _Moments:
+    exp_avg: torch.Tensor
+
+
+HOLDERS = {
+    "a module in a dict": lambda: torch.nn.Linear(2, 2),
+    "a dataclass": lambda: _Moments(torch.zeros(4)),
+    "an object's attributes": lambda: types.SimpleNamespace(exp_avg=torch.zeros(4)),
+}
+
+
+@pytest.mark.parametrize("holder", sorted(HOLDERS))
+def test_tensors_held_by_another_kind_of_object_are_a_type_error(daemon, tmp_path, holder):
+    """Only dicts, lists and tuples are walked: tensors held otherwise would be passed over
+    and taken for restored, so they are named instead, before anything is written (also
+    where the checkpoint has nothing at that key)."""
+    path = str(tmp_path / "state.pt")
+    with daemon.client() as c:
+        c.save({"w": torch.ones(8), "opt": {"exp_avg": torch.ones(4)}}, path)
+        for key in ("opt", "absent"):
+            live = {"w": torch.zeros(8), key: HOLDERS[holder]()}
+            with pytest.raises(TypeError) as raised:
+                c.load_into(path, live, weights_only=False)
+            assert str(raised.value).startswith(f"{key}: ") and "would not fill" in str(
+                raised.value
+            )
+            assert torch.equal(live["w"], torch.zeros(8))
+
+
+def _inference_zeros(n: int) -> torch.Tensor:
+    with torch.inference_mode():
+        return torch.zeros(n)
+
+
+def _freed(n: int) -> torch.Tensor:
+    t = torch.zeros(n)
+    t.untyped_storage().resize_(0)  # as FSDP and ZeRO free a parameter's memory
+    return t
+
+
+UNFILLABLE = {
+    "expanded": (lambda: torch.zeros(1).expand(1000), "share one address"),
+    "inference tensor": (lambda: _inference_zeros(1000), "inference_mode"),
+    "storage freed": (lambda: _freed(1000), "fewer bytes than its shape"),
+    "sparse": (lambda: torch.zeros(1000).to_sparse(), "only dense tensors"),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(UNFILLABLE))
+def test_a_destination_a_copy_cannot_fill_raises_and_writes_nothing(daemon, tmp_path, kind):
+    """Checked with the rest, before the first byte is written: not halfway through."""
+    make, why = UNFILLABLE[kind]
+    path = str(tmp_path / "state.pt")
+    live = {"a": torch.zeros(1000), "b": make()}
+    with daemon.client() as c:
+        c.save({"a": torch.arange(1000.0), "b": torch.arange(1000.0)}, path)
+        with pytest.raises(StateMismatch) as raised:
+            c.load_into(path, live)
+    assert raised.value.tensor == "b" and why in str(raised.value)
+    assert torch.equal(live["a"], torch.zeros(1000))
+
+
+def test_a_sparse_tensor_in_the_checkpoint_is_a_mismatch(daemon, tmp_path):
+    path = str(tmp_path / "state.pt")
+    live = {"a": torch.zeros(1000), "s": torch.zeros(4)}
+    with daemon.client() as c:
+        c.save({"a": torch.arange(1000.0), "s": torch.zeros(4).to_sparse()}, path)
+        with pytest.raises(StateMismatch, match="only dense tensors"):
+            c.load_into(path, live)
+    assert torch.equal(live["a"], torch.zeros(1000))
+
+
+def test_inference_tensors_are_filled_inside_inference_mode(daemon, tmp_path):
+    path = str(tmp_path / "state.pt")
+    live = {"a": _inference_zeros(1000), "b": _inference_zeros(64).reshape(8, 8).t()}
+    saved = {"a": torch.arange(1000.0), "b": torch.arange(64.0).reshape(8, 8)}
+    with daemon.client() as c:
+        c.save(saved, path)
+        with torch.inference_mode():
+            c.load_into(path, live)
+    assert torch.equal(live["a"], saved["a"]) and torch.equal(live["b"], saved["b"])
+
+
+@pytest.mark.parametrize("where", ["memory", "file"])
+def test_conjugate_and_negative_views_are_filled_with_their_values(daemon, tmp_path, where):
+    """A lazily conjugated or negated complex tensor (on either side) holds bytes that are
+    not its values: filled as ``copy_`` fills it, never by a copy of bytes."""
+    values = torch.tensor([1 + 2j, 3 - 4j, -5 + 6j] * 100, dtype=torch.complex64)
+    saved = {"plain": values, "conj": values.conj()}  # torch.save keeps the conjugate bit
+    path = str(tmp_path / "state.pt")
+    with daemon.client() as c:
+        if where == "memory":
+            c.save(saved, path)
+        else:
+            torch.save(saved, path)
+        base, neg_base, other = (torch.zeros(300, dtype=torch.complex64) for _ in range(3))
+        live = {"plain": base.conj(), "conj": other}
+        c.load_into(path, live)
+        assert torch.equal(live["plain"], values) and torch.equal(live["conj"], values.conj())
+        assert torch.equal(base, values.conj())  # the bytes under the conjugate view
+        neg = torch._neg_view(neg_base)
+        c.load_into(path, {"plain": neg})
+        assert torch.equal(neg, values) and torch.equal(neg_base, -values)
+
+
+def test_destinations_that_share_bytes_are_filled_in_order(daemon, tmp_path):
+    """Tied weights: the same tensor named twice, or a strided view of another one named.
+    The result is what ``copy_`` in the order of ``into`` leaves: the last one named wins."""
+    x, y = torch.arange(12.0).reshape(3, 4), 100 + torch.arange(12.0).reshape(4, 3)
+    path = str(tmp_path / "state.pt")
+    with daemon.client() as c:
+        c.save({"b": x, "a": y, "c": y.t()}, path)
+        w = torch.zeros(4, 3)
+        c.load_into(path, {"b": w.t(), "a": w})
+        assert torch.equal(w, y)
+        c.load_into(path, {"a": w, "b": w.t()})
+        assert torch.equal(w, x.t())
+        t = torch.zeros(3, 4)
+        c.load_into(path, {"b": t, "c": t})  # one object twice; the second saved strided
+        assert torch.equal(t, y.t())
+
+
+def test_a_checkpoint_saved_from_a_gpu_fills_cpu_tensors(daemon, tmp_path):
+    """Storages saved with a CUDA location (as a GPU trainer's ``torch.save`` writes them)
+    are read on the CPU and copied to each destination's device: no GPU is needed for CPU
+    destinations, and none holds the checkpoint twice."""
+    buf = io.BytesIO()
+    torch.save({"w": torch.arange(10.0)}, buf)
+    path = tmp_path / "gpu-saved.pt"
+    with zipfile.ZipFile(io.BytesIO(buf.getvalue())) as zin, zipfile.ZipFile(path, "w") as zout:
+        for info in zin.infolist():
+            data = zin.read(info)
+            if info.filename.endswith("data.pkl"):
+                assert b"X\x03\x00\x00\x00cpu" in data
+                data = data.replace(b"X\x03\x00\x00\x00cpu", b"X\x06\x00\x00\x00cuda:0")
+            zout.writestr(info, data)
+    live = {"w": torch.zeros(10)}
+    with daemon.client() as c:
+        c.load_into(str(path), live)
+    assert torch.equal(live["w"], torch.arange(10.0))
+
+
+def test_a_legacy_file_is_filled(daemon, tmp_path):
+    """A file of ``torch.save``'s format before zip archives cannot be mapped: it is read."""
+    path = str(tmp_path / "legacy.pt")
+    torch.save({"w": torch.arange(100.0)}, path, _use_new_zipfile_serialization=False)
+    live = {"w": torch.zeros(100)}
+    with daemon.client() as c:
+        out = c.load_into(path, live)
+    assert torch.equal(live["w"], torch.arange(100.0)) and out["w"] is live["w"]
 
 
 def test_a_damaged_file_raises_and_writes_nothing(daemon, tmp_path):
