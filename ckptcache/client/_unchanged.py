@@ -24,10 +24,25 @@ partial first and last pages (shared with whatever lies beside it) are compared 
 segment's bytes instead, and a storage whose edges differ is copied whole, so a skipped storage
 is byte for byte the segment's, and the daemon can check it against the digest it found there
 (``CommitRequest.kept``). Storages whose interiors overlap within one save are copied. A
-process in which CUDA is initialized skips nothing: a device may write
-pinned host memory by DMA, which no page table sees. A storage found written at
-:data:`VOLATILE` saves running stops being watched (every write to it would take a
-protection fault) and is tried again :data:`REST` saves later.
+storage found written at :data:`VOLATILE` saves running stops being watched (every write to
+it would take a protection fault) and is tried again :data:`REST` saves later.
+
+What no page table sees, and so what turns skipping off:
+
+* **Memory pinned for a device or the kernel** (``VmPin`` in ``/proc/self/status``: io_uring
+  fixed buffers, RDMA memory regions): their writes go through the pin, not the process's
+  page tables. A pin taken after a scan is itself a write (the kernel faults the pages
+  writable to pin them); one held at a scan may write after it unseen. So a save that finds
+  memory pinned, before or after its scans, skips nothing, nor does the save after it.
+  A process in which CUDA is initialized skips nothing either: a device may write pinned
+  host memory by DMA, and CUDA's registrations are not counted there.
+* **A second watcher in the process.** A scan protects again every written page it reports,
+  whichever watch registered it (the kernel checks only that some asynchronous watch does),
+  so two watches would each take the other's writes. One client per process watches
+  (:func:`_claim`); the others copy every storage.
+* **A child** made by ``fork()`` without Python's fork handlers (a C library's): its
+  descriptors still name the parent's memory, so it forgets the parent's watch at its first
+  save (:meth:`Unchanged.begin` compares the process id).
 """
 
 from __future__ import annotations
@@ -36,7 +51,9 @@ import bisect
 import ctypes
 import itertools
 import logging
+import os
 import threading
+import weakref
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -108,6 +125,11 @@ class Unchanged:
         #: The save whose pass is scanning (0: none): one left set was cut short.
         self._scanning = 0
         self._lock = threading.Lock()
+        #: The process the watch was opened in (0: none opened).
+        self._pid = 0
+        #: Memory was pinned at the last pass's scans: writes through the pin may have
+        #: followed them unseen, so the next pass trusts nothing either.
+        self._pinned = False
         #: Bytes the committed saves of this client did not copy.
         self.skipped = 0
 
@@ -115,6 +137,8 @@ class Unchanged:
         """The pass of a save into ``segment`` (mapped writable as ``mapping``), whose
         reservation reported the token ``handed``; ``None`` where nothing can be skipped or
         watched (then nothing about the segment is known after the save either)."""
+        if self._pid not in (0, os.getpid()):
+            self.after_fork()  # forked where no fork handler ran: the watch is the parent's
         with self._lock:
             held = self._held.pop(segment, None)  # its bytes change from now on
             if not self.enabled or _cuda_initialized():
@@ -131,9 +155,14 @@ class Unchanged:
 
     def _open(self) -> WriteWatch | None:
         if not self._opened:
+            if not _claim(self):  # asked again at the next save: the other may have closed
+                log.debug("another client of this process watches: every save copies")
+                return None
             self._opened = True
             self._watch = WriteWatch.open()
+            self._pid = os.getpid()
             if self._watch is None:
+                _release(self)
                 log.debug("no write protection here: every save copies every storage")
         return self._watch
 
@@ -200,9 +229,11 @@ class Unchanged:
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """:meth:`Pass.runs` of ``p``."""
         watch, save, held = p.watch, p.save, p.held
-        if self._scanning:
+        pinned = _pinned()
+        if self._scanning or self._pinned or pinned:
             # A pass was cut short (a signal's exception) where a scan may have protected
-            # pages again before their writes were noted: nothing watched is trusted.
+            # pages again before their writes were noted, or memory is (or was at the last
+            # scans) pinned, whose writes no scan sees: nothing watched is trusted.
             for doubted in self._watched.values():
                 doubted.written = save
         self._scanning = save  # until every scan of this pass is noted
@@ -230,6 +261,11 @@ class Unchanged:
         for key, index in candidates.items():
             if key in self._watched:
                 p.offsets[key] = int(offsets[index])
+        # Read again once the scans have protected the pages: a pin taken meanwhile may
+        # write after them unseen.
+        self._pinned = pinned or _pinned()
+        if self._pinned:
+            skip = []
         self._scanning = 0
         return p.without(offsets, addresses, sizes, skip)
 
@@ -244,13 +280,16 @@ class Unchanged:
         with self._lock:
             if self._watch is not None:
                 self._watch.close()
-            self._watch, self._opened = None, False
+            _release(self)
+            self._watch, self._opened, self._pid = None, False, 0
             self._watched.clear()
             self._held.clear()
+            self._resting.clear()
             self._index()
 
     def after_fork(self) -> None:
-        """In a forked child: nothing watched (the registrations stayed with the parent)."""
+        """In a forked child: nothing watched (the registrations stayed with the parent; the
+        descriptors closed here are the child's copies)."""
         self._lock = threading.Lock()
         self.close()
 
@@ -337,6 +376,46 @@ def _candidates(addresses: np.ndarray, sizes: np.ndarray) -> dict[_Key, int]:
             found.pop(key, None)
             found.pop(other, None)
     return found
+
+
+class _Watcher:
+    """The one :class:`Unchanged` of this process that watches (see the module docstring)."""
+
+    lock = threading.Lock()
+    owner: weakref.ref[Unchanged] | None = None
+    pid = 0
+
+
+def _claim(unchanged: Unchanged) -> bool:
+    """Make ``unchanged`` the process's watcher, unless another live one is."""
+    with _Watcher.lock:
+        owner = _Watcher.owner() if _Watcher.owner is not None else None
+        if _Watcher.pid != os.getpid():
+            owner = None  # the parent's, in a forked child
+        if owner is not None and owner is not unchanged:
+            return False
+        _Watcher.owner, _Watcher.pid = weakref.ref(unchanged), os.getpid()
+        return True
+
+
+def _release(unchanged: Unchanged) -> None:
+    """``unchanged`` no longer watches: another client may."""
+    with _Watcher.lock:
+        if _Watcher.owner is not None and _Watcher.owner() is unchanged:
+            _Watcher.owner = None
+
+
+def _pinned() -> bool:
+    """Whether memory of this process is pinned for a device or the kernel to write past its
+    page tables (``VmPin``); unknown counts as pinned."""
+    try:
+        with open("/proc/self/status", "rb") as f:
+            for line in f:
+                if line.startswith(b"VmPin:"):
+                    return int(line.split()[1]) > 0
+    except (OSError, ValueError, IndexError):
+        pass
+    return True
 
 
 def _cuda_initialized() -> bool:

@@ -6,8 +6,11 @@ and whatever changed a free segment's bytes."""
 
 from __future__ import annotations
 
+import ctypes
 import glob
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -130,6 +133,130 @@ def test_a_segment_another_trainer_used_is_written_whole(persisting, tmp_path):
         tb.wait(b_path, timeout=60)
     assert equal(torch.load(a_path, weights_only=True), a)
     assert equal(torch.load(b_path, weights_only=True), b)
+
+
+def _pin(nbytes: int):
+    """A real io_uring with a fixed buffer of ``nbytes`` registered: memory the kernel may
+    write through its pin, past the page tables (``VmPin`` counts it). Its descriptor; the
+    caller closes it. Skips the test where the kernel refuses io_uring."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.syscall.restype = ctypes.c_long
+    params = ctypes.create_string_buffer(120)  # struct io_uring_params, zeroed
+    fd = libc.syscall(425, 4, params)  # io_uring_setup
+    if fd < 0:
+        pytest.skip(f"io_uring refused here: {os.strerror(ctypes.get_errno())}")
+    buffer = torch.zeros(nbytes, dtype=torch.uint8)
+    iov = (ctypes.c_uint64 * 2)(buffer.data_ptr(), nbytes)
+    if libc.syscall(427, fd, 0, iov, 1) < 0:  # io_uring_register(IORING_REGISTER_BUFFERS)
+        err = ctypes.get_errno()
+        os.close(fd)
+        pytest.skip(f"io_uring buffers refused here: {os.strerror(err)}")
+    return fd, buffer
+
+
+def _vm_pin() -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmPin:"))
+
+
+def test_memory_pinned_for_the_kernel_skips_nothing(persisting, tmp_path):
+    """While memory of the process is pinned (io_uring fixed buffers, RDMA regions: their
+    writes pass the page tables), a save skips nothing, and neither does the save after the
+    pin went; then skipping resumes."""
+    path = str(tmp_path / "job" / "model.pt")
+    state = lora()
+    with persisting.client() as trainer:
+        until_skipped(trainer, state, path)
+        fd, buffer = _pin(1 << 20)
+        assert _vm_pin() > 0
+        skipped = trainer._saves.unchanged.skipped
+        for _ in range(3):
+            step(state)
+            save_and_check(trainer, state, path)
+        assert trainer._saves.unchanged.skipped == skipped
+        os.close(fd)
+        del buffer
+        wait_until(lambda: _vm_pin() == 0, 30, "the pin gone")  # a ring ends in the background
+        step(state)
+        save_and_check(trainer, state, path)
+        assert trainer._saves.unchanged.skipped == skipped  # the save after the pin
+        for _ in range(30):
+            step(state)
+            save_and_check(trainer, state, path)
+            if trainer._saves.unchanged.skipped > skipped:
+                break
+        assert trainer._saves.unchanged.skipped > skipped
+
+
+def test_one_client_of_a_process_watches(persisting, tmp_path):
+    """Two watches in one process would take each other's writes (a scan protects again
+    whatever it reports): the second client copies every storage, and the first still sees
+    every write, whatever the second saved meanwhile; once the first closes, the second
+    watches."""
+    a_path, b_path = str(tmp_path / "a" / "model.pt"), str(tmp_path / "b" / "model.pt")
+    state = lora()
+    first = persisting.client()
+    with persisting.client() as second:
+        until_skipped(first, state, a_path)
+        own = lora(1)  # tensors of its own: the first one's are registered by the first
+        for _ in range(12):  # more saves than it takes a watching client to skip
+            step(own)
+            save_and_check(second, own, b_path)
+        assert second._saves.unchanged.skipped == 0
+        for i in range(4):
+            step(state)
+            state["base"][f"layer{i}"][1000 * i : 1000 * i + 5000] += 1.0  # a frozen one too
+            save_and_check(second, state, b_path)
+            save_and_check(first, state, a_path)
+        assert second._saves.unchanged.skipped == 0
+        first.wait(a_path, timeout=60)
+        assert equal(torch.load(a_path, weights_only=True), state)
+        first.close()
+        assert until_skipped(second, own, b_path) > 0
+
+
+_C_FORK = """
+import ctypes, os, sys, torch
+torch.set_num_threads(1)
+sys.path.insert(0, sys.argv[3])
+from tests.e2e.local.test_skip_unchanged import equal, lora, save_and_check, step, until_skipped
+from ckptcache import Client
+fork = ctypes.PyDLL(None).fork  # no fork handler of Python's runs
+fork.restype = ctypes.c_int
+client = Client(sys.argv[1], fallback="raise")
+state, path = lora(), sys.argv[2]
+until_skipped(client, state, path)
+for i in range(3):
+    state["base"]["layer3"][50_000 + i : 60_000] += 1.0
+    pid = fork()
+    if pid == 0:
+        code = 1
+        try:
+            client.save({"w": state["base"]["layer3"]}, path + f".child{i}")
+            code = 0
+        finally:
+            os._exit(code)
+    assert os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0
+    step(state)
+    save_and_check(client, state, path)  # raises where a load is stale
+client.wait(path, timeout=60)
+client.close()
+print("EQUAL" if equal(torch.load(path, weights_only=True), state) else "STALE")
+"""
+
+
+def test_a_child_forked_without_fork_handlers_leaves_the_parents_watch_alone(persisting, tmp_path):
+    """A child made by a C library's ``fork()`` inherits descriptors that name the parent's
+    memory: its save forgets them, and the parent's next save still sees the parent's
+    writes (the child's scan would have taken them)."""
+    path = str(tmp_path / "job" / "model.pt")
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
+    done = subprocess.run(
+        [sys.executable, "-c", _C_FORK, persisting.socket, path, root],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip().splitlines()[-1] == "EQUAL"
 
 
 def same_experts(a: dict, b: dict) -> bool:
