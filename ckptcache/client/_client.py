@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any
 
 from ckptcache.client._loads import LoadOptions
 from ckptcache.client._parts import build_parts
-from ckptcache.client._paths import normalize_path
+from ckptcache.client._paths import normalize_path, object_path
 from ckptcache.client._saves import check_durability
 from ckptcache.client._settings import Setting, Settings
 from ckptcache.wire import messages as m
@@ -164,7 +164,7 @@ class Client:
         ``blocking=False`` returns a :class:`~ckptcache.SaveHandle` at once and copies in a
         background thread (one at a time, in order); see :func:`ckptcache.save`.
         """
-        path = normalize_path(path)
+        path = object_path(path)
         check_durability(durability)
         self._spares.first_contact()
         self._parts.plans.saving()
@@ -176,7 +176,7 @@ class Client:
         segment: no blob is made, so the stall is one copy of the items' bytes. Returns where
         the blob's bytes start in the archive persisted at ``path``. Without a daemon the blob
         is made and written through, as :meth:`save` would write it."""
-        path = normalize_path(path)
+        path = object_path(path)
         check_durability(durability)
         self._spares.first_contact()
         self._parts.plans.saving()
@@ -214,7 +214,7 @@ class Client:
         read here; the daemon checks what it brings in from peers and storage as it lands)
         and trusts this node's memory; True checks this node's memory too; False checks no
         digest here (a stored file's structure still is)."""
-        path = normalize_path(path)
+        path = object_path(path)
         self._spares.first_contact()
         self._parts.plans.first_contact(path)  # the job's earlier saves' plans, made ahead
         options = LoadOptions(map_location, weights_only, mmap, verify)

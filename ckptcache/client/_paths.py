@@ -10,7 +10,7 @@ from ckptcache.errors import InvalidPath, PathNotAllowed
 from ckptcache.format.persisted import stored_archive_complete
 from ckptcache.storage import backend_for
 
-__all__ = ["complete_in_storage", "in_storage", "is_url", "normalize_path"]
+__all__ = ["complete_in_storage", "in_storage", "is_url", "normalize_path", "object_path"]
 
 
 def normalize_path(path: Any) -> str:
@@ -35,7 +35,24 @@ def normalize_path(path: Any) -> str:
             f"checkpoint path {path!r} contains '..': give the path without it (for example "
             "os.path.realpath(path))"
         )
-    return os.path.abspath(path)
+    path = os.path.abspath(path)
+    # POSIX leaves a path's two leading slashes to the system (Linux: one); abspath keeps
+    # them, and one file would have two names.
+    return path[1:] if path.startswith("//") else path
+
+
+def object_path(path: Any) -> str:
+    """:func:`normalize_path` for one object (a save, a load): a local path that ends in a
+    separator names a directory, which ``torch.save`` and ``torch.load`` refuse, not the
+    file without it (:class:`InvalidPath`)."""
+    name = normalize_path(path)
+    raw = os.fspath(path)
+    if "://" not in name and (raw.endswith(os.sep) or raw.endswith(os.sep + ".")):
+        raise InvalidPath(
+            f"checkpoint path {raw!r} ends in a separator: it names a directory, not a file "
+            "to save to or load from"
+        )
+    return name
 
 
 def is_url(path: str) -> bool:

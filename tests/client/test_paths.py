@@ -7,7 +7,13 @@ import pathlib
 
 import pytest
 
-from ckptcache.client._paths import complete_in_storage, in_storage, is_url, normalize_path
+from ckptcache.client._paths import (
+    complete_in_storage,
+    in_storage,
+    is_url,
+    normalize_path,
+    object_path,
+)
 from ckptcache.errors import InvalidPath, PathNotAllowed
 
 
@@ -17,6 +23,21 @@ def test_a_local_path_becomes_absolute(tmp_path, monkeypatch):
     assert normalize_path(pathlib.Path("a.pt")) == str(tmp_path / "a.pt")
     assert normalize_path("file:///x/y.pt") == "/x/y.pt"
     assert normalize_path("/x/./y.pt") == "/x/y.pt"
+
+
+def test_two_leading_slashes_are_one():
+    """Linux reads ``//x`` as ``/x``: one file, one name (a save under either is one object)."""
+    assert normalize_path("//x/y.pt") == "/x/y.pt" == normalize_path("///x/y.pt")
+
+
+@pytest.mark.parametrize("directory", ["/run/ckpt.pt/", "/run/ckpt.pt/.", "run/"])
+def test_an_object_path_naming_a_directory_is_refused(directory):
+    """``torch.save(obj, "ckpt.pt/")`` raises: a save must not land on ``ckpt.pt`` instead
+    (writing over the checkpoint there)."""
+    with pytest.raises(InvalidPath, match="ends in a separator"):
+        object_path(directory)
+    assert object_path("/run/ckpt.pt") == "/run/ckpt.pt"
+    assert normalize_path("/run/ckpt/") == "/run/ckpt"  # a prefix may end in one
 
 
 def test_a_url_is_kept_as_given():

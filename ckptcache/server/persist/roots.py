@@ -103,4 +103,18 @@ class PersistRoots:
                 f"{path!r} escapes the storage root {claimed!r} through a symlink "
                 f"(it resolves to {resolved!r}); save it under a real directory of the root"
             )
+        if actual is not None and claimed != actual:
+            # Under a root only through a symlink: the persist resolves a path below its
+            # root one directory at a time and follows no link, so it could never write it.
+            raise PathNotAllowed(
+                f"{path!r} reaches the storage root {actual!r} only through a symlink (it "
+                f"resolves to {resolved!r}), which the persist does not follow; save it "
+                "under its real path"
+            )
+        if actual is not None and resolved != lexical:
+            raise PathNotAllowed(
+                f"{path!r} goes through a symlink below the storage root {actual!r} (it "
+                f"resolves to {resolved!r}), which the persist does not follow; save it "
+                "under its real path"
+            )
         return actual

@@ -25,6 +25,7 @@ import ckptcache
 from ckptcache.errors import (
     CheckpointNotFound,
     DaemonUnavailable,
+    PathNotAllowed,
     PersistError,
     RequestTooLarge,
 )
@@ -425,6 +426,22 @@ def test_root_trainer_never_loads_what_another_user_saved_under_its_path(tmp_pat
 
 
 # ------------------------------------------------------------------ 5. persist-root escape
+
+
+def test_a_path_through_a_symlink_under_the_root_is_refused_at_save(daemon_factory, tmp_path):
+    """The persist follows no link below its root, so a save whose path goes through one
+    (even to a directory of the same root) could never be written: refused before a byte is
+    copied, not accepted and then failed for good in the background."""
+    root = tmp_path / "root"
+    (root / "real").mkdir(parents=True)
+    (root / "link").symlink_to(root / "real")
+    d = daemon_factory("--persist-root", str(root), "--memory-limit", "256MiB")
+    with d.client(fallback="raise") as c:
+        with pytest.raises(PathNotAllowed, match="symlink"):
+            c.save(_state(), str(root / "link" / "x.pt"))
+        c.save(_state(), "/" + str(root / "real" / "x.pt"))  # '//' and '/' name one file
+        c.wait(str(root / "real" / "x.pt"), timeout=60)
+    assert_same(torch.load(root / "real" / "x.pt", weights_only=True), _state())
 
 
 def test_symlink_swapped_in_under_the_root_between_save_and_persist(daemon_factory, tmp_path):
