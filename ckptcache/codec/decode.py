@@ -78,7 +78,9 @@ def decode(
     # torch.frombuffer per storage, with the same result (a storage over the mapping's bytes
     # that keeps the mapping alive).
     whole = np.frombuffer(mapping, dtype=np.uint8) if zero_copy and device is None else None
-    if stored.table and whole is not None and fast_load_applies():
+    # The tensor table makes CPU tensors only: any other map_location (a device, a dict, a
+    # callable, "meta") is applied to each storage as torch.load applies it.
+    if stored.table and whole is not None and _on_cpu(map_location) and fast_load_applies():
         result = load_table(stored.table, whole, stored.extents)
         if result is not NOT_FAST:
             return result
@@ -123,6 +125,18 @@ def decode(
     finally:
         if to_device is not None:
             to_device.finish()
+
+
+def _on_cpu(map_location: MapLocation) -> bool:
+    """Whether ``map_location`` leaves every storage on the CPU (none, or the CPU named)."""
+    if map_location is None:
+        return True
+    if isinstance(map_location, (str, torch.device)):
+        try:
+            return torch.device(map_location) == torch.device("cpu")
+        except (RuntimeError, TypeError, ValueError):  # torch.load says what is wrong
+            return False
+    return False
 
 
 def decode_skeleton(

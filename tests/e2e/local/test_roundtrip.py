@@ -58,6 +58,33 @@ def test_private_copy_and_map_locations(client, tmp_path):
         assert_same(obj, ckptcache.load(path, **kwargs))
 
 
+@pytest.mark.parametrize("mmap", [None, False])
+def test_a_map_location_is_applied_as_torch_load_applies_it(client, tmp_path, mmap):
+    """From the cache as from the file: a map_location that leaves the CPU, a dict, or a
+    callable is applied to every storage (never ignored), and one torch.load refuses is
+    refused."""
+    path = tmp_path / "m.pt"
+    obj = {"w": torch.arange(10.0), "nested": [torch.ones(3)]}
+    ckptcache.save(obj, path)
+    torch.save(obj, tmp_path / "plain.pt")
+    seen: list[str] = []
+
+    def where(storage, location):
+        seen.append(location)
+        return storage
+
+    for map_location in ("meta", torch.device("meta"), {"cpu": "meta"}):
+        loaded = ckptcache.load(path, map_location, mmap=mmap)
+        plain = torch.load(tmp_path / "plain.pt", map_location, weights_only=True)
+        assert [t.device.type for t in (loaded["w"], loaded["nested"][0])] == ["meta", "meta"]
+        assert [t.device.type for t in (plain["w"], plain["nested"][0])] == ["meta", "meta"]
+        assert loaded["w"].shape == (10,) and loaded["nested"][0].shape == (3,)
+    assert_same(obj, ckptcache.load(path, where, mmap=mmap))
+    assert seen == ["cpu", "cpu"]  # once a storage
+    with pytest.raises(RuntimeError, match="bogus"):
+        ckptcache.load(path, "bogus", mmap=mmap)
+
+
 def test_generations_and_newest_wins(client, tmp_path):
     path = str(tmp_path / "c.pt")
     for i in range(4):
