@@ -394,7 +394,10 @@ class Saves:
         """A copy from a peer or storage never becomes newer than a generation this node
         committed while it arrived (a trainer's save of the same path): newest wins."""
         newest = self.state.index.newest((res.namespace, res.path))
-        if newest is None or newest.committed <= res.saved_at:
+        # Exact stamps, never float seconds: a save made here after the copy's (stamped one
+        # nanosecond after it, by a node whose clock is behind) is the same float.
+        saved_ns = res.saved_ns or int(res.saved_at * 1e9)
+        if newest is None or newest.committed_ns <= saved_ns:
             return
         self.state.arena.release(res.segment)
         self.state.lock.notify_all()

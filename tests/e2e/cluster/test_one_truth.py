@@ -9,6 +9,7 @@ generation.
 from __future__ import annotations
 
 import io
+import os
 
 import pytest
 import torch
@@ -158,3 +159,45 @@ def test_a_node_holding_an_older_copy_never_keeps_the_newest_from_storage(cluste
     a.kill()
     assert_same(state(2), _load(c, path))
     assert_same(state(2), _load(b, path))
+
+
+def _skewed(daemon_factory, like, node_id: str, seconds: float):
+    """A node of ``like``'s cluster whose wall clock runs ``seconds`` ahead."""
+    args = list(like.args)
+    for flag, value in (("--node-id", node_id), ("--host", f"host{node_id}")):
+        args[args.index(flag) + 1] = value
+    d = daemon_factory(*args, env={"CKPTCACHE_TEST_CLOCK_SKEW": str(seconds)}, start=False)
+    script = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(__file__))),
+                          "skewed_clock.py")  # fmt: skip
+    d.wrapper = ["/bin/sh", "-c", f'py="$1"; shift; exec "$py" {script} "$@"', "skewed"]
+    return d.start()
+
+
+@pytest.mark.parametrize("skew", [0.5, 3600.0])
+def test_a_save_after_one_from_a_node_whose_clock_runs_ahead_is_the_newest(
+    cluster_factory, daemon_factory, tmp_path, skew
+):
+    """Node ``ahead`` saves a path (its backup copy to node0 still on the way), then node0,
+    whose clock is behind, saves it again. node0 stamps its save one nanosecond after the
+    other (the newest it has seen): the late copy must be refused as older, and storage and
+    every load end with node0's save, whatever the clocks say. (Float seconds cannot tell
+    the two stamps apart: the copy was taken for the newer, and node0's save was lost while
+    reported persisted.)"""
+    root = tmp_path / "ckpt"
+    (node0,) = cluster_factory(1, "--persist-root", str(root))
+    ahead = _skewed(daemon_factory, node0, "ahead", skew)
+    wait_until(lambda: len(node0.status().cluster_nodes) == 2, what="both nodes")
+    wait_until(lambda: len(ahead.status().cluster_nodes) == 2, what="both nodes, seen ahead")
+    for i in range(4):
+        path = str(root / "run" / f"p{i}.pt")
+        first, last = state(10 * i + 1, n=2 << 20), state(10 * i + 2)
+        with ahead.client() as c:
+            c.save(first, path)
+        with node0.client() as c:
+            c.save(last, path)
+            c.wait(path, timeout=120)
+        for node in (node0, ahead):
+            with node.client() as c:
+                c.wait(path, timeout=120)
+                assert_same(last, c.load(path))
+        assert_same(last, torch.load(path, weights_only=True))
