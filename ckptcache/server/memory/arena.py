@@ -30,7 +30,7 @@ from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass, field
 
 from ckptcache._secure_fs import check_owned, ensure_private_dir
-from ckptcache.errors import ConfigError
+from ckptcache.errors import ConfigError, CorruptCheckpoint
 from ckptcache.format.layout import (
     HEADER_SIZE,
     SEGMENT_GRANULE,
@@ -41,6 +41,7 @@ from ckptcache.format.layout import (
 )
 from ckptcache.format.pagetables import POPULATE_IN_PARALLEL, populate_in_steps
 from ckptcache.server.memory import records, sealing
+from ckptcache.wire.states import Tier
 
 __all__ = ["Arena", "Segment", "empty_header"]
 
@@ -200,8 +201,32 @@ class Segment:
         self.sealed = False
 
     def view(self) -> memoryview:
-        """A memoryview of the whole segment (zero copy)."""
+        """A memoryview of the whole segment (zero copy), once the file is found whole
+        (:meth:`check_whole`)."""
+        self.check_whole()
         return memoryview(self.mapping)
+
+    def check_whole(self) -> None:
+        """Raise :class:`CorruptCheckpoint` where the segment's file is shorter than the
+        daemon's mapping of it, or was replaced: a read of the mapping past the file's end
+        is a SIGBUS, which ends the daemon and takes every checkpoint it holds offline. (A
+        file of the daemon's own can be cut by its user or root only; an admitted user's is
+        sealed.) One ``stat``."""
+        try:
+            st = os.stat(self.path)
+        except OSError as e:
+            raise CorruptCheckpoint(
+                f"segment file {self.path} is gone ({e.strerror}): its bytes are not read",
+                tier=Tier.LOCAL,
+            ) from e
+        if st.st_size < len(self.mapping) or (
+            self.identity != (0, 0) and (st.st_dev, st.st_ino) != self.identity
+        ):
+            raise CorruptCheckpoint(
+                f"segment file {self.path} was cut to {st.st_size} of {len(self.mapping)} "
+                "bytes or replaced behind the daemon: its bytes are not read",
+                tier=Tier.LOCAL,
+            )
 
 
 class Fill:

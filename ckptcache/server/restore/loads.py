@@ -131,6 +131,8 @@ class Loads:
                     raise state.not_found(req.namespace, req.path, None) from None
                 state.pin_locked(gen)
         try:
+            # A file cut behind the daemon would be a SIGBUS in the client's read of it.
+            gen.segment.check_whole()
             if req.need_digests and gen.digests is None:
                 self.digester.compute(gen)
         except BaseException:

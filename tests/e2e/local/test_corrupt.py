@@ -51,6 +51,25 @@ def test_corrupt_tensor_is_named_and_dropped(daemon, tmp_path):
         assert not c.exists(path)  # the bad copy was dropped
 
 
+@pytest.mark.parametrize("digested", [False, True])
+def test_a_segment_file_cut_behind_the_daemon_is_refused_not_read(daemon, tmp_path, digested):
+    """A read of a mapping past its file's end is a SIGBUS: the daemon (hashing it) or the
+    trainer (reading its zero-copy tensors) would die, and with the daemon every checkpoint
+    it holds. The cut file is refused as corrupt; the daemon and its other checkpoints
+    live on."""
+    path, other = str(tmp_path / "cut.pt"), str(tmp_path / "other.pt")
+    with daemon.client() as c:
+        c.save({"w": torch.arange(4096.0)}, path)
+        c.save({"o": torch.ones(4)}, other)
+        if digested:
+            wait_digested(c, path)
+        os.truncate(os.path.join(daemon.segments_dir, c.status(path).segment), 4096)
+        with pytest.raises(CorruptCheckpoint, match="was cut"):
+            c.load(path, verify=True)
+        assert daemon.proc.poll() is None
+        assert torch.equal(c.load(other)["o"], torch.ones(4))
+
+
 def test_corrupt_copy_falls_back_to_the_file(daemon_factory, tmp_path):
     """The corrupt generation was persisted: the file holds the same save, and is loaded."""
     path = tmp_path / "m.pt"
