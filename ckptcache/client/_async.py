@@ -38,7 +38,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ckptcache.errors import TensorMutated
+from ckptcache.client._settings import check_timeout
+from ckptcache.errors import PersistTimeout, TensorMutated
 
 if TYPE_CHECKING:
     from ckptcache.codec.flatten import Flattened
@@ -262,17 +263,27 @@ class SaveHandle:
 
     def wait_copied(self, timeout: float | None = None) -> bool:
         """Block until the tensors are copied out (or the save failed); no error raised."""
-        return self._copied.wait(timeout)
+        return self._copied.wait(check_timeout(timeout))
 
     def wait_done(self, timeout: float | None = None) -> bool:
         """Block until the save finished (committed or failed); no error raised (it stays
         with the handle for :meth:`wait`). Returns whether it finished."""
-        return wait([self._future], timeout).not_done == set()
+        return wait([self._future], check_timeout(timeout)).not_done == set()
 
     def wait(self, timeout: float | None = None) -> None:
-        """Block until committed; raises the save's error (e.g. :class:`TensorMutated`)."""
+        """Block until committed; raises the save's error (e.g. :class:`TensorMutated`), or
+        :class:`~ckptcache.errors.PersistTimeout` once ``timeout`` seconds have passed."""
+        from concurrent.futures import TimeoutError as FutureTimeout
+
+        limit = check_timeout(timeout)
         try:
-            self._future.result(timeout)
+            self._future.result(limit)
+        except FutureTimeout:
+            if self._future.done():
+                raise  # the save's own error, which happens to be a timeout
+            raise PersistTimeout(
+                f"the non-blocking save of {self.path!r} did not finish within {timeout} s"
+            ) from None
         finally:
             if self._future.done():  # the outcome reached the caller: nothing left to log
                 self._seen.seen = True

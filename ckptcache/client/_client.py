@@ -40,7 +40,7 @@ from ckptcache.client._loads import LoadOptions
 from ckptcache.client._parts import build_parts
 from ckptcache.client._paths import normalize_path, object_path
 from ckptcache.client._saves import check_durability
-from ckptcache.client._settings import Setting, Settings
+from ckptcache.client._settings import Setting, Settings, check_timeout
 from ckptcache.wire import messages as m
 
 if TYPE_CHECKING:
@@ -195,7 +195,8 @@ class Client:
         <ckptcache.client.Staged.release>`; the daemon drops it as well when this client's
         connection or process ends (``kill -9`` included). It is never persisted. Without a
         daemon (or with no room) the staged tensors are private copies, unless the client's
-        ``fallback="raise"`` raises instead."""
+        ``fallback="raise"`` raises instead. Not a list or tuple of dense tensors with bytes
+        (a tensor alone, a sparse one, one on the meta device): :class:`TypeError`."""
         self._spares.first_contact()
         return self._stager.stage(tensors)
 
@@ -277,7 +278,7 @@ class Client:
             raise ValueError("give path or prefix, not both")
         path = None if path is None else normalize_path(path)
         prefix = None if prefix is None else normalize_path(prefix)
-        self._waits.wait(path, prefix, timeout)
+        self._waits.wait(path, prefix, check_timeout(timeout))
 
     def prefetch(
         self, paths: Any, progress: Callable[[int, int, str, str], None] | None = None

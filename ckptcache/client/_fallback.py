@@ -4,6 +4,7 @@ raise instead."""
 
 from __future__ import annotations
 
+import errno
 import io
 import logging
 import warnings
@@ -64,12 +65,18 @@ class WriteThrough:
             if check is not None:
                 check.check()  # before the rename: a torn object never replaces a good one
 
-        if is_url(path):
-            buf = io.BytesIO()
-            write(buf)
-            backend_for(path).write_bytes(path, buf.getbuffer())
-        else:
-            atomic_write(path, write)
+        try:
+            if is_url(path):
+                buf = io.BytesIO()
+                write(buf)
+                backend_for(path).write_bytes(path, buf.getbuffer())
+            else:
+                atomic_write(path, write)
+        except OSError as e:
+            typed = _cannot_write(path, e)
+            if typed is e:
+                raise
+            raise typed from e
         # Only now that the new file is in place may the older generations go.
         self._supersede(path)
 
@@ -102,3 +109,21 @@ class WriteThrough:
         except DaemonUnavailable:
             pass  # a restarted daemon compares with storage itself (docs/guarantees.md)
         self._ledger.wrote_through(path)
+
+
+#: What a write-through that the path itself refuses raises: the errors a daemon's save of
+#: the same path raises at its reservation.
+_REFUSALS: dict[int, type[errors.CannotPersist]] = {
+    errno.EISDIR: errors.PathIsADirectory,
+    errno.ENOTDIR: errors.ParentNotADirectory,
+    errno.ENAMETOOLONG: errors.NameTooLong,
+}
+
+
+def _cannot_write(path: str, e: OSError) -> OSError:
+    """``e`` as the typed error a save of ``path`` through the daemon raises (the path is a
+    directory, a parent is a file, a name too long), else ``e`` itself."""
+    kind = _REFUSALS.get(e.errno or 0)
+    if kind is None or isinstance(e, errors.CkptCacheError):
+        return e
+    return kind(f"cannot save {path!r} (written through, no daemon): {e.strerror}")

@@ -4,6 +4,7 @@ reaches every part at once."""
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -15,7 +16,7 @@ from ckptcache._defaults import (
     default_namespace,
 )
 
-__all__ = ["FALLBACKS", "Setting", "Settings", "discover_socket"]
+__all__ = ["FALLBACKS", "Setting", "Settings", "check_timeout", "discover_socket"]
 
 #: What a save does when the daemon is gone or full: write the file itself, or raise.
 FALLBACKS = ("write-through", "raise")
@@ -58,6 +59,18 @@ class Settings:
             raise ValueError(f"fallback must be 'write-through' or 'raise', not {fallback!r}")
         if allow_stale is not None and not isinstance(allow_stale, bool):
             raise TypeError(f"allow_stale must be True, False or None, not {allow_stale!r}")
+        if check_timeout(timeout) is None or timeout == 0:  # a client's requests need a limit
+            raise ValueError(f"timeout must be a positive, finite number of seconds, not {timeout}")
+        if socket_path is not None and not isinstance(socket_path, (str, os.PathLike)):
+            raise TypeError(f"socket_path must be a path, not {type(socket_path).__name__}")
+        if socket_path is not None:
+            socket_path = os.fspath(socket_path)
+        if namespace is not None and not (isinstance(namespace, str) and namespace):
+            raise TypeError(f"namespace must be a non-empty str, not {namespace!r}")
+        if daemon_uid is not None and (
+            not isinstance(daemon_uid, int) or isinstance(daemon_uid, bool) or daemon_uid < 0
+        ):
+            raise TypeError(f"daemon_uid must be a user id (an int >= 0), not {daemon_uid!r}")
         return cls(
             socket_path or discover_socket(), bool(socket_path), namespace or default_namespace(),
             timeout, fallback, daemon_uid,
@@ -79,6 +92,18 @@ class Settings:
         """How long the daemon may wait inside one request: well inside our own timeout, so
         the reply (an error at worst) arrives before the connection is given up."""
         return max(0.0, min(self.timeout * 0.8, self.timeout - 1.0))
+
+
+def check_timeout(timeout: Any, name: str = "timeout") -> float | None:
+    """``timeout`` (seconds), checked: None or a number >= 0 (``inf``: None, no limit);
+    :class:`TypeError` or :class:`ValueError` naming ``name`` otherwise."""
+    if timeout is None:
+        return None
+    if not isinstance(timeout, (int, float)) or isinstance(timeout, bool):
+        raise TypeError(f"{name} must be a number of seconds or None, not {timeout!r}")
+    if math.isnan(timeout) or timeout < 0:
+        raise ValueError(f"{name} must be a number of seconds >= 0, not {timeout}")
+    return None if math.isinf(timeout) else float(timeout)
 
 
 class Setting:

@@ -148,6 +148,8 @@ class Stager:
         """See :meth:`Client.stage`."""
         import torch
 
+        if not isinstance(tensors, (list, tuple)):  # a tensor alone would stage its rows
+            raise TypeError(f"stage takes a list or tuple of tensors, not {type(tensors).__name__}")
         items = list(tensors)
         for t in items:
             if not isinstance(t, torch.Tensor):
@@ -155,6 +157,8 @@ class Stager:
             if t.layout is not torch.strided or t.is_nested:
                 # Staged tensors are made over their storage's bytes: these have no storage.
                 raise TypeError(f"stage takes dense (strided) tensors, not {t.layout} ones")
+            if t.is_meta:
+                raise TypeError("stage takes tensors with bytes, not ones on the meta device")
         # A name of its own, outside any checkpoint directory (so under no persist root).
         path = os.path.join(
             tempfile.gettempdir(), f"ckptcache-staging-{os.getpid()}-{uuid.uuid4().hex}"
