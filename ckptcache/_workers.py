@@ -19,6 +19,8 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
+from ckptcache._signals import signals_deferred
+
 __all__ = ["LINGER_SECONDS", "LingeringPool", "StoppableThread"]
 
 #: How long an idle client thread waits for more work before it ends.
@@ -61,7 +63,9 @@ class LingeringPool:
     def submit(self, fn: Callable[[], Any]) -> Future[Any]:
         """Run ``fn`` on a worker (an idle one, else a new one up to ``max_workers``)."""
         future: Future[Any] = Future()
-        with self._cond:
+        # A signal's exception inside the condition's __enter__ would leave its lock held,
+        # and every worker and later submit waiting for it (``ckptcache._signals``).
+        with signals_deferred(), self._cond:
             self._stopping = False
             self._jobs.append((future, fn))
             if self._idle >= len(self._jobs):
@@ -88,11 +92,16 @@ class LingeringPool:
 
     def _start_worker(self) -> None:
         self._count += 1
-        self._workers += 1
         thread = StoppableThread(self._work, f"{self._name}_{self._count}", self.stop)
         self._threads = {t for t in self._threads if t.is_alive()}
         self._threads.add(thread)
-        thread.start()
+        self._workers += 1
+        try:
+            thread.start()
+        except BaseException:  # not started (no threads left, an error): no worker counted
+            self._workers -= 1
+            self._threads.discard(thread)
+            raise
 
     def _next(self) -> tuple[Future[Any], Callable[[], Any]] | None:
         """The next job, or ``None`` when this worker should end (idle for the linger time,
@@ -118,3 +127,11 @@ class LingeringPool:
                 future.set_result(fn())
             except BaseException as e:  # handed to the caller, as an executor would
                 future.set_exception(e)
+
+
+def join_started(thread: threading.Thread | None, timeout: float | None = None) -> None:
+    """Join ``thread`` unless it is none, this one, or was never started (a signal's
+    exception inside its ``start()``: a join would raise, and a ``close`` that joins it
+    would stop half done)."""
+    if thread is not None and thread is not threading.current_thread() and thread.ident:
+        thread.join(timeout)

@@ -34,7 +34,7 @@ import os
 import threading
 from typing import TYPE_CHECKING, Any
 
-from ckptcache._workers import StoppableThread
+from ckptcache._workers import StoppableThread, join_started
 
 if TYPE_CHECKING:
     from ckptcache.client._loads import Loads
@@ -107,9 +107,7 @@ class PlanWarmer:
     def stop(self) -> None:
         """End the thread after the object in hand and wait for it."""
         self._stop.set()
-        thread = self._thread
-        if thread is not None and thread is not threading.current_thread():
-            thread.join()
+        join_started(self._thread)
 
     def _run(self, prefix: str) -> None:
         from ckptcache.client._loads import LoadOptions

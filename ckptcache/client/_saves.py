@@ -29,7 +29,8 @@ from typing import TYPE_CHECKING, Any
 from ckptcache import errors
 from ckptcache._defaults import skip_unchanged
 from ckptcache._secure_fs import current_umask
-from ckptcache._workers import LingeringPool, StoppableThread
+from ckptcache._signals import signals_deferred
+from ckptcache._workers import LingeringPool, StoppableThread, join_started
 from ckptcache.client._connection import Connection
 from ckptcache.client._fallback import WriteThrough
 from ckptcache.client._ledger import Ledger
@@ -234,12 +235,18 @@ class Saves:
                     return None
             # Not under the lock: the spare thread maps the spare meanwhile.
             return self._read_stored(key)
-        if not lock.acquire(blocking=False):
-            return None  # planned afresh, as before
+        held = False
         try:
+            # A signal's exception right after the acquire (before a try could see it held)
+            # would leave the connection's lock held for good.
+            with signals_deferred():
+                held = lock.acquire(blocking=False)
+            if not held:
+                return None  # planned afresh, as before
             return None if self._connection.rpc is None else self._read_stored(key)
         finally:
-            lock.release()
+            if held:
+                lock.release()
 
     def _read_stored(self, key: bytes) -> StoredPlan | None:
         from ckptcache.codec.plan.stored import checked, plan_from_segment, structure_digest
@@ -470,9 +477,7 @@ class Saves:
         """Finish the pending non-blocking saves and end their thread, and the thread that
         reads plans ahead (ended when this returns)."""
         self._ahead_stop.set()
-        thread = self._ahead_thread  # a forked child's is None (after_fork)
-        if thread is not None and thread is not threading.current_thread():
-            thread.join()
+        join_started(self._ahead_thread)  # a forked child's is None (after_fork)
         if self._executor is not None and self.thread_pid == os.getpid():
             self.finish()
             self._executor.stop()

@@ -33,7 +33,8 @@ from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any, Protocol
 
 from ckptcache import errors
-from ckptcache._workers import LINGER_SECONDS, StoppableThread
+from ckptcache._signals import signals_deferred
+from ckptcache._workers import LINGER_SECONDS, StoppableThread, join_started
 
 if TYPE_CHECKING:
     from ckptcache.codec.shm import Mapping
@@ -156,8 +157,12 @@ class SpareMapper:
 
         The thread stays a moment after its work (``_IDLE_SECONDS``): a save in that moment
         wakes it with an event instead of starting a thread, whose start waits for the new
-        thread to be scheduled (milliseconds on a busy node, on the save's blocking path)."""
-        with self._lock:
+        thread to be scheduled (milliseconds on a busy node, on the save's blocking path).
+
+        Under deferred signals: it runs in the trainer's thread after every save, and a
+        signal's exception inside an ``Event``'s condition would leave its lock held, and the
+        next save waiting for it for ever (``ckptcache._signals``)."""
+        with signals_deferred(), self._lock:
             self._stopped.clear()
             self._done.clear()
             self._again = True
@@ -183,9 +188,7 @@ class SpareMapper:
     def join(self, timeout: float | None = None) -> None:
         """Wait until the thread has ended after :meth:`stop` (a few milliseconds: the step
         of a mapping under way). Not under the client's lock, which the thread's round takes."""
-        thread = self._last
-        if thread is not None and thread is not threading.current_thread():
-            thread.join(timeout)
+        join_started(self._last, timeout)
 
     def wait_contact(self, timeout: float, stop: threading.Event | None = None) -> bool:
         """Wait until a round has asked the daemon for its spares (:attr:`contacted`), for at

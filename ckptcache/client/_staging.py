@@ -163,17 +163,24 @@ class Stager:
         path = os.path.join(
             tempfile.gettempdir(), f"ckptcache-staging-{os.getpid()}-{uuid.uuid4().hex}"
         )
-        staging = self._commit(items, path)
-        if staging is None:  # no daemon, or no room: plain copies (the trainer is held)
-            return Staged([t.detach().to("cpu", copy=True) for t in items], None)
-        lease = _Lease(self._connection, staging.lease, staging.epoch)
+        lease = None
         try:
+            staging = self._commit(items, path)
+            if staging is None:  # no daemon, or no room: plain copies (the trainer is held)
+                return Staged([t.detach().to("cpu", copy=True) for t in items], None)
+            lease = _Lease(self._connection, staging.lease, staging.epoch)
             # The spares are mapped afresh once the copy is given back (off the stall: a
             # spare the daemon made for the next new path).
             views = _views(self._map(staging), staging, items)
             return Staged(views, lease, self._spares.refresh)
-        except BaseException:
-            lease.release_now()
+        except BaseException as e:
+            if lease is not None and isinstance(e, Exception):
+                lease.release_now()
+            elif not isinstance(e, Exception):
+                # A signal's, wherever it landed once the copy was pinned (before its lease
+                # was made, say): the connection ends, and the pin with it.
+                with self._connection.lock:
+                    self._connection.drop()
             raise
 
     def _commit(self, tensors: list[Any], path: str) -> _Staging | None:
@@ -194,6 +201,11 @@ class Stager:
                 if self._settings.fallback == "raise":
                     raise
                 return None
+            except BaseException:
+                # A signal's exception, or a reply not understood, once the reservation may
+                # be made: the connection ends, and the reservation with it.
+                self._connection.drop()
+                raise
             try:
                 mapping = saves.mapping(reply.segment, reply.capacity)
                 write_object(mapping, plan, flat)

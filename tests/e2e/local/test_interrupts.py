@@ -255,3 +255,89 @@ def test_a_ctrl_c_while_a_failed_mapping_releases_its_pin_leaves_no_pin(
         monkeypatch.undo()
         wait_until(lambda: c.status(path).pins == 0, timeout=10, what="the pin released")
         assert_same(c.load(path), _state())
+
+
+def _once(error: type[BaseException], real: Callable[..., Any]) -> Callable[..., Any]:
+    """``real``, but raising ``error`` at its first call."""
+    fired: list[bool] = []
+
+    def once(*args: Any, **kwargs: Any) -> Any:
+        if not fired:
+            fired.append(True)
+            raise error
+        return real(*args, **kwargs)
+
+    return once
+
+
+def test_a_ctrl_c_as_the_save_thread_starts_leaves_later_saves_working(
+    daemon: DaemonProc, monkeypatch: pytest.MonkeyPatch
+):
+    """The pool counted a worker that never started: no later non-blocking save would run,
+    and neither would ``close()`` or the interpreter's exit."""
+    from ckptcache._workers import StoppableThread
+
+    with daemon.client() as c:
+        monkeypatch.setattr(
+            StoppableThread, "start", _once(KeyboardInterrupt, StoppableThread.start)
+        )
+        with pytest.raises(KeyboardInterrupt):
+            c.save(_state(), "/interrupts/nb-a.pt", blocking=False)
+        monkeypatch.undo()
+        handle = c.save(_state(), "/interrupts/nb-b.pt", blocking=False)
+        assert handle is not None
+        handle.wait(60)
+        assert_same(c.load("/interrupts/nb-b.pt"), _state())
+
+
+def test_a_ctrl_c_as_the_plans_thread_starts_leaves_close_whole(
+    daemon: DaemonProc, monkeypatch: pytest.MonkeyPatch
+):
+    """A thread made but never started: ``close()`` joined it, raised, and left the
+    connection open."""
+    from ckptcache.client import _plans
+
+    c = daemon.client()
+    real = _plans.StoppableThread.start
+    monkeypatch.setattr(_plans.StoppableThread, "start", _once(KeyboardInterrupt, real))
+    with pytest.raises(KeyboardInterrupt):
+        c.exists("/interrupts/job/step-1/model.pt")
+    monkeypatch.undo()
+    assert not c.exists("/interrupts/job/step-1/model.pt")
+    c.close()
+    assert c._connection.rpc is None  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("where", ["reserve reply", "lease"])
+def test_a_ctrl_c_in_stage_leaves_no_reservation_or_pin(
+    daemon: DaemonProc, monkeypatch: pytest.MonkeyPatch, where: str
+):
+    """Between the daemon's reservation (or its pinned commit) and the client's record of
+    it: the connection ends, and the daemon gives the memory back."""
+    from ckptcache.client import _staging
+
+    with daemon.client() as c:
+        c.save(_state(), "/interrupts/before-stage.pt", durability="memory")  # connected
+        if where == "lease":
+            monkeypatch.setattr(_staging, "_Lease", _once(KeyboardInterrupt, _staging._Lease))
+        else:
+            call = Connection.call
+
+            def interrupted(self: Connection, method: str, *args: Any, **kwargs: Any) -> Any:
+                reply = call(self, method, *args, **kwargs)
+                if method == "reserve":
+                    raise KeyboardInterrupt  # as the reply is decoded
+                return reply
+
+            monkeypatch.setattr(Connection, "call", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            c.stage([torch.ones(1 << 20)])
+        monkeypatch.undo()
+        wait_until(
+            lambda: (daemon.status().reservations, daemon.status().pinned) == (0, 0),
+            timeout=10,
+            what="the reservation and the pin given back",
+        )
+        staged = c.stage([torch.arange(100.0)])
+        assert torch.equal(staged.tensors[0], torch.arange(100.0))
+        staged.release()
