@@ -81,6 +81,8 @@ def test_a_held_storage_damaged_on_the_backup_node_sends_the_push_whole(cluster_
     first, second = str(tmp_path / "store/step-1.pt"), str(tmp_path / "store/step-2.pt")
     with a.client() as c, b.client() as cb:
         c.save(lora(1), first, durability="backup")
+        # The next push is offered less what b holds once a knows b holds a copy of it.
+        wait_until(lambda: c.status(first).replicas, what="the backup copy recorded")
         flip_bytes_of(b, cb, first, tensor_index=0)  # base.0 of the backup node's copy
         c.save(lora(2), second, durability="backup")
         assert held(a) == 0  # the push less base.0 failed; the whole one succeeded
