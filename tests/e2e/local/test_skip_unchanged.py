@@ -216,11 +216,12 @@ def test_one_client_of_a_process_watches(persisting, tmp_path):
 
 
 _C_FORK = """
-import ctypes, os, sys, torch
+import ctypes, faulthandler, os, sys, torch
 torch.set_num_threads(1)
 sys.path.insert(0, sys.argv[3])
 from tests.e2e.local.test_skip_unchanged import equal, lora, save_and_check, step, until_skipped
 from ckptcache import Client
+from ckptcache._workers import join_started
 fork = ctypes.PyDLL(None).fork  # no fork handler of Python's runs
 fork.restype = ctypes.c_int
 client = Client(sys.argv[1], fallback="raise")
@@ -228,10 +229,18 @@ state, path = lora(), sys.argv[2]
 until_skipped(client, state, path)
 for i in range(3):
     state["base"]["layer3"][50_000 + i : 60_000] += 1.0
+    # No thread of the client's may hold a lock at the fork (only the forking thread goes
+    # on in the child): the spare thread and the plans read ahead end first.
+    client._saves._ahead_stop.set()  # the plans read ahead
+    join_started(client._saves._ahead_thread)
+    client._parts.plans.stop()  # the plans of the job's earlier saves
+    client._spares.stop()
+    client._spares.join()
     pid = fork()
     if pid == 0:
         code = 1
         try:
+            faulthandler.dump_traceback_later(60, exit=True)  # a hang fails, with its stack
             client.save({"w": state["base"]["layer3"]}, path + f".child{i}")
             code = 0
         finally:
