@@ -96,10 +96,7 @@ def _by_path(
         overlapping.update(cluster)
     fast, slow = [], []
     for i, (_, dst, src) in enumerate(pairs):
-        if (
-            i not in overlapping and type(dst) in _PLAIN_TYPES and _plain(dst) and _plain(src)
-            and not dst.is_inference()
-        ):  # fmt: skip
+        if i not in overlapping and _plain(dst) and _plain(src) and not dst.is_inference():
             if dst.nbytes:
                 fast.append((dst.data_ptr(), src.data_ptr(), dst.nbytes, dst))
         else:
@@ -113,9 +110,12 @@ _PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
 
 
 def _plain(t: torch.Tensor) -> bool:
-    """Whether ``t``'s bytes are its values in order: a CPU tensor, contiguous, with no lazy
-    conjugate or negation (a view whose values are its bytes' conjugate or negative)."""
-    return t.is_cpu and t.is_contiguous() and not (t.is_conj() or t.is_neg())
+    """Whether ``t``'s bytes are its values in order: a plain CPU tensor, contiguous, with no
+    lazy conjugate or negation (a view whose values are its bytes' conjugate or negative)."""
+    return (
+        type(t) in _PLAIN_TYPES and t.is_cpu and t.is_contiguous()
+        and not (t.is_conj() or t.is_neg())
+    )  # fmt: skip
 
 
 def _extent(t: torch.Tensor) -> int:

@@ -65,8 +65,8 @@ class Settings:
             raise TypeError(f"socket_path must be a path, not {type(socket_path).__name__}")
         if socket_path is not None:
             socket_path = os.fspath(socket_path)
-        if namespace is not None and not (isinstance(namespace, str) and namespace):
-            raise TypeError(f"namespace must be a non-empty str, not {namespace!r}")
+        if namespace is not None and not isinstance(namespace, str):
+            raise TypeError(f"namespace must be a str, not {namespace!r}")
         if daemon_uid is not None and (
             not isinstance(daemon_uid, int) or isinstance(daemon_uid, bool) or daemon_uid < 0
         ):

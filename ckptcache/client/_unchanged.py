@@ -32,8 +32,9 @@ What no page table sees, and so what turns skipping off:
 * **Memory pinned for a device or the kernel** (``VmPin`` in ``/proc/self/status``: io_uring
   fixed buffers, RDMA memory regions): their writes go through the pin, not the process's
   page tables. A pin taken after a scan is itself a write (the kernel faults the pages
-  writable to pin them); one held at a scan may write after it unseen. So a save that finds
-  memory pinned, before or after its scans, skips nothing, nor does the save after it.
+  writable to pin them), seen by the next scan; one held at a scan may write after it
+  unseen. So a save that finds memory pinned once its scans are done skips nothing, nor
+  does the save after it.
   A process in which CUDA is initialized skips nothing either: a device may write pinned
   host memory by DMA, and CUDA's registrations are not counted there.
 * **A second watcher in the process.** A scan protects again every written page it reports,
@@ -229,11 +230,10 @@ class Unchanged:
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """:meth:`Pass.runs` of ``p``."""
         watch, save, held = p.watch, p.save, p.held
-        pinned = _pinned()
-        if self._scanning or self._pinned or pinned:
+        if self._scanning or self._pinned:
             # A pass was cut short (a signal's exception) where a scan may have protected
-            # pages again before their writes were noted, or memory is (or was at the last
-            # scans) pinned, whose writes no scan sees: nothing watched is trusted.
+            # pages again before their writes were noted, or memory was pinned at the last
+            # pass's scans, whose writes since no scan sees: nothing watched is trusted.
             for doubted in self._watched.values():
                 doubted.written = save
         self._scanning = save  # until every scan of this pass is noted
@@ -261,9 +261,9 @@ class Unchanged:
         for key, index in candidates.items():
             if key in self._watched:
                 p.offsets[key] = int(offsets[index])
-        # Read again once the scans have protected the pages: a pin taken meanwhile may
-        # write after them unseen.
-        self._pinned = pinned or _pinned()
+        # Once the scans have protected the pages: a pin held now may write after them
+        # unseen (one taken before them was seen by them as a write).
+        self._pinned = _pinned()
         if self._pinned:
             skip = []
         self._scanning = 0
