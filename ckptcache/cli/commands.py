@@ -120,7 +120,7 @@ def _cmd_status(args: argparse.Namespace) -> int:
         ("segments", f"{st.segments} ({st.free_segments} free)"),
         ("objects", f"{st.objects} paths, {st.generations} generations, {st.pinned} pinned"),
         ("persist", f"roots: {', '.join(st.persist_roots) or 'none'}; "
-                    f"{st.persist_queue} queued"),
+                    f"{st.persist_queue} queued; {st.digest_queue} digests queued"),
         ("cluster", f"{st.coordinator} nodes: {', '.join(st.cluster_nodes) or '-'}"),
         ("clocks", _clocks(st)),
     ]  # fmt: skip

@@ -230,16 +230,19 @@ class Unchanged:
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """:meth:`Pass.runs` of ``p``."""
         watch, save, held = p.watch, p.save, p.held
-        if self._scanning or self._pinned:
-            # A pass was cut short (a signal's exception) where a scan may have protected
-            # pages again before their writes were noted, or memory was pinned at the last
-            # pass's scans, whose writes since no scan sees: nothing watched is trusted.
-            for doubted in self._watched.values():
-                doubted.written = save
+        # A pass was cut short (a signal's exception) where a scan may have protected pages
+        # again before their writes were noted, or memory was pinned at the last pass's
+        # scans, whose writes since no scan sees: nothing watched is trusted.
+        doubt = self._scanning or self._pinned
         self._scanning = save  # until every scan of this pass is noted
         candidates = _candidates(addresses, sizes)
         # Scan first: every write since the last scan is seen.
         self._scan(watch, [k for k in candidates if k in self._watched], save)
+        if doubt:
+            # After the scan, so a doubt is not counted as a write found: storages doubted
+            # a few saves running are not retired as often written.
+            for doubted in self._watched.values():
+                doubted.written = save
         unwritten = [] if held is None else [
             (key, index) for key, index in candidates.items()
             if key in self._watched and self._watched[key].written <= held.save

@@ -245,6 +245,7 @@ def build_core(config: DaemonConfig, metrics: Metrics | None = None) -> CacheCor
         config, state, persister=persister, roots=roots, pool=pool,
         node_ids=cluster.node_ids if cluster is not None else tuple,
         clock_offsets=cluster.clocks.offsets if cluster is not None else tuple,
+        digest_queue=lambda: digester.backlog,
     )  # fmt: skip
     return CacheCore(
         config, state, retention, digester, persister, pool, saves, ingest, loads, queries,

@@ -90,6 +90,12 @@ class Metrics:
         self.persist_queue = Gauge(
             "ckptcache_persist_queue", "Objects waiting to persist", registry=r
         )
+        self.digest_queue = Gauge(
+            "ckptcache_digest_queue",
+            "Generations waiting for their digests and freed segments waiting for their check "
+            "(or refill), in the background, the one in hand included",
+            registry=r,
+        )
         self.peer_clock_offset = Gauge(
             "ckptcache_peer_clock_offset_seconds",
             "A peer's wall clock minus this node's, as last measured", ["peer"], registry=r,

@@ -192,7 +192,7 @@ class Saves:
         state = self.state
         with state.lock.held():
             ownership.check_may_save(state, session, (req.namespace, req.path))
-            segment = self.budget.room_locked(req.path, req.nbytes, saver, session.mapped, deadline)
+            segment = self.budget.room_locked(req.path, req.nbytes, saver, session, deadline)
             if segment.sealable and session is not self.internal:
                 self._unseal_locked(segment)
             self._prepare_record_locked(segment, req)
@@ -320,6 +320,8 @@ class Saves:
             # Fresh at every commit: no token outlives the bytes it names. Only for a client
             # that watches its storages (no other can use one, and each costs a check).
             content = segment.content = secrets.randbits(62) + 1 if req.watched else 0
+            if content:
+                session.note_token(content, state.arena.segments.values())
             gen = Generation(
                 res.namespace, res.path, number, segment, manifest, size=manifest.payload_size,
                 needs_persist=res.persist, saver=res.saver, committed=header.committed_ns / 1e9,

@@ -246,6 +246,9 @@ class Session:
     #: the spares it was told about and the segments it reserved). A reserve hands these out
     #: first: any other segment costs the client a first mapping inside its save.
     mapped: set[str] = field(default_factory=set)
+    #: The content tokens its commits were given (``Segment.content``): a segment holding
+    #: one holds bytes this client knows, and a save into it copies only what changed.
+    tokens: set[int] = field(default_factory=set)
 
     def note_mapped(self, names: Iterable[str], live: Collection[str]) -> None:
         """Record segments the client maps; forgets names no longer in ``live`` (the arena's
@@ -253,6 +256,14 @@ class Session:
         self.mapped.update(names)
         if len(self.mapped) > 2 * len(live) + 64:
             self.mapped = {n for n in self.mapped if n in live}
+
+    def note_token(self, token: int, live: Collection[Segment]) -> None:
+        """Record a token a commit gave; forgets those no segment of ``live`` holds once the
+        set outgrows them."""
+        self.tokens.add(token)
+        if len(self.tokens) > 2 * len(live) + 64:
+            held = {s.content for s in live}
+            self.tokens = {t for t in self.tokens if t in held}
 
 
 def bounded(wait: float, client_timeout: float | None) -> float:

@@ -494,6 +494,9 @@ class DaemonStatus:
     shm_dir: str
     socket: str
     persist_queue: int = 0
+    #: Generations waiting for their digests and freed segments for their check
+    #: (``Digester.backlog``): background work that waits for saves to pause.
+    digest_queue: int = 0
     persist_roots: tuple[str, ...] = ()
     cluster_nodes: tuple[str, ...] = ()
     coordinator: str = "embedded://"

@@ -122,3 +122,23 @@ def test_a_segment_the_daemon_still_hashes_is_never_cut(arena):
     target.fill = None
     arena.trim(target, HEADER_SIZE + MiB)
     assert os.path.getsize(target.path) == target.capacity < capacity
+
+
+def test_a_save_is_handed_a_segment_holding_bytes_its_client_knows(arena):
+    """Of the free segments its client maps, checked to hold saves, a save takes one holding
+    a save of its own client's (``known`` tokens), though another was freed later: only
+    there may it keep what it did not change."""
+    capacity = 4 * MiB + HEADER_SIZE
+    ours, theirs = arena.create(capacity), arena.create(capacity)
+    mapped = {ours.name, theirs.name}
+
+    def free(segment, token: int) -> None:
+        arena.release(segment)
+        segment.content = segment.checked = token
+
+    free(ours, 11)
+    free(theirs, 22)
+    assert arena.take_free(capacity, tight=False, mapped=mapped) is theirs  # the latest freed
+    free(theirs, 22)
+    assert arena.take_free(capacity, tight=False, mapped=mapped, known={11}) is ours
+    assert ours.handed == 11

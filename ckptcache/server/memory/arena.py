@@ -251,13 +251,14 @@ class Fill:
         self._done.set()
 
 
-_Rank = tuple[bool, bool, int, bool, float]
+_Rank = tuple[bool, bool, bool, int, bool, float]
 
 
-def _preference(mapped: Collection[str]) -> Callable[[Segment], _Rank]:
+def _preference(mapped: Collection[str], known: Collection[int]) -> Callable[[Segment], _Rank]:
     """The order :meth:`Arena.take_free` prefers free segments in (smallest first)."""
     return lambda s: (
-        s.name not in mapped, s.spare and not s.checked, s.capacity, not s.checked, -s.last_used
+        s.name not in mapped, s.checked not in known, s.spare and not s.checked, s.capacity,
+        not s.checked, -s.last_used,
     )  # fmt: skip
 
 
@@ -351,19 +352,22 @@ class Arena:
         tight: bool,
         owner: int | None = None,
         mapped: Collection[str] = (),
+        known: Collection[int] = (),
     ) -> Segment | None:
         """Best-fit free segment of ``owner`` (default: ours) for ``nbytes``.
 
         ``mapped``: the segments the saving client maps already; one of them comes first
         (any other costs the client a first mapping inside its save, page tables of the
-        whole segment). Then segments that some client maps (freed generations) before
-        spares, which stay for new segments; a spare checked to hold a save's bytes counts
-        as a freed generation's. Then the best fit, and among equals the segments checked
-        to hold a save's bytes (the save may keep those it did not change), the most
-        recently freed first: the daemon copied the newest save into them (``refill``). Unless
-        ``tight`` (no room to create a new one), a segment more than twice too big is left
-        alone: it would waste memory that a later large save needs. A segment is never
-        handed to another user: its last user may still map it.
+        whole segment). Among those, one checked to hold a save the client knows (its token
+        is one of ``known``, the tokens its commits were given): the save copies only what
+        changed since, where any other segment's bytes are copied whole. Then segments that
+        some client maps (freed generations) before spares, which stay for new segments; a
+        spare checked to hold a save's bytes counts as a freed generation's. Then the best
+        fit, and among equals the segments checked to hold a save's bytes (the save may keep
+        those it did not change), the most recently freed first: the daemon copied the newest
+        save into them (``refill``). Unless ``tight`` (no room to create a new one), a segment
+        more than twice too big is left alone: it would waste memory that a later large save
+        needs. A segment is never handed to another user: its last user may still map it.
         """
         owner = self.uid if owner is None else owner
         largest = self.limit if tight else 2 * self.capacity_for(nbytes)
@@ -374,7 +378,7 @@ class Arena:
             and self._owner_dir(s.owner) == self._owner_dir(owner)
         ]
         while fits:
-            best = min(fits, key=_preference(mapped))
+            best = min(fits, key=_preference(mapped, known))
             if not mapped_by_others(best):
                 break
             # A load mapping outlived its pin (its connection dropped): its zero-copy tensors

@@ -23,7 +23,7 @@ from ckptcache.server.memory.pool import SegmentPool
 from ckptcache.server.memory.retention import Retention
 from ckptcache.server.memory.shares import Verdict
 from ckptcache.server.ownership import Saver
-from ckptcache.server.state import CacheState
+from ckptcache.server.state import CacheState, Session
 
 __all__ = ["Budget"]
 
@@ -60,11 +60,12 @@ class Budget:
             )
 
     def room_locked(
-        self, path: str, nbytes: int, saver: Saver, mapped: Collection[str], deadline: float
+        self, path: str, nbytes: int, saver: Saver, session: Session, deadline: float
     ) -> Segment:
-        """A segment for ``nbytes`` of ``path`` saved by ``saver`` (``mapped``: the segments
-        its client maps already), waiting for room until ``deadline`` (``time.monotonic``)
-        while waiting can help; raises :class:`BudgetExceeded` otherwise."""
+        """A segment for ``nbytes`` of ``path`` saved by ``saver`` through ``session`` (whose
+        client's segments come first), waiting for room until ``deadline``
+        (``time.monotonic``) while waiting can help; raises :class:`BudgetExceeded`
+        otherwise."""
         state = self.state
         capacity = Arena.capacity_for(nbytes)
         what = f"{format_bytes(nbytes)} of {path!r}"
@@ -76,7 +77,7 @@ class Budget:
                     raise BudgetExceeded(share.message)
                 state.lock.wait(min(deadline - time.monotonic(), 0.5))
                 continue
-            segment = self.allocate_locked(nbytes, saver, mapped)
+            segment = self.allocate_locked(nbytes, saver, session.mapped, session.tokens)
             if segment is not None:
                 return segment
             remaining = deadline - time.monotonic()
@@ -156,17 +157,21 @@ class Budget:
         return f"held: {'; '.join(parts) or 'nothing committed'}. {advice}", bool(stuck)
 
     def allocate_locked(
-        self, nbytes: int, saver: Saver | None = None, mapped: Collection[str] = ()
+        self,
+        nbytes: int,
+        saver: Saver | None = None,
+        mapped: Collection[str] = (),
+        known: Collection[int] = (),
     ) -> Segment | None:
         """A segment for ``nbytes``: free list (first what the client maps already,
-        ``mapped``), spare pool, eviction of generations safe to drop, a new segment; None
-        while everything is pinned."""
+        ``mapped``, and holds bytes it knows, ``known`` tokens), spare pool, eviction of
+        generations safe to drop, a new segment; None while everything is pinned."""
         state = self.state
         arena = state.arena
         capacity = Arena.capacity_for(nbytes)
         owner = saver.uid if saver is not None else None
         tight = arena.used + capacity > arena.limit
-        segment = arena.take_free(nbytes, tight=tight, owner=owner, mapped=mapped)
+        segment = arena.take_free(nbytes, tight=tight, owner=owner, mapped=mapped, known=known)
         if segment is not None:
             self.pool.claim(segment, nbytes)
         else:
@@ -184,7 +189,7 @@ class Budget:
             log.debug("evicting %s generation %d", victims[0].path, victims[0].number)
             self.metrics.evictions.inc()
             state.retire_locked(victims[0])
-            segment = arena.take_free(nbytes, tight=True, owner=owner, mapped=mapped)
+            segment = arena.take_free(nbytes, tight=True, owner=owner, mapped=mapped, known=known)
             if segment is not None:
                 self.pool.claim(segment, nbytes)
                 return segment

@@ -53,6 +53,7 @@ class Digester:
         self.state = state
         self._queue: queue.Queue[Generation | _FreeCheck | None] = queue.Queue()
         self._thread = threading.Thread(target=self._loop, name="digester", daemon=True)
+        state.metrics.digest_queue.set_function(lambda: self.backlog)
 
     def start(self) -> None:
         """Start the background digester."""
@@ -63,6 +64,11 @@ class Digester:
         self._queue.put(None)
         if self._thread.is_alive():
             self._thread.join(timeout=5)
+
+    @property
+    def backlog(self) -> int:
+        """Generations and freed segments queued for the background loop, or in its hands."""
+        return self._queue.unfinished_tasks
 
     def put(self, gen: Generation) -> None:
         """Hash ``gen`` in the background."""
@@ -256,28 +262,35 @@ class Digester:
         # Digests are off the trainer's critical path; keep them from competing with training.
         lower_thread_priority()
         while True:
-            gen = self._queue.get()
-            if gen is None:
+            item = self._queue.get()
+            if item is None:
                 return
-            if isinstance(gen, _FreeCheck):
-                self.state.saves_in_flight.wait_quiet()  # never beside a save's copy
-                try:
-                    self._check_free(gen)
-                except Exception:  # the segment's token stays unhanded; digests go on
-                    log.exception("check of freed segment %s failed", gen.gen.segment.name)
-                continue
-            # Background work: after the saves in flight (the next files of a checkpoint).
-            self.state.saves_in_flight.wait_after(gen.committed)
-            if gen.digests is not None or gen.retired or gen.pins < 0:
-                continue
-            if not self.state.pin_if_current(gen):
-                continue  # retired before we got to it
             try:
-                self.compute(gen)
-            except Exception:
-                log.exception("digest of %s generation %d failed", gen.path, gen.number)
+                self._work(item)
             finally:
-                self.state.unpin(gen)
+                self._queue.task_done()
+
+    def _work(self, item: Generation | _FreeCheck) -> None:
+        if isinstance(item, _FreeCheck):
+            self.state.saves_in_flight.wait_quiet()  # never beside a save's copy
+            try:
+                self._check_free(item)
+            except Exception:  # the segment's token stays unhanded; digests go on
+                log.exception("check of freed segment %s failed", item.gen.segment.name)
+            return
+        gen = item
+        # Background work: after the saves in flight (the next files of a checkpoint).
+        self.state.saves_in_flight.wait_after(gen.committed)
+        if gen.digests is not None or gen.retired or gen.pins < 0:
+            return
+        if not self.state.pin_if_current(gen):
+            return  # retired before we got to it
+        try:
+            self.compute(gen)
+        except Exception:
+            log.exception("digest of %s generation %d failed", gen.path, gen.number)
+        finally:
+            self.state.unpin(gen)
 
     def verify(self, session: Session, req: m.VerifyRequest) -> m.VerifyReply:
         """Recompute digests of the newest generation and compare with the recorded ones."""

@@ -39,6 +39,7 @@ class Queries:
         pool: SegmentPool,
         node_ids: Callable[[], tuple[str, ...]],
         clock_offsets: Callable[[], tuple[m.PeerClock, ...]] = tuple,
+        digest_queue: Callable[[], int] = int,
     ):
         self.config = config
         self.state = state
@@ -49,6 +50,8 @@ class Queries:
         self.node_ids = node_ids
         #: The peers' clock offsets as last measured (empty for a node alone).
         self.clock_offsets = clock_offsets
+        #: The digester's backlog (``Digester.backlog``).
+        self.digest_queue = digest_queue
 
     def info(self, gen: Generation) -> m.ObjectInfo:
         """Describe one generation (call under the state lock)."""
@@ -117,7 +120,8 @@ class Queries:
                 objects=len(state.index.paths()), generations=len(gens),
                 pinned=sum(1 for g in gens if g.pins), reservations=state.saves_in_flight.open,
                 shm_dir=self.config.shm_dir, socket=self.config.socket,
-                persist_queue=len(self.persister.queue), persist_roots=self._roots(),
+                persist_queue=len(self.persister.queue), digest_queue=self.digest_queue(),
+                persist_roots=self._roots(),
                 cluster_nodes=self.node_ids(), coordinator=self.config.coordinator,
                 memory_stored=sum(g.size for g in gens),
                 spare_segments=len(self.pool.describe(arena.uid).segments),
