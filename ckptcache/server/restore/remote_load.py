@@ -65,7 +65,7 @@ from ckptcache.errors import (
 from ckptcache.server.backoff import Backoff
 from ckptcache.server.cluster.coord import NodeInfo, keys
 from ckptcache.server.cluster.coord.counting import CountingCoordinator
-from ckptcache.server.cluster.coord.records import LoaderRecord
+from ckptcache.server.cluster.coord.records import LatestRecord, LoaderRecord, parse_one
 from ckptcache.server.cluster.membership import Membership, path_hash
 from ckptcache.server.metrics import Metrics
 from ckptcache.server.restore.fetching import Fetching, PeerBusy
@@ -194,6 +194,8 @@ class _Load:
     corrupt: CorruptCheckpoint | None = None
     #: The stamp of the cluster's newest save of the path: no older copy will do (0: any).
     newer_than: int = 0
+    #: The node that made that save (``None``: not read yet; empty: unknown).
+    maker: str | None = None
 
     def missing(self, what: str) -> CkptCacheError:
         """The error of a load that found no sound copy: the corrupt one it met, if any
@@ -220,7 +222,7 @@ def plan(src: Sources, load: _Load) -> Plan:
     local = _held_here(src, load)
     if local is not None:
         return Plan("local")
-    holders = _untried_holders(src, load)
+    holders = _untried_holders(src, load) or _maker(src, load)
     if holders:
         now = time.monotonic()
         free = [n for n in holders if load.busy.get(n.node_id, 0.0) <= now - BUSY_FOR]
@@ -242,6 +244,23 @@ def _untried_holders(src: Sources, load: _Load) -> list[NodeInfo]:
     me = src.membership.node.node_id
     return [n for n in src.membership.holders(load.namespace, load.path, load.newer_than)
             if n.node_id != me and n.node_id not in load.tried]  # fmt: skip
+
+
+def _maker(src: Sources, load: _Load) -> list[NodeInfo]:
+    """The node that made the newest save, live and not tried yet, where no holder of it is
+    announced: a save's newest-save record is put at its commit, its holding a moment later
+    (behind the backup push of the save before), and a load in between must not take the
+    missing announcement for a missing copy. One coordinator read per load."""
+    if not load.newer_than:
+        return []
+    if load.maker is None:
+        key = keys.latest_key(load.ph)
+        record = parse_one(LatestRecord, key, src.membership.coord.get(key))
+        fits = record is not None and record.committed_ns >= load.newer_than
+        load.maker = record.node if record is not None and fits else ""
+    if load.maker in ("", src.membership.node.node_id) or load.maker in load.tried:
+        return []
+    return [n for n in src.membership.live_nodes() if n.node_id == load.maker]
 
 
 def execute(src: Sources, load: _Load, chosen: Plan) -> Generation | None:

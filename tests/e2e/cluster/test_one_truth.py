@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import io
 import os
+import threading
 
 import pytest
 import torch
@@ -201,3 +202,37 @@ def test_a_save_after_one_from_a_node_whose_clock_runs_ahead_is_the_newest(
                 c.wait(path, timeout=120)
                 assert_same(last, c.load(path))
         assert_same(last, torch.load(path, weights_only=True))
+
+
+def test_a_node_loads_while_another_saves_the_path_back_to_back(cluster_factory, tmp_path):
+    """A save's newest-save record is put at its commit, and its holding is announced a
+    moment later, behind the backup push of the save before: a load meanwhile finds no
+    holder of the newest save. It asks the node that made it, and returns that save or a
+    newer one, never an error and never an older one."""
+    root = tmp_path / "ckpt"
+    a, _, c = cluster_factory(3, "--persist-root", str(root))
+    path = str(root / "run" / "last.pt")
+    done = threading.Event()
+    saved = [0]  # the newest step whose save returned
+
+    def saving() -> None:
+        with a.client() as trainer:
+            step = 0
+            while not done.is_set():
+                step += 1
+                trainer.save(state(step, n=1 << 18), path)
+                saved[0] = step
+
+    thread = threading.Thread(target=saving, daemon=True)
+    thread.start()
+    try:
+        wait_until(lambda: saved[0] >= 1)
+        with c.client() as reader:
+            for _ in range(20):
+                floor = saved[0]
+                got = reader.load(path)
+                assert got["step"] >= floor
+                assert_same(state(got["step"], n=1 << 18), got)
+    finally:
+        done.set()
+        thread.join(timeout=60)
