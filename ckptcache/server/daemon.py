@@ -227,6 +227,7 @@ def build_core(config: DaemonConfig, metrics: Metrics | None = None) -> CacheCor
         ))  # fmt: skip
         saves.on_commit.append(cluster.on_commit)
         saves.newest_seen = cluster.truth.seen
+        retention.newest = cluster.newest_if_known
         state.on_retire.append(cluster.on_retire)
         cluster.start()  # before persisting: elections apply
     persister.start(cluster.election if cluster is not None else None)

@@ -41,7 +41,7 @@ class Ingest:
         (or compute the table), and commit it as this node's generation."""
         state, saves, internal = self.state, self.saves, self.saves.internal
         namespace, path, nbytes, saved_at = copy.namespace, copy.path, copy.nbytes, copy.saved_at
-        self._refuse_deleted(namespace, path, saved_at)
+        self._refuse_deleted(namespace, path, copy)
         started = time.time()  # a copy of unknown age was saved before its read began
         content = saved_at or copy.content_time or started
         request = m.ReserveRequest(namespace, path, nbytes)
@@ -87,7 +87,7 @@ class Ingest:
             saves.abort(internal, m.AbortRequest(reply.reservation))
             raise
         try:
-            self._refuse_deleted(namespace, path, saved_at)
+            self._refuse_deleted(namespace, path, copy)
         except CheckpointNotFound:
             state.end_flight(key, flight, failed=True)  # its relays stop before the abort
             saves.abort(internal, m.AbortRequest(reply.reservation))
@@ -113,10 +113,15 @@ class Ingest:
                 raise state.not_found(namespace, path, number)
             return gen
 
-    def _refuse_deleted(self, namespace: str, path: str, saved_at: float | None) -> None:
+    def _refuse_deleted(self, namespace: str, path: str, copy: Incoming) -> None:
+        """Refuse a backup copy of a save made before the path was deleted here: stamps
+        compared, exact (``CacheState.deleted``)."""
+        if copy.saved_at is None:
+            return  # not a backup copy: a load brought it
+        stamp = copy.content_ns or int(copy.saved_at * 1e9)
         with self.state.lock.held():
             deleted = self.state.deleted.get((namespace, path))
-        if saved_at is not None and deleted is not None and deleted >= saved_at:
+        if deleted is not None and deleted >= stamp:
             raise CheckpointNotFound(
                 f"{path!r} was deleted on node {self.state.config.node_id!r} after this copy "
                 "was saved: backup copy refused"

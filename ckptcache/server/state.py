@@ -304,9 +304,10 @@ class CacheState:
         self.inflight: dict[Key, Inflight] = {}
         #: Reservations open now: background work waits for saves to pause (server/quiet.py).
         self.saves_in_flight = SavesInFlight()
-        #: When each path was last deleted here (wall clock): backup copies of generations
-        #: saved before that are refused, so a delete is not undone by a copy in transit.
-        self.deleted: dict[Key, float] = {}
+        #: The stamp (ns) of the newest save of each path known when it was last deleted
+        #: here: backup copies of saves stamped no later are refused, so a delete is not
+        #: undone by a copy in transit (``Retention.delete``).
+        self.deleted: dict[Key, int] = {}
         #: The last save of each path that storage superseded after it left memory: what
         #: ``status`` and ``wait`` say of the path until a newer save (server/memory/superseded.py).
         self.superseded = SupersededSaves()

@@ -225,6 +225,13 @@ class Cluster:
         newest = self.truth.newest(namespace, path)
         return newest.committed_ns if newest is not None else 0
 
+    def newest_if_known(self, namespace: str, path: str) -> int | None:
+        """:meth:`newest`, ``None`` while the coordinator is unreachable."""
+        try:
+            return self.newest(namespace, path)
+        except CoordinatorUnavailable:
+            return None
+
     def same_content(self, gen: Generation, stamp: int) -> bool:
         """Whether a holder announces the save stamped ``stamp`` with ``gen``'s content (one
         scan of the path's holders; called with ``gen``'s digests known)."""

@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 
 from ckptcache.server import ownership
 from ckptcache.server.config import DaemonConfig
@@ -44,6 +45,9 @@ class Retention:
         self.options = config.storage_options()
         #: Decides what keep-N may retire (never a generation storage has not received).
         self.eviction = eviction
+        #: The stamp of the cluster's newest save of a path (0: none recorded; ``None``:
+        #: cannot be told now); unset for a node alone.
+        self.newest: Callable[[str, str], int | None] | None = None
         self._stopping = threading.Event()
 
     def start(self) -> None:
@@ -161,13 +165,21 @@ class Retention:
         untouched); backup copies of earlier saves still in transit are refused."""
         state = self.state
         key = (req.namespace, req.path)
+        newest = self.newest(*key) if self.newest is not None else 0
         with state.lock.held():
             held = state.index.generations(key)
             gens = [g for g in held if state.visible(session, g, False)]
             if len(gens) == len(held):
                 # The mark refuses backup copies still in transit; never set by a user over
-                # another user's copies (that would refuse the owner's backups here).
-                state.deleted[key] = time.time()
+                # another user's copies (that would refuse the owner's backups here). It is a
+                # save's stamp, not this node's clock: the newest save known here or in the
+                # cluster's record. A copy of any save made before the delete is stamped at
+                # most that; a save made after it reads the record first and is stamped
+                # later, whichever node's clock runs ahead.
+                known = max((g.committed_ns for g in held), default=0)
+                if newest is None:  # the record cannot be read: this node's clock decides
+                    newest = time.time_ns()
+                state.deleted[key] = max(known, newest)
             forgotten = self._may_see_superseded(session, key)
             if forgotten:  # the user is done with the path: storage speaks for it again
                 state.superseded.forget(key)
