@@ -31,6 +31,7 @@ import logging
 import operator
 import os
 import threading
+import time
 import weakref
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, wait
@@ -38,6 +39,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ckptcache._signals import signals_deferred
 from ckptcache.client._settings import check_timeout
 from ckptcache.errors import PersistTimeout, TensorMutated
 
@@ -263,34 +265,52 @@ class SaveHandle:
 
     def wait_copied(self, timeout: float | None = None) -> bool:
         """Block until the tensors are copied out (or the save failed); no error raised."""
-        return self._copied.wait(check_timeout(timeout))
+        return _in_slices(self._copied.wait, check_timeout(timeout))
 
     def wait_done(self, timeout: float | None = None) -> bool:
         """Block until the save finished (committed or failed); no error raised (it stays
         with the handle for :meth:`wait`). Returns whether it finished."""
-        return wait([self._future], check_timeout(timeout)).not_done == set()
+        return _in_slices(self._finished_within, check_timeout(timeout))
+
+    def _finished_within(self, seconds: float) -> bool:
+        return not wait([self._future], seconds).not_done
 
     def wait(self, timeout: float | None = None) -> None:
         """Block until committed; raises the save's error (e.g. :class:`TensorMutated`), or
         :class:`~ckptcache.errors.PersistTimeout` once ``timeout`` seconds have passed."""
-        from concurrent.futures import TimeoutError as FutureTimeout
-
-        limit = check_timeout(timeout)
-        try:
-            self._future.result(limit)
-        except FutureTimeout:
-            if self._future.done():
-                raise  # the save's own error, which happens to be a timeout
+        if not _in_slices(self._finished_within, check_timeout(timeout)):
             raise PersistTimeout(
                 f"the non-blocking save of {self.path!r} did not finish within {timeout} s"
-            ) from None
-        finally:
-            if self._future.done():  # the outcome reached the caller: nothing left to log
-                self._seen.seen = True
+            )
+        self._seen.seen = True  # the outcome reaches the caller: nothing left to log
+        with signals_deferred():  # the future's lock, taken once more
+            self._future.result()
 
     def __repr__(self) -> str:
         state = "done" if self.done() else "copied" if self.copied() else "copying"
         return f"<SaveHandle {self.path!r} {state}>"
+
+
+#: The longest a wait on a save runs with signals deferred: how late a Ctrl-C may be seen.
+_SLICE = 0.05
+
+
+def _in_slices(within: Callable[[float], bool], timeout: float | None) -> bool:
+    """Wait until ``within(t)`` (a wait of at most ``t`` seconds that says whether it is
+    over) says so, or ``timeout`` seconds passed (``None``: no limit); whether it is over.
+
+    In slices of at most :data:`_SLICE`, each with signals deferred: a Ctrl-C's exception is
+    raised between two slices, never inside the lock of the condition a wait holds (left
+    held, it would stop the save's own thread at its next notify, and with it every later
+    non-blocking save)."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while True:
+        left = _SLICE if deadline is None else max(0.0, deadline - time.monotonic())
+        with signals_deferred():
+            if within(min(left, _SLICE)):
+                return True
+        if deadline is not None and time.monotonic() >= deadline:
+            return False
 
 
 def submit(

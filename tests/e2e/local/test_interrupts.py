@@ -326,3 +326,39 @@ def test_a_ctrl_c_in_stage_leaves_no_reservation_or_pin(
         staged = c.stage([torch.arange(100.0)])
         assert torch.equal(staged.tensors[0], torch.arange(100.0))
         staged.release()
+
+
+def test_a_storm_of_ctrl_c_across_waits_on_non_blocking_saves(
+    persisting: DaemonProc, tmp_path: Path, sigalrm_interrupts: None
+):
+    """Non-blocking saves whose handles are waited on (``wait``, ``wait_copied``,
+    ``wait_done``), each wait with a SIGALRM at a random moment raising
+    ``KeyboardInterrupt``, until 20 landed inside a wait: only ever that error, never one of
+    a lock the wait held (a condition's lock released or kept by the interrupt), and every
+    save still finishes, committed with its bytes."""
+    path = str(tmp_path / "ckpt" / "async.pt")
+    state = {f"w{i}": torch.full((64, 1024), float(i)) for i in range(16)}  # 4 MiB
+    rng = random.Random(5)
+    interrupted = 0
+    with persisting.client(timeout=10) as c:
+        t0 = time.perf_counter()
+        c.save(state, path, blocking=False).wait()
+        span = max(time.perf_counter() - t0, 0.002)
+        for i in range(600):
+            handle = c.save(state, path, blocking=False)
+            wait = (handle.wait, handle.wait_copied, handle.wait_done)[i % 3]
+            try:
+                signal.setitimer(signal.ITIMER_REAL, rng.uniform(0.0001, span))
+                _operation(wait)
+            except KeyboardInterrupt:
+                interrupted += 1
+            finally:
+                signal.setitimer(signal.ITIMER_REAL, 0)
+            assert handle.wait_done(30), handle
+            handle.wait()  # committed: the save's own outcome, whatever the wait met
+            if interrupted == 20:
+                break
+        assert interrupted == 20  # the storm did land inside the waits
+        state["w3"].fill_(-3.0)
+        c.save(state, path, blocking=False).wait(timeout=30)
+        assert_same(c.load(path), state)
