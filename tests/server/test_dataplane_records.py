@@ -9,6 +9,7 @@ unauthenticated bytes as landed.
 
 from __future__ import annotations
 
+import mmap
 import os
 import socket
 import threading
@@ -243,3 +244,42 @@ def test_a_record_is_reported_landed_before_the_next_one_arrives(tmp_path):
     assert landed == [record, 2 * record, 3 * record]
     client.close()
     server.close()
+
+
+def test_pages_sent_by_sendfile_stay_unchanged_until_the_peer_has_read_them(tmp_path):
+    """``sendfile`` over TCP is zero copy: what it queued still references the file's pages
+    until the peer reads them, so a segment reused as soon as the send returned reached the
+    peer as the next save's bytes, under the first one's tag. :meth:`Channel.until_read`
+    returns only once the peer has read everything (here: hung up): the sender changes the
+    pages only then, while the peer waits a second before it reads at all."""
+    n = 1 << 20
+    path = str(tmp_path / "segment")
+    with open(path, "wb") as f:
+        f.write(b"C" * n)
+    listener = socket.create_server(("127.0.0.1", 0))
+    a = socket.create_connection(listener.getsockname())
+    b, _ = listener.accept()
+    listener.close()
+    for s in (a, b):  # room for the whole record in the queues: sendfile returns at once
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4 << 20)
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 << 20)
+    client = Channel.from_handshake(a, SECRET, TRANSCRIPT, client=True, peer_id="server")
+    server = Channel.from_handshake(b, SECRET, TRANSCRIPT, client=False, peer_id="client")
+    released = threading.Event()
+    with open(path, "r+b") as f, mmap.mmap(f.fileno(), n) as mapping:
+
+        def send() -> None:
+            client.send_file(f.fileno(), 0, n, mapping)
+            client.until_read()
+            mapping[:] = b"D" * n  # the segment handed to the next save
+            released.set()
+
+        sender = threading.Thread(target=send)
+        sender.start()
+        released.wait(1.0)  # a sender that let go at once has written the pages by now
+        got = bytearray(n)
+        server.recv_into(memoryview(got))
+        server.close()
+        sender.join()
+    assert bytes(got) == b"C" * n
+    client.close()

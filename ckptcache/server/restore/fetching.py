@@ -144,6 +144,7 @@ class Fetching:
                 return
             send_msg(conn, peer.encode(peer.Ack()))
             send_range(conn, gen, req.lo, req.hi)
+            conn.until_read()  # sendfile queued the segment's pages, not copies of them
         finally:
             self.state.unpin(gen)
 
@@ -199,6 +200,7 @@ class Fetching:
                              lambda _i, _lo, _hi: None)  # fmt: skip
             else:
                 send_object(conn, gen, lambda: self.ensure_digests(gen))
+            conn.until_read()  # sendfile queued the segment's pages, not copies of them
         finally:
             self.state.unpin(gen)
 

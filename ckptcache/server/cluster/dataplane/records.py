@@ -25,6 +25,7 @@ import hmac
 import json
 import mmap
 import socket
+import ssl
 import struct
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor, wait
@@ -195,6 +196,18 @@ class Channel:
                     wait([tag])  # never unmap under a running tag
                 self.sock.sendall(tag.result())
                 pos += n
+
+    def until_read(self) -> None:
+        """Return once the peer has read everything sent so far: it hangs up, or sends its
+        next message (left unread here, for whoever reads it). ``sendfile`` over TCP is zero
+        copy: the records it queued still reference the file's pages until the peer reads
+        them (on loopback, until it copies them out of its own receive queue), so a sender
+        keeps those pages unchanged (the generation pinned) until this returns. Over TLS the
+        bytes were copied when sent. A reset or timeout: the peer reads no more."""
+        if isinstance(self.sock, ssl.SSLSocket):
+            return
+        with contextlib.suppress(OSError):
+            self.sock.recv(1, socket.MSG_PEEK)
 
     def recv_into(
         self,
