@@ -89,5 +89,14 @@ class _Deferral:
         self.open[0] = False
         for signum, handler in self.saved.items():
             signal.signal(signum, handler)
+        # Every handler runs, as the interpreter would have run each in turn: a Ctrl-C's
+        # exception must not swallow a SIGTERM that came with it. The first exception is
+        # raised once all have run.
+        first: BaseException | None = None
         for handler, signum, frame in self.arrived:
-            handler(signum, frame)
+            try:
+                handler(signum, frame)
+            except BaseException as e:  # raised below, once the others ran
+                first = first if first is not None else e
+        if first is not None:
+            raise first

@@ -151,7 +151,9 @@ class Connection:
         if not envelope.get("ok"):
             _raise_error(envelope.get("error", {}))
         result = envelope.get("result")
-        return m.decode(reply_type, json.dumps(result)) if reply_type is not None else result
+        if reply_type is None:
+            return result
+        return m.decode(reply_type, json.dumps(result), reply=True)
 
     def call(self, kind: str, message: Any, reply_type: type[R] | None = None) -> Any:
         """A request, connecting first and releasing the pins dropped since the last one."""

@@ -118,10 +118,17 @@ class Ingest:
         compared, exact (``CacheState.deleted``)."""
         if copy.saved_at is None:
             return  # not a backup copy: a load brought it
-        stamp = copy.content_ns or int(copy.saved_at * 1e9)
         with self.state.lock.held():
             deleted = self.state.deleted.get((namespace, path))
-        if deleted is not None and deleted >= stamp:
+        if deleted is None:
+            return
+        # Without the exact stamp (a peer of an older version), in the float seconds the
+        # copy came with: a mark made from that same save's stamp rounds the same way.
+        if copy.content_ns:
+            before = deleted >= copy.content_ns
+        else:
+            before = deleted / 1e9 >= copy.saved_at
+        if before:
             raise CheckpointNotFound(
                 f"{path!r} was deleted on node {self.state.config.node_id!r} after this copy "
                 "was saved: backup copy refused"

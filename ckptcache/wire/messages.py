@@ -132,14 +132,14 @@ def _hint_name(hint: Any) -> str:
     return getattr(hint, "__name__", None) or str(hint)
 
 
-def _build(cls: type[M], raw: Any) -> M:
+def _build(cls: type[M], raw: Any, newer: bool = False) -> M:
     if not isinstance(raw, dict):
         raise ValueError(f"{cls.__name__}: expected an object")
     hints = {f.name: f for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
     unknown = set(raw) - set(hints)
-    if unknown:
+    if unknown and not newer:
         raise ValueError(f"{cls.__name__}: unknown fields {sorted(unknown)}")
-    values = dict(raw)
+    values = {k: v for k, v in raw.items() if k in hints}
     types_ = _field_types(cls)
     for name, f in hints.items():
         if name not in values:
@@ -149,7 +149,7 @@ def _build(cls: type[M], raw: Any) -> M:
         if item_type is not None:
             if not isinstance(values[name], list):
                 raise ValueError(f"{cls.__name__}.{name}: expected a list")
-            values[name] = tuple(_build(item_type, v) for v in values[name])
+            values[name] = tuple(_build(item_type, v, newer) for v in values[name])
         elif isinstance(values[name], list):
             values[name] = tuple(values[name])
         hint = types_[name]
@@ -172,11 +172,14 @@ def build(cls: type[M], raw: Any) -> M:
         raise ProtocolMismatch(f"malformed {cls.__name__}: {e}") from e
 
 
-def decode(cls: type[M], text: str) -> M:
+def decode(cls: type[M], text: str, *, reply: bool = False) -> M:
     """Decode JSON text into message ``cls``; raises :class:`ProtocolMismatch` when it is not
-    valid JSON, misses or adds fields, or a field has the wrong type."""
+    valid JSON, misses or adds fields, or a field has the wrong type. A ``reply`` (a daemon's
+    answer, read by a client) may carry fields newer than the client: they are left out, so
+    a daemon upgraded first still answers older clients (a request's unknown field is
+    refused: the daemon would not do what it asks)."""
     try:
-        return _build(cls, json.loads(text))
+        return _build(cls, json.loads(text), reply)
     except (TypeError, ValueError, RecursionError) as e:  # JSONDecodeError is a ValueError
         raise ProtocolMismatch(f"malformed {cls.__name__}: {e}") from e
 

@@ -36,6 +36,22 @@ def test_a_signal_inside_the_block_raises_only_when_it_ends():
         signal.signal(signal.SIGUSR1, previous)
 
 
+def test_every_signal_held_off_runs_though_the_first_raises():
+    """A Ctrl-C and a SIGTERM inside one block: the SIGTERM's handler (a preemption hook)
+    still runs, and the Ctrl-C's exception is raised after it, as the interpreter would."""
+    ran: list[int] = []
+    previous = (signal.signal(signal.SIGUSR1, _raise),
+                signal.signal(signal.SIGUSR2, lambda signum, frame: ran.append(signum)))  # fmt: skip
+    try:
+        with pytest.raises(Interrupted), signals_deferred():
+            os.kill(os.getpid(), signal.SIGUSR1)
+            os.kill(os.getpid(), signal.SIGUSR2)
+        assert ran == [signal.SIGUSR2]
+    finally:
+        signal.signal(signal.SIGUSR1, previous[0])
+        signal.signal(signal.SIGUSR2, previous[1])
+
+
 def test_an_exception_of_the_block_still_restores_the_handlers():
     previous = signal.signal(signal.SIGUSR2, _raise)
     try:

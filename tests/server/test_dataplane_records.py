@@ -270,7 +270,7 @@ def test_pages_sent_by_sendfile_stay_unchanged_until_the_peer_has_read_them(tmp_
 
         def send() -> None:
             client.send_file(f.fileno(), 0, n, mapping)
-            client.until_read()
+            client.until_read(30.0)
             mapping[:] = b"D" * n  # the segment handed to the next save
             released.set()
 

@@ -142,3 +142,16 @@ def test_a_save_is_handed_a_segment_holding_bytes_its_client_knows(arena):
     free(theirs, 22)
     assert arena.take_free(capacity, tight=False, mapped=mapped, known={11}) is ours
     assert ours.handed == 11
+
+
+def test_a_known_segment_never_beats_a_better_fit(arena):
+    """A free segment holding the client's save, but larger, is left for a larger save: a
+    small save taking it could leave that one no room (under a tight budget any larger
+    segment may be taken)."""
+    small, large = 4 * MiB + HEADER_SIZE, 16 * MiB + HEADER_SIZE
+    fit, known = arena.create(small), arena.create(large)
+    for segment, token in ((known, 11), (fit, 0)):
+        arena.release(segment)
+        segment.content = segment.checked = token
+    both = {fit.name, known.name}
+    assert arena.take_free(small, tight=True, mapped=both, known={11}) is fit

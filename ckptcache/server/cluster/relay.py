@@ -92,7 +92,7 @@ def send_blocks(channel: Channel, state: CacheState, flight: Inflight, blocks: l
                 channel.send_file(fd, HEADER_SIZE + pos, ready - pos, flight.segment.mapping,
                                   record=transfer.RELAY_RECORD)  # fmt: skip
                 pos = ready
-        channel.until_read()  # sendfile queued the segment's pages, not copies of them
+        channel.until_read(state.config.dead_peer_timeout)  # sendfile queued the pages
 
 
 @dataclass

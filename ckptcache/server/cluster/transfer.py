@@ -309,7 +309,7 @@ def relay_in_flight(channel: Channel, state: CacheState, flight: Inflight) -> No
             channel.send_file(fd, sent, ready - sent, flight.segment.mapping,
                               record=RELAY_RECORD)  # fmt: skip
             sent = ready
-        channel.until_read()  # the pin that relays hold lasts until the peer has the bytes
+        channel.until_read(state.config.dead_peer_timeout)  # sendfile queued the pages
 
 
 def receive_relayed(channel: Channel, view: memoryview, advance: Callable[[int], None]) -> None:

@@ -251,13 +251,13 @@ class Fill:
         self._done.set()
 
 
-_Rank = tuple[bool, bool, bool, int, bool, float]
+_Rank = tuple[bool, bool, int, bool, bool, float]
 
 
 def _preference(mapped: Collection[str], known: Collection[int]) -> Callable[[Segment], _Rank]:
     """The order :meth:`Arena.take_free` prefers free segments in (smallest first)."""
     return lambda s: (
-        s.name not in mapped, s.checked not in known, s.spare and not s.checked, s.capacity,
+        s.name not in mapped, s.spare and not s.checked, s.capacity, s.checked not in known,
         not s.checked, -s.last_used,
     )  # fmt: skip
 
@@ -358,14 +358,14 @@ class Arena:
 
         ``mapped``: the segments the saving client maps already; one of them comes first
         (any other costs the client a first mapping inside its save, page tables of the
-        whole segment). Among those, one checked to hold a save the client knows (its token
-        is one of ``known``, the tokens its commits were given): the save copies only what
-        changed since, where any other segment's bytes are copied whole. Then segments that
-        some client maps (freed generations) before spares, which stay for new segments; a
-        spare checked to hold a save's bytes counts as a freed generation's. Then the best
-        fit, and among equals the segments checked to hold a save's bytes (the save may keep
-        those it did not change), the most recently freed first: the daemon copied the newest
-        save into them (``refill``). Unless ``tight`` (no room to create a new one), a segment
+        whole segment). Then segments that some client maps (freed generations) before
+        spares, which stay for new segments; a spare checked to hold a save's bytes counts
+        as a freed generation's. Then the best fit (a larger segment taken for a small save
+        could leave no room for a large one), and among equals first one checked to hold a
+        save the client knows (its token is one of ``known``, the tokens its commits were
+        given: the save copies only what changed since), then the segments checked to hold
+        any save's bytes, the most recently freed first: the daemon copied the newest save
+        into them (``refill``). Unless ``tight`` (no room to create a new one), a segment
         more than twice too big is left alone: it would waste memory that a later large save
         needs. A segment is never handed to another user: its last user may still map it.
         """

@@ -165,7 +165,9 @@ class Retention:
         untouched); backup copies of earlier saves still in transit are refused."""
         state = self.state
         key = (req.namespace, req.path)
-        newest = self.newest(*key) if self.newest is not None else 0
+        newest: int | None = 0
+        if self.newest is not None and self._marks(session, key):
+            newest = self.newest(*key)  # outside the lock: an etcd read
         with state.lock.held():
             held = state.index.generations(key)
             gens = [g for g in held if state.visible(session, g, False)]
@@ -189,6 +191,13 @@ class Retention:
                 state.retire_locked(gen)
             state.update_gauges()
         return m.DeleteReply(len(gens))
+
+    def _marks(self, session: Session, key: Key) -> bool:
+        """Whether a delete of ``key`` by ``session`` marks it deleted (it sees every copy
+        held here: a user never marks another user's copies)."""
+        with self.state.lock.held():
+            held = self.state.index.generations(key)
+            return all(self.state.visible(session, g, False) for g in held)
 
     def _may_see_superseded(self, session: Session, key: Key) -> bool:
         """Whether ``session`` may see (and so clear) the record of a superseded save of

@@ -264,6 +264,7 @@ class Digester:
         while True:
             item = self._queue.get()
             if item is None:
+                self._queue.task_done()
                 return
             try:
                 self._work(item)

@@ -114,17 +114,25 @@ class Fetching:
         self.ensure_digests = ensure_digests
         self.receive = receive
         self.drop_corrupt = drop_corrupt
+        #: How long a send waits for its peer to read what it queued (``until_read``).
+        self.read_limit = state.config.dead_peer_timeout
         self._sends = _Sends()
         self._relays = relay.Relays()
 
     def on_fetch(self, conn: Channel, req: peer.FetchRequest) -> None:
         """Handler of :class:`~ckptcache.wire.peer.FetchRequest`."""
         key = (req.namespace, req.path)
-        try:
-            with self._sends.slot(key):
-                self._serve(conn, key, min(req.streams, self.streams), req.relays, req.delta)
-        except PeerBusy as e:
-            send_msg(conn, peer.refusal(e))
+        with contextlib.ExitStack() as held:  # the generation sent, unpinned last
+            try:
+                with self._sends.slot(key):
+                    self._serve(conn, key, held, min(req.streams, self.streams), req.relays,
+                                req.delta)  # fmt: skip
+            except PeerBusy as e:
+                send_msg(conn, peer.refusal(e))
+                return
+            # The slot is free once the bytes are sent; the pin lasts until the peer has read
+            # them (sendfile queued the segment's pages, not copies of them).
+            conn.until_read(self.read_limit)
 
     def on_fetch_stripe(self, conn: Channel, req: peer.FetchStripe) -> None:
         """Handler of :class:`~ckptcache.wire.peer.FetchStripe`: one stripe of a copy this
@@ -144,7 +152,7 @@ class Fetching:
                 return
             send_msg(conn, peer.encode(peer.Ack()))
             send_range(conn, gen, req.lo, req.hi)
-            conn.until_read()  # sendfile queued the segment's pages, not copies of them
+            conn.until_read(self.read_limit)  # sendfile queued the pages, not copies of them
         finally:
             self.state.unpin(gen)
 
@@ -165,10 +173,13 @@ class Fetching:
         self,
         conn: Channel,
         key: tuple[str, str],
+        held: contextlib.ExitStack,
         streams: int = 1,
         relays: bool = False,
         delta: bool = False,
     ) -> None:
+        """Send ``key``'s newest copy here; the generation sent stays pinned until ``held``
+        closes."""
         try:
             served = self.state.flight_or_pinned(key)
         except CkptCacheError as e:
@@ -178,31 +189,28 @@ class Fetching:
             self._relay(conn, key, served, relay.streams_for(served.body, streams) if relays else 1)
             return
         gen = served
-        try:
-            header = gen.segment.read_header()
-            starts = stripes.plan(gen.manifest, header.digest_offset - HEADER_SIZE, streams)
-            digests = tuple(self.ensure_digests(gen)) if delta else ()
-            head = peer.ObjectHead(
-                namespace=gen.namespace, path=gen.path,
-                nbytes=header.digest_offset + 8 * header.n_storages,
-                manifest_offset=header.manifest_offset, manifest_size=header.manifest_size,
-                generation=gen.number, manifest=gen.manifest.to_json().decode(),
-                skeleton_digest=header.skeleton_digest, persisted=gen.persisted,
-                committed=gen.committed, committed_ns=gen.committed_ns,
-                stripes=tuple(starts) if len(starts) > 1 and not delta else (),
-                digests=digests, **saver_fields(gen.saver),
-            )  # fmt: skip
-            send_msg(conn, peer.encode(head))
-            if delta:  # the body follows the fetching node's answer: what it holds
-                self._serve_less_held(conn, gen, digests)
-            elif len(starts) > 1:  # the fetching node asks for the other stripes (FetchStripe)
-                send_striped(conn, gen, lambda: self.ensure_digests(gen), starts,
-                             lambda _i, _lo, _hi: None)  # fmt: skip
-            else:
-                send_object(conn, gen, lambda: self.ensure_digests(gen))
-            conn.until_read()  # sendfile queued the segment's pages, not copies of them
-        finally:
-            self.state.unpin(gen)
+        held.callback(self.state.unpin, gen)
+        header = gen.segment.read_header()
+        starts = stripes.plan(gen.manifest, header.digest_offset - HEADER_SIZE, streams)
+        digests = tuple(self.ensure_digests(gen)) if delta else ()
+        head = peer.ObjectHead(
+            namespace=gen.namespace, path=gen.path,
+            nbytes=header.digest_offset + 8 * header.n_storages,
+            manifest_offset=header.manifest_offset, manifest_size=header.manifest_size,
+            generation=gen.number, manifest=gen.manifest.to_json().decode(),
+            skeleton_digest=header.skeleton_digest, persisted=gen.persisted,
+            committed=gen.committed, committed_ns=gen.committed_ns,
+            stripes=tuple(starts) if len(starts) > 1 and not delta else (),
+            digests=digests, **saver_fields(gen.saver),
+        )  # fmt: skip
+        send_msg(conn, peer.encode(head))
+        if delta:  # the body follows the fetching node's answer: what it holds
+            self._serve_less_held(conn, gen, digests)
+        elif len(starts) > 1:  # the fetching node asks for the other stripes (FetchStripe)
+            send_striped(conn, gen, lambda: self.ensure_digests(gen), starts,
+                         lambda _i, _lo, _hi: None)  # fmt: skip
+        else:
+            send_object(conn, gen, lambda: self.ensure_digests(gen))
 
     def _serve_less_held(self, conn: Channel, gen: Generation, digests: tuple[int, ...]) -> None:
         """Send ``gen``'s body less the storages the fetching node answers it holds."""

@@ -260,7 +260,8 @@ def _maker(src: Sources, load: _Load) -> list[NodeInfo]:
         load.maker = record.node if record is not None and fits else ""
     if load.maker in ("", src.membership.node.node_id) or load.maker in load.tried:
         return []
-    return [n for n in src.membership.live_nodes() if n.node_id == load.maker]
+    # A member without a data plane (no --listen) saves and records, but serves no copy.
+    return [n for n in src.membership.live_nodes() if n.node_id == load.maker and n.data_addr]
 
 
 def execute(src: Sources, load: _Load, chosen: Plan) -> Generation | None:

@@ -197,17 +197,26 @@ class Channel:
                 self.sock.sendall(tag.result())
                 pos += n
 
-    def until_read(self) -> None:
+    def until_read(self, limit: float) -> None:
         """Return once the peer has read everything sent so far: it hangs up, or sends its
-        next message (left unread here, for whoever reads it). ``sendfile`` over TCP is zero
-        copy: the records it queued still reference the file's pages until the peer reads
-        them (on loopback, until it copies them out of its own receive queue), so a sender
-        keeps those pages unchanged (the generation pinned) until this returns. Over TLS the
-        bytes were copied when sent. A reset or timeout: the peer reads no more."""
+        next message (left unread here, for whoever reads it), or after ``limit`` seconds.
+        ``sendfile`` over TCP is zero copy: the records it queued still reference the file's
+        pages until the peer reads them (on loopback, until it copies them out of its own
+        receive queue), so a sender keeps those pages unchanged (the generation pinned)
+        until this returns. A peer that reads later than ``limit`` may meet changed bytes,
+        which fail their tags: the transfer fails, never a wrong byte taken in. Over TLS the
+        bytes were copied when sent."""
         if isinstance(self.sock, ssl.SSLSocket):
             return
-        with contextlib.suppress(OSError):
+        before = self.sock.gettimeout()
+        try:
+            self.sock.settimeout(limit)
             self.sock.recv(1, socket.MSG_PEEK)
+        except OSError:
+            pass  # a reset, or the limit: the peer reads no more in time
+        finally:
+            with contextlib.suppress(OSError):
+                self.sock.settimeout(before)
 
     def recv_into(
         self,
