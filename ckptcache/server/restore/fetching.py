@@ -125,14 +125,14 @@ class Fetching:
         with contextlib.ExitStack() as held:  # the generation sent, unpinned last
             try:
                 with self._sends.slot(key):
-                    self._serve(conn, key, held, min(req.streams, self.streams), req.relays,
-                                req.delta)  # fmt: skip
+                    sent = self._serve(conn, key, held, min(req.streams, self.streams),
+                                       req.relays, req.delta)  # fmt: skip
             except PeerBusy as e:
                 send_msg(conn, peer.refusal(e))
                 return
-            # The slot is free once the bytes are sent; the pin lasts until the peer has read
-            # them (sendfile queued the segment's pages, not copies of them).
-            conn.until_read(self.read_limit)
+            if sent:  # the slot is free once the bytes are sent; the pin lasts until the
+                # peer has read them (sendfile queued the segment's pages, not copies)
+                conn.until_read(self.read_limit)
 
     def on_fetch_stripe(self, conn: Channel, req: peer.FetchStripe) -> None:
         """Handler of :class:`~ckptcache.wire.peer.FetchStripe`: one stripe of a copy this
@@ -177,17 +177,18 @@ class Fetching:
         streams: int = 1,
         relays: bool = False,
         delta: bool = False,
-    ) -> None:
-        """Send ``key``'s newest copy here; the generation sent stays pinned until ``held``
-        closes."""
+    ) -> bool:
+        """Send ``key``'s newest copy here; whether a generation was sent (it stays pinned
+        until ``held`` closes): a refusal, or a relay (which waits for its reader itself),
+        sends none."""
         try:
             served = self.state.flight_or_pinned(key)
         except CkptCacheError as e:
             send_msg(conn, peer.refusal(e))
-            return
+            return False
         if isinstance(served, Inflight):  # still arriving here: relay it as it lands
             self._relay(conn, key, served, relay.streams_for(served.body, streams) if relays else 1)
-            return
+            return False
         gen = served
         held.callback(self.state.unpin, gen)
         header = gen.segment.read_header()
@@ -211,6 +212,7 @@ class Fetching:
                          lambda _i, _lo, _hi: None)  # fmt: skip
         else:
             send_object(conn, gen, lambda: self.ensure_digests(gen))
+        return True
 
     def _serve_less_held(self, conn: Channel, gen: Generation, digests: tuple[int, ...]) -> None:
         """Send ``gen``'s body less the storages the fetching node answers it holds."""
