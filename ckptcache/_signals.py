@@ -89,14 +89,17 @@ class _Deferral:
         self.open[0] = False
         for signum, handler in self.saved.items():
             signal.signal(signum, handler)
-        # Every handler runs, as the interpreter would have run each in turn: a Ctrl-C's
-        # exception must not swallow a SIGTERM that came with it. The first exception is
-        # raised once all have run.
-        first: BaseException | None = None
+        # Every handler runs, as the interpreter runs each pending one in turn: a Ctrl-C's
+        # exception swallows neither a SIGTERM handler that came with it nor another
+        # handler's exception. The last exception is raised, the earlier ones chained as
+        # its context, as when a signal lands while another's exception is handled.
+        error: BaseException | None = None
         for handler, signum, frame in self.arrived:
             try:
                 handler(signum, frame)
-            except BaseException as e:  # raised below, once the others ran
-                first = first if first is not None else e
-        if first is not None:
-            raise first
+            except BaseException as e:  # raised below, once every handler ran
+                if error is not None and e is not error and e.__context__ is None:
+                    e.__context__ = error
+                error = e
+        if error is not None:
+            raise error

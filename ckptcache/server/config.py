@@ -7,6 +7,7 @@ Every layer is validated into one frozen :class:`DaemonConfig`; anything wrong r
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import socket
 from collections.abc import Callable, Mapping
@@ -272,6 +273,8 @@ def _seconds(*, zero_ok: bool) -> Validator:
 
 def _dead_peer(value: Any) -> float:
     number = float(value)
+    if not math.isfinite(number):  # the kernel's TCP_USER_TIMEOUT takes whole milliseconds
+        raise ValueError("must be a finite number of seconds")
     if number < 1:  # TCP keep-alive counts whole seconds; less drops live peers on a hiccup
         raise ValueError("must be at least 1 second")
     return number

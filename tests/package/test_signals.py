@@ -52,6 +52,28 @@ def test_every_signal_held_off_runs_though_the_first_raises():
         signal.signal(signal.SIGUSR2, previous[1])
 
 
+class Alarm(Exception):
+    pass
+
+
+def test_two_raising_handlers_lose_neither_exception():
+    """A harness's alarm and a Ctrl-C inside one block: the later one is raised, the earlier
+    one chained as its context (no exception dropped)."""
+
+    def alarm(signum, frame):
+        raise Alarm(signum)
+
+    previous = (signal.signal(signal.SIGUSR1, alarm), signal.signal(signal.SIGUSR2, _raise))
+    try:
+        with pytest.raises(Interrupted) as raised, signals_deferred():
+            os.kill(os.getpid(), signal.SIGUSR1)
+            os.kill(os.getpid(), signal.SIGUSR2)
+        assert isinstance(raised.value.__context__, Alarm)
+    finally:
+        signal.signal(signal.SIGUSR1, previous[0])
+        signal.signal(signal.SIGUSR2, previous[1])
+
+
 def test_an_exception_of_the_block_still_restores_the_handlers():
     previous = signal.signal(signal.SIGUSR2, _raise)
     try:

@@ -66,7 +66,7 @@ def test_dead_peer_timeout_is_a_config_key(tmp_path):
     cfg = tmp_path / "c.yaml"
     cfg.write_text("dead_peer_timeout: 3\n")
     assert load_config(str(cfg), environ={}).dead_peer_timeout == 3.0
-    for bad in ("0.5", "0", "-1", "soon"):
+    for bad in ("0.5", "0", "-1", "soon", ".inf", ".nan"):
         cfg.write_text(f"dead_peer_timeout: {bad}\n")
         with pytest.raises(ConfigError, match="dead_peer_timeout"):
             load_config(str(cfg), environ={})

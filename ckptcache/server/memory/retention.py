@@ -163,25 +163,47 @@ class Retention:
     def delete(self, session: Session, req: m.DeleteRequest) -> m.DeleteReply:
         """Drop every generation of a path from memory, own and backup copies (storage is
         untouched); backup copies of earlier saves still in transit are refused."""
+        key = (req.namespace, req.path)
+        newest: int | None = 0 if self.newest is None else None  # a node alone: no record
+        if newest is None and self._marks(session, key):
+            newest = self._newest(key)  # outside the lock: an etcd read
+        while True:
+            reply = self._delete(session, req, newest)
+            if reply is not None:
+                return reply
+            # Another user's copy kept it from marking a moment ago, and is gone: the record
+            # is read before the mark, as for any other delete that marks.
+            newest = self._newest(key)
+
+    def _newest(self, key: Key) -> int:
+        """The cluster's newest stamp of ``key``; this node's clock while the record cannot
+        be read."""
+        assert self.newest is not None
+        newest = self.newest(*key)
+        return time.time_ns() if newest is None else newest
+
+    def _delete(
+        self, session: Session, req: m.DeleteRequest, newest: int | None
+    ) -> m.DeleteReply | None:
+        """:meth:`delete` with the cluster's newest stamp ``newest`` (0: none recorded, or a
+        node alone), or ``None`` where it was not read: then a delete that would mark the
+        path does nothing and returns ``None``."""
         state = self.state
         key = (req.namespace, req.path)
-        newest: int | None = 0
-        if self.newest is not None and self._marks(session, key):
-            newest = self.newest(*key)  # outside the lock: an etcd read
         with state.lock.held():
             held = state.index.generations(key)
             gens = [g for g in held if state.visible(session, g, False)]
             if len(gens) == len(held):
+                if newest is None:
+                    return None
                 # The mark refuses backup copies still in transit; never set by a user over
                 # another user's copies (that would refuse the owner's backups here). It is a
                 # save's stamp, not this node's clock: the newest save known here or in the
                 # cluster's record. A copy of any save made before the delete is stamped at
                 # most that; a save made after it reads the record first and is stamped
-                # later, whichever node's clock runs ahead.
+                # later, whichever node's clock runs ahead. A mark never moves back.
                 known = max((g.committed_ns for g in held), default=0)
-                if newest is None:  # the record cannot be read: this node's clock decides
-                    newest = time.time_ns()
-                state.deleted[key] = max(known, newest)
+                state.deleted[key] = max(state.deleted.get(key, 0), known, newest)
             forgotten = self._may_see_superseded(session, key)
             if forgotten:  # the user is done with the path: storage speaks for it again
                 state.superseded.forget(key)
