@@ -65,10 +65,13 @@ def test_relay_forwards_bytes_before_the_source_has_them_all(make_core, monkeypa
 
             receive_relayed(b, view, tracking)
 
-        received.append(downstream.ingest.receive(Incoming(
-            "default", "/ckpt/model.pt", plan.layout.nbytes, plan.layout.manifest_offset,
-            len(plan.manifest_bytes), fill, origin="up",
-        )))  # fmt: skip
+        try:
+            received.append(downstream.ingest.receive(Incoming(
+                "default", "/ckpt/model.pt", plan.layout.nbytes, plan.layout.manifest_offset,
+                len(plan.manifest_bytes), fill, origin="up",
+            )))  # fmt: skip
+        finally:
+            b.close()  # hung up once the copy is in, as a node's connection is
 
     threads = [threading.Thread(target=relay), threading.Thread(target=receive_down)]
     for t in threads:

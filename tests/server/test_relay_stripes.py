@@ -93,6 +93,7 @@ class _Relay:
         #: sender's thread runs, and leave the table of objects in flight).
         self.flight: Inflight | None = None
         self.flight_ready = threading.Event()
+        self.senders: list[threading.Thread] = []
 
     def incoming(self, fill: Callable[..., None], origin: str) -> Incoming:
         layout = self.plan.layout
@@ -114,8 +115,10 @@ class _Relay:
             finally:
                 self.channels[index][0].close()  # a failed sender hangs up
 
-        for i in range(self.streams):
-            threading.Thread(target=one, args=(i,), daemon=True).start()
+        self.senders = [threading.Thread(target=one, args=(i,), daemon=True)
+                        for i in range(self.streams)]  # fmt: skip
+        for sender in self.senders:
+            sender.start()
 
     def _flight(self) -> Inflight:
         assert self.flight_ready.wait(30)
@@ -132,7 +135,10 @@ class _Relay:
 
         @contextlib.contextmanager
         def pull(index: int) -> Iterator[Channel]:
-            yield self.channels[index][1]
+            try:
+                yield self.channels[index][1]
+            finally:  # hung up once its stripe is in, as a node's connection is
+                self.channels[index][1].close()
 
         def fill(view: memoryview, advance: Any) -> None:
             def lane(index: int, end: int) -> None:
@@ -162,10 +168,12 @@ class _Relay:
             gen = self.up.ingest.receive(self.incoming(filling, "storage"))
         finally:
             down.join(60)
+            for sender in self.senders:  # each ends once its peer has read what it sent
+                sender.join(60)
             for a, b in self.channels:
                 a.close()
                 b.close()
-        assert not down.is_alive()
+        assert not down.is_alive() and not any(s.is_alive() for s in self.senders)
         return gen
 
 
