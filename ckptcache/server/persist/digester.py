@@ -25,7 +25,7 @@ from ckptcache.format.manifest import (
     verify_meta,
 )
 from ckptcache.server.memory import refill
-from ckptcache.server.memory.arena import Fill, Segment
+from ckptcache.server.memory.arena import Fill, Segment, mapped_by_others
 from ckptcache.server.memory.index import Generation
 from ckptcache.server.persist.persister import lower_thread_priority
 from ckptcache.server.state import CacheState, Session
@@ -95,7 +95,9 @@ class Digester:
         with self.state.lock.held():
             if not self._free_with(segment, token):
                 return  # handed out again meanwhile: its bytes are another save's now
-            source = refill.source_for(self.state, gen)
+            # Never into a segment a load still maps (its connection went, its tensors live):
+            # they would change under the trainer. Checking it only reads it.
+            source = None if mapped_by_others(segment) else refill.source_for(self.state, gen)
             if source is not None:
                 self.state.pin_locked(source)
         try:
