@@ -1,6 +1,6 @@
-"""A delete that marks its path reads the cluster's newest stamp first, even where another
-user's copy kept it from marking a moment before and then went; and a mark never moves
-back. (The state is a stand-in: the race needs a copy to leave between two looks.)"""
+"""A delete that marks its path reads the cluster's newest stamp first (the look and the
+mark are one locked step), one that does not mark reads nothing, and a mark never moves
+back. (The state is a stand-in for the index and the lock.)"""
 
 from __future__ import annotations
 
@@ -29,19 +29,16 @@ def _retention(held: list, deleted: dict) -> tuple[Retention, list[int]]:
     return retention, reads
 
 
-def test_a_copy_that_kept_a_delete_from_marking_and_went_is_no_gap():
+def test_a_delete_that_marks_reads_the_record_and_one_that_does_not_reads_nothing():
     mine, theirs = (SimpleNamespace(owner=o, committed_ns=n) for o, n in (("a", 100), ("b", 200)))
     held = [mine, theirs]
     retention, reads = _retention(held, deleted={})
-    looked = retention._marks
-
-    def and_then_theirs_goes(session, key):
-        answer = looked(session, key)
-        held.remove(theirs)  # evicted, or deleted by its user, meanwhile
-        return answer
-
-    retention._marks = and_then_theirs_goes  # type: ignore[method-assign]
+    # Another user's copy is held: no mark, and no etcd read for one.
     assert retention.delete("a", m.DeleteRequest("ns", "/p")).dropped == 1
+    assert (reads, retention.state.deleted) == ([], {})
+    # Once it has gone, the delete marks the path with the cluster's newest stamp.
+    held.remove(theirs)
+    retention.delete("a", m.DeleteRequest("ns", "/p"))
     assert (len(reads), retention.state.deleted[KEY]) == (1, 10_000)
 
 

@@ -163,17 +163,13 @@ class Retention:
     def delete(self, session: Session, req: m.DeleteRequest) -> m.DeleteReply:
         """Drop every generation of a path from memory, own and backup copies (storage is
         untouched); backup copies of earlier saves still in transit are refused."""
-        key = (req.namespace, req.path)
         newest: int | None = 0 if self.newest is None else None  # a node alone: no record
-        if newest is None and self._marks(session, key):
-            newest = self._newest(key)  # outside the lock: an etcd read
         while True:
             reply = self._delete(session, req, newest)
             if reply is not None:
                 return reply
-            # Another user's copy kept it from marking a moment ago, and is gone: the record
-            # is read before the mark, as for any other delete that marks.
-            newest = self._newest(key)
+            # It marks the path: the record is read first, outside the lock (an etcd read).
+            newest = self._newest((req.namespace, req.path))
 
     def _newest(self, key: Key) -> int:
         """The cluster's newest stamp of ``key``; this node's clock while the record cannot
@@ -213,13 +209,6 @@ class Retention:
                 state.retire_locked(gen)
             state.update_gauges()
         return m.DeleteReply(len(gens))
-
-    def _marks(self, session: Session, key: Key) -> bool:
-        """Whether a delete of ``key`` by ``session`` marks it deleted (it sees every copy
-        held here: a user never marks another user's copies)."""
-        with self.state.lock.held():
-            held = self.state.index.generations(key)
-            return all(self.state.visible(session, g, False) for g in held)
 
     def _may_see_superseded(self, session: Session, key: Key) -> bool:
         """Whether ``session`` may see (and so clear) the record of a superseded save of

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from ckptcache.errors import CheckpointNotFound
-from tests.e2e.cluster.test_cluster import state
+from tests.e2e.cluster.test_cluster import _has, state
 from tests.helpers import assert_same, read_only_dir, wait_until
 
 
@@ -205,11 +205,6 @@ def test_a_save_after_one_from_a_node_whose_clock_runs_ahead_is_the_newest(
         assert_same(last, torch.load(path, weights_only=True))
 
 
-def _holds(d, path) -> bool:
-    with d.client() as c:
-        return any(o.path == str(path) for o in c.list())
-
-
 def test_a_delete_is_not_undone_by_a_copy_from_a_node_whose_clock_runs_ahead(
     cluster_factory, daemon_factory, tmp_path
 ):
@@ -225,14 +220,14 @@ def test_a_delete_is_not_undone_by_a_copy_from_a_node_whose_clock_runs_ahead(
     path = str(root / "m.pt")
     with ahead.client() as c:
         c.save(state(6), path, durability="persisted")
-    backup = wait_until(lambda: next((d for d in nodes if _holds(d, path)), None))
+    backup = wait_until(lambda: next((d for d in nodes if _has(d, path)), None))
     (other,) = [d for d in nodes if d is not backup]
     with other.client() as c, pytest.raises(CheckpointNotFound):
         c.delete(path)  # holds nothing yet: nothing dropped, and nothing older may come
     backup.kill()  # ahead re-replicates its save to the node told to delete the path
     refused = lambda: "deleted on node" in ahead.log()  # noqa: E731
-    wait_until(lambda: refused() or _holds(other, path), timeout=60, what="the copy's fate")
-    assert refused() and not _holds(other, path)
+    wait_until(lambda: refused() or _has(other, path), timeout=60, what="the copy's fate")
+    assert refused() and not _has(other, path)
 
 
 def test_a_node_loads_while_another_saves_the_path_back_to_back(cluster_factory, tmp_path):

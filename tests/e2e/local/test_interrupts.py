@@ -34,6 +34,19 @@ def _operation(run: Callable[[], Any]) -> Any:
     return run()
 
 
+def _interrupted(run: Callable[[], Any], rng: random.Random, span: float) -> bool:
+    """Runs ``run`` with a SIGALRM at a random moment of its first ``span`` seconds; whether
+    its ``KeyboardInterrupt`` landed inside."""
+    try:
+        signal.setitimer(signal.ITIMER_REAL, rng.uniform(0.0001, span))
+        _operation(run)
+    except KeyboardInterrupt:
+        return True
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+    return False
+
+
 def _interrupt(signum: int, frame: FrameType | None) -> None:
     while frame is not None:
         if frame.f_code is _operation.__code__:
@@ -141,13 +154,7 @@ def test_a_storm_of_ctrl_c_across_saves_loads_and_waits(
                 lambda p=path: c.load_into(p, live),
                 lambda p=path: c.wait(p, timeout=10),
             )[i % 4]
-            try:
-                signal.setitimer(signal.ITIMER_REAL, rng.uniform(0.0001, span))
-                _operation(run)
-            except KeyboardInterrupt:
-                interrupted += 1
-            finally:
-                signal.setitimer(signal.ITIMER_REAL, 0)
+            interrupted += _interrupted(run, rng, span)
             c.daemon_status()  # answers at once: no DaemonUnavailable after the timeout
         assert interrupted >= 20  # the storm did land inside the calls
         assert gc.isenabled() and gcpause.open_regions() == 0
@@ -347,13 +354,7 @@ def test_a_storm_of_ctrl_c_across_waits_on_non_blocking_saves(
         for i in range(600):
             handle = c.save(state, path, blocking=False)
             wait = (handle.wait, handle.wait_copied, handle.wait_done)[i % 3]
-            try:
-                signal.setitimer(signal.ITIMER_REAL, rng.uniform(0.0001, span))
-                _operation(wait)
-            except KeyboardInterrupt:
-                interrupted += 1
-            finally:
-                signal.setitimer(signal.ITIMER_REAL, 0)
+            interrupted += _interrupted(wait, rng, span)
             assert handle.wait_done(30), handle
             handle.wait()  # committed: the save's own outcome, whatever the wait met
             if interrupted == 20:
