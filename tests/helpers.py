@@ -279,7 +279,7 @@ def metric(daemon: Any, series: str) -> float | None:
     import urllib.request
 
     wait_until(lambda: "metrics=:" in daemon.log(), 30, "the daemon's ready line")
-    port = int(daemon.log().split("metrics=:")[1].split()[0])
+    port = int(daemon.log().split("metrics=:")[-1].split()[0])  # a restart's ready line
     text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics").read().decode()
     for line in text.splitlines():
         if line.startswith(f"{series} "):

@@ -106,6 +106,9 @@ class DaemonConfig:
     #: A backup push offers its digests when the receiver may hold some of its storages, and
     #: sends only the ones it does not (see ``server/cluster/delta.py``).
     incremental_push: bool = True
+    #: An older generation's pages equal to a newer one's are read from the newer one's
+    #: memory, not held twice (``server/memory/sharing.py``).
+    share_pages: bool = True
     s3_endpoint_url: str | None = None
     s3_region: str | None = None
     s3_part_size: int = 64 << 20
@@ -375,6 +378,7 @@ VALIDATORS: dict[str, Validator] = {
     "persist_backoff_max": _seconds(zero_ok=True),
     "incremental_persist": _flag,
     "incremental_push": _flag,
+    "share_pages": _flag,
     "coordinator": _coordinator,
     "cluster": _text,
     "job": _text,

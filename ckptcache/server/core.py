@@ -34,6 +34,7 @@ from ckptcache.server.config import DaemonConfig
 from ckptcache.server.ingest import Ingest
 from ckptcache.server.memory.pool import SegmentPool
 from ckptcache.server.memory.retention import Retention
+from ckptcache.server.memory.sharer import Sharer
 from ckptcache.server.persist.digester import Digester
 from ckptcache.server.persist.persister import Persister
 from ckptcache.server.restore.loads import Loads
@@ -68,6 +69,7 @@ class CacheCore:
     ingest: Ingest
     loads: Loads
     queries: Queries
+    sharer: Sharer
     cluster: _Stoppable | None = None
 
     def handlers(self) -> dict[str, Handler]:
@@ -96,6 +98,7 @@ class CacheCore:
         """Stop background workers. Unpersisted segments stay for the next incarnation;
         persisted ones are unlinked (they are on storage) unless ``keep_on_stop``."""
         self.retention.stop()
+        self.sharer.stop()
         self.pool.stop()
         self.persister.stop()
         if self.cluster is not None:

@@ -38,6 +38,7 @@ from ckptcache.server.ingest import Ingest
 from ckptcache.server.memory.eviction import EvictionPolicy
 from ckptcache.server.memory.pool import SegmentPool
 from ckptcache.server.memory.retention import Retention
+from ckptcache.server.memory.sharer import Sharer
 from ckptcache.server.memory.shares import Shares
 from ckptcache.server.metrics import Metrics
 from ckptcache.server.persist.digester import Digester
@@ -233,6 +234,9 @@ def build_core(config: DaemonConfig, metrics: Metrics | None = None) -> CacheCor
     persister.start(cluster.election if cluster is not None else None)
     digester.start()
     retention.start()
+    sharer = Sharer(state, enabled=config.share_pages)
+    digester.on_record.append(sharer.nudge)
+    sharer.start()
     state.metrics.memory_limit.set(config.memory_limit)
     state.update_gauges()
     # Without a cluster, a prefetch this node misses is read from storage by the daemon itself.
@@ -250,7 +254,7 @@ def build_core(config: DaemonConfig, metrics: Metrics | None = None) -> CacheCor
     )  # fmt: skip
     return CacheCore(
         config, state, retention, digester, persister, pool, saves, ingest, loads, queries,
-        cluster,
+        sharer, cluster,
     )  # fmt: skip
 
 

@@ -33,6 +33,11 @@ class Metrics:
         self.memory_used = Gauge(
             "ckptcache_memory_used_bytes", "Bytes of segment files", registry=r
         )
+        self.memory_shared = Gauge(
+            "ckptcache_memory_shared_bytes",
+            "Bytes of older generations read from a newer generation's memory (not counted "
+            "in memory_used)", registry=r,
+        )  # fmt: skip
         self.memory_limit = Gauge("ckptcache_memory_limit_bytes", "Memory budget", registry=r)
         self.evictions = Counter("ckptcache_evictions", "Generations evicted", registry=r)
         self.budget_failures = Counter(

@@ -20,6 +20,7 @@ from ckptcache.server.memory import records
 from ckptcache.server.memory.arena import Segment
 from ckptcache.server.memory.index import Generation, Key
 from ckptcache.server.memory.retention import Retention
+from ckptcache.server.memory.sharing import Run, intersect
 from ckptcache.server.persist.digester import Digester
 from ckptcache.server.persist.lineage import anchor_of, is_orphaned, removed_reason
 from ckptcache.server.persist.persister import Persister
@@ -45,11 +46,17 @@ def recover(
 ) -> None:
     """Rebuild the index from committed segments; reclaim everything else."""
     arena = state.arena
+    shared = arena.sharing.records.load()
+    backings = {name for runs in shared.values() for _, _, name in runs}
+    orphans: list[Segment] = []
     for segment, header in arena.scan():
         page = records.page(segment) if segment.sealable else None
         if segment.sealable:
             # An admitted user's file: only the daemon's own record says what it holds.
             header = _recorded_header(segment, page)
+        if header is not None and header.state == SegmentState.FREE and segment.name in backings:
+            orphans.append(segment)  # its generation left, pages of others still lie in it
+            continue
         if header is None or header.state != SegmentState.COMMITTED:
             if header is not None:  # an unreadable one was reported by the scan
                 log.info("reclaiming uncommitted segment %s", segment.name)
@@ -103,6 +110,7 @@ def recover(
         del view
         state.index.add(gen)
         log.info("recovered %s generation %d (%s)", gen.path, gen.number, format_bytes(gen.size))
+    _rebuild_sharing(state, shared, orphans)
     check = _StorageCheck(state, roots, retention, persister)
     remote = [k for k in state.index.paths() if "://" in k[1]]
     for key in state.index.paths():
@@ -120,6 +128,40 @@ def recover(
         if gen.needs_persist and not gen.persisted and gen.persist_state != PersistState.CONFLICT:
             log.info("re-queueing unpersisted %s generation %d", gen.path, gen.number)
             persister.submit(gen)
+
+
+def _rebuild_sharing(
+    state: CacheState, shared: dict[str, list[tuple[int, int, str]]], orphans: list[Segment]
+) -> None:
+    """Give each recovered hollow generation its runs again; one whose backing is gone (or
+    holds a hole where it should back) cannot be made whole, and is dropped."""
+    arena = state.arena
+    held = {gen.segment.name: gen for gen in state.index}
+    holes = {name: [(lo, hi) for lo, hi, _ in runs] for name, runs in shared.items()}
+    for name, runs in shared.items():
+        gen = held.get(name)
+        if gen is None:
+            arena.sharing.records.drop_name(name)
+            continue
+        sound = gen.digests is not None and all(
+            b in arena.segments and not intersect([(lo, hi)], holes.get(b, []))
+            for lo, hi, b in runs
+        )
+        if not sound:
+            log.error("dropping %s generation %d: the memory holding part of its pages is "
+                      "gone", gen.path, gen.number)  # fmt: skip
+            arena.sharing.records.drop_name(name)
+            with state.lock.held():
+                state.retire_locked(gen)
+            continue
+        arena.sharing.restore(gen.segment, [Run(lo, hi, arena.segments[b]) for lo, hi, b in runs])
+        log.info("%s generation %d shares %s with newer saves again", gen.path, gen.number,
+                 format_bytes(gen.segment.hollow))  # fmt: skip
+    for segment in orphans:
+        if segment.dependents:
+            segment.orphan = True
+        else:
+            arena.destroy(segment)
 
 
 class _StorageCheck:

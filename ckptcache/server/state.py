@@ -26,7 +26,13 @@ from concurrent.futures import Future
 from dataclasses import KW_ONLY, dataclass, field, replace
 from typing import Protocol
 
-from ckptcache.errors import CheckpointNotFound, CkptCacheError, CorruptCheckpoint, InvalidPath
+from ckptcache.errors import (
+    BudgetExceeded,
+    CheckpointNotFound,
+    CkptCacheError,
+    CorruptCheckpoint,
+    InvalidPath,
+)
 from ckptcache.format.layout import HEADER_SIZE, SegmentState
 from ckptcache.server import ownership
 from ckptcache.server.config import DaemonConfig
@@ -292,6 +298,7 @@ class CacheState:
         self.metrics = metrics
         others = set(config.allowed_uids) - {0, os.geteuid()}
         self.arena = Arena(config.segments_dir, config.memory_limit, 0o711 if others else 0o700)
+        metrics.memory_shared.set_function(lambda: self.arena.sharing.shared)
         if others:  # their segments are their files: sealed, or the daemon could be killed
             sealing.check_sealing(config.segments_dir)
         self.index = Index()
@@ -327,9 +334,14 @@ class CacheState:
         """Keep ``gen``'s segment alive; :class:`CheckpointNotFound` once ``gen`` has left the
         index and its segment was freed (it may already hold another object). A generation
         retired while pinned keeps its segment until the last pin goes: the holder of a pin
-        (a persist in flight) may take another."""
+        (a persist in flight) may take another.
+
+        A generation whose pages lie in a newer one's segment is made whole first: nothing
+        reads a hole (:mod:`ckptcache.server.memory.sharing`). :class:`BudgetExceeded` when
+        there is no room for its pages, :class:`CorruptCheckpoint` when they changed there."""
         if gen.removed and not gen.retired:
             raise self.not_found(gen.namespace, gen.path, gen.number)
+        self._whole_locked(gen)
         gen.pins += 1
 
     def pin(self, gen: Generation) -> None:
@@ -358,8 +370,25 @@ class CacheState:
         with self.lock.held():
             if gen.removed or self.index.get(gen.key, gen.number) is not gen:
                 return False
+            try:
+                self._whole_locked(gen)
+            except (BudgetExceeded, CorruptCheckpoint) as e:
+                log.warning("not reading %s generation %d: %s", gen.path, gen.number, e)
+                return False
             gen.pins += 1
             return True
+
+    def _whole_locked(self, gen: Generation) -> None:
+        segment = gen.segment
+        if not segment.runs:
+            return
+        what = f"{gen.path!r} generation {gen.number}"
+        storages = [(r.offset, r.nbytes) for r in gen.manifest.storages]
+        changed = self.arena.sharing.whole(segment, storages, gen.digests or [], what)
+        if changed:
+            gen.corrupt = f"{changed} (read back from a newer save's memory)"
+            self.metrics.corrupt.labels(tier=Tier.LOCAL).inc()
+            raise CorruptCheckpoint(f"{what} is corrupt: {gen.corrupt}", tier=Tier.LOCAL)
 
     def is_current(self, gen: Generation) -> bool:
         """Whether ``gen`` is still in the index (not retired meanwhile)."""

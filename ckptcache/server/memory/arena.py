@@ -41,6 +41,7 @@ from ckptcache.format.layout import (
 )
 from ckptcache.format.pagetables import POPULATE_IN_PARALLEL, populate_in_steps
 from ckptcache.server.memory import records, sealing
+from ckptcache.server.memory.sharing import Run, Sharing
 from ckptcache.wire.states import Tier
 
 __all__ = ["Arena", "Segment", "empty_header"]
@@ -125,6 +126,17 @@ class Segment:
     #: generation's bytes into it first (``None``: neither); whatever hands the segment out
     #: or unlinks it stops the copy first, and it is never cut meanwhile.
     fill: Fill | None = None
+    #: Where this committed segment's pages lie in other segments (see
+    #: :mod:`ckptcache.server.memory.sharing`): those pages are holes here.
+    runs: list[Run] = field(default_factory=list)
+    #: Ranges of the file that are holes (the runs', or a freed segment's not allocated yet).
+    holes: list[tuple[int, int]] = field(default_factory=list)
+    #: Bytes of :attr:`holes` not counted in the budget (those of a committed segment's runs).
+    hollow: int = 0
+    #: The segments whose runs lie in this one: it is freed only after them.
+    dependents: set[Segment] = field(default_factory=set, repr=False)
+    #: Its generation left memory, but it still backs :attr:`dependents`.
+    orphan: bool = False
 
     def stop_fill(self) -> None:
         """Stop the daemon's copy into this segment, if one runs, and wait until it has
@@ -289,6 +301,8 @@ class Arena:
         #: The daemon's records of committed segments (0700, ours: see server/memory/records.py).
         self.records_dir = os.path.join(directory, ".records")
         os.close(ensure_private_dir(self.records_dir, 0o700, "records dir"))
+        #: Pages of older generations read from newer ones' segments.
+        self.sharing = Sharing(self)
 
     def _record_path(self, name: str) -> str:
         return os.path.join(self.records_dir, os.path.basename(name))
@@ -328,8 +342,9 @@ class Arena:
 
     @property
     def used(self) -> int:
-        """Bytes of all segment files (in use, reserved and free)."""
-        return self.pending + sum(s.capacity for s in self.segments.values())
+        """Bytes of all segment files (in use, reserved and free), pages another segment
+        holds for them not counted."""
+        return self.pending + sum(s.capacity - s.hollow for s in self.segments.values())
 
     @property
     def free_bytes(self) -> int:
@@ -376,6 +391,7 @@ class Arena:
             for s in self.free.values()
             if nbytes <= s.capacity <= largest
             and self._owner_dir(s.owner) == self._owner_dir(owner)
+            and not s.holes  # pages given back to the system: allocated by its refill first
         ]
         while fits:
             best = min(fits, key=_preference(mapped, known))
@@ -463,7 +479,7 @@ class Arena:
         the cut would be a SIGBUS).
         """
         segment.stop_fill()
-        if segment.fill is not None:
+        if segment.fill is not None or segment.holes:
             return
         fd = os.open(segment.path, os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
         try:
@@ -483,7 +499,14 @@ class Arena:
         segment.capacity = capacity
 
     def release(self, segment: Segment) -> None:
-        """Return a segment to the free pool (or unlink it if inherited from a crash)."""
+        """Return a segment to the free pool (or unlink it if inherited from a crash); one that
+        backs another segment's pages stays until that one goes (``Sharing.release``)."""
+        if not self.sharing.release(segment):
+            segment.write_header(empty_header(SegmentState.FREE))
+            return
+        if segment.holes and self.used + sum(hi - lo for lo, hi in segment.holes) > self.limit:
+            self.destroy(segment)  # no room to allocate its holes again
+            return
         if segment.inherited:
             self.destroy(segment)
             return
@@ -499,7 +522,13 @@ class Arena:
         self.free[segment.name] = segment
 
     def destroy(self, segment: Segment) -> None:
-        """Unlink a segment and forget it."""
+        """Unlink a segment and forget it (one backing another's pages stays, an orphan)."""
+        if segment.dependents:
+            log.warning("keeping segment %s: it holds pages of %d others", segment.name,
+                        len(segment.dependents))  # fmt: skip
+            segment.orphan = True
+            return
+        self.sharing.forget(segment)
         segment.stop_fill()
         self.segments.pop(segment.name, None)
         self.free.pop(segment.name, None)

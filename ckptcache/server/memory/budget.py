@@ -138,11 +138,11 @@ class Budget:
                 kind = "waiting for their persist"
             kinds.setdefault(kind, []).append(gen)
         parts = [
-            f"{format_bytes(sum(g.segment.capacity for g in gens))} in {len(gens)} "
+            f"{format_bytes(sum(_held(g) for g in gens))} in {len(gens)} "
             f"{kind} (e.g. {gens[0].path!r})"
             for kind, gens in sorted(kinds.items())
         ]
-        held = sum(g.segment.capacity for g in self.state.index)
+        held = sum(_held(g) for g in self.state.index)
         stuck = (
             not any(gen.pins for gen in self.state.index)
             and not kinds.get("waiting for their persist")
@@ -206,3 +206,8 @@ class Budget:
     def victims_locked(self, uid: int) -> list[Generation]:
         """What a save of ``uid`` may evict: never another user's unpersisted generation."""
         return self.eviction.victims(self.state.index, uid)
+
+
+def _held(gen: Generation) -> int:
+    """The memory ``gen``'s segment holds (pages a newer save holds for it not counted)."""
+    return gen.segment.capacity - gen.segment.hollow

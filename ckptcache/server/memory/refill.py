@@ -30,7 +30,7 @@ if TYPE_CHECKING:
     from ckptcache.server.quiet import SavesInFlight
     from ckptcache.server.state import CacheState
 
-__all__ = ["CHUNK", "copy_ranges", "differing", "source_for"]
+__all__ = ["CHUNK", "copy_ranges", "differing", "merged", "source_for"]
 
 #: Bytes copied between two looks at whether to stop: what a reservation that needs the
 #: segment may wait for (a few milliseconds).
@@ -100,6 +100,17 @@ def differing(
     if at < end:
         ranges.append((at, end))
     return ranges
+
+
+def merged(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """``ranges`` sorted, overlapping and adjacent ones merged."""
+    out: list[tuple[int, int]] = []
+    for lo, hi in sorted(ranges):
+        if out and lo <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], hi))
+        else:
+            out.append((lo, hi))
+    return out
 
 
 def copy_ranges(

@@ -13,6 +13,7 @@ import logging
 import queue
 import secrets
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from ckptcache.errors import CorruptCheckpoint
@@ -27,6 +28,7 @@ from ckptcache.format.manifest import (
 from ckptcache.server.memory import refill
 from ckptcache.server.memory.arena import Fill, Segment, mapped_by_others
 from ckptcache.server.memory.index import Generation
+from ckptcache.server.memory.sharing import allocate_holes
 from ckptcache.server.persist.persister import lower_thread_priority
 from ckptcache.server.state import CacheState, Session
 from ckptcache.wire import messages as m
@@ -53,6 +55,8 @@ class Digester:
         self.state = state
         self._queue: queue.Queue[Generation | _FreeCheck | None] = queue.Queue()
         self._thread = threading.Thread(target=self._loop, name="digester", daemon=True)
+        #: Called (without the lock) after a generation's digests are recorded.
+        self.on_record: list[Callable[[], None]] = []
         state.metrics.digest_queue.set_function(lambda: self.backlog)
 
     def start(self) -> None:
@@ -113,8 +117,8 @@ class Digester:
         """Check that the freed segment still holds the bytes of the generation that left it."""
         segment = check.gen.segment
         with self.state.lock.held():
-            if not self._free_with(segment, check.token):
-                return
+            if not self._free_with(segment, check.token) or segment.holes:
+                return  # (pages it gave back hold none of those bytes: never handed out)
             fill = segment.fill = Fill()  # nothing to copy: only never cut while read here
         fill.finish()
         try:
@@ -156,6 +160,9 @@ class Digester:
         try:
             try:
                 ranges = refill.differing(check.gen, check.digests, source, digests)
+                if segment.holes:  # pages it gave back (sharing.py): allocated, then copied
+                    ranges = refill.merged(ranges + segment.holes)
+                    allocate_holes(segment)
                 saves = self.state.saves_in_flight
                 copied = refill.copy_ranges(source.segment, segment, ranges, fill, saves)
             except (ValueError, BufferError, OSError):
@@ -294,6 +301,8 @@ class Digester:
             log.exception("digest of %s generation %d failed", gen.path, gen.number)
         finally:
             self.state.unpin(gen)
+        for hook in self.on_record:
+            hook()
 
     def verify(self, session: Session, req: m.VerifyRequest) -> m.VerifyReply:
         """Recompute digests of the newest generation and compare with the recorded ones."""

@@ -200,13 +200,14 @@ def test_daemon_logs_no_line_per_persist_at_info(daemon_factory, tmp_path):
     root = tmp_path / "store"
     root.mkdir()
     for level in ("INFO", "DEBUG"):
-        # 12 saves of 6 MiB persisted under a 48 MiB budget: the later ones evict earlier ones.
+        # 12 saves of 6 MiB persisted under a 48 MiB budget: the later ones evict earlier ones
+        # (each holds other bytes: equal ones would share memory, and fit).
         d = daemon_factory("--memory-limit", "48MiB", "--pool-bytes", "0",
                            "--persist-root", str(root), "--log-level", level)  # fmt: skip
         paths = [str(root / level / f"iter_{i}" / "model.pt") for i in range(12)]
         with d.client() as c:
-            for p in paths:
-                c.save({"w": torch.full((6 << 18,), 1.0)}, p)
+            for i, p in enumerate(paths):
+                c.save({"w": torch.full((6 << 18,), float(i))}, p)
                 c.wait(p)  # persisted, so evictable
         if level == "DEBUG":  # a persist's line may follow the answer to its wait
             wait_until(lambda: all(f"persisted {p} generation" in d.log() for p in paths))  # noqa: B023

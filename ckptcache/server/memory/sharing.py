@@ -1,0 +1,341 @@
+"""Generations that share memory: pages of an older generation equal to a newer one's are
+given back to the system and read from the newer one's segment.
+
+Under LoRA fine-tuning most of a checkpoint (the frozen base) is the same in every save, and a
+daemon keeping two generations of a path (or the checkpoints of several steps) held it once
+per generation. The sharer (:mod:`ckptcache.server.memory.sharer`) compares an older
+generation's pages with a newer one's; where they are equal, the older segment's pages are
+punched (``MADV_REMOVE``: a hole in its tmpfs file, its memory back to the system) and
+recorded as *runs*: ``[start, end)`` of this segment lies at the same offsets of the backing
+segment. Rules that keep every byte:
+
+* **Only pages inside storages are shared**, so bringing a generation whole again is checked
+  against the digests it recorded at its commit: a backing page changed since (a write into a
+  committed segment, a flipped bit) is found and the generation refused, never served.
+* **A backing page is always resident**: a run never points at a hole. When a backing segment
+  is itself hollowed, the runs of the segments it backs move to the new backing first.
+* **A segment backing others is never freed**: once its generation leaves memory it stays as
+  a backing only (:attr:`Segment.orphan`, counted in the budget) until its last dependent goes.
+* **Nothing reads a hole**: every reader of a generation pins it first, and a pin makes it
+  whole (:meth:`Sharing.whole_locked`, from ``CacheState.pin_locked``). A freed segment with
+  holes is never handed out before they are allocated again (``Arena.take_free``).
+* **A restart rebuilds the sharing**: each hollow segment's runs are written to
+  ``<segments>/.shared/<name>`` before its pages are punched, and the file goes once they are
+  filled again; :func:`ckptcache.server.reindex.recover` reads them back.
+
+Every method runs under the state lock, except the file reads of :meth:`SharedRecords.load`.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import logging
+import mmap
+import os
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from ckptcache._secure_fs import ensure_private_dir
+from ckptcache._units import format_bytes
+from ckptcache.errors import BudgetExceeded
+from ckptcache.format.digest import digest_bytes
+from ckptcache.format.fastcopy import copy_runs
+
+if TYPE_CHECKING:
+    from ckptcache.server.memory.arena import Arena, Segment
+
+__all__ = [
+    "Run",
+    "SharedRecords",
+    "Sharing",
+    "allocate_holes",
+    "intersect",
+    "storage_pages",
+    "subtract",
+]
+
+log = logging.getLogger(__name__)
+
+_PAGE = mmap.PAGESIZE
+
+Range = tuple[int, int]
+
+
+@dataclass(frozen=True)
+class Run:
+    """``[start, end)`` of a hollow segment lies at the same offsets of ``backing``."""
+
+    start: int
+    end: int
+    backing: Segment
+
+
+def storage_pages(storages: Iterable[Range], stop: int) -> list[Range]:
+    """The whole pages inside the storages ``(offset, nbytes)`` below ``stop``, merged."""
+    out: list[Range] = []
+    for offset, nbytes in sorted(storages):
+        first = -(-offset // _PAGE) * _PAGE
+        last = min(offset + nbytes, stop) // _PAGE * _PAGE
+        if last <= first:
+            continue
+        if out and out[-1][1] >= first:
+            out[-1] = (out[-1][0], max(out[-1][1], last))
+        else:
+            out.append((first, last))
+    return out
+
+
+def intersect(a: Iterable[Range], b: Iterable[Range]) -> list[Range]:
+    """The ranges in both sorted, disjoint lists."""
+    out, bs = [], list(b)
+    for lo, hi in a:
+        for blo, bhi in bs:
+            s, e = max(lo, blo), min(hi, bhi)
+            if s < e:
+                out.append((s, e))
+    return sorted(out)
+
+
+def subtract(a: Iterable[Range], b: Iterable[Range]) -> list[Range]:
+    """The ranges of ``a`` outside ``b`` (sorted, disjoint lists)."""
+    out = []
+    cuts = sorted(b)
+    for lo, hi in a:
+        at = lo
+        for blo, bhi in cuts:
+            if bhi <= at or blo >= hi:
+                continue
+            if blo > at:
+                out.append((at, blo))
+            at = max(at, bhi)
+        if at < hi:
+            out.append((at, hi))
+    return out
+
+
+def punch(segment: Segment, ranges: Iterable[Range]) -> None:
+    """Give ``ranges`` of the segment's file back to the system (a hole reads as zeros)."""
+    for lo, hi in ranges:
+        segment.mapping.madvise(mmap.MADV_REMOVE, lo, hi - lo)
+
+
+class SharedRecords:
+    """The runs of each hollow segment, in files of the daemon's own (0700 directory)."""
+
+    def __init__(self, segments_dir: str):
+        self.directory = os.path.join(segments_dir, ".shared")
+        os.close(ensure_private_dir(self.directory, 0o700, "shared-pages dir"))
+
+    def _path(self, segment: Segment) -> str:
+        return os.path.join(self.directory, os.path.basename(segment.name))
+
+    def write(self, segment: Segment) -> None:
+        """Record ``segment``'s runs (atomically: a crash leaves the old or the new list)."""
+        if not segment.runs:
+            self.drop(segment)
+            return
+        body = json.dumps([[r.start, r.end, r.backing.name] for r in segment.runs]).encode()
+        tmp = self._path(segment) + ".tmp"
+        with open(tmp, "wb") as f:
+            f.write(body)
+        os.replace(tmp, self._path(segment))
+
+    def drop(self, segment: Segment) -> None:
+        """Forget ``segment``'s runs (it is whole, or gone)."""
+        self.drop_name(segment.name)
+
+    def drop_name(self, name: str) -> None:
+        """Forget the runs recorded under segment ``name``."""
+        try:
+            os.unlink(os.path.join(self.directory, os.path.basename(name)))
+        except FileNotFoundError:
+            pass
+
+    def load(self) -> dict[str, list[tuple[int, int, str]]]:
+        """Every recorded hollow segment's runs by segment name (unreadable files dropped)."""
+        out: dict[str, list[tuple[int, int, str]]] = {}
+        for name in os.listdir(self.directory):
+            path = os.path.join(self.directory, name)
+            if name.endswith(".tmp"):
+                os.unlink(path)
+                continue
+            try:
+                with open(path, "rb") as f:
+                    runs = json.loads(f.read())
+                out[name] = [(int(a), int(b), str(c)) for a, b, c in runs]
+            except (OSError, ValueError, TypeError) as e:
+                log.error("dropping unreadable record of shared pages %s: %s", name, e)
+                os.unlink(path)
+        return out
+
+
+def ranges_of(runs: Iterable[Run]) -> list[Range]:
+    """The ranges the runs cover, sorted."""
+    return sorted((r.start, r.end) for r in runs)
+
+
+def _normal(runs: Iterable[Run]) -> list[Run]:
+    """Runs sorted, adjacent ones of one backing merged."""
+    out: list[Run] = []
+    for run in sorted(runs, key=lambda r: r.start):
+        if out and out[-1].backing is run.backing and out[-1].end == run.start:
+            out[-1] = Run(out[-1].start, run.end, run.backing)
+        else:
+            out.append(run)
+    return out
+
+
+class Sharing:
+    """The runs of the arena's hollow segments, and what a change of them does to the
+    segments backing them (see the module docstring)."""
+
+    def __init__(self, arena: Arena):
+        self.arena = arena
+        self.records = SharedRecords(arena.directory)
+
+    @property
+    def shared(self) -> int:
+        """Bytes given back to the system because another segment holds them."""
+        return sum(s.hollow for s in self.arena.segments.values())
+
+    def share(self, x: Segment, equal: list[Range], y: Segment) -> list[Range]:
+        """Back the pages ``equal`` of ``x`` by the same pages of ``y`` (which holds them
+        resident), recorded at once; returns the pages of ``x`` still to give back, which
+        the caller passes to :meth:`punch` (in steps, each under the lock). The caller found
+        them equal, holds the only pin of ``x``'s generation and saw that no load maps
+        ``x``."""
+        if intersect(equal, ranges_of(y.runs)):
+            raise ValueError(f"segment {y.name} cannot back pages it does not hold")
+        fresh = subtract(equal, ranges_of(x.runs))
+        # The segments x backs: their runs over these pages move to y before x loses them.
+        for d in list(x.dependents):
+            runs: list[Run] = []
+            for r in d.runs:
+                if r.backing is not x:
+                    runs.append(r)
+                    continue
+                runs += [Run(s, e, y) for s, e in intersect([(r.start, r.end)], equal)]
+                runs += [Run(s, e, x) for s, e in subtract([(r.start, r.end)], equal)]
+            self._set_runs(d, runs)
+        kept = [
+            Run(s, e, r.backing) for r in x.runs for s, e in subtract([(r.start, r.end)], equal)
+        ]
+        self._set_runs(x, kept + [Run(s, e, y) for s, e in equal])
+        # Counted as given back once punched; a record naming every page's backing comes
+        # first, so a crash between the two leaves pages a restart can account for.
+        x.hollow = sum(r.end - r.start for r in x.runs) - sum(e - s for s, e in fresh)
+        return fresh
+
+    @staticmethod
+    def punch(x: Segment, ranges: list[Range]) -> None:
+        """Give ``ranges`` (backed by :meth:`share`) of ``x`` back to the system."""
+        punch(x, ranges)
+        x.hollow += sum(e - s for s, e in ranges)
+
+    def whole(self, x: Segment, storages: list[Range], digests: list[int], what: str) -> str:
+        """Make ``x`` whole again: its runs' bytes copied back from their backings, then
+        checked against the digests of the storages they lie in. Returns "" or what changed
+        (the caller refuses the generation). :class:`BudgetExceeded` where the budget or
+        tmpfs has no room for the pages (``x`` stays as it was)."""
+        arena = self.arena
+        if arena.used + x.hollow > arena.limit:
+            raise BudgetExceeded(
+                f"no room to make {what} whole again ({format_bytes(x.hollow)} of it lies in "
+                f"a newer save's memory): {format_bytes(arena.used)} of "
+                f"{format_bytes(arena.limit)} in use"
+            )
+        try:
+            self._copy_back(x)
+        except OSError as e:
+            raise BudgetExceeded(
+                f"no room in {arena.directory} to make {what} whole again: {e.strerror}"
+            ) from e
+        ranges = ranges_of(x.runs)
+        self._set_runs(x, [])
+        x.hollow = 0
+        return _changed(x, storages, digests, ranges)
+
+    def release(self, x: Segment) -> bool:
+        """``x``'s generation left memory: False when ``x`` stays, backing others (an
+        orphan, freed with its last dependent); else its runs are dropped, its holes left to
+        be allocated before it is used again."""
+        if x.dependents:
+            x.orphan = True
+            return False
+        if x.runs:
+            holes = ranges_of(x.runs)
+            self._set_runs(x, [])
+            x.holes, x.hollow = holes, 0
+        return True
+
+    def forget(self, x: Segment) -> None:
+        """``x`` is unlinked: its runs go (it never backs anyone: see :meth:`release`)."""
+        self._set_runs(x, [])
+        x.hollow = 0
+
+    def restore(self, x: Segment, runs: list[Run]) -> None:
+        """Rebuild ``x``'s runs after a restart (the pages punched again: a crash may have
+        come between the record and the punch, or during a fill)."""
+        self._set_runs(x, runs)
+        punch(x, ranges_of(x.runs))
+        x.hollow = sum(r.end - r.start for r in x.runs)
+
+    def _set_runs(self, x: Segment, runs: list[Run]) -> None:
+        before = {r.backing for r in x.runs}
+        x.runs = _normal(runs)
+        x.holes = ranges_of(x.runs)
+        self.records.write(x)
+        after = {r.backing for r in x.runs}
+        for b in after - before:
+            b.dependents.add(x)
+        for b in before - after:
+            b.dependents.discard(x)
+            if b.orphan and not b.dependents:
+                b.orphan = False
+                self.arena.release(b)
+
+    @staticmethod
+    def _copy_back(x: Segment) -> None:
+        fd = os.open(x.path, os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW)
+        try:
+            for run in x.runs:
+                os.posix_fallocate(fd, run.start, run.end - run.start)
+        finally:
+            os.close(fd)
+        dst = ctypes.c_char.from_buffer(x.mapping)
+        sources = {id(r.backing): ctypes.c_char.from_buffer(r.backing.mapping) for r in x.runs}
+        try:
+            at = ctypes.addressof(dst)
+            copy_runs([
+                (at + r.start, ctypes.addressof(sources[id(r.backing)]) + r.start, r.end - r.start)
+                for r in x.runs
+            ])  # fmt: skip
+        finally:
+            del dst, sources
+
+
+def allocate_holes(segment: Segment) -> None:
+    """Allocate the pages of a freed segment's holes again (outside the lock, before the
+    daemon copies into it): ``OSError`` where tmpfs is full."""
+    fd = os.open(segment.path, os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW)
+    try:
+        for lo, hi in segment.holes:
+            os.posix_fallocate(fd, lo, hi - lo)
+    finally:
+        os.close(fd)
+    segment.holes = []
+
+
+def _changed(x: Segment, storages: list[Range], digests: list[int], ranges: list[Range]) -> str:
+    view = memoryview(x.mapping)
+    try:
+        for (offset, nbytes), digest in zip(storages, digests, strict=True):
+            if intersect([(offset, offset + nbytes)], ranges) and digest != digest_bytes(
+                view[offset : offset + nbytes]
+            ):
+                return f"the storage at offset {offset} differs from its digest"
+    finally:
+        del view
+    return ""

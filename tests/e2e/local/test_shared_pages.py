@@ -1,0 +1,147 @@
+"""Generations that share memory, on a real daemon: an older checkpoint's pages equal to a newer
+one's are given back to the system (holes in its segment file) and read from the newer one's
+segment, and every load still returns the bytes that were saved: after a restart, after the
+newer checkpoint is deleted, and never when the memory they were read from changed."""
+
+from __future__ import annotations
+
+import copy
+import os
+
+import pytest
+import torch
+
+from ckptcache.errors import CorruptCheckpoint
+from tests.e2e.local.test_skip_unchanged import equal, lora, save_and_check, step
+from tests.helpers import metric, wait_until
+
+
+@pytest.fixture
+def persisting(daemon_factory, tmp_path):
+    return daemon_factory("--persist-root", str(tmp_path), "--metrics-port", "0")
+
+
+def base_bytes(state: dict) -> int:
+    """The frozen base's bytes, less the part pages that its storages share with the
+    archive's records around them (only whole pages inside storages are shared)."""
+    return int(0.95 * sum(t.untyped_storage().nbytes() for t in state["base"].values()))
+
+
+def shared(d) -> float:
+    return metric(d, "ckptcache_memory_shared_bytes") or 0.0
+
+
+def resident(d, client, path: str) -> int:
+    """Bytes of memory the segment file holding ``path`` has allocated."""
+    return os.stat(os.path.join(d.segments_dir, client.status(path).segment)).st_blocks * 512
+
+
+def save_steps(client, state: dict, root, count: int) -> dict[str, dict]:
+    """Train and save under a new path each step (as the frameworks name checkpoints),
+    each persisted; what each save held, by path."""
+    saved = {}
+    for i in range(count):
+        step(state)
+        path = str(root / "job" / f"iter_{i:07d}" / "model.pt")
+        client.save(state, path)
+        client.wait(path, timeout=60)
+        saved[path] = copy.deepcopy(state)
+    return saved
+
+
+def test_checkpoints_of_later_steps_hold_the_frozen_base_once(persisting, tmp_path):
+    state = lora()
+    base = base_bytes(state)
+    with persisting.client() as trainer:
+        saved = save_steps(trainer, state, tmp_path, 3)
+        paths = list(saved)
+        wait_until(lambda: shared(persisting) >= 2 * base, 60, "the base shared")
+        # The two older checkpoints' files hold hardly more than the adapters now.
+        for path in paths[:2]:
+            assert resident(persisting, trainer, path) < base // 4
+        assert resident(persisting, trainer, paths[2]) >= base
+        for path in paths:  # the oldest first: made whole from the newest's memory
+            assert equal(trainer.load(path, mmap=False, verify=True), saved[path])
+        assert equal(trainer.load(paths[0]), saved[paths[0]])
+    assert (metric(persisting, 'ckptcache_corrupt_total{tier="local"}') or 0) == 0
+
+
+def test_a_restart_rebuilds_the_sharing(persisting, tmp_path):
+    state = lora()
+    base = base_bytes(state)
+    with persisting.client() as trainer:
+        saved = save_steps(trainer, state, tmp_path, 3)
+        wait_until(lambda: shared(persisting) >= 2 * base, 60, "the base shared")
+    # Restarted with the comparison off: the sharing is rebuilt from the daemon's records.
+    config = tmp_path / "no-sharing.yaml"
+    config.write_text("share_pages: false\n")
+    persisting.args = [*persisting.args, "--config", str(config)]
+    persisting.restart()
+    assert wait_until(lambda: shared(persisting), 30, "the metrics") >= 2 * base
+    with persisting.client() as trainer:
+        for path, held in saved.items():
+            assert equal(trainer.load(path, mmap=False, verify=True), held)
+
+
+def test_an_older_checkpoint_outlives_the_newer_one_holding_its_pages(persisting, tmp_path):
+    state = lora()
+    base = base_bytes(state)
+    with persisting.client() as trainer:
+        saved = save_steps(trainer, state, tmp_path, 2)
+        older, newer = list(saved)
+        wait_until(lambda: shared(persisting) >= base, 60, "the base shared")
+        assert trainer.delete(newer) == 1
+        os.remove(newer)  # its memory and its file gone: only the older save's bytes remain
+        assert equal(trainer.load(older, mmap=False, verify=True), saved[older])
+        assert trainer.delete(older) == 1
+    shared_dir = os.path.join(persisting.segments_dir, ".shared")
+    assert os.listdir(shared_dir) == []
+    assert shared(persisting) == 0
+
+
+def test_pages_read_back_from_a_changed_newer_save_are_refused(persisting, tmp_path):
+    """A write into the newer save's committed segment (its pages back the older save's):
+    the older save, made whole from them, fails its digests and is never served from memory,
+    as a copy found corrupt is not; once the user drops that copy, the load reads the file."""
+    state = lora()
+    base = base_bytes(state)
+    with persisting.client() as trainer:
+        saved = save_steps(trainer, state, tmp_path, 2)
+        older, newer = list(saved)
+        wait_until(lambda: shared(persisting) >= base, 60, "the base shared")
+        segment = os.path.join(persisting.segments_dir, trainer.status(newer).segment)
+        needle = state["base"]["layer1"][1000:1016].numpy().tobytes()
+        with open(segment, "r+b") as f:
+            at = f.read().index(needle)
+            f.seek(at)
+            f.write(bytes(len(needle)))
+        for _ in range(2):
+            with pytest.raises(CorruptCheckpoint, match="read back from a newer save's memory"):
+                trainer.load(older, mmap=False)
+        assert trainer.delete(older) == 1
+        assert equal(trainer.load(older, mmap=False), saved[older])  # its persisted file
+    assert metric(persisting, 'ckptcache_corrupt_total{tier="local"}') >= 1
+    assert equal(torch.load(older, weights_only=True), saved[older])
+
+
+def test_one_path_saved_again_and_again_shares_and_still_skips_the_base(persisting, tmp_path):
+    """keep=2 of one path: the older generation shares the base with the newer; when it goes,
+    its segment (with holes) is allocated and refilled before a save gets it, so saves go on
+    skipping the unchanged base, and every load and the persisted file hold the bytes."""
+    state = lora()
+    base = base_bytes(state)
+    path = str(tmp_path / "job" / "model.pt")
+    with persisting.client() as trainer:
+        for _ in range(3):
+            step(state)
+            save_and_check(trainer, state, path)
+            trainer.wait(path, timeout=60)
+        wait_until(lambda: shared(persisting) >= base, 60, "the base shared")
+        kept_before = trainer._saves.unchanged.skipped
+        for _ in range(6):
+            step(state)
+            save_and_check(trainer, state, path)
+            trainer.wait(path, timeout=60)
+        assert trainer._saves.unchanged.skipped > kept_before
+        assert equal(trainer.load(path), state)
+    assert equal(torch.load(path, weights_only=True), state)

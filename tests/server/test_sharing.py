@@ -1,0 +1,132 @@
+"""Pages shared between segments (``ckptcache.server.memory.sharing``) on a real arena in
+tmpfs: what a share gives back, that a whole segment holds its bytes again, that a backing
+outlives its generation while anyone needs its pages, that runs move when a backing is itself
+hollowed, and that a changed backing is found."""
+
+from __future__ import annotations
+
+import mmap
+import os
+import shutil
+import uuid
+
+import pytest
+
+from ckptcache.errors import BudgetExceeded
+from ckptcache.format.digest import digest_bytes
+from ckptcache.format.layout import HEADER_SIZE
+from ckptcache.server.memory.arena import Arena
+from ckptcache.server.memory.sharing import intersect, storage_pages, subtract
+
+MiB = 1 << 20
+PAGE = mmap.PAGESIZE
+
+
+@pytest.fixture
+def arena():
+    shm = f"/dev/shm/ckptcache-test-{uuid.uuid4().hex[:8]}"
+    yield Arena(shm, 64 * MiB, 0o700)
+    shutil.rmtree(shm, ignore_errors=True)
+
+
+def resident(segment) -> int:
+    return os.stat(segment.path).st_blocks * 512
+
+
+def filled(arena: Arena, payload: bytes):
+    segment = arena.create(4 * MiB)
+    segment.mapping[HEADER_SIZE : HEADER_SIZE + len(payload)] = payload
+    return segment
+
+
+STORAGE = [(HEADER_SIZE, 3 * MiB)]
+PAYLOAD = os.urandom(3 * MiB)
+
+
+def test_range_arithmetic():
+    assert storage_pages([(100, 3 * PAGE), (5 * PAGE, 10)], 10 * PAGE) == [(PAGE, 3 * PAGE)]
+    assert storage_pages([(0, 2 * PAGE), (2 * PAGE, PAGE)], 10 * PAGE) == [(0, 3 * PAGE)]
+    assert storage_pages([(0, 4 * PAGE)], 2 * PAGE) == [(0, 2 * PAGE)]
+    assert intersect([(0, 10), (20, 30)], [(5, 25)]) == [(5, 10), (20, 25)]
+    assert subtract([(0, 10), (20, 30)], [(5, 25)]) == [(0, 5), (25, 30)]
+
+
+def test_a_share_gives_pages_back_and_whole_brings_the_bytes_back(arena):
+    x, y = filled(arena, PAYLOAD), filled(arena, PAYLOAD)
+    used = arena.used
+    pages = storage_pages(STORAGE, 4 * MiB)
+    arena.sharing.punch(x, arena.sharing.share(x, pages, y))
+    assert x.hollow == 3 * MiB and arena.used == used - 3 * MiB
+    assert resident(x) <= 1 * MiB  # the header page and the tail, not the payload
+    assert y.dependents == {x}
+    assert os.listdir(arena.sharing.records.directory) == [x.name]
+    digests = [digest_bytes(PAYLOAD)]
+    assert arena.sharing.whole(x, STORAGE, digests, "x") == ""
+    assert bytes(x.mapping[HEADER_SIZE : HEADER_SIZE + len(PAYLOAD)]) == PAYLOAD
+    assert (x.runs, x.holes, x.hollow, y.dependents) == ([], [], 0, set())
+    assert arena.used == used and os.listdir(arena.sharing.records.directory) == []
+
+
+def test_a_changed_backing_page_is_found_when_made_whole(arena):
+    x, y = filled(arena, PAYLOAD), filled(arena, PAYLOAD)
+    arena.sharing.punch(x, arena.sharing.share(x, storage_pages(STORAGE, 4 * MiB), y))
+    y.mapping[HEADER_SIZE + MiB] ^= 0xFF
+    changed = arena.sharing.whole(x, STORAGE, [digest_bytes(PAYLOAD)], "x")
+    assert changed == f"the storage at offset {HEADER_SIZE} differs from its digest"
+
+
+def test_no_room_to_make_it_whole_is_a_typed_error_and_keeps_the_sharing(arena):
+    x, y = filled(arena, PAYLOAD), filled(arena, PAYLOAD)
+    arena.sharing.punch(x, arena.sharing.share(x, storage_pages(STORAGE, 4 * MiB), y))
+    arena.limit = arena.used + MiB
+    with pytest.raises(BudgetExceeded, match="no room to make x whole again"):
+        arena.sharing.whole(x, STORAGE, [digest_bytes(PAYLOAD)], "x")
+    assert x.hollow == 3 * MiB and y.dependents == {x}
+
+
+def test_a_backing_outlives_its_generation_until_its_last_dependent_goes(arena):
+    x, y = filled(arena, PAYLOAD), filled(arena, PAYLOAD)
+    arena.sharing.punch(x, arena.sharing.share(x, storage_pages(STORAGE, 4 * MiB), y))
+    arena.release(y)  # its generation left: it stays, backing x
+    assert y.orphan and y.name not in arena.free and y.name in arena.segments
+    arena.destroy(y)  # nor can it be unlinked
+    assert os.path.exists(y.path)
+    assert arena.sharing.whole(x, STORAGE, [digest_bytes(PAYLOAD)], "x") == ""
+    assert not y.orphan and y.name in arena.free  # freed with its last dependent
+    assert bytes(x.mapping[HEADER_SIZE : HEADER_SIZE + len(PAYLOAD)]) == PAYLOAD
+
+
+def test_runs_move_when_their_backing_is_hollowed_in_turn(arena):
+    """x shares with y, then y with z: x's runs move to z, never onto y's holes."""
+    x, y, z = (filled(arena, PAYLOAD) for _ in range(3))
+    pages = storage_pages(STORAGE, 4 * MiB)
+    arena.sharing.punch(x, arena.sharing.share(x, pages, y))
+    half = [(pages[0][0], pages[0][0] + MiB)]
+    arena.sharing.punch(y, arena.sharing.share(y, half, z))
+    assert {r.backing.name for r in x.runs} == {y.name, z.name}
+    assert not intersect([(r.start, r.end) for r in x.runs if r.backing is y], y.holes)
+    assert z.dependents == {x, y} and y.dependents == {x}
+    digests = [digest_bytes(PAYLOAD)]
+    assert arena.sharing.whole(x, STORAGE, digests, "x") == ""
+    assert arena.sharing.whole(y, STORAGE, digests, "y") == ""
+    for s in (x, y):
+        assert bytes(s.mapping[HEADER_SIZE : HEADER_SIZE + len(PAYLOAD)]) == PAYLOAD
+
+
+def test_a_freed_hollow_segment_is_not_handed_out_before_its_holes_are_allocated(arena):
+    x, y = filled(arena, PAYLOAD), filled(arena, PAYLOAD)
+    arena.sharing.punch(x, arena.sharing.share(x, storage_pages(STORAGE, 4 * MiB), y))
+    arena.release(x)
+    assert x.holes and x.hollow == 0 and x.name in arena.free  # counted whole again
+    assert y.dependents == set()
+    assert arena.take_free(3 * MiB, tight=False) is None
+    x.holes = []  # as the refill does once it allocated them (sharing.allocate_holes)
+    assert arena.take_free(3 * MiB, tight=False) is x
+
+
+def test_a_freed_hollow_segment_without_room_to_refill_is_unlinked(arena):
+    x, y = filled(arena, PAYLOAD), filled(arena, PAYLOAD)
+    arena.sharing.punch(x, arena.sharing.share(x, storage_pages(STORAGE, 4 * MiB), y))
+    arena.limit = arena.used + MiB
+    arena.release(x)
+    assert x.name not in arena.segments and not os.path.exists(x.path)
