@@ -4,15 +4,16 @@ holding its own (``false``), in the same run; and what reading an older checkpoi
 
     python benchmarks/incremental/memory.py --base 1024 --expert 12 --saves 4
 
-Per state, per setting (a fresh daemon each, ``--persist-root`` a temporary directory on the
-local disk, a budget of ``saves + 2`` times the state): one trainer saves ``--saves``
-checkpoints under a new path each step (as Megatron and DeepSpeed name theirs), changing what
-``bench.py``'s states change between saves, and waits until each is persisted. Then, once the
+Per state, per way of naming checkpoints, per setting (a fresh daemon each, ``--persist-root``
+a temporary directory on the local disk, a budget of ``saves + 2`` times the state, no spare
+pool): one trainer saves ``--saves`` checkpoints, changing what ``bench.py``'s states change
+between saves, and waits until each is persisted; either under a new path each step (as
+Megatron and DeepSpeed name theirs: every checkpoint stays in memory), or to one path (the
+daemon keeps its 2 newest generations, and a freed segment for the next save). Then, once the
 daemon's background work is done (no digest queued, the shared bytes steady for 2 s):
 
-* **held**: the bytes the segment files of the held checkpoints allocate (``st_blocks`` of
-  each, the kernel's count), against the state's size times the checkpoints held; and the
-  daemon's own ``memory_used``;
+* **held**: the bytes every segment file of the daemon allocates (``st_blocks``, the kernel's
+  count), against the state's size; and the daemon's own ``memory_used``;
 * **shared**: ``ckptcache_memory_shared_bytes``; against what a save changes;
 * **the daemon's CPU** over the whole run, per GiB of checkpoint saved (intake, digests,
   persist, and with sharing on, the comparison and the punch);
@@ -43,11 +44,17 @@ def _metric(socket: str, name: str) -> float:
     return read(port, name)
 
 
-def _allocated(shm: str, segment: str) -> int:
-    return os.stat(os.path.join(shm, "segments", segment)).st_blocks * 512
+def _allocated(shm: str) -> int:
+    """Bytes allocated by every segment file under the daemon's shm root."""
+    folder = os.path.join(shm, "segments")
+    return sum(
+        os.stat(os.path.join(folder, name)).st_blocks * 512
+        for name in os.listdir(folder)
+        if name.startswith("seg-")
+    )
 
 
-def run(state_name: str, share: bool, args: argparse.Namespace) -> dict:
+def run(state_name: str, one_path: bool, share: bool, args: argparse.Namespace) -> dict:
     import torch
     from bench import _cpu, lora_state, moe_maker
 
@@ -66,7 +73,7 @@ def run(state_name: str, share: bool, args: argparse.Namespace) -> dict:
     port = free_port()
     with running_daemon(
         "--memory-limit", f"{limit}GiB", "--persist-root", root, "--config", str(config),
-        "--metrics-port", str(port),
+        "--metrics-port", str(port), "--pool-bytes", "0",
     ) as d:  # fmt: skip
         Path(d.socket).with_name("metrics.port").write_text(str(port))
         cpu0 = _cpu(d.proc.pid)
@@ -76,10 +83,13 @@ def run(state_name: str, share: bool, args: argparse.Namespace) -> dict:
             for i in range(args.saves):
                 if i:
                     state = make(i)
-                path = os.path.join(root, f"iter_{i:07d}", "model.pt")
+                step = "latest" if one_path else f"iter_{i:07d}"
+                path = os.path.join(root, step, "model.pt")
                 client.save(state, path)
                 client.wait(path, timeout=600)
                 saved[path] = state
+            if one_path:  # the newest and the generation before it, still in memory
+                saved = {path: state}
             last, steady = -1.0, time.monotonic()
             while time.monotonic() - steady < 2.0:
                 time.sleep(0.2)
@@ -88,7 +98,7 @@ def run(state_name: str, share: bool, args: argparse.Namespace) -> dict:
                 if now != last or busy:
                     last, steady = now, time.monotonic()
             cpu = _cpu(d.proc.pid) - cpu0
-            held = sum(_allocated(d.shm_dir, client.status(p).segment) for p in saved)
+            held = _allocated(d.shm_dir)
             used = client.daemon_status().memory_used
             paths = list(saved)
             loads = {}
@@ -125,19 +135,22 @@ def main() -> None:
     parser.add_argument("--root", default="/var/tmp", help="where the persist root is made")
     args = parser.parse_args()
     print(f"load average {os.getloadavg()[0]:.1f}, {os.cpu_count()} cores\n", flush=True)
-    print("| state | pages shared | checkpoints held | state size | memory held (segment "
+    print("| state | checkpoints | pages shared | state size | memory held (segment "
           "files) | x state size | daemon memory_used | shared | daemon CPU-s per GiB saved "
           "| load oldest (s) | load newest (s) |")  # fmt: skip
-    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for state in ("LoRA", "MoE"):
-        for share in (False, True):
-            r = run(state, share, args)
-            print(f"| {state} | {'yes' if share else 'no'} | {args.saves} | "
-                  f"{r['size'] / MiB:.0f} MiB | {r['held'] / MiB:.0f} MiB | "
-                  f"{r['held'] / r['size']:.2f}x | {r['used'] / MiB:.0f} MiB | "
-                  f"{r['shared'] / MiB:.0f} MiB | {r['cpu_per_gib']:.2f} | "
-                  f"{r['loads']['oldest']:.3f} | {r['loads']['newest']:.3f} |",
-                  flush=True)  # fmt: skip
+        for one_path in (False, True):
+            for share in (False, True):
+                r = run(state, one_path, share, args)
+                kind = "one path, keep 2" if one_path else f"{args.saves} paths"
+                oldest = "-" if one_path else f"{r['loads']['oldest']:.3f}"  # not loadable
+                print(f"| {state} | {kind} | {'yes' if share else 'no'} | "
+                      f"{r['size'] / MiB:.0f} MiB | {r['held'] / MiB:.0f} MiB | "
+                      f"{r['held'] / r['size']:.2f}x | {r['used'] / MiB:.0f} MiB | "
+                      f"{r['shared'] / MiB:.0f} MiB | {r['cpu_per_gib']:.2f} | "
+                      f"{oldest} | {r['loads']['newest']:.3f} |",
+                      flush=True)  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -138,25 +138,28 @@ def _rebuild_sharing(
     arena = state.arena
     held = {gen.segment.name: gen for gen in state.index}
     holes = {name: [(lo, hi) for lo, hi, _ in runs] for name, runs in shared.items()}
+    unsound = []
     for name, runs in shared.items():
         gen = held.get(name)
         if gen is None:
             arena.sharing.records.drop_name(name)
             continue
-        sound = gen.digests is not None and all(
+        if gen.digests is None or not all(
             b in arena.segments and not intersect([(lo, hi)], holes.get(b, []))
             for lo, hi, b in runs
-        )
-        if not sound:
-            log.error("dropping %s generation %d: the memory holding part of its pages is "
-                      "gone", gen.path, gen.number)  # fmt: skip
-            arena.sharing.records.drop_name(name)
-            with state.lock.held():
-                state.retire_locked(gen)
+        ):
+            unsound.append(gen)
             continue
         arena.sharing.restore(gen.segment, [Run(lo, hi, arena.segments[b]) for lo, hi, b in runs])
         log.info("%s generation %d shares %s with newer saves again", gen.path, gen.number,
                  format_bytes(gen.segment.hollow))  # fmt: skip
+    # Once every sound one holds its runs: a dropped one that backs them stays, an orphan.
+    for gen in unsound:
+        log.error("dropping %s generation %d: the memory holding part of its pages is gone",
+                  gen.path, gen.number)  # fmt: skip
+        with state.lock.held():
+            state.retire_locked(gen)  # its header freed before its record goes
+        arena.sharing.records.drop_name(gen.segment.name)
     for segment in orphans:
         if segment.dependents:
             segment.orphan = True

@@ -370,24 +370,32 @@ class CacheState:
         with self.lock.held():
             if gen.removed or self.index.get(gen.key, gen.number) is not gen:
                 return False
-            try:
-                self._whole_locked(gen)
-            except (BudgetExceeded, CorruptCheckpoint) as e:
-                log.warning("not reading %s generation %d: %s", gen.path, gen.number, e)
-                return False
+            self._whole_locked(gen)  # raises: the caller says why it cannot read it
             gen.pins += 1
             return True
 
     def _whole_locked(self, gen: Generation) -> None:
+        """Copy back the pages of ``gen`` that lie in a newer save's segment, checked against
+        its digests (``sharing.py``). Pages changed there: the generation is dropped from
+        memory (its header freed before its runs' record goes: a restart never serves those
+        bytes) and :class:`CorruptCheckpoint` raised. No room: :class:`CheckpointNotFound`
+        for a generation storage holds (a load reads it there), else :class:`BudgetExceeded`."""
         segment = gen.segment
         if not segment.runs:
             return
         what = f"{gen.path!r} generation {gen.number}"
         storages = [(r.offset, r.nbytes) for r in gen.manifest.storages]
-        changed = self.arena.sharing.whole(segment, storages, gen.digests or [], what)
+        try:
+            changed = self.arena.sharing.whole(segment, storages, gen.digests or [], what)
+        except BudgetExceeded as e:
+            if not gen.persisted:
+                raise
+            raise CheckpointNotFound(f"{e}; it is read from storage") from e
         if changed:
             gen.corrupt = f"{changed} (read back from a newer save's memory)"
             self.metrics.corrupt.labels(tier=Tier.LOCAL).inc()
+            log.error("dropping %s: %s", what, gen.corrupt)
+            self.retire_locked(gen)
             raise CorruptCheckpoint(f"{what} is corrupt: {gen.corrupt}", tier=Tier.LOCAL)
 
     def is_current(self, gen: Generation) -> bool:

@@ -270,12 +270,15 @@ def test_the_live_loading_ranks_failure_reaches_readers(cache_dir: str) -> None:
     with CachedDataLoader(
         lambda: SeqLoader(6, fail_at=2), cache_dir=cache_dir, run_id="r", prefetch=4
     ) as loading:
-        reader = CachedDataLoader(
-            None, cache_dir=cache_dir, run_id="r", is_loading_rank=False, timeout=30
-        )
-        with pytest.raises(BatchLoadError, match="transient storage error at batch 2"):
+        # Raised as the reader starts, where the loading rank failed before (a loaded
+        # machine), else as it reads.
+        with (
+            pytest.raises(BatchLoadError, match="transient storage error at batch 2"),
+            CachedDataLoader(
+                None, cache_dir=cache_dir, run_id="r", is_loading_rank=False, timeout=30
+            ) as reader,
+        ):
             list(reader)
-        reader.close()
         with pytest.raises(BatchLoadError):
             list(loading)
 

@@ -9,13 +9,17 @@ import mmap
 import os
 import shutil
 import uuid
+from types import SimpleNamespace
 
 import pytest
 
 from ckptcache.errors import BudgetExceeded
 from ckptcache.format.digest import digest_bytes
 from ckptcache.format.layout import HEADER_SIZE
+from ckptcache.server.lock import StateLock
 from ckptcache.server.memory.arena import Arena
+from ckptcache.server.memory.pool import SegmentPool
+from ckptcache.server.memory.refill import within_payload
 from ckptcache.server.memory.sharing import intersect, storage_pages, subtract
 
 MiB = 1 << 20
@@ -73,6 +77,9 @@ def test_a_changed_backing_page_is_found_when_made_whole(arena):
     y.mapping[HEADER_SIZE + MiB] ^= 0xFF
     changed = arena.sharing.whole(x, STORAGE, [digest_bytes(PAYLOAD)], "x")
     assert changed == f"the storage at offset {HEADER_SIZE} differs from its digest"
+    # Its runs stay recorded until the caller retired the generation: a crash in between
+    # must not leave those bytes committed with no record of where they came from.
+    assert x.runs and os.listdir(arena.sharing.records.directory) == [x.name]
 
 
 def test_no_room_to_make_it_whole_is_a_typed_error_and_keeps_the_sharing(arena):
@@ -120,8 +127,41 @@ def test_a_freed_hollow_segment_is_not_handed_out_before_its_holes_are_allocated
     assert x.holes and x.hollow == 0 and x.name in arena.free  # counted whole again
     assert y.dependents == set()
     assert arena.take_free(3 * MiB, tight=False) is None
+    pool = SegmentPool(arena, StateLock(), 2, 32 * MiB)
+    pool.note(4 * MiB)
+    x.spare = True  # neither promoted to a spare nor handed out as one
+    assert pool.promote_locked() == 0 and pool.take(3 * MiB, arena.uid) is None
     x.holes = []  # as the refill does once it allocated them (sharing.allocate_holes)
     assert arena.take_free(3 * MiB, tight=False) is x
+
+
+def test_a_segment_the_sharer_reads_is_not_freed_until_it_is_done(arena):
+    y = filled(arena, PAYLOAD)
+    arena.sharing.hold([y])
+    arena.release(y)
+    assert y.orphan and y.name not in arena.free
+    arena.sharing.let_go([y])
+    assert not y.orphan and y.name in arena.free
+
+
+def test_a_record_that_cannot_be_written_changes_nothing(arena, monkeypatch):
+    x, y = filled(arena, PAYLOAD), filled(arena, PAYLOAD)
+
+    def full(segment, runs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(arena.sharing.records, "write", full)
+    with pytest.raises(OSError):
+        arena.sharing.share(x, storage_pages(STORAGE, 4 * MiB), y)
+    assert (x.runs, x.holes, y.dependents) == ([], [], set())
+    assert bytes(x.mapping[HEADER_SIZE : HEADER_SIZE + len(PAYLOAD)]) == PAYLOAD
+
+
+def test_a_refill_reads_no_hole_past_the_source_payload():
+    header = SimpleNamespace(payload_offset=HEADER_SIZE, payload_size=2 * MiB)
+    source = SimpleNamespace(segment=SimpleNamespace(read_header=lambda: header))
+    holes = [(HEADER_SIZE, 60 * MiB), (62 * MiB, 63 * MiB)]
+    assert within_payload(source, holes) == [(HEADER_SIZE, HEADER_SIZE + 2 * MiB)]
 
 
 def test_a_freed_hollow_segment_without_room_to_refill_is_unlinked(arena):

@@ -125,7 +125,9 @@ def find_held(
         sources = sorted(
             (g for g in state.index
              if g.namespace == namespace and g.digests is not None and not g.corrupt
-             and not g.removed and _uid(g, daemon_uid) == want),
+             and not g.removed and _uid(g, daemon_uid) == want
+             # pages in a newer save's memory: that newer save is a source itself
+             and not g.segment.runs),
             key=lambda g: -g.committed_ns,
         )[:SOURCES]  # fmt: skip
         for gen in sources:

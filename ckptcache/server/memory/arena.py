@@ -135,8 +135,11 @@ class Segment:
     hollow: int = 0
     #: The segments whose runs lie in this one: it is freed only after them.
     dependents: set[Segment] = field(default_factory=set, repr=False)
-    #: Its generation left memory, but it still backs :attr:`dependents`.
+    #: Its generation left memory, but it still backs :attr:`dependents` (or is read by the
+    #: sharer: :attr:`readers`).
     orphan: bool = False
+    #: The sharer reads this segment now, without the lock: it is not freed meanwhile.
+    readers: int = 0
 
     def stop_fill(self) -> None:
         """Stop the daemon's copy into this segment, if one runs, and wait until it has
@@ -347,6 +350,11 @@ class Arena:
         return self.pending + sum(s.capacity - s.hollow for s in self.segments.values())
 
     @property
+    def orphaned(self) -> int:
+        """Bytes of segments kept only for the pages others read from them."""
+        return sum(s.capacity - s.hollow for s in self.segments.values() if s.orphan)
+
+    @property
     def free_bytes(self) -> int:
         """Bytes held by the free pool (reclaimable at once)."""
         return sum(s.capacity for s in self.free.values())
@@ -500,13 +508,18 @@ class Arena:
 
     def release(self, segment: Segment) -> None:
         """Return a segment to the free pool (or unlink it if inherited from a crash); one that
-        backs another segment's pages stays until that one goes (``Sharing.release``)."""
-        if not self.sharing.release(segment):
+        backs another segment's pages stays until that one goes (``Sharing.needed``)."""
+        if self.sharing.needed(segment):
             segment.write_header(empty_header(SegmentState.FREE))
             return
-        if segment.holes and self.used + sum(hi - lo for lo, hi in segment.holes) > self.limit:
-            self.destroy(segment)  # no room to allocate its holes again
-            return
+        if segment.runs:
+            # Its header first: a crash after its runs' record went must not leave a committed
+            # generation with holes and no record of where they lie.
+            segment.write_header(empty_header(SegmentState.FREE))
+            self.sharing.release(segment)
+            if self.used > self.limit:
+                self.destroy(segment)  # no room to allocate its holes again
+                return
         if segment.inherited:
             self.destroy(segment)
             return
@@ -523,12 +536,11 @@ class Arena:
 
     def destroy(self, segment: Segment) -> None:
         """Unlink a segment and forget it (one backing another's pages stays, an orphan)."""
-        if segment.dependents:
-            log.warning("keeping segment %s: it holds pages of %d others", segment.name,
-                        len(segment.dependents))  # fmt: skip
-            segment.orphan = True
+        if self.sharing.needed(segment):
+            log.info("keeping segment %s: it holds pages of %d others", segment.name,
+                     len(segment.dependents))  # fmt: skip
+            segment.write_header(empty_header(SegmentState.FREE))
             return
-        self.sharing.forget(segment)
         segment.stop_fill()
         self.segments.pop(segment.name, None)
         self.free.pop(segment.name, None)
@@ -545,6 +557,7 @@ class Arena:
             os.unlink(segment.path)
         except FileNotFoundError:
             pass
+        self.sharing.forget(segment)  # after the unlink: a crash never leaves holes unrecorded
 
     def shrink_free(self, needed: int) -> None:
         """Unlink free segments, least recently used first, until ``needed`` bytes fit."""

@@ -142,7 +142,7 @@ class Budget:
             f"{kind} (e.g. {gens[0].path!r})"
             for kind, gens in sorted(kinds.items())
         ]
-        held = sum(_held(g) for g in self.state.index)
+        held = sum(_held(g) for g in self.state.index) + self.state.arena.orphaned
         stuck = (
             not any(gen.pins for gen in self.state.index)
             and not kinds.get("waiting for their persist")

@@ -129,8 +129,9 @@ class SegmentPool:
                     os.unlink(os.path.join(arena.directory, self._making))
 
     def _live(self) -> list[Segment]:
-        """The spares still free (a save, the free-list reuse or a shrink may have taken one)."""
-        return [s for s in self.arena.free.values() if s.spare]
+        """The spares still free (a save, the free-list reuse or a shrink may have taken one);
+        never one with holes, whose pages are not allocated yet (``sharing.py``)."""
+        return [s for s in self.arena.free.values() if s.spare and not s.holes]
 
     def note(self, capacity: int) -> None:
         """A save wanted a new segment of ``capacity``: make the next spares that size (grown
@@ -250,7 +251,7 @@ class SegmentPool:
             (
                 s
                 for s in self.arena.free.values()
-                if not s.spare and s.owner == self.arena.uid and not s.sealable
+                if not s.spare and s.owner == self.arena.uid and not s.sealable and not s.holes
             ),
             key=lambda s: s.capacity,
         )

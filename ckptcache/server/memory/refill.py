@@ -30,7 +30,7 @@ if TYPE_CHECKING:
     from ckptcache.server.quiet import SavesInFlight
     from ckptcache.server.state import CacheState
 
-__all__ = ["CHUNK", "copy_ranges", "differing", "merged", "source_for"]
+__all__ = ["CHUNK", "copy_ranges", "differing", "merged", "source_for", "within_payload"]
 
 #: Bytes copied between two looks at whether to stop: what a reservation that needs the
 #: segment may wait for (a few milliseconds).
@@ -100,6 +100,13 @@ def differing(
     if at < end:
         ranges.append((at, end))
     return ranges
+
+
+def within_payload(source: Generation, ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """The parts of ``ranges`` inside ``source``'s payload (nothing past it is read)."""
+    header = source.segment.read_header()
+    lo, hi = header.payload_offset, header.payload_offset + header.payload_size
+    return [(max(a, lo), min(b, hi)) for a, b in ranges if max(a, lo) < min(b, hi)]
 
 
 def merged(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:

@@ -23,7 +23,6 @@ import ctypes.util
 import logging
 import mmap
 import threading
-import time
 
 import numpy as np
 
@@ -59,8 +58,10 @@ class Sharer:
         self.enabled = enabled
         self._wake = threading.Event()
         self._stopping = threading.Event()
-        #: Older segment name -> (partner segment name, partner generation) compared last.
-        self._compared: dict[str, tuple[str, int]] = {}
+        #: Older segment name -> (partner segment, partner generation, bytes it shared) when
+        #: last compared: compared again only once one of them changed (a load that made it
+        #: whole, a newer partner).
+        self._compared: dict[str, tuple[str, int, int]] = {}
         self._thread = threading.Thread(target=self._loop, name="sharer", daemon=True)
 
     def start(self) -> None:
@@ -113,7 +114,7 @@ class Sharer:
                 partner = self._partner(gen)
                 if partner is None:
                     continue
-                if self._compared.get(gen.segment.name) == (partner.segment.name, partner.number):
+                if self._compared.get(gen.segment.name) == _mark(gen, partner):
                     continue
                 pairs.append((gen, partner))
             return pairs
@@ -145,6 +146,8 @@ class Sharer:
             older.pins += 1  # not pin_locked: that would make it whole
             partner.pins += 1
             runs = list(x.runs)
+            read = [r.backing for r in runs]  # read here too: never freed meanwhile
+            state.arena.sharing.hold(read)
             stop = min(x.read_header().manifest_offset, y.read_header().manifest_offset)
             pages = storage_pages(((r.offset, r.nbytes) for r in older.manifest.storages), stop)
         try:
@@ -154,8 +157,8 @@ class Sharer:
             with state.lock.held():
                 if not self._still(older, partner, runs):
                     return 0
-                self._compared[x.name] = (y.name, partner.number)
                 if not equal:
+                    self._compared[x.name] = _mark(older, partner)
                     return 0
                 fresh = state.arena.sharing.share(x, equal, y)
                 runs = list(x.runs)
@@ -168,13 +171,17 @@ class Sharer:
                         step = (at, min(hi, at + _STEP))
                         state.arena.sharing.punch(x, [step])
                         done += step[1] - step[0]
+            with state.lock.held():
+                self._compared[x.name] = _mark(older, partner)
             if done:
                 log.debug("%s generation %d shares %d MiB with %s generation %d", older.path,
                           older.number, done >> 20, partner.path, partner.number)  # fmt: skip
             return done
         finally:
-            state.unpin(older)
-            state.unpin(partner)
+            with state.lock.held():
+                state.arena.sharing.let_go(read)
+                state.unpin_locked(older)
+                state.unpin_locked(partner)
 
     def _still(self, older: Generation, partner: Generation, runs: list) -> bool:
         """Nothing changed what the comparison found (under the lock): the older generation
@@ -208,9 +215,9 @@ class Sharer:
             b = np.frombuffer(y.mapping, dtype=np.uint8)
             try:
                 for at in range(lo, hi, _CHUNK):
-                    while saves.open and not self._stopping.is_set():
-                        time.sleep(0.002)  # never beside a save's copy
-                    if self._stopping.is_set():
+                    # Never beside a save's copy, nor holding pins a save's eviction may need:
+                    # given up, compared again once saves pause.
+                    if saves.open or self._stopping.is_set():
                         return None
                     end = min(hi, at + _CHUNK)
                     if _memcmp(a[at:].ctypes.data, b[at:].ctypes.data, end - at) == 0:
@@ -222,6 +229,10 @@ class Sharer:
             finally:
                 del a, b
         return out
+
+
+def _mark(older: Generation, partner: Generation) -> tuple[str, int, int]:
+    return (partner.segment.name, partner.number, older.segment.hollow)
 
 
 def _add(out: list[Range], lo: int, hi: int) -> None:

@@ -33,9 +33,9 @@ import json
 import logging
 import mmap
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 from ckptcache._secure_fs import ensure_private_dir
 from ckptcache._units import format_bytes
@@ -43,8 +43,45 @@ from ckptcache.errors import BudgetExceeded
 from ckptcache.format.digest import digest_bytes
 from ckptcache.format.fastcopy import copy_runs
 
-if TYPE_CHECKING:
-    from ckptcache.server.memory.arena import Arena, Segment
+
+class Segment(Protocol):
+    """What this module reads and changes of an arena's segment
+    (:class:`ckptcache.server.memory.arena.Segment`, which holds these fields)."""
+
+    name: str
+    path: str
+    mapping: mmap.mmap
+    runs: list[Run]
+    holes: list[tuple[int, int]]
+    hollow: int
+    orphan: bool
+    readers: int
+
+    @property
+    def dependents(self) -> set[Any]:
+        """The segments whose runs lie in this one."""
+
+
+class Arena(Protocol):
+    """What this module needs of the arena (:class:`ckptcache.server.memory.arena.Arena`)."""
+
+    directory: str
+    limit: int
+
+    @property
+    def used(self) -> int:
+        """Bytes the budget counts now."""
+
+    @property
+    def segments(self) -> Mapping[str, Segment]:
+        """Every segment by name."""
+
+    def release(self, segment: Any) -> None:
+        """Free a segment."""
+
+    def shrink_free(self, needed: int) -> None:
+        """Unlink free segments until ``needed`` bytes fit."""
+
 
 __all__ = [
     "Run",
@@ -131,12 +168,13 @@ class SharedRecords:
     def _path(self, segment: Segment) -> str:
         return os.path.join(self.directory, os.path.basename(segment.name))
 
-    def write(self, segment: Segment) -> None:
-        """Record ``segment``'s runs (atomically: a crash leaves the old or the new list)."""
-        if not segment.runs:
+    def write(self, segment: Segment, runs: list[Run]) -> None:
+        """Record ``runs`` as ``segment``'s (atomically: a crash leaves the old or the new
+        list; ``OSError`` where tmpfs is full, nothing changed)."""
+        if not runs:
             self.drop(segment)
             return
-        body = json.dumps([[r.start, r.end, r.backing.name] for r in segment.runs]).encode()
+        body = json.dumps([[r.start, r.end, r.backing.name] for r in runs]).encode()
         tmp = self._path(segment) + ".tmp"
         with open(tmp, "wb") as f:
             f.write(body)
@@ -198,7 +236,7 @@ class Sharing:
     @property
     def shared(self) -> int:
         """Bytes given back to the system because another segment holds them."""
-        return sum(s.hollow for s in self.arena.segments.values())
+        return sum(s.hollow for s in list(self.arena.segments.values()))  # scraped unlocked
 
     def share(self, x: Segment, equal: list[Range], y: Segment) -> list[Range]:
         """Back the pages ``equal`` of ``x`` by the same pages of ``y`` (which holds them
@@ -236,10 +274,13 @@ class Sharing:
 
     def whole(self, x: Segment, storages: list[Range], digests: list[int], what: str) -> str:
         """Make ``x`` whole again: its runs' bytes copied back from their backings, then
-        checked against the digests of the storages they lie in. Returns "" or what changed
-        (the caller refuses the generation). :class:`BudgetExceeded` where the budget or
-        tmpfs has no room for the pages (``x`` stays as it was)."""
+        checked against the digests of the storages they lie in. Returns "" (its runs gone)
+        or what changed: then its runs stay recorded until the caller has retired the
+        generation (a crash in between must not leave those bytes committed).
+        :class:`BudgetExceeded` where the budget or tmpfs has no room for the pages (``x``
+        stays as it was)."""
         arena = self.arena
+        arena.shrink_free(x.hollow)  # spares and freed segments go first
         if arena.used + x.hollow > arena.limit:
             raise BudgetExceeded(
                 f"no room to make {what} whole again ({format_bytes(x.hollow)} of it lies in "
@@ -249,29 +290,45 @@ class Sharing:
         try:
             self._copy_back(x)
         except OSError as e:
+            punch(x, ranges_of(x.runs))  # what was allocated goes back: the count holds
             raise BudgetExceeded(
                 f"no room in {arena.directory} to make {what} whole again: {e.strerror}"
             ) from e
-        ranges = ranges_of(x.runs)
-        self._set_runs(x, [])
-        x.hollow = 0
-        return _changed(x, storages, digests, ranges)
+        x.hollow = 0  # allocated again, counted again
+        changed = _changed(x, storages, digests, ranges_of(x.runs))
+        if not changed:
+            self._set_runs(x, [])
+        return changed
 
-    def release(self, x: Segment) -> bool:
-        """``x``'s generation left memory: False when ``x`` stays, backing others (an
-        orphan, freed with its last dependent); else its runs are dropped, its holes left to
-        be allocated before it is used again."""
-        if x.dependents:
+    def needed(self, x: Segment) -> bool:
+        """Whether ``x`` must stay although its generation left: it backs others, or the
+        sharer reads it now. It becomes an orphan, released when no longer needed."""
+        if x.dependents or x.readers:
             x.orphan = True
-            return False
+            return True
+        return False
+
+    def release(self, x: Segment) -> None:
+        """``x``'s generation left memory (its header says so already): its runs are
+        dropped, its holes left to be allocated before it is used again."""
         if x.runs:
             holes = ranges_of(x.runs)
             self._set_runs(x, [])
             x.holes, x.hollow = holes, 0
-        return True
+
+    def hold(self, segments: Iterable[Segment]) -> None:
+        """Keep ``segments`` from being freed while the sharer reads them (under the lock)."""
+        for segment in segments:
+            segment.readers += 1
+
+    def let_go(self, segments: Iterable[Segment]) -> None:
+        """The sharer is done reading ``segments`` (under the lock)."""
+        for segment in segments:
+            segment.readers -= 1
+            self._maybe_release(segment)
 
     def forget(self, x: Segment) -> None:
-        """``x`` is unlinked: its runs go (it never backs anyone: see :meth:`release`)."""
+        """``x`` is unlinked: its runs go (it backs no one: see :meth:`needed`)."""
         self._set_runs(x, [])
         x.hollow = 0
 
@@ -283,18 +340,23 @@ class Sharing:
         x.hollow = sum(r.end - r.start for r in x.runs)
 
     def _set_runs(self, x: Segment, runs: list[Run]) -> None:
+        """Record, then adopt, ``x``'s new runs (a failed record write changes nothing)."""
+        runs = _normal(runs)
+        self.records.write(x, runs)
         before = {r.backing for r in x.runs}
-        x.runs = _normal(runs)
-        x.holes = ranges_of(x.runs)
-        self.records.write(x)
-        after = {r.backing for r in x.runs}
+        after = {r.backing for r in runs}
         for b in after - before:
             b.dependents.add(x)
+        x.runs = runs
+        x.holes = ranges_of(runs)
         for b in before - after:
             b.dependents.discard(x)
-            if b.orphan and not b.dependents:
-                b.orphan = False
-                self.arena.release(b)
+            self._maybe_release(b)
+
+    def _maybe_release(self, b: Segment) -> None:
+        if b.orphan and not b.dependents and not b.readers:
+            b.orphan = False
+            self.arena.release(b)
 
     @staticmethod
     def _copy_back(x: Segment) -> None:

@@ -161,7 +161,7 @@ class Digester:
             try:
                 ranges = refill.differing(check.gen, check.digests, source, digests)
                 if segment.holes:  # pages it gave back (sharing.py): allocated, then copied
-                    ranges = refill.merged(ranges + segment.holes)
+                    ranges = refill.merged(ranges + refill.within_payload(source, segment.holes))
                     allocate_holes(segment)
                 saves = self.state.saves_in_flight
                 copied = refill.copy_ranges(source.segment, segment, ranges, fill, saves)
@@ -309,7 +309,10 @@ class Digester:
         state = self.state
         with state.lock.held():
             gen = state.lookup_visible_locked(req.namespace, req.path, None, session)
-            state.pin_locked(gen)
+            try:
+                state.pin_locked(gen)
+            except CorruptCheckpoint as e:  # pages read back from a newer save's memory
+                return m.VerifyReply(False, gen.number, len(gen.manifest.storages), str(e))
         try:
             recorded = gen.digests if gen.digests is not None else self.compute(gen)
             header = gen.segment.read_header()

@@ -138,7 +138,14 @@ class Fetching:
         """Handler of :class:`~ckptcache.wire.peer.FetchStripe`: one stripe of a copy this
         node is serving (its newest generation, still the one named), else refused."""
         gen = self.state.find(req.namespace, req.path)
-        if gen is None or gen.number != req.generation or not self.state.pin_if_current(gen):
+        try:
+            pinned = gen is not None and gen.number == req.generation and (
+                self.state.pin_if_current(gen)
+            )  # fmt: skip
+        except CkptCacheError as e:  # its pages could not be read back (sharing.py)
+            send_msg(conn, peer.refusal(e))
+            return
+        if gen is None or not pinned:
             gone = CheckpointNotFound(
                 f"generation {req.generation} of {req.path!r} is no longer served here"
             )
