@@ -374,29 +374,71 @@ class CacheState:
             gen.pins += 1
             return True
 
-    def _whole_locked(self, gen: Generation) -> None:
-        """Copy back the pages of ``gen`` that lie in a newer save's segment, checked against
-        its digests (``sharing.py``). Pages changed there: the generation is dropped from
-        memory (its header freed before its runs' record goes: a restart never serves those
-        bytes) and :class:`CorruptCheckpoint` raised. No room: :class:`CheckpointNotFound`
-        for a generation storage holds (a load reads it there), else :class:`BudgetExceeded`."""
-        segment = gen.segment
-        if not segment.runs:
-            return
-        what = f"{gen.path!r} generation {gen.number}"
-        storages = [(r.offset, r.nbytes) for r in gen.manifest.storages]
+    def make_whole(self, gen: Generation) -> None:
+        """What :meth:`pin_locked` does for a generation whose pages lie in a newer save's
+        segment, with the copy and the hash outside the lock (a load of an older checkpoint
+        must not hold up every save for them); a pin after it finds little or nothing left."""
+        sharing = self.arena.sharing
+        with self.lock.held():
+            segment = gen.segment
+            if not segment.runs or gen.removed:
+                return
+            what = f"{gen.path!r} generation {gen.number}"
+            with self._no_room_as_not_found(gen):
+                runs = sharing.begin_whole(segment, what)
+            gen.pins += 1  # neither freed nor punched again meanwhile
+        changed: str | None = None
         try:
-            changed = self.arena.sharing.whole(segment, storages, gen.digests or [], what)
+            with self._no_room_as_not_found(gen):
+                changed = sharing.copy_whole(
+                    segment, runs, self._storages(gen), gen.digests or [], what
+                )
+        finally:
+            with self.lock.held():
+                changed = sharing.end_whole(segment, runs, changed)
+                self.unpin_locked(gen)
+                if changed:
+                    self._refuse_locked(gen, changed, what)
+
+    @staticmethod
+    def _storages(gen: Generation) -> list[tuple[int, int]]:
+        return [(r.offset, r.nbytes) for r in gen.manifest.storages]
+
+    @contextlib.contextmanager
+    def _no_room_as_not_found(self, gen: Generation) -> Iterator[None]:
+        """No room to make ``gen`` whole: :class:`CheckpointNotFound` for a generation
+        storage holds (a load reads it there), else :class:`BudgetExceeded` as it is."""
+        try:
+            yield
         except BudgetExceeded as e:
             if not gen.persisted:
                 raise
             raise CheckpointNotFound(f"{e}; it is read from storage") from e
+
+    def _refuse_locked(self, gen: Generation, changed: str, what: str) -> None:
+        gen.corrupt = f"{changed} (read back from a newer save's memory)"
+        self.metrics.corrupt.labels(tier=Tier.LOCAL).inc()
+        log.error("dropping %s: %s", what, gen.corrupt)
+        if not gen.removed:
+            self.retire_locked(gen)  # its header freed before its runs' record goes
+        raise CorruptCheckpoint(f"{what} is corrupt: {gen.corrupt}", tier=Tier.LOCAL)
+
+    def _whole_locked(self, gen: Generation) -> None:
+        """Copy back the pages of ``gen`` that lie in a newer save's segment, checked against
+        its digests (``sharing.py``). Pages changed there: the generation is dropped from
+        memory (its header freed before its runs' record goes: a restart never serves those
+        bytes) and :class:`CorruptCheckpoint` raised. No room: see
+        :meth:`_no_room_as_not_found`."""
+        segment = gen.segment
+        if not segment.runs:
+            return
+        what = f"{gen.path!r} generation {gen.number}"
+        with self._no_room_as_not_found(gen):
+            changed = self.arena.sharing.whole(
+                segment, self._storages(gen), gen.digests or [], what
+            )
         if changed:
-            gen.corrupt = f"{changed} (read back from a newer save's memory)"
-            self.metrics.corrupt.labels(tier=Tier.LOCAL).inc()
-            log.error("dropping %s: %s", what, gen.corrupt)
-            self.retire_locked(gen)
-            raise CorruptCheckpoint(f"{what} is corrupt: {gen.corrupt}", tier=Tier.LOCAL)
+            self._refuse_locked(gen, changed, what)
 
     def is_current(self, gen: Generation) -> bool:
         """Whether ``gen`` is still in the index (not retired meanwhile)."""

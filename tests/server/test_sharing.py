@@ -170,3 +170,28 @@ def test_a_freed_hollow_segment_without_room_to_refill_is_unlinked(arena):
     arena.limit = arena.used + MiB
     arena.release(x)
     assert x.name not in arena.segments and not os.path.exists(x.path)
+
+
+def test_a_copy_back_outside_the_lock_meets_another_reader_that_finished_first(arena):
+    """A load copies the pages back without the lock; another reader, under it, makes the
+    segment whole meanwhile: the load's end finds nothing left to do, and the bytes hold."""
+    x, y = filled(arena, PAYLOAD), filled(arena, PAYLOAD)
+    arena.sharing.punch(x, arena.sharing.share(x, storage_pages(STORAGE, 4 * MiB), y))
+    digests = [digest_bytes(PAYLOAD)]
+    runs = arena.sharing.begin_whole(x, "x")
+    assert y.readers == 1 and x.hollow == 0  # counted as in use before it is allocated
+    assert arena.sharing.whole(x, STORAGE, digests, "x") == ""
+    changed = arena.sharing.copy_whole(x, runs, STORAGE, digests, "x")
+    assert arena.sharing.end_whole(x, runs, changed) == ""
+    assert (x.runs, y.readers, y.dependents) == ([], 0, set())
+    assert bytes(x.mapping[HEADER_SIZE : HEADER_SIZE + len(PAYLOAD)]) == PAYLOAD
+
+
+def test_a_copy_back_that_failed_gives_the_pages_back_again(arena):
+    x, y = filled(arena, PAYLOAD), filled(arena, PAYLOAD)
+    arena.sharing.punch(x, arena.sharing.share(x, storage_pages(STORAGE, 4 * MiB), y))
+    used = arena.used
+    runs = arena.sharing.begin_whole(x, "x")
+    arena.sharing.end_whole(x, runs, None)  # as after ENOSPC in copy_whole
+    assert x.runs == runs and x.hollow == 3 * MiB and arena.used == used
+    assert resident(x) <= 1 * MiB and y.readers == 0

@@ -273,12 +273,20 @@ class Sharing:
         x.hollow += sum(e - s for s, e in ranges)
 
     def whole(self, x: Segment, storages: list[Range], digests: list[int], what: str) -> str:
-        """Make ``x`` whole again: its runs' bytes copied back from their backings, then
-        checked against the digests of the storages they lie in. Returns "" (its runs gone)
-        or what changed: then its runs stay recorded until the caller has retired the
-        generation (a crash in between must not leave those bytes committed).
-        :class:`BudgetExceeded` where the budget or tmpfs has no room for the pages (``x``
-        stays as it was)."""
+        """Make ``x`` whole again, all under the lock: :meth:`begin_whole`,
+        :meth:`copy_whole`, :meth:`end_whole`."""
+        runs = self.begin_whole(x, what)
+        changed: str | None = None
+        try:
+            changed = self.copy_whole(x, runs, storages, digests, what)
+        finally:
+            self.end_whole(x, runs, changed)
+        return changed
+
+    def begin_whole(self, x: Segment, what: str) -> list[Run]:
+        """Count ``x``'s runs as memory in use from now (before their pages are allocated,
+        so the budget holds meanwhile) and hold their backings; returns the runs.
+        :class:`BudgetExceeded` where there is no room (``x`` stays as it was)."""
         arena = self.arena
         arena.shrink_free(x.hollow)  # spares and freed segments go first
         if arena.used + x.hollow > arena.limit:
@@ -287,15 +295,39 @@ class Sharing:
                 f"a newer save's memory): {format_bytes(arena.used)} of "
                 f"{format_bytes(arena.limit)} in use"
             )
+        runs = list(x.runs)
+        self.hold(r.backing for r in runs)
+        x.hollow = 0
+        return runs
+
+    def copy_whole(
+        self, x: Segment, runs: list[Run], storages: list[Range], digests: list[int], what: str
+    ) -> str:
+        """Copy ``runs``' bytes back from their backings into ``x`` (their pages allocated
+        first) and check the storages they lie in against ``digests``; returns "" or what
+        changed. Needs no lock (the caller pins ``x``'s generation: the sharer punches none
+        of it meanwhile). :class:`BudgetExceeded` where tmpfs has no room (the pages given
+        back again by :meth:`end_whole`)."""
         try:
-            self._copy_back(x)
+            _copy_back(x, runs)
         except OSError as e:
-            punch(x, ranges_of(x.runs))  # what was allocated goes back: the count holds
             raise BudgetExceeded(
-                f"no room in {arena.directory} to make {what} whole again: {e.strerror}"
+                f"no room in {self.arena.directory} to make {what} whole again: {e.strerror}"
             ) from e
-        x.hollow = 0  # allocated again, counted again
-        changed = _changed(x, storages, digests, ranges_of(x.runs))
+        return _changed(x, storages, digests, ranges_of(runs))
+
+    def end_whole(self, x: Segment, runs: list[Run], changed: str | None) -> str:
+        """Finish :meth:`copy_whole` (``changed``; ``None``: it failed): the runs dropped
+        where the bytes are sound, else kept recorded until the caller retired the
+        generation (a crash in between must not leave those bytes committed); where it
+        failed, the pages given back again. Returns ``changed``."""
+        self.let_go(r.backing for r in runs)
+        if x.runs != runs:
+            return ""  # made whole (or dropped) by another reader meanwhile
+        if changed is None:
+            punch(x, ranges_of(runs))
+            x.hollow = sum(r.end - r.start for r in runs)
+            return ""
         if not changed:
             self._set_runs(x, [])
         return changed
@@ -358,24 +390,24 @@ class Sharing:
             b.orphan = False
             self.arena.release(b)
 
-    @staticmethod
-    def _copy_back(x: Segment) -> None:
-        fd = os.open(x.path, os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW)
-        try:
-            for run in x.runs:
-                os.posix_fallocate(fd, run.start, run.end - run.start)
-        finally:
-            os.close(fd)
-        dst = ctypes.c_char.from_buffer(x.mapping)
-        sources = {id(r.backing): ctypes.c_char.from_buffer(r.backing.mapping) for r in x.runs}
-        try:
-            at = ctypes.addressof(dst)
-            copy_runs([
-                (at + r.start, ctypes.addressof(sources[id(r.backing)]) + r.start, r.end - r.start)
-                for r in x.runs
-            ])  # fmt: skip
-        finally:
-            del dst, sources
+
+def _copy_back(x: Segment, runs: list[Run]) -> None:
+    fd = os.open(x.path, os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW)
+    try:
+        for run in runs:
+            os.posix_fallocate(fd, run.start, run.end - run.start)
+    finally:
+        os.close(fd)
+    dst = ctypes.c_char.from_buffer(x.mapping)
+    sources = {id(r.backing): ctypes.c_char.from_buffer(r.backing.mapping) for r in runs}
+    try:
+        at = ctypes.addressof(dst)
+        copy_runs([
+            (at + r.start, ctypes.addressof(sources[id(r.backing)]) + r.start, r.end - r.start)
+            for r in runs
+        ])  # fmt: skip
+    finally:
+        del dst, sources
 
 
 def allocate_holes(segment: Segment) -> None:

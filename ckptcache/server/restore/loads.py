@@ -159,6 +159,12 @@ class Loads:
         """Pin this node's copy for ``req``, unless it is older than the cluster's newest
         save (stamped ``floor``) with other content (raises :class:`_Older`)."""
         state = self.state
+        with state.lock.held():
+            held = state.index.get((req.namespace, req.path), req.generation) if (
+                req.generation is not None
+            ) else state.index.newest((req.namespace, req.path))  # fmt: skip
+        if held is not None and state.visible(session, held, True):
+            state.make_whole(held)  # pages shared with a newer save: copied back unlocked
         known: Generation | None = None  # found to hold the newest save's content
         for _ in range(2):
             with state.lock.held():
