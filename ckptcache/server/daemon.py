@@ -236,6 +236,7 @@ def build_core(config: DaemonConfig, metrics: Metrics | None = None) -> CacheCor
     retention.start()
     sharer = Sharer(state, enabled=config.share_pages)
     digester.on_record.append(sharer.nudge)
+    state.persist_states.on_settled.append(sharer.nudge)
     sharer.start()
     state.metrics.memory_limit.set(config.memory_limit)
     state.update_gauges()

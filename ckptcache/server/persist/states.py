@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Protocol
 
 from ckptcache.errors import CkptCacheError
@@ -152,6 +152,9 @@ class PersistStates:
         self._metrics = metrics
         #: Unlisted transitions met so far (under :attr:`strict`: raised, not applied).
         self.unlisted = 0
+        #: Called (under the state lock; it must not block) when a persist ends, here or on
+        #: a peer: the generation may give pages back now (``server/memory/sharer.py``).
+        self.on_settled: list[Callable[[], None]] = []
 
     def advance(
         self,
@@ -187,3 +190,6 @@ class PersistStates:
             gen.persisted = persisted
         if error is not None:
             gen.persist_error = error
+        if to != was and not (gen.needs_persist and not gen.persisted):
+            for hook in self.on_settled:
+                hook()
