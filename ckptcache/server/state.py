@@ -395,8 +395,10 @@ class CacheState:
                 )
         finally:
             with self.lock.held():
-                changed = sharing.end_whole(segment, runs, changed)
-                self.unpin_locked(gen)
+                try:
+                    changed = sharing.end_whole(segment, runs, changed)
+                finally:
+                    self.unpin_locked(gen)
                 if changed:
                     self._refuse_locked(gen, changed, what)
 

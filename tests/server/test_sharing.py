@@ -195,3 +195,19 @@ def test_a_copy_back_that_failed_gives_the_pages_back_again(arena):
     arena.sharing.end_whole(x, runs, None)  # as after ENOSPC in copy_whole
     assert x.runs == runs and x.hollow == 3 * MiB and arena.used == used
     assert resident(x) <= 1 * MiB and y.readers == 0
+
+
+def test_a_failed_copy_back_leaves_the_pages_another_copy_writes(arena):
+    """Two loads copy the pages back at once and the first fails (tmpfs full): it gives
+    nothing back, since the second copy writes those pages; the second finishes whole."""
+    x, y = filled(arena, PAYLOAD), filled(arena, PAYLOAD)
+    arena.sharing.punch(x, arena.sharing.share(x, storage_pages(STORAGE, 4 * MiB), y))
+    digests = [digest_bytes(PAYLOAD)]
+    first = arena.sharing.begin_whole(x, "x")
+    second = arena.sharing.begin_whole(x, "x")
+    changed = arena.sharing.copy_whole(x, second, STORAGE, digests, "x")
+    arena.sharing.end_whole(x, first, None)
+    assert x.copying == 1 and x.hollow == 0 and resident(x) >= 3 * MiB
+    assert arena.sharing.end_whole(x, second, changed) == ""
+    assert (x.runs, x.copying, x.hollow) == ([], 0, 0)
+    assert bytes(x.mapping[HEADER_SIZE : HEADER_SIZE + len(PAYLOAD)]) == PAYLOAD

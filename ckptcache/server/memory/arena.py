@@ -138,8 +138,11 @@ class Segment:
     #: Its generation left memory, but it still backs :attr:`dependents` (or is read by the
     #: sharer: :attr:`readers`).
     orphan: bool = False
-    #: The sharer reads this segment now, without the lock: it is not freed meanwhile.
+    #: The sharer, or a copy back into another segment, reads this segment now, without the
+    #: lock: it is neither freed nor hollowed meanwhile.
     readers: int = 0
+    #: Copies of its runs' bytes back into it in flight (``Sharing.begin_whole``).
+    copying: int = 0
 
     def stop_fill(self) -> None:
         """Stop the daemon's copy into this segment, if one runs, and wait until it has

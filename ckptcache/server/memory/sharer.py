@@ -179,9 +179,11 @@ class Sharer:
             return done
         finally:
             with state.lock.held():
-                state.arena.sharing.let_go(read)
-                state.unpin_locked(older)
-                state.unpin_locked(partner)
+                try:
+                    state.arena.sharing.let_go(read)
+                finally:
+                    state.unpin_locked(older)
+                    state.unpin_locked(partner)
 
     def _still(self, older: Generation, partner: Generation, runs: list) -> bool:
         """Nothing changed what the comparison found (under the lock): the older generation
@@ -189,6 +191,7 @@ class Sharer:
         return (
             not older.removed and not partner.removed and older.pins == 1
             and older.segment.runs == runs and not partner.segment.runs
+            and not older.segment.readers and not older.segment.copying
         )  # fmt: skip
 
     def _equal(self, x: Segment, runs: list, y: Segment, pages: list[Range]) -> list[Range] | None:
@@ -251,6 +254,7 @@ def _settled(gen: Generation) -> bool:
         gen.digests is not None and not gen.removed and not gen.pins and not gen.corrupt
         and not gen.staged_by and not (gen.needs_persist and not gen.persisted)
         and not segment.sealable and segment.fill is None
+        and not segment.readers and not segment.copying  # read or written without the lock
     )  # fmt: skip
 
 

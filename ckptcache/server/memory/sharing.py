@@ -56,6 +56,7 @@ class Segment(Protocol):
     hollow: int
     orphan: bool
     readers: int
+    copying: int
 
     @property
     def dependents(self) -> set[Any]:
@@ -298,6 +299,7 @@ class Sharing:
         runs = list(x.runs)
         self.hold(r.backing for r in runs)
         x.hollow = 0
+        x.copying += 1
         return runs
 
     def copy_whole(
@@ -321,12 +323,14 @@ class Sharing:
         where the bytes are sound, else kept recorded until the caller retired the
         generation (a crash in between must not leave those bytes committed); where it
         failed, the pages given back again. Returns ``changed``."""
+        x.copying -= 1
         self.let_go(r.backing for r in runs)
         if x.runs != runs:
             return ""  # made whole (or dropped) by another reader meanwhile
         if changed is None:
-            punch(x, ranges_of(runs))
-            x.hollow = sum(r.end - r.start for r in runs)
+            if not x.copying:  # (another copy in flight writes these pages: they stay)
+                punch(x, ranges_of(runs))
+                x.hollow = sum(r.end - r.start for r in runs)
             return ""
         if not changed:
             self._set_runs(x, [])

@@ -163,8 +163,14 @@ class Loads:
             held = state.index.get((req.namespace, req.path), req.generation) if (
                 req.generation is not None
             ) else state.index.newest((req.namespace, req.path))  # fmt: skip
-        if held is not None and state.visible(session, held, True):
-            state.make_whole(held)  # pages shared with a newer save: copied back unlocked
+        # Pages shared with a newer save, copied back without the lock: only for a copy that
+        # will be served (not one older than the cluster's newest save).
+        if (
+            held is not None
+            and state.visible(session, held, True)
+            and (req.generation is not None or held.committed_ns >= floor)
+        ):
+            state.make_whole(held)
         known: Generation | None = None  # found to hold the newest save's content
         for _ in range(2):
             with state.lock.held():
