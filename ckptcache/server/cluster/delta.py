@@ -33,7 +33,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from ckptcache.errors import CorruptCheckpoint
+from ckptcache.errors import CkptCacheError, CorruptCheckpoint
 from ckptcache.format.digest import digest_bytes, digest_hex
 from ckptcache.format.fastcopy import copy_runs
 from ckptcache.format.layout import HEADER_SIZE
@@ -121,17 +121,24 @@ def find_held(
         return None
     daemon_uid = state.arena.uid
     want = daemon_uid if uid < 0 else uid
-    with state.lock.held():  # pinned, then matched without the lock
-        sources = sorted(
+    with state.lock.held():
+        candidates = sorted(
             (g for g in state.index
              if g.namespace == namespace and g.digests is not None and not g.corrupt
-             and not g.removed and _uid(g, daemon_uid) == want
-             # pages in a newer save's memory: that newer save is a source itself
-             and not g.segment.runs),
+             and not g.removed and _uid(g, daemon_uid) == want),
             key=lambda g: -g.committed_ns,
         )[:SOURCES]  # fmt: skip
-        for gen in sources:
-            state.pin_locked(gen)
+    for gen in candidates:  # pages in a newer save's memory: copied back without the lock
+        with contextlib.suppress(CkptCacheError):
+            state.make_whole(gen)
+    sources = []
+    with state.lock.held():  # pinned, then matched without the lock
+        for gen in candidates:
+            try:
+                state.pin_locked(gen)
+            except CkptCacheError:  # gone, or its pages could not be read back
+                continue
+            sources.append(gen)
     used: set[int] = set()
     try:
         picks = _match(sources, storages, digests)
