@@ -15,15 +15,18 @@ segment. Rules that keep every byte:
 * **A backing page is always resident**: a run never points at a hole. When a backing segment
   is itself hollowed, the runs of the segments it backs move to the new backing first.
 * **A segment backing others is never freed**: once its generation leaves memory it stays as
-  a backing only (:attr:`Segment.orphan`, counted in the budget) until its last dependent goes.
+  a backing only (:attr:`Segment.orphan`, counted in the budget) until its last dependent goes;
+  so does one read without the lock (``readers``: the sharer's comparison, a copy back).
 * **Nothing reads a hole**: every reader of a generation pins it first, and a pin makes it
-  whole (:meth:`Sharing.whole_locked`, from ``CacheState.pin_locked``). A freed segment with
-  holes is never handed out before they are allocated again (``Arena.take_free``).
+  whole (:meth:`Sharing.whole`, from ``CacheState.pin_locked``; a load copies back before,
+  outside the lock: ``CacheState.make_whole``). A freed segment with holes is neither handed
+  out nor made a spare before they are allocated again (``Arena.take_free``, the pool).
 * **A restart rebuilds the sharing**: each hollow segment's runs are written to
   ``<segments>/.shared/<name>`` before its pages are punched, and the file goes once they are
   filled again; :func:`ckptcache.server.reindex.recover` reads them back.
 
-Every method runs under the state lock, except the file reads of :meth:`SharedRecords.load`.
+Every method runs under the state lock, except :meth:`Sharing.copy_whole` (its segment's
+generation pinned) and :func:`allocate_holes` (a freed segment the refill holds).
 """
 
 from __future__ import annotations
