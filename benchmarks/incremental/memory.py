@@ -66,49 +66,50 @@ def run(state_name: str, one_path: bool, share: bool, args: argparse.Namespace) 
     )  # fmt: skip
     first = make(0)
     size = sum(t.untyped_storage().nbytes() for t in _tensors(first))
-    root = tempfile.mkdtemp(prefix="ckptcache-mem-", dir=args.root)
-    config = Path(root) / "daemon.yaml"
-    config.write_text(f"share_pages: {'true' if share else 'false'}\n")
-    limit = -(-(args.saves + 2) * size // GiB)
-    port = free_port()
-    with running_daemon(
-        "--memory-limit", f"{limit}GiB", "--persist-root", root, "--config", str(config),
-        "--metrics-port", str(port), "--pool-bytes", "0",
-    ) as d:  # fmt: skip
-        Path(d.socket).with_name("metrics.port").write_text(str(port))
-        cpu0 = _cpu(d.proc.pid)
-        saved: dict[str, dict] = {}
-        with ckptcache.Client(d.socket) as client:
-            state = first
-            for i in range(args.saves):
-                if i:
-                    state = make(i)
-                step = "latest" if one_path else f"iter_{i:07d}"
-                path = os.path.join(root, step, "model.pt")
-                client.save(state, path)
-                client.wait(path, timeout=600)
-                saved[path] = state
-            if one_path:  # the newest and the generation before it, still in memory
-                saved = {path: state}
-            last, steady = -1.0, time.monotonic()
-            while time.monotonic() - steady < 2.0:
-                time.sleep(0.2)
-                now = _metric(d.socket, "ckptcache_memory_shared_bytes")
-                busy = client.daemon_status().digest_queue
-                if now != last or busy:
-                    last, steady = now, time.monotonic()
-            cpu = _cpu(d.proc.pid) - cpu0
-            held = _allocated(d.shm_dir)
-            used = client.daemon_status().memory_used
-            paths = list(saved)
-            loads = {}
-            for which, path in (("oldest", paths[0]), ("newest", paths[-1])):
-                t0 = time.perf_counter()
-                got = client.load(path, mmap=False)
-                loads[which] = time.perf_counter() - t0
-                for a, b in zip(_tensors(got), _tensors(saved[path]), strict=True):
-                    if not torch.equal(a, b):
-                        raise SystemExit(f"{path}: a tensor differs from the state saved")
+    # The persisted checkpoints (GiBs of disk) go with the directory.
+    with tempfile.TemporaryDirectory(prefix="ckptcache-mem-", dir=args.root) as root:
+        config = Path(root) / "daemon.yaml"
+        config.write_text(f"share_pages: {'true' if share else 'false'}\n")
+        limit = -(-(args.saves + 2) * size // GiB)
+        port = free_port()
+        with running_daemon(
+            "--memory-limit", f"{limit}GiB", "--persist-root", root, "--config", str(config),
+            "--metrics-port", str(port), "--pool-bytes", "0",
+        ) as d:  # fmt: skip
+            Path(d.socket).with_name("metrics.port").write_text(str(port))
+            cpu0 = _cpu(d.proc.pid)
+            saved: dict[str, dict] = {}
+            with ckptcache.Client(d.socket) as client:
+                state = first
+                for i in range(args.saves):
+                    if i:
+                        state = make(i)
+                    step = "latest" if one_path else f"iter_{i:07d}"
+                    path = os.path.join(root, step, "model.pt")
+                    client.save(state, path)
+                    client.wait(path, timeout=600)
+                    saved[path] = state
+                if one_path:  # the newest and the generation before it, still in memory
+                    saved = {path: state}
+                last, steady = -1.0, time.monotonic()
+                while time.monotonic() - steady < 2.0:
+                    time.sleep(0.2)
+                    now = _metric(d.socket, "ckptcache_memory_shared_bytes")
+                    busy = client.daemon_status().digest_queue
+                    if now != last or busy:
+                        last, steady = now, time.monotonic()
+                cpu = _cpu(d.proc.pid) - cpu0
+                held = _allocated(d.shm_dir)
+                used = client.daemon_status().memory_used
+                paths = list(saved)
+                loads = {}
+                for which, path in (("oldest", paths[0]), ("newest", paths[-1])):
+                    t0 = time.perf_counter()
+                    got = client.load(path, mmap=False)
+                    loads[which] = time.perf_counter() - t0
+                    for a, b in zip(_tensors(got), _tensors(saved[path]), strict=True):
+                        if not torch.equal(a, b):
+                            raise SystemExit(f"{path}: a tensor differs from the state saved")
     return {
         "size": size, "held": held, "used": used, "shared": last, "cpu": cpu,
         "cpu_per_gib": cpu / (args.saves * size / GiB), "loads": loads,
