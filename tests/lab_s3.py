@@ -96,9 +96,10 @@ _PRECONDITION = (
 
 
 def patch_moto() -> None:
-    """Serve ranged GETs and ranged part copies by seek and read, and refuse a part copy whose
-    ``x-amz-copy-source-if-match`` names another ETag, as S3 does (idempotent; see the
-    module's docstring)."""
+    """Serve ranged GETs and ranged part copies by seek and read, refuse a part copy whose
+    ``x-amz-copy-source-if-match`` names another ETag, and check a multipart completion's
+    condition (``If-Match`` too) in one step with the completion, as S3 does (idempotent;
+    see the module's docstring)."""
     from moto.s3.models import FakeKey
     from moto.s3.models import S3Backend as Models
     from moto.s3.responses import S3Response
@@ -150,7 +151,25 @@ def patch_moto() -> None:
                 return 412, {"content-type": "application/xml"}, _PRECONDITION
         return copy_response(self)
 
+    post = S3Response._key_response_post
+    completing = threading.Lock()
+
+    def atomic_conditional_post(
+        self: Any, request: Any, body: bytes, bucket_name: str, query: dict[str, Any],
+        key_name: str,
+    ) -> Any:  # fmt: skip
+        # S3 checks a completion's condition and completes in one step; moto checks and then
+        # completes unlocked (two completions can both pass), and ignores If-Match there.
+        with completing:
+            want = self.headers.get("If-Match")
+            if want and query.get("uploadId"):
+                found = self.backend.get_object(bucket_name, key_name)
+                if found is None or found.etag.strip('"') != want.strip('"'):
+                    return 412, {"content-type": "application/xml"}, _PRECONDITION
+            return post(self, request, body, bucket_name, query, key_name)
+
     FakeKey.value = property(value, whole.fset)  # type: ignore[method-assign]
+    S3Response._key_response_post = atomic_conditional_post  # type: ignore[method-assign]
     Models.upload_part_copy = ranged_copy_part  # type: ignore[method-assign]
     S3Response.upload_part_copy = conditional_copy_response  # type: ignore[method-assign]
     S3Response.get_object = ranged_get_object  # type: ignore[method-assign]
