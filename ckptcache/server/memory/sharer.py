@@ -62,6 +62,8 @@ class Sharer:
         #: last compared: compared again only once one of them changed (a load that made it
         #: whole, a newer partner).
         self._compared: dict[str, tuple[str, int, int]] = {}
+        #: (segment name, generation) -> hash of its layout (see :meth:`_layout_key`).
+        self._layouts: dict[tuple[str, int], int] = {}
         self._thread = threading.Thread(target=self._loop, name="sharer", daemon=True)
 
     def start(self) -> None:
@@ -103,37 +105,45 @@ class Sharer:
     # ----------------------------------------------------------------- choosing
 
     def _pairs(self) -> list[tuple[Generation, Generation]]:
+        """Each settled older generation and its partner: the newest generation of its path,
+        else the newest save of the same layout (and owner) that can back pages. One pass
+        over the index under the lock, each layout hashed once per generation (a mixture of
+        experts' file lists tens of thousands of storages)."""
         state = self.state
         with state.lock.held():
             names = set(state.arena.segments)
             self._compared = {k: v for k, v in self._compared.items() if k in names}
+            self._layouts = {k: v for k, v in self._layouts.items() if k[0] in names}
+            newest: dict[tuple[int, int], Generation] = {}
+            for gen in state.index:
+                if _may_back(gen):
+                    key = self._layout_key(gen)
+                    best = newest.get(key)
+                    if best is None or gen.committed_ns > best.committed_ns:
+                        newest[key] = gen
             pairs = []
             for gen in state.index:
                 if not _settled(gen):
                     continue
-                partner = self._partner(gen)
-                if partner is None:
-                    continue
-                if self._compared.get(gen.segment.name) == _mark(gen, partner):
-                    continue
-                pairs.append((gen, partner))
+                partner = state.index.newest(gen.key)
+                if partner is None or not _can_back(partner, gen):
+                    partner = newest.get(self._layout_key(gen))
+                    if partner is None or not _can_back(partner, gen):
+                        continue
+                if self._compared.get(gen.segment.name) != _mark(gen, partner):
+                    pairs.append((gen, partner))
             return pairs
 
-    def _partner(self, gen: Generation) -> Generation | None:
-        """The newest generation of ``gen``'s path, else the newest later save of the same
-        layout; one that can back pages (see :func:`_can_back`)."""
-        index = self.state.index
-        newest = index.newest(gen.key)
-        if newest is not None and newest is not gen and _can_back(newest, gen):
-            return newest
-        layout = _layout(gen)
-        best: Generation | None = None
-        for other in index:
-            if other.committed_ns <= (best.committed_ns if best else gen.committed_ns):
-                continue
-            if _can_back(other, gen) and _layout(other) == layout:
-                best = other
-        return best
+    def _layout_key(self, gen: Generation) -> tuple[int, int]:
+        """(owner, hash of where its storages lie): equal for saves of one layout. A hash
+        that collides only costs a comparison that finds little equal."""
+        key = (gen.segment.name, gen.number)
+        layout = self._layouts.get(key)
+        if layout is None:
+            layout = self._layouts[key] = hash(
+                tuple((r.offset, r.nbytes) for r in gen.manifest.storages)
+            )
+        return gen.segment.owner, layout
 
     # ----------------------------------------------------------------- comparing
 
@@ -258,17 +268,20 @@ def _settled(gen: Generation) -> bool:
     )  # fmt: skip
 
 
-def _can_back(partner: Generation, gen: Generation) -> bool:
-    """Whether ``partner`` may hold pages of ``gen``: newer, sound, digested, whole, of the
-    same owner."""
+def _may_back(partner: Generation) -> bool:
+    """Whether ``partner`` may hold pages of older generations: sound, digested, whole."""
     segment = partner.segment
     return (
-        partner is not gen and partner.committed_ns > gen.committed_ns
-        and partner.digests is not None and not partner.removed and not partner.corrupt
+        partner.digests is not None and not partner.removed and not partner.corrupt
         and not partner.staged_by and not segment.runs and not segment.sealable
-        and segment.owner == gen.segment.owner
     )  # fmt: skip
 
 
-def _layout(gen: Generation) -> list[tuple[int, int]]:
-    return [(r.offset, r.nbytes) for r in gen.manifest.storages]
+def _can_back(partner: Generation, gen: Generation) -> bool:
+    """Whether ``partner`` may hold pages of ``gen``: :func:`_may_back`, newer, of the same
+    owner."""
+    return (
+        _may_back(partner) and partner is not gen
+        and partner.committed_ns > gen.committed_ns
+        and partner.segment.owner == gen.segment.owner
+    )  # fmt: skip
