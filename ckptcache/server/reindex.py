@@ -47,7 +47,7 @@ def recover(
     """Rebuild the index from committed segments; reclaim everything else."""
     arena = state.arena
     shared = arena.sharing.records.load()
-    backings = {name for runs in shared.values() for _, _, name in runs}
+    backings = {name for runs in shared.values() for _, _, name in runs or ()}
     orphans: list[Segment] = []
     for segment, header in arena.scan():
         page = records.page(segment) if segment.sealable else None
@@ -131,22 +131,32 @@ def recover(
 
 
 def _rebuild_sharing(
-    state: CacheState, shared: dict[str, list[tuple[int, int, str]]], orphans: list[Segment]
+    state: CacheState,
+    shared: dict[str, list[tuple[int, int, str]] | None],
+    orphans: list[Segment],
 ) -> None:
-    """Give each recovered hollow generation its runs again; one whose backing is gone (or
-    holds a hole where it should back) cannot be made whole, and is dropped."""
+    """Give each recovered hollow generation its runs again; one whose record is unreadable,
+    or whose backing is gone (or holds a hole where it should back), cannot be made whole,
+    and is dropped."""
     arena = state.arena
     held = {gen.segment.name: gen for gen in state.index}
-    holes = {name: [(lo, hi) for lo, hi, _ in runs] for name, runs in shared.items()}
+    holes = {name: [(lo, hi) for lo, hi, _ in runs or ()] for name, runs in shared.items()}
+    unknown = {name for name, runs in shared.items() if runs is None}  # holes anywhere
     unsound = []
     for name, runs in shared.items():
         gen = held.get(name)
         if gen is None:
             arena.sharing.records.drop_name(name)
             continue
-        if gen.digests is None or not all(
-            b in arena.segments and not intersect([(lo, hi)], holes.get(b, []))
-            for lo, hi, b in runs
+        if (
+            runs is None
+            or gen.digests is None
+            or not all(
+                b in arena.segments
+                and b not in unknown
+                and not intersect([(lo, hi)], holes.get(b, []))
+                for lo, hi, b in runs
+            )
         ):
             unsound.append(gen)
             continue
@@ -155,8 +165,8 @@ def _rebuild_sharing(
                  format_bytes(gen.segment.hollow))  # fmt: skip
     # Once every sound one holds its runs: a dropped one that backs them stays, an orphan.
     for gen in unsound:
-        log.error("dropping %s generation %d: the memory holding part of its pages is gone",
-                  gen.path, gen.number)  # fmt: skip
+        log.error("dropping %s generation %d: part of its pages lay in memory that is gone, "
+                  "or its record of where is unreadable", gen.path, gen.number)  # fmt: skip
         with state.lock.held():
             state.retire_locked(gen)  # its header freed before its record goes
         arena.sharing.records.drop_name(gen.segment.name)

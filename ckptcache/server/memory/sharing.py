@@ -195,9 +195,10 @@ class SharedRecords:
         except FileNotFoundError:
             pass
 
-    def load(self) -> dict[str, list[tuple[int, int, str]]]:
-        """Every recorded hollow segment's runs by segment name (unreadable files dropped)."""
-        out: dict[str, list[tuple[int, int, str]]] = {}
+    def load(self) -> dict[str, list[tuple[int, int, str]] | None]:
+        """Every recorded hollow segment's runs by segment name; ``None`` where the record
+        is unreadable (the segment's holes are then unknown: it must not be served)."""
+        out: dict[str, list[tuple[int, int, str]] | None] = {}
         for name in os.listdir(self.directory):
             path = os.path.join(self.directory, name)
             if name.endswith(".tmp"):
@@ -208,8 +209,8 @@ class SharedRecords:
                     runs = json.loads(f.read())
                 out[name] = [(int(a), int(b), str(c)) for a, b, c in runs]
             except (OSError, ValueError, TypeError) as e:
-                log.error("dropping unreadable record of shared pages %s: %s", name, e)
-                os.unlink(path)
+                log.error("unreadable record of shared pages %s: %s", name, e)
+                out[name] = None
         return out
 
 

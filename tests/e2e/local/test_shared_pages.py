@@ -83,13 +83,19 @@ def test_a_restart_rebuilds_the_sharing(persisting, tmp_path):
             assert equal(trainer.load(path, mmap=False, verify=True), held)
 
 
-def test_an_older_checkpoint_outlives_the_newer_one_holding_its_pages(persisting, tmp_path):
+def two_steps_shared(d, client, root) -> tuple[dict, dict[str, dict], str, str]:
+    """Two step checkpoints saved and persisted, the older one's base read from the newer's
+    memory: (the live state, what each held, older path, newer path)."""
     state = lora()
-    base = base_bytes(state)
+    saved = save_steps(client, state, root, 2)
+    wait_until(lambda: shared(d) >= base_bytes(state), 60, "the base shared")
+    older, newer = list(saved)
+    return state, saved, older, newer
+
+
+def test_an_older_checkpoint_outlives_the_newer_one_holding_its_pages(persisting, tmp_path):
     with persisting.client() as trainer:
-        saved = save_steps(trainer, state, tmp_path, 2)
-        older, newer = list(saved)
-        wait_until(lambda: shared(persisting) >= base, 60, "the base shared")
+        _, saved, older, newer = two_steps_shared(persisting, trainer, tmp_path)
         assert trainer.delete(newer) == 1
         os.remove(newer)  # its memory and its file gone: only the older save's bytes remain
         assert equal(trainer.load(older, mmap=False, verify=True), saved[older])
@@ -103,12 +109,8 @@ def test_pages_read_back_from_a_changed_newer_save_are_refused(persisting, tmp_p
     """A write into the newer save's committed segment (its pages back the older save's):
     the older save, made whole from them, fails its digests, is dropped from memory and never
     served from it; the next load reads its persisted file."""
-    state = lora()
-    base = base_bytes(state)
     with persisting.client() as trainer:
-        saved = save_steps(trainer, state, tmp_path, 2)
-        older, newer = list(saved)
-        wait_until(lambda: shared(persisting) >= base, 60, "the base shared")
+        state, saved, older, newer = two_steps_shared(persisting, trainer, tmp_path)
         segment = os.path.join(persisting.segments_dir, trainer.status(newer).segment)
         needle = state["base"]["layer1"][1000:1016].numpy().tobytes()
         with open(segment, "r+b") as f:
@@ -122,6 +124,27 @@ def test_pages_read_back_from_a_changed_newer_save_are_refused(persisting, tmp_p
         assert equal(trainer.load(older, mmap=False), saved[older])  # its persisted file
     assert metric(persisting, 'ckptcache_corrupt_total{tier="local"}') >= 1
     assert equal(torch.load(older, weights_only=True), saved[older])
+
+
+def test_an_unreadable_record_of_shared_pages_drops_the_checkpoint_at_restart(persisting, tmp_path):
+    """After a kill -9, the record of where the older checkpoint's pages lie is garbage: the
+    restarted daemon cannot make it whole, so it drops it rather than serve its holes; the
+    load reads its persisted file, and the newer checkpoint is served from memory."""
+    with persisting.client() as trainer:
+        _, saved, older, newer = two_steps_shared(persisting, trainer, tmp_path)
+    shared_dir = os.path.join(persisting.segments_dir, ".shared")
+    (record,) = os.listdir(shared_dir)
+    persisting.kill()
+    with open(os.path.join(shared_dir, record), "wb") as f:
+        f.write(b"\x00not json")
+    persisting.restart()
+    assert "or its record of where is unreadable" in persisting.log()
+    with persisting.client() as trainer:
+        assert "local" not in trainer.status(older).stages  # not in memory: never served
+        assert equal(trainer.load(older, mmap=False, verify=True), saved[older])
+        assert equal(trainer.load(newer, mmap=False, verify=True), saved[newer])
+        assert trainer.status(newer).last_load_tier == "local"
+    assert os.listdir(shared_dir) == []
 
 
 def test_one_path_saved_again_and_again_shares_and_still_skips_the_base(persisting, tmp_path):
