@@ -42,6 +42,7 @@ from ckptcache.server.cluster.replication import Replication
 from ckptcache.server.cluster.stripes import auto_streams
 from ckptcache.server.cluster.truth import Truth
 from ckptcache.server.persist.roots import PersistRoots
+from ckptcache.server.persist.states import PersistState
 from ckptcache.server.restore import remote_load
 from ckptcache.server.restore.fetching import Fetching
 from ckptcache.server.restore.storage_read import StorageReader
@@ -173,9 +174,11 @@ class Cluster:
         threading.Thread(target=self.storage.warm, name="storage-warm", daemon=True).start()
         if self.server is not None:  # peers are dialled over the data plane: none without
             self.clocks.start()
-        # Recovered after a restart: announce and re-protect them.
+        # Recovered after a restart: announce them, and re-protect those not on storage yet.
+        # A persisted one is safe already; pushing it again (its origin, if it was a backup
+        # copy, is not recorded) would send what the peers hold and read every page of it.
         for gen in self.state.generations():
-            self.replication.protect(gen)
+            self.replication.protect(gen, announce_only=gen.persist_state == PersistState.PERSISTED)
         node = self.membership.node
         log.info("joined cluster %s as %s (data plane %s)", self.config.cluster,
                  node.node_id, node.data_addr or "off")  # fmt: skip

@@ -60,7 +60,8 @@ class Replication:
     receive: Callable[[Incoming], Generation]
 
     def __post_init__(self) -> None:
-        self._work: queue.Queue[Generation | None] = queue.Queue()
+        #: (generation, announce only) to protect in the background; None stops the worker.
+        self._work: queue.Queue[tuple[Generation, bool] | None] = queue.Queue()
         self._sinks = Sinks()  # striped pushes being received here
 
     def start(self) -> None:
@@ -71,10 +72,10 @@ class Replication:
         """Stop the worker."""
         self._work.put(None)
 
-    def protect(self, gen: Generation) -> None:
-        """Announce ``gen`` and (for this node's own saves) bring it up to count, in the
-        background."""
-        self._work.put(gen)
+    def protect(self, gen: Generation, *, announce_only: bool = False) -> None:
+        """Announce ``gen`` and (for this node's own saves, unless ``announce_only``) bring it
+        up to count, in the background."""
+        self._work.put((gen, announce_only))
 
     def on_commit(self, gen: Generation, durability: str) -> None:
         """A generation was committed here: protect it (synchronously for durability
@@ -86,7 +87,7 @@ class Replication:
                     "auto (or a list) and a shared --coordinator"
                 )
             self.replicate(gen)
-        self._work.put(gen)
+        self._work.put((gen, False))
 
     def replicate(self, gen: Generation) -> None:
         """Bring ``gen`` up to the configured number of backup copies (raises when none can be
@@ -243,7 +244,7 @@ class Replication:
             send_msg(conn, peer.refusal(e))
             raise ConnectionError(f"push refused: {e}") from e
         send_msg(conn, peer.encode(peer.Pushed(gen.number)))
-        self._work.put(gen)
+        self._work.put((gen, False))
 
     def _announce_before_ack(self, gen: Generation) -> None:
         """Register this node as a holder of ``gen`` before the push is acknowledged.
@@ -260,7 +261,7 @@ class Replication:
         try:
             self.membership.announce(gen)
         except CoordinatorUnavailable as e:
-            self._work.put(gen)
+            self._work.put((gen, False))
             raise ReplicationError(
                 f"copy of {gen.path!r} kept on {self.membership.node.node_id} but not "
                 f"announced, so no node could find it: {e}"
@@ -283,14 +284,15 @@ class Replication:
 
     def _worker(self) -> None:
         while True:
-            gen = self._work.get()
-            if gen is None:
+            work = self._work.get()
+            if work is None:
                 return
+            gen, announce_only = work
             if not self.state.is_current(gen):
                 continue
             try:
                 self.membership.announce(gen)
-                if not gen.origin and self.config.backup != "none":
+                if not (gen.origin or announce_only) and self.config.backup != "none":
                     self.replicate(gen)
             except (CkptCacheError, OSError) as e:
                 log.warning("could not protect %s generation %d: %s", gen.path, gen.number, e)
@@ -307,4 +309,4 @@ class Replication:
                             ",".join(sorted(gen.replicas - live)))  # fmt: skip
                 gen.replicas &= live
         for gen in lost:
-            self._work.put(gen)
+            self._work.put((gen, False))
