@@ -7,12 +7,11 @@ backing page gave it."""
 from __future__ import annotations
 
 import copy
-import os
 import shutil
 
 import torch
 
-from tests.e2e.local.test_shared_pages import base_bytes, shared
+from tests.e2e.local.test_shared_pages import base_bytes, shared, zero_base_bytes
 from tests.e2e.local.test_skip_unchanged import equal, lora, step
 from tests.helpers import metric, wait_until
 
@@ -100,12 +99,7 @@ def test_a_changed_backing_page_on_the_backup_node_is_never_served(cluster_facto
     a, b, state, saved = _hollow_backup(cluster_factory, tmp_path)
     *older, newest = saved
     with b.client() as cb:
-        segment = os.path.join(b.segments_dir, cb.status(newest).segment)
-    needle = state["base"]["layer1"][100_000:100_016].numpy().tobytes()
-    with open(segment, "r+b") as f:
-        at = f.read().index(needle)
-        f.seek(at)
-        f.write(bytes(len(needle)))
+        zero_base_bytes(b, cb, newest, state, at=100_000)
     _lose(a)
     with a.client() as c:
         for path in older:

@@ -86,6 +86,16 @@ def test_a_restart_rebuilds_the_sharing(persisting, tmp_path):
             assert equal(trainer.load(path, mmap=False, verify=True), held)
 
 
+def zero_base_bytes(d, client, path: str, state: dict, at: int) -> None:
+    """Zero 64 bytes of the frozen base (``layer1`` from element ``at``) in the segment
+    holding ``path`` on daemon ``d``: a write into committed memory."""
+    segment = os.path.join(d.segments_dir, client.status(path).segment)
+    needle = state["base"]["layer1"][at : at + 16].numpy().tobytes()
+    with open(segment, "r+b") as f:
+        f.seek(f.read().index(needle))
+        f.write(bytes(len(needle)))
+
+
 def two_steps_shared(d, client, root) -> tuple[dict, dict[str, dict], str, str]:
     """Two step checkpoints saved and persisted, the older one's base read from the newer's
     memory: (the live state, what each held, older path, newer path)."""
@@ -114,12 +124,7 @@ def test_pages_read_back_from_a_changed_newer_save_are_refused(persisting, tmp_p
     served from it; the next load reads its persisted file."""
     with persisting.client() as trainer:
         state, saved, older, newer = two_steps_shared(persisting, trainer, tmp_path)
-        segment = os.path.join(persisting.segments_dir, trainer.status(newer).segment)
-        needle = state["base"]["layer1"][1000:1016].numpy().tobytes()
-        with open(segment, "r+b") as f:
-            at = f.read().index(needle)
-            f.seek(at)
-            f.write(bytes(len(needle)))
+        zero_base_bytes(persisting, trainer, newer, state, at=1000)
         with pytest.raises(CorruptCheckpoint, match="read back from a newer save's memory"):
             trainer.load(older, mmap=False)
         with pytest.raises(CheckpointNotFound):  # dropped from memory already
