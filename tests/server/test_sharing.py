@@ -5,6 +5,7 @@ hollowed, and that a changed backing is found."""
 
 from __future__ import annotations
 
+import errno
 import mmap
 import os
 import shutil
@@ -12,15 +13,18 @@ import uuid
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 from ckptcache.errors import BudgetExceeded
 from ckptcache.format.digest import digest_bytes
 from ckptcache.format.layout import HEADER_SIZE
 from ckptcache.server.lock import StateLock
+from ckptcache.server.memory import sharer, sharing
 from ckptcache.server.memory.arena import Arena
 from ckptcache.server.memory.pool import SegmentPool
 from ckptcache.server.memory.refill import within_payload
 from ckptcache.server.memory.sharing import intersect, storage_pages, subtract
+from tests.server.conftest import NS, digested, save_object
 
 MiB = 1 << 20
 PAGE = mmap.PAGESIZE
@@ -211,3 +215,42 @@ def test_a_failed_copy_back_leaves_the_pages_another_copy_writes(arena):
     assert arena.sharing.end_whole(x, second, changed) == ""
     assert (x.runs, x.copying, x.hollow) == ([], 0, 0)
     assert bytes(x.mapping[HEADER_SIZE : HEADER_SIZE + len(PAYLOAD)]) == PAYLOAD
+
+
+def test_a_copy_back_failing_between_two_punch_steps_is_counted_once(make_core, monkeypatch):
+    """A reader's copy back runs out of tmpfs after the sharer punched its first step: the
+    failed copy gives every run's pages back and counts them; the sharer then punches no
+    more, so what the budget counts as given back is what the runs cover, once."""
+    core = make_core(memory_limit=256 * MiB, pool_bytes=0, share_pages=False)
+    value = torch.randn(4 * MiB)  # 16 MiB, equal in both saves
+    session = core.saves.open_session(1, os.getuid())
+    gens = []
+    for step in (1, 2):
+        path = f"/ckpt/iter_{step}/model.pt"
+        save_object(core, session, path, value)
+        gens.append(core.state.index.newest((NS, path)))
+        digested(gens[-1])
+    older = gens[0]
+    monkeypatch.setattr(sharer, "_STEP", 4 * MiB)
+    punch = sharing.Sharing.punch
+    failed = []
+
+    def punch_then_a_reader_without_room(x, ranges):
+        punch(x, ranges)
+        if not failed:
+            with monkeypatch.context() as m:
+                m.setattr(sharing, "_copy_back", raise_enospc)
+                with pytest.raises(BudgetExceeded, match="no room"):
+                    core.state.pin(older)
+            failed.append(x.hollow)
+
+    monkeypatch.setattr(sharing.Sharing, "punch", staticmethod(punch_then_a_reader_without_room))
+    core.sharer.run_once()
+    covered = sum(end - start for start, end in sharing.ranges_of(older.segment.runs))
+    assert covered >= 12 * MiB and failed == [covered]  # every run given back by the failure
+    assert older.segment.hollow == covered and older.pins == 0
+    assert resident(older.segment) <= older.segment.capacity - covered
+
+
+def raise_enospc(*_args: object) -> None:
+    raise OSError(errno.ENOSPC, "No space left on device")

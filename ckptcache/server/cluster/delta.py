@@ -17,11 +17,13 @@ Why no stale or foreign byte can be committed this way:
   copied here is hashed where it landed (:func:`place`), and one received is hashed as its
   records are authenticated. A source that changed, a wrong match or a sender whose table
   differs from its offer fails the transfer and nothing is committed (a push is then sent
-  again whole).
+  again whole). A source found changed here is this node's fault, not the sender's
+  (:class:`HeldCorrupt`): it is dropped from memory, and a fetch is then taken again whole.
 * **Sources are the user's own.** Only generations of the same namespace saved by the same
   user (uid) are looked at, so a crafted digest collision can only copy that user's own bytes.
 * **A source cannot go while it is read.** Each source generation is pinned from the match to
-  the end of the fill; one retired meanwhile keeps its segment until then.
+  the end of the fill; one retired meanwhile keeps its segment until then. Only the sources
+  used are pinned (a pin copies back the pages a source shares with a newer save).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from __future__ import annotations
 import bisect
 import contextlib
 import ctypes
+import logging
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -50,12 +53,15 @@ __all__ = [
     "MIN_STORAGE",
     "SOURCES",
     "Held",
+    "HeldCorrupt",
     "Within",
     "batches",
     "find_held",
     "gaps",
     "place",
 ]
+
+log = logging.getLogger(__name__)
 
 #: Storages smaller than this are always sent: a match saves less than it costs to find.
 MIN_STORAGE = 64 << 10
@@ -67,6 +73,11 @@ SOURCES = 8
 #: ``GATHER`` bytes: between two held storages often lie only the archive's few bytes of
 #: metadata, and a record per such range would cost more than its bytes.
 GATHER = 1 << 20
+
+
+class HeldCorrupt(CorruptCheckpoint):
+    """A storage copied from this node's own generation failed its digest where it landed:
+    that generation was dropped here; the copy's sender is not at fault."""
 
 
 @dataclass(eq=False)
@@ -83,6 +94,18 @@ class Held:
     def have(self) -> tuple[int, ...]:
         """The indices of the storages held, increasing."""
         return tuple(i for i, _, _ in self.picks)
+
+    def drop(self, source: Generation, detail: str) -> None:
+        """Drop ``source`` from memory: its bytes were found changed (it is never served
+        again; its segment stays until it is unpinned)."""
+        state = self.state
+        state.metrics.corrupt.labels(tier=Tier.LOCAL).inc()
+        log.error("dropping %r generation %d: %s", source.path, source.number, detail)
+        with state.lock.held():
+            source.corrupt = source.corrupt or detail
+            if not source.removed:
+                state.retire_locked(source)
+                state.update_gauges()
 
     def release(self) -> None:
         """Unpin the sources."""
@@ -128,30 +151,28 @@ def find_held(
              and not g.removed and _uid(g, daemon_uid) == want),
             key=lambda g: -g.committed_ns,
         )[:SOURCES]  # fmt: skip
-    for gen in candidates:  # pages in a newer save's memory: copied back without the lock
+    # Matched by their digests alone (a generation's manifest and digests never change);
+    # only the sources a match uses are read, so only those are pinned.
+    picks = _match(candidates, storages, digests)
+    if sum(storages[i].nbytes for i, _, _ in picks) < MIN_SHARE * body:
+        return None
+    used = list({id(g): g for _, g, _ in picks}.values())
+    for gen in used:  # pages in a newer save's memory: copied back without the lock
         with contextlib.suppress(CkptCacheError):
             state.make_whole(gen)
     sources = []
-    with state.lock.held():  # pinned, then matched without the lock
-        for gen in candidates:
+    with state.lock.held():
+        for gen in used:
             try:
                 state.pin_locked(gen)
             except CkptCacheError:  # gone, or its pages could not be read back
                 continue
             sources.append(gen)
-    used: set[int] = set()
-    try:
-        picks = _match(sources, storages, digests)
-        if sum(storages[i].nbytes for i, _, _ in picks) >= MIN_SHARE * body:
-            used = {id(g) for _, g, _ in picks}
-    finally:  # the sources not used (all, on any error) are let go
-        with state.lock.held():
-            for gen in sources:
-                if id(gen) not in used:
-                    state.unpin_locked(gen)
-    if not used:
+    held = Held(state, [p for p in picks if any(p[1] is g for g in sources)], sources)
+    if sum(storages[i].nbytes for i, _, _ in held.picks) < MIN_SHARE * body:
+        held.release()
         return None
-    return Held(state, picks, [g for g in sources if id(g) in used])
+    return held
 
 
 def _match(
@@ -267,9 +288,11 @@ def place(view: memoryview, held: Held, manifest: Manifest, digests: Sequence[in
         lo = record.offset - HEADER_SIZE
         got = digest_bytes(view[lo : lo + record.nbytes])
         if got != digests[i]:
-            raise CorruptCheckpoint(
+            found = f"has digest {digest_hex(got)}, expected {digest_hex(digests[i])}"
+            held.drop(source, f"tensor {record.name!r} {found} (read for a copy of "
+                              f"{manifest.path!r})")  # fmt: skip
+            raise HeldCorrupt(
                 f"copy of {manifest.path!r}: tensor {record.name!r} taken from this node's "
-                f"generation {source.number} of {source.path!r} has digest {digest_hex(got)}, "
-                f"expected {digest_hex(digests[i])}",
+                f"generation {source.number} of {source.path!r} {found}",
                 tensor=record.name, tier=Tier.LOCAL,
             )  # fmt: skip

@@ -171,15 +171,19 @@ class Sharer:
                     self._compared[x.name] = _mark(older, partner)
                     return 0
                 fresh = state.arena.sharing.share(x, equal, y)
-                runs = list(x.runs)
+                runs, hollow = list(x.runs), x.hollow
             done = 0
             for lo, hi in fresh:
                 for at in range(lo, hi, _STEP):
                     with state.lock.held():
-                        if not self._still(older, partner, runs) or mapped_by_others(x):
+                        # A reader's copy back that failed between two steps punched every
+                        # run and counted them (``end_whole``): nothing is left to punch.
+                        if (not self._still(older, partner, runs) or mapped_by_others(x)
+                                or x.hollow != hollow):  # fmt: skip
                             return done
                         step = (at, min(hi, at + _STEP))
                         state.arena.sharing.punch(x, [step])
+                        hollow += step[1] - step[0]
                         done += step[1] - step[0]
             with state.lock.held():
                 self._compared[x.name] = _mark(older, partner)

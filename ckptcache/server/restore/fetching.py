@@ -39,7 +39,7 @@ from ckptcache.format.manifest import Manifest
 from ckptcache.server.cluster import relay, stripes
 from ckptcache.server.cluster.coord import NodeInfo
 from ckptcache.server.cluster.dataplane import Channel, recv_msg, send_msg
-from ckptcache.server.cluster.delta import Held, find_held
+from ckptcache.server.cluster.delta import Held, HeldCorrupt, find_held
 from ckptcache.server.cluster.membership import Membership
 from ckptcache.server.cluster.transfer import (
     receive_copy,
@@ -261,8 +261,20 @@ class Fetching:
         self, node: NodeInfo, namespace: str, path: str, started: Callable[[], None]
     ) -> Generation:
         """Copy ``node``'s newest copy of ``path`` here (``started()`` once bytes land)."""
+        delta = self.incremental and self._may_hold(namespace)
+        try:
+            return self._fetch(node, namespace, path, started, delta)
+        except HeldCorrupt as e:
+            # A storage taken from this node's own memory failed its check (that generation
+            # is dropped here): the peer's copy is not at fault. Take all of it.
+            log.warning("fetch of %s from %s less what this node holds failed (%s): fetching "
+                        "all of it", path, node.node_id, e)  # fmt: skip
+            return self._fetch(node, namespace, path, started, False)
+
+    def _fetch(
+        self, node: NodeInfo, namespace: str, path: str, started: Callable[[], None], delta: bool
+    ) -> Generation:
         with self.membership.dial(node) as conn:
-            delta = self.incremental and self._may_hold(namespace)
             ask = peer.FetchRequest(namespace, path, streams=self.streams,
                                     relays=self.streams > 1, delta=delta)  # fmt: skip
             send_msg(conn.channel, peer.encode(ask))
@@ -341,6 +353,8 @@ class Fetching:
                                    content_ns=head.committed_ns, pull=pull, held=held)  # fmt: skip
                 self.state.metrics.fetch_bytes_held.inc(sum(taken))
                 return gen
+            except HeldCorrupt:
+                raise  # this node's memory, not the peer's copy
             except CorruptCheckpoint as e:
                 self.report_corrupt(node, namespace, path, str(e), head.generation)
                 raise

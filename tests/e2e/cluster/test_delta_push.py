@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from ckptcache.errors import CkptCacheError
-from tests.e2e.local.test_corrupt import flip_bytes_of
+from tests.e2e.local.test_corrupt import flip_bytes_of, wait_digested
 from tests.helpers import assert_same, metric, wait_until
 
 BASE = 8  # frozen tensors of 1 MiB
@@ -74,6 +74,29 @@ def test_a_fetch_takes_only_what_the_loading_node_lacks(cluster_factory, tmp_pat
         assert "8 storages held here" in a.log()
         assert c.verify(second).ok
         assert_same(lora(1), c.load(first))
+
+
+def test_a_storage_damaged_in_the_loading_nodes_memory_is_not_the_holders_fault(
+    cluster_factory, tmp_path
+):
+    """The fetch less what the loading node holds takes a storage that is damaged in that
+    node's own older save: that save is dropped there, the fetch is taken again whole, and
+    the node that served it keeps its copy (it was never at fault)."""
+    a, b = _nodes(cluster_factory, tmp_path)
+    first, second = str(tmp_path / "store/step-1.pt"), str(tmp_path / "store/step-2.pt")
+    with a.client() as c, b.client() as cb:
+        c.save(lora(1), first, durability="backup")
+        c.save(lora(2), second, durability="backup")
+        wait_digested(c, first)
+        wait_until(lambda: cb.status(second).digests_valid, what="b's copy digested")
+        flip_bytes_of(a, c, first, tensor_index=0)  # base.0 of a's own older save
+        c.delete(second)
+        assert_same(lora(2), c.load(second, verify=True))
+        assert c.status(second).last_load_tier == "peer"
+        assert "fetching all of it" in a.log()
+        assert "local" not in c.status(first).stages  # dropped from a's memory
+        assert cb.verify(second).ok  # b's copy kept, and sound
+        assert "corrupt copy of" not in b.log()
 
 
 def test_a_held_storage_damaged_on_the_backup_node_sends_the_push_whole(cluster_factory, tmp_path):

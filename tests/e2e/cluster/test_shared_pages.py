@@ -67,6 +67,21 @@ def test_a_lost_node_gets_its_checkpoints_back_from_hollow_backup_copies(cluster
     assert (metric(b, 'ckptcache_corrupt_total{tier="local"}') or 0) == 0
 
 
+def test_a_push_to_the_backup_node_leaves_its_older_copies_shared(cluster_factory, tmp_path):
+    """The next step's push, less what the backup node holds, reads only the copy its base
+    is taken from (the newest, which is whole): the older copies stay hollow."""
+    a, b, state, _ = _hollow_backup(cluster_factory, tmp_path)
+    before = shared(b)
+    step(state)
+    path = str(tmp_path / "store" / "job" / "next" / "model.pt")
+    with a.client() as c:
+        c.save(state, path, durability="backup")
+    assert metric(a, "ckptcache_push_bytes_held_total") >= base_bytes(state)  # base not sent
+    assert shared(b) >= before
+    _lose(a)
+    assert equal(_load_from_peer(a, path), state)
+
+
 def test_hollow_backup_copies_are_served_after_the_backup_node_restarts(cluster_factory, tmp_path):
     """A kill -9 of the backup node once its copies are hollow: it rebuilds their sharing from
     its records and serves each bitwise to the replaced node."""
