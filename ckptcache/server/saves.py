@@ -286,7 +286,7 @@ class Saves:
             # Any refusal (bad manifest, malformed field, a bug) gives the segment back:
             # a reservation that can never be committed must not hold memory for ever.
             with state.lock.held():
-                state.arena.release(segment)
+                self._give_back_locked(res)
             state.lock.notify_all()
             self.pool.refill()
             raise
@@ -314,7 +314,7 @@ class Saves:
                 )
                 segment.write_header(header)
             except OSError as e:
-                state.arena.release(segment)  # its record with it: nothing is left behind
+                self._give_back_locked(res)  # its record with it: nothing is left behind
                 state.lock.notify_all()
                 raise BudgetExceeded(_full(state.arena.directory, res.path, e)) from e
             # Fresh at every commit: no token outlives the bytes it names. Only for a client
@@ -392,6 +392,14 @@ class Saves:
         # ``seen_ns``: the cluster's newest save of the path, made on any node.
         return max(time.time_ns(), res.base_stamp + 1, last + 1, res.seen_ns + 1)
 
+    def _give_back_locked(self, res: Reservation) -> None:
+        """Release a reservation's segment that is not committed after all. A copy's relays
+        (peers fed as it landed) are stopped first: none reads the segment once another
+        save may take it."""
+        if res.relayed is not None:
+            self.state.stop_relays_locked(res.relayed)
+        self.state.arena.release(res.segment)
+
     def _refuse_older_copy_locked(self, res: Reservation) -> None:
         """A copy from a peer or storage never becomes newer than a generation this node
         committed while it arrived (a trainer's save of the same path): newest wins."""
@@ -401,7 +409,7 @@ class Saves:
         saved_ns = res.saved_ns or int(res.saved_at * 1e9)
         if newest is None or newest.committed_ns <= saved_ns:
             return
-        self.state.arena.release(res.segment)
+        self._give_back_locked(res)
         self.state.lock.notify_all()
         raise NewerHeld(
             f"copy of {res.path!r} from {res.origin} refused: node {self.config.node_id!r} "

@@ -153,6 +153,9 @@ class Inflight:
     senders: set[Sending] = field(default_factory=set)
     #: The generation it was committed as, pinned while relays still send from its segment.
     held: Generation | None = None
+    #: The generation it was committed as (``None`` until then): a relay that starts sending
+    #: after the commit pins it as it joins.
+    committed: Generation | None = None
 
     @property
     def body(self) -> int:
@@ -637,6 +640,14 @@ class CacheState:
         with self.lock.held():
             if flight.failed:
                 raise ConnectionError("the upstream copy failed mid-transfer")
+            if flight.held is None and flight.committed is not None:
+                # Committed before this relay joined (or after the others left): nothing
+                # holds the segment for it yet.
+                try:
+                    self.pin_locked(flight.committed)
+                except CkptCacheError as e:
+                    raise ConnectionError(f"the copy is no longer held here: {e}") from e
+                flight.held = flight.committed
             flight.senders.add(channel)
         try:
             yield
@@ -651,7 +662,9 @@ class CacheState:
     def hold_for_relays_locked(self, flight: Inflight, gen: Generation) -> None:
         """``flight`` is committed as ``gen``: the relays still sending from its segment keep
         it (a pin, dropped with the last of them), so eviction or a delete cannot give the
-        segment to another save while they read it."""
+        segment to another save while they read it (and those that join later, see
+        :meth:`relaying`)."""
+        flight.committed = gen
         if flight.senders and flight.held is None:
             self.pin_locked(gen)
             flight.held = gen
@@ -664,17 +677,23 @@ class CacheState:
             if self.inflight.get(key) is flight:
                 del self.inflight[key]
             self.lock.notify_all()
-            if not failed:
-                return
-            for channel in list(flight.senders):  # a send blocked on a slow peer ends now
-                with contextlib.suppress(OSError):
-                    channel.sock.shutdown(socket.SHUT_RDWR)
-            deadline = time.monotonic() + RELAY_STOP
-            while flight.senders and time.monotonic() < deadline:
-                self.lock.wait(0.1)
-            if flight.senders:  # never expected: a hung-up socket fails its send at once
-                log.error("%d relay(s) of a failed copy still sending after %.0f s",
-                          len(flight.senders), RELAY_STOP)  # fmt: skip
+            if failed:
+                self.stop_relays_locked(flight)
+
+    def stop_relays_locked(self, flight: Inflight) -> None:
+        """Fail ``flight`` and return once no relay sends from its segment (which the caller
+        gives back): each is hung up (the wait releases the lock)."""
+        flight.failed = True
+        self.lock.notify_all()
+        for channel in list(flight.senders):  # a send blocked on a slow peer ends now
+            with contextlib.suppress(OSError):
+                channel.sock.shutdown(socket.SHUT_RDWR)
+        deadline = time.monotonic() + RELAY_STOP
+        while flight.senders and time.monotonic() < deadline:
+            self.lock.wait(0.1)
+        if flight.senders:  # never expected: a hung-up socket fails its send at once
+            log.error("%d relay(s) of a failed copy still sending after %.0f s",
+                      len(flight.senders), RELAY_STOP)  # fmt: skip
 
     # ----------------------------------------------------------------- gauges
 
