@@ -384,6 +384,7 @@ class CacheState:
         sharing = self.arena.sharing
         with self.lock.held():
             segment = gen.segment
+            self._wait_for_copy_back_locked(segment)
             if not segment.runs or gen.removed:
                 return
             what = f"{gen.path!r} generation {gen.number}"
@@ -404,6 +405,12 @@ class CacheState:
                     self.unpin_locked(gen)
                 if changed:
                     self._refuse_locked(gen, changed, what)
+
+    def _wait_for_copy_back_locked(self, segment: Segment) -> None:
+        """Until no copy back of ``segment``'s pages runs outside the lock (the wait releases
+        it): two at once could each write pages the other has checked."""
+        while segment.copying and segment.runs:
+            self.lock.wait(0.1)
 
     @staticmethod
     def _storages(gen: Generation) -> list[tuple[int, int]]:
@@ -435,6 +442,12 @@ class CacheState:
         bytes) and :class:`CorruptCheckpoint` raised. No room: see
         :meth:`_no_room_as_not_found`."""
         segment = gen.segment
+        if not segment.runs:
+            return
+        self._wait_for_copy_back_locked(segment)
+        if gen.removed and not gen.retired:
+            raise self.not_found(gen.namespace, gen.path, gen.number)
+        self.check_not_corrupt(gen)
         if not segment.runs:
             return
         what = f"{gen.path!r} generation {gen.number}"

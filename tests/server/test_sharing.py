@@ -9,6 +9,7 @@ import errno
 import mmap
 import os
 import shutil
+import threading
 import uuid
 from types import SimpleNamespace
 
@@ -23,7 +24,7 @@ from ckptcache.server.memory import sharer, sharing
 from ckptcache.server.memory.arena import Arena
 from ckptcache.server.memory.pool import SegmentPool
 from ckptcache.server.memory.refill import within_payload
-from ckptcache.server.memory.sharing import intersect, storage_pages, subtract
+from ckptcache.server.memory.sharing import Run, intersect, storage_pages, subtract
 from tests.server.conftest import NS, digested, save_object
 
 MiB = 1 << 20
@@ -254,3 +255,95 @@ def test_a_copy_back_failing_between_two_punch_steps_is_counted_once(make_core, 
 
 def raise_enospc(*_args: object) -> None:
     raise OSError(errno.ENOSPC, "No space left on device")
+
+
+def two_steps(make_core) -> tuple:
+    """A core and two digested step saves of the same 16 MiB (the comparison not started)."""
+    core = make_core(memory_limit=256 * MiB, pool_bytes=0, share_pages=False)
+    value = torch.randn(4 * MiB)
+    session = core.saves.open_session(1, os.getuid())
+    gens = []
+    for step in (1, 2):
+        path = f"/ckpt/iter_{step}/model.pt"
+        save_object(core, session, path, value)
+        gens.append(core.state.index.newest((NS, path)))
+        digested(gens[-1])
+    return core, value, session, *gens
+
+
+def test_two_readers_copy_a_generation_back_one_at_a_time(make_core, monkeypatch):
+    """Two loads of the same older checkpoint: the second waits for the first's copy back
+    (outside the lock) instead of writing the same pages beside it, and finds it whole."""
+    core, _, _, older, _ = two_steps(make_core)
+    assert core.sharer.run_once() > 0 and older.segment.runs
+    copy_back, copies = sharing._copy_back, []
+    entered, go = threading.Event(), threading.Event()
+
+    def slow_copy(x, runs) -> None:
+        copies.append(1)
+        entered.set()
+        assert go.wait(10)
+        copy_back(x, runs)
+
+    monkeypatch.setattr(sharing, "_copy_back", slow_copy)
+    first = threading.Thread(target=core.state.make_whole, args=(older,))
+    first.start()
+    assert entered.wait(10)
+    second = threading.Thread(target=core.state.make_whole, args=(older,))
+    second.start()
+    second.join(0.5)
+    assert second.is_alive() and len(copies) == 1  # waiting, not copying
+    go.set()
+    first.join(10)
+    second.join(10)
+    assert copies == [1] and older.segment.runs == [] and not older.corrupt
+
+
+def test_a_copy_back_that_found_changed_bytes_is_refused_after_another_finished(arena):
+    """A copy back found a storage changed, after another reader had made the segment
+    whole: its bytes are in the segment now, so the change is reported, never dropped."""
+    x, y = filled(arena, PAYLOAD), filled(arena, PAYLOAD)
+    arena.sharing.share(x, [(HEADER_SIZE, HEADER_SIZE + 2 * MiB)], y)
+    first = arena.sharing.begin_whole(x, "x")
+    second = arena.sharing.begin_whole(x, "x")
+    assert arena.sharing.end_whole(x, first, "") == "" and x.runs == []
+    assert arena.sharing.end_whole(x, second, "storage 0 differs") == "storage 0 differs"
+
+
+def test_a_share_stopped_between_two_steps_records_only_what_it_gave_back(make_core, monkeypatch):
+    """The newer save is deleted while the sharer punches the older one: the pages it had
+    not punched yet stay resident and are backed no more, so a later share with an even newer
+    save punches them, and the budget never counts a resident page as given back."""
+    core, value, session, older, partner = two_steps(make_core)
+    x = older.segment
+    monkeypatch.setattr(sharer, "_STEP", 4 * MiB)
+    punch = sharing.Sharing.punch
+
+    def punch_then_the_partner_deleted(segment, ranges) -> None:
+        punch(segment, ranges)
+        if not partner.removed:
+            core.state.retire_locked(partner)
+
+    monkeypatch.setattr(sharing.Sharing, "punch", staticmethod(punch_then_the_partner_deleted))
+    assert core.sharer.run_once() == 4 * MiB
+    monkeypatch.setattr(sharing.Sharing, "punch", staticmethod(punch))
+    assert x.hollow == sum(end - start for start, end in sharing.ranges_of(x.runs)) == 4 * MiB
+    save_object(core, session, "/ckpt/iter_3/model.pt", value)
+    digested(core.state.index.newest((NS, "/ckpt/iter_3/model.pt")))
+    assert core.sharer.run_once() > 0
+    assert x.hollow == sum(end - start for start, end in sharing.ranges_of(x.runs)) >= 12 * MiB
+    assert resident(x) <= x.capacity - x.hollow
+
+
+def test_a_restart_rebuilds_the_sharing_without_writing_a_record(arena, monkeypatch):
+    """The runs are rebuilt from their record as it is: a full tmpfs at restart (another
+    program's shared memory) must not keep the daemon from starting."""
+    x, y = filled(arena, PAYLOAD), filled(arena, PAYLOAD)
+
+    def full(*_args: object) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(arena.sharing.records, "write", full)
+    arena.sharing.restore(x, [Run(HEADER_SIZE, HEADER_SIZE + 2 * MiB, y)])
+    assert x.hollow == 2 * MiB and x in y.dependents
+    assert resident(x) <= 4 * MiB - 2 * MiB + PAGE

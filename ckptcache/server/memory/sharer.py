@@ -180,6 +180,8 @@ class Sharer:
                         # run and counted them (``end_whole``): nothing is left to punch.
                         if (not self._still(older, partner, runs) or mapped_by_others(x)
                                 or x.hollow != hollow):  # fmt: skip
+                            left = [(at, hi)] + [r for r in fresh if r[0] >= hi]
+                            self._stopped(x, runs, hollow, left)
                             return done
                         step = (at, min(hi, at + _STEP))
                         state.arena.sharing.punch(x, [step])
@@ -198,6 +200,17 @@ class Sharer:
                 finally:
                     state.unpin_locked(older)
                     state.unpin_locked(partner)
+
+    def _stopped(self, x: Segment, runs: list, hollow: int, left: list[Range]) -> None:
+        """A share stopped before it punched ``left`` (under the lock): where nothing else
+        changed ``x`` (a copy back in flight writes every run, a failed one punched them),
+        those pages are backed no more, so every run names pages given back."""
+        if x.runs != runs or x.hollow != hollow or x.copying or not left:
+            return
+        try:
+            self.state.arena.sharing.keep_resident(x, left)
+        except OSError as e:  # tmpfs full: runs stay recorded over resident pages
+            log.warning("cannot record what %s keeps resident: %s", x.name, e)
 
     def _still(self, older: Generation, partner: Generation, runs: list) -> bool:
         """Nothing changed what the comparison found (under the lock): the older generation

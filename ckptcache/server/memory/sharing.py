@@ -329,6 +329,8 @@ class Sharing:
         failed, the pages given back again. Returns ``changed``."""
         x.copying -= 1
         self.let_go(r.backing for r in runs)
+        if changed:  # whatever another reader did meanwhile: these bytes are in x now
+            return changed
         if x.runs != runs:
             return ""  # made whole (or dropped) by another reader meanwhile
         if changed is None:
@@ -375,14 +377,24 @@ class Sharing:
     def restore(self, x: Segment, runs: list[Run]) -> None:
         """Rebuild ``x``'s runs after a restart (the pages punched again: a crash may have
         come between the record and the punch, or during a fill)."""
-        self._set_runs(x, runs)
+        self._set_runs(x, runs, write=False)  # as recorded (rewriting it needs tmpfs room)
         punch(x, ranges_of(x.runs))
         x.hollow = sum(r.end - r.start for r in x.runs)
 
-    def _set_runs(self, x: Segment, runs: list[Run]) -> None:
+    def keep_resident(self, x: Segment, ranges: list[Range]) -> None:
+        """Pages ``ranges`` of ``x`` that a stopped share left resident are backed no more:
+        every run names pages given back (:meth:`share` counts them so). ``OSError`` where
+        the record cannot be written (nothing changed)."""
+        runs = x.runs
+        self._set_runs(
+            x, [Run(s, e, r.backing) for r in runs for s, e in subtract([(r.start, r.end)], ranges)]
+        )
+
+    def _set_runs(self, x: Segment, runs: list[Run], *, write: bool = True) -> None:
         """Record, then adopt, ``x``'s new runs (a failed record write changes nothing)."""
         runs = _normal(runs)
-        self.records.write(x, runs)
+        if write:
+            self.records.write(x, runs)
         before = {r.backing for r in x.runs}
         after = {r.backing for r in runs}
         for b in after - before:
