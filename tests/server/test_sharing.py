@@ -128,6 +128,7 @@ def test_runs_move_when_their_backing_is_hollowed_in_turn(arena):
 def test_a_freed_hollow_segment_is_not_handed_out_before_its_holes_are_allocated(arena):
     x, y = filled(arena, PAYLOAD), filled(arena, PAYLOAD)
     arena.sharing.punch(x, arena.sharing.share(x, storage_pages(STORAGE, 4 * MiB), y))
+    x.content = 1  # a watching client's save: kept for the refill
     arena.release(x)
     assert x.holes and x.hollow == 0 and x.name in arena.free  # counted whole again
     assert y.dependents == set()
@@ -347,3 +348,21 @@ def test_a_restart_rebuilds_the_sharing_without_writing_a_record(arena, monkeypa
     arena.sharing.restore(x, [Run(HEADER_SIZE, HEADER_SIZE + 2 * MiB, y)])
     assert x.hollow == 2 * MiB and x in y.dependents
     assert resident(x) <= 4 * MiB - 2 * MiB + PAGE
+
+
+def test_a_freed_hollow_segment_no_refill_will_fill_is_given_back(make_core):
+    """One path saved again and again (keep 2) by a client that watches no storages: each
+    freed segment has holes, and no refill will allocate them (it copies the newest save in
+    for a watching client only), so it is unlinked rather than kept, never to be handed out,
+    and counted in the budget."""
+    core = make_core(memory_limit=256 * MiB, pool_bytes=0, share_pages=False, keep=2)
+    value = torch.randn(4 * MiB)
+    session = core.saves.open_session(1, os.getuid())
+    path = "/ckpt/model.pt"
+    for _ in range(6):
+        save_object(core, session, path, value)
+        digested(core.state.index.newest((NS, path)))
+        core.sharer.run_once()
+    arena = core.state.arena
+    assert not [s.name for s in arena.free.values() if s.holes]
+    assert len(arena.segments) <= 3 and arena.used <= 3 * 17 * MiB

@@ -520,8 +520,10 @@ class Arena:
             # generation with holes and no record of where they lie.
             segment.write_header(empty_header(SegmentState.FREE))
             self.sharing.release(segment)
-            if self.used > self.limit:
-                self.destroy(segment)  # no room to allocate its holes again
+            # Its holes are allocated again only by a refill, for a client that watches its
+            # storages (its content token); and only where there is room.
+            if self.used > self.limit or not segment.content:
+                self.destroy(segment)
                 return
         if segment.inherited:
             self.destroy(segment)

@@ -117,8 +117,11 @@ class Digester:
         """Check that the freed segment still holds the bytes of the generation that left it."""
         segment = check.gen.segment
         with self.state.lock.held():
-            if not self._free_with(segment, check.token) or segment.holes:
-                return  # (pages it gave back hold none of those bytes: never handed out)
+            if not self._free_with(segment, check.token):
+                return
+            if segment.holes:  # no save to refill it from: no save can have it either
+                self.state.arena.destroy(segment)
+                return
             fill = segment.fill = Fill()  # nothing to copy: only never cut while read here
         fill.finish()
         try:
