@@ -374,6 +374,8 @@ class CacheState:
             if gen.removed or self.index.get(gen.key, gen.number) is not gen:
                 return False
             self._whole_locked(gen)  # raises: the caller says why it cannot read it
+            if gen.removed:  # retired while another reader's copy back ran (lock released)
+                return False
             gen.pins += 1
             return True
 
@@ -660,7 +662,10 @@ class CacheState:
                     self.pin_locked(flight.committed)
                 except CkptCacheError as e:
                     raise ConnectionError(f"the copy is no longer held here: {e}") from e
-                flight.held = flight.committed
+                if flight.held is None:
+                    flight.held = flight.committed
+                else:  # another relay pinned it while this pin waited (the lock released)
+                    self.unpin_locked(flight.committed)
             flight.senders.add(channel)
         try:
             yield

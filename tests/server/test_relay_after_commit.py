@@ -23,7 +23,7 @@ MiB = 1 << 20
 
 
 def test_a_relay_joining_after_the_commit_sends_the_copy_bytes(make_core):
-    core = make_core(memory_limit=256 * MiB, pool_bytes=0)
+    core = make_core(memory_limit=256 * MiB, pool_bytes=0, share_pages=False)
     state = core.state
     value = torch.randn(2 * MiB)
     newer, older = "/ckpt/iter_2/model.pt", "/ckpt/iter_1/model.pt"
@@ -78,7 +78,7 @@ def test_relays_of_a_copy_refused_at_its_commit_stop_before_its_segment_is_given
     """A copy that landed while a trainer here saved the same path later is refused at its
     commit (newest wins): the relay still sending from its segment (blocked on a slow peer)
     is hung up before the segment goes back to the arena, where another save may take it."""
-    core = make_core(memory_limit=256 * MiB, pool_bytes=0)
+    core = make_core(memory_limit=256 * MiB, pool_bytes=0, share_pages=False)
     state = core.state
     path, value = "/ckpt/model.pt", torch.randn(2 * MiB)
     plan, image = object_bytes(path, value)

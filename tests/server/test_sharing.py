@@ -366,3 +366,19 @@ def test_a_freed_hollow_segment_no_refill_will_fill_is_given_back(make_core):
     arena = core.state.arena
     assert not [s.name for s in arena.free.values() if s.holes]
     assert len(arena.segments) <= 3 and arena.used <= 3 * 17 * MiB
+
+
+def test_an_orphan_with_holes_is_unlinked_when_its_last_dependent_goes(arena):
+    """A segment that backs another's pages and has holes of its own, freed while it is
+    needed (an orphan): once the other goes, nothing will refill it, so it is unlinked, not
+    left in the free pool (counted, never handed out)."""
+    b, c, x = filled(arena, PAYLOAD), filled(arena, PAYLOAD), filled(arena, PAYLOAD)
+    arena.sharing.punch(b, arena.sharing.share(b, [(HEADER_SIZE, HEADER_SIZE + MiB)], c))
+    pages = [(HEADER_SIZE + MiB, HEADER_SIZE + 2 * MiB)]
+    arena.sharing.punch(x, arena.sharing.share(x, pages, b))
+    b.content = 1  # a watching client's save: its check as a freed segment is queued now
+    arena.release(b)
+    assert b.orphan and b.name in arena.segments
+    arena.release(x)
+    assert b.name not in arena.segments and b.name not in arena.free
+    assert not os.path.exists(b.path)

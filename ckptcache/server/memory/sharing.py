@@ -60,6 +60,8 @@ class Segment(Protocol):
     orphan: bool
     readers: int
     copying: int
+    #: The token of the bytes it holds (0: none a refill or a save may rely on).
+    content: int
 
     @property
     def dependents(self) -> set[Any]:
@@ -408,6 +410,7 @@ class Sharing:
     def _maybe_release(self, b: Segment) -> None:
         if b.orphan and not b.dependents and not b.readers:
             b.orphan = False
+            b.content = 0  # its check as a freed segment came and went: nothing refills it
             self.arena.release(b)
 
 

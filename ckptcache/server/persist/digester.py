@@ -119,8 +119,8 @@ class Digester:
         with self.state.lock.held():
             if not self._free_with(segment, check.token):
                 return
-            if segment.holes:  # no save to refill it from: no save can have it either
-                self.state.arena.destroy(segment)
+            if segment.holes:  # no save to refill it from
+                self._drop_if_hollow(segment, check.token)
                 return
             fill = segment.fill = Fill()  # nothing to copy: only never cut while read here
         fill.finish()
@@ -149,8 +149,9 @@ class Digester:
         segment = check.gen.segment
         try:
             digests = self.ensure(source)  # takes the state lock: before the fill begins
-        except CorruptCheckpoint:
-            return  # the newest save is refused: the segment's own bytes are not kept
+        except CorruptCheckpoint:  # the newest save is refused: the segment's bytes not kept
+            self._drop_if_hollow(segment, check.token)
+            return
         with self.state.lock.held():
             if not self._free_with(segment, check.token):
                 return
@@ -173,6 +174,7 @@ class Digester:
             finally:
                 fill.finish()
             if not copied:
+                self._drop_if_hollow(segment, mark)
                 return
             saves.wait_quiet()
             with self.state.lock.held():
@@ -182,6 +184,13 @@ class Digester:
             self._check(segment, content, source, digests)
         finally:
             segment.fill = None
+
+    def _drop_if_hollow(self, segment: Segment, token: int) -> None:
+        """A freed segment with holes that no refill allocated is given back to the system:
+        it would sit in the free pool, counted, never to be handed out."""
+        with self.state.lock.held():
+            if self._free_with(segment, token) and segment.holes:
+                self.state.arena.destroy(segment)
 
     def _note_check(
         self, segment: Segment, token: int, gen: Generation, found: list[int], want: list[int]

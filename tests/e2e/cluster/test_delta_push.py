@@ -33,11 +33,11 @@ def held(d: Any, what: str = "push") -> float:
     return value
 
 
-def _nodes(cluster_factory: Any, tmp_path: Any) -> list[Any]:
+def _nodes(cluster_factory: Any, tmp_path: Any, config: str = "") -> list[Any]:
     root = tmp_path / "store"
     root.mkdir()
     return cluster_factory(2, "--persist-root", str(root), "--metrics-port", "0",
-                           "--log-level", "DEBUG")  # fmt: skip
+                           "--log-level", "DEBUG", config=config)  # fmt: skip
 
 
 def test_a_push_sends_only_what_the_backup_node_lacks(cluster_factory, tmp_path):
@@ -81,8 +81,9 @@ def test_a_storage_damaged_in_the_loading_nodes_memory_is_not_the_holders_fault(
 ):
     """The fetch less what the loading node holds takes a storage that is damaged in that
     node's own older save: that save is dropped there, the fetch is taken again whole, and
-    the node that served it keeps its copy (it was never at fault)."""
-    a, b = _nodes(cluster_factory, tmp_path)
+    the node that served it keeps its copy (it was never at fault). (Pages not shared: the
+    damage lies in the older save's own memory, never read back from the newer's.)"""
+    a, b = _nodes(cluster_factory, tmp_path, config="share_pages: false\n")
     first, second = str(tmp_path / "store/step-1.pt"), str(tmp_path / "store/step-2.pt")
     with a.client() as c, b.client() as cb:
         c.save(lora(1), first, durability="backup")
