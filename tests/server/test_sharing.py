@@ -223,16 +223,7 @@ def test_a_copy_back_failing_between_two_punch_steps_is_counted_once(make_core, 
     """A reader's copy back runs out of tmpfs after the sharer punched its first step: the
     failed copy gives every run's pages back and counts them; the sharer then punches no
     more, so what the budget counts as given back is what the runs cover, once."""
-    core = make_core(memory_limit=256 * MiB, pool_bytes=0, share_pages=False)
-    value = torch.randn(4 * MiB)  # 16 MiB, equal in both saves
-    session = core.saves.open_session(1, os.getuid())
-    gens = []
-    for step in (1, 2):
-        path = f"/ckpt/iter_{step}/model.pt"
-        save_object(core, session, path, value)
-        gens.append(core.state.index.newest((NS, path)))
-        digested(gens[-1])
-    older = gens[0]
+    core, _, _, older, _ = two_steps(make_core)
     monkeypatch.setattr(sharer, "_STEP", 4 * MiB)
     punch = sharing.Sharing.punch
     failed = []
@@ -340,11 +331,7 @@ def test_a_restart_rebuilds_the_sharing_without_writing_a_record(arena, monkeypa
     """The runs are rebuilt from their record as it is: a full tmpfs at restart (another
     program's shared memory) must not keep the daemon from starting."""
     x, y = filled(arena, PAYLOAD), filled(arena, PAYLOAD)
-
-    def full(*_args: object) -> None:
-        raise OSError(errno.ENOSPC, "No space left on device")
-
-    monkeypatch.setattr(arena.sharing.records, "write", full)
+    monkeypatch.setattr(arena.sharing.records, "write", raise_enospc)
     arena.sharing.restore(x, [Run(HEADER_SIZE, HEADER_SIZE + 2 * MiB, y)])
     assert x.hollow == 2 * MiB and x in y.dependents
     assert resident(x) <= 4 * MiB - 2 * MiB + PAGE
