@@ -662,10 +662,12 @@ class CacheState:
                     self.pin_locked(flight.committed)
                 except CkptCacheError as e:
                     raise ConnectionError(f"the copy is no longer held here: {e}") from e
-                if flight.held is None:
+                if flight.held is None and not flight.failed:
                     flight.held = flight.committed
                 else:  # another relay pinned it while this pin waited (the lock released)
                     self.unpin_locked(flight.committed)
+                    if flight.failed:
+                        raise ConnectionError("the upstream copy failed mid-transfer")
             flight.senders.add(channel)
         try:
             yield

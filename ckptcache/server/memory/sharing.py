@@ -114,6 +114,11 @@ class Run:
     end: int
     backing: Segment
 
+    @property
+    def span(self) -> Range:
+        """``(start, end)``."""
+        return self.start, self.end
+
 
 def storage_pages(storages: Iterable[Range], stop: int) -> list[Range]:
     """The whole pages inside the storages ``(offset, nbytes)`` below ``stop``, merged."""
@@ -387,9 +392,8 @@ class Sharing:
         """Pages ``ranges`` of ``x`` that a stopped share left resident are backed no more:
         every run names pages given back (:meth:`share` counts them so). ``OSError`` where
         the record cannot be written (nothing changed)."""
-        runs = x.runs
         self._set_runs(
-            x, [Run(s, e, r.backing) for r in runs for s, e in subtract([(r.start, r.end)], ranges)]
+            x, [Run(s, e, r.backing) for r in x.runs for s, e in subtract([r.span], ranges)]
         )
 
     def _set_runs(self, x: Segment, runs: list[Run], *, write: bool = True) -> None:
