@@ -98,8 +98,8 @@ _PRECONDITION = (
 def patch_moto() -> None:
     """Serve ranged GETs and ranged part copies by seek and read, refuse a part copy whose
     ``x-amz-copy-source-if-match`` names another ETag, and check a multipart completion's
-    condition (``If-Match`` too) in one step with the completion, as S3 does (idempotent;
-    see the module's docstring)."""
+    condition (``If-Match`` too) and a conditional PUT's in one step with the write, as S3
+    does (idempotent; see the module's docstring)."""
     from moto.s3.models import FakeKey
     from moto.s3.models import S3Backend as Models
     from moto.s3.responses import S3Response
@@ -168,8 +168,18 @@ def patch_moto() -> None:
                     return 412, {"content-type": "application/xml"}, _PRECONDITION
             return post(self, request, body, bucket_name, query, key_name)
 
+    put = S3Response.put_object
+
+    def atomic_conditional_put(self: Any) -> Any:
+        # The same for a PUT: moto checks If-Match / If-None-Match, then writes unlocked.
+        if self.headers.get("If-Match") or self.headers.get("If-None-Match"):
+            with completing:
+                return put(self)
+        return put(self)
+
     FakeKey.value = property(value, whole.fset)  # type: ignore[method-assign]
     S3Response._key_response_post = atomic_conditional_post  # type: ignore[method-assign]
+    S3Response.put_object = atomic_conditional_put  # type: ignore[method-assign]
     Models.upload_part_copy = ranged_copy_part  # type: ignore[method-assign]
     S3Response.upload_part_copy = conditional_copy_response  # type: ignore[method-assign]
     S3Response.get_object = ranged_get_object  # type: ignore[method-assign]
