@@ -429,12 +429,18 @@ class CacheState:
                 raise
             raise CheckpointNotFound(f"{e}; it is read from storage") from e
 
-    def _refuse_locked(self, gen: Generation, changed: str, what: str) -> None:
-        gen.corrupt = f"{changed} (read back from a newer save's memory)"
+    def drop_corrupt_locked(self, gen: Generation, detail: str) -> None:
+        """Bad bytes were found in ``gen`` here: it is never served again and leaves memory
+        (its segment stays while it is pinned)."""
+        gen.corrupt = gen.corrupt or detail
         self.metrics.corrupt.labels(tier=Tier.LOCAL).inc()
-        log.error("dropping %s: %s", what, gen.corrupt)
+        log.error("dropping %r generation %d: %s", gen.path, gen.number, detail)
         if not gen.removed:
             self.retire_locked(gen)  # its header freed before its runs' record goes
+            self.update_gauges()
+
+    def _refuse_locked(self, gen: Generation, changed: str, what: str) -> None:
+        self.drop_corrupt_locked(gen, f"{changed} (read back from a newer save's memory)")
         raise CorruptCheckpoint(f"{what} is corrupt: {gen.corrupt}", tier=Tier.LOCAL)
 
     def _whole_locked(self, gen: Generation) -> None:

@@ -31,7 +31,6 @@ from __future__ import annotations
 import bisect
 import contextlib
 import ctypes
-import logging
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -60,8 +59,6 @@ __all__ = [
     "gaps",
     "place",
 ]
-
-log = logging.getLogger(__name__)
 
 #: Storages smaller than this are always sent: a match saves less than it costs to find.
 MIN_STORAGE = 64 << 10
@@ -94,18 +91,6 @@ class Held:
     def have(self) -> tuple[int, ...]:
         """The indices of the storages held, increasing."""
         return tuple(i for i, _, _ in self.picks)
-
-    def drop(self, source: Generation, detail: str) -> None:
-        """Drop ``source`` from memory: its bytes were found changed (it is never served
-        again; its segment stays until it is unpinned)."""
-        state = self.state
-        state.metrics.corrupt.labels(tier=Tier.LOCAL).inc()
-        log.error("dropping %r generation %d: %s", source.path, source.number, detail)
-        with state.lock.held():
-            source.corrupt = source.corrupt or detail
-            if not source.removed:
-                state.retire_locked(source)
-                state.update_gauges()
 
     def release(self) -> None:
         """Unpin the sources."""
@@ -289,8 +274,9 @@ def place(view: memoryview, held: Held, manifest: Manifest, digests: Sequence[in
         got = digest_bytes(view[lo : lo + record.nbytes])
         if got != digests[i]:
             found = f"has digest {digest_hex(got)}, expected {digest_hex(digests[i])}"
-            held.drop(source, f"tensor {record.name!r} {found} (read for a copy of "
-                              f"{manifest.path!r})")  # fmt: skip
+            with held.state.lock.held():
+                held.state.drop_corrupt_locked(source, f"tensor {record.name!r} {found} (read "
+                                               f"for a copy of {manifest.path!r})")  # fmt: skip
             raise HeldCorrupt(
                 f"copy of {manifest.path!r}: tensor {record.name!r} taken from this node's "
                 f"generation {source.number} of {source.path!r} {found}",
