@@ -84,7 +84,8 @@ def test_a_storage_damaged_in_the_loading_nodes_memory_is_not_the_holders_fault(
     the node that served it keeps its copy (it was never at fault). (Pages not shared: the
     damage lies in the older save's own memory, never read back from the newer's.)"""
     a, b = _nodes(cluster_factory, tmp_path, config="share_pages: false\n")
-    first, second = str(tmp_path / "store/step-1.pt"), str(tmp_path / "store/step-2.pt")
+    # Memory-only saves: a persist that ended would take the older save out of a's memory.
+    first, second = str(tmp_path / "mem/step-1.pt"), str(tmp_path / "mem/step-2.pt")
     with a.client() as c, b.client() as cb:
         c.save(lora(1), first, durability="backup")
         c.save(lora(2), second, durability="backup")
