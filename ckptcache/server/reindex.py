@@ -29,7 +29,7 @@ from ckptcache.server.persist.roots import PersistRoots
 from ckptcache.server.saves import persistable
 from ckptcache.server.state import CacheState
 from ckptcache.storage import backend_for
-from ckptcache.storage.base import NewerObjectExists, StorageConflict
+from ckptcache.storage.base import AlreadyStored, NewerObjectExists, StorageConflict
 from ckptcache.wire.states import PersistState
 
 __all__ = ["recover"]
@@ -213,6 +213,8 @@ class _StorageCheck:
             for gen in list(self.state.index.generations(key)):
                 try:
                     self.persister.guard_locked(gen).check(path, stored)
+                except AlreadyStored:
+                    pass  # this generation is the object: its persist finds it there
                 except NewerObjectExists:
                     log.warning(
                         "dropping %s generation %d: storage holds a newer object (written "

@@ -33,6 +33,7 @@ from typing import BinaryIO
 __all__ = [
     "CKPTCACHE_RECORD",
     "COMMIT_NS_KEY",
+    "AlreadyStored",
     "NewerObjectExists",
     "Producer",
     "Sink",
@@ -57,6 +58,13 @@ CKPTCACHE_RECORD = ".ckptcache/digests.json"
 class NewerObjectExists(OSError):
     """The object on storage is newer than the generation being written: it is never replaced
     (not retried: the generation is superseded)."""
+
+
+class AlreadyStored(OSError):
+    """The object on storage is this very generation, written by a ckptcache persist with its
+    stamp (an earlier attempt whose reply was lost, or another holder of the generation): the
+    write is done, and writing it again would only store a second copy (not retried; reported
+    persisted)."""
 
 
 class StorageConflict(OSError):
@@ -88,8 +96,9 @@ class WriteGuard:
     ``base`` is the identity of the object that was on storage when the generation was saved
     (``""``: none; ``None``: not known, as for a segment adopted without a record). An object
     still equal to ``base`` is older than the save (it was there before): replace it. One
-    written by this daemon for an older generation of the path (its stamp is in ``own``), or
-    by an earlier attempt of this very generation (same stamp), is older too. Anything else
+    written by this daemon for an older generation of the path (its stamp is in ``own``) is
+    older too. One a ckptcache persist wrote with this generation's own stamp is this
+    generation, complete (:class:`AlreadyStored`: not written again). Anything else
     was written after the save was made: a foreign write (a ``torch.save`` written through,
     the user) is the newer one and wins (:class:`NewerObjectExists`); another ckptcache
     writer's persist is a conflict only clocks could order (:class:`StorageConflict`),
@@ -111,6 +120,10 @@ class WriteGuard:
         """Raise unless the generation may replace ``current`` (``None``: nothing there)."""
         if current is None or current.identity == self.base:
             return
+        if current.stamp_ns == self.stamp_ns and current.by_ckptcache:
+            raise AlreadyStored(
+                f"{path} holds this generation already (stamped {self.stamp_ns} ns)"
+            )
         if current.stamp_ns == self.stamp_ns or current.stamp_ns in self.own:
             return
         if current.by_ckptcache and 0 <= current.stamp_ns <= self.seen:

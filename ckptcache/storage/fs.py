@@ -12,6 +12,7 @@ from typing import BinaryIO
 
 from ckptcache.storage.base import (
     CKPTCACHE_RECORD,
+    AlreadyStored,
     Producer,
     StorageBackend,
     StoredVersion,
@@ -131,9 +132,26 @@ def file_version(
 
 
 def check_guard(path: str, guard: WriteGuard | None, *, dir_fd: int | None = None) -> None:
-    """Raise unless ``guard`` allows replacing the file at ``path`` (see :class:`WriteGuard`)."""
-    if guard is not None:
+    """Raise unless ``guard`` allows replacing the file at ``path`` (see :class:`WriteGuard`).
+
+    A file that is this generation already (:class:`AlreadyStored`) was named by an earlier
+    attempt that may have failed before its directory's fsync: the file and its directory
+    are synced before that is reported, so "persisted" holds across a power loss."""
+    if guard is None:
+        return
+    try:
         guard.check(path, file_version(path, dir_fd=dir_fd))
+    except AlreadyStored:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        if dir_fd is not None:
+            os.fsync(dir_fd)
+        else:
+            _fsync_dir(os.path.dirname(path) or ".")
+        raise
 
 
 def stream_fill(produce: Producer) -> Callable[[int], None]:

@@ -204,7 +204,9 @@ class S3Backend(StorageBackend):
         try:
             self.write_bytes(path, body, metadata=meta, condition=condition)
         except _Changed:
-            self._check_guard(path, guard)  # says why (newer, conflict), else retried
+            # Says why (newer, conflict, or this generation landed: a retry whose first
+            # try's reply was lost), else retried.
+            self._check_guard(path, guard)
             raise
 
     def _complete_guarded(

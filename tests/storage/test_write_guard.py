@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from ckptcache.storage.base import (
+    AlreadyStored,
     NewerObjectExists,
     StorageConflict,
     StoredVersion,
     WriteGuard,
 )
-from ckptcache.storage.fs import file_version
+from ckptcache.storage.fs import FileBackend, file_version
 
 HOUR = 3600 * 10**9
 THERE = StoredVersion(stamp_ns=5 * HOUR, identity="1:2:3:4", by_ckptcache=True)
@@ -33,9 +36,43 @@ def test_an_object_written_after_the_save_is_never_replaced(by_ckptcache):
 def test_this_daemons_own_writes_order_by_generation():
     older, newer = StoredVersion(7, "a", True), StoredVersion(9, "b", True)
     WriteGuard(stamp_ns=8, base="x", own=frozenset({7})).check("p", older)
-    WriteGuard(stamp_ns=8, base="x").check("p", StoredVersion(8, "c", True))  # its own retry
     with pytest.raises(NewerObjectExists, match="newer generation saved on this node"):
         WriteGuard(stamp_ns=8, base="x", newer=frozenset({9})).check("p", newer)
+
+
+def test_an_object_with_this_generations_stamp_is_this_generation_written_already():
+    """A retry whose first try landed (its reply lost), or a standby after the representative
+    wrote: the object is complete on storage and is not written a second time. A foreign file
+    whose time happens to equal the stamp is no ckptcache write: replaced as before."""
+    for guard in (WriteGuard(stamp_ns=8, base="x"), WriteGuard(stamp_ns=8), WriteGuard(8, "")):
+        with pytest.raises(AlreadyStored, match="holds this generation already"):
+            guard.check("p", StoredVersion(8, "c", by_ckptcache=True))
+        guard.check("p", StoredVersion(8, "c", by_ckptcache=False))
+
+
+def test_file_backend_finds_the_file_an_earlier_attempt_named(tmp_path):
+    """The file backend's write sees the file a failed attempt renamed into place (it may have
+    failed before its directory's fsync) and does not write it again."""
+    target = tmp_path / "a.pt"
+    guard = WriteGuard(stamp_ns=HOUR, base="")
+    body = b"x" * 10_000 + b"archive/.ckptcache/digests.json" + b"y" * 200
+    _write(tmp_path, target, body, guard)
+    first = file_version(str(target))
+    assert first is not None and first.stamp_ns == HOUR and first.by_ckptcache
+    with pytest.raises(AlreadyStored):
+        _write(tmp_path, target, b"z" * len(body), guard)
+    assert target.read_bytes() == body and file_version(str(target)) == first
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".a.pt")] == []
+
+
+def _write(tmp_path, target, data: bytes, guard: WriteGuard) -> None:
+    source = tmp_path / "source"
+    source.write_bytes(data)
+    fd = os.open(source, os.O_RDONLY)
+    try:
+        FileBackend().write(str(target), fd, 0, len(data), guard=guard)
+    finally:
+        os.close(fd)
 
 
 def test_without_a_base_the_stamps_decide():

@@ -44,7 +44,13 @@ from ckptcache.server.persist.provenance import Provenance, write_provenance
 from ckptcache.server.persist.roots import PersistRoots
 from ckptcache.server.persist.safe_write import persist_write
 from ckptcache.storage import StorageBackend, backend_for
-from ckptcache.storage.base import NewerObjectExists, Sink, StorageConflict, WriteGuard
+from ckptcache.storage.base import (
+    AlreadyStored,
+    NewerObjectExists,
+    Sink,
+    StorageConflict,
+    WriteGuard,
+)
 from ckptcache.storage.fs import FileBackend, file_version
 from ckptcache.storage.s3 import S3Backend
 from ckptcache.wire.states import ClaimRole, PersistState, Tier
@@ -278,7 +284,11 @@ class Persister:
                 guard = self._guard(gen, backend, target)
                 if cluster is not None:
                     guard = cluster.fence(gen, guard)
-                written = self._copy(gen, backend, target, guard)
+                written: list[WrittenRecord] | None = self._copy(gen, backend, target, guard)
+            except AlreadyStored as e:  # an attempt whose reply was lost wrote it: done
+                log.info("%s generation %d is on storage already: not written again (%s)",
+                         gen.path, gen.number, e)  # fmt: skip
+                written = None  # what it holds, record by record, is not known here
             except Deposed as e:  # the group's record, or a new election, decides now
                 log.warning("abandoned the persist of %s generation %d: %s",
                             gen.path, gen.number, e)  # fmt: skip
@@ -315,7 +325,7 @@ class Persister:
                 placed = not isinstance(backend, FileBackend)
                 self.layouts.put(gen.key, PersistedLayout.of(
                     gen.stored, written, placed=placed
-                ) if gen.stored else None)  # fmt: skip
+                ) if gen.stored and written is not None else None)  # fmt: skip
             if cluster is not None and target == gen.path and not cluster.stored(gen):
                 return  # stopping: not reported; the next start finds the object
             self._done(gen, time.perf_counter() - t0)
