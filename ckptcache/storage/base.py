@@ -87,6 +87,12 @@ class StoredVersion:
     #: What a conditional write names to replace only this object (an S3 ETag; "" none).
     token: str = ""
 
+    def holds(self, stamp_ns: int) -> bool:
+        """Whether this object is the generation stamped ``stamp_ns``: a ckptcache persist
+        wrote it with that stamp (every holder of a generation has the same stamp, to the
+        nanosecond), complete (storage makes an object visible only whole)."""
+        return self.by_ckptcache and self.stamp_ns == stamp_ns
+
 
 @dataclass(frozen=True)
 class WriteGuard:
@@ -120,7 +126,7 @@ class WriteGuard:
         """Raise unless the generation may replace ``current`` (``None``: nothing there)."""
         if current is None or current.identity == self.base:
             return
-        if current.stamp_ns == self.stamp_ns and current.by_ckptcache:
+        if current.holds(self.stamp_ns):
             raise AlreadyStored(
                 f"{path} holds this generation already (stamped {self.stamp_ns} ns)"
             )

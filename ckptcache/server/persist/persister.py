@@ -344,18 +344,18 @@ class Persister:
 
     @staticmethod
     def _on_storage(gen: Generation, backend: StorageBackend, target: str) -> bool:
-        """Whether ``target`` holds ``gen`` already: an object a ckptcache persist wrote with
-        this generation's save stamp (every holder of a generation has the same stamp, to the
-        nanosecond). A representative whose write landed while the coordinator refused it
-        (its fence trusts the lease's remaining time) could not record the persist; the
-        standby that takes the role once that lease lapses finds the object here instead of
-        writing it a second time. One ``stat`` or ``HEAD``; unreachable storage: not known,
-        and the write's own attempts report it."""
+        """Whether ``target`` holds ``gen`` already
+        (:meth:`~ckptcache.storage.base.StoredVersion.holds`). A representative whose write
+        landed while the coordinator refused it (its fence trusts the lease's remaining time)
+        could not record the persist; the standby that takes the role once that lease lapses
+        finds the object here instead of writing it a second time. One ``stat`` or ``HEAD``;
+        unreachable storage: not known here, and the write's own guard finds it
+        (:class:`~ckptcache.storage.base.AlreadyStored`)."""
         try:
             current = backend.version(target)
         except OSError:
             return False
-        return current is not None and current.by_ckptcache and current.stamp_ns == gen.committed_ns
+        return current is not None and current.holds(gen.committed_ns)
 
     @staticmethod
     def _stored_identity(backend: StorageBackend, target: str) -> str:
@@ -430,6 +430,10 @@ class Persister:
             return WriteGuard(gen.committed_ns)
         if gen.observe_base:
             version = backend.version(target)
+            if version is not None and version.holds(gen.committed_ns):
+                # Another holder wrote it (the check before the write could not tell): taken
+                # as a base, the object would be replaced by itself under a later stamp.
+                raise AlreadyStored(f"{target} holds this generation already")
             with self.state.lock.held():
                 gen.base, gen.observe_base = ("" if version is None else version.identity), False
                 if version is not None and version.stamp_ns >= gen.committed_ns:
