@@ -190,6 +190,9 @@ class FetchRequest(PathMessage):
     #: carries its digest table (:attr:`ObjectHead.digests`), and the holder sends the body
     #: once the asking node answered :class:`Ack` naming what it holds.
     delta: bool = False
+    #: With :attr:`delta`: the asking node takes a body it holds none of in stripes, which
+    #: its :class:`Ack` asks for (:attr:`Ack.stripes`, as the head planned them).
+    delta_stripes: bool = False
 
     def __post_init__(self) -> None:
         if not 1 <= self.streams <= MAX_STREAMS:
@@ -253,7 +256,9 @@ class Ack:
 
     #: Where each stripe of a push's body starts (offsets from the end of the segment header,
     #: the first 0), as the receiver planned them (at most the offer's
-    #: :attr:`PushRequest.streams`); empty: the whole body on the offer's connection.
+    #: :attr:`PushRequest.streams`); empty: the whole body on the offer's connection. For a
+    #: fetch that named its digests, the head's :attr:`ObjectHead.stripes`: the body whole,
+    #: in those stripes.
     stripes: tuple[int, ...] = ()
     #: The storages (by index, increasing) a push's receiver holds already, from the
     #: offer's :attr:`PushRequest.digests`: their bytes are not sent, the rest of the body
@@ -297,11 +302,13 @@ class ObjectHead(_Extent, _CopyHead):
     #: The same, the save's exact stamp in ns (0: unknown).
     committed_ns: int = 0
     #: Where each stripe of the body starts when it comes on several connections (the first
-    #: 0, see :class:`FetchStripe`); empty: the whole body on this one.
+    #: 0, see :class:`FetchStripe`); empty: the whole body on this one. With
+    #: :attr:`digests`, only if the asking node's :class:`Ack` asks for them.
     stripes: tuple[int, ...] = ()
     #: The copy's digest table, for an asking node that may hold some of its storages
     #: (:attr:`FetchRequest.delta`): the body follows its :class:`Ack`, less the storages
-    #: that names (:attr:`Ack.have`), on this connection.
+    #: that names (:attr:`Ack.have`), on this connection; or, where it holds none of them,
+    #: whole, in the stripes it names (:attr:`Ack.stripes`, :attr:`FetchRequest.delta_stripes`).
     digests: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
@@ -310,8 +317,6 @@ class ObjectHead(_Extent, _CopyHead):
         _check_stripes(self.stripes, "ObjectHead.stripes")
         if not all(0 <= d < 1 << 64 for d in self.digests):
             raise ValueError("ObjectHead.digests: each must be a 64-bit digest")
-        if self.digests and self.stripes:
-            raise ValueError("ObjectHead.digests: a copy sent less what is held has no stripes")
 
 
 @message
@@ -357,6 +362,7 @@ _NEWER: dict[str, Any] = {
     "digests": (),
     "have": (),
     "delta": False,
+    "delta_stripes": False,
 }
 
 

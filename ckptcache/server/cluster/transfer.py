@@ -378,10 +378,12 @@ def receive_copy(
                 send_msg(channel, peer.encode(peer.Ack(have=found.have)))
                 verified.extend(receive_delta(channel, view, manifest, digest_offset, found,
                                               offered, advance))  # fmt: skip
-        elif offered and isinstance(head, peer.ObjectHead):  # nothing held: all of it
-            send_msg(channel, peer.encode(peer.Ack()))
+        elif offered and isinstance(head, peer.ObjectHead) and not (len(served) > 1 and pull):
+            send_msg(channel, peer.encode(peer.Ack()))  # nothing held: all of it, here
             verified.extend(receive_object(channel, view, manifest, digest_offset, advance))
         elif len(served) > 1 and pull is not None:
+            if offered:  # a fetch that named its digests, nothing held: all of it, striped
+                send_msg(channel, peer.encode(peer.Ack(stripes=served)))
             if landing is not None:  # relays of this copy follow each stripe
                 landing.lanes(served)
             sink = stripes.StripeSink(view, manifest, list(served), body, channel.peer_id,

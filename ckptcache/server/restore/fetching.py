@@ -126,7 +126,7 @@ class Fetching:
             try:
                 with self._sends.slot(key):
                     sent = self._serve(conn, key, held, min(req.streams, self.streams),
-                                       req.relays, req.delta)  # fmt: skip
+                                       req.relays, req.delta, req.delta_stripes)  # fmt: skip
             except PeerBusy as e:
                 send_msg(conn, peer.refusal(e))
                 return
@@ -184,6 +184,7 @@ class Fetching:
         streams: int = 1,
         relays: bool = False,
         delta: bool = False,
+        delta_stripes: bool = False,
     ) -> bool:
         """Send ``key``'s newest copy here; whether a generation was sent (it stays pinned
         until ``held`` closes): a refusal, or a relay (which waits for its reader itself),
@@ -208,12 +209,12 @@ class Fetching:
             generation=gen.number, manifest=gen.manifest.to_json().decode(),
             skeleton_digest=header.skeleton_digest, persisted=gen.persisted,
             committed=gen.committed, committed_ns=gen.committed_ns,
-            stripes=tuple(starts) if len(starts) > 1 and not delta else (),
+            stripes=tuple(starts) if len(starts) > 1 and (delta_stripes or not delta) else (),
             digests=digests, **saver_fields(gen.saver),
         )  # fmt: skip
         send_msg(conn, peer.encode(head))
         if delta:  # the body follows the fetching node's answer: what it holds
-            self._serve_less_held(conn, gen, digests)
+            self._serve_less_held(conn, gen, digests, starts if delta_stripes else [0])
         elif len(starts) > 1:  # the fetching node asks for the other stripes (FetchStripe)
             send_striped(conn, gen, lambda: self.ensure_digests(gen), starts,
                          lambda _i, _lo, _hi: None)  # fmt: skip
@@ -221,13 +222,20 @@ class Fetching:
             send_object(conn, gen, lambda: self.ensure_digests(gen))
         return True
 
-    def _serve_less_held(self, conn: Channel, gen: Generation, digests: tuple[int, ...]) -> None:
-        """Send ``gen``'s body less the storages the fetching node answers it holds."""
+    def _serve_less_held(
+        self, conn: Channel, gen: Generation, digests: tuple[int, ...], starts: list[int]
+    ) -> None:
+        """Send ``gen``'s body less the storages the fetching node answers it holds; where it
+        holds none, whole, in the stripes ``starts`` the head named if it asks for them."""
         ready = peer.decode_ack(recv_msg(conn))
         if isinstance(ready, peer.Refused):
             raise ReplicationError(f"{conn.peer_id} gave up the fetch: {ready.message}")
         if ready.have:
             send_delta(conn, gen, ready.have, digests)
+        elif ready.stripes:
+            if list(ready.stripes) != starts:
+                raise ReplicationError(f"{conn.peer_id} asked for stripes the head did not name")
+            send_striped(conn, gen, lambda: list(digests), starts, lambda _i, _lo, _hi: None)
         else:
             send_object(conn, gen, lambda: list(digests))
 
@@ -276,11 +284,13 @@ class Fetching:
     ) -> Generation:
         with self.membership.dial(node) as conn:
             ask = peer.FetchRequest(namespace, path, streams=self.streams,
-                                    relays=self.streams > 1, delta=delta)  # fmt: skip
+                                    relays=self.streams > 1, delta=delta,
+                                    delta_stripes=delta and self.streams > 1)  # fmt: skip
             send_msg(conn.channel, peer.encode(ask))
             head = peer.decode_fetch_reply(recv_msg(conn.channel))
-            for older in (replace(ask, delta=False), replace(ask, delta=False, relays=False),
-                          replace(ask, delta=False, streams=1, relays=False)):  # fmt: skip
+            plain = replace(ask, delta=False, delta_stripes=False)
+            for older in (replace(ask, delta_stripes=False), plain, replace(plain, relays=False),
+                          replace(plain, streams=1, relays=False)):  # fmt: skip
                 if not (isinstance(head, peer.Refused) and head.error == "ProtocolMismatch"
                         and older != ask):  # fmt: skip
                     break

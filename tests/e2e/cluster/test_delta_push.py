@@ -76,6 +76,25 @@ def test_a_fetch_takes_only_what_the_loading_node_lacks(cluster_factory, tmp_pat
         assert_same(lora(1), c.load(first))
 
 
+def test_a_fetch_of_what_the_loading_node_holds_none_of_comes_in_stripes(cluster_factory, tmp_path):
+    """The loading node holds other saves (so it asks for the digests), but none of this
+    one's storages: the body comes whole, in the stripes the holder planned, as a fetch that
+    asked for no digests would."""
+    a, _ = _nodes(cluster_factory, tmp_path, config="data_plane_streams: 4\n")
+    first, other = str(tmp_path / "mem/step-1.pt"), str(tmp_path / "mem/other.pt")
+    g = torch.Generator().manual_seed(5)
+    big = {"w": torch.randn(16 << 20, generator=g)}  # 64 MiB: four stripes of 16 MiB
+    with a.client() as c:
+        c.save(lora(1), first, durability="backup")
+        c.save(big, other, durability="backup")
+        c.delete(other)  # local: the load fetches it from b
+        assert_same(big, c.load(other, verify=True))
+        assert c.status(other).last_load_tier == "peer"
+        assert held(a, "fetch") == 0
+        assert f"receiving {other} from node1 in 4 stripes" in a.log()
+        assert_same(lora(1), c.load(first))
+
+
 def test_a_storage_damaged_in_the_loading_nodes_memory_is_not_the_holders_fault(
     cluster_factory, tmp_path
 ):
