@@ -134,24 +134,17 @@ def file_version(
 def check_guard(path: str, guard: WriteGuard | None, *, dir_fd: int | None = None) -> None:
     """Raise unless ``guard`` allows replacing the file at ``path`` (see :class:`WriteGuard`).
 
-    A file that is this generation already (:class:`AlreadyStored`) was named by an earlier
-    attempt that may have failed before its directory's fsync: the file and its directory
-    are synced before that is reported, so "persisted" holds across a power loss."""
+    A file that is this generation already (:class:`AlreadyStored`) is written again: an
+    earlier attempt named it and then failed, possibly at its directory's fsync, and an fsync
+    through a new descriptor does not report a write-back error the failed one already
+    reported. A new write and its own fsyncs prove the file durable. (On an object store the
+    object is durable once visible: there it is not written again.)"""
     if guard is None:
         return
     try:
         guard.check(path, file_version(path, dir_fd=dir_fd))
     except AlreadyStored:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        if dir_fd is not None:
-            os.fsync(dir_fd)
-        else:
-            _fsync_dir(os.path.dirname(path) or ".")
-        raise
+        return
 
 
 def stream_fill(produce: Producer) -> Callable[[int], None]:

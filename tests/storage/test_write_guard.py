@@ -50,18 +50,21 @@ def test_an_object_with_this_generations_stamp_is_this_generation_written_alread
         guard.check("p", StoredVersion(8, "c", by_ckptcache=False))
 
 
-def test_file_backend_finds_the_file_an_earlier_attempt_named(tmp_path):
-    """The file backend's write sees the file a failed attempt renamed into place (it may have
-    failed before its directory's fsync) and does not write it again."""
+def test_a_file_an_earlier_attempt_named_is_written_again(tmp_path):
+    """The file backend writes a file of this generation again: the attempt that named it
+    failed, maybe at its directory's fsync, whose error a new descriptor's fsync would not
+    report. Only a new write and its own fsyncs prove the file durable."""
     target = tmp_path / "a.pt"
     guard = WriteGuard(stamp_ns=HOUR, base="")
     body = b"x" * 10_000 + b"archive/.ckptcache/digests.json" + b"y" * 200
     _write(tmp_path, target, body, guard)
     first = file_version(str(target))
     assert first is not None and first.stamp_ns == HOUR and first.by_ckptcache
-    with pytest.raises(AlreadyStored):
-        _write(tmp_path, target, b"z" * len(body), guard)
-    assert target.read_bytes() == body and file_version(str(target)) == first
+    again = b"z" * 10_000 + b"archive/.ckptcache/digests.json" + b"y" * 200
+    _write(tmp_path, target, again, guard)
+    assert target.read_bytes() == again
+    second = file_version(str(target))
+    assert second is not None and second.stamp_ns == HOUR and second.identity != first.identity
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".a.pt")] == []
 
 

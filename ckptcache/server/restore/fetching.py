@@ -202,6 +202,9 @@ class Fetching:
         header = gen.segment.read_header()
         starts = stripes.plan(gen.manifest, header.digest_offset - HEADER_SIZE, streams)
         digests = tuple(self.ensure_digests(gen)) if delta else ()
+        # A copy without storages has an empty table, which the head leaves out (its
+        # default): the fetching node would wait for no answer, and this node for its answer.
+        delta = delta and bool(digests)
         head = peer.ObjectHead(
             namespace=gen.namespace, path=gen.path,
             nbytes=header.digest_offset + 8 * header.n_storages,
@@ -291,10 +294,12 @@ class Fetching:
             plain = replace(ask, delta=False, delta_stripes=False)
             for older in (replace(ask, delta_stripes=False), plain, replace(plain, relays=False),
                           replace(plain, streams=1, relays=False)):  # fmt: skip
-                if not (isinstance(head, peer.Refused) and head.error == "ProtocolMismatch"
-                        and older != ask):  # fmt: skip
+                if not (isinstance(head, peer.Refused) and head.error == "ProtocolMismatch"):
                     break
-                # A node that predates striped relays (then striped fetches): ask as it reads.
+                if older == ask:
+                    continue  # drops nothing this request asks for: the next one drops more
+                # A node that predates a field (digests, striped relays, then striped
+                # fetches): ask as it reads.
                 ask = older
                 send_msg(conn.channel, peer.encode(ask))
                 head = peer.decode_fetch_reply(recv_msg(conn.channel))

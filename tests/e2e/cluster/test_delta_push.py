@@ -95,6 +95,21 @@ def test_a_fetch_of_what_the_loading_node_holds_none_of_comes_in_stripes(cluster
         assert_same(lora(1), c.load(first))
 
 
+def test_a_fetch_of_a_copy_without_tensors_by_a_node_that_holds_others(cluster_factory, tmp_path):
+    """A copy without storages has no digest table to answer: it comes as a plain fetch (the
+    loading node asked for the digests and waited for none, the holder for its answer)."""
+    a, _ = _nodes(cluster_factory, tmp_path)
+    first, other = str(tmp_path / "mem/step-1.pt"), str(tmp_path / "mem/meta.pt")
+    meta = {"step": 3, "name": "run-7"}
+    with a.client() as c:
+        c.save(lora(1), first, durability="backup")
+        wait_digested(c, first)  # the loading node may hold storages: it asks for digests
+        c.save(meta, other, durability="backup")
+        c.delete(other)
+        assert c.load(other) == meta
+        assert c.status(other).last_load_tier == "peer"
+
+
 def test_a_storage_damaged_in_the_loading_nodes_memory_is_not_the_holders_fault(
     cluster_factory, tmp_path
 ):
